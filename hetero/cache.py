@@ -1,0 +1,79 @@
+"""Per-layer caches: attention KV written by position, GDN conv window and recurrent state.
+
+A model's cache is a plain list with one small object per layer (plus one for the MTP layer), passed into
+the forward call, never hidden inside modules, so it can be snapshotted and rolled back.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    """Keys and values of one attention layer, preallocated in steps and written at their positions.
+
+    Writes are indexed by position, so rolling back to n tokens is `trim_to(n)`: the slots past n are simply
+    overwritten later.
+    """
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None  # [B, Hkv, capacity, D]
+        self.values: mx.array | None = None  # [B, Hkv, capacity, D]
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write `keys`/`values` [B, Hkv, S, D] at positions offset..offset+S and return the whole valid cache."""
+        B, H, S, D = keys.shape
+        end = self.offset + S
+        if self.keys is None or end > self.keys.shape[2]:
+            capacity = ((end + self.step - 1) // self.step) * self.step
+            new_k = mx.zeros((B, H, capacity, D), keys.dtype)
+            new_v = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
+            if self.keys is not None and self.offset > 0:
+                new_k[:, :, : self.offset] = self.keys[:, :, : self.offset]
+                new_v[:, :, : self.offset] = self.values[:, :, : self.offset]
+            self.keys, self.values = new_k, new_v
+        self.keys[:, :, self.offset : end] = keys
+        self.values[:, :, self.offset : end] = values
+        self.offset = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def trim_to(self, n: int) -> None:
+        """Forget every position at or after n."""
+        self.offset = min(self.offset, n)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays that hold this cache (for evaluation and memory accounting)."""
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+
+class GDNCache:
+    """Conv window and recurrent state of one Gated DeltaNet layer; they always change together."""
+
+    def __init__(self) -> None:
+        self.conv: mx.array | None = None  # [B, K-1, C]: the last K-1 conv inputs
+        self.recurrent: mx.array | None = None  # [B, Hv, Dk, Dv] fp32
+        self.offset = 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.conv, self.recurrent) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+
+LayerCache = KVCache | GDNCache
+
+
+def cache_arrays(cache: list[LayerCache]) -> list[mx.array]:
+    """Every array the caches hold, e.g. to `mx.eval` them after a step."""
+    return [a for c in cache for a in c.state]

@@ -1,0 +1,370 @@
+"""Finding a checkpoint, checking it before any weight is read, and loading it into a `Model`.
+
+The pre-flight check reads only config.json, the safetensors index and the shards' headers (8 bytes + JSON),
+builds the model lazily (MLX allocates nothing until evaluation) to learn every parameter's name and shape,
+and maps the checkpoint's tensors onto it. Anything that would fail to load is reported, one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import (
+    Model,
+    ModelArgs,
+    canonical_name,
+    checkpoint_has_mtp,
+    sanitize,
+    unfused_names,
+)
+
+BUNDLED_MODEL = Path(__file__).parent / "bundled"
+SMALL_FILES = ["config.json", "generation_config.json", "*.index.json", "tokenizer*", "chat_template.jinja"]
+FLOAT_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+ST_DTYPES = {**FLOAT_DTYPES, "U32": mx.uint32}
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "I64": 8, "F64": 8, "U8": 1, "I8": 1, "BOOL": 1}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where the files are
+
+
+def is_hub_id(model: str) -> bool:
+    return "/" in model and not Path(model).exists() and not model.startswith((".", "/", "~")) and model.count("/") == 1
+
+
+def resolve(model: str | os.PathLike | None, weights: bool = True) -> Path:
+    """A local directory for `model` (a path, a hub id, or None for the bundled model).
+
+    For a hub id only the small files are fetched when `weights` is False; the hub library honours
+    HF_HUB_OFFLINE and answers from its local cache.
+    """
+    if model is None:
+        return BUNDLED_MODEL
+    model = str(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise HeteroError(f"--model {model} is a file; pass the checkpoint directory that holds config.json")
+    if not is_hub_id(model):
+        raise HeteroError(f"--model {model}: no such directory, and not a hub id of the form org/name")
+    from huggingface_hub import snapshot_download
+
+    patterns = SMALL_FILES + (["*.safetensors"] if weights else [])
+    try:
+        return Path(snapshot_download(model, allow_patterns=patterns))
+    except Exception as e:  # the hub library raises many types; the user needs one line
+        offline = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise HeteroError(
+            f"could not fetch {model} from the hub{offline}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f"; pass a local checkpoint directory instead"
+        ) from None
+
+
+def read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise HeteroError(f"{file} is missing: a checkpoint directory needs config.json")
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeteroError(f"{file} is not valid JSON ({e}); re-download it") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# safetensors headers
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    nbytes: int
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensor metadata of one safetensors file, validated against the file's size (catches truncation)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise HeteroError(f"{file} is truncated (no safetensors header); re-download it")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100_000_000):
+                raise HeteroError(f"{file} is not a safetensors file (header length {n} exceeds the file); re-download it")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise HeteroError(f"{file} has a corrupt safetensors header; re-download it") from None
+    except OSError as e:
+        raise HeteroError(f"cannot read {file}: {e.strerror}") from None
+    tensors: dict[str, TensorInfo] = {}
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = meta["data_offsets"]
+            info = TensorInfo(name, meta["dtype"], tuple(meta["shape"]), file.name, stop - start)
+        except (KeyError, TypeError, ValueError):
+            raise HeteroError(f"{file} has a corrupt safetensors header entry for {name!r}; re-download it") from None
+        expected = DTYPE_BYTES.get(info.dtype, 0) * _numel(info.shape)
+        if info.dtype in DTYPE_BYTES and expected != info.nbytes:
+            raise HeteroError(f"{file}: tensor {name} spans {info.nbytes} bytes but {info.dtype}{list(info.shape)} needs {expected}")
+        tensors[name] = info
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise HeteroError(f"{file} is truncated ({size} bytes, its header describes {8 + n + end}); re-download it")
+    return tensors
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The pre-flight check
+
+
+@dataclass
+class Preflight:
+    """What `hetero check` reports; `errors` empty means the checkpoint will load."""
+
+    path: str
+    model_type: str | None = None
+    architecture: str | None = None
+    supported: bool = False
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    unmapped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    shape_mismatches: list[str] = field(default_factory=list)
+    n_tensors: int = 0
+    total_bytes: int = 0
+    peak_memory_bytes: int = 0
+    has_mtp: bool = False
+    quantization: dict | None = None
+    shapes_checked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not (self.errors or self.unmapped or self.missing or self.shape_mismatches)
+
+    def first_problem(self) -> str:
+        """The one line that says why loading would fail."""
+        if self.errors:
+            return self.errors[0]
+        if self.unmapped:
+            more = f" (and {len(self.unmapped) - 1} more)" if len(self.unmapped) > 1 else ""
+            return (
+                f"tensor {self.unmapped[0]!r} does not map onto a {self.model_type} model{more}: the checkpoint "
+                f"follows another naming convention; run `hetero check --model {self.path}` for the full list"
+            )
+        if self.missing:
+            more = f" (and {len(self.missing) - 1} more)" if len(self.missing) > 1 else ""
+            return f"no tensor for parameter {self.missing[0]}{more}: the checkpoint is incomplete"
+        return f"shape mismatch: {self.shape_mismatches[0]}"
+
+    def lines(self) -> list[str]:
+        """Human-readable report, one fact per line."""
+        gb = lambda b: f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
+        status = "supported" if self.supported else "NOT supported"
+        out = [f"model: {self.path}", f"architecture: {self.architecture or '?'} (model_type {self.model_type}): {status}"]
+        if self.quantization:
+            out.append(f"quantization: {self.quantization.get('bits')}-bit, group size {self.quantization.get('group_size')}")
+        out.append(f"tensors: {self.n_tensors}, {gb(self.total_bytes)} on disk" + ("" if self.shapes_checked else " (shapes not checked: shards not local)"))
+        if self.peak_memory_bytes:
+            out.append(f"estimated peak memory: {gb(self.peak_memory_bytes)}")
+        out.append(f"MTP head: {'present' if self.has_mtp else 'absent (speculative decoding unavailable)'}")
+        out += [f"error: {e}" for e in self.errors]
+        out += [f"unmapped tensor: {n}" for n in self.unmapped]
+        out += [f"missing parameter: {n}" for n in self.missing]
+        out += [f"shape mismatch: {m}" for m in self.shape_mismatches]
+        out += [f"warning: {w}" for w in self.warnings]
+        out.append("result: OK, will load" if self.ok else "result: FAIL, will not load")
+        return out
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["ok"] = self.ok
+        return d
+
+
+def checkpoint_tensors(path: Path, remote_id: str | None = None) -> tuple[dict[str, TensorInfo], bool]:
+    """Every tensor the checkpoint declares -> (name -> info, whether shapes are known).
+
+    Reads the index and the headers of local shards; never tensor data.
+    """
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise HeteroError(f"{index_file} is not a valid safetensors index (no weight_map); re-download it") from None
+        shards = sorted(set(weight_map.values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+        weight_map = {}
+        if not shards:
+            raise HeteroError(f"{path} holds no model.safetensors and no model.safetensors.index.json")
+    local = [s for s in shards if (path / s).is_file()]
+    if remote_id is None and len(local) < len(shards):
+        missing = next(s for s in shards if s not in local)
+        raise HeteroError(f"shard {missing} is listed in model.safetensors.index.json but missing from {path}")
+    if not local:  # hub id, nothing downloaded yet: names only
+        return {n: TensorInfo(n, "?", (), f, 0) for n, f in weight_map.items()}, False
+    tensors: dict[str, TensorInfo] = {}
+    for shard in local:
+        tensors.update(read_header(path / shard))
+    for name, shard in weight_map.items():
+        if name not in tensors and shard in local:
+            raise HeteroError(f"tensor {name} is listed for {shard} in the index but that file does not hold it")
+    return tensors, True
+
+
+def build_lazy_model(args: ModelArgs, with_mtp: bool, quantized_names: set[str] | None = None) -> Model:
+    """The model with lazily initialised parameters (no memory until evaluated)."""
+    model = Model(args, with_mtp=with_mtp)
+    q = args.quantization
+    if q:
+        names = quantized_names or set()
+        nn.quantize(
+            model,
+            group_size=q.get("group_size", 64),
+            bits=q.get("bits", 4),
+            class_predicate=lambda p, m: f"{p}.scales" in names,
+        )
+    return model
+
+
+def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, context: int = 4096) -> Preflight:
+    """Check a checkpoint without reading weights; never raises for problems in the checkpoint itself."""
+    report = Preflight(path=str(model) if model is not None else "bundled model")
+    try:
+        path = resolve(model, weights=False)
+        config = read_config(path)
+        report.model_type = config.get("model_type")
+        report.architecture = ", ".join(config.get("architectures") or []) or None
+        args = ModelArgs.from_config(config)
+        report.quantization = args.quantization
+        if args.num_experts > 0:
+            raise HeteroError(
+                f"{args.model_type} with {args.num_experts} experts is a mixture-of-experts model; "
+                f"hetero supports dense-MLP checkpoints for now (MoE support is planned)"
+            )
+        report.supported = True
+        tensors, report.shapes_checked = checkpoint_tensors(path, remote_id=None if Path(str(model)).is_dir() or model is None else str(model))
+    except HeteroError as e:
+        report.errors.append(str(e))
+        return report
+    report.n_tensors = len(tensors)
+    report.total_bytes = sum(t.nbytes for t in tensors.values())
+    report.has_mtp = checkpoint_has_mtp(tensors)
+    if args.mtp_num_hidden_layers and not report.has_mtp:
+        report.warnings.append("config declares an MTP head but the checkpoint has no mtp.* tensors (converted without it?)")
+    bad_dtype = [t for t in tensors.values() if report.shapes_checked and t.dtype not in ST_DTYPES]
+    for t in bad_dtype:
+        report.errors.append(f"tensor {t.name} in {t.file} has dtype {t.dtype}; hetero loads F32, F16, BF16 (and U32 quantized) weights")
+
+    quantized = {canonical_name(n) or n for n in tensors}
+    quantized = {n[: -len(".scales")] for n in quantized if n.endswith(".scales")}
+    expected = dict(tree_flatten(build_lazy_model(args, report.has_mtp, quantized).parameters()))
+    expected_shapes = {k: tuple(v.shape) for k, v in expected.items()}
+
+    if report.shapes_checked:
+        placeholders = {n: mx.zeros(t.shape, dtype=ST_DTYPES.get(t.dtype, mx.float32)) for n, t in tensors.items()}
+        try:
+            mapped = {k: tuple(v.shape) for k, v in sanitize(args, placeholders).items()}
+        except ValueError as e:  # a fused projection whose shape cannot be split as the config says
+            report.shape_mismatches.append(f"a fused GDN projection does not match the config's head sizes ({e})")
+            return report
+    else:
+        mapped = {}
+        for n in tensors:
+            c = canonical_name(n)
+            if c is not None and not (args.tie_word_embeddings and c == "lm_head.weight"):
+                mapped.update({u: None for u in unfused_names(c)})
+    reverse = {}
+    for n in tensors:
+        c = canonical_name(n)
+        for u in unfused_names(c) if c else []:
+            reverse[u] = n
+    report.unmapped = sorted(reverse.get(k, k) for k in mapped if k not in expected_shapes)
+    report.missing = sorted(k for k in expected_shapes if k not in mapped)
+    for k, shape in mapped.items():
+        if shape is not None and k in expected_shapes and shape != expected_shapes[k]:
+            report.shape_mismatches.append(f"{reverse.get(k, k)}: checkpoint {list(shape)}, config expects {list(expected_shapes[k])}")
+    report.peak_memory_bytes = estimate_peak_memory(args, expected, dtype or default_dtype(), context)
+    return report
+
+
+def default_dtype() -> mx.Dtype:
+    """fp32 on the CPU (half-precision matmuls are far slower there), bf16 on a GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+
+
+def estimate_peak_memory(args: ModelArgs, params: dict[str, mx.array], dtype: mx.Dtype, context: int, chunk: int = 512) -> int:
+    """Loaded weights + KV cache for `context` tokens + GDN state + one prefill chunk's transient buffers."""
+    weights = sum(v.size * (v.dtype.size if v.dtype == mx.uint32 or not mx.issubdtype(v.dtype, mx.floating) else dtype.size) for v in params.values())
+    n_attn = args.layer_types.count("full_attention") + args.mtp_num_hidden_layers
+    kv = n_attn * 2 * args.num_key_value_heads * args.head_dim * context * dtype.size
+    gdn = args.layer_types.count("linear_attention") * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
+    conv = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    transient = chunk * 4 * (6 * args.hidden_size + 3 * args.intermediate_size + 2 * conv + args.vocab_size)
+    return int(weights + kv + gdn + transient)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_weights(path: Path) -> dict[str, mx.array]:
+    """All tensors of a checkpoint (after the pre-flight check vouched for the files)."""
+    index = path / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else sorted(
+        p.name for p in path.glob("*.safetensors")
+    )
+    weights: dict[str, mx.array] = {}
+    for shard in shards:
+        try:
+            weights.update(mx.load(str(path / shard)))
+        except (RuntimeError, ValueError) as e:
+            raise HeteroError(f"cannot read {path / shard}: {e}; re-download it") from None
+    return weights
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None) -> tuple[Model, Path, dict]:
+    """Check, then load a checkpoint: returns (model with evaluated weights, local directory, config dict)."""
+    report = preflight(model, dtype)
+    if not report.ok:
+        raise HeteroError(report.first_problem())
+    path = resolve(model, weights=True)
+    config = read_config(path)
+    args = ModelArgs.from_config(config)
+    weights = sanitize(args, load_weights(path))
+    quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    net = build_lazy_model(args, checkpoint_has_mtp(weights), quantized)
+    net.load_weights(list(weights.items()), strict=True)
+    dtype = dtype or default_dtype()
+    net.set_dtype(dtype, lambda t: mx.issubdtype(t, mx.floating))
+    for i, layer in enumerate(net.layers):  # the decay parameters stay fp32: exp(A_log) feeds the recurrence
+        if layer.is_linear:
+            layer.linear_attn.A_log = weights[f"model.layers.{i}.linear_attn.A_log"].astype(mx.float32)
+    mx.eval(net.parameters())
+    net.eval()
+    return net, path, config

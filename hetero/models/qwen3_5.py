@@ -1,0 +1,442 @@
+"""Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid models (Gated DeltaNet + gated full attention) with the MTP head.
+
+One implementation serves `qwen3_5` (nested `text_config`), `qwen3_5_text` (flat) and `qwen3_next` (fused GDN
+input projections, un-fused by `sanitize`). Attribute names equal the (canonical) checkpoint names:
+`model.*` for the backbone, `lm_head`, `mtp.*`. Norm weights are held shifted (1 + w), so every RMSNorm here
+is a plain `x * rsqrt(mean(x^2) + eps) * w`; `sanitize` applies the shift exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from hetero.cache import GDNCache, KVCache, LayerCache
+from hetero.errors import HeteroError
+from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+RECURRENT_MAX_TOKENS = 16  # shorter inputs run the token-by-token form; longer ones the chunked form
+
+
+@dataclass
+class ModelArgs:
+    """The text model's shape, read from an HF config (any of the three layouts)."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    vocab_size: int
+    layer_types: list[str]
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 262_144
+    mtp_num_hidden_layers: int = 0
+    num_experts: int = 0
+    eos_token_id: list[int] = field(default_factory=list)
+    quantization: dict | None = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        """Parse config.json; raises HeteroError for unknown or unsupported architectures."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise HeteroError(
+                f"unsupported model_type {model_type!r}: hetero runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        text = config.get("text_config") or config
+        get = lambda key, default=None: text.get(key, config.get(key, default))  # noqa: E731
+        try:
+            n_layers = int(get("num_hidden_layers"))
+            hidden = int(get("hidden_size"))
+            heads = int(get("num_attention_heads"))
+            interval = int(get("full_attention_interval", 4))
+            layer_types = get("layer_types") or [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+            ]
+            rope = get("rope_parameters") or get("rope_scaling") or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in ("default", "mrope"):
+                raise HeteroError(f"unsupported rope type {rope_type!r} in config.json: only default RoPE is implemented")
+            eos = get("eos_token_id", [])
+            args = cls(
+                model_type=model_type,
+                hidden_size=hidden,
+                num_hidden_layers=n_layers,
+                intermediate_size=int(get("intermediate_size")),
+                num_attention_heads=heads,
+                num_key_value_heads=int(get("num_key_value_heads", heads)),
+                head_dim=int(get("head_dim") or hidden // heads),
+                linear_num_key_heads=int(get("linear_num_key_heads")),
+                linear_num_value_heads=int(get("linear_num_value_heads")),
+                linear_key_head_dim=int(get("linear_key_head_dim")),
+                linear_value_head_dim=int(get("linear_value_head_dim")),
+                vocab_size=int(get("vocab_size")),
+                layer_types=list(layer_types),
+                linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
+                rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", get("rope_theta", 10_000_000.0))),
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25))),
+                tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                attention_bias=bool(get("attention_bias", False)),
+                max_position_embeddings=int(get("max_position_embeddings", 262_144)),
+                mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
+                num_experts=int(get("num_experts", 0) or 0),
+                eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
+                quantization=config.get("quantization") or config.get("quantization_config"),
+            )
+        except (TypeError, ValueError) as e:
+            raise HeteroError(f"config.json is missing or has a bad value for a required field: {e}") from None
+        if len(args.layer_types) != n_layers or set(args.layer_types) - {"linear_attention", "full_attention"}:
+            raise HeteroError("config.json layer_types must list 'linear_attention'/'full_attention' once per layer")
+        if args.linear_num_value_heads % args.linear_num_key_heads:
+            raise HeteroError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        return args
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and returned in x's dtype."""
+    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose weight is already the effective scale (zero-centred checkpoints get +1 in `sanitize`)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight.astype(mx.float32), self.eps)
+
+
+class Attention(nn.Module):
+    """Gated full attention: q_proj gives query and gate per head, q/k RMSNorm, partial NeoX RoPE, GQA."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.rope = nn.RoPE(args.rotary_dims, traditional=False, base=args.rope_theta)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        B, S, _ = x.shape
+        qg = self.q_proj(x).reshape(B, S, self.n_heads, 2 * self.head_dim)  # [B, S, H, 2D]
+        queries, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [B, S, H, D] each
+        keys = self.k_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
+        values = self.v_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # [B, H, S, D]
+        keys = self.k_norm(keys).transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
+        values = values.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
+        offset = cache.offset if cache is not None else 0
+        queries = self.rope(queries, offset=offset)
+        keys = self.rope(keys, offset=offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
+        mask = "causal" if S > 1 else None
+        out = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=self.head_dim**-0.5, mask=mask
+        )  # [B, H, S, D]
+        out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)  # [B, S, H, D]
+        return self.o_proj(out.reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dims: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet mixer: projections, depthwise causal conv + SiLU, delta rule in fp32, gated RMSNorm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.nk, self.nv = args.linear_num_key_heads, args.linear_num_value_heads
+        self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
+        self.kernel = args.linear_conv_kernel_dim
+        self.eps = args.rms_norm_eps
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(args.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(args.hidden_size, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(args.hidden_size, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(args.hidden_size, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = mx.ones((self.nv,))
+        self.A_log = mx.zeros((self.nv,))
+        self.norm = RMSNorm(self.dv, args.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, args.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
+        B, S, _ = x.shape
+        qkv = self.in_proj_qkv(x)  # [B, S, C]
+        z = self.in_proj_z(x).reshape(B, S, self.nv, self.dv)  # [B, S, Hv, Dv]
+        b = self.in_proj_b(x)  # [B, S, Hv]
+        a = self.in_proj_a(x)  # [B, S, Hv]
+
+        prev = cache.conv if cache is not None and cache.conv is not None else None
+        if prev is None:
+            prev = mx.zeros((B, self.kernel - 1, self.conv_dim), dtype=qkv.dtype)
+        conv_in = mx.concatenate([prev, qkv], axis=1)  # [B, K-1+S, C]
+        conv_out = nn.silu(self.conv1d(conv_in))  # [B, S, C]
+
+        key_dim = self.nk * self.dk
+        q = conv_out[..., :key_dim].reshape(B, S, self.nk, self.dk)
+        k = conv_out[..., key_dim : 2 * key_dim].reshape(B, S, self.nk, self.dk)
+        v = conv_out[..., 2 * key_dim :].reshape(B, S, self.nv, self.dv).astype(mx.float32)
+        r = self.nv // self.nk
+        q = mx.repeat(_l2norm(q), r, axis=2) * self.dk**-0.5  # [B, S, Hv, Dk] value head j uses key head j // r
+        k = mx.repeat(_l2norm(k), r, axis=2)  # [B, S, Hv, Dk]
+        beta = mx.sigmoid(b.astype(mx.float32))  # [B, S, Hv]
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + self.dt_bias)  # [B, S, Hv]
+
+        state = cache.recurrent if cache is not None else None
+        if state is None:
+            state = mx.zeros((B, self.nv, self.dk, self.dv), dtype=mx.float32)
+        rule = recurrent_gated_delta if S <= RECURRENT_MAX_TOKENS else chunked_gated_delta
+        out, state = rule(q, k, v, g, beta, state)  # out [B, S, Hv, Dv] fp32
+        if cache is not None:
+            cache.conv = conv_in[:, -(self.kernel - 1) :]
+            cache.recurrent = state
+            cache.offset += S
+
+        out = rms_norm(out, self.norm.weight.astype(mx.float32), self.eps) * nn.silu(z.astype(mx.float32))
+        return self.out_proj(out.astype(x.dtype).reshape(B, S, -1))
+
+
+def _l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
+    x = x.astype(mx.float32)
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: mixer (GDN or attention), then the MLP."""
+
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextModel(nn.Module):
+    """Embeddings, the decoder stack and the final norm; returns post-norm hidden states."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None) -> mx.array:
+        h = self.embed_tokens(tokens)  # [B, S, hidden]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache[i] if cache is not None else None)
+        return self.norm(h)
+
+
+class MTPHead(nn.Module):
+    """Multi-token prediction: one full-attention decoder layer fed [N(embed(t_{p+1})), N(h_p)].
+
+    `h_p` is the backbone's post-norm hidden state at position p; the output is this head's post-norm hidden
+    state, which feeds the shared lm_head (draft logits) and, for depth > 1, the head itself again.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.pre_fc_norm_embedding = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+        self.layers = [DecoderLayer(args, "full_attention") for _ in range(max(1, args.mtp_num_hidden_layers))]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[KVCache] | None) -> mx.array:
+        z = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        z = self.fc(z)  # [B, S, hidden]
+        for i, layer in enumerate(self.layers):
+            z = layer(z, cache[i] if cache is not None else None)
+        return self.norm(z)
+
+
+class Model(nn.Module):
+    """The whole causal LM: `model` (backbone), `lm_head` (unless tied) and, when present, `mtp`."""
+
+    def __init__(self, args: ModelArgs, with_mtp: bool = False):
+        super().__init__()
+        self.args = args
+        self.model = TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = MTPHead(args) if with_mtp else None
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None) -> tuple[mx.array, mx.array]:
+        """tokens [B, S] -> (logits [B, S, vocab], post-norm hidden [B, S, hidden]); `cache` is `make_cache()`."""
+        hidden = self.model(tokens, cache[: len(self.model.layers)] if cache is not None else None)
+        return self.logits(hidden), hidden
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def mtp_forward(
+        self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """Draft step: next_tokens [B, S] (t_{p+1}), hidden [B, S, hidden] (h_p) -> (draft logits, MTP hidden)."""
+        if self.mtp is None:
+            raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
+        mtp_cache = cache[len(self.model.layers) :] if cache is not None else None
+        z = self.mtp(self.model.embed_tokens(next_tokens), hidden, mtp_cache)
+        return self.logits(z), z
+
+    def make_cache(self) -> list[LayerCache]:
+        """One cache per backbone layer, then one per MTP layer."""
+        cache: list[LayerCache] = [GDNCache() if l.is_linear else KVCache() for l in self.model.layers]
+        if self.mtp is not None:
+            cache += [KVCache() for _ in self.mtp.layers]
+        return cache
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoint names -> canonical names
+
+_NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+_MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+
+
+def canonical_name(key: str) -> str | None:
+    """Map a checkpoint tensor name onto this model's naming; None for tensors we deliberately skip (vision).
+
+    Accepts HF nested (`model.language_model.*`), mlx-lm nested (`language_model.model.*`) and flat (`model.*`).
+    Unknown names come back unchanged so that the pre-flight check can report them.
+    """
+    if key.startswith(_SKIPPED_PREFIXES):
+        return None
+    for prefix, repl in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("language_model.mtp.", "mtp."),
+    ):
+        if key.startswith(prefix):
+            return repl + key[len(prefix) :]
+    return key
+
+
+def is_zero_centred_norm(name: str) -> bool:
+    """Norms stored as w with effective scale 1 + w (every RMSNorm except the GDN output norm)."""
+    return name.endswith(_NORM_SUFFIXES) or name == "model.norm.weight" or name in _MTP_NORMS
+
+
+_FUSED = re.compile(r"(.*linear_attn)\.in_proj_(qkvz|ba)\.(weight|scales|biases)$")
+
+
+def unfused_names(name: str) -> list[str]:
+    """Names a (Qwen3-Next) fused projection tensor turns into; [name] for everything else."""
+    m = _FUSED.match(name)
+    if not m:
+        return [name]
+    parts = ("qkv", "z") if m.group(2) == "qkvz" else ("b", "a")
+    return [f"{m.group(1)}.in_proj_{p}.{m.group(3)}" for p in parts]
+
+
+def _unfuse(args: ModelArgs, kind: str, w: mx.array) -> tuple[mx.array, mx.array]:
+    """Split a fused projection's rows (grouped per key head) into the Qwen3.5 layout."""
+    nk, dk, dv, r = args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim, (
+        args.linear_num_value_heads // args.linear_num_key_heads
+    )
+    grouped = w.reshape(nk, -1, *w.shape[1:])  # [nk, per-group rows, in]
+    if kind == "qkvz":
+        q, k, v, z = mx.split(grouped, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        flat = lambda t: t.reshape(-1, *w.shape[1:])  # noqa: E731
+        return mx.concatenate([flat(q), flat(k), flat(v)], axis=0), flat(z)
+    b, a = mx.split(grouped, [r], axis=1)
+    return b.reshape(-1, *w.shape[1:]), a.reshape(-1, *w.shape[1:])
+
+
+def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint tensors -> this model's parameters: rename, skip vision, un-fuse, conv layout, norm shift.
+
+    Original HF checkpoints store conv1d as [C, 1, K] and zero-centred norms; converted (MLX) ones store
+    [C, K, 1] with the +1 already applied. The conv layout tells which, so the shift happens exactly once.
+    """
+    out: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        name = canonical_name(key)
+        if name is not None:
+            out[name] = value
+    hf_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    for name in list(out):
+        m = _FUSED.match(name)
+        if m:
+            first, second = unfused_names(name)
+            out[first], out[second] = _unfuse(args, m.group(2), out.pop(name))
+    for name, value in out.items():
+        if name.endswith("conv1d.weight") and value.shape[-1] != 1:
+            out[name] = value.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
+        elif hf_layout and is_zero_centred_norm(name):
+            out[name] = value.astype(mx.float32) + 1.0
+    return out
+
+
+def checkpoint_has_mtp(names: Any) -> bool:
+    """Whether a set of checkpoint tensor names carries an MTP head."""
+    return any((canonical_name(n) or "").startswith("mtp.") for n in names)
