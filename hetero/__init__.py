@@ -1,0 +1,12 @@
+"""hetero: fast long-context hybrid LLM inference (Qwen3.5 / Qwen3-Next) on Apple Silicon.
+
+    engine = hetero.load()                      # the bundled model; or a directory / hub id
+    result = engine.generate("def fib(n):", max_tokens=64)
+    print(result.text, result.stats)
+"""
+
+from hetero.engine import Engine, GenerationResult, load
+from hetero.errors import HeteroError
+
+__all__ = ["Engine", "GenerationResult", "HeteroError", "load"]
+__version__ = "0.1.0"

@@ -205,10 +205,11 @@ class Preflight:
         return d
 
 
-def checkpoint_tensors(path: Path, remote_id: str | None = None) -> tuple[dict[str, TensorInfo], bool]:
-    """Every tensor the checkpoint declares -> (name -> info, whether shapes are known).
+def checkpoint_tensors(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
+    """Every tensor the checkpoint declares (name -> info) and the shards that are not on disk.
 
-    Reads the index and the headers of local shards; never tensor data.
+    Reads the index and the headers of local shards; never tensor data. Tensors of absent shards come from
+    the index with unknown dtype and shape.
     """
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
@@ -222,19 +223,17 @@ def checkpoint_tensors(path: Path, remote_id: str | None = None) -> tuple[dict[s
         weight_map = {}
         if not shards:
             raise HeteroError(f"{path} holds no model.safetensors and no model.safetensors.index.json")
-    local = [s for s in shards if (path / s).is_file()]
-    if remote_id is None and len(local) < len(shards):
-        missing = next(s for s in shards if s not in local)
-        raise HeteroError(f"shard {missing} is listed in model.safetensors.index.json but missing from {path}")
-    if not local:  # hub id, nothing downloaded yet: names only
-        return {n: TensorInfo(n, "?", (), f, 0) for n, f in weight_map.items()}, False
-    tensors: dict[str, TensorInfo] = {}
-    for shard in local:
-        tensors.update(read_header(path / shard))
-    for name, shard in weight_map.items():
-        if name not in tensors and shard in local:
-            raise HeteroError(f"tensor {name} is listed for {shard} in the index but that file does not hold it")
-    return tensors, True
+    absent = [s for s in shards if not (path / s).is_file()]
+    tensors = {n: TensorInfo(n, "?", (), f, 0) for n, f in weight_map.items() if f in absent}
+    for shard in shards:
+        if shard in absent:
+            continue
+        header = read_header(path / shard)
+        for name, f in weight_map.items():
+            if f == shard and name not in header:
+                raise HeteroError(f"tensor {name} is listed for {shard} in the index but that file does not hold it")
+        tensors.update(header)
+    return tensors, absent
 
 
 def build_lazy_model(args: ModelArgs, with_mtp: bool, quantized_names: set[str] | None = None) -> Model:
@@ -247,7 +246,7 @@ def build_lazy_model(args: ModelArgs, with_mtp: bool, quantized_names: set[str] 
             model,
             group_size=q.get("group_size", 64),
             bits=q.get("bits", 4),
-            class_predicate=lambda p, m: f"{p}.scales" in names,
+            class_predicate=lambda p, m: p in names,
         )
     return model
 
@@ -268,10 +267,13 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
                 f"hetero supports dense-MLP checkpoints for now (MoE support is planned)"
             )
         report.supported = True
-        tensors, report.shapes_checked = checkpoint_tensors(path, remote_id=None if Path(str(model)).is_dir() or model is None else str(model))
+        tensors, absent = checkpoint_tensors(path)
     except HeteroError as e:
         report.errors.append(str(e))
         return report
+    report.shapes_checked = not absent
+    if absent and not is_hub_id(str(model)):
+        report.errors += [f"shard {s} is listed in model.safetensors.index.json but missing from {path}" for s in absent]
     report.n_tensors = len(tensors)
     report.total_bytes = sum(t.nbytes for t in tensors.values())
     report.has_mtp = checkpoint_has_mtp(tensors)

@@ -1,0 +1,1 @@
+"""Checkpoint converters and the bundled model's training."""

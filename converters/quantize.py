@@ -1,0 +1,93 @@
+"""`hetero convert --quantize B`: write an mlx-community-style quantized copy of a checkpoint.
+
+Output: `quantization: {group_size, bits}` in config.json and `.weight` (packed uint32) / `.scales` / `.biases`
+per quantized layer, under this project's canonical tensor names (the MTP head included), norms already
+shifted and conv weights in MLX layout, so the loader recognises it as converted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from hetero.errors import HeteroError
+from hetero.loader import FLOAT_DTYPES, checkpoint_tensors, load_model, resolve
+from hetero.progress import ProgressBar
+
+SHARD_BYTES = 5 * 2**30
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "special_tokens_map.json")
+# in_proj_a / in_proj_b set the GDN decay and write rate: tiny layers whose error would compound over the context
+KEEP_FLOAT = ("in_proj_a", "in_proj_b")
+
+
+def quantizable(group_size: int):
+    """Predicate for nn.quantize: Linear/Embedding layers whose input width splits into whole groups."""
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or path.endswith(KEEP_FLOAT):
+            return False
+        return module.weight.shape[-1] % group_size == 0
+
+    return predicate
+
+
+def stored_float_dtype(path: Path) -> mx.Dtype:
+    """The float dtype most of the checkpoint's tensors are stored in (kept for the unquantized ones)."""
+    tensors, _ = checkpoint_tensors(path)
+    counts = Counter(t.dtype for t in tensors.values() if t.dtype in FLOAT_DTYPES)
+    return FLOAT_DTYPES[counts.most_common(1)[0][0]] if counts else mx.float32
+
+
+def quantize_checkpoint(model: str | None, out: str | os.PathLike, bits: int, group_size: int = 64) -> Path:
+    """Quantize `model` to `bits` and write it to `out` (written to a temporary folder, then renamed)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise HeteroError(f"--out {out} exists and is not empty; choose a new directory")
+    src = resolve(model)
+    if json.loads((src / "config.json").read_text()).get("quantization"):
+        raise HeteroError(f"{src} is already quantized; convert from the float checkpoint")
+    store_dtype = stored_float_dtype(src)
+    net, _, config = load_model(model, dtype=mx.float32)
+    nn.quantize(net, group_size=group_size, bits=bits, class_predicate=quantizable(group_size))
+    weights = dict(tree_flatten(net.parameters()))
+    weights = {
+        k: v if v.dtype == mx.uint32 or k.endswith("A_log") else v.astype(store_dtype) for k, v in weights.items()
+    }
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards, current, size = [], {}, 0
+    for k in sorted(weights):
+        if current and size + weights[k].nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[k] = weights[k]
+        size += weights[k].nbytes
+    shards.append(current)
+    bar = ProgressBar("writing shards")
+    names = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for i, (name, shard) in enumerate(zip(names, shards)):
+        mx.save_safetensors(str(tmp / name), shard, metadata={"format": "mlx"})
+        bar(i + 1, len(shards))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())}, "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = dict(config)
+    config.pop("quantization_config", None)
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return out

@@ -1,0 +1,121 @@
+"""`hetero` command line: run, check, convert."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hetero.errors import HeteroError
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory or hub id (default: the bundled model)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetero", description="Fast hybrid-LLM inference on Apple Silicon.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text for a prompt")
+    run.set_defaults(func=cmd_run)
+    _add_model(run)
+    run.add_argument("--prompt", required=True, help="prompt text, or - to read it from stdin")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--max-tokens", type=int, default=256)
+    run.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
+
+    check = sub.add_parser("check", help="pre-flight check of a checkpoint without loading weights")
+    check.set_defaults(func=cmd_check)
+    _add_model(check)
+    check.add_argument("--context", type=int, default=4096, help="context length for the peak-memory estimate")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    convert = sub.add_parser("convert", help="write a converted copy of a checkpoint")
+    convert.set_defaults(func=cmd_convert)
+    _add_model(convert)
+    convert.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], required=True, help="bits per weight")
+    convert.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    convert.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import hetero
+    from hetero.progress import ProgressBar
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = hetero.load(args.model)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = engine.generate(
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        chat=args.chat,
+        prefill_chunk=args.prefill_chunk,
+        on_text=None if args.json else write,
+        progress=ProgressBar("prefill"),
+    )
+    if args.json:
+        print(json.dumps({"text": result.text, "tokens": result.tokens, **result.stats}))
+    else:
+        s = result.stats
+        sys.stdout.write("\n")
+        print(
+            f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated; TTFT {s['ttft_s']:.3f}s, "
+            f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from hetero.loader import preflight
+
+    report = preflight(args.model, context=args.context)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from converters.quantize import quantize_checkpoint
+
+    out = quantize_checkpoint(args.model, args.out, bits=args.quantize, group_size=args.group_size)
+    print(f"wrote {args.quantize}-bit copy to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HeteroError as e:
+        if args.debug:
+            raise
+        print(f"hetero: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhetero: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The library entry point: `hetero.load(...)` returns an `Engine` that computes logits and generates text."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from hetero.errors import HeteroError
+from hetero.generate import DecodeTimes, ProgressFn, generate_tokens, prefill
+from hetero.loader import load_model
+from hetero.models.qwen3_5 import Model
+from hetero.sampling import Sampler, SamplingParams
+from hetero.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResult:
+    """What `Engine.generate` returns; `stats` has the keys `hetero run --json` prints."""
+
+    text: str
+    tokens: list[int]
+    stats: dict = field(default_factory=dict)
+
+
+class Engine:
+    """A loaded model with its tokenizer."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: dict, path: Path, name: str):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.path = path
+        self.name = name
+        self.eos_ids = _eos_ids(model, tokenizer, path)
+
+    @property
+    def max_context(self) -> int:
+        return self.model.args.max_position_embeddings
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """Text (optionally wrapped in the chat template as one user turn) or token ids -> token ids."""
+        if isinstance(prompt, str):
+            if chat:
+                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise HeteroError("the prompt is empty: give at least one token")
+        vocab = self.model.args.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HeteroError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
+        if len(ids) >= self.max_context:
+            raise HeteroError(
+                f"the prompt has {len(ids)} tokens but the model's context window is {self.max_context}; shorten it"
+            )
+        return ids
+
+    def logits(self, token_ids: list[int], chunk: int = 512) -> np.ndarray:
+        """float32 logits [len, vocab] for every position, from one (chunked) prefill."""
+        ids = self.encode_prompt(list(token_ids))
+        logits, _ = prefill(self.model, ids, self.model.make_cache(), chunk, all_logits=True)
+        return np.array(logits.astype(mx.float32))
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        chat: bool = False,
+        prefill_chunk: int = 512,
+        on_text: Callable[[str], None] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> GenerationResult:
+        """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams."""
+        if prefill_chunk <= 0:
+            raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
+        ids = self.encode_prompt(prompt, chat)
+        max_tokens = min(max_tokens, self.max_context - len(ids))
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p), seed)
+        times = DecodeTimes()
+        detok = self.tokenizer.detokenizer()
+        tokens: list[int] = []
+        mx.reset_peak_memory()
+        for tid in generate_tokens(self.model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times):
+            tokens.append(tid)
+            piece = detok.add(tid)
+            if piece and on_text is not None:
+                on_text(piece)
+        tail = detok.finalize()
+        if tail and on_text is not None:
+            on_text(tail)
+        stats = {
+            "model": self.name,
+            "prompt_tokens": len(ids),
+            "generated_tokens": len(tokens),
+            "finish_reason": times.finish_reason,
+            "ttft_s": round(times.ttft_s, 6),
+            "prefill_tps": round(times.prefill_tps, 3),
+            "decode_tps": round(times.decode_tps, 3),
+            "peak_memory_bytes": int(mx.get_peak_memory()),
+        }
+        return GenerationResult(detok.text, tokens, stats)
+
+
+def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
+    ids = set(model.args.eos_token_id) | set(tokenizer.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        ids |= {eos} if isinstance(eos, int) else set(eos or [])
+    return ids
+
+
+def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None) -> Engine:
+    """Load a checkpoint directory or hub id (None: the bundled model) after the pre-flight check."""
+    net, path, config = load_model(model, dtype)
+    tokenizer = Tokenizer.from_dir(path)
+    name = "bundled" if model is None else str(model)
+    return Engine(net, tokenizer, config, path, name)

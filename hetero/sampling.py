@@ -1,0 +1,89 @@
+"""Logit warping (temperature, top-k, top-p, min-p) and sampling.
+
+`warp` turns logits into the log-probabilities that plain decoding samples from; speculative decoding uses
+the very same function for its target distribution, so both decode paths see identical distributions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from hetero.errors import HeteroError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token; temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise HeteroError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise HeteroError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise HeteroError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise HeteroError(f"min-p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: mx.array, params: SamplingParams) -> mx.array:
+    """logits [..., V] -> log-probabilities [..., V] (fp32) after temperature, top-k, top-p and min-p.
+
+    Removed tokens get -inf. Greedy params give a one-hot distribution on the argmax.
+    """
+    logits = logits.astype(mx.float32)
+    if params.greedy:
+        best = mx.argmax(logits, axis=-1, keepdims=True)
+        onehot = mx.arange(logits.shape[-1]) == best
+        return mx.where(onehot, 0.0, -mx.inf)
+    logprobs = logits / params.temperature
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = mx.sort(logprobs, axis=-1)[..., -params.top_k][..., None]  # [..., 1]
+        logprobs = mx.where(logprobs >= kth, logprobs, -mx.inf)
+    if params.top_p < 1.0:
+        order = mx.argsort(-logprobs, axis=-1)  # [..., V] most likely first
+        sorted_lp = mx.take_along_axis(logprobs, order, axis=-1)
+        before = mx.cumsum(mx.exp(sorted_lp), axis=-1) - mx.exp(sorted_lp)  # mass strictly before each token
+        keep_sorted = before < params.top_p  # always keeps the most likely token
+        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+        logprobs = mx.where(keep, logprobs, -mx.inf)
+    if params.min_p > 0:
+        threshold = mx.max(logprobs, axis=-1, keepdims=True) + mx.log(mx.array(params.min_p))
+        logprobs = mx.where(logprobs >= threshold, logprobs, -mx.inf)
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+
+def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
+    """Draw one token id per row from warped log-probabilities [..., V]."""
+    return mx.random.categorical(logprobs, axis=-1, key=key)
+
+
+class Sampler:
+    """Warps and samples with its own seeded key stream, so seeded runs repeat exactly."""
+
+    def __init__(self, params: SamplingParams, seed: int | None = None):
+        self.params = params
+        self.key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+
+    def next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """logits [..., V] -> token ids [...]."""
+        if self.params.greedy:
+            return mx.argmax(logits, axis=-1)
+        return sample(warp(logits, self.params), self.next_key())
