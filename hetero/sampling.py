@@ -53,6 +53,7 @@ def warp(logits: mx.array, params: SamplingParams) -> mx.array:
     if 0 < params.top_k < logits.shape[-1]:
         kth = mx.sort(logprobs, axis=-1)[..., -params.top_k][..., None]  # [..., 1]
         logprobs = mx.where(logprobs >= kth, logprobs, -mx.inf)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)  # top-p sees the renormalised mass
     if params.top_p < 1.0:
         order = mx.argsort(-logprobs, axis=-1)  # [..., V] most likely first
         sorted_lp = mx.take_along_axis(logprobs, order, axis=-1)

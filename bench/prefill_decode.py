@@ -1,0 +1,135 @@
+"""Prefill and plain-decode throughput: hetero against mlx-lm's `stream_generate`, same checkpoint, same run.
+
+    python bench/prefill_decode.py                      # bundled model + a ~390 MB random one, 512 / 4K / 16K
+    python bench/prefill_decode.py --lengths 512 4096 --models bundled --repeats 3
+
+Both engines load the same files, run in fp32 (the CPU's fast dtype), get the same prompts (random token ids),
+the same threads and BLAS, a warm-up, and alternate A B A B. Greedy decoding, no EOS stop. Prints the ratios
+(hetero / mlx-lm) and writes JSON to bench/results/prefill_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+from converters.hf_export import hf_config, save_hf_checkpoint  # noqa: E402
+from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
+from hetero.loader import BUNDLED_MODEL, load_model  # noqa: E402
+from hetero.models.qwen3_5 import Model, ModelArgs  # noqa: E402
+from hetero.sampling import Sampler, SamplingParams  # noqa: E402
+
+LARGE = dict(  # a few hundred MB: the shape of a small real Qwen3.5, random weights
+    model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=12, intermediate_size=3072,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
+    linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=16384, full_attention_interval=4,
+    tie_word_embeddings=True, max_position_embeddings=65536, mtp_num_hidden_layers=1,
+)
+
+
+def make_large_checkpoint(root: Path) -> Path:
+    """Write a random LARGE-shaped checkpoint (bf16 on disk, about 390 MB, with an MTP head) and borrow the bundled tokenizer."""
+    out = root / "large"
+    if (out / "model.safetensors").is_file():
+        return out
+    mx.random.seed(0)
+    args = ModelArgs.from_config(LARGE)
+    model = Model(args, with_mtp=True)
+    mx.eval(model.parameters())
+    save_hf_checkpoint(model, hf_config(args, eos_token_id=[]), out, dtype=mx.bfloat16)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_MODEL / f, out / f)
+    return out
+
+
+def run_hetero(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+    times = DecodeTimes()
+    for _ in generate_tokens(model, prompt, Sampler(SamplingParams()), decode_tokens, set(), times=times):
+        pass
+    return times.prefill_tps, times.decode_tps
+
+
+def run_mlx_lm(model, tokenizer, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+    from mlx_lm import stream_generate
+
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=decode_tokens):
+        pass
+    return last.prompt_tps, last.generation_tps
+
+
+def load_mlx_lm(path: Path):
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    model.set_dtype(mx.float32)  # the same compute dtype as hetero on the CPU
+    tokenizer._eos_token_ids = set()  # never stop early: both decode exactly decode_tokens
+    return model, tokenizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["bundled", "large"], choices=["bundled", "large"])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[512, 4096, 16384])
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="measured runs per contender (after one warm-up)")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
+    ap.add_argument("--out", default="bench/results/prefill_decode.json")
+    args = ap.parse_args()
+    reexec_with_openblas()
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = {"bundled": BUNDLED_MODEL, "large": make_large_checkpoint(workdir) if "large" in args.models else None}
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in args.models:
+        ours, _, _ = load_model(paths[name], dtype=mx.float32)
+        theirs, tok = load_mlx_lm(paths[name])
+        vocab = ours.args.vocab_size
+        warm = rng.integers(3, vocab, 128).tolist()
+        run_hetero(ours, warm, 4), run_mlx_lm(theirs, tok, warm, 4)
+        for length in args.lengths:
+            prompt = rng.integers(3, vocab, length).tolist()
+            samples = {"hetero": [], "mlx_lm": []}
+            for _ in range(args.repeats):  # alternate A B A B
+                samples["hetero"].append(run_hetero(ours, prompt, args.decode_tokens))
+                samples["mlx_lm"].append(run_mlx_lm(theirs, tok, prompt, args.decode_tokens))
+            row = {"model": name, "prompt_tokens": length, "decode_tokens": args.decode_tokens}
+            for who, runs in samples.items():
+                pre, dec = [r[0] for r in runs], [r[1] for r in runs]
+                row[who] = {
+                    "prefill_tps": statistics.median(pre), "prefill_tps_runs": pre,
+                    "decode_tps": statistics.median(dec), "decode_tps_runs": dec,
+                }
+            row["prefill_ratio"] = row["hetero"]["prefill_tps"] / row["mlx_lm"]["prefill_tps"]
+            row["decode_ratio"] = row["hetero"]["decode_tps"] / row["mlx_lm"]["decode_tps"]
+            rows.append(row)
+            print(
+                f"{name:8s} {length:6d} tok | prefill hetero {row['hetero']['prefill_tps']:9.1f} tok/s, "
+                f"mlx-lm {row['mlx_lm']['prefill_tps']:9.1f} -> {row['prefill_ratio']:.2f}x | decode hetero "
+                f"{row['hetero']['decode_tps']:7.1f}, mlx-lm {row['mlx_lm']['decode_tps']:7.1f} -> {row['decode_ratio']:.2f}x",
+                flush=True,
+            )
+        del ours, theirs
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"environment": environment(), "rows": rows, "args": vars(args)}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
