@@ -12,6 +12,31 @@ from __future__ import annotations
 import mlx.core as mx
 
 CHUNK = 64
+TINY = 1e-18  # magnitudes below this are flushed to 0 before matmuls (see _flush)
+
+
+def _flush(x: mx.array) -> mx.array:
+    """Zero out |x| < TINY: products of such values land in fp32's subnormal range, which x86 CPUs compute
+    tens of times slower; each flushed value changes results by far less than fp32 rounding does."""
+    return mx.where(mx.abs(x) < TINY, 0.0, x)
+
+
+def _decay(log_decay: mx.array) -> mx.array:
+    """exp(log_decay) for log_decay <= 0, flushed to 0 below TINY (no subnormal results)."""
+    return mx.where(log_decay < -41.0, 0.0, mx.exp(mx.maximum(log_decay, -41.0)))
+
+
+@mx.compile
+def _recurrent_step(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """One token: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv] -> (o [B, H, Dv], state)."""
+    state = state * mx.exp(g)[..., None, None]
+    kt = k[..., None, :]  # [B, H, 1, Dk]
+    remembered = (kt @ state)[..., 0, :]  # [B, H, Dv] = S^T k
+    u = beta[..., None] * (v - remembered)  # [B, H, Dv]
+    state = state + kt.swapaxes(-1, -2) * u[..., None, :]  # [B, H, Dk, Dv]
+    return (q[..., None, :] @ state)[..., 0, :], state
 
 
 def recurrent_gated_delta(
@@ -24,28 +49,38 @@ def recurrent_gated_delta(
     """
     outs = []
     for t in range(q.shape[1]):
-        state = state * mx.exp(g[:, t])[..., None, None]  # [B, H, Dk, Dv]
-        kt = k[:, t][..., None, :]  # [B, H, 1, Dk]
-        remembered = (kt @ state)[..., 0, :]  # [B, H, Dv] = S^T k
-        u = beta[:, t][..., None] * (v[:, t] - remembered)  # [B, H, Dv]
-        state = state + kt.swapaxes(-1, -2) * u[..., None, :]  # [B, H, Dk, Dv]
-        outs.append((q[:, t][..., None, :] @ state)[..., 0, :])  # [B, H, Dv]
+        o, state = _recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(o)
     return mx.stack(outs, axis=1), state
+
+
+def _diagonal_blocks(a: mx.array, size: int) -> mx.array:
+    """The diagonal size x size blocks of a [..., C, C] -> [..., C/size, size, size]."""
+    *lead, c, _ = a.shape
+    m = c // size
+    grid = a.reshape(*lead, m, size, m, size).swapaxes(-3, -2)  # [..., m, m, size, size]
+    return mx.moveaxis(mx.diagonal(grid, axis1=-4, axis2=-3), -1, -3)
 
 
 def _unit_lower_inverse(a: mx.array) -> mx.array:
     """(I + a)^-1 for strictly lower-triangular a [..., C, C] (C a power of two).
 
-    a is nilpotent (a^C = 0), so (I + a)^-1 = (I - a)(I + a^2)(I + a^4)...: log2(C) squarings, matmuls only,
-    which runs on any device and differentiates.
+    Built bottom-up from diagonal blocks: inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]], doubling
+    the block size log2(C) times. Matmuls only, so it runs on any device and differentiates.
     """
-    n = -a
-    inv = mx.eye(a.shape[-1], dtype=a.dtype) + n
-    power = n
-    for _ in range(a.shape[-1].bit_length() - 2):
-        power = power @ power
-        inv = inv + inv @ power
-    return inv
+    *lead, c, _ = a.shape
+    inv = mx.ones((*lead, c, 1, 1), dtype=a.dtype)  # [..., C, 1, 1] the 1x1 diagonal blocks
+    size = 1
+    while size < c:
+        m = c // (2 * size)
+        lower = _diagonal_blocks(a, 2 * size)[..., size:, :size]  # [..., m, size, size]
+        pairs = inv.reshape(*lead, m, 2, size, size)
+        first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]  # [..., m, size, size]
+        corner = _flush(-(second @ lower @ first))
+        top = mx.concatenate([first, mx.zeros_like(first)], axis=-1)
+        inv = mx.concatenate([top, mx.concatenate([corner, second], axis=-1)], axis=-2)  # [..., m, 2size, 2size]
+        size *= 2
+    return inv[..., 0, :, :]
 
 
 def chunked_gated_delta(
@@ -72,22 +107,22 @@ def chunked_gated_delta(
     gc = mx.cumsum(g, axis=-1)  # [B, H, n, C] log decay from chunk start
     causal = mx.tril(mx.ones((chunk, chunk), dtype=mx.bool_))
     diff = gc[..., :, None] - gc[..., None, :]  # [B, H, n, C, C]
-    decay = mx.exp(mx.where(causal, diff, -mx.inf))  # exp(gc_i - gc_j) for j <= i, else 0
+    decay = mx.where(causal, _decay(diff), 0.0)  # exp(gc_i - gc_j) for j <= i, else 0
     kb = k * beta[..., None]  # [B, H, n, C, Dk]
     strict = mx.tril(mx.ones((chunk, chunk), dtype=mx.bool_), k=-1)
     a = mx.where(strict, (kb @ k.swapaxes(-1, -2)) * decay, 0.0)  # [B, H, n, C, C]
     t_inv = _unit_lower_inverse(a)
     u = t_inv @ (v * beta[..., None])  # [B, H, n, C, Dv] new values before the old state's read
-    w = t_inv @ (kb * mx.exp(gc)[..., None])  # [B, H, n, C, Dk] decayed keys reading the old state
+    w = _flush(t_inv @ (kb * _decay(gc)[..., None]))  # [B, H, n, C, Dk] decayed keys reading the old state
     intra = (q @ k.swapaxes(-1, -2)) * decay  # [B, H, n, C, C]
-    q_dec = q * mx.exp(gc)[..., None]  # [B, H, n, C, Dk]
-    k_dec = k * mx.exp(gc[..., -1:] - gc)[..., None]  # [B, H, n, C, Dk]
-    chunk_decay = mx.exp(gc[..., -1])[..., None, None]  # [B, H, n, 1, 1]
+    q_dec = q * _decay(gc)[..., None]  # [B, H, n, C, Dk]
+    k_dec = k * _decay(gc[..., -1:] - gc)[..., None]  # [B, H, n, C, Dk]
+    chunk_decay = _decay(gc[..., -1])[..., None, None]  # [B, H, n, 1, 1]
 
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state  # [B, H, C, Dv]
         outs.append(q_dec[:, :, i] @ state + intra[:, :, i] @ v_new)  # [B, H, C, Dv]
-        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].swapaxes(-1, -2) @ v_new  # [B, H, Dk, Dv]
+        state = _flush(state * chunk_decay[:, :, i] + k_dec[:, :, i].swapaxes(-1, -2) @ v_new)  # [B, H, Dk, Dv]
     out = mx.stack(outs, axis=2).reshape(B, H, n * chunk, Dv)[:, :, :S]  # [B, H, S, Dv]
     return out.transpose(0, 2, 1, 3), state
