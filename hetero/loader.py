@@ -261,9 +261,9 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
         report.architecture = ", ".join(config.get("architectures") or []) or None
         args = ModelArgs.from_config(config)
         report.quantization = args.quantization
-        if args.num_experts > 0:
+        if args.moe_layers:
             raise HeteroError(
-                f"{args.model_type} with {args.num_experts} experts is a mixture-of-experts model; "
+                f"{args.model_type} with {args.num_experts} experts in {len(args.moe_layers)} layers is a mixture-of-experts model; "
                 f"hetero supports dense-MLP checkpoints for now (MoE support is planned)"
             )
         report.supported = True

@@ -140,6 +140,14 @@ def test_moe_config_is_refused(ckpt):
     assert not report.ok and "mixture-of-experts" in report.errors[0]
 
 
+def test_experts_config_with_every_layer_dense_is_accepted(ckpt):
+    """HF builds a dense MLP for layers in mlp_only_layers: such a config is not mixture-of-experts."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(num_experts=8, num_experts_per_tok=2, mlp_only_layers=list(range(cfg["num_hidden_layers"])))
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert preflight(ckpt).ok
+
+
 def test_unknown_model_type_is_refused(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["model_type"] = "llama"

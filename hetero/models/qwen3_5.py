@@ -49,6 +49,8 @@ class ModelArgs:
     max_position_embeddings: int = 262_144
     mtp_num_hidden_layers: int = 0
     num_experts: int = 0
+    mlp_only_layers: list[int] = field(default_factory=list)
+    decoder_sparse_step: int = 1
     eos_token_id: list[int] = field(default_factory=list)
     quantization: dict | None = None
 
@@ -98,6 +100,8 @@ class ModelArgs:
                 max_position_embeddings=int(get("max_position_embeddings", 262_144)),
                 mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
                 num_experts=int(get("num_experts", 0) or 0),
+                mlp_only_layers=list(get("mlp_only_layers") or []),
+                decoder_sparse_step=int(get("decoder_sparse_step", 1) or 1),
                 eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
                 quantization=config.get("quantization") or config.get("quantization_config"),
             )
@@ -108,6 +112,17 @@ class ModelArgs:
         if args.linear_num_value_heads % args.linear_num_key_heads:
             raise HeteroError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
         return args
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Layers whose MLP is a mixture of experts (HF's rule); empty for a dense model."""
+        if self.num_experts <= 0:
+            return []
+        return [
+            i
+            for i in range(self.num_hidden_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        ]
 
     @property
     def rotary_dims(self) -> int:
