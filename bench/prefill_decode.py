@@ -1,6 +1,6 @@
 """Prefill and plain-decode throughput: hetero against mlx-lm's `stream_generate`, same checkpoint, same run.
 
-    python bench/prefill_decode.py                      # bundled model + a ~390 MB random one, 512 / 4K / 16K
+    python bench/prefill_decode.py                      # bundled model + a ~540 MB random one, 512 / 4K / 16K
     python bench/prefill_decode.py --lengths 512 4096 --models bundled --repeats 3
 
 Both engines load the same files, run in fp32 (the CPU's fast dtype), get the same prompts (random token ids),
@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -26,34 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetero.blas import environment, reexec_with_openblas  # noqa: E402
-from converters.hf_export import hf_config, save_hf_checkpoint  # noqa: E402
+from bench.checkpoints import checkpoint  # noqa: E402
 from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
-from hetero.loader import BUNDLED_MODEL, load_model  # noqa: E402
-from hetero.models.qwen3_5 import Model, ModelArgs  # noqa: E402
+from hetero.loader import load_model  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
-
-LARGE = dict(  # a few hundred MB: the shape of a small real Qwen3.5, random weights
-    model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=12, intermediate_size=3072,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
-    linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=16384, full_attention_interval=4,
-    tie_word_embeddings=True, max_position_embeddings=65536, mtp_num_hidden_layers=1,
-)
-
-
-def make_large_checkpoint(root: Path) -> Path:
-    """Write a random LARGE-shaped checkpoint (bf16 on disk, about 390 MB, with an MTP head) and borrow the bundled tokenizer."""
-    out = root / "large"
-    if (out / "model.safetensors").is_file():
-        return out
-    mx.random.seed(0)
-    args = ModelArgs.from_config(LARGE)
-    model = Model(args, with_mtp=True)
-    mx.eval(model.parameters())
-    save_hf_checkpoint(model, hf_config(args, eos_token_id=[]), out, dtype=mx.bfloat16)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BUNDLED_MODEL / f, out / f)
-    return out
-
 
 def run_hetero(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
     times = DecodeTimes()
@@ -93,12 +67,11 @@ def main() -> None:
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    paths = {"bundled": BUNDLED_MODEL, "large": make_large_checkpoint(workdir) if "large" in args.models else None}
     rng = np.random.default_rng(0)
     rows = []
     for name in args.models:
-        ours, _, _ = load_model(paths[name], dtype=mx.float32)
-        theirs, tok = load_mlx_lm(paths[name])
+        ours, _, _ = load_model(checkpoint(name, workdir), dtype=mx.float32)
+        theirs, tok = load_mlx_lm(checkpoint(name, workdir))
         vocab = ours.args.vocab_size
         warm = rng.integers(3, vocab, 128).tolist()
         run_hetero(ours, warm, 4), run_mlx_lm(theirs, tok, warm, 4)

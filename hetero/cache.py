@@ -55,12 +55,37 @@ class KVCache:
 
 
 class GDNCache:
-    """Conv window and recurrent state of one Gated DeltaNet layer; they always change together."""
+    """Conv window and recurrent state of one Gated DeltaNet layer; they always change together.
+
+    While `recording` (a speculative verify pass), the layer also keeps the state after every token and the
+    conv inputs, so `commit(n)` can install the pair as it stood after the first n tokens with no re-run.
+    """
 
     def __init__(self) -> None:
         self.conv: mx.array | None = None  # [B, K-1, C]: the last K-1 conv inputs
         self.recurrent: mx.array | None = None  # [B, Hv, Dk, Dv] fp32
         self.offset = 0
+        self.recording = False
+        self.recorded_states: list[mx.array] = []  # state after each token of the recorded pass
+        self.recorded_conv_in: mx.array | None = None  # [B, K-1+S, C]: window before the pass + its inputs
+
+    def start_recording(self) -> None:
+        self.recording = True
+        self.recorded_states, self.recorded_conv_in = [], None
+
+    def commit(self, n: int) -> None:
+        """Keep the first n tokens of the recorded pass: state and conv window as they were after token n."""
+        if not self.recording:
+            raise RuntimeError("commit() without a recorded pass")
+        total = len(self.recorded_states)
+        if not 1 <= n <= total:
+            raise ValueError(f"commit({n}) of a {total}-token pass")
+        window = self.conv.shape[1]
+        self.recurrent = self.recorded_states[n - 1]
+        self.conv = self.recorded_conv_in[:, n : n + window]
+        self.offset -= total - n
+        self.recording = False
+        self.recorded_states, self.recorded_conv_in = [], None
 
     @property
     def state(self) -> list[mx.array]:

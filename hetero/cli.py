@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    run.add_argument("--no-mtp", action="store_true", help="plain decoding (no speculative MTP drafts)")
+    run.add_argument("--draft-depth", type=int, default=None, help="MTP draft tokens per step (default: tuned, else 3)")
+    run.add_argument("--no-copy", action="store_true", help="no copy-lane drafts from n-grams of the context")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
 
     check = sub.add_parser("check", help="pre-flight check of a checkpoint without loading weights")
@@ -37,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(check)
     check.add_argument("--context", type=int, default=4096, help="context length for the peak-memory estimate")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    tune = sub.add_parser("tune", help="measure plain decoding and MTP draft depths here; save the fastest")
+    tune.set_defaults(func=cmd_tune)
+    _add_model(tune)
+    tune.add_argument("--tokens", type=int, default=256, help="tokens decoded per prompt and setting")
 
     convert = sub.add_parser("convert", help="write a converted copy of a checkpoint")
     convert.set_defaults(func=cmd_convert)
@@ -68,6 +76,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         chat=args.chat,
         prefill_chunk=args.prefill_chunk,
+        mtp=False if args.no_mtp else None,
+        draft_depth=args.draft_depth,
+        copy=not args.no_copy,
         on_text=None if args.json else write,
         progress=ProgressBar("prefill"),
     )
@@ -76,9 +87,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         s = result.stats
         sys.stdout.write("\n")
+        mtp = s.get("mtp")
+        spec = f"; MTP depth {mtp['depth']}, {mtp['mean_accepted_length']} tokens/pass" if mtp and mtp["rounds"] else ""
         print(
             f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated; TTFT {s['ttft_s']:.3f}s, "
-            f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s]",
+            f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s{spec}]",
             file=sys.stderr,
         )
     return 0
@@ -93,6 +106,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print("\n".join(report.lines()))
     return 0 if report.ok else 1
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import hetero
+    from hetero.tune import tune
+
+    engine = hetero.load(args.model)
+    if not engine.model.has_mtp:
+        raise HeteroError(f"{engine.name} has no MTP head: there is no draft depth to tune")
+    tune(engine, tokens=args.tokens)
+    return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -16,7 +17,11 @@ from hetero.generate import DecodeTimes, ProgressFn, generate_tokens, prefill
 from hetero.loader import load_model
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, SamplingParams
+from hetero.settings import tuned_depth
+from hetero.speculative import MAX_DEPTH, MTPStats, mtp_generate_tokens
 from hetero.tokenizer import Tokenizer
+
+DEFAULT_DRAFT_DEPTH = 3
 
 
 @dataclass
@@ -38,6 +43,12 @@ class Engine:
         self.path = path
         self.name = name
         self.eos_ids = _eos_ids(model, tokenizer, path)
+
+    @property
+    def identity(self) -> str:
+        """Names this checkpoint in per-machine settings: its name plus a hash of its config."""
+        digest = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()[:12]
+        return f"{self.name}@{digest}"
 
     @property
     def max_context(self) -> int:
@@ -80,20 +91,42 @@ class Engine:
         seed: int | None = None,
         chat: bool = False,
         prefill_chunk: int = 512,
+        mtp: bool | None = None,
+        draft_depth: int | None = None,
+        copy: bool = True,
         on_text: Callable[[str], None] | None = None,
         progress: ProgressFn | None = None,
     ) -> GenerationResult:
-        """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams."""
+        """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
+
+        `mtp` (default: whenever the checkpoint has an MTP head) decodes speculatively with the model's own MTP
+        head at `draft_depth` (default: the depth `hetero tune` saved for this model and machine, else 3), with
+        the copy lane unless `copy=False`. The output distribution is the same either way.
+        """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
         ids = self.encode_prompt(prompt, chat)
         max_tokens = min(max_tokens, self.max_context - len(ids))
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p), seed)
+        if mtp and not self.model.has_mtp:
+            raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
+        use_mtp = self.model.has_mtp if mtp is None else mtp
+        depth = draft_depth if draft_depth is not None else tuned_depth(self.identity) or DEFAULT_DRAFT_DEPTH
+        if use_mtp and not 1 <= depth <= MAX_DEPTH:
+            raise HeteroError(f"--draft-depth must be in 1..{MAX_DEPTH}, got {depth}")
         times = DecodeTimes()
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
         mx.reset_peak_memory()
-        for tid in generate_tokens(self.model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times):
+        mtp_stats = MTPStats(depth) if use_mtp else None
+        if use_mtp:
+            stream = mtp_generate_tokens(
+                self.model, ids, sampler, max_tokens, self.eos_ids, depth, copy, prefill_chunk, progress, times,
+                mtp_stats, max_context=self.max_context,
+            )
+        else:
+            stream = generate_tokens(self.model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times)
+        for tid in stream:
             tokens.append(tid)
             piece = detok.add(tid)
             if piece and on_text is not None:
@@ -111,6 +144,8 @@ class Engine:
             "decode_tps": round(times.decode_tps, 3),
             "peak_memory_bytes": int(mx.get_peak_memory()),
         }
+        if mtp_stats is not None:
+            stats["mtp"] = mtp_stats.to_dict()
         return GenerationResult(detok.text, tokens, stats)
 
 

@@ -22,19 +22,29 @@ def prefill(
     chunk: int = 512,
     progress: ProgressFn | None = None,
     all_logits: bool = False,
+    mtp: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Run `tokens` through the model in chunks, filling `cache`.
 
     Returns (logits, post-norm hidden): for the last position only ([1, V], [1, hidden]), or for every
     position when `all_logits` ([S, V], [S, hidden]). Only the rows that are read go through lm_head.
+    With `mtp`, the MTP head's KV is filled too: position p gets (t_{p+1}, h_p) for p < len(tokens) - 1;
+    the last hidden waits for the token that will follow the prompt.
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
     logits, hidden = [], []
+    carry: mx.array | None = None  # [1, H] the previous chunk's last hidden, waiting for its next token
     for start in range(0, len(tokens), chunk):
         piece = mx.array(tokens[start : start + chunk])[None]  # [1, S]
         h = model.model(piece, cache[: len(model.layers)])  # [1, S, hidden]
         last = start + chunk >= len(tokens)
+        if mtp:
+            pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
+            pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
+            if pairs_t.size:
+                model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
+            carry = h[0, -1:]
         if all_logits:
             logits.append(model.logits(h)[0])
             hidden.append(h[0])

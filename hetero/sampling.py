@@ -88,3 +88,41 @@ class Sampler:
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
         return sample(warp(logits, self.params), self.next_key())
+
+
+def accept_drafts(
+    target_logprobs: mx.array,
+    drafts: mx.array,
+    draft_logprobs: mx.array | None,
+    key: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """Exact speculative acceptance (Leviathan et al.): the output is distributed as the target alone.
+
+    target_logprobs [k+1, V]: warped target distributions p_0..p_k; drafts [k]: proposed ids d_0..d_{k-1};
+    draft_logprobs [k, V]: the proposal q_i they were drawn from, or None for point-mass proposals (argmax or
+    copied drafts). Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from
+    normalize(max(0, p_i - q_i)) over the whole vocabulary; if all k are accepted, draw a bonus token from p_k.
+    Returns (number accepted, next token), both lazy scalars.
+    """
+    k = drafts.shape[0]
+    p = mx.exp(target_logprobs)  # [k+1, V]
+    if draft_logprobs is None:
+        q = (mx.arange(p.shape[-1])[None, :] == drafts[:, None]).astype(p.dtype)  # [k, V] one-hot
+    else:
+        q = mx.exp(draft_logprobs)  # [k, V]
+    u_key, s_key = mx.random.split(key)
+    rows = mx.arange(k)
+    p_d, q_d = p[rows, drafts], q[rows, drafts]  # [k]
+    accepted = mx.random.uniform(shape=(k,), key=u_key) * q_d < p_d  # u < p/q without dividing by q
+    n = mx.sum(mx.cumprod(accepted.astype(mx.int32)))  # leading accepted drafts
+    residual = mx.concatenate([mx.maximum(p[:k] - q, 0.0), p[k:]], axis=0)[n]  # [V]
+    residual = mx.where(mx.sum(residual) > 0, residual, p[n])  # p == q exactly: rejection had probability 0
+    token = mx.random.categorical(mx.log(residual), key=s_key)
+    return n, token
+
+
+def accept_greedy(target_logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Greedy acceptance: drafts match the target's argmax; the next token is the argmax after them."""
+    best = mx.argmax(target_logits, axis=-1)  # [k+1]
+    n = mx.sum(mx.cumprod((best[:-1] == drafts).astype(mx.int32)))
+    return n, best[n]

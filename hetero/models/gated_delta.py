@@ -22,8 +22,12 @@ def _flush(x: mx.array) -> mx.array:
 
 
 def _decay(log_decay: mx.array) -> mx.array:
-    """exp(log_decay) for log_decay <= 0, flushed to 0 below TINY (no subnormal results)."""
-    return mx.where(log_decay < -41.0, 0.0, mx.exp(mx.maximum(log_decay, -41.0)))
+    """exp(log_decay) for log_decay <= 0, flushed to 0 below TINY (no subnormal results).
+
+    Positive inputs (the upper triangle, masked out by the caller) are clipped to 0 so that exp never
+    overflows: inf there would make the masked gradient inf * 0 = NaN in training.
+    """
+    return mx.where(log_decay < -41.0, 0.0, mx.exp(mx.clip(log_decay, -41.0, 0.0)))
 
 
 @mx.compile
@@ -40,17 +44,25 @@ def _recurrent_step(
 
 
 def recurrent_gated_delta(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    record: list[mx.array] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Token-by-token delta rule.
 
     q, k: [B, S, H, Dk]; v: [B, S, H, Dv]; g (log decay), beta: [B, S, H]; state: [B, H, Dk, Dv] fp32.
-    Returns (out [B, S, H, Dv] fp32, final state).
+    Returns (out [B, S, H, Dv] fp32, final state); appends the state after each token to `record` if given.
     """
     outs = []
     for t in range(q.shape[1]):
         o, state = _recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         outs.append(o)
+        if record is not None:
+            record.append(state)
     return mx.stack(outs, axis=1), state
 
 

@@ -245,8 +245,13 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent if cache is not None else None
         if state is None:
             state = mx.zeros((B, self.nv, self.dk, self.dv), dtype=mx.float32)
-        rule = recurrent_gated_delta if S <= RECURRENT_MAX_TOKENS else chunked_gated_delta
-        out, state = rule(q, k, v, g, beta, state)  # out [B, S, Hv, Dv] fp32
+        if cache is not None and cache.recording:  # speculative verify: keep every intermediate state
+            out, state = recurrent_gated_delta(q, k, v, g, beta, state, record=cache.recorded_states)
+            cache.recorded_conv_in = conv_in
+        elif S <= RECURRENT_MAX_TOKENS:
+            out, state = recurrent_gated_delta(q, k, v, g, beta, state)  # out [B, S, Hv, Dv] fp32
+        else:
+            out, state = chunked_gated_delta(q, k, v, g, beta, state)
         if cache is not None:
             cache.conv = conv_in[:, -(self.kernel - 1) :]
             cache.recurrent = state
@@ -345,14 +350,22 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+        """MTP step: next_tokens [B, S] (t_{p+1}) with hidden [B, S, H] (h_p) -> the head's post-norm output.
+
+        `cache` is either the MTP layers' own caches or the whole `make_cache()` list.
+        """
+        if self.mtp is None:
+            raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
+        if cache is not None and len(cache) > len(self.mtp.layers):
+            cache = cache[len(self.model.layers) :]
+        return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache)
+
     def mtp_forward(
         self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None
     ) -> tuple[mx.array, mx.array]:
-        """Draft step: next_tokens [B, S] (t_{p+1}), hidden [B, S, hidden] (h_p) -> (draft logits, MTP hidden)."""
-        if self.mtp is None:
-            raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
-        mtp_cache = cache[len(self.model.layers) :] if cache is not None else None
-        z = self.mtp(self.model.embed_tokens(next_tokens), hidden, mtp_cache)
+        """Draft step: (draft logits [B, S, V], MTP hidden [B, S, H]); see `mtp_hidden`."""
+        z = self.mtp_hidden(next_tokens, hidden, cache)
         return self.logits(z), z
 
     def make_cache(self) -> list[LayerCache]:

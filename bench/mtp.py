@@ -1,0 +1,242 @@
+"""MTP speculative decoding against plain decoding, in the same run.
+
+    python bench/mtp.py                 # both parts; JSON + PNGs under bench/results/
+    python bench/mtp.py --part bundled  # 1. the bundled model on code prompts
+    python bench/mtp.py --part large    # 2. a ~540 MB random model: step costs and forced-acceptance speed
+
+Part 1 (bundled model, greedy, code-like prompts from the standard library): decode tok/s with MTP at depths
+1..4 and with --no-mtp, alternating, median of the repeats; acceptance by depth and mean accepted length; and
+acceptance against context length (prompts of ~1K, 4K and 8K tokens).
+Part 2 (large random model, where a decode step reads ~1 GB of weights): the cost of one verify pass over k+1
+tokens and of one draft step, each relative to a plain decode step; then tokens/s when drafts are accepted at
+forced per-depth rates (a benchmark-only mode that decides acceptance by coin flips and discards the output)
+against plain decoding: the speed-vs-acceptance curve. Copy lane off throughout, so MTP alone is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkpoints import checkpoint  # noqa: E402
+from converters.tokenizer_train import load_corpus  # noqa: E402
+from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+from hetero.engine import Engine, load  # noqa: E402
+from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
+from hetero.sampling import Sampler, SamplingParams  # noqa: E402
+from hetero.speculative import Decoder, start  # noqa: E402
+
+PUBLISHED_RATES = (0.95, 0.88, 0.80)  # acceptance by depth reported for a real 27B Qwen3.5 MTP head
+
+
+def code_prompts(engine: Engine, n: int, tokens: int) -> list[list[int]]:
+    """n prompts of `tokens` tokens cut from held-out standard-library source (the bundled model never trained on it)."""
+    _, valid = load_corpus()
+    ids = engine.tokenizer.encode(valid)
+    step = max(tokens, (len(ids) - tokens) // n)
+    return [ids[i * step : i * step + tokens] for i in range(n) if i * step + tokens <= len(ids)]
+
+
+def bundled_part(args: argparse.Namespace) -> dict:
+    engine = load(None, dtype=mx.float32)
+    prompts = code_prompts(engine, args.prompts, 256)
+    settings = ["plain"] + [f"depth {d}" for d in (1, 2, 3, 4)]
+
+    def run(setting: str, prompt: list[int]) -> dict:
+        depth = None if setting == "plain" else int(setting.split()[1])
+        return engine.generate(
+            prompt, max_tokens=args.tokens, mtp=depth is not None, draft_depth=depth, copy=False
+        ).stats
+
+    run("plain", prompts[0]), run("depth 3", prompts[0])  # warm-up
+    samples: dict[str, list[dict]] = {s: [] for s in settings}
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            for s in settings:  # alternate the contenders on the same prompt
+                samples[s].append(run(s, prompt))
+    rows = {}
+    plain_tps = statistics.median(r["decode_tps"] for r in samples["plain"])
+    for s in settings:
+        tps = [r["decode_tps"] for r in samples[s]]
+        row = {"decode_tps": statistics.median(tps), "decode_tps_runs": tps, "speedup": statistics.median(tps) / plain_tps}
+        if s != "plain":
+            mtp = [r["mtp"] for r in samples[s]]
+            depth = mtp[0]["depth"]
+            row["acceptance_by_depth"] = [statistics.mean(m["acceptance_by_depth"][i] for m in mtp) for i in range(depth)]
+            row["mean_accepted_length"] = statistics.mean(m["mean_accepted_length"] for m in mtp)
+        rows[s] = row
+        extra = f"  accepted length {row['mean_accepted_length']:.2f}  by depth {[round(a, 2) for a in row['acceptance_by_depth']]}" if s != "plain" else ""
+        print(f"bundled {s:8s} {row['decode_tps']:7.1f} tok/s  {row['speedup']:5.2f}x{extra}", flush=True)
+
+    by_context = {}
+    for length in args.contexts:
+        if length + args.tokens >= engine.max_context:
+            continue
+        accepted = [
+            engine.generate(p, max_tokens=args.tokens, mtp=True, draft_depth=3, copy=False).stats["mtp"]
+            for p in code_prompts(engine, 2, length)
+        ]
+        by_context[length] = {
+            "acceptance_by_depth": [statistics.mean(m["acceptance_by_depth"][i] for m in accepted) for i in range(3)],
+            "mean_accepted_length": statistics.mean(m["mean_accepted_length"] for m in accepted),
+        }
+        print(f"bundled context {length:5d}: accepted length {by_context[length]['mean_accepted_length']:.2f}", flush=True)
+    return {"settings": rows, "acceptance_vs_context": by_context, "prompt_tokens": 256, "decode_tokens": args.tokens}
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def forced_tps(decoder: Decoder, sampler: Sampler, depth: int, rates: tuple[float, ...], rounds: int, rng) -> float:
+    """Tokens/s when draft i is kept with the conditional probability that makes acceptance_by_depth == rates."""
+    emitted, t0 = 0, time.perf_counter()
+    for _ in range(rounds):
+        drafts, _, _ = decoder.propose(depth, 0, sampler)
+        target, hidden = decoder.verify(drafts)
+        mx.eval(target)
+        accepted = 0
+        for i in range(depth):
+            keep = rates[i] / (rates[i - 1] if i else 1.0)
+            if rng.random() >= keep:
+                break
+            accepted += 1
+        decoder.commit(drafts, hidden, accepted, int(mx.argmax(target[accepted]).item()), mtp_ran=True)
+        emitted += accepted + 1
+    return emitted / (time.perf_counter() - t0)
+
+
+def _plain_decode_tps(model, prompt: list[int], sampler: Sampler) -> float:
+    times = DecodeTimes()
+    for _ in generate_tokens(model, prompt, sampler, 33, set(), times=times):
+        pass
+    return times.decode_tps
+
+
+def large_part(args: argparse.Namespace) -> dict:
+    engine = load(str(checkpoint("large", Path(args.workdir))), dtype=mx.float32)
+    model = engine.model
+    sampler = Sampler(SamplingParams())
+    prompt = np.random.default_rng(0).integers(3, model.args.vocab_size, 512).tolist()
+
+    def fresh() -> Decoder:
+        return start(model, prompt, sampler, copy=False)
+
+    # a plain decode step, as plain decoding runs it (median over repeats of 32-token decodes)
+    plain_tps = statistics.median(
+        _plain_decode_tps(model, prompt, sampler) for _ in range(args.repeats + 1)
+    )
+    plain_s = 1.0 / plain_tps
+    verify_cost = {}
+    for k in (1, 2, 3, 4):
+        d = fresh()
+
+        def verify_round(d=d, k=k):
+            drafts = [3] * k
+            target, hidden = d.verify(drafts)
+            mx.eval(target)
+            d.commit(drafts, hidden, 0, int(mx.argmax(target[0]).item()), mtp_ran=False)
+
+        verify_cost[k + 1] = timed(verify_round, args.repeats * 3) / plain_s
+    d = fresh()
+    d.propose(1, 0, sampler)  # catch the MTP head up so the next steps are single-token draft steps
+    z = mx.zeros((1, 1, model.args.hidden_size))
+
+    def draft_step():
+        out = model.mtp_hidden(mx.array([[5]]), z, d.mtp_cache)
+        mx.eval(model.logits(out))
+        for c in d.mtp_cache:
+            c.trim_to(c.offset - 1)
+
+    draft_cost = timed(draft_step, args.repeats * 5) / plain_s
+    print(f"large: plain step {plain_s * 1e3:.1f} ms; verify cost vs plain step {json.dumps({k: round(v, 3) for k, v in verify_cost.items()})}; draft step {draft_cost:.3f}", flush=True)
+
+    rng = np.random.default_rng(0)
+    curve = []
+    for rates in [PUBLISHED_RATES, (0.9, 0.75, 0.6), (0.8, 0.6, 0.4), (0.6, 0.35, 0.2), (0.3, 0.1, 0.03), (0.0, 0.0, 0.0)]:
+        tps = forced_tps(fresh(), sampler, 3, rates, args.forced_rounds, rng)
+        curve.append({"rates": rates, "mean_accepted_length": 1 + sum(rates), "tps": tps, "speedup": tps / plain_tps})
+        print(f"large forced acceptance {rates}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x plain", flush=True)
+    return {"plain_step_s": plain_s, "plain_tps": plain_tps, "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost, "forced_acceptance": curve}
+
+
+def plot(result: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if "bundled" in result:
+        rows = result["bundled"]["settings"]
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        ax[0].bar(list(rows), [r["decode_tps"] for r in rows.values()], color=["grey"] + ["tab:blue"] * 4)
+        ax[0].set_ylabel("decode tok/s")
+        ax[0].set_title("bundled model: MTP depth vs plain")
+        for s, r in rows.items():
+            if "acceptance_by_depth" in r:
+                ax[1].plot(range(1, len(r["acceptance_by_depth"]) + 1), r["acceptance_by_depth"], marker="o", label=s)
+        ax[1].set_xlabel("draft position")
+        ax[1].set_ylabel("acceptance (positions 0..i all kept)")
+        ax[1].set_ylim(0, 1)
+        ax[1].legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "mtp_bundled.png", dpi=100)
+        written.append(str(out_dir / "mtp_bundled.png"))
+    if "large" in result:
+        curve = result["large"]["forced_acceptance"]
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.plot([c["mean_accepted_length"] for c in curve], [c["speedup"] for c in curve], marker="o")
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set_xlabel("mean accepted length (tokens per verify pass)")
+        ax.set_ylabel("speed vs plain decoding")
+        ax.set_title("large random model, depth 3, forced acceptance")
+        fig.tight_layout()
+        fig.savefig(out_dir / "mtp_large.png", dpi=100)
+        written.append(str(out_dir / "mtp_large.png"))
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["bundled", "large", "both"], default="both")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=192, help="tokens decoded per run")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 8192])
+    ap.add_argument("--forced-rounds", type=int, default=24)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
+    ap.add_argument("--out", default="bench/results/mtp.json")
+    args = ap.parse_args()
+    reexec_with_openblas()
+    result: dict = {"environment": environment(), "args": vars(args)}
+    if args.part in ("bundled", "both"):
+        result["bundled"] = bundled_part(args)
+    if args.part in ("large", "both"):
+        result["large"] = large_part(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result["plots"] = plot(result, out.parent)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out} and {', '.join(result['plots'])}")
+
+
+if __name__ == "__main__":
+    main()
