@@ -49,9 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="write a converted copy of a checkpoint")
     convert.set_defaults(func=cmd_convert)
     _add_model(convert)
-    convert.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], required=True, help="bits per weight")
+    mode = convert.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], help="bits per weight")
+    mode.add_argument("--coreml", action="store_true", help="export the ANE's share of prefill as Core ML packages")
+    mode.add_argument("--lint", metavar="DIR", help="check exported Core ML packages against the ANE rules (exit 1 on errors)")
     convert.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
-    convert.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    convert.add_argument("--ane-fraction", type=float, help="with --coreml: share of each offloadable piece for the ANE")
+    convert.add_argument("--chunk-size", type=int, default=256, help="with --coreml: prefill chunk (multiple of 64)")
+    convert.add_argument("--context", default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
+    convert.add_argument("--out", help="output directory (--quantize: must not exist or be empty; --coreml: reused)")
     return parser
 
 
@@ -120,6 +126,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.lint:
+        from converters.coreml_export import cli_lint
+
+        return cli_lint(args.lint)
+    if args.out is None:
+        raise HeteroError("hetero convert --quantize/--coreml needs --out DIR")
+    if args.coreml:
+        from converters.coreml_export import cli_export
+
+        return cli_export(args.model, args.out, args.ane_fraction, args.chunk_size, args.context)
     from converters.quantize import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, bits=args.quantize, group_size=args.group_size)

@@ -1,0 +1,384 @@
+"""`hetero convert --coreml`: export the ANE's share of prefill as Core ML packages plus `manifest.json`.
+
+For a requested fraction F the interim plan below picks, per layer, the slice of each offloadable piece
+(shared/DESIGN.md section 4); each slice becomes one or more programs (split so that none carries more than
+WEIGHT_BUDGET bytes of weights), written as `.mlpackage` files next to a manifest that records the model's
+identity and weight hashes, the plan, every program's shapes, the chunk size, the context buckets and the
+coremltools version. A re-run reuses every package whose key (weights hash + shape + builder version) is
+unchanged. The ANE lint runs over the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+BUILDER_VERSION = 1  # bump when a builder's graph changes: invalidates reuse of packages built before
+WEIGHT_BUDGET = int(1.5 * 2**30)  # bytes of weights per program; the ANE's limit is ~2 GB
+DEFAULT_CHUNK = 256
+DEFAULT_CONTEXT = 4096
+PIECES = ("attention", "mlp", "gdn_z")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Interim plan (hetero/planner.py will replace it with the cost-model planner)
+
+
+@dataclass(frozen=True)
+class PieceSlice:
+    """One layer's ANE share of one piece: units [start, stop).
+
+    Units: attention -> KV heads (their query-head groups come along), mlp -> intermediate channels,
+    gdn_z -> rows of in_proj_z.
+    """
+
+    layer: int
+    piece: str
+    start: int
+    stop: int
+
+
+def _round64(x: float, total: int) -> int:
+    """x rounded to a multiple of 64 (at least 64 when x > 0), capped at total."""
+    if x <= 0:
+        return 0
+    return min(total, max(64, int(round(x / 64)) * 64))
+
+
+def interim_plan(args: ModelArgs, fraction: float) -> list[PieceSlice]:
+    """The interim slicing for an ANE fraction F; hetero/planner.py will replace it.
+
+    - attention layer: the first round(F * n_kv_heads) KV-head groups (at least one when F > 0)
+    - MLP (every layer): the first F share of intermediate channels, rounded to a multiple of 64
+    - GDN layer: the first z rows, F of the whole input projection (qkv + z + b + a) rounded to 64,
+      capped at all of z (nothing else of the projection may leave the exact path)
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
+    if fraction == 0.0:
+        return []
+    if args.num_experts:
+        raise HeteroError("Core ML export covers dense-MLP models only; this checkpoint has mixture-of-experts layers")
+    kv = max(1, round(fraction * args.num_key_value_heads))
+    channels = _round64(fraction * args.intermediate_size, args.intermediate_size)
+    z_rows = args.linear_num_value_heads * args.linear_value_head_dim
+    in_rows = 2 * args.linear_num_key_heads * args.linear_key_head_dim + 2 * z_rows + 2 * args.linear_num_value_heads
+    z = min(z_rows, _round64(fraction * in_rows, z_rows))
+    plan = []
+    for i, kind in enumerate(args.layer_types):
+        if kind == "full_attention":
+            plan.append(PieceSlice(i, "attention", 0, kv))
+        elif z:
+            plan.append(PieceSlice(i, "gdn_z", 0, z))
+        plan.append(PieceSlice(i, "mlp", 0, channels))
+    return plan
+
+
+def unit_bytes(args: ModelArgs, piece: str) -> int:
+    """fp16 weight bytes one unit of a piece carries (one KV head's group, one channel, one z row)."""
+    h, d = args.hidden_size, args.head_dim
+    if piece == "attention":
+        group = args.num_attention_heads // args.num_key_value_heads
+        return 2 * (2 * group * d * h + 2 * d * h + group * d * h)  # q + gate, k + v, o columns
+    if piece == "mlp":
+        return 2 * 3 * h
+    return 2 * h
+
+
+def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = WEIGHT_BUDGET) -> list[PieceSlice]:
+    """A slice cut into consecutive parts of at most `budget` weight bytes (channel parts in multiples of 64)."""
+    per_part = max(1, budget // unit_bytes(args, s.piece))
+    if s.piece != "attention" and per_part >= 64:
+        per_part -= per_part % 64
+    return [PieceSlice(s.layer, s.piece, a, min(a + per_part, s.stop)) for a in range(s.start, s.stop, per_part)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights of a slice, as numpy (fp32), from the MLX model
+
+
+def linear_weight(layer: nn.Module) -> np.ndarray:
+    """A Linear's weight [out, in] as fp32 numpy (quantized layers are dequantized)."""
+    if isinstance(layer, nn.QuantizedLinear):
+        w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+    else:
+        w = layer.weight
+    return np.array(w.astype(mx.float32))
+
+
+def _vec(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
+    """The attention slice for KV heads `kv` (and their query heads) of a decoder layer."""
+    from coreml_graphs.attention import AttentionWeights
+
+    attn, D, h = layer.self_attn, args.head_dim, args.hidden_size
+    group = args.num_attention_heads // args.num_key_value_heads
+    heads = range(kv.start * group, kv.stop * group)
+    qg = linear_weight(attn.q_proj).reshape(args.num_attention_heads, 2 * D, h)[heads.start : heads.stop]  # [Hs, 2D, h]
+    kv_rows = slice(kv.start * D, kv.stop * D)
+    return AttentionWeights(
+        input_norm=_vec(layer.input_layernorm.weight),
+        q=qg[:, :D].reshape(-1, h),
+        gate=qg[:, D:].reshape(-1, h),
+        k=linear_weight(attn.k_proj)[kv_rows],
+        v=linear_weight(attn.v_proj)[kv_rows],
+        q_norm=_vec(attn.q_norm.weight),
+        k_norm=_vec(attn.k_norm.weight),
+        o=linear_weight(attn.o_proj)[:, heads.start * D : heads.stop * D],
+    )
+
+
+def mlp_weights(layer: DecoderLayer, channels: range):
+    """The MLP slice for intermediate `channels` of a decoder layer."""
+    from coreml_graphs.mlp import MLPWeights
+
+    rows = slice(channels.start, channels.stop)
+    return MLPWeights(
+        norm=_vec(layer.post_attention_layernorm.weight),
+        gate=linear_weight(layer.mlp.gate_proj)[rows],
+        up=linear_weight(layer.mlp.up_proj)[rows],
+        down=linear_weight(layer.mlp.down_proj)[:, rows],
+    )
+
+
+def gdn_z_weights(layer: DecoderLayer, rows: range):
+    """The z-projection slice for `rows` of in_proj_z of a GDN decoder layer."""
+    from coreml_graphs.gdn import GDNZWeights
+
+    return GDNZWeights(norm=_vec(layer.input_layernorm.weight), z=linear_weight(layer.linear_attn.in_proj_z)[rows.start : rows.stop])
+
+
+def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int):
+    """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`."""
+    from coreml_graphs.attention import AttentionShape, build_attention
+    from coreml_graphs.gdn import GDNZShape, build_gdn_z
+    from coreml_graphs.mlp import MLPShape, build_mlp
+
+    layer, units = model.layers[s.layer], range(s.start, s.stop)
+    eps = args.rms_norm_eps
+    if s.piece == "attention":
+        group = args.num_attention_heads // args.num_key_value_heads
+        shape = AttentionShape(
+            hidden=args.hidden_size, heads=len(units) * group, kv_heads=len(units), head_dim=args.head_dim,
+            rotary_dims=args.rotary_dims, chunk=chunk, cache_slots=context - chunk, eps=eps,
+        )
+        return shape, attention_weights(args, layer, units), build_attention
+    if s.piece == "mlp":
+        return MLPShape(args.hidden_size, len(units), chunk, eps), mlp_weights(layer, units), build_mlp
+    return GDNZShape(args.hidden_size, len(units), chunk, eps), gdn_z_weights(layer, units), build_gdn_z
+
+
+def weights_sha256(weights) -> str:
+    """Hash of a slice's weights exactly as embedded (fp16), field by field."""
+    from coreml_graphs.ops import fp16
+
+    h = hashlib.sha256()
+    for name, a in asdict(weights).items():
+        h.update(name.encode())
+        h.update(fp16(a).tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The export
+
+
+def check_shapes(chunk: int, contexts: list[int]) -> None:
+    """Chunk a positive multiple of 64; each context bucket a multiple of 64 holding at least one chunk."""
+    if chunk <= 0 or chunk % 64:
+        raise HeteroError(f"--chunk-size {chunk}: must be a positive multiple of 64")
+    for c in contexts:
+        if c < chunk or c % 64:
+            raise HeteroError(f"--context {c}: must be a multiple of 64 and at least the chunk size ({chunk})")
+
+
+def model_identity(path: Path, config: dict, args: ModelArgs) -> dict:
+    """What names the exported model: its directory, config hash and shape."""
+    return {
+        "path": str(path),
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+        "model_type": args.model_type,
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "layer_types": args.layer_types,
+    }
+
+
+def read_manifest(out: str | os.PathLike) -> dict:
+    """The manifest of an export directory; HeteroError when there is none or it is damaged."""
+    file = Path(out) / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise HeteroError(f"{file} is missing: not a Core ML export directory (run hetero convert --coreml)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeteroError(f"{file} is damaged ({e}); re-run hetero convert --coreml") from None
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise HeteroError(f"{file} has format {manifest.get('format')!r}; this hetero reads format {MANIFEST_FORMAT}")
+    return manifest
+
+
+def export_coreml(
+    model: str | os.PathLike | None,
+    out: str | os.PathLike,
+    fraction: float,
+    chunk: int = DEFAULT_CHUNK,
+    contexts: list[int] | None = None,
+    budget: int = WEIGHT_BUDGET,
+    progress: Callable[[int, int], None] | None = None,
+    pieces: tuple[str, ...] = PIECES,
+) -> dict:
+    """Export the ANE share of `model` for `fraction` into `out`; returns the manifest (also written there).
+
+    `pieces` limits the export to some piece kinds (e.g. only "attention"). Packages whose key matches the
+    existing manifest's entry are reused; packages no longer in the plan are removed.
+    """
+    from coreml_graphs.package import save_program  # first: quiets coremltools' import warnings off macOS
+    from hetero.loader import load_model
+
+    import coremltools as ct
+
+    contexts = sorted(set(contexts or [DEFAULT_CONTEXT]))
+    check_shapes(chunk, contexts)
+    net, path, config = load_model(model)  # its own dtype: slices are widened to fp32 numpy one at a time
+    args = net.args
+    if args.attention_bias:
+        raise HeteroError("Core ML export does not support attention biases (attention_bias: true in config.json)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        previous = {p["file"]: p for p in read_manifest(out)["programs"]}
+    except HeteroError:
+        previous = {}
+
+    plan = [s for s in interim_plan(args, fraction) if s.piece in pieces]
+    jobs = []  # (slice, part index, part slice, context or None)
+    for s in plan:
+        for part, piece in enumerate(split_for_budget(args, s, budget)):
+            for ctx in contexts if s.piece == "attention" else [None]:
+                jobs.append((s, part, piece, ctx))
+    programs = []
+    for n, (s, part, piece, ctx) in enumerate(jobs):
+        shape, weights, build = build_piece(args, net, piece, chunk, ctx or chunk)
+        digest = weights_sha256(weights)
+        key = hashlib.sha256(
+            json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(shape), digest]).encode()
+        ).hexdigest()
+        suffix = f"_ctx{ctx}" if ctx else ""
+        file = f"layer{s.layer:02d}_{s.piece}_part{part}{suffix}.mlpackage"
+        reused = previous.get(file, {}).get("key") == key and (out / file / "Manifest.json").is_file()
+        if not reused:
+            shutil.rmtree(out / file, ignore_errors=True)
+            save_program(build(shape, weights), out / file)
+        programs.append(
+            {
+                "file": file,
+                "layer": s.layer,
+                "piece": s.piece,
+                "slice": [s.start, s.stop],
+                "part": [piece.start, piece.stop],
+                "context": ctx,
+                "shape": asdict(shape),
+                "inputs": {k: list(v) for k, v in shape.inputs().items()},
+                "outputs": {k: list(v) for k, v in shape.outputs().items()},
+                "weights_sha256": digest,
+                "weight_bytes": int(sum(np.asarray(a).size for a in asdict(weights).values()) * 2),
+                "key": key,
+                "reused": reused,
+            }
+        )
+        if progress is not None:
+            progress(n + 1, len(jobs))
+    for stale in set(previous) - {p["file"] for p in programs}:
+        shutil.rmtree(out / stale, ignore_errors=True)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "model": model_identity(path, config, args),
+        "coremltools": ct.__version__,
+        "builder_version": BUILDER_VERSION,
+        "ane_fraction": fraction,
+        "chunk_size": chunk,
+        "context_buckets": contexts,
+        "weight_budget_bytes": budget,
+        "plan": [asdict(s) for s in plan],
+        "programs": programs,
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(out / MANIFEST)
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Lint and the command line
+
+
+def lint_export(out: str | os.PathLike, budget: int | None = None) -> list:
+    """Lint every package of an export directory (or one .mlpackage); HeteroError when there is none."""
+    from coreml_graphs.lint import WEIGHT_BUDGET as LINT_BUDGET
+    from coreml_graphs.lint import export_packages, lint_package
+
+    packages = export_packages(out)
+    if not packages:
+        raise HeteroError(f"{out}: no .mlpackage to lint (pass an export directory or a package)")
+    missing = [p for p in packages if not (p / "Manifest.json").is_file()]
+    if missing:
+        raise HeteroError(f"{missing[0]} is listed in the manifest but missing; re-run hetero convert --coreml")
+    return [lint_package(p, budget or LINT_BUDGET) for p in packages]
+
+
+def print_lint(reports: list, stream=None) -> int:
+    """Print findings and a summary; returns the number of errors."""
+    import sys
+
+    stream = stream or sys.stdout
+    for r in reports:
+        for line in r.lines():
+            print(line, file=stream)
+    errors = sum(len(r.errors) for r in reports)
+    warnings = sum(len(r.warnings) for r in reports)
+    print(f"lint: {len(reports)} programs, {errors} errors, {warnings} warnings", file=stream)
+    return errors
+
+
+def cli_export(model: str | None, out: str, fraction: float | None, chunk: int, context: str) -> int:
+    """`hetero convert --coreml`: export, then lint; exit status 1 when the lint finds errors."""
+    from hetero.progress import ProgressBar
+
+    if fraction is None or not 0.0 < fraction <= 1.0:
+        raise HeteroError("hetero convert --coreml needs --ane-fraction F with 0 < F <= 1 (the ANE's share of each piece)")
+    try:
+        contexts = [int(c) for c in context.split(",") if c.strip()]
+    except ValueError:
+        raise HeteroError(f"--context {context!r}: give one or more token counts separated by commas") from None
+    manifest = export_coreml(model, out, fraction, chunk, contexts, progress=ProgressBar("export"))
+    progs = manifest["programs"]
+    total = sum(p["weight_bytes"] for p in progs)
+    reused = sum(p["reused"] for p in progs)
+    print(f"wrote {len(progs)} Core ML programs ({reused} reused, {total / 2**20:.1f} MiB of fp16 weights) to {out}")
+    return 1 if print_lint(lint_export(out, manifest["weight_budget_bytes"])) else 0
+
+
+def cli_lint(path: str) -> int:
+    """`hetero convert --lint DIR`: exit status 1 when any program breaks an ANE rule."""
+    budget = None
+    if (Path(path) / MANIFEST).is_file():
+        budget = read_manifest(path).get("weight_budget_bytes")
+    return 1 if print_lint(lint_export(path, budget)) else 0

@@ -1,0 +1,22 @@
+"""MIL builders for the prefill pieces that may run on the Apple Neural Engine, and the ANE lint.
+
+Everything here is built directly with coremltools' MIL builder (no tracing), in fp16, in the ANE's preferred
+`(1, C, 1, S)` layout with 1x1 convolutions for projections (shared/DESIGN.md section 5):
+
+- `ops`        small MIL helpers: program assembly, conv1x1, exact RMSNorm via layer_norm, finite masks
+- `attention`  the attention-layer prefill graph for a slice of whole KV-head groups
+- `mlp`        the MLP slice graph (a share of intermediate channels, partial sum)
+- `gdn`        the GDN z-projection graph
+- `package`    save a program as an .mlpackage and read its MIL back
+- `lint`       static check of a saved program against the ANE's rules
+
+Builders take numpy weights already sliced to the piece; they know nothing of MLX or of checkpoints.
+"""
+
+import logging as _logging
+import platform as _platform
+
+if _platform.system() != "Darwin":
+    # Off macOS coremltools logs one warning per missing runtime proxy (and an untested-torch note) at import;
+    # building and saving packages needs none of them. Set before any submodule imports coremltools.
+    _logging.getLogger("coremltools").setLevel(_logging.ERROR)

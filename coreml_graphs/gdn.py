@@ -1,0 +1,50 @@
+"""The GDN z-projection graph: only the `z` rows of a Gated DeltaNet layer's input projection.
+
+    x (1, hidden, 1, S) -> input_layernorm -> in_proj_z[rows] x -> (1, rows, 1, S)
+
+Only z may leave the exact path: qkv, b and a feed the conv and the recurrence, where an approximation would
+compound over the whole context; z only gates the output norm token by token (shared/DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from coremltools.converters.mil.mil import Program, Var
+
+from coreml_graphs.ops import build_program, conv1x1, rms_norm
+
+
+@dataclass(frozen=True)
+class GDNZShape:
+    """Static shape of one z-projection program."""
+
+    hidden: int
+    rows: int  # z rows in the slice (<= 16384)
+    chunk: int  # S
+    eps: float
+
+    def inputs(self) -> dict[str, tuple[int, ...]]:
+        return {"x": (1, self.hidden, 1, self.chunk)}
+
+    def outputs(self) -> dict[str, tuple[int, ...]]:
+        return {"z": (1, self.rows, 1, self.chunk)}
+
+
+@dataclass
+class GDNZWeights:
+    """input_layernorm's effective scale and the slice's in_proj_z rows."""
+
+    norm: np.ndarray  # [hidden]
+    z: np.ndarray  # [rows, hidden]
+
+
+def build_gdn_z(shape: GDNZShape, w: GDNZWeights) -> Program:
+    """The z-projection program: input `x`, output `z`."""
+
+    def body(inp: dict[str, Var]) -> dict[str, Var]:
+        x = rms_norm(inp["x"], w.norm, shape.eps, axis=1, name="input_norm")  # (1, hidden, 1, S)
+        return {"z": conv1x1(x, w.z, "z_proj")}  # (1, rows, 1, S)
+
+    return build_program(shape.inputs(), body)

@@ -1,0 +1,84 @@
+"""Small MIL helpers shared by the graph builders: program assembly, conv1x1, exact RMSNorm, finite masks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import coremltools as ct
+import numpy as np
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import Function, Program, Var, types
+
+# Oldest OS whose Core ML runs every op the builders emit on the ANE and offers MLComputePlan (14.4+).
+DEPLOYMENT_TARGET = ct.target.macOS14
+MAX_AXIS = 16384  # the ANE rejects (or falls off) tensors with any axis above this
+SEQ_MULTIPLE = 64  # chunk sizes (the S axis) are multiples of this
+MASK_NEG = -30000.0  # "minus infinity" for fp16 masks: finite, and MASK_NEG + MASK_NEG still fits fp16 (max 65504)
+
+
+def build_program(inputs: dict[str, tuple[int, ...]], body: Callable[[dict[str, Var]], dict[str, Var]]) -> Program:
+    """A one-function MIL program with fp16 `inputs` (name -> static shape) whose outputs are `body`'s dict.
+
+    Same as `@mb.program`, but with named inputs known only at run time (that decorator reads them from the
+    Python function's signature). Outputs are renamed to the dict's keys.
+    """
+    specs = {name: mb.TensorSpec(shape=shape, dtype=types.fp16) for name, shape in inputs.items()}
+    with Function(specs, opset_version=DEPLOYMENT_TARGET) as func:
+        outputs = body(dict(func.inputs))
+        func.set_outputs([mb.identity(x=var, name=name) for name, var in outputs.items()])
+    prog = Program()
+    prog.add_function("main", func)
+    return prog
+
+
+def fp16(a: np.ndarray) -> np.ndarray:
+    """Weights are embedded as fp16 constants: the whole program computes in fp16."""
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(np.float16))
+
+
+def conv1x1(x: Var, weight: np.ndarray, name: str) -> Var:
+    """A projection in BC1S layout: x (1, Cin, 1, S), weight [Cout, Cin] -> (1, Cout, 1, S)."""
+    cout, cin = weight.shape
+    return mb.conv(x=x, weight=fp16(weight).reshape(cout, cin, 1, 1), name=name)  # (1, Cout, 1, S)
+
+
+def rms_norm(x: Var, weight: np.ndarray | None, eps: float, axis: int, name: str) -> Var:
+    """x * rsqrt(mean(x^2, axis) + eps) * weight, exactly, as `layer_norm(concat[x, -x])` keeping the first half.
+
+    Why exact: concat[x, -x] has mean 0 over `axis`, so layer_norm's variance is mean(x^2) over x itself and its
+    output's first half is the RMSNorm of x. Why not reduce_mean -> rsqrt or pow: the ANE runs layer_norm as one
+    fused op, while x^2 summed in fp16 overflows for |x| > 256 and pow is not an ANE op.
+    """
+    n = x.shape[axis]
+    both = mb.concat(values=[x, mb.mul(x=x, y=np.float16(-1.0), name=f"{name}_neg")], axis=axis, name=f"{name}_cat")
+    gamma = None if weight is None else fp16(np.concatenate([weight, weight]))  # the second half is dropped
+    normed = mb.layer_norm(x=both, axes=[axis], gamma=gamma, epsilon=np.float16(eps), name=f"{name}_ln")
+    end = list(x.shape)
+    end[axis] = n
+    return mb.slice_by_index(x=normed, begin=[0] * x.rank, end=end, name=name)  # x's shape
+
+
+def split_channels(x: Var, sizes: list[int], axis: int, name: str) -> list[Var]:
+    """Consecutive slices of `x` along `axis` with the given sizes (slice_by_index: the ANE's cheapest split)."""
+    parts, start = [], 0
+    for i, size in enumerate(sizes):
+        begin = [0] * x.rank
+        end = list(x.shape)
+        begin[axis], end[axis] = start, start + size
+        parts.append(mb.slice_by_index(x=x, begin=begin, end=end, name=f"{name}_{i}"))
+        start += size
+    return parts
+
+
+def blocks(total: int, block: int, multiple: int = 1) -> list[int]:
+    """Split `total` into the fewest near-equal sizes <= `block`, each a multiple of `multiple` (bar the last)."""
+    if total <= block:
+        return [total]
+    n = -(-total // block)
+    size = -(-total // n)
+    size = min(-(-size // multiple) * multiple, block - block % multiple)
+    out = []
+    while total > 0:
+        out.append(min(size, total))
+        total -= out[-1]
+    return out

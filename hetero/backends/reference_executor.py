@@ -1,0 +1,161 @@
+"""The portable reference executor: runs exactly the MIL program of a saved .mlpackage with numpy.
+
+This is not the Neural Engine; it is what lets the whole export pipeline run and be checked on machines without
+one. Each op computes in fp32 (so sums and dot products accumulate in fp32) and its result is rounded to fp16,
+as the ANE stores every intermediate tensor in fp16. Only the ops the `coreml_graphs` builders emit are
+implemented; a program with any other op is refused at load time, naming the op.
+
+Numpy semantics come from coremltools where they fit: the elementwise-binary and reduction ops' own
+`get_operator()`, and the `value_inference` of the data-movement ops, layer_norm, matmul, exp and sigmoid.
+conv (1x1 only), reshape and silu are written here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero.errors import HeteroError
+
+# Ops whose numpy semantics are the coremltools op's own `value_inference`.
+VALUE_INFERENCE_OPS = frozenset(
+    {"identity", "concat", "slice_by_index", "transpose", "layer_norm", "matmul", "exp", "sigmoid"}
+)
+# Ops whose coremltools class exposes its numpy function through `get_operator()`.
+OPERATOR_OPS = frozenset({"add", "sub", "mul", "real_div", "maximum", "minimum"})
+REDUCE_OPS = frozenset({"reduce_max", "reduce_sum"})
+OWN_OPS = frozenset({"const", "conv", "reshape", "silu"})
+SUPPORTED_OPS = VALUE_INFERENCE_OPS | OPERATOR_OPS | REDUCE_OPS | OWN_OPS
+
+
+class _Value:
+    """What coremltools' `value_inference` reads from an op input: `.val` (and its shape)."""
+
+    def __init__(self, a: Any):
+        self.val = self.sym_val = a
+        self.shape = getattr(a, "shape", ())
+        self.rank = len(self.shape)
+
+
+class ReferenceExecutor:
+    """Loads one .mlpackage and runs its `main` function with numpy (fp32 compute, fp16 at op boundaries)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from coreml_graphs.package import load_program
+
+        self.path = Path(path)
+        try:
+            program = load_program(self.path)
+        except (FileNotFoundError, ValueError) as e:
+            raise HeteroError(f"cannot load Core ML program: {e}") from None
+        self.function = program.functions["main"]
+        self.ops = list(self.function.operations)
+        unknown = sorted({op.op_type for op in self.ops} - SUPPORTED_OPS)
+        if unknown:
+            raise HeteroError(
+                f"{self.path.name}: op {unknown[0]!r} is not implemented by the reference executor "
+                f"(it runs only the ops the coreml_graphs builders emit: {', '.join(sorted(SUPPORTED_OPS))})"
+            )
+        self.input_shapes = {name: tuple(var.shape) for name, var in self.function.inputs.items()}
+        self.output_names = [var.name for var in self.function.outputs]
+        self._last_use = _last_uses(self.ops, self.output_names)
+        # Constants widened to fp32 once (exact: every fp16 value is an fp32 value), not at every call.
+        self._consts = {op.outputs[0].name: _f32(op.outputs[0].val) for op in self.ops if op.op_type == "const"}
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the program on `inputs` (name -> array of the declared shape); returns fp16 outputs by name."""
+        missing = set(self.input_shapes) - set(inputs)
+        if missing:
+            raise ValueError(f"{self.path.name}: missing inputs {sorted(missing)}")
+        env: dict[str, np.ndarray] = {}
+        for name, shape in self.input_shapes.items():
+            a = np.asarray(inputs[name])
+            if a.shape != shape:
+                raise ValueError(f"{self.path.name}: input {name} has shape {a.shape}, the program takes {shape}")
+            env[name] = a.astype(np.float16)
+        for i, op in enumerate(self.ops):
+            out = op.outputs[0]
+            if op.op_type == "const":
+                env[out.name] = self._consts[out.name]
+                continue
+            result = _run(op, {k: _fetch(env, v) for k, v in op.inputs.items()})
+            env[out.name] = _round(result)
+            for name in self._last_use.get(i, ()):  # free what no later op reads: attention makes big temporaries
+                env.pop(name, None)
+        return {name: env[name] for name in self.output_names}
+
+
+def _fetch(env: dict[str, np.ndarray], var: Any) -> Any:
+    if isinstance(var, (list, tuple)):
+        return [_fetch(env, v) for v in var]
+    return env[var.name] if var.name in env else var.val
+
+
+def _last_uses(ops: list, keep: list[str]) -> dict[int, list[str]]:
+    """op index -> names of values read for the last time there (outputs are kept)."""
+    last: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for var in op.inputs.values():
+            for v in var if isinstance(var, (list, tuple)) else [var]:
+                last[v.name] = i
+    out: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            out.setdefault(i, []).append(name)
+    return out
+
+
+def _f32(a: Any) -> Any:
+    """fp16 tensors are widened to fp32 for the op's arithmetic; integer parameters pass unchanged."""
+    a = np.asarray(a)
+    return a.astype(np.float32) if a.dtype == np.float16 else a
+
+
+def _round(a: Any) -> np.ndarray:
+    """Store an op's result as the ANE would: floats rounded to fp16."""
+    a = np.asarray(a)
+    return a.astype(np.float16) if np.issubdtype(a.dtype, np.floating) else a
+
+
+def _run(op: Any, args: dict[str, Any]) -> np.ndarray:
+    kind = op.op_type
+    if kind in VALUE_INFERENCE_OPS:
+        shim = type("Inputs", (), {"_input_types": {}})()  # `_input_types` empty: skip the const-only precondition
+        for name, value in args.items():
+            setattr(shim, name, [_Value(_f32(v)) for v in value] if isinstance(value, list) else _Value(_f32(value)))
+        for name in type(op).input_spec.input_types:  # absent optional inputs read as None
+            if not hasattr(shim, name):
+                setattr(shim, name, None)
+        return type(op).value_inference(shim)
+    if kind in OPERATOR_OPS:
+        return op.get_operator()(_f32(args["x"]), _f32(args["y"]))
+    if kind in REDUCE_OPS:
+        return op.get_operator()(_f32(args["x"]), axis=tuple(args["axes"]), keepdims=bool(args["keep_dims"]))
+    if kind == "conv":
+        return _conv1x1(op, args)
+    if kind == "reshape":
+        return np.reshape(args["x"], tuple(int(d) for d in args["shape"]))
+    if kind == "silu":
+        x = _f32(args["x"])
+        return x / (1.0 + np.exp(-x))
+    raise HeteroError(f"op {kind!r} is not implemented by the reference executor")  # unreachable: checked at load
+
+
+def _conv1x1(op: Any, args: dict[str, Any]) -> np.ndarray:
+    """conv with a 1x1 kernel, stride 1, one group: a projection over the channel axis of (1, Cin, 1, S)."""
+    w = _f32(args["weight"])  # [Cout, Cin, kh, kw]
+    groups = int(args.get("groups", 1))
+    strides = [int(s) for s in args.get("strides", [1, 1])]
+    if w.shape[2:] != (1, 1) or groups != 1 or strides != [1, 1]:
+        raise HeteroError(
+            f"op 'conv' ({op.name}) with kernel {w.shape[2:]}, groups {groups}, strides {strides}: "
+            f"the reference executor runs only 1x1, one-group, stride-1 convolutions"
+        )
+    x = _f32(args["x"])  # (B, Cin, H, W)
+    out = np.einsum("oc,bchw->bohw", w[:, :, 0, 0], x, optimize=True)  # (B, Cout, H, W)
+    if args.get("bias") is not None:
+        out = out + _f32(args["bias"])[None, :, None, None]
+    return out
