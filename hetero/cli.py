@@ -1,9 +1,10 @@
-"""`hetero` command line: run, check, convert."""
+"""`hetero` command line: run, check, tune, serve, convert."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from hetero.errors import HeteroError
@@ -45,6 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune)
     _add_model(tune)
     tune.add_argument("--tokens", type=int, default=256, help="tokens decoded per prompt and setting")
+
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a prefix cache")
+    serve.set_defaults(func=cmd_serve)
+    _add_model(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=os.environ.get("HETERO_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $HETERO_API_KEY, else no key)")
+    serve.add_argument("--served-model-name", help="another name clients may use in 'model'")
+    serve.add_argument("--prefix-cache-max-gb", type=float, default=2.0, help="RAM for prefix-cache checkpoints")
+    serve.add_argument("--session-cache", metavar="DIR", help="on-disk session cache (default: ~/.cache/hetero/sessions)")
+    serve.add_argument("--session-cache-max-gb", type=float, default=16.0, help="disk for the session cache")
+    serve.add_argument("--no-session-cache", action="store_true", help="keep checkpoints in RAM only")
 
     convert = sub.add_parser("convert", help="write a converted copy of a checkpoint")
     convert.set_defaults(func=cmd_convert)
@@ -122,6 +136,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not engine.model.has_mtp:
         raise HeteroError(f"{engine.name} has no MTP head: there is no draft depth to tune")
     tune(engine, tokens=args.tokens)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hetero.server import serve
+
+    serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
+          args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,12 +14,13 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.errors import HeteroError
-from hetero.generate import DecodeTimes, ProgressFn, generate_tokens, prefill
+from hetero.generate import DecodeTimes, ProgressFn, Trace, generate_tokens, prefill
 from hetero.loader import load_model
 from hetero.models.qwen3_5 import Model
+from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
 from hetero.settings import tuned_depth
-from hetero.speculative import MAX_DEPTH, MTPStats, mtp_generate_tokens
+from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, mtp_generate_tokens
 from hetero.tokenizer import Tokenizer
 
 DEFAULT_DRAFT_DEPTH = 3
@@ -34,7 +36,11 @@ class GenerationResult:
 
 
 class Engine:
-    """A loaded model with its tokenizer."""
+    """A loaded model with its tokenizer.
+
+    Set `prefix_cache` to a `PrefixCache` and `generate` restores the longest cached prefix of each prompt,
+    checkpoints prefill chunk edges and the end of every turn, and reports `cached_tokens`.
+    """
 
     def __init__(self, model: Model, tokenizer: Tokenizer, config: dict, path: Path, name: str):
         self.model = model
@@ -43,6 +49,7 @@ class Engine:
         self.path = path
         self.name = name
         self.eos_ids = _eos_ids(model, tokenizer, path)
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def identity(self) -> str:
@@ -96,12 +103,18 @@ class Engine:
         copy: bool = True,
         on_text: Callable[[str], None] | None = None,
         progress: ProgressFn | None = None,
+        use_prefix_cache: bool = True,
+        should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
 
         `mtp` (default: whenever the checkpoint has an MTP head) decodes speculatively with the model's own MTP
         head at `draft_depth` (default: the depth `hetero tune` saved for this model and machine, else 3), with
         the copy lane unless `copy=False`. The output distribution is the same either way.
+
+        With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached
+        prefix; the output is the cold run's. `should_stop` is polled after every token: True ends the
+        generation there (finish_reason "stop"), e.g. on a stop string or a client that went away.
         """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
@@ -114,29 +127,66 @@ class Engine:
         depth = draft_depth if draft_depth is not None else tuned_depth(self.identity) or DEFAULT_DRAFT_DEPTH
         if use_mtp and not 1 <= depth <= MAX_DEPTH:
             raise HeteroError(f"--draft-depth must be in 1..{MAX_DEPTH}, got {depth}")
-        times = DecodeTimes()
+        times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
         mx.reset_peak_memory()
         mtp_stats = MTPStats(depth) if use_mtp else None
+        pc = self.prefix_cache if use_prefix_cache else None
+        key, model = self.identity, self.model
+        cache, skip, carry = model.make_cache(), 0, None
+        if pc is not None:
+            restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
+            if restored is not None:
+                cache, skip, carry = restored.cache, restored.n, restored.hidden
+
+        def on_chunk(n: int, hidden: mx.array) -> None:
+            pc.capture(model, key, ids[:n], cache, hidden)
+
+        chunk_hook = on_chunk if pc is not None else None
+        trace = Trace()
+        committed = list(ids)
+        state: list[Decoder] = []
+        last_mark = [len(ids) // prefill_chunk]
+
+        def on_commit(decoder: Decoder, new: list[int]) -> None:
+            committed.extend(new)
+            state[:] = [decoder]
+            mark = decoder.length // prefill_chunk
+            if pc is not None and mark > last_mark[0]:  # a checkpoint every prefill_chunk decoded tokens
+                last_mark[0] = mark
+                pc.capture(model, key, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
+
         if use_mtp:
             stream = mtp_generate_tokens(
-                self.model, ids, sampler, max_tokens, self.eos_ids, depth, copy, prefill_chunk, progress, times,
-                mtp_stats, max_context=self.max_context,
+                model, ids, sampler, max_tokens, self.eos_ids, depth, copy, prefill_chunk, progress, times,
+                mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry, on_chunk=chunk_hook,
+                on_commit=on_commit,
             )
         else:
-            stream = generate_tokens(self.model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times)
+            stream = generate_tokens(
+                model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times, cache=cache,
+                skip=skip, carry=carry, on_chunk=chunk_hook, mtp_prefill=pc is not None and model.has_mtp,
+                trace=trace,
+            )
         for tid in stream:
             tokens.append(tid)
             piece = detok.add(tid)
             if piece and on_text is not None:
                 on_text(piece)
+            if should_stop is not None and should_stop():
+                times.finish_reason = "stop"
+                stream.close()
+                break
         tail = detok.finalize()
         if tail and on_text is not None:
             on_text(tail)
+        if pc is not None:
+            self._checkpoint_turn(pc, ids, cache, trace, state[0] if state else None, committed, prefill_chunk)
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
+            "cached_tokens": skip,
             "generated_tokens": len(tokens),
             "finish_reason": times.finish_reason,
             "ttft_s": round(times.ttft_s, 6),
@@ -147,6 +197,27 @@ class Engine:
         if mtp_stats is not None:
             stats["mtp"] = mtp_stats.to_dict()
         return GenerationResult(detok.text, tokens, stats)
+
+    def _checkpoint_turn(
+        self, pc: PrefixCache, ids: list[int], cache: list, trace: Trace, decoder: Decoder | None, committed: list[int],
+        chunk: int,
+    ) -> None:
+        """Checkpoint the committed end state of a turn (never a speculative one), then persist it.
+
+        The disk gets the checkpoints from the last chunk edge before the prompt's end onward: the same prompt
+        sent again must still run its last token, so it resumes from that edge.
+        """
+        key = self.identity
+        if decoder is not None:  # MTP: the state after the last round; x is committed but not yet run
+            run = committed[: decoder.length]
+            pc.capture(self.model, key, run, decoder.cache, decoder.pending_hidden)
+        elif trace.hidden:  # plain: the prompt, then every token a decode step ran
+            run = list(ids) + [int(t.item()) for t in trace.tokens]
+            pending = mx.concatenate(trace.hidden, axis=0)  # [1 + steps, H]
+            pc.capture(self.model, key, run, cache, pending)
+        else:
+            return
+        pc.persist(self.model, key, run, since=(len(ids) - 1) // chunk * chunk)
 
 
 def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -13,6 +13,7 @@ from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
+ChunkFn = Callable[[int, mx.array], None]  # (tokens in the cache, post-norm hidden [1, H] of the last one)
 
 
 def prefill(
@@ -23,28 +24,38 @@ def prefill(
     progress: ProgressFn | None = None,
     all_logits: bool = False,
     mtp: bool = False,
+    carry: mx.array | None = None,
+    on_chunk: ChunkFn | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Run `tokens` through the model in chunks, filling `cache`.
+    """Run `tokens` through the model in chunks, filling `cache` (which may already hold a prefix).
 
     Returns (logits, post-norm hidden): for the last position only ([1, V], [1, hidden]), or for every
     position when `all_logits` ([S, V], [S, hidden]). Only the rows that are read go through lm_head.
     With `mtp`, the MTP head's KV is filled too: position p gets (t_{p+1}, h_p) for p < len(tokens) - 1;
     the last hidden waits for the token that will follow the prompt.
+
+    When `cache` already holds n tokens (a restored prefix), chunk edges stay at multiples of `chunk` counted
+    from position 0, so the work after a restore at a chunk edge is exactly the cold run's; `carry` [1, H] is
+    then h_{n-1}, which the MTP head pairs with tokens[0]. `on_chunk` sees the cache after every chunk.
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
     logits, hidden = [], []
-    carry: mx.array | None = None  # [1, H] the previous chunk's last hidden, waiting for its next token
-    for start in range(0, len(tokens), chunk):
-        piece = mx.array(tokens[start : start + chunk])[None]  # [1, S]
+    offset = cache[0].offset if cache else 0
+    first = chunk - offset % chunk  # tokens up to the next absolute chunk edge
+    edges = [0] + list(range(first, len(tokens), chunk)) + [len(tokens)]
+    for start, stop in zip(edges, edges[1:]):
+        if start == stop:
+            continue
+        piece = mx.array(tokens[start:stop])[None]  # [1, S]
         h = model.model(piece, cache[: len(model.layers)])  # [1, S, hidden]
-        last = start + chunk >= len(tokens)
+        last = stop >= len(tokens)
         if mtp:
             pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
             pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
             if pairs_t.size:
                 model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
-            carry = h[0, -1:]
+            carry = h[0, -1:]  # [1, H] waits for the next chunk's first token
         if all_logits:
             logits.append(model.logits(h)[0])
             hidden.append(h[0])
@@ -54,9 +65,11 @@ def prefill(
             hidden.append(h[0, -1:])
             mx.eval(logits[-1], hidden[-1], *cache_arrays(cache))
         else:
-            mx.eval(*cache_arrays(cache))  # bound the graph: one chunk at a time
+            mx.eval(h[0, -1:], *cache_arrays(cache))  # bound the graph: one chunk at a time
+        if on_chunk is not None:
+            on_chunk(offset + stop, h[0, -1:])
         if progress is not None:
-            progress(min(start + chunk, len(tokens)), len(tokens))
+            progress(stop, len(tokens))
     return mx.concatenate(logits), mx.concatenate(hidden)
 
 
@@ -85,6 +98,18 @@ class DecodeTimes:
         return (self.generated - 1) / span if self.generated > 1 and span > 0 else 0.0
 
 
+@dataclass
+class Trace:
+    """What the backbone ran for one generation, for a checkpoint of its end state.
+
+    `hidden` holds post-norm hiddens [1, H]: the prompt's last position, then one per decode step;
+    `tokens` the ids each decode step ran (scalar arrays, evaluated lazily).
+    """
+
+    hidden: list[mx.array] = field(default_factory=list)
+    tokens: list[mx.array] = field(default_factory=list)
+
+
 def generate_tokens(
     model: Model,
     prompt: list[int],
@@ -95,23 +120,36 @@ def generate_tokens(
     progress: ProgressFn | None = None,
     times: DecodeTimes | None = None,
     cache: list[LayerCache] | None = None,
+    skip: int = 0,
+    carry: mx.array | None = None,
+    on_chunk: ChunkFn | None = None,
+    mtp_prefill: bool = False,
+    trace: Trace | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or `max_tokens`.
 
     The next step is queued with `mx.async_eval` before the current token is handed out, so the
-    model computes while the caller detokenizes and prints.
+    model computes while the caller detokenizes and prints. With `skip` > 0, `cache` already holds
+    prompt[:skip] (a restored prefix, `carry` its last hidden) and only the rest is prefilled;
+    `mtp_prefill` fills the MTP head's KV during prefill too (so checkpoints serve MTP requests).
     """
     times = times if times is not None else DecodeTimes()
-    times.start, times.prompt_tokens = time.perf_counter(), len(prompt)
+    times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)  # a caller may start earlier
     cache = cache if cache is not None else model.make_cache()
     if max_tokens <= 0:
         times.first_token = times.end = time.perf_counter()
         return
-    logits, _ = prefill(model, prompt, cache, chunk, progress)
+    logits, last_hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
+                                  on_chunk=on_chunk)
     token = sampler(logits[-1])
+    if trace is not None:
+        trace.hidden.append(last_hidden)
 
     def step(tok: mx.array) -> mx.array:
-        out, _ = model(tok.reshape(1, 1), cache)
+        out, h = model(tok.reshape(1, 1), cache)
+        if trace is not None:
+            trace.tokens.append(tok)
+            trace.hidden.append(h[0])
         return sampler(out[0, -1])
 
     mx.async_eval(token)

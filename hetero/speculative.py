@@ -14,13 +14,13 @@ Nothing accepted is ever re-run.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
-from hetero.generate import DecodeTimes, ProgressFn, prefill
+from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, prefill
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
 
@@ -190,18 +190,28 @@ def mtp_generate_tokens(
     stats: MTPStats | None = None,
     cache: list[LayerCache] | None = None,
     max_context: int | None = None,
+    skip: int = 0,
+    carry: mx.array | None = None,
+    on_chunk: ChunkFn | None = None,
+    on_commit: Callable[[Decoder, list[int]], None] | None = None,
 ) -> Iterator[int]:
-    """Yield generated token ids (EOS excluded), exactly as `generate_tokens` would in distribution."""
+    """Yield generated token ids (EOS excluded), exactly as `generate_tokens` would in distribution.
+
+    `skip`/`carry`/`on_chunk` as in `start`; `on_commit(decoder, tokens)` sees the committed state after the
+    first token and after every round, with the tokens that state newly committed (the last one is decoder.x).
+    """
     if not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"draft depth must be in 1..{MAX_DEPTH}, got {depth}")
     times = times if times is not None else DecodeTimes()
     stats = stats if stats is not None else MTPStats(depth)
-    times.start, times.prompt_tokens = time.perf_counter(), len(prompt)
+    times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)  # a caller may start earlier
     max_context = max_context or model.args.max_position_embeddings
     if max_tokens <= 0:
         times.first_token = times.end = time.perf_counter()
         return
-    decoder = start(model, prompt, sampler, cache, chunk, progress, copy)
+    decoder = start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk)
+    if on_commit is not None:
+        on_commit(decoder, [decoder.x])
     emitted = 0
 
     def emit(token: int) -> bool:
@@ -226,6 +236,8 @@ def mtp_generate_tokens(
         copy_k = max(0, min(MAX_DEPTH, 2 * depth, room))
         drafts, accepted, copied = run_round(decoder, sampler, k, copy_k)
         stats.record(len(drafts), accepted, copied)
+        if on_commit is not None:
+            on_commit(decoder, drafts[:accepted] + [decoder.x])
         for token in drafts[:accepted] + [decoder.x]:
             if not emit(token):
                 return
@@ -243,10 +255,19 @@ def start(
     chunk: int = 512,
     progress: ProgressFn | None = None,
     copy: bool = True,
+    skip: int = 0,
+    carry: mx.array | None = None,
+    on_chunk: ChunkFn | None = None,
 ) -> Decoder:
-    """Prefill the prompt (backbone and MTP head) and sample the first token."""
+    """Prefill the prompt (backbone and MTP head) and sample the first token.
+
+    With `skip` > 0, `cache` already holds prompt[:skip] (a restored checkpoint) and `carry` [1, H] is its
+    h_{skip-1}; only prompt[skip:] is prefilled. `on_chunk` sees the cache after every prefill chunk.
+    """
     cache = cache if cache is not None else model.make_cache()
-    logits, last_hidden = prefill(model, prompt, cache, chunk, progress, mtp=True)  # last_hidden [1, H]
+    logits, last_hidden = prefill(
+        model, prompt[skip:], cache, chunk, progress, mtp=True, carry=carry, on_chunk=on_chunk
+    )  # last_hidden [1, H]
     x = sampler(logits[-1]).item()
     lane = CopyLane(prompt + [x]) if copy else None
     return Decoder(model, cache, x, last_hidden, lane=lane)

@@ -1,0 +1,623 @@
+"""OpenAI- and Anthropic-compatible HTTP server (Starlette on uvicorn) over one `Engine`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic), GET /v1/models, GET /health.
+Requests run one at a time in arrival order on a single worker thread (the runtime of the pipeline issue will
+admit several); a client that disconnects cancels its generation; a bad request gets a 4xx JSON error that names
+the field. Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details.cached_tokens`,
+Anthropic `usage.cache_read_input_tokens`) and engine stats in a `hetero` field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from hetero.engine import Engine
+from hetero.errors import HeteroError
+
+MAX_STOPS = 16
+
+
+class RequestError(Exception):
+    """A client mistake: HTTP `status`, one-line `message`, the offending field as `param`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class Cancelled(Exception):
+    """The client went away; the generation stops where it is."""
+
+
+@dataclass
+class Started:
+    """Streamed once, when the prefill begins: how many prompt tokens came from the prefix cache."""
+
+    cached_tokens: int
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stop strings
+
+
+class StopMatcher:
+    """Cuts streamed text exactly where the first stop string begins; never emits any part of it.
+
+    Text that could be the start of a stop string (a suffix of the text so far that is a prefix of a stop) is
+    held back until the next piece decides, so stops that span token boundaries are still found.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped: str | None = None  # the stop string that matched
+
+    def feed(self, piece: str) -> str:
+        """Add generated text; returns what may be emitted now."""
+        if self.stopped is not None:
+            return ""
+        self.held += piece
+        hits = [(self.held.find(s), s) for s in self.stops if s in self.held]
+        if hits:
+            at, stop = min(hits)
+            self.stopped = stop
+            out, self.held = self.held[:at], ""
+            return out
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.held)), keep, -1):
+                if self.held.endswith(s[:k]):
+                    keep = k
+                    break
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep :]
+        return out
+
+    def flush(self) -> str:
+        """The held-back text once generation has ended without a stop."""
+        out, self.held = ("" if self.stopped is not None else self.held), ""
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Request parsing
+
+
+@dataclass
+class Job:
+    """One validated generation request, independent of the API it came through."""
+
+    ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    mtp: bool | None = None
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RequestError(400, f"'{name}' must be a number, got {type(v).__name__}", name)
+    if not lo <= v <= hi:
+        raise RequestError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return float(v)
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(400, f"'{name}' must be an integer, got {type(v).__name__}", name)
+    if lo is not None and v < lo:
+        raise RequestError(400, f"'{name}' must be at least {lo}, got {v}", name)
+    return v
+
+
+def _boolean(body: dict, name: str, default: bool | None) -> bool | None:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(400, f"'{name}' must be true or false, got {type(v).__name__}", name)
+    return v
+
+
+def _stops(body: dict, name: str) -> list[str]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > MAX_STOPS:
+        raise RequestError(400, f"'{name}' must be a non-empty string or a list of at most {MAX_STOPS} of them", name)
+    return v
+
+
+def _text(content, where: str) -> str:
+    """Message content (a string, or a list of parts / Anthropic blocks) -> plain text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(400, f"'{where}' must be a string or a list of content parts", where)
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise RequestError(400, f"'{where}[{i}]' must be an object with a 'type'", f"{where}[{i}]")
+        kind = part["type"]
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise RequestError(400, f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
+            out.append(part["text"])
+        elif kind == "tool_result":  # Anthropic: the tool's output, as text
+            out.append(_text(part.get("content"), f"{where}[{i}].content"))
+        elif kind == "tool_use":
+            out.append(json.dumps({"name": part.get("name"), "input": part.get("input")}))
+        else:
+            raise RequestError(400, f"'{where}[{i}].type' {kind!r} is not supported (text only)", f"{where}[{i}].type")
+    return "".join(out)
+
+
+def _messages(body: dict, roles: set[str]) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RequestError(400, f"'messages[{i}]' must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in roles:
+            raise RequestError(400, f"'messages[{i}].role' must be one of {sorted(roles)}, got {role!r}", f"messages[{i}].role")
+        out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
+    return out
+
+
+class Parser:
+    """Turns request bodies into Jobs for one engine (its name, tokenizer and context window)."""
+
+    def __init__(self, engine: Engine, model_names: set[str]):
+        self.engine = engine
+        self.model_names = model_names
+
+    def model(self, body: dict) -> None:
+        name = body.get("model")
+        if not isinstance(name, str):
+            raise RequestError(400, "'model' is required and must be a string", "model")
+        if name not in self.model_names:
+            raise RequestError(404, f"model {name!r} is not served here; GET /v1/models lists {sorted(self.model_names)}",
+                               "model", "model_not_found")
+
+    def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        try:
+            ids = self.engine.encode_prompt(prompt)
+        except HeteroError as e:
+            code = "context_length_exceeded" if "context window" in str(e) else None
+            raise RequestError(400, str(e), param, code) from None
+        return ids
+
+    def common(self, body: dict, ids: list[int], max_name: str, required_max: bool = False) -> Job:
+        if body.get("ane_fraction") is not None:
+            f = _number(body, "ane_fraction", 0.0, 0.0, 1.0)
+            if f != 0.0:
+                raise RequestError(400, "'ane_fraction' > 0 needs the GPU+ANE split runtime, which is not available "
+                                   "in this build yet; send 0 or leave it out", "ane_fraction")
+        room = self.engine.max_context - len(ids)
+        if required_max and body.get(max_name) is None:
+            raise RequestError(400, f"'{max_name}' is required", max_name)
+        max_tokens = _integer(body, max_name, room, lo=1)
+        mtp = _boolean(body, "mtp", None)
+        if mtp and not self.engine.model.has_mtp:
+            raise RequestError(400, "'mtp': this model has no MTP head", "mtp")
+        return Job(
+            ids=ids, max_tokens=min(max_tokens, room), temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=_integer(body, "top_k", 0, lo=0),
+            min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=_integer(body, "seed", None),
+            stream=bool(_boolean(body, "stream", False)), mtp=mtp,
+        )
+
+    def openai_chat(self, body: dict) -> Job:
+        self.model(body)
+        messages = _messages(body, {"system", "developer", "user", "assistant", "tool"})
+        for m in messages:
+            m["role"] = "system" if m["role"] == "developer" else m["role"]
+        if _integer(body, "n", 1, lo=1) != 1:
+            raise RequestError(400, "'n' must be 1: one choice per request", "n")
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except HeteroError as e:
+            raise RequestError(400, str(e), "messages") from None
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        job = self.common(body, self.encode(text, "messages"), name)
+        job.stops = _stops(body, "stop")
+        self._stream_options(body, job)
+        return job
+
+    def openai_completion(self, body: dict) -> Job:
+        self.model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError(400, "'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
+        if not isinstance(prompt, (str, list)):
+            raise RequestError(400, "'prompt' is required: a string or a list of token ids", "prompt")
+        if _integer(body, "n", 1, lo=1) != 1:
+            raise RequestError(400, "'n' must be 1: one choice per request", "n")
+        job = self.common(body, self.encode(prompt, "prompt"), "max_tokens")
+        job.stops = _stops(body, "stop")
+        self._stream_options(body, job)
+        return job
+
+    def anthropic(self, body: dict) -> Job:
+        self.model(body)
+        messages = _messages(body, {"user", "assistant"})
+        system = body.get("system")
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": _text(system, "system")})
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except HeteroError as e:
+            raise RequestError(400, str(e), "messages") from None
+        job = self.common(body, self.encode(text, "messages"), "max_tokens", required_max=True)
+        job.temperature = _number(body, "temperature", 0.0, 0.0, 1.0)
+        job.stops = _stops(body, "stop_sequences")
+        return job
+
+    @staticmethod
+    def _stream_options(body: dict, job: Job) -> None:
+        opts = body.get("stream_options")
+        if opts is None:
+            return
+        if not isinstance(opts, dict):
+            raise RequestError(400, "'stream_options' must be an object", "stream_options")
+        job.include_usage = bool(_boolean(opts, "include_usage", False))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running jobs
+
+
+@dataclass
+class Outcome:
+    """What a finished job reports to every API's formatter."""
+
+    text: str
+    stats: dict
+    stop: str | None  # the stop string that ended it
+    finish: str  # "stop" (EOS or a stop string) or "length"
+
+    @property
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt tokens, cached prompt tokens, completion tokens)."""
+        s = self.stats
+        return s["prompt_tokens"], s["cached_tokens"], s["generated_tokens"]
+
+
+class Runner:
+    """Runs jobs one at a time, in arrival order, on one worker thread (MLX stays on a single thread)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-gen")
+        self.finished = 0
+        self.cancelled = 0  # jobs stopped because their client went away
+
+    def run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event) -> Outcome:
+        """In the worker thread: generate, pass text through the stop matcher to `emit`."""
+        try:
+            outcome = self._run(job, emit, cancelled)
+        except Cancelled:
+            self.cancelled += 1
+            raise
+        self.finished += 1
+        return outcome
+
+    def _run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event) -> Outcome:
+        if cancelled.is_set():
+            raise Cancelled()
+        matcher = StopMatcher(job.stops)
+        parts: list[str] = []
+        started = []
+
+        def on_text(piece: str) -> None:
+            out = matcher.feed(piece)
+            if out:
+                parts.append(out)
+                emit(out)
+
+        def progress(done: int, total: int) -> None:
+            if not started:  # the prefill covers only what the prefix cache did not restore
+                started.append(True)
+                emit(Started(len(job.ids) - total))
+            if cancelled.is_set():
+                raise Cancelled()
+
+        result = self.engine.generate(
+            job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
+            min_p=job.min_p, seed=job.seed, mtp=job.mtp, on_text=on_text, progress=progress,
+            should_stop=lambda: matcher.stopped is not None or cancelled.is_set(),
+        )
+        if cancelled.is_set():
+            raise Cancelled()  # cut short by the client, not finished
+        tail = matcher.flush()
+        if tail:
+            parts.append(tail)
+            emit(tail)
+        finish = "stop" if matcher.stopped is not None else result.stats["finish_reason"]
+        stats = {k: v for k, v in result.stats.items() if k != "model"}
+        return Outcome("".join(parts), stats, matcher.stopped, finish)
+
+    async def complete(self, job: Job, request: Request) -> Outcome:
+        """Run to the end; a client that disconnects meanwhile cancels the job."""
+        cancelled = threading.Event()
+        fut = asyncio.wrap_future(self.pool.submit(self.run, job, lambda _: None, cancelled))
+        while not fut.done():
+            await asyncio.wait([fut], timeout=0.25)
+            if not fut.done() and await request.is_disconnected():
+                cancelled.set()
+        return fut.result()
+
+    async def stream(self, job: Job) -> AsyncIterator[str | Started | Outcome]:
+        """Started, text pieces as they come, then the Outcome; closing the iterator (client gone) cancels the job."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def emit(piece: str | Started) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+        fut = self.pool.submit(self.run, job, emit, cancelled)
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, f))
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, (str, Started)):
+                    yield item
+                    continue
+                yield item.result()
+                return
+        finally:
+            cancelled.set()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HTTP
+
+
+def _openai_error(e: RequestError) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+    return JSONResponse({"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}},
+                        status_code=e.status)
+
+
+def _anthropic_error(e: RequestError) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+    message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=e.status)
+
+
+def _sse(data: dict, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data)}\n\n"
+
+
+def _openai_usage(o: Outcome) -> dict:
+    prompt, cached, completion = o.usage
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _anthropic_usage(o: Outcome) -> dict:
+    prompt, cached, completion = o.usage
+    # Anthropic convention: input_tokens counts only the prompt tokens that were not read from the cache
+    return {"input_tokens": prompt - cached, "output_tokens": completion, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+def _anthropic_stop(o: Outcome) -> str:
+    return "stop_sequence" if o.stop is not None else ("end_turn" if o.finish == "stop" else "max_tokens")
+
+
+def create_app(engine: Engine, api_key: str | None = None, model_names: set[str] | None = None) -> Starlette:
+    """The ASGI app serving `engine`; with `api_key`, /v1 routes need `Authorization: Bearer KEY` or `x-api-key`."""
+    names = model_names or {engine.name}
+    parser, runner = Parser(engine, names), Runner(engine)
+    primary = sorted(names)[0]
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        if given != api_key:
+            raise RequestError(401, "missing or wrong API key (send Authorization: Bearer KEY)", None, "invalid_api_key")
+
+    async def body_of(request: Request) -> dict:
+        check_key(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object", None)
+        return body
+
+    async def chat_completions(request: Request) -> Response:
+        try:
+            job = parser.openai_chat(await body_of(request))
+        except RequestError as e:
+            return _openai_error(e)
+        return await _openai(request, job, chat=True)
+
+    async def completions(request: Request) -> Response:
+        try:
+            job = parser.openai_completion(await body_of(request))
+        except RequestError as e:
+            return _openai_error(e)
+        return await _openai(request, job, chat=False)
+
+    async def _openai(request: Request, job: Job, chat: bool) -> Response:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not job.stream:
+            try:
+                o = await runner.complete(job, request)
+            except Cancelled:
+                return Response(status_code=499)
+            except HeteroError as e:
+                return _openai_error(RequestError(400, str(e)))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish,
+                       "logprobs": None} if chat else
+                      {"index": 0, "text": o.text, "finish_reason": o.finish, "logprobs": None})
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": primary,
+                                 "choices": [choice], "usage": _openai_usage(o), "hetero": o.stats})
+
+        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+            if chat:
+                d = ({"role": "assistant", "content": ""} if role else {"content": delta}) if finish is None else {}
+                c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": primary,
+                    "choices": [c]}
+
+        async def events() -> AsyncIterator[str]:
+            if chat:
+                yield _sse(chunk(None, role=True))
+            async for item in runner.stream(job):
+                if isinstance(item, Started):
+                    continue
+                if isinstance(item, str):
+                    yield _sse(chunk(item))
+                    continue
+                last = chunk(None, item.finish)
+                last["hetero"] = item.stats
+                yield _sse(last)
+                if job.include_usage:
+                    yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                                "model": primary, "choices": [], "usage": _openai_usage(item)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def messages(request: Request) -> Response:
+        try:
+            job = parser.anthropic(await body_of(request))
+        except RequestError as e:
+            return _anthropic_error(e)
+        mid = "msg_" + uuid.uuid4().hex[:24]
+        if not job.stream:
+            try:
+                o = await runner.complete(job, request)
+            except Cancelled:
+                return Response(status_code=499)
+            except HeteroError as e:
+                return _anthropic_error(RequestError(400, str(e)))
+            return JSONResponse({
+                "id": mid, "type": "message", "role": "assistant", "model": primary,
+                "content": [{"type": "text", "text": o.text}], "stop_reason": _anthropic_stop(o),
+                "stop_sequence": o.stop, "usage": _anthropic_usage(o), "hetero": o.stats,
+            })
+
+        async def events() -> AsyncIterator[str]:
+            async for item in runner.stream(job):
+                if isinstance(item, Started):  # message_start waits for the restore to report cached tokens
+                    cached = item.cached_tokens
+                    yield _sse({"type": "message_start", "message": {
+                        "id": mid, "type": "message", "role": "assistant", "model": primary, "content": [],
+                        "stop_reason": None, "stop_sequence": None,
+                        "usage": {"input_tokens": len(job.ids) - cached, "output_tokens": 0,
+                                  "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}},
+                        "message_start")
+                    yield _sse({"type": "content_block_start", "index": 0,
+                                "content_block": {"type": "text", "text": ""}}, "content_block_start")
+                    yield _sse({"type": "ping"}, "ping")
+                elif isinstance(item, str):
+                    yield _sse({"type": "content_block_delta", "index": 0,
+                                "delta": {"type": "text_delta", "text": item}}, "content_block_delta")
+                else:
+                    yield _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                    yield _sse({"type": "message_delta",
+                                "delta": {"stop_reason": _anthropic_stop(item), "stop_sequence": item.stop},
+                                "usage": _anthropic_usage(item), "hetero": item.stats}, "message_delta")
+                    yield _sse({"type": "message_stop"}, "message_stop")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+        except RequestError as e:
+            return _openai_error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": n, "object": "model", "created": 0, "owned_by": "hetero"} for n in sorted(names)]})
+
+    async def health(request: Request) -> Response:
+        pc = engine.prefix_cache
+        return JSONResponse({"status": "ok", "model": primary, "max_context": engine.max_context,
+                             "prefix_cache": pc.stats() if pc is not None else None,
+                             "requests": {"finished": runner.finished, "cancelled": runner.cancelled}})
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ])
+
+
+def serve(
+    model: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    session_cache: str | None = None,
+    session_cache_max_gb: float = 16.0,
+    no_session_cache: bool = False,
+    prefix_cache_max_gb: float = 2.0,
+    served_name: str | None = None,
+) -> None:
+    """Load the model, attach the RAM prefix cache (and the disk session cache), and serve until interrupted."""
+    import logging
+
+    import uvicorn
+
+    import hetero
+    from hetero.prefix_cache import PrefixCache
+    from hetero.session_store import SessionStore
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine = hetero.load(model)
+    store = None if no_session_cache else SessionStore(session_cache, int(session_cache_max_gb * 1024**3))
+    engine.prefix_cache = PrefixCache(int(prefix_cache_max_gb * 1024**3), store=store)
+    names = {engine.name} | ({served_name} if served_name else set())
+    app = create_app(engine, api_key=api_key, model_names=names)
+    where = f"session cache {store.root} ({len(store.entries)} entries)" if store else "no session cache"
+    print(f"hetero: serving {sorted(names)} on http://{host}:{port} ({where})", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,271 @@
+"""On-disk session cache: prefix-cache snapshots as safetensors files with a small JSON manifest.
+
+One entry = two files in DIR/<model key hash>/:
+  <id>.safetensors  tokens int32 [n]; kv.<i>.k / kv.<i>.v the K/V rows 0..n-1 of every attention layer (MTP layers:
+                    0..n-2); cp.<j>.hidden [1, H] and cp.<j>.gdn.<l>.conv / .rec: the fixed-size state of checkpoint j
+  <id>.json         {"format", "model", "n", "checkpoints": [positions], "n_mtp", "bytes", "sha256"}
+Never pickle. Each file is written under a temporary name and renamed into place; the manifest goes last, so an
+entry without a manifest never existed. Before an entry is used its bytes are checked against the manifest's
+sha256 and its tensors against the model's shapes: a truncated, damaged or foreign entry is skipped with a warning
+(and removed), and the prefix is recomputed, never served. Least recently used entries go first (file mtime)
+when the directory holds more than `max_bytes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from hetero.cache import KVCache
+from hetero.prefix_cache import Checkpoint, Snapshot
+
+FORMAT = "hetero-session/1"
+DEFAULT_MAX_BYTES = 16 * 1024**3
+log = logging.getLogger("hetero.session_store")
+
+
+def default_dir() -> Path:
+    """$HETERO_HOME/sessions, else $XDG_CACHE_HOME/hetero/sessions, else ~/.cache/hetero/sessions."""
+    if os.environ.get("HETERO_HOME"):
+        return Path(os.environ["HETERO_HOME"]) / "sessions"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero" / "sessions"
+
+
+@dataclass
+class _Entry:
+    manifest: Path
+    tensors: Path
+    model: str
+    n: int
+    checkpoints: list[int]
+    n_mtp: int
+    nbytes: int
+    sha256: str
+    tokens: list[int] | None = None  # read on first use
+
+
+class SessionStore:
+    """Snapshots on disk under `root`, at most `max_bytes`; `load_best` / `save` are what `PrefixCache` calls."""
+
+    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.root = Path(root) if root is not None else default_dir()
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.entries: dict[Path, _Entry] = {}
+        self.skipped = 0  # entries refused as damaged or foreign since start
+        for manifest in sorted(self.root.glob("*/*.json")):
+            entry = self._read_manifest(manifest)
+            if entry is not None:
+                self.entries[manifest] = entry
+
+    @staticmethod
+    def _model_dir_name(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def _read_manifest(self, manifest: Path) -> _Entry | None:
+        try:
+            m = json.loads(manifest.read_text())
+            entry = _Entry(
+                manifest, manifest.with_suffix(".safetensors"), str(m["model"]), int(m["n"]),
+                [int(p) for p in m["checkpoints"]], int(m["n_mtp"]), int(m["bytes"]), str(m["sha256"]),
+            )
+            if m.get("format") != FORMAT:
+                raise ValueError(f"format {m.get('format')!r}")
+            if manifest.parent.name != self._model_dir_name(entry.model):
+                raise ValueError("manifest names another model than its folder")
+            if not entry.tensors.is_file() or entry.tensors.stat().st_size != entry.nbytes:
+                raise ValueError("tensor file missing or of the wrong size (truncated?)")
+            return entry
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self._reject(manifest, f"unreadable manifest ({e})")
+            return None
+
+    def _reject(self, manifest: Path, why: str) -> None:
+        log.warning("session cache: skipping %s: %s; the prefix will be recomputed", manifest, why)
+        self.skipped += 1
+        self.entries.pop(manifest, None)
+        for f in (manifest, manifest.with_suffix(".safetensors")):
+            try:
+                f.unlink()
+            except OSError:
+                pass
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    # ------------------------------------------------------------------------------------------------
+    # Reading
+
+    def _tokens(self, e: _Entry) -> list[int] | None:
+        if e.tokens is None:
+            try:
+                from safetensors import safe_open
+
+                with safe_open(str(e.tensors), framework="numpy") as f:
+                    tokens = f.get_tensor("tokens")
+                if tokens.shape != (e.n,):
+                    raise ValueError(f"tokens shape {tokens.shape}, manifest says {e.n}")
+                e.tokens = tokens.astype(np.int64).tolist()
+            except Exception as err:  # safetensors raises its own error types on a damaged header
+                self._reject(e.manifest, f"cannot read its tokens ({err})")
+                return None
+        return e.tokens
+
+    def load_best(self, key: str, tokens, limit: int | None, better_than: int, model) -> list[Snapshot]:
+        """Snapshots of the entry with the deepest checkpoint that prefixes tokens[:limit], if deeper than
+        `better_than`; [] otherwise. Damaged entries are skipped (and the next best tried)."""
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        while True:
+            best, best_p = None, better_than
+            for e in list(self.entries.values()):
+                if e.model != key:
+                    continue
+                et = self._tokens(e)
+                if et is None:
+                    continue
+                common = _common_prefix(et, tokens, limit)
+                p = max((p for p in e.checkpoints if p <= common), default=0)
+                if p > best_p:
+                    best, best_p = e, p
+            if best is None:
+                return []
+            snaps = self._load(best, model)
+            if snaps is not None:
+                os.utime(best.tensors)  # least recently used goes first
+                return snaps
+
+    def _load(self, e: _Entry, model) -> list[Snapshot] | None:
+        h = hashlib.sha256()
+        try:
+            with open(e.tensors, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+        except OSError as err:
+            self._reject(e.manifest, f"unreadable ({err})")
+            return None
+        if h.hexdigest() != e.sha256:
+            self._reject(e.manifest, "contents do not match the manifest's sha256 (damaged)")
+            return None
+        try:
+            arrays = mx.load(str(e.tensors))
+            snaps = _unpack(arrays, e, model)
+        except (RuntimeError, ValueError, KeyError) as err:
+            self._reject(e.manifest, f"does not fit this model ({err})")
+            return None
+        return snaps
+
+    # ------------------------------------------------------------------------------------------------
+    # Writing
+
+    def save(self, key: str, snaps: list[Snapshot], model) -> None:
+        """Write one entry holding the deepest snapshot's K/V and every snapshot's checkpoint (atomically)."""
+        deepest = max(snaps, key=lambda s: len(s.tokens))
+        n = len(deepest.tokens)
+        folder = self.root / self._model_dir_name(key)
+        folder.mkdir(parents=True, exist_ok=True)
+        eid = hashlib.sha256(np.asarray(deepest.tokens, np.int64).tobytes()).hexdigest()[:24]
+        manifest, tensors = folder / f"{eid}.json", folder / f"{eid}.safetensors"
+        if manifest in self.entries:
+            os.utime(tensors)
+            return
+        arrays = {"tokens": mx.array(deepest.tokens, dtype=mx.int32)}
+        for i, (k, v) in enumerate(deepest.kv):
+            arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"] = k, v
+        positions = []
+        for j, s in enumerate(sorted(snaps, key=lambda s: len(s.tokens))):
+            positions.append(len(s.tokens))
+            arrays[f"cp.{j}.hidden"] = s.checkpoint.hidden
+            for l, (conv, rec) in enumerate(s.checkpoint.gdn):
+                arrays[f"cp.{j}.gdn.{l}.conv"], arrays[f"cp.{j}.gdn.{l}.rec"] = conv, rec
+        tmp = folder / f".{eid}.{os.getpid()}.tmp.safetensors"
+        mx.save_safetensors(str(tmp), arrays, metadata={"format": FORMAT})
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        size = tmp.stat().st_size
+        os.replace(tmp, tensors)
+        meta = {"format": FORMAT, "model": key, "n": n, "checkpoints": positions, "n_mtp": deepest.n_mtp,
+                "bytes": size, "sha256": digest}
+        tmp_manifest = folder / f".{eid}.{os.getpid()}.tmp.json"
+        tmp_manifest.write_text(json.dumps(meta))
+        os.replace(tmp_manifest, manifest)  # the commit point: the entry exists from here on
+        entry = self._read_manifest(manifest)
+        if entry is not None:
+            entry.tokens = list(deepest.tokens)
+            self.entries[manifest] = entry
+        self._evict(keep=manifest)
+
+    def _evict(self, keep: Path) -> None:
+        def mtime(e: _Entry) -> float:
+            try:
+                return e.tensors.stat().st_mtime
+            except OSError:
+                return 0.0
+
+        for e in sorted(self.entries.values(), key=mtime):
+            if self.nbytes <= self.max_bytes:
+                break
+            if e.manifest == keep:
+                continue
+            self.entries.pop(e.manifest)
+            for f in (e.manifest, e.tensors):
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+
+
+def _common_prefix(a, b, limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
+    """Snapshots from an entry's tensors, every shape and dtype checked against the model (ValueError if not)."""
+    args, n = model.args, e.n
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = model.make_cache()
+    kv_layers = sum(isinstance(c, KVCache) for c in cache)
+    gdn_layers = len(cache) - kv_layers
+    if e.n_mtp != len(cache) - len(model.layers) or sorted(e.checkpoints) != e.checkpoints or not e.checkpoints:
+        raise ValueError("layer counts or checkpoint list differ from this model")
+    if e.checkpoints[-1] != n or e.checkpoints[0] < 1:
+        raise ValueError("checkpoint positions out of range")
+
+    def get(name: str, shape: tuple, want: mx.Dtype) -> mx.array:
+        a = arrays[name]
+        if tuple(a.shape) != shape or a.dtype != want:
+            raise ValueError(f"{name} is {tuple(a.shape)} {a.dtype}, expected {shape} {want}")
+        return a
+
+    tokens = get("tokens", (n,), mx.int32).tolist()
+    if any(not 0 <= t < args.vocab_size for t in tokens):
+        raise ValueError("token ids outside the vocabulary")
+    kv = []
+    for i in range(kv_layers):
+        rows = n - 1 if i >= kv_layers - e.n_mtp else n
+        shape = (1, args.num_key_value_heads, rows, args.head_dim)
+        kv.append((get(f"kv.{i}.k", shape, dtype), get(f"kv.{i}.v", shape, dtype)))
+    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    snaps = []
+    for j, p in enumerate(e.checkpoints):
+        gdn = [
+            (get(f"cp.{j}.gdn.{l}.conv", (1, args.linear_conv_kernel_dim - 1, conv_dim), dtype),
+             get(f"cp.{j}.gdn.{l}.rec", (1, args.linear_num_value_heads, args.linear_key_head_dim,
+                                         args.linear_value_head_dim), mx.float32))
+            for l in range(gdn_layers)
+        ]
+        hidden = get(f"cp.{j}.hidden", (1, args.hidden_size), dtype)
+        rows = [(k[:, :, : (p - 1 if i >= kv_layers - e.n_mtp else p)], v[:, :, : (p - 1 if i >= kv_layers - e.n_mtp else p)])
+                for i, (k, v) in enumerate(kv)]
+        snaps.append(Snapshot(tokens[:p], rows, Checkpoint(gdn, hidden), e.n_mtp))
+    return snaps

@@ -1,0 +1,177 @@
+"""Prefix cache (DESIGN.md section 6): restoring a checkpoint and continuing equals a cold run, MTP on and off."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import hetero
+from hetero.generate import prefill
+from hetero.prefix_cache import PrefixCache
+from tiny_checkpoint import write_tiny_model
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return hetero.load(write_tiny_model(tmp_path_factory.mktemp("pc") / "m"))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 300, n).tolist()
+
+
+def cold_logits(model, ids: list[int]) -> np.ndarray:
+    logits, _ = prefill(model, ids, model.make_cache(), CHUNK, all_logits=True, mtp=True)
+    return np.array(logits)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_restore_and_continue_equals_a_cold_run(engine, mtp):
+    """Second turn of a growing transcript: prompt-end and turn-end checkpoints, greedy tokens identical."""
+    engine.prefix_cache = None
+    first = tokens(150, 1)
+    reply = engine.generate(first, max_tokens=20, mtp=mtp, prefill_chunk=CHUNK).tokens
+    grown = first + reply + tokens(90, 2)
+    cold = engine.generate(grown, max_tokens=30, mtp=mtp, prefill_chunk=CHUNK)
+    engine.prefix_cache = PrefixCache()
+    try:
+        turn1 = engine.generate(first, max_tokens=20, mtp=mtp, prefill_chunk=CHUNK)
+        turn2 = engine.generate(grown, max_tokens=30, mtp=mtp, prefill_chunk=CHUNK)
+    finally:
+        engine.prefix_cache = None
+    assert turn1.tokens == reply and turn1.stats["cached_tokens"] == 0
+    assert turn2.stats["cached_tokens"] == len(first) + len(reply) - 1  # the last reply token was never run
+    assert turn2.tokens == cold.tokens
+
+
+def test_restored_logits_match_cold_within_1e5(engine):
+    """Logits after a restore: exact at a chunk-edge checkpoint, within 1e-5 after a decoded turn's end."""
+    model = engine.model
+    ids = tokens(300, 3)
+    pc = PrefixCache()
+    engine.prefix_cache = pc
+    try:
+        engine.generate(ids[:200], max_tokens=15, mtp=True, prefill_chunk=CHUNK)  # edges 64..192, 200, turn end
+    finally:
+        engine.prefix_cache = None
+    for limit in (130, 200):  # restores at the chunk edge 128 and the prompt end 200
+        r = pc.restore(model, engine.identity, ids, limit)
+        assert r.n == (128 if limit == 130 else 200)
+        logits, _ = prefill(model, ids[r.n :], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden)
+        np.testing.assert_allclose(np.array(logits), cold_logits(model, ids)[r.n :], rtol=0, atol=1e-5)
+    gen = engine.generate(ids[:200], max_tokens=15, mtp=False, prefill_chunk=CHUNK, use_prefix_cache=False).tokens
+    turn = ids[:200] + gen + tokens(40, 4)
+    r = pc.restore(model, engine.identity, turn)
+    assert r.n == 214  # the turn end: prompt + 14 of the 15 generated tokens ran through the backbone
+    logits, _ = prefill(model, turn[r.n :], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden)
+    np.testing.assert_allclose(np.array(logits), cold_logits(model, turn)[r.n :], rtol=0, atol=1e-5)
+
+
+def test_mtp_state_survives_the_restore(engine):
+    """The MTP head's KV and h_{n-1} come back: drafts after a restore equal drafts after a cold prefill."""
+    model = engine.model
+    ids = tokens(140, 5)
+    pc = PrefixCache()
+    prefix_cache = pc
+    cache = model.make_cache()
+    prefill(model, ids[:128], cache, CHUNK, mtp=True,
+            on_chunk=lambda n, h: prefix_cache.capture(model, "k", ids[:n], cache, h))
+    r = pc.restore(model, "k", ids, 139)
+    assert r.n == 128
+    _, h_warm = prefill(model, ids[128:], r.cache, CHUNK, mtp=True, carry=r.hidden)
+    cold = model.make_cache()
+    _, h_cold = prefill(model, ids, cold, CHUNK, mtp=True)
+    mtp_warm, mtp_cold = r.cache[-1], cold[-1]
+    assert mtp_warm.offset == mtp_cold.offset == len(ids) - 1
+    np.testing.assert_allclose(np.array(mtp_warm.keys[:, :, : mtp_warm.offset]),
+                               np.array(mtp_cold.keys[:, :, : mtp_cold.offset]), atol=1e-6)
+    np.testing.assert_allclose(np.array(h_warm), np.array(h_cold), atol=1e-6)
+
+
+def test_a_checkpoint_never_shares_buffers_with_a_live_cache(engine):
+    model, pc = engine.model, PrefixCache()
+    ids = tokens(100, 6)
+    cache = model.make_cache()
+    prefill(model, ids[:64], cache, CHUNK, mtp=True, on_chunk=lambda n, h: pc.capture(model, "k", ids[:n], cache, h))
+    first = pc.restore(model, "k", ids, 99)
+    prefill(model, tokens(60, 7), first.cache, CHUNK, mtp=True, carry=first.hidden)  # overwrite the live cache
+    prefill(model, tokens(60, 8), cache, CHUNK, mtp=True)  # and the one the checkpoint was taken from
+    again = pc.restore(model, "k", ids, 99)
+    assert again.n == 64
+    for a, b in zip(again.cache, pc.restore(model, "k", ids, 99).cache):
+        for x, y in zip(a.state, b.state):
+            assert mx.array_equal(x, y)
+    fresh = model.make_cache()
+    prefill(model, ids[:64], fresh, CHUNK, mtp=True)
+    assert mx.array_equal(again.cache[1].keys[:, :, :64], fresh[1].keys[:, :, :64])
+
+
+def test_growing_transcript_stores_each_position_once(engine):
+    """A radix trie: three turns of one transcript hold the K/V rows of the longest turn once, plus 3 checkpoints."""
+    model, pc = engine.model, PrefixCache()
+    ids = tokens(192, 9)
+    for n in (64, 128, 192):
+        cache = model.make_cache()
+        prefill(model, ids[:n], cache, CHUNK, mtp=True)
+        pc.capture(model, "k", ids[:n], cache, cache_hidden(model, ids[:n]))
+    kv = [c for c in cache if hasattr(c, "keys")]
+    row = lambda c: c.keys[:, :, :1].nbytes + c.values[:, :, :1].nbytes  # noqa: E731
+    rows = sum(192 * row(c) for c in kv[:-1]) + 191 * row(kv[-1])  # the MTP layer holds pairs 0..n-2
+    assert pc.entries == 3
+    assert pc.nbytes == rows + 3 * checkpoint_bytes(pc)
+
+
+def cache_hidden(model, ids: list[int]) -> mx.array:
+    _, h = prefill(model, ids, model.make_cache(), CHUNK)
+    return h  # [1, H]
+
+
+def checkpoint_bytes(pc: PrefixCache) -> int:
+    return max(n.checkpoint.nbytes for n in pc._checkpoint_nodes())
+
+
+def test_lru_by_bytes_and_per_model_isolation(engine, tmp_path):
+    model = engine.model
+    probe = PrefixCache()
+    cache = model.make_cache()
+    ids = tokens(64, 10)
+    prefill(model, ids, cache, CHUNK, mtp=True)
+    probe.capture(model, "k", ids, cache, cache_hidden(model, ids))
+    one = probe.nbytes
+    pc = PrefixCache(max_bytes=int(2.5 * one))
+    prompts = [tokens(64, 20 + i) for i in range(4)]
+    for p in prompts:
+        c = model.make_cache()
+        prefill(model, p, c, CHUNK, mtp=True)
+        pc.capture(model, "k", p, c, cache_hidden(model, p))
+        assert pc.nbytes <= pc.max_bytes
+    assert pc.entries == 2
+    assert pc.lookup("k", prompts[0] + [1]) is None  # the least recently used went first
+    assert pc.lookup("k", prompts[3] + [1]) is not None
+    assert pc.lookup("other-model", prompts[3] + [1]) is None
+
+    other = hetero.load(write_tiny_model(tmp_path / "other", seed=1))
+    assert other.identity != engine.identity
+    shared = PrefixCache()
+    engine.prefix_cache = other.prefix_cache = shared
+    try:
+        engine.generate(prompts[0], max_tokens=3)
+        assert other.generate(prompts[0] + [5], max_tokens=3).stats["cached_tokens"] == 0
+        assert engine.generate(prompts[0] + [5], max_tokens=3).stats["cached_tokens"] == 64
+    finally:
+        engine.prefix_cache = other.prefix_cache = None
+
+
+def test_diverging_prompt_restores_the_deepest_checkpoint_at_or_below_the_match(engine):
+    model, pc = engine.model, PrefixCache()
+    ids = tokens(200, 11)
+    cache = model.make_cache()
+    prefill(model, ids, cache, CHUNK, mtp=True, on_chunk=lambda n, h: pc.capture(model, "k", ids[:n], cache, h))
+    branch = ids[:150] + tokens(30, 12)
+    r = pc.restore(model, "k", branch)
+    assert r.n == 128
+    logits, _ = prefill(model, branch[128:], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden)
+    np.testing.assert_array_equal(np.array(logits), cold_logits(model, branch)[128:])

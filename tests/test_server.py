@@ -1,0 +1,268 @@
+"""The HTTP server against the official OpenAI and Anthropic SDKs, live on loopback, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hetero
+from hetero.prefix_cache import PrefixCache
+from hetero.server import StopMatcher, create_app
+from hetero.session_store import SessionStore
+from tiny_checkpoint import write_tiny_model
+
+MAX_CONTEXT = 1024
+
+
+class LiveServer:
+    """uvicorn serving `engine` on a free loopback port in a background thread."""
+
+    def __init__(self, engine, api_key: str | None = None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = create_app(engine, api_key=api_key)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def openai(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def anthropic(self, key: str = "none") -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key=key, max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", max_context=MAX_CONTEXT)
+
+
+def cached_engine(model_dir: Path, store_dir: Path | None):
+    engine = hetero.load(model_dir)
+    engine.prefix_cache = PrefixCache(store=SessionStore(store_dir) if store_dir is not None else None)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir):
+    """A server without any prefix cache: the reference answers."""
+    server = LiveServer(hetero.load(model_dir))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def warm(model_dir, tmp_path_factory):
+    server = LiveServer(cached_engine(model_dir, tmp_path_factory.mktemp("sessions")))
+    yield server
+    server.stop()
+
+
+SYSTEM = "You are a coding agent. Answer with code."
+TOOL_RESULT = "def add(a, b):\n    return a + b\n" * 6
+
+
+def transcript(turns: int) -> list[dict]:
+    """A coding-agent session that grows by a tool result and a reply each turn."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Read the file add.py"}]
+    for t in range(turns):
+        msgs += [{"role": "assistant", "content": f"reading step {t}"}, {"role": "user", "content": TOOL_RESULT + f"# {t}"}]
+    return msgs
+
+
+def model_name(server: LiveServer) -> str:
+    return server.openai().models.list().data[0].id
+
+
+def ask(server: LiveServer, messages: list[dict], max_tokens: int = 12, **kw):
+    return server.openai().chat.completions.create(model=model_name(server), messages=messages,
+                                                   max_tokens=max_tokens, **kw)
+
+
+def test_models_and_health(warm):
+    models = warm.openai().models.list()
+    assert len(models.data) == 1
+    health = httpx.get(warm.url + "/health").json()
+    assert health["status"] == "ok" and health["max_context"] == MAX_CONTEXT
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(cold):
+    msgs = transcript(1)
+    full = ask(cold, msgs)
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    assert full.usage.completion_tokens == full.model_extra["hetero"]["generated_tokens"]
+    stream = cold.openai().chat.completions.create(
+        model=model_name(cold), messages=msgs, max_tokens=12, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_second_turn_is_cached_and_matches_a_cold_server(warm, cold):
+    first = ask(warm, transcript(2))
+    second = ask(warm, transcript(3))
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.model_extra["hetero"]["cached_tokens"] == second.usage.prompt_tokens_details.cached_tokens
+    assert second.choices[0].message.content == ask(cold, transcript(3)).choices[0].message.content
+    assert first.choices[0].message.content == ask(cold, transcript(2)).choices[0].message.content
+
+
+def test_completions_and_exact_stop_strings(cold):
+    client = cold.openai()
+    prompt = "def add(a, b):\n"
+    base = client.completions.create(model=model_name(cold), prompt=prompt, max_tokens=24).choices[0].text
+    assert len(base) > 6
+    stop = base[3:6]  # a stop inside the text (it may span tokens)
+    cut = base[: base.index(stop)]
+    plain = client.completions.create(model=model_name(cold), prompt=prompt, max_tokens=24, stop=[stop])
+    assert plain.choices[0].text == cut and plain.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=model_name(cold), prompt=prompt, max_tokens=24, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text("ab\n", max_size=30), cuts=st.lists(st.integers(0, 30), max_size=6),
+       stops=st.lists(st.text("ab\n", min_size=1, max_size=4), min_size=1, max_size=3))
+def test_stop_matcher_cuts_where_the_first_stop_begins(text, cuts, stops):
+    edges = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    m = StopMatcher(stops)
+    out = "".join(m.feed(text[a:b]) for a, b in zip(edges, edges[1:])) + m.flush()
+    first = min((text.find(s) for s in stops if s in text), default=-1)
+    assert out == (text[:first] if first >= 0 else text)
+
+
+def test_anthropic_messages_stream_and_not(warm, cold):
+    msgs = transcript(4)
+    system, rest = msgs[0]["content"], msgs[1:]
+    name = model_name(warm)
+    client = warm.anthropic()
+    ask(warm, msgs[:-2])  # a shorter transcript primes the cache
+    msg = client.messages.create(model=name, system=system, messages=rest, max_tokens=12)
+    reference = ask(cold, msgs).choices[0].message.content
+    assert msg.content[0].text == reference
+    assert msg.usage.cache_read_input_tokens > 0
+    total = msg.model_extra["hetero"]["prompt_tokens"]
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == total
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    with client.messages.stream(model=name, system=system, messages=rest, max_tokens=12) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == reference and final.usage.output_tokens == msg.usage.output_tokens
+    assert final.usage.cache_read_input_tokens > 0
+
+
+def test_restart_restores_from_disk_and_ignores_a_damaged_file(model_dir, cold, tmp_path, caplog):
+    first = LiveServer(cached_engine(model_dir, tmp_path))
+    ask(first, transcript(5))
+    first.stop()
+    restarted = LiveServer(cached_engine(model_dir, tmp_path))  # a new process would see exactly these files
+    again = ask(restarted, transcript(6))
+    restarted.stop()
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == ask(cold, transcript(6)).choices[0].message.content
+
+    for f in tmp_path.glob("*/*.safetensors"):  # flip bytes in the middle of every tensor file
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, logger="hetero.session_store")
+    damaged = LiveServer(cached_engine(model_dir, tmp_path))
+    answer = ask(damaged, transcript(6))
+    damaged.stop()
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
+    assert answer.choices[0].message.content == again.choices[0].message.content
+    assert "damaged" in caplog.text
+
+
+def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(model_dir):
+    server = LiveServer(hetero.load(model_dir), api_key="sekrit")
+    try:
+        name = model_name_with_key(server)
+        url, auth = server.url + "/v1/chat/completions", {"Authorization": "Bearer sekrit"}
+        good = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+        r = httpx.post(url, content=b"{not json", headers=auth)
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        r = httpx.post(url, json={**good, "temperature": "hot"}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+        r = httpx.post(url, json={**good, "max_tokens": 1.5}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = httpx.post(url, json={**good, "messages": [{"role": "user", "content": 3}]}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+        r = httpx.post(url, json={**good, "ane_fraction": 0.5}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ane_fraction"
+        with pytest.raises(openai.NotFoundError) as e:
+            server.openai("sekrit").chat.completions.create(model="nope", messages=good["messages"], max_tokens=2)
+        assert e.value.body["param"] == "model"
+        with pytest.raises(openai.AuthenticationError):
+            server.openai("wrong").chat.completions.create(model=name, messages=good["messages"], max_tokens=2)
+        assert httpx.post(url, json=good).status_code == 401
+        with pytest.raises(openai.BadRequestError) as e:
+            server.openai("sekrit").chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "x " * 2000}], max_tokens=2)
+        assert e.value.body["code"] == "context_length_exceeded" and "context window" in e.value.body["message"]
+        r = httpx.post(server.url + "/v1/messages", json={"model": name, "messages": good["messages"]},
+                       headers={"x-api-key": "sekrit"})  # Anthropic requires max_tokens
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "max_tokens" in r.json()["error"]["message"]
+        with pytest.raises(anthropic.NotFoundError):
+            server.anthropic("sekrit").messages.create(model="nope", messages=good["messages"], max_tokens=2)
+
+        ok = server.openai("sekrit").chat.completions.create(
+            model=name, messages=good["messages"], max_tokens=2, extra_body={"mtp": False, "ane_fraction": 0})
+        assert ok.choices[0].message.content is not None and ok.model_extra["hetero"].get("mtp") is None
+    finally:
+        server.stop()
+
+
+def model_name_with_key(server: LiveServer) -> str:
+    return server.openai("sekrit").models.list().data[0].id
+
+
+def test_eight_concurrent_clients_get_their_single_client_answers(warm):
+    prompts = [[{"role": "user", "content": f"client {i}: " + "x = 1\n" * i}] for i in range(8)]
+    alone = [ask(warm, p).choices[0].message.content for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: ask(warm, p).choices[0].message.content, prompts))
+    assert together == alone
+
+
+def test_client_disconnect_cancels_generation(cold):
+    before = httpx.get(cold.url + "/health").json()["requests"]
+    body = {"model": model_name(cold), "prompt": "import os\n", "max_tokens": MAX_CONTEXT - 16, "stream": True}
+    with httpx.stream("POST", cold.url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the first token arrived; hang up
+    deadline = time.time() + 20
+    while httpx.get(cold.url + "/health").json()["requests"]["cancelled"] == before["cancelled"]:
+        assert time.time() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)
+    assert ask(cold, transcript(0)).choices[0].message.content is not None  # and the server still serves

@@ -1,0 +1,58 @@
+"""A tiny random Qwen3.5 checkpoint with an MTP head and a byte-level BPE tokenizer, written by MLX alone.
+
+For the prefix-cache, session-store and server tests: `hetero.load(path)` reads it like any checkpoint, so the
+tests go through the real loader, tokenizer and chat template. No torch, a fraction of a second to write.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from converters.tokenizer_train import save_tokenizer, train_tokenizer
+from hetero.models.qwen3_5 import Model, ModelArgs
+
+TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "        self.y = y\n\nimport os\nprint(os.path.join('a', 'b'))\nfor i in range(10):\n    print(i)\n"
+)
+
+
+def write_tiny_model(path: Path, seed: int = 0, max_context: int = 4096) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files of a random 3-layer model to `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer([TEXT] * 4, vocab_size=320)
+    save_tokenizer(tok, path)
+    vocab = 64 * math.ceil(tok.get_vocab_size() / 64)
+    config = dict(
+        model_type="qwen3_5_text", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        vocab_size=vocab, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+        mtp_num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=max_context,
+        eos_token_id=2, rms_norm_eps=1e-6,
+    )
+    model = Model(ModelArgs.from_config(config), with_mtp=True)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            v = 0.3 * rng.standard_normal(p.shape)
+        elif name.endswith("A_log"):  # decay from weak to strong
+            v = rng.uniform(math.log(0.05), math.log(5.0), p.shape)
+        elif name.endswith(("embed_tokens.weight", "dt_bias")):
+            v = rng.standard_normal(p.shape)
+        elif name == "lm_head.weight":  # logits spread over a few units: clear greedy choices
+            v = 3.0 * rng.standard_normal(p.shape) / math.sqrt(p.shape[1])
+        else:
+            v = rng.standard_normal(p.shape) / math.sqrt(p.shape[-1])
+        weights[name] = mx.array(v.astype(np.float32))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
