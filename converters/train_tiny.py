@@ -1,0 +1,444 @@
+"""Train the bundled tiny Qwen3.5-architecture model (with its MTP head) on the Python standard library.
+
+    python -m converters.train_tiny --out hetero/bundled [--steps N] [--minutes M] [--seed 0]
+
+Corpus and byte-level BPE tokenizer come from `converters.tokenizer_train`; the network is our own
+`hetero.models.qwen3_5.Model`, trained jointly on CE(next token) + mtp_weight * CE(MTP draft of token t+2), where
+the MTP head at position p sees embed(t_{p+1}) and the backbone's post-norm hidden h_p (`Model.mtp_forward`).
+The learning-rate schedule depends only on --steps, so the same machine, seed and flags give the same weights;
+--minutes is a safety stop. The result is written as an HF-format checkpoint (`converters.hf_export`) and checked
+by loading it back with hetero and with mlx-lm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+_REEXEC_FLAG = "HETERO_TRAIN_TINY_REEXEC"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def maybe_reexec_with_openblas() -> None:
+    """Re-run this process with Debian's OpenBLAS preloaded (the mlx[cpu] wheel's reference BLAS is ~20x slower).
+
+    OpenBLAS misdetects some virtual CPUs as a generic core (5x slower kernels), so on AVX2+FMA hardware the
+    Haswell kernels are requested unless OPENBLAS_CORETYPE is already set.
+    """
+    if sys.platform != "linux" or os.environ.get(_REEXEC_FLAG) or not OPENBLAS.exists():
+        return
+    if str(OPENBLAS) in os.environ.get("LD_PRELOAD", ""):
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (str(OPENBLAS), env.get("LD_PRELOAD", "")) if p)
+    if "OPENBLAS_CORETYPE" not in env and {"avx2", "fma"} <= _cpu_flags():
+        env["OPENBLAS_CORETYPE"] = "Haswell"
+    env[_REEXEC_FLAG] = "1"
+    os.execve(sys.executable, [sys.executable, "-m", "converters.train_tiny", *sys.argv[1:]], env)
+
+
+def blas_description() -> str:
+    if str(OPENBLAS) in os.environ.get("LD_PRELOAD", ""):
+        core = os.environ.get("OPENBLAS_CORETYPE", "auto-detected core")
+        return f"OpenBLAS (LD_PRELOAD {OPENBLAS}, {core}, {os.environ.get('OPENBLAS_NUM_THREADS', 'all')} threads)"
+    if sys.platform == "darwin":
+        return "Accelerate (MLX default)"
+    return "mlx[cpu] bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
+
+
+# The heavy imports come after the re-exec check so the first process exits early.
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
+
+from hetero.models.qwen3_5 import Model, ModelArgs, is_zero_centred_norm  # noqa: E402
+
+def ensure_finite_decay_grad(log=print) -> None:
+    """Training needs d/dx of gated_delta's masked decay to be 0, not NaN, where the causal mask discards
+    exp() of a positive (upper-triangle) log decay. If `_decay` overflows there (inf * 0 = NaN in the backward
+    pass), clamp its input at 0, which leaves every unmasked value (log decay <= 0) unchanged."""
+    from hetero.models import gated_delta
+
+    x = mx.array([100.0])
+    grad = mx.grad(lambda x: mx.where(mx.array([False]), gated_delta._decay(x), 0.0).sum())(x)
+    if not mx.isnan(grad).any().item():
+        return
+    decay = gated_delta._decay
+    gated_delta._decay = lambda log_decay: decay(mx.minimum(log_decay, 0.0))
+    log("note: gated_delta._decay has a NaN gradient for masked positive inputs; clamped at 0 for training")
+
+
+SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
+    hidden_size=256,
+    num_hidden_layers=8,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+)
+
+
+def make_args(vocab_size: int, eos: list[int], **shape) -> ModelArgs:
+    """ModelArgs for a tiny tied-embedding Qwen3.5 text model with one MTP layer."""
+    s = {**SHAPE, **shape}
+    interval = s.pop("full_attention_interval")
+    n = s["num_hidden_layers"]
+    return ModelArgs(
+        model_type="qwen3_5",
+        vocab_size=vocab_size,
+        layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)],
+        rms_norm_eps=1e-6,
+        rope_theta=10_000.0,
+        partial_rotary_factor=0.25,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,  # RoPE extrapolates past the 256-token training windows; long prompts are for benchmarks
+        mtp_num_hidden_layers=1,
+        eos_token_id=list(eos),
+        **s,
+    )
+
+
+def init_model(args: ModelArgs, seed: int) -> Model:
+    """GPT-2 style init: N(0, 0.02) matrices, residual output projections scaled by 1/sqrt(2 * depth)."""
+    mx.random.seed(seed)
+    model = Model(args, with_mtp=True)
+    depth = args.num_hidden_layers + 1
+    residual_out = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+    def init(path: str, p: mx.array) -> mx.array:
+        if path.endswith("A_log"):
+            return mx.log(mx.random.uniform(1.0, 16.0, p.shape))  # as HF: A ~ U(1, 16)
+        if path.endswith("conv1d.weight"):
+            return mx.random.uniform(-1.0, 1.0, p.shape) / math.sqrt(p.shape[1])
+        if p.ndim < 2:
+            return p  # norms (shifted: ones), dt_bias (ones)
+        std = 0.02 / math.sqrt(2 * depth) if path.endswith(residual_out) else 0.02
+        return mx.random.normal(p.shape) * std
+
+    model.update(tree_map_with_path(init, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def count_params(model: Model) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss, step, schedule
+
+
+LOG2E = 1.4426950408889634
+
+
+def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
+    """Mean cross-entropy in nats; the softmax uses 2^x because mx.exp is ~3x slower than mx.power on x86 CPUs."""
+    top = mx.stop_gradient(logits.max(axis=-1, keepdims=True))  # [..., 1]
+    lse = mx.log(mx.power(2.0, (logits - top) * LOG2E).sum(axis=-1)) + top[..., 0]  # [...]
+    picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [...]
+    return (lse - picked).mean()
+
+
+def losses(model: Model, window: mx.array) -> tuple[mx.array, mx.array]:
+    """window [B, S+2] -> (next-token CE, MTP CE on t+2), both mean nats/token."""
+    inputs, next1, next2 = window[:, :-2], window[:, 1:-1], window[:, 2:]  # [B, S] each
+    logits, hidden = model(inputs)  # [B, S, V], [B, S, hidden] (post-norm)
+    draft, _ = model.mtp_forward(next1, hidden)  # [B, S, V]: at p, from embed(t_{p+1}) and h_p, predicts t_{p+2}
+    return cross_entropy(logits, next1), cross_entropy(draft, next2)
+
+
+def schedule(peak: float, steps: int, warmup: int, final_fraction: float = 0.1):
+    warm = optim.linear_schedule(peak / warmup, peak, warmup)
+    decay = optim.cosine_decay(peak, max(1, steps - warmup), end=peak * final_fraction)
+    return optim.join_schedules([warm, decay], [warmup])
+
+
+def make_optimizer(lr, weight_decay: float) -> optim.Optimizer:
+    """AdamW; weight decay on matrices only (norms hold 1 + w in memory, so decaying them would shrink the scale)."""
+    betas = (0.9, 0.95)
+    return optim.MultiOptimizer(
+        [optim.AdamW(lr, betas=betas, weight_decay=weight_decay), optim.AdamW(lr, betas=betas, weight_decay=0.0)],
+        [lambda path, w: w.ndim >= 2 and not path.endswith("conv1d.weight")],
+    )
+
+
+def make_step(model: Model, optimizer: optim.Optimizer, mtp_weight: float, clip: float, compile: bool):
+    def loss_fn(model: Model, window: mx.array):
+        ce, ce_mtp = losses(model, window)
+        return ce + mtp_weight * ce_mtp, ce, ce_mtp
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+
+    def step(window: mx.array):
+        (loss, ce, ce_mtp), grads = grad_fn(model, window)
+        grads, norm = optim.clip_grad_norm(grads, clip)
+        optimizer.update(model, grads)
+        return loss, ce, ce_mtp, norm
+
+    if compile:
+        state = [model.state, optimizer.state]
+        step = partial(mx.compile, inputs=state, outputs=state)(step)
+    return step
+
+
+def batches(tokens: np.ndarray, batch: int, seq: int, seed: int):
+    """Endless random windows of seq+2 tokens, from a seeded generator (same seed, same order)."""
+    rng = np.random.default_rng(seed)
+    high = len(tokens) - (seq + 2)
+    offsets = np.arange(seq + 2)
+    while True:
+        starts = rng.integers(0, high, size=batch)
+        yield mx.array(tokens[starts[:, None] + offsets[None, :]])
+
+
+def train(
+    model: Model,
+    tokens: np.ndarray,
+    steps: int,
+    batch: int = 16,
+    seq: int = 256,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    weight_decay: float = 0.1,
+    mtp_weight: float = 0.5,
+    clip: float = 1.0,
+    seed: int = 0,
+    minutes: float | None = None,
+    compile: bool = True,
+    log_every: int = 25,
+    log=print,
+) -> dict:
+    """Train in place for `steps` steps (or until `minutes` pass); returns a summary of the run."""
+    optimizer = make_optimizer(schedule(lr, steps, min(warmup, max(1, steps // 10))), weight_decay)
+    ensure_finite_decay_grad(log)
+    step = make_step(model, optimizer, mtp_weight, clip, compile)
+    data = batches(tokens, batch, seq, seed)
+    model.train()
+    start = time.perf_counter()
+    history = []
+    done = 0
+    for i in range(steps):
+        loss, ce, ce_mtp, norm = step(next(data))
+        mx.eval(loss, ce, ce_mtp, norm, model.state, optimizer.state)
+        done = i + 1
+        elapsed = time.perf_counter() - start
+        if done % log_every == 0 or done == steps or i == 0:
+            rec = dict(step=done, loss=loss.item(), ce=ce.item(), ce_mtp=ce_mtp.item(), grad_norm=norm.item(),
+                       lr=optimizer.optimizers[0].learning_rate.item(), seconds=round(elapsed, 1))
+            history.append(rec)
+            log(f"step {done:5d}/{steps}  loss {rec['loss']:.3f}  ce {rec['ce']:.3f}  mtp {rec['ce_mtp']:.3f}  "
+                f"|g| {rec['grad_norm']:.2f}  lr {rec['lr']:.2e}  {done * batch * seq / elapsed:,.0f} tok/s  {elapsed:.0f}s")
+        if minutes is not None and elapsed > 60 * minutes:
+            log(f"stopping at step {done}: the --minutes {minutes} budget is spent")
+            break
+    model.eval()
+    return dict(steps=done, steps_planned=steps, tokens_seen=done * batch * seq, train_seconds=time.perf_counter() - start,
+                history=history)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation and sampling
+
+
+def evaluate(model: Model, tokens: np.ndarray, seq: int = 256, batch: int = 16, max_tokens: int | None = None) -> dict:
+    """Next-token loss and top-1 of backbone and MTP head over non-overlapping windows of the validation tokens."""
+    n = (len(tokens) - 2) // seq
+    if max_tokens is not None:
+        n = min(n, max(1, max_tokens // seq))
+    windows = np.stack([tokens[i * seq : i * seq + seq + 2] for i in range(n)])
+    ce_sum = ce_mtp_sum = hit = hit_mtp = 0.0
+    for b in range(0, n, batch):
+        w = mx.array(windows[b : b + batch])
+        logits, hidden = model(w[:, :-2])
+        draft, _ = model.mtp_forward(w[:, 1:-1], hidden)
+        ce = nn.losses.cross_entropy(logits, w[:, 1:-1], reduction="sum")
+        ce_mtp = nn.losses.cross_entropy(draft, w[:, 2:], reduction="sum")
+        acc = (logits.argmax(-1) == w[:, 1:-1]).sum()
+        acc_mtp = (draft.argmax(-1) == w[:, 2:]).sum()
+        mx.eval(ce, ce_mtp, acc, acc_mtp)
+        ce_sum += ce.item()
+        ce_mtp_sum += ce_mtp.item()
+        hit += acc.item()
+        hit_mtp += acc_mtp.item()
+    count = n * seq
+    return dict(valid_tokens=count, valid_loss=ce_sum / count, valid_mtp_loss=ce_mtp_sum / count,
+                backbone_top1=hit / count, mtp_top1=hit_mtp / count)
+
+
+def greedy(model: Model, prompt: list[int], n: int, eos: set[int] = frozenset()) -> list[int]:
+    """Greedy continuation with the model's caches (prefill, then one token at a time)."""
+    cache = model.make_cache()
+    logits, _ = model(mx.array([prompt]), cache[: len(model.layers)])
+    out = []
+    for _ in range(n):
+        tok = logits[0, -1].argmax().item()
+        if tok in eos:
+            break
+        out.append(tok)
+        logits, _ = model(mx.array([[tok]]), cache[: len(model.layers)])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks of the written checkpoint
+
+
+def check_checkpoint(model: Model, out_dir: Path, probe: np.ndarray, log=print) -> dict:
+    """Load the checkpoint with hetero (strict) and with mlx-lm; compare logits with the in-memory model."""
+    from hetero.loader import load_model
+
+    x = mx.array(probe[None])
+    ref, ref_hidden = model(x)
+    ref_draft, _ = model.mtp_forward(x, ref_hidden)
+    loaded, _, _ = load_model(out_dir, dtype=mx.float32)
+    got, got_hidden = loaded(x)
+    got_draft, _ = loaded.mtp_forward(x, got_hidden)
+    scale = mx.abs(ref).max().item()
+    result = dict(
+        hetero_max_abs_diff=mx.abs(got - ref).max().item(),
+        hetero_mtp_max_abs_diff=mx.abs(got_draft - ref_draft).max().item(),
+        logit_scale=scale,
+        hetero_top1_agreement=(got.argmax(-1) == ref.argmax(-1)).mean().item(),
+    )
+    log(f"hetero reload: max |logit diff| {result['hetero_max_abs_diff']:.4f} (MTP {result['hetero_mtp_max_abs_diff']:.4f}) "
+        f"of max |logit| {scale:.1f}, top-1 agreement {result['hetero_top1_agreement']:.4f}")
+    try:
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+
+        other, _ = mlx_lm_load_model(Path(out_dir))
+        other.set_dtype(mx.float32, lambda t: mx.issubdtype(t, mx.floating))
+        theirs = other(x)
+        result["mlx_lm_max_abs_diff"] = mx.abs(theirs - got).max().item()
+        # mlx-lm adds the norm shift in bf16 (bf16 + 1.0 stays bf16); with our shifted norms rounded alike the two agree
+        rounded = [(k, v.astype(mx.bfloat16).astype(mx.float32) if is_zero_centred_norm(k) else v)
+                   for k, v in tree_flatten(loaded.parameters())]
+        loaded.load_weights(rounded)
+        result["mlx_lm_max_abs_diff_bf16_norms"] = mx.abs(theirs - loaded(x)[0]).max().item()
+        log(f"mlx-lm reload: max |logit diff| vs hetero {result['mlx_lm_max_abs_diff']:.5f}, "
+            f"{result['mlx_lm_max_abs_diff_bf16_norms']:.2e} with hetero's norms rounded as mlx-lm rounds them")
+    except ImportError:
+        log("mlx-lm is not installed: skipped its check")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps (fixes the LR schedule)")
+    p.add_argument("--minutes", type=float, default=None, help="stop training early after this wall time")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--mtp-weight", type=float, default=0.5)
+    p.add_argument("--hidden", type=int, default=SHAPE["hidden_size"])
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    p.add_argument("--intermediate", type=int, default=SHAPE["intermediate_size"])
+    p.add_argument("--corpus-bytes", type=int, default=None, help="cap the training text (for quick trials)")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--eval-tokens", type=int, default=None, help="cap the validation tokens evaluated")
+    a = p.parse_args(argv)
+    maybe_reexec_with_openblas()
+
+    from converters import hf_export, tokenizer_train
+
+    t0 = time.perf_counter()
+    blas = blas_description()
+    print(f"BLAS: {blas}", flush=True)
+    mx.random.seed(a.seed)
+    np.random.seed(a.seed)
+    train_text, valid_text = tokenizer_train.load_corpus(a.corpus_bytes)
+    tok = tokenizer_train.train_tokenizer(train_text, vocab_size=a.vocab)
+    train_ids = np.array(tok.encode(train_text).ids, dtype=np.int32)
+    valid_ids = np.array(tok.encode(valid_text).ids, dtype=np.int32)
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id(tokenizer_train.EOS_TEXT)]
+    print(f"corpus: {len(train_text) / 1e6:.1f} MB train -> {len(train_ids):,} tokens, {len(valid_ids):,} valid tokens; "
+          f"tokenizer vocab {tok.get_vocab_size()} ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    args = make_args(tok.get_vocab_size(), eos, hidden_size=a.hidden, num_hidden_layers=a.layers,
+                     intermediate_size=a.intermediate)
+    model = init_model(args, a.seed)
+    n_params = count_params(model)
+    print(f"model: {n_params:,} parameters, layers {args.layer_types}", flush=True)
+
+    run = train(model, train_ids, a.steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup, mtp_weight=a.mtp_weight,
+                seed=a.seed, minutes=a.minutes, compile=not a.no_compile, log=lambda s: print(s, flush=True))
+
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_export.hf_config(args, eos, SHAPE["full_attention_interval"])
+    hf_export.save_hf_checkpoint(model, config, out)
+    tokenizer_train.save_tokenizer(tok, out)
+    check = check_checkpoint(model, out, valid_ids[: a.seq], log=lambda s: print(s, flush=True))
+
+    from hetero.loader import load_model
+
+    shipped, _, _ = load_model(out, dtype=mx.float32)  # evaluate what ships (bf16 weights), not the fp32 copy
+    metrics = evaluate(shipped, valid_ids, seq=a.seq, batch=a.batch, max_tokens=a.eval_tokens)
+    print(f"validation ({metrics['valid_tokens']:,} tokens): loss {metrics['valid_loss']:.4f} nats/token, "
+          f"backbone top-1 {metrics['backbone_top1']:.4f}, MTP loss {metrics['valid_mtp_loss']:.4f}, "
+          f"MTP top-1 (t+2) {metrics['mtp_top1']:.4f}", flush=True)
+    samples = {}
+    for prompt in ("def ", "import os\n"):
+        ids = greedy(shipped, tok.encode(prompt).ids, 60, eos=set(eos))
+        samples[prompt] = prompt + tok.decode(ids)
+        print(f"--- greedy 60 tokens after {prompt!r}:\n{samples[prompt]}\n---", flush=True)
+
+    size = (out / "model.safetensors").stat().st_size
+    summary = dict(
+        shape={**{k: v for k, v in config["text_config"].items() if k != "layer_types"}, "layer_types": args.layer_types},
+        parameters=n_params,
+        checkpoint_bytes=size,
+        seed=a.seed,
+        blas=blas,
+        batch=a.batch,
+        seq=a.seq,
+        lr=a.lr,
+        warmup=a.warmup,
+        mtp_weight=a.mtp_weight,
+        compile=not a.no_compile,
+        train_tokens_available=int(len(train_ids)),
+        **{k: v for k, v in run.items() if k != "history"},
+        **metrics,
+        reload_check=check,
+        samples=samples,
+        wall_seconds=round(time.perf_counter() - t0, 1),
+        mlx_version=mx.__version__,
+        history=run["history"],
+    )
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out} ({size / 1e6:.1f} MB weights), total wall time {summary['wall_seconds'] / 60:.1f} min", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
