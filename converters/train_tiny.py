@@ -15,76 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
-_REEXEC_FLAG = "HETERO_TRAIN_TINY_REEXEC"
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map_with_path
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def maybe_reexec_with_openblas() -> None:
-    """Re-run this process with Debian's OpenBLAS preloaded (the mlx[cpu] wheel's reference BLAS is ~20x slower).
-
-    OpenBLAS misdetects some virtual CPUs as a generic core (5x slower kernels), so on AVX2+FMA hardware the
-    Haswell kernels are requested unless OPENBLAS_CORETYPE is already set.
-    """
-    if sys.platform != "linux" or os.environ.get(_REEXEC_FLAG) or not OPENBLAS.exists():
-        return
-    if str(OPENBLAS) in os.environ.get("LD_PRELOAD", ""):
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (str(OPENBLAS), env.get("LD_PRELOAD", "")) if p)
-    if "OPENBLAS_CORETYPE" not in env and {"avx2", "fma"} <= _cpu_flags():
-        env["OPENBLAS_CORETYPE"] = "Haswell"
-    env[_REEXEC_FLAG] = "1"
-    os.execve(sys.executable, [sys.executable, "-m", "converters.train_tiny", *sys.argv[1:]], env)
-
-
-def blas_description() -> str:
-    if str(OPENBLAS) in os.environ.get("LD_PRELOAD", ""):
-        core = os.environ.get("OPENBLAS_CORETYPE", "auto-detected core")
-        return f"OpenBLAS (LD_PRELOAD {OPENBLAS}, {core}, {os.environ.get('OPENBLAS_NUM_THREADS', 'all')} threads)"
-    if sys.platform == "darwin":
-        return "Accelerate (MLX default)"
-    return "mlx[cpu] bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
-
-
-# The heavy imports come after the re-exec check so the first process exits early.
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
-
-from hetero.models.qwen3_5 import Model, ModelArgs, is_zero_centred_norm  # noqa: E402
-
-def ensure_finite_decay_grad(log=print) -> None:
-    """Training needs d/dx of gated_delta's masked decay to be 0, not NaN, where the causal mask discards
-    exp() of a positive (upper-triangle) log decay. If `_decay` overflows there (inf * 0 = NaN in the backward
-    pass), clamp its input at 0, which leaves every unmasked value (log decay <= 0) unchanged."""
-    from hetero.models import gated_delta
-
-    x = mx.array([100.0])
-    grad = mx.grad(lambda x: mx.where(mx.array([False]), gated_delta._decay(x), 0.0).sum())(x)
-    if not mx.isnan(grad).any().item():
-        return
-    decay = gated_delta._decay
-    gated_delta._decay = lambda log_decay: decay(mx.minimum(log_decay, 0.0))
-    log("note: gated_delta._decay has a NaN gradient for masked positive inputs; clamped at 0 for training")
-
+from hetero.blas import describe, reexec_with_openblas
+from hetero.models.qwen3_5 import Model, ModelArgs, is_zero_centred_norm
 
 SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
     hidden_size=256,
@@ -234,7 +177,6 @@ def train(
 ) -> dict:
     """Train in place for `steps` steps (or until `minutes` pass); returns a summary of the run."""
     optimizer = make_optimizer(schedule(lr, steps, min(warmup, max(1, steps // 10))), weight_decay)
-    ensure_finite_decay_grad(log)
     step = make_step(model, optimizer, mtp_weight, clip, compile)
     data = batches(tokens, batch, seq, seed)
     model.train()
@@ -367,12 +309,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--eval-tokens", type=int, default=None, help="cap the validation tokens evaluated")
     a = p.parse_args(argv)
-    maybe_reexec_with_openblas()
+    reexec_with_openblas(["-m", "converters.train_tiny", *sys.argv[1:]])
 
     from converters import hf_export, tokenizer_train
 
     t0 = time.perf_counter()
-    blas = blas_description()
+    blas = describe()
     print(f"BLAS: {blas}", flush=True)
     mx.random.seed(a.seed)
     np.random.seed(a.seed)
