@@ -1,6 +1,6 @@
 """`hetero convert --coreml`: export the ANE's share of prefill as Core ML packages plus `manifest.json`.
 
-For a requested fraction F the interim plan below picks, per layer, the slice of each offloadable piece
+For a fraction F the planner (`hetero.planner.ane_slices`) picks, per layer, the slice of each offloadable piece
 (shared/DESIGN.md section 4); each slice becomes one or more programs (split so that none carries more than
 WEIGHT_BUDGET bytes of weights), written as `.mlpackage` files next to a manifest that records the model's
 identity and weight hashes, the plan, every program's shapes, the chunk size, the context buckets and the
@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,6 +24,7 @@ import numpy as np
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+from hetero.planner import PieceSlice, ane_slices
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -35,57 +36,7 @@ PIECES = ("attention", "mlp", "gdn_z")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Interim plan (hetero/planner.py will replace it with the cost-model planner)
-
-
-@dataclass(frozen=True)
-class PieceSlice:
-    """One layer's ANE share of one piece: units [start, stop).
-
-    Units: attention -> KV heads (their query-head groups come along), mlp -> intermediate channels,
-    gdn_z -> rows of in_proj_z.
-    """
-
-    layer: int
-    piece: str
-    start: int
-    stop: int
-
-
-def _round64(x: float, total: int) -> int:
-    """x rounded to a multiple of 64 (at least 64 when x > 0), capped at total."""
-    if x <= 0:
-        return 0
-    return min(total, max(64, int(round(x / 64)) * 64))
-
-
-def interim_plan(args: ModelArgs, fraction: float) -> list[PieceSlice]:
-    """The interim slicing for an ANE fraction F; hetero/planner.py will replace it.
-
-    - attention layer: the first round(F * n_kv_heads) KV-head groups (at least one when F > 0)
-    - MLP (every layer): the first F share of intermediate channels, rounded to a multiple of 64
-    - GDN layer: the first z rows, F of the whole input projection (qkv + z + b + a) rounded to 64,
-      capped at all of z (nothing else of the projection may leave the exact path)
-    """
-    if not 0.0 <= fraction <= 1.0:
-        raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
-    if fraction == 0.0:
-        return []
-    if args.num_experts:
-        raise HeteroError("Core ML export covers dense-MLP models only; this checkpoint has mixture-of-experts layers")
-    kv = max(1, round(fraction * args.num_key_value_heads))
-    channels = _round64(fraction * args.intermediate_size, args.intermediate_size)
-    z_rows = args.linear_num_value_heads * args.linear_value_head_dim
-    in_rows = 2 * args.linear_num_key_heads * args.linear_key_head_dim + 2 * z_rows + 2 * args.linear_num_value_heads
-    z = min(z_rows, _round64(fraction * in_rows, z_rows))
-    plan = []
-    for i, kind in enumerate(args.layer_types):
-        if kind == "full_attention":
-            plan.append(PieceSlice(i, "attention", 0, kv))
-        elif z:
-            plan.append(PieceSlice(i, "gdn_z", 0, z))
-        plan.append(PieceSlice(i, "mlp", 0, channels))
-    return plan
+# Slices (hetero/planner.py decides them) and the per-program weight budget
 
 
 def unit_bytes(args: ModelArgs, piece: str) -> int:
@@ -268,7 +219,9 @@ def export_coreml(
     except HeteroError:
         previous = {}
 
-    plan = [s for s in interim_plan(args, fraction) if s.piece in pieces]
+    if args.num_experts:
+        raise HeteroError("Core ML export covers dense-MLP models only; this checkpoint has mixture-of-experts layers")
+    plan = [s for s in ane_slices(args, fraction) if s.piece in pieces]
     jobs = []  # (slice, part index, part slice, context or None)
     for s in plan:
         for part, piece in enumerate(split_for_budget(args, s, budget)):

@@ -35,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--draft-depth", type=int, default=None, help="MTP draft tokens per step (default: tuned, else 3)")
     run.add_argument("--no-copy", action="store_true", help="no copy-lane drafts from n-grams of the context")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
+    run.add_argument("--memory-gb", type=float, help="RAM the memory governor budgets (default: this machine's)")
+    run.add_argument("--ane-fraction", help="split prefill: share F of each offloadable piece for the ANE lane, "
+                     "or 'auto' (this machine's measured profile, verified on a calibration prompt)")
+    run.add_argument("--verify", action="store_true", help="with --ane-fraction: rerun GPU-only and compare; exit 3 on mismatch")
+    run.add_argument("--verify-tol", type=float, default=0.02,
+                     help="largest max|logit diff| / max|GPU-only logit| at the last position that still matches (default 0.02)")
+    run.add_argument("--verify-tokens", type=int, default=32, help="greedy tokens that must be identical (default 32)")
+    run.add_argument("--trace", metavar="FILE", help="with --ane-fraction: write a Chrome trace (one track per device)")
 
     check = sub.add_parser("check", help="pre-flight check of a checkpoint without loading weights")
     check.set_defaults(func=cmd_check)
@@ -46,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune)
     _add_model(tune)
     tune.add_argument("--tokens", type=int, default=256, help="tokens decoded per prompt and setting")
+    tune.add_argument("--devices", action="store_true",
+                      help="measure the GPU lane (MLX) and the ANE lane; save them as the this-machine profile")
 
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a prefix cache")
     serve.set_defaults(func=cmd_serve)
@@ -59,6 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-cache", metavar="DIR", help="on-disk session cache (default: ~/.cache/hetero/sessions)")
     serve.add_argument("--session-cache-max-gb", type=float, default=16.0, help="disk for the session cache")
     serve.add_argument("--no-session-cache", action="store_true", help="keep checkpoints in RAM only")
+
+    plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
+    plan.set_defaults(func=cmd_plan)
+    _add_model(plan)
+    plan.add_argument("--profile", help="hardware profile (m4-pro, m3-ultra, m5-max, ..., this-machine; "
+                      "default: this-machine when `hetero tune --devices` has measured it, else m4-pro)")
+    plan.add_argument("--ane-fraction", type=float, default=0.5, help="requested ANE share of each offloadable piece")
+    plan.add_argument("--recommend", action="store_true", help="pick the fraction that balances both devices")
+    plan.add_argument("--context", type=int, help="context length in tokens (default: min(32768, model maximum))")
+    plan.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (multiple of 64)")
+    plan.add_argument("--prompt-tokens", type=int, help="prompt length for the TTFT prediction (default: the context)")
+    plan.add_argument("--bits", type=int, help="weight bits when the config has no quantization (default 16)")
+    plan.add_argument("--group-size", type=int, help="quantization group size (default 64)")
+    plan.add_argument("--memory-gb", type=float, help="RAM to budget: prints the budget and the largest context window")
+    plan.add_argument("--accepted-length", type=float, default=2.5, help="MTP tokens per verify pass for the decode estimate")
+    plan.add_argument("--draft-depth", type=int, default=3, help="MTP draft depth for the decode estimate")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
     convert = sub.add_parser("convert", help="write a converted copy of a checkpoint")
     convert.set_defaults(func=cmd_convert)
@@ -81,6 +108,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     engine = hetero.load(args.model)
+    engine.memory_gb = args.memory_gb
+    split = _split_run(engine, args)
+    if split is not None:
+        split.prepare(engine.encode_prompt(prompt, args.chat))  # export on first use, before the clock starts
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -101,9 +132,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         copy=not args.no_copy,
         on_text=None if args.json else write,
         progress=ProgressBar("prefill"),
+        prefill_with=split.prefill_with if split is not None else None,
     )
+    extra, status = {}, 0
+    if split is not None:
+        extra["ane"] = split.ane_block()
+        if split.last is not None:
+            extra["pipeline"] = split.last.to_dict()
+        if split.trace is not None:
+            split.trace.write(args.trace)
+        if args.verify:
+            from hetero.pipeline import verify
+
+            extra["verify"] = verify(split, engine.encode_prompt(prompt, args.chat), args.verify_tol, args.verify_tokens)
+            status = 0 if extra["verify"]["match"] else 3
     if args.json:
-        print(json.dumps({"text": result.text, "tokens": result.tokens, **result.stats}))
+        print(json.dumps({"text": result.text, "tokens": result.tokens, **result.stats, **extra}))
     else:
         s = result.stats
         sys.stdout.write("\n")
@@ -114,7 +158,41 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s{spec}]",
             file=sys.stderr,
         )
-    return 0
+        if "pipeline" in extra:
+            p = extra["pipeline"]
+            print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
+                  f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
+                  f"overlap {p['overlap']:.2f}]", file=sys.stderr)
+        if "verify" in extra:
+            v = extra["verify"]
+            print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; max |logit diff| {v['max_abs_logit_diff']}, cosine "
+                  f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",
+                  file=sys.stderr)
+    return status
+
+
+def _split_run(engine, args: argparse.Namespace):
+    """The configured ANE + GPU split for `--ane-fraction`, or None for a GPU-only run."""
+    if args.ane_fraction is None:
+        for flag in ("verify", "trace"):
+            if getattr(args, flag):
+                raise HeteroError(f"--{flag} needs --ane-fraction F (the split to check or trace)")
+        return None
+    from hetero.pipeline import Trace, auto_fraction, configure
+
+    if args.ane_fraction == "auto":
+        split = auto_fraction(engine, args.prefill_chunk)
+    else:
+        try:
+            fraction = float(args.ane_fraction)
+        except ValueError:
+            raise HeteroError(f"--ane-fraction {args.ane_fraction!r}: give a number in [0, 1] or 'auto'") from None
+        split = configure(engine, fraction, args.prefill_chunk)
+    if args.trace:
+        split.trace = Trace()
+    if args.verify and not 1 <= args.verify_tokens:
+        raise HeteroError(f"--verify-tokens {args.verify_tokens}: must be at least 1")
+    return split
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -130,6 +208,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     import hetero
+
+    if args.devices:
+        from hetero.profiles.measure import measure
+        from hetero.settings import save_device_profile
+
+        path = save_device_profile(measure())
+        print(f"saved the this-machine profile to {path} (hetero plan --profile this-machine, --ane-fraction auto)")
+        return 0
     from hetero.tune import tune
 
     engine = hetero.load(args.model)
@@ -144,6 +230,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
           args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hetero.planner import make_plan, model_shape, plan_lines, read_model_config, recommend
+    from hetero.profiles import THIS_MACHINE, load_profile
+    from hetero.settings import device_profile
+
+    config, name = read_model_config(args.model)
+    profile_name = args.profile or (THIS_MACHINE if device_profile() is not None else "m4-pro")
+    profile = load_profile(profile_name)
+    context = args.context or min(32768, model_shape(config)[0].max_position_embeddings)
+    kw = dict(prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
+              accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name)
+    if args.recommend:
+        fraction, plan = recommend(config, profile, context, args.chunk, **kw)
+    else:
+        plan = make_plan(config, profile, args.ane_fraction, context, args.chunk, **kw)
+    if args.json:
+        out = plan.to_dict()
+        if args.recommend:
+            out["recommended_fraction"] = fraction
+        print(json.dumps(out, indent=1))
+        return 0
+    if args.recommend:
+        print(f"recommended ANE fraction: {fraction:.2f} (shortest predicted split prefill on {profile.name})")
+    if args.profile is None:
+        print(f"(profile {profile_name}: default; pass --profile, or run `hetero tune --devices` to measure this machine)")
+    print("\n".join(plan_lines(plan)))
     return 0
 
 

@@ -50,6 +50,7 @@ class Engine:
         self.name = name
         self.eos_ids = _eos_ids(model, tokenizer, path)
         self.prefix_cache: PrefixCache | None = None
+        self.memory_gb: float | None = None  # RAM the memory governor budgets (None: this machine's)
 
     @property
     def identity(self) -> str:
@@ -79,6 +80,9 @@ class Engine:
             raise HeteroError(
                 f"the prompt has {len(ids)} tokens but the model's context window is {self.max_context}; shorten it"
             )
+        from hetero.planner import check_prompt_fits  # the memory governor's window (shared/DESIGN.md section 7)
+
+        check_prompt_fits(self.model, len(ids), self.memory_gb)
         return ids
 
     def logits(self, token_ids: list[int], chunk: int = 512) -> np.ndarray:
@@ -105,6 +109,7 @@ class Engine:
         progress: ProgressFn | None = None,
         use_prefix_cache: bool = True,
         should_stop: Callable[[], bool] | None = None,
+        prefill_with: Callable[[list[int]], tuple[list, int, mx.array | None]] | None = None,
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
 
@@ -115,6 +120,8 @@ class Engine:
         With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached
         prefix; the output is the cold run's. `should_stop` is polled after every token: True ends the
         generation there (finish_reason "stop"), e.g. on a stop string or a client that went away.
+        `prefill_with(ids)` (e.g. the ANE + GPU pipeline) may fill the cache instead of the plain prefill:
+        it returns (cache, tokens in it, post-norm hidden of the last one) and the rest runs as after a restore.
         """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
@@ -139,6 +146,8 @@ class Engine:
             restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
             if restored is not None:
                 cache, skip, carry = restored.cache, restored.n, restored.hidden
+        if prefill_with is not None and skip == 0:
+            cache, skip, carry = prefill_with(ids)
 
         def on_chunk(n: int, hidden: mx.array) -> None:
             pc.capture(model, key, ids[:n], cache, hidden)

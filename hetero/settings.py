@@ -55,3 +55,17 @@ def save_tuning(model_id: str, result: dict) -> Path:
     data.setdefault(machine_id(), {})[model_id] = result
     _write(data)
     return settings_path()
+
+
+def device_profile() -> dict | None:
+    """The `this-machine` hardware profile `hetero tune --devices` measured here; None if never measured."""
+    entry = _read().get(machine_id(), {}).get("device_profile")
+    return entry if isinstance(entry, dict) else None
+
+
+def save_device_profile(profile: dict) -> Path:
+    """Store the measured `this-machine` profile for this machine."""
+    data = _read()
+    data.setdefault(machine_id(), {})["device_profile"] = profile
+    _write(data)
+    return settings_path()

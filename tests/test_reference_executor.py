@@ -1,5 +1,5 @@
 """The reference executor (fp32 compute, fp16 at op boundaries, refuses unknown ops by name), the export driver
-(interim plan, weight-budget split, manifest round trip and reuse, `hetero convert --coreml`), and a whole prefill
+(the planner's slices, weight-budget split, manifest round trip and reuse, `hetero convert --coreml`), and a whole prefill
 whose attention layers all run through exported programs against the MLX-only prefill."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from coremltools.converters.mil.mil import types
 from converters.coreml_export import (
     PieceSlice,
     export_coreml,
-    interim_plan,
     read_manifest,
     split_for_budget,
     unit_bytes,
@@ -29,6 +28,7 @@ from hetero.backends.reference_prefill import prefill_with_attention_programs
 from hetero.cli import main
 from hetero.errors import HeteroError
 from hetero.generate import prefill
+from hetero.planner import ane_slices
 from hetero.models.qwen3_5 import ModelArgs
 from test_coreml_graphs import TINY, save_checkpoint, tiny_model
 
@@ -89,15 +89,15 @@ def test_not_a_package_is_a_one_line_error(tmp_path):
 # Interim plan and budget split
 
 
-def test_interim_plan_slices():
+def test_export_slices_come_from_the_planner():
     args = ModelArgs.from_config(TINY)  # 2 KV heads, 192 channels, z 64 of 200 input-projection rows
-    plan = interim_plan(args, 0.5)
+    plan = ane_slices(args, 0.5)
     assert PieceSlice(1, "attention", 0, 1) in plan and PieceSlice(0, "gdn_z", 0, 64) in plan
-    assert {(s.start, s.stop) for s in plan if s.piece == "mlp"} == {(0, 128)}  # 96 rounds to 128
-    assert {s.stop for s in interim_plan(args, 0.1) if s.piece == "attention"} == {1}  # at least one group
-    assert interim_plan(args, 0.0) == []
+    assert {(s.start, s.stop) for s in plan if s.piece == "mlp"} == {(0, 128)}  # 96 rounds (half up) to 128
+    assert not [s for s in ane_slices(args, 0.2) if s.piece == "attention"]  # 0.4 of a KV group rounds to none
+    assert ane_slices(args, 0.0) == []
     with pytest.raises(HeteroError):
-        interim_plan(args, 1.5)
+        ane_slices(args, 1.5)
 
 
 def test_split_for_budget_keeps_parts_under_the_budget():

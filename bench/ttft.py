@@ -1,0 +1,233 @@
+"""TTFT of the split prefill against GPU-only on this machine, and the planner's predictions for Apple chips.
+
+    python bench/ttft.py                       # prompts of 2K, 8K, 16K tokens
+    python bench/ttft.py --sizes 2048 --repeats 1
+
+1. This machine: both lanes are CPU here (MLX with OpenBLAS preloaded, the reference executor with numpy's
+   OpenBLAS), one BLAS thread each, so this measures the runtime's overlap, not the ANE. The model has the
+   bundled model's layer pattern at a larger width (random weights; a 16K prompt exceeds the bundled model's
+   4096-token maximum). `hetero tune --devices`'s measurement gives the this-machine profile, and the planner
+   recommends a fraction from it. Contenders: GPU-only prefill, and the split at the recommended fraction, 0.25
+   and 0.5, each warmed up, then alternated A B C D A B C D; median and spread of TTFT (prefill of the whole
+   prompt + its last logits), prefill tok/s, both lanes' busy time and the overlap.
+2. The planner's predictions for Qwen3.5-27B at 4-bit on M4 Pro, M3 Ultra and M5 Max, next to the profile
+   figures they come from.
+JSON to bench/results/ttft.json; PNGs: ttft.png (TTFT bars) and ttft_timeline.png (both lanes of one split run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane: the same budget for everyone
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+
+SHAPE = dict(  # the bundled model's layer pattern (3 GDN : 1 attention), wider
+    model_type="qwen3_5_text", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
+    vocab_size=4096, partial_rotary_factor=0.25, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    max_position_embeddings=32768,
+)
+CHUNK = 512
+APPLE = ("m4-pro", "m3-ultra", "m5-max")
+
+
+def build_engine(work: Path):
+    """A random model of SHAPE, saved and loaded like any checkpoint (fp32 on the CPU)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from hetero.loader import load_model
+    from hetero.models.qwen3_5 import Model, ModelArgs
+
+    model = Model(ModelArgs.from_config(SHAPE))
+    rng = np.random.default_rng(0)
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        scale = 1.0 if name.endswith(("norm.weight", "dt_bias")) else 1 / np.sqrt(p.shape[-1])
+        v = 1 + 0.1 * rng.standard_normal(p.shape) if name.endswith("norm.weight") else scale * rng.standard_normal(p.shape)
+        weights[name] = mx.array(v.astype(np.float32))
+    path = work / "model"
+    path.mkdir()
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(SHAPE))
+    net, path, config = load_model(path, dtype=mx.float32)
+    return types.SimpleNamespace(model=net, config=config, path=path, name=str(path), identity="bench-ttft@shape")
+
+
+def contenders(engine, fractions: dict[str, float], n: int):
+    """name -> callable running one prefill of an n-token prompt; split ones return their SplitResult."""
+    import mlx.core as mx
+
+    from hetero.generate import prefill
+    from hetero.pipeline import configure
+
+    ids = list((1 + (7 * i) % 4000) for i in range(n))
+    out = {"gpu-only": lambda: (prefill(engine.model, ids, engine.model.make_cache(), CHUNK), None)[1]}
+    for name, f in fractions.items():
+        split = configure(engine, f, CHUNK).splitter(n)  # exported and loaded here, outside the timing
+        out[name] = lambda split=split: split.run(ids, engine.model.make_cache(), logits=True)
+    mx.eval(engine.model.parameters())
+    return out
+
+
+def measure_size(engine, fractions: dict[str, float], n: int, repeats: int) -> dict:
+    runs = contenders(engine, fractions, n)
+    stats = {k: {"ttft_s": [], "gpu_busy_s": [], "ane_busy_s": [], "overlap": []} for k in runs}
+    for k, fn in runs.items():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            res = fn()
+            stats[k]["ttft_s"].append(time.perf_counter() - t)
+            if res is not None:
+                stats[k]["gpu_busy_s"].append(res.gpu_busy_s)
+                stats[k]["ane_busy_s"].append(res.ane_busy_s)
+                stats[k]["overlap"].append(res.overlap)
+    out = {}
+    for k, s in stats.items():
+        med = statistics.median(s["ttft_s"])
+        out[k] = {
+            "fraction": fractions.get(k, 0.0),
+            "ttft_s": med, "ttft_min_s": min(s["ttft_s"]), "ttft_max_s": max(s["ttft_s"]), "runs": len(s["ttft_s"]),
+            "prefill_tps": n / med,
+            **({m: statistics.median(s[m]) for m in ("gpu_busy_s", "ane_busy_s", "overlap")} if s["overlap"] else {}),
+        }
+    base = out["gpu-only"]["ttft_s"]
+    for k in out:
+        out[k]["vs_gpu_only"] = out[k]["ttft_s"] / base
+    return out
+
+
+def timeline(engine, fraction: float, n: int, png: Path) -> dict:
+    """One traced split run; draws both lanes' events."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hetero.pipeline import Trace, configure
+
+    split = configure(engine, fraction, CHUNK).splitter(n)
+    trace = Trace()
+    res = split.run(list(range(1, n + 1)), engine.model.make_cache(), trace=trace)
+    fig, ax = plt.subplots(figsize=(12, 2.6))
+    colors = {1: "tab:blue", 2: "tab:orange"}
+    for e in trace.events:
+        ax.barh(e["tid"], e["dur"] / 1e6, left=e["ts"] / 1e6, height=0.6, color=colors[e["tid"]], linewidth=0)
+    ax.set_yticks([1, 2], [trace.tracks[1], trace.tracks[2]])
+    ax.set_xlabel("seconds")
+    ax.set_title(f"split prefill, {n} tokens, ANE fraction {fraction:.2f}: overlap {res.overlap:.2f}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return res.to_dict()
+
+
+def bars(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results)
+    names = list(results[sizes[0]])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    w = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ax.bar([i + j * w for i in range(len(sizes))], [results[s][name]["ttft_s"] for s in sizes], w, label=name)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(sizes))], [f"{s} tokens" for s in sizes])
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("TTFT on this machine: GPU-only vs split (both lanes CPU, one BLAS thread each)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def apple_predictions(context: int) -> list[dict]:
+    from hetero.planner import recommend
+    from hetero.profiles import load_profile
+
+    config = json.loads((ROOT / "tests" / "data" / "qwen3.5-27b.json").read_text())
+    rows = []
+    for name in APPLE:
+        prof = load_profile(name)
+        inputs = {k: getattr(prof, k) for k in ("memory_bandwidth_gbs", "gpu_fp32_tflops", "ane_fp16_tflops",
+                                                "ane_bandwidth_gbs", "gpu_efficiency", "ane_efficiency",
+                                                "ane_process_weight_limit_gb")}
+        try:
+            f, plan = recommend(config, prof, context, CHUNK, bits=4)
+            pred = dict(plan.predicted, recommended_fraction=f, effective_fraction=round(plan.effective_fraction, 4))
+        except Exception as e:  # unknown figures: the planner says which
+            from hetero.planner import make_plan
+
+            plan = make_plan(config, prof, 0.0, context, CHUNK, bits=4)
+            pred = dict(plan.predicted, recommended_fraction=None, why=str(e))
+        rows.append({"profile": name, "chip": prof.chip, "inputs": inputs, "unknown": prof.unknown, "predicted": pred})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="2048,8192,16384")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = p.parse_args()
+    reexec_with_openblas()
+    os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-ttft-")  # exports and profile kept apart
+
+    from hetero.planner import recommend
+    from hetero.profiles import Profile
+    from hetero.profiles.measure import measure
+
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine = build_engine(Path(os.environ["HETERO_HOME"]))
+    profile = measure(report=lambda line: print(line, flush=True))
+    rec, plan = recommend(engine.config, Profile.from_dict(profile), 8192, CHUNK)
+    print(f"recommended fraction for this machine: {rec:.2f} (predicted {plan.predicted['split_prefill_s']} s "
+          f"split vs {plan.predicted['gpu_only_prefill_s']} s GPU-only at 8K)", flush=True)
+    fractions = {f"split@{rec:.2f} (recommended)": rec, "split@0.25": 0.25, "split@0.50": 0.5}
+    results = {}
+    for n in [int(s) for s in a.sizes.split(",")]:
+        results[n] = measure_size(engine, fractions, n, a.repeats)
+        for k, r in results[n].items():
+            extra = f"  GPU busy {r['gpu_busy_s']:.2f}s  ANE busy {r['ane_busy_s']:.2f}s  overlap {r['overlap']:.2f}" if "overlap" in r else ""
+            print(f"{n:>6} {k:<28} TTFT {r['ttft_s']:7.2f}s ({r['ttft_min_s']:.2f}-{r['ttft_max_s']:.2f})  "
+                  f"{r['prefill_tps']:7.0f} tok/s  {r['vs_gpu_only']:.2f}x{extra}", flush=True)
+    bars(results, out_dir / "ttft.png")
+    tl = timeline(engine, rec, min(8192, max(results)), out_dir / "ttft_timeline.png")
+    apple = apple_predictions(16384)
+    print("\nplanner predictions, Qwen3.5-27B 4-bit, 16K prompt (inputs from hetero/profiles/):")
+    for row in apple:
+        i, pr = row["inputs"], row["predicted"]
+        print(f"  {row['profile']:<9} bw {i['memory_bandwidth_gbs']} GB/s, GPU {i['gpu_fp32_tflops']} TFLOPS x{i['gpu_efficiency']}, "
+              f"ANE {i['ane_fp16_tflops']} TFLOPS x{i['ane_efficiency']} ({i['ane_bandwidth_gbs']} GB/s) -> F {pr.get('recommended_fraction')}, "
+              f"GPU-only {pr['gpu_only_prefill_s']} s, split {pr['split_prefill_s']} s, decode {pr['decode_roofline_tps']} tok/s, "
+              f"MTP {pr['decode_mtp_tps']} tok/s")
+    target = {n: results[n][f"split@{rec:.2f} (recommended)"]["vs_gpu_only"] for n in results if n >= 8192}
+    doc = {"environment": environment(), "model_shape": SHAPE, "chunk": CHUNK, "this_machine_profile": profile,
+           "recommended_fraction": rec, "results": {str(k): v for k, v in results.items()}, "timeline_run": tl,
+           "apple_predictions": apple, "target": {"split_vs_gpu_only_at_or_below": 0.75, "measured": target,
+                                                  "met": all(v <= 0.75 for v in target.values()) if target else None}}
+    (out_dir / "ttft.json").write_text(json.dumps(doc, indent=1))
+    print(f"\ntarget (split at the recommended fraction <= 0.75x GPU-only at 8K and 16K): {doc['target']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The ANE lane's programs: the backend (Core ML on macOS, the reference executor elsewhere), the export cache
+(exported on first use), and the loaded programs per layer and piece."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetero.errors import HeteroError
+
+
+def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
+    """(name, loader): Core ML (CPU_AND_NE) on macOS, the portable reference executor elsewhere."""
+    from hetero.backends import coreml_macos
+
+    ok, _ = coreml_macos.available()
+    if ok:
+        return "Core ML", coreml_macos.load
+    from hetero.backends.reference_executor import ReferenceExecutor
+
+    return "reference executor", ReferenceExecutor
+
+
+def export_root() -> Path:
+    """Where exported packages are cached: $HETERO_HOME/coreml, else ~/.cache/hetero/coreml."""
+    if os.environ.get("HETERO_HOME"):
+        return Path(os.environ["HETERO_HOME"]) / "coreml"
+    return Path.home() / ".cache" / "hetero" / "coreml"
+
+
+def context_bucket(tokens: int, chunk: int) -> int:
+    """The attention programs' context: the prompt's chunks rounded up to a power of two (at most 2x waste)."""
+    n = -(-tokens // chunk)
+    return chunk * (1 << max(0, (n - 1).bit_length()))
+
+
+def weights_fingerprint(path: Path) -> str:
+    """Names, sizes and mtimes of a checkpoint's weight files: a retrained model never reuses stale packages."""
+    import hashlib
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    return hashlib.sha256(json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()[:12]
+
+
+def ensure_export(model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int) -> Path:
+    """The export directory for (model key, fraction, chunk, bucket), exported on first use with a progress bar."""
+    from converters.coreml_export import read_manifest
+
+    out = export_root() / key.replace("/", "_") / f"f{fraction:.4f}_s{chunk}_t{bucket}"
+    try:
+        manifest = read_manifest(out)
+        if all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"]):
+            return out
+    except HeteroError:
+        pass
+    from converters.coreml_export import export_coreml
+    from hetero.progress import ProgressBar
+
+    export_coreml(model_ref, out, fraction, chunk, [bucket], progress=ProgressBar("export Core ML"))
+    return out
+
+
+@dataclass
+class Programs:
+    """Loaded programs per layer: attention parts (run, shape, KV heads), MLP parts (run, channels), z parts."""
+
+    chunk: int
+    attention: dict[int, list] = field(default_factory=dict)
+    mlp: dict[int, list] = field(default_factory=dict)
+    gdn_z: dict[int, list] = field(default_factory=dict)
+
+    def share(self, kind: str, layer: int) -> int:
+        """Units the ANE computes for a layer's piece (its parts cover [0, share))."""
+        parts = getattr(self, kind).get(layer, [])
+        return max((p[-1].stop for p in parts), default=0)
+
+
+def load_programs(export_dir: Path, loader: Callable[[Path], Callable]) -> Programs:
+    from converters.coreml_export import read_manifest
+    from coreml_graphs.attention import AttentionShape
+
+    manifest = read_manifest(export_dir)
+    progs = Programs(manifest["chunk_size"])
+    for p in manifest["programs"]:
+        run, units = loader(export_dir / p["file"]), range(*p["part"])
+        if p["piece"] == "attention":
+            progs.attention.setdefault(p["layer"], []).append((run, AttentionShape(**p["shape"]), units))
+        else:
+            getattr(progs, p["piece"]).setdefault(p["layer"], []).append((run, units))
+    return progs

@@ -1,0 +1,167 @@
+"""A configured split for one engine (`hetero run --ane-fraction F|auto`), and its verification against the
+GPU-only run."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from hetero.cache import LayerCache
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import Model
+from hetero.pipeline.lanes import Trace
+from hetero.pipeline.programs import ane_backend, context_bucket, ensure_export, load_programs, weights_fingerprint
+from hetero.pipeline.split import SplitPrefill, SplitResult
+
+DEFAULT_CHUNK = 256
+DEFAULT_VERIFY_TOL = 0.02  # max |logit difference| / max |GPU-only logit| at the last position
+DEFAULT_VERIFY_TOKENS = 32
+
+
+@dataclass
+class PipelineRun:
+    """A configured split for one engine: backend, fraction, plan caps; `prefill_with` plugs into `Engine.generate`."""
+
+    engine: object
+    requested_fraction: float
+    fraction: float  # the fraction actually sliced (after the ANE memory cap)
+    chunk: int
+    backend: str
+    caps: list[str]
+    effective_fraction: float
+    trace: Trace | None = None
+    last: SplitResult | None = None
+    _splits: dict = field(default_factory=dict)
+
+    def splitter(self, n_tokens: int) -> SplitPrefill:
+        """The split prefill for a prompt of `n_tokens` (programs exported for its context bucket on first use)."""
+        bucket = context_bucket(n_tokens, self.chunk)
+        if bucket not in self._splits:
+            e = self.engine
+            ref = None if e.name == "bundled" else str(e.path)
+            out = ensure_export(ref, f"{e.identity}-{weights_fingerprint(e.path)}", self.fraction, self.chunk, bucket)
+            name, loader = ane_backend()
+            self._splits[bucket] = SplitPrefill(e.model, load_programs(out, loader), name)
+        return self._splits[bucket]
+
+    def prepare(self, ids: list[int]) -> None:
+        """Export and load the programs the prompt `ids` needs now, so the first token's time excludes it; the
+        effective fraction is then the share of this prompt's prefill FLOPs."""
+        from hetero.planner import effective_fraction
+
+        if len(ids) >= 2:
+            self.splitter(len(ids) - 1)
+            self.effective_fraction = effective_fraction(self.engine.config, self.fraction, len(ids) - 1, self.chunk)
+
+    def prefill_with(self, ids: list[int]) -> tuple[list[LayerCache], int, mx.array | None]:
+        """Split-prefill all but the last prompt token (which the decode path runs, giving the first logits).
+
+        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.generate`.
+        """
+        model = self.engine.model
+        cache = model.make_cache()
+        if len(ids) < 2:
+            return cache, 0, None
+        self.last = self.splitter(len(ids) - 1).run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace)
+        return cache, len(ids) - 1, self.last.hidden
+
+    def ane_block(self) -> dict:
+        return {"backend": self.backend, "requested_fraction": self.requested_fraction,
+                "effective_fraction": round(self.effective_fraction, 6), "caps": self.caps}
+
+
+def configure(engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None) -> PipelineRun:
+    """A PipelineRun for `fraction`, sliced by the planner (ANE memory cap of this machine's profile, if any)."""
+    from hetero.planner import make_plan, model_shape
+    from hetero.profiles import Profile
+    from hetero.settings import device_profile
+
+    if chunk <= 0 or chunk % 64:
+        raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
+    if engine.model.args.attention_bias:
+        raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
+    backend = ane_backend()[0]
+    saved = device_profile()
+    # The ANE keeps ~3.5 GB of weights per process; the reference executor has no such limit.
+    limit = saved.get("ane_process_weight_limit_gb") if saved else (3.5 if backend == "Core ML" else None)
+    args, _ = model_shape(engine.config)
+    prof = Profile.from_dict({"name": "run", "chip": "this machine", "source": "run", "memory_bandwidth_gbs": None,
+                              "gpu_fp32_tflops": None, "ane_fp16_tflops": None, "ane_bandwidth_gbs": None,
+                              "ram_gb": None, "gpu_efficiency": 1.0, "ane_efficiency": 1.0,
+                              "ane_process_weight_limit_gb": limit})
+    plan = make_plan(engine.config, prof, fraction, context=min(4096, args.max_position_embeddings), chunk=chunk)
+    caps = [c for c in plan.caps() if not c.startswith(("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp"))]
+    return PipelineRun(engine, fraction, plan.sliced_fraction, chunk, backend, caps, plan.effective_fraction, trace)
+
+
+def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
+    """n greedy tokens decoded on the GPU from a filled cache and the prompt's last logits [1, V]."""
+    tokens = []
+    token = mx.argmax(logits[-1])
+    for _ in range(n):
+        tokens.append(int(token.item()))
+        out, _ = model(token.reshape(1, 1), cache[: len(model.layers)])
+        token = mx.argmax(out[0, -1])
+    return tokens
+
+
+def verify(run: PipelineRun, ids: list[int], tol: float = DEFAULT_VERIFY_TOL, n_tokens: int = DEFAULT_VERIFY_TOKENS) -> dict:
+    """Split prefill against the GPU-only prefill of the same prompt: last logits and a greedy continuation.
+
+    `match` is true when max |split - gpu| / max |gpu| <= tol at the last position and the greedy continuation
+    of `n_tokens` tokens is identical.
+    """
+    from hetero.generate import prefill
+
+    model = run.engine.model
+    split_cache = model.make_cache()
+    res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True)
+    gpu_cache = model.make_cache()
+    ref, _ = prefill(model, ids, gpu_cache, run.chunk)
+    a, b = np.array(res.logits[-1].astype(mx.float32)), np.array(ref[-1].astype(mx.float32))
+    diff = float(np.abs(a - b).max())
+    cosine = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+    ours = greedy_continuation(model, split_cache, res.logits, n_tokens)
+    theirs = greedy_continuation(model, gpu_cache, ref, n_tokens)
+    same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
+    rel = diff / max(float(np.abs(b).max()), 1e-30)
+    return {"match": bool(rel <= tol and same == n_tokens), "max_abs_logit_diff": round(diff, 6),
+            "cosine": round(cosine, 8), "greedy_match_tokens": same, "greedy_compared_tokens": n_tokens,
+            "tolerance": tol}
+
+
+CALIBRATION = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n" * 4
+
+
+def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], None] | None = None,
+                  tol: float = DEFAULT_VERIFY_TOL) -> PipelineRun:
+    """`--ane-fraction auto`: the fraction this machine's measured profile recommends, lowered until the split
+    passes verification on a calibration prompt (each lowering is reported)."""
+    from hetero.planner import recommend
+    from hetero.profiles import THIS_MACHINE, load_profile
+
+    if chunk <= 0 or chunk % 64:
+        raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
+    report = report or (lambda line: print(line, file=sys.stderr))
+    profile = load_profile(THIS_MACHINE)
+    args = engine.model.args
+    fraction, _ = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk)
+    ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
+    while fraction > 0:
+        run = configure(engine, fraction, chunk)
+        check = verify(run, ids, tol=tol, n_tokens=8)
+        if check["match"]:
+            report(f"--ane-fraction auto: {fraction:.2f} (recommended for this machine, verified on a calibration "
+                   f"prompt; {run.effective_fraction:.2f} of the prefill's FLOPs)")
+            return run
+        lower = round(fraction / 2, 2) if fraction > 0.05 else 0.0
+        report(f"--ane-fraction auto: {fraction:.2f} failed verification on a calibration prompt "
+               f"(max |logit diff| {check['max_abs_logit_diff']}, greedy {check['greedy_match_tokens']}/8); "
+               f"lowering to {lower:.2f}")
+        fraction = lower
+    report("--ane-fraction auto: no split passed verification; prefill runs GPU-only")
+    return configure(engine, 0.0, chunk)

@@ -1,0 +1,149 @@
+"""The GPU's share of each split piece (weights sliced once: rows = output channels, cols = input channels), and
+the host-side conversions between MLX activations and the ANE programs' (1, C, 1, S) fp16 layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from hetero.cache import GDNCache, KVCache
+from hetero.errors import HeteroError
+from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, DecoderLayer, _l2norm, rms_norm
+
+
+def _rows(lin: nn.Module, a: int, b: int) -> Callable[[mx.array], mx.array]:
+    """x -> x @ W[a:b].T for a Linear or QuantizedLinear (rows are whole output channels)."""
+    if isinstance(lin, nn.QuantizedLinear):
+        w, s, z = lin.weight[a:b], lin.scales[a:b], lin.biases[a:b]
+        mx.eval(w, s, z)
+        return lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=lin.group_size, bits=lin.bits)
+    w = lin.weight[a:b]
+    mx.eval(w)
+    return lambda x: x @ w.T
+
+
+def _cols(lin: nn.Module, a: int, b: int) -> Callable[[mx.array], mx.array]:
+    """x -> x @ W[:, a:b].T (input channels a..b), for the partial sums of o_proj and down_proj."""
+    if isinstance(lin, nn.QuantizedLinear):
+        g, per = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else 0
+        if not per or a % g or b % g:
+            raise HeteroError(f"{lin.bits}-bit weights with group size {g} cannot be split at input channel {a}: "
+                              f"the pipeline splits 2-, 4- and 8-bit weights at multiples of the group size")
+        w, s, z = lin.weight[:, a // per : b // per], lin.scales[:, a // g : b // g], lin.biases[:, a // g : b // g]
+        mx.eval(w, s, z)
+        return lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=g, bits=lin.bits)
+    w = lin.weight[:, a:b]
+    mx.eval(w)
+    return lambda x: x @ w.T
+
+
+class GpuAttentionRest:
+    """The GPU's KV-head groups [k, Hkv) of an attention layer: partial o_proj sum and their new K/V."""
+
+    def __init__(self, layer: DecoderLayer, k: int):
+        attn = layer.self_attn
+        self.layer, self.attn, self.k = layer, attn, k
+        D, group = attn.head_dim, attn.n_heads // attn.n_kv_heads
+        self.heads = (attn.n_heads - k * group)
+        self.kv = attn.n_kv_heads - k
+        self.q = _rows(attn.q_proj, k * group * 2 * D, attn.n_heads * 2 * D)
+        self.k_proj = _rows(attn.k_proj, k * D, attn.n_kv_heads * D)
+        self.v_proj = _rows(attn.v_proj, k * D, attn.n_kv_heads * D)
+        self.o = _cols(attn.o_proj, k * group * D, attn.n_heads * D)
+
+    def __call__(self, h: mx.array, cache: KVCache) -> tuple[mx.array, mx.array, mx.array]:
+        a, D = self.attn, self.attn.head_dim
+        x = self.layer.input_layernorm(h)  # [1, S, hidden]
+        B, S, _ = x.shape
+        qg = self.q(x).reshape(B, S, self.heads, 2 * D)  # [B, S, Hr, 2D]
+        q, gate = qg[..., :D], qg[..., D:]
+        keys = a.k_norm(self.k_proj(x).reshape(B, S, self.kv, D)).transpose(0, 2, 1, 3)  # [B, Kr, S, D]
+        values = self.v_proj(x).reshape(B, S, self.kv, D).transpose(0, 2, 1, 3)  # [B, Kr, S, D]
+        q = a.rope(a.q_norm(q).transpose(0, 2, 1, 3), offset=cache.offset)  # [B, Hr, S, D]
+        keys = a.rope(keys, offset=cache.offset)
+        all_k, all_v = keys, values
+        if cache.offset:
+            all_k = mx.concatenate([cache.keys[:, self.k :, : cache.offset], keys], axis=2)  # [B, Kr, T+S, D]
+            all_v = mx.concatenate([cache.values[:, self.k :, : cache.offset], values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=D**-0.5, mask="causal" if S > 1 else None)
+        out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)  # [B, S, Hr, D]
+        partial = self.o(out.reshape(B, S, -1))  # [B, S, hidden]
+        mx.eval(partial, keys, values)
+        return partial, keys, values
+
+
+class GpuMLPRest:
+    """The GPU's channels [c, I) of an MLP: a partial down_proj sum."""
+
+    def __init__(self, layer: DecoderLayer, c: int):
+        mlp, I = layer.mlp, layer.mlp.gate_proj.weight.shape[0]
+        self.layer = layer
+        self.gate, self.up, self.down = _rows(mlp.gate_proj, c, I), _rows(mlp.up_proj, c, I), _cols(mlp.down_proj, c, I)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        x = self.layer.post_attention_layernorm(h)  # [1, S, hidden]
+        out = self.down(nn.silu(self.gate(x)) * self.up(x))  # [1, S, hidden]
+        mx.eval(out)
+        return out
+
+
+class GpuGDNRest:
+    """A GDN layer without z rows [0, zr): everything that feeds the recurrence, run exactly as the model does.
+
+    Mirrors `GatedDeltaNet.__call__` up to the gated norm (which needs the whole z); `finish` does the rest.
+    """
+
+    def __init__(self, layer: DecoderLayer, zr: int):
+        m = layer.linear_attn
+        self.layer, self.m, self.zr = layer, m, zr
+        self.z_rest = _rows(m.in_proj_z, zr, m.nv * m.dv) if zr < m.nv * m.dv else None
+
+    def __call__(self, h: mx.array, cache: GDNCache) -> tuple[mx.array, mx.array | None]:
+        m = self.m
+        x = self.layer.input_layernorm(h)
+        B, S, _ = x.shape
+        qkv = m.in_proj_qkv(x)  # [B, S, C]
+        z_rest = self.z_rest(x) if self.z_rest is not None else None  # [B, S, rows - zr]
+        b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
+        prev = cache.conv if cache.conv is not None else mx.zeros((B, m.kernel - 1, m.conv_dim), dtype=qkv.dtype)
+        conv_in = mx.concatenate([prev, qkv], axis=1)  # [B, K-1+S, C]
+        conv_out = nn.silu(m.conv1d(conv_in))  # [B, S, C]
+        key_dim = m.nk * m.dk
+        q = conv_out[..., :key_dim].reshape(B, S, m.nk, m.dk)
+        k = conv_out[..., key_dim : 2 * key_dim].reshape(B, S, m.nk, m.dk)
+        v = conv_out[..., 2 * key_dim :].reshape(B, S, m.nv, m.dv).astype(mx.float32)
+        r = m.nv // m.nk
+        q = mx.repeat(_l2norm(q), r, axis=2) * m.dk**-0.5  # [B, S, Hv, Dk]
+        k = mx.repeat(_l2norm(k), r, axis=2)
+        beta = mx.sigmoid(b.astype(mx.float32))
+        g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + m.dt_bias)
+        state = cache.recurrent if cache.recurrent is not None else mx.zeros((B, m.nv, m.dk, m.dv), dtype=mx.float32)
+        gated = recurrent_gated_delta if S <= RECURRENT_MAX_TOKENS else chunked_gated_delta
+        out, state = gated(q, k, v, g, beta, state)  # out [B, S, Hv, Dv] fp32
+        cache.conv, cache.recurrent = conv_in[:, -(m.kernel - 1) :], state
+        cache.offset += S
+        mx.eval(out, *cache.state, *([z_rest] if z_rest is not None else []))
+        return out, z_rest
+
+    def finish(self, out: mx.array, z: mx.array, dtype: mx.Dtype) -> mx.array:
+        """Gated norm with the merged z [B, S, nv*dv], then out_proj."""
+        m = self.m
+        B, S = out.shape[:2]
+        z = z.reshape(B, S, m.nv, m.dv)
+        o = rms_norm(out, m.norm.weight.astype(mx.float32), m.eps) * nn.silu(z.astype(mx.float32))
+        return m.out_proj(o.astype(dtype).reshape(B, S, -1))
+
+
+def to_bc1s(h: mx.array, chunk: int) -> np.ndarray:
+    """[1, s, hidden] -> (1, hidden, 1, chunk) fp16, zero-padded past s."""
+    a = np.array(h[0].astype(mx.float32)).T  # [hidden, s]
+    return np.pad(a, ((0, 0), (0, chunk - a.shape[1]))).astype(np.float16)[None, :, None, :]
+
+
+def from_bc1s(out: np.ndarray, s: int) -> np.ndarray:
+    """(1, C, 1, chunk) -> [s, C] fp32."""
+    return out[0, :, 0, :s].T.astype(np.float32)

@@ -1,0 +1,74 @@
+"""Hardware profiles for the planner: one JSON file per Apple chip, plus `this-machine` (measured).
+
+The chip files are built from shared/reference/apple_silicon.md; a value the table marks "?" is null here and
+named in the profile's `unknown` list, never invented. Derived or assumed figures (the ANE's fp16 rate from
+Apple's TOPS figure, the share of peak that MLX and the ANE reach) are listed in `notes`. `this-machine`
+is what `hetero tune --devices` measured and saved in the per-machine settings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from hetero.errors import HeteroError
+
+PROFILE_DIR = Path(__file__).parent
+THIS_MACHINE = "this-machine"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Device figures the cost model reads; None = unknown (predictions that need it are unknown too)."""
+
+    name: str
+    chip: str
+    source: str
+    memory_bandwidth_gbs: float | None  # the GPU lane's bandwidth (unified memory)
+    gpu_fp32_tflops: float | None
+    ane_fp16_tflops: float | None
+    ane_bandwidth_gbs: float | None
+    ram_gb: float | None
+    gpu_efficiency: float  # share of the peak figures the GPU lane reaches on prefill matmuls
+    ane_efficiency: float
+    gpu_wired_fraction: float = 0.75
+    ane_program_weight_limit_gb: float | None = 2.0
+    ane_process_weight_limit_gb: float | None = 3.5
+    ane_dispatch_s: float | None = None  # fixed cost per ANE call
+    gpu_recurrence_efficiency: float = 1.0  # the GDN recurrence's rate relative to the GPU's matmul rate
+    ane_tops: float | None = None
+    ane_count: int = 1
+    gpu_cores: str | None = None
+    ram_gb_options: list | None = None
+    measured: bool = False
+    unknown: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def profile_names() -> list[str]:
+    """Every profile `--profile` accepts."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json")) + [THIS_MACHINE]
+
+
+def load_profile(name: str) -> Profile:
+    """A chip profile by name (e.g. `m4-pro`), or `this-machine` as `hetero tune --devices` saved it."""
+    if name == THIS_MACHINE:
+        from hetero.settings import device_profile
+
+        saved = device_profile()
+        if saved is None:
+            raise HeteroError("no profile for this machine yet: run `hetero tune --devices` first")
+        return Profile.from_dict(saved)
+    file = PROFILE_DIR / f"{name}.json"
+    if not file.is_file():
+        raise HeteroError(f"--profile {name}: unknown profile; choose one of {', '.join(profile_names())}")
+    return Profile.from_dict(json.loads(file.read_text()))

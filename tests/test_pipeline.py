@@ -1,0 +1,349 @@
+"""The two-lane runtime: split prefill against the GPU-only run (logits, greedy continuation, K/V in the cache,
+GDN state), scheduling with simulated devices, the Chrome trace, `hetero run --ane-fraction/--verify/--trace`,
+and the memory governor's refusal of a prompt beyond its window."""
+
+from __future__ import annotations
+
+import json
+import time
+import types
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hetero.cli import main
+from hetero.errors import HeteroError
+from hetero.generate import prefill
+from hetero.loader import BUNDLED_MODEL, load_model
+from hetero.pipeline import Lane, Stage, Trace, configure, run_stages, verify
+from test_coreml_graphs import TINY, save_checkpoint, tiny_model
+from tiny_checkpoint import write_tiny_model
+
+# TINY with wider value heads: z = 4 x 32 = 128 rows of 328, so a fraction can take part of z (not all or none).
+PIPE = dict(TINY, linear_value_head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    path = save_checkpoint(tiny_model(3, PIPE), tmp_path_factory.mktemp("pipe") / "ckpt", PIPE)
+    model, path, config = load_model(path, dtype=mx.float32)
+    return types.SimpleNamespace(model=model, config=config, path=path, name=str(path), identity="pipe-tiny@test")
+
+
+@pytest.fixture(scope="module")
+def bundled_engine():
+    if not (BUNDLED_MODEL / "config.json").is_file():
+        pytest.skip("hetero/bundled/ is not present yet")
+    import hetero
+
+    return hetero.load()
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, TINY["vocab_size"], n).tolist()
+
+
+def _split_vs_gpu(engine, fraction: float, ids: list[int], chunk: int = 64):
+    """(split cache, GPU-only cache, verify block) for one prompt."""
+    run = configure(engine, fraction, chunk)
+    model = engine.model
+    split_cache, gpu_cache = model.make_cache(), model.make_cache()
+    run.splitter(len(ids)).run(ids, split_cache, logits=False)
+    prefill(model, ids, gpu_cache, chunk)
+    return run, split_cache, gpu_cache, verify(run, ids, n_tokens=32)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 1.0])
+def test_split_prefill_matches_gpu_only(tiny_engine, fraction):
+    """150 tokens = 3 chunks (the last padded): logits within tolerance, 32 greedy tokens identical, K/V of the
+    ANE's heads within fp16 rounding of the GPU-only cache, the GPU's heads equal, GDN state untouched by z."""
+    ids = _prompt(150)
+    run, split, gpu, check = _split_vs_gpu(tiny_engine, fraction, ids)
+    assert check["match"], check
+    assert check["greedy_match_tokens"] == check["greedy_compared_tokens"] == 32
+    progs = run.splitter(len(ids)).programs
+    for i, layer in enumerate(tiny_engine.model.layers):
+        if layer.is_linear:
+            continue
+        k_ane = progs.share("attention", i)
+        assert split[i].offset == gpu[i].offset == 150
+        ks, kg = np.array(split[i].keys[:, :, :150]), np.array(gpu[i].keys[:, :, :150])  # [1, Hkv, 150, D]
+        vs, vg = np.array(split[i].values[:, :, :150]), np.array(gpu[i].values[:, :, :150])
+        assert 0 < k_ane
+        # fp16 storage on the ANE lane (ulp 2^-10 relative), and its rounding carried through the residual
+        # stream of this random (chaotic) network to both lanes' heads: within 1% of the largest entry
+        tol = 4e-3 if i == 1 else 1e-2
+        assert np.abs(ks - kg).max() <= tol * np.abs(kg).max()
+        assert np.abs(vs - vg).max() <= tol * np.abs(vg).max()
+    # Layer 0 is GDN: only z leaves, and z does not feed the recurrence, so its state is the GPU-only one.
+    np.testing.assert_allclose(np.array(split[0].recurrent), np.array(gpu[0].recurrent), rtol=1e-6, atol=1e-6)
+
+
+def test_gpu_shares_are_exact_slices_of_the_layer(tiny_engine):
+    """The GPU's rest of an MLP plus the first channels' partial sum is the whole MLP; the GPU's attention heads
+    write exactly the K/V the whole layer writes for them."""
+    from hetero.cache import KVCache
+    from hetero.pipeline import GpuAttentionRest, GpuMLPRest
+
+    model = tiny_engine.model
+    layer = model.layers[1]  # full attention
+    h = mx.random.normal((1, 70, PIPE["hidden_size"]), key=mx.random.key(0))  # [1, S, hidden]
+    x = layer.post_attention_layernorm(h)
+    mlp = layer.mlp
+    head = (nn_silu(x @ mlp.gate_proj.weight[:64].T) * (x @ mlp.up_proj.weight[:64].T)) @ mlp.down_proj.weight[:, :64].T
+    np.testing.assert_allclose(np.array(GpuMLPRest(layer, 64)(h) + head), np.array(mlp(x)), rtol=1e-5, atol=1e-5)
+    whole = KVCache()
+    layer.self_attn(layer.input_layernorm(h), whole)
+    _, keys, values = GpuAttentionRest(layer, 1)(h, KVCache())  # [1, 1, S, D]
+    np.testing.assert_allclose(np.array(keys), np.array(whole.keys[:, 1:, :70]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(values), np.array(whole.values[:, 1:, :70]), rtol=1e-6, atol=1e-6)
+
+
+def nn_silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+def test_fraction_slices_each_piece_as_planned(tiny_engine):
+    run = configure(tiny_engine, 0.25, 64)
+    progs = run.splitter(150).programs
+    assert progs.share("attention", 1) == 1  # 0.5 of 2 KV groups rounds (half up) to 1
+    assert progs.share("mlp", 0) == 64  # 0.25 x 192 = 48 -> 64 channels
+    assert progs.share("gdn_z", 0) == 64  # 0.25 x 328 = 82 -> 64 of 128 z rows: the GPU computes the rest of z
+    assert any("multiples of 64" in c for c in run.caps)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_bundled_model_split_matches_gpu_only(bundled_engine, fraction):
+    text = open(__file__).read()
+    ids = bundled_engine.tokenizer.encode(text)[:128]  # two chunks: the second attends the first from the cache
+    _, split, gpu, check = _split_vs_gpu(bundled_engine, fraction, ids)
+    assert check["match"], check
+    for i, layer in enumerate(bundled_engine.model.layers):
+        if not layer.is_linear:
+            kg = np.array(gpu[i].keys[:, :, :128].astype(mx.float32))
+            ks = np.array(split[i].keys[:, :, :128].astype(mx.float32))
+            assert np.abs(ks - kg).max() <= 1e-2 * np.abs(kg).max()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scheduling with simulated devices
+
+
+def _sleepy_stages(items: list[tuple[float, float, float]]):
+    for i, (g, a, m) in enumerate(items):
+        yield Stage(f"s{i}", gpu=lambda g=g: time.sleep(g), ane=lambda a=a: time.sleep(a),
+                    merge=lambda _g, _a, m=m: time.sleep(m))
+
+
+def test_lanes_overlap_to_the_critical_path():
+    """Fixed sleeps per work item: the wall time is within 15% of the critical path (max of the two shares +
+    merge, per stage), and the two lanes are busy at the same time."""
+    import anyio
+
+    items = [(0.04, 0.03, 0.005), (0.02, 0.05, 0.005), (0.05, 0.05, 0.0)] * 4
+    critical = sum(max(g, a) + m for g, a, m in items)
+    serial = sum(g + a + m for g, a, m in items)
+    trace = Trace()
+    gpu, ane = Lane("GPU", 1, trace), Lane("ANE", 2, trace)
+    start = time.perf_counter()
+    anyio.run(run_stages, _sleepy_stages(items), gpu, ane)
+    wall = time.perf_counter() - start
+    assert critical * 0.99 <= wall <= critical * 1.15, (wall, critical, serial)
+    spans = {tid: [(e["ts"], e["ts"] + e["dur"]) for e in trace.events if e["tid"] == tid] for tid in (1, 2)}
+    concurrent = sum(1 for a0, a1 in spans[1] for b0, b1 in spans[2] if min(a1, b1) - max(a0, b0) > 10_000)  # > 10 ms
+    assert concurrent >= len(items) // 2
+    assert gpu.busy_s + ane.busy_s > wall * 1.3  # the lanes really overlapped
+
+
+def test_trace_file_is_chrome_trace_json_with_both_tracks(tmp_path):
+    import anyio
+
+    trace = Trace()
+    anyio.run(run_stages, _sleepy_stages([(0.01, 0.01, 0.0)] * 3), Lane("GPU (MLX)", 1, trace), Lane("ANE", 2, trace))
+    path = tmp_path / "trace.json"
+    trace.write(path)
+    data = json.loads(path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {1: "GPU (MLX)", 2: "ANE"}
+    events = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in events} == {1, 2}
+    for e in events:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0 and e["ts"] >= 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line and the memory governor
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tinyck") / "ckpt")
+
+
+PROMPT = "def add(a, b):\n    return a + b\n" * 12
+
+
+def test_run_with_split_verify_and_trace(tiny_checkpoint, tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    argv = ["run", "--model", str(tiny_checkpoint), "--prompt", PROMPT, "--max-tokens", "8", "--ane-fraction", "0.5",
+            "--prefill-chunk", "64", "--verify", "--verify-tokens", "8", "--trace", str(trace), "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ane"]["backend"] == "reference executor" and out["ane"]["requested_fraction"] == 0.5
+    assert {"gpu_busy_s", "ane_busy_s", "wall_s", "overlap"} <= set(out["pipeline"])
+    assert out["pipeline"]["ane_busy_s"] > 0 and out["pipeline"]["gpu_busy_s"] > 0
+    assert out["verify"]["match"] and out["verify"]["greedy_compared_tokens"] == 8
+    assert {e["tid"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"} == {1, 2}
+    assert main(["run", "--model", str(tiny_checkpoint), "--prompt", PROMPT, "--max-tokens", "4", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["tokens"][:4] == out["tokens"][:4]  # the split run generates what the GPU-only run does
+
+
+def test_verify_mismatch_exits_3(tiny_checkpoint, capsys):
+    """A zero tolerance cannot hold: fp16 on the ANE lane moves the logits a little."""
+    argv = ["run", "--model", str(tiny_checkpoint), "--prompt", PROMPT, "--max-tokens", "2", "--ane-fraction", "1.0",
+            "--prefill-chunk", "64", "--verify", "--verify-tol", "0", "--verify-tokens", "4"]
+    assert main(argv) == 3
+    assert "MISMATCH" in capsys.readouterr().err
+
+
+def test_verify_and_trace_need_a_split(tiny_checkpoint, capsys):
+    assert main(["run", "--model", str(tiny_checkpoint), "--prompt", "x", "--verify"]) == 1
+    assert "--ane-fraction" in capsys.readouterr().err
+    assert main(["run", "--model", str(tiny_checkpoint), "--prompt", "x", "--ane-fraction", "half"]) == 1
+
+
+def test_prompt_beyond_the_governors_window_is_refused(tiny_checkpoint, capsys):
+    """A memory size that leaves KV room for 1000 tokens: the window is 512 (aligned down to the 512-token chunk),
+    and a 600-token prompt is refused with the reason."""
+    import hetero
+    from hetero.planner import loaded_budget
+
+    engine = hetero.load(tiny_checkpoint)
+    b = loaded_budget(engine.model, 100.0)
+    fixed = sum(n for name, n in b.lines if not name.startswith(("KV cache", "unused")))
+    engine.memory_gb = (fixed + 1000 * b.kv_bytes_per_token) / 0.75 / 1e9
+    assert loaded_budget(engine.model, engine.memory_gb).context_window == 512  # aligned down to the chunk (512)
+    engine.encode_prompt([5] * 100)
+    with pytest.raises(HeteroError, match="memory governor's context window is 512"):
+        engine.encode_prompt([5] * 600)
+    gb = f"{engine.memory_gb:.9f}"
+    assert main(["run", "--model", str(tiny_checkpoint), "--prompt", "x " * 700, "--memory-gb", gb]) == 1
+    assert "memory governor" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several requests: decode rounds of one interleave with another's split prefill
+
+
+def test_decode_rounds_fill_the_gpu_lane_while_the_ane_works():
+    """Simulated devices: two generating requests' rounds run during a third request's prefill, alternately
+    (neither starves), inside the prefill's span, and the prefill still ends near its critical path."""
+    import anyio
+
+    from hetero.pipeline import DecodeQueue
+
+    items = [(0.01, 0.05, 0.0)] * 8  # the ANE's share is the long one: the GPU lane waits 40 ms per stage
+    critical = sum(max(g, a) + m for g, a, m in items)
+    done = {"a": 0, "b": 0}
+
+    def stream(name):
+        def round_() -> bool:
+            time.sleep(0.008)
+            done[name] += 1
+            return True
+
+        return round_
+
+    queue = DecodeQueue([stream("a"), stream("b")])
+    trace = Trace()
+    start = time.perf_counter()
+    anyio.run(run_stages, _sleepy_stages(items), Lane("GPU", 1, trace), Lane("ANE", 2, trace), queue)
+    wall = time.perf_counter() - start
+    assert queue.rounds >= 2 * len(items) and abs(done["a"] - done["b"]) <= 1  # round-robin: fair
+    assert wall <= critical * 1.25, (wall, critical)  # rounds fill the wait; at most one overshoots per stage
+    ane = [e for e in trace.events if e["tid"] == 2]
+    rounds = [e for e in trace.events if e["name"] == "decode round"]
+    assert min(e["ts"] for e in rounds) < max(e["ts"] + e["dur"] for e in ane)  # during the prefill
+
+
+def test_decode_never_starves_behind_a_gpu_only_prefill():
+    import anyio
+
+    from hetero.pipeline import DecodeQueue
+
+    count = []
+    queue = DecodeQueue([lambda: count.append(1) or True], every=3)
+    stages = (Stage(f"s{i}", gpu=lambda: time.sleep(0.001)) for i in range(12))  # no ANE work to hide behind
+    anyio.run(run_stages, stages, Lane("GPU", 1), Lane("ANE", 2), queue)
+    assert len(count) == 3  # one round every 3 stages
+
+
+def test_real_requests_interleave_and_stay_exact(tiny_checkpoint):
+    """Request A decodes (MTP rounds) while request B's split prefill runs: A's tokens equal its solo run and B's
+    logits match B's GPU-only prefill."""
+    import hetero
+    from hetero.pipeline import DecodeQueue
+    from hetero.sampling import Sampler, SamplingParams
+    from hetero.speculative import run_round, start
+
+    engine = hetero.load(tiny_checkpoint)
+    model = engine.model
+    a_ids = engine.tokenizer.encode(PROMPT)[:40]
+    b_ids = engine.tokenizer.encode(PROMPT[::-1])[:150]
+
+    def decode_a(n: int, interleave: bool) -> tuple[list[int], int]:
+        sampler = Sampler(SamplingParams(0.0, 0, 1.0, 0.0), None)
+        dec = start(model, a_ids, sampler, chunk=64)
+        mx.eval(dec.pending_hidden)
+        out = [dec.x]
+
+        def a_round() -> bool:
+            drafts, acc, _ = run_round(dec, sampler, 3, 0)
+            out.extend(drafts[:acc] + [dec.x])
+            return len(out) < n
+
+        if not interleave:
+            while a_round():
+                pass
+            return out[:n], 0
+        run = configure(types.SimpleNamespace(model=model, config=engine.config, path=engine.path, name=engine.name,
+                                              identity=engine.identity), 1.0, 64)
+        queue = DecodeQueue([a_round])
+        cache = model.make_cache()
+        res = run.splitter(len(b_ids)).run(b_ids, cache, decode=queue)
+        rounds = queue.rounds
+        while queue.pending:  # A finishes after B's prefill
+            queue.run_one()
+        ref, _ = prefill(model, b_ids, model.make_cache(), 64)
+        a, b = np.array(res.logits[-1]), np.array(ref[-1])
+        assert np.abs(a - b).max() <= 0.02 * np.abs(b).max() and int(a.argmax()) == int(b.argmax())
+        return out[:n], rounds
+
+    solo, _ = decode_a(24, interleave=False)
+    mixed, rounds = decode_a(24, interleave=True)
+    assert rounds > 0  # A's rounds ran during B's prefill
+    assert mixed == solo
+
+
+def test_auto_fraction_lowers_a_split_that_fails_verification(tiny_checkpoint, monkeypatch, tmp_path):
+    """With a zero tolerance every real split fails: auto halves the fraction, says so each time, and keeps
+    only a split with nothing offloaded (or none)."""
+    import hetero
+    from hetero.pipeline import auto_fraction
+    from hetero.settings import save_device_profile
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path))
+    save_device_profile({"name": "this-machine", "chip": "test", "source": "test", "measured": True,
+                         "memory_bandwidth_gbs": 10.0, "gpu_fp32_tflops": 0.01, "ane_fp16_tflops": 0.01,
+                         "ane_bandwidth_gbs": None, "ram_gb": 8, "gpu_efficiency": 1.0, "ane_efficiency": 1.0,
+                         "ane_process_weight_limit_gb": None})
+    engine = hetero.load(tiny_checkpoint)
+    lines: list[str] = []
+    run = auto_fraction(engine, 64, report=lines.append, tol=0.0)
+    assert any("failed verification" in line and "lowering" in line for line in lines)
+    assert run.effective_fraction == 0.0
+    lines.clear()
+    good = auto_fraction(engine, 64, report=lines.append)
+    assert good.fraction > 0 and "verified" in lines[-1]
