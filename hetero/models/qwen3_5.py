@@ -221,8 +221,16 @@ class GatedDeltaNet(nn.Module):
 
     def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
         B, S, _ = x.shape
+        z = self.in_proj_z(x)  # [B, S, Hv*Dv]
+        return self.output(self.recurrence(x, cache), z, x.dtype)
+
+    def recurrence(self, x: mx.array, cache: GDNCache | None) -> mx.array:
+        """Everything that feeds the recurrent state (qkv, b, a, conv, delta rule): x [B, S, hidden] -> [B, S, Hv, Dv] fp32.
+
+        Updates `cache` (conv window, state, offset); while it is recording, keeps every intermediate state.
+        """
+        B, S, _ = x.shape
         qkv = self.in_proj_qkv(x)  # [B, S, C]
-        z = self.in_proj_z(x).reshape(B, S, self.nv, self.dv)  # [B, S, Hv, Dv]
         b = self.in_proj_b(x)  # [B, S, Hv]
         a = self.in_proj_a(x)  # [B, S, Hv]
 
@@ -256,9 +264,14 @@ class GatedDeltaNet(nn.Module):
             cache.conv = conv_in[:, -(self.kernel - 1) :]
             cache.recurrent = state
             cache.offset += S
+        return out
 
-        out = rms_norm(out, self.norm.weight.astype(mx.float32), self.eps) * nn.silu(z.astype(mx.float32))
-        return self.out_proj(out.astype(x.dtype).reshape(B, S, -1))
+    def output(self, core: mx.array, z: mx.array, dtype: mx.Dtype) -> mx.array:
+        """Gated norm and out_proj: core [B, S, Hv, Dv] fp32, z [B, S, Hv*Dv] -> [B, S, hidden] in `dtype`."""
+        B, S = core.shape[:2]
+        z = z.reshape(B, S, self.nv, self.dv)
+        out = rms_norm(core, self.norm.weight.astype(mx.float32), self.eps) * nn.silu(z.astype(mx.float32))
+        return self.out_proj(out.astype(dtype).reshape(B, S, -1))
 
 
 def _l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:

@@ -11,8 +11,7 @@ import numpy as np
 
 from hetero.cache import GDNCache, KVCache
 from hetero.errors import HeteroError
-from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
-from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, DecoderLayer, _l2norm, rms_norm
+from hetero.models.qwen3_5 import DecoderLayer
 
 
 def _rows(lin: nn.Module, a: int, b: int) -> Callable[[mx.array], mx.array]:
@@ -94,7 +93,7 @@ class GpuMLPRest:
 class GpuGDNRest:
     """A GDN layer without z rows [0, zr): everything that feeds the recurrence, run exactly as the model does.
 
-    Mirrors `GatedDeltaNet.__call__` up to the gated norm (which needs the whole z); `finish` does the rest.
+    Runs `GatedDeltaNet.recurrence` unchanged; `finish` is its `output` once the ANE's z rows are merged in.
     """
 
     def __init__(self, layer: DecoderLayer, zr: int):
@@ -103,39 +102,15 @@ class GpuGDNRest:
         self.z_rest = _rows(m.in_proj_z, zr, m.nv * m.dv) if zr < m.nv * m.dv else None
 
     def __call__(self, h: mx.array, cache: GDNCache) -> tuple[mx.array, mx.array | None]:
-        m = self.m
         x = self.layer.input_layernorm(h)
-        B, S, _ = x.shape
-        qkv = m.in_proj_qkv(x)  # [B, S, C]
         z_rest = self.z_rest(x) if self.z_rest is not None else None  # [B, S, rows - zr]
-        b, a = m.in_proj_b(x), m.in_proj_a(x)  # [B, S, Hv]
-        prev = cache.conv if cache.conv is not None else mx.zeros((B, m.kernel - 1, m.conv_dim), dtype=qkv.dtype)
-        conv_in = mx.concatenate([prev, qkv], axis=1)  # [B, K-1+S, C]
-        conv_out = nn.silu(m.conv1d(conv_in))  # [B, S, C]
-        key_dim = m.nk * m.dk
-        q = conv_out[..., :key_dim].reshape(B, S, m.nk, m.dk)
-        k = conv_out[..., key_dim : 2 * key_dim].reshape(B, S, m.nk, m.dk)
-        v = conv_out[..., 2 * key_dim :].reshape(B, S, m.nv, m.dv).astype(mx.float32)
-        r = m.nv // m.nk
-        q = mx.repeat(_l2norm(q), r, axis=2) * m.dk**-0.5  # [B, S, Hv, Dk]
-        k = mx.repeat(_l2norm(k), r, axis=2)
-        beta = mx.sigmoid(b.astype(mx.float32))
-        g = -mx.exp(m.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + m.dt_bias)
-        state = cache.recurrent if cache.recurrent is not None else mx.zeros((B, m.nv, m.dk, m.dv), dtype=mx.float32)
-        gated = recurrent_gated_delta if S <= RECURRENT_MAX_TOKENS else chunked_gated_delta
-        out, state = gated(q, k, v, g, beta, state)  # out [B, S, Hv, Dv] fp32
-        cache.conv, cache.recurrent = conv_in[:, -(m.kernel - 1) :], state
-        cache.offset += S
+        out = self.m.recurrence(x, cache)  # [B, S, Hv, Dv] fp32: the model's own exact path
         mx.eval(out, *cache.state, *([z_rest] if z_rest is not None else []))
         return out, z_rest
 
     def finish(self, out: mx.array, z: mx.array, dtype: mx.Dtype) -> mx.array:
         """Gated norm with the merged z [B, S, nv*dv], then out_proj."""
-        m = self.m
-        B, S = out.shape[:2]
-        z = z.reshape(B, S, m.nv, m.dv)
-        o = rms_norm(out, m.norm.weight.astype(mx.float32), m.eps) * nn.silu(z.astype(mx.float32))
-        return m.out_proj(o.astype(dtype).reshape(B, S, -1))
+        return self.m.output(out, z, dtype)
 
 
 def to_bc1s(h: mx.array, chunk: int) -> np.ndarray:
