@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -71,12 +72,15 @@ def main() -> None:
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         n = len(engine.tokenizer.encode(prompt))
         cold = engine.generate(prompt, use_prefix_cache=False, **gen)
+        # a restarted server sees the disk as it was before this turn: snapshot it before the cached run writes
+        disk_before = Path(tempfile.mkdtemp(prefix="hetero-agent-restart-")) / "store"
+        shutil.copytree(store_dir, disk_before)
         warm = engine.generate(prompt, **gen)
         saved = engine.prefix_cache
-        engine.prefix_cache = PrefixCache(store=SessionStore(store_dir))  # a restarted server: same disk, empty RAM
+        engine.prefix_cache = PrefixCache(store=SessionStore(disk_before))  # restarted: that disk, empty RAM
         restart = engine.generate(prompt, **gen)
-        # the restarted engine's RAM now has this turn; keep the original one to continue the session
-        engine.prefix_cache = saved
+        engine.prefix_cache = saved  # continue the session with the original cache
+        shutil.rmtree(disk_before.parent, ignore_errors=True)
         row = {"prompt_tokens": n, "cold_ttft_s": cold.stats["ttft_s"], "cached_ttft_s": warm.stats["ttft_s"],
                "cached_tokens": warm.stats["cached_tokens"], "restart_ttft_s": restart.stats["ttft_s"],
                "restart_cached_tokens": restart.stats["cached_tokens"],
