@@ -33,6 +33,7 @@ from converters.tokenizer_train import load_corpus  # noqa: E402
 from hetero.blas import environment, reexec_with_openblas  # noqa: E402
 from hetero.engine import Engine, load  # noqa: E402
 from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
+from hetero.profiles.measure import median_seconds  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
 from hetero.speculative import Decoder, start  # noqa: E402
 
@@ -94,17 +95,6 @@ def bundled_part(args: argparse.Namespace) -> dict:
     return {"settings": rows, "acceptance_vs_context": by_context, "prompt_tokens": 256, "decode_tokens": args.tokens}
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def forced_tps(decoder: Decoder, sampler: Sampler, depth: int, rates: tuple[float, ...], rounds: int, rng) -> float:
     """Tokens/s when draft i is kept with the conditional probability that makes acceptance_by_depth == rates."""
     emitted, t0 = 0, time.perf_counter()
@@ -154,7 +144,7 @@ def large_part(args: argparse.Namespace) -> dict:
             mx.eval(target)
             d.commit(drafts, hidden, 0, int(mx.argmax(target[0]).item()), mtp_ran=False)
 
-        verify_cost[k + 1] = timed(verify_round, args.repeats * 3) / plain_s
+        verify_cost[k + 1] = median_seconds(verify_round, args.repeats * 3) / plain_s
     d = fresh()
     d.propose(1, 0, sampler)  # catch the MTP head up so the next steps are single-token draft steps
     z = mx.zeros((1, 1, model.args.hidden_size))
@@ -165,7 +155,7 @@ def large_part(args: argparse.Namespace) -> dict:
         for c in d.mtp_cache:
             c.trim_to(c.offset - 1)
 
-    draft_cost = timed(draft_step, args.repeats * 5) / plain_s
+    draft_cost = median_seconds(draft_step, args.repeats * 5) / plain_s
     print(f"large: plain step {plain_s * 1e3:.1f} ms; verify cost vs plain step {json.dumps({k: round(v, 3) for k, v in verify_cost.items()})}; draft step {draft_cost:.3f}", flush=True)
 
     rng = np.random.default_rng(0)

@@ -20,7 +20,8 @@ import numpy as np
 from hetero.profiles import THIS_MACHINE
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of fn() over `repeats` calls, after one warm-up call."""
     fn()  # warm-up: first calls compile and allocate
     times = []
     for _ in range(repeats):
@@ -41,8 +42,8 @@ def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int
     w = mx.random.normal((out, hidden)).astype(dtype)  # [out, hidden]
     big = mx.ones((64 * 2**20,), dtype=mx.float32)  # 256 MB
     mx.eval(x, w, big)
-    mm = _median_s(lambda: mx.eval(x @ w.T), repeats)
-    rd = _median_s(lambda: mx.eval(big.sum()), repeats)
+    mm = median_seconds(lambda: mx.eval(x @ w.T), repeats)
+    rd = median_seconds(lambda: mx.eval(big.sum()), repeats)
     return 2.0 * chunk * hidden * out / mm, big.nbytes / rd
 
 
@@ -61,7 +62,7 @@ def gpu_recurrence(flops_rate: float, tokens: int = 512, heads: int = 8, dk: int
     beta = mx.sigmoid(mx.random.normal((1, tokens, heads)))
     state = mx.zeros((1, heads, dk, dv))
     mx.eval(q, k, v, g, beta, state)
-    s = _median_s(lambda: mx.eval(*chunked_gated_delta(q, k, v, g, beta, state)), 3)
+    s = median_seconds(lambda: mx.eval(*chunked_gated_delta(q, k, v, g, beta, state)), 3)
     return min(1.0, tokens * delta_rule_flops(heads, dk, dv) / s / flops_rate)
 
 
@@ -83,9 +84,9 @@ def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats
 
     with tempfile.TemporaryDirectory() as tmp:
         run, feed = program(hidden, channels, chunk, Path(tmp))
-        big = _median_s(lambda: run(feed), repeats)
+        big = median_seconds(lambda: run(feed), repeats)
         run_small, feed_small = program(64, 64, 64, Path(tmp))
-        small = _median_s(lambda: run_small(feed_small), repeats)
+        small = median_seconds(lambda: run_small(feed_small), repeats)
     flops = 6.0 * hidden * channels * chunk
     return name, flops / max(big - small, 1e-9), small
 
