@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from hetero.cache import GDNCache, KVCache, LayerCache
 from hetero.errors import HeteroError
+from hetero.models.attention import attend
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
@@ -177,10 +178,7 @@ class Attention(nn.Module):
         keys = self.rope(keys, offset=offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
-        mask = "causal" if S > 1 else None
-        out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=self.head_dim**-0.5, mask=mask
-        )  # [B, H, S, D]
+        out = attend(queries, keys, values, scale=self.head_dim**-0.5)  # [B, H, S, D]
         out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)  # [B, S, H, D]
         return self.o_proj(out.reshape(B, S, -1))
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from hetero.cache import GDNCache, KVCache
 from hetero.errors import HeteroError
+from hetero.models.attention import attend
 from hetero.models.qwen3_5 import DecoderLayer
 
 
@@ -68,7 +69,7 @@ class GpuAttentionRest:
         if cache.offset:
             all_k = mx.concatenate([cache.keys[:, self.k :, : cache.offset], keys], axis=2)  # [B, Kr, T+S, D]
             all_v = mx.concatenate([cache.values[:, self.k :, : cache.offset], values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=D**-0.5, mask="causal" if S > 1 else None)
+        out = attend(q, all_k, all_v, scale=D**-0.5)  # [B, Hr, S, D]
         out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)  # [B, S, Hr, D]
         partial = self.o(out.reshape(B, S, -1))  # [B, S, hidden]
         mx.eval(partial, keys, values)

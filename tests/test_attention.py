@@ -1,0 +1,76 @@
+"""The CPU attention kernel against a float64 oracle and against MLX's fused kernel."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hetero.models import attention
+from hetero.models.attention import attend
+
+
+def oracle(q: mx.array, k: mx.array, v: mx.array, scale: float) -> np.ndarray:
+    """Causal attention in float64 with the queries at the last L key positions."""
+    qn, kn, vn = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    group = qn.shape[1] // kn.shape[1]
+    kn, vn = np.repeat(kn, group, axis=1), np.repeat(vn, group, axis=1)
+    L, S = qn.shape[2], kn.shape[2]
+    scores = qn @ kn.transpose(0, 1, 3, 2) * scale  # [B, H, L, S]
+    future = np.arange(S)[None, :] > np.arange(L)[:, None] + (S - L)
+    scores[..., future] = -np.inf
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ vn
+
+
+SHAPES = [  # B, H, Hkv, L, S, D
+    (1, 4, 2, 512, 512, 64),  # first prefill chunk
+    (1, 4, 2, 96, 1000, 64),  # a later chunk over a cache
+    (2, 6, 2, 40, 40, 32),  # batch of two, group of three
+    (1, 8, 1, 33, 70, 16),  # multi-query
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block", [attention.BLOCK_SCORES, 3000])
+def test_numpy_kernel_matches_float64_oracle(shape, block, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK_SCORES", block)  # 3000 forces many query blocks per head
+    B, H, Hkv, L, S, D = shape
+    mx.random.seed(sum(shape))
+    q, k = mx.random.normal((B, H, L, D)) * 3, mx.random.normal((B, Hkv, S, D)) * 3
+    v = mx.random.normal((B, Hkv, S, D))
+    want = oracle(q, k, v, D**-0.5)
+    got = np.array(attention._numpy_causal(q, k, v, D**-0.5))
+    fused = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal"))
+    assert np.abs(got - want).max() <= 5e-5
+    assert np.abs(got - want).max() <= 2 * np.abs(fused - want).max() + 1e-6
+
+
+def test_future_keys_get_exactly_zero_weight():
+    """Keys after a query's position are masked even when their scores dwarf the visible ones."""
+    B, H, Hkv, L, S, D = 1, 2, 1, 64, 64, 16
+    q = mx.ones((B, H, L, D))
+    k = mx.concatenate([mx.zeros((B, Hkv, 1, D)), mx.full((B, Hkv, S - 1, D), 50.0)], axis=2)
+    v = mx.concatenate([mx.ones((B, Hkv, 1, D)), mx.full((B, Hkv, S - 1, D), 1e12)], axis=2)
+    out = np.array(attend(q, k, v, D**-0.5))
+    assert np.array_equal(out[:, :, 0], np.ones((B, H, D), np.float32))  # the first query sees one key
+    assert np.isfinite(out).all()
+
+
+def test_low_precision_inputs_keep_their_dtype():
+    q, k, v = (mx.random.normal((1, 2, 48, 32)).astype(mx.bfloat16) for _ in range(3))
+    out = attend(q, k, v, 32**-0.5)
+    assert out.dtype == mx.bfloat16
+    want = oracle(q, k, v, 32**-0.5)
+    assert np.abs(np.array(out.astype(mx.float32)) - want).max() < 2e-2  # bf16 output rounding
+
+
+def test_long_query_blocks_on_the_cpu_take_the_numpy_kernel(monkeypatch):
+    calls = []
+    real = attention._numpy_causal
+    monkeypatch.setattr(attention, "_numpy_causal", lambda *a: calls.append(a[0].shape) or real(*a))
+    q = mx.random.normal((1, 2, attention.MIN_QUERIES, 16))
+    kv = mx.random.normal((1, 2, 100, 16))
+    attend(q, kv, kv, 0.25)
+    attend(q[:, :, :4], kv, kv, 0.25)  # a verify block stays on MLX's kernel
+    assert calls == [(1, 2, attention.MIN_QUERIES, 16)]
