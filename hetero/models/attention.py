@@ -4,8 +4,10 @@ On Metal, `mx.fast.scaled_dot_product_attention` is the right kernel for every s
 backend (Linux, or a Mac asked to run on the CPU) its softmax runs MLX's scalar `exp`, measured at ~21 ns
 per element on the project's x86 machines against ~0.7 ns for numpy's SIMD `exp`, so a 512-token prefill
 chunk over a 16K-token context spends nearly all its time in the softmax (0.77 s against 0.13 s for the
-kernel below). Long query blocks on the CPU therefore run here: two BLAS matmuls around a numpy softmax,
-computed block by block so the score matrix stays small, and only over the keys each block can see.
+kernel below). Long query blocks on the CPU therefore run here: MLX's two matmuls around a softmax that numpy
+computes in place on the evaluated scores (a writable view of MLX's buffer; numpy runs no BLAS here, so its
+thread pool never competes with MLX's), block by block so the score matrix stays small, and only over the
+keys each block can see.
 Decode and verify steps (a few queries) stay on MLX, where the whole step remains one lazy graph.
 """
 
@@ -37,28 +39,30 @@ def _numpy_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     _, Hkv, S, Dv = values.shape
     G = H // Hkv
     offset = S - L  # position of the first query
-    q32 = queries.astype(mx.float32) * scale
-    k32, v32 = keys.astype(mx.float32), values.astype(mx.float32)
-    mx.eval(q32, k32, v32)
-    q, k, v = np.asarray(q32), np.asarray(k32), np.asarray(v32)
-    out = np.empty((B, H, L, Dv), np.float32)
-    step = max(1, min(L, BLOCK_SCORES // (G * S)))  # query positions per block
+    q = (queries.astype(mx.float32) * scale).reshape(B, Hkv, G, L, D)  # [B, Hkv, G, L, D]
+    k_t = keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, D, S]
+    ones = mx.ones((B, Hkv, S, 1), mx.float32)
+    v_sum = mx.concatenate([values.astype(mx.float32), ones], axis=-1)  # [B, Hkv, S, Dv+1]: last column sums
+    step = max(1, min(L, BLOCK_SCORES // (B * H * S)))  # query positions per block
     below = np.tril(np.ones((step, step), np.float32))  # 1 where key <= query inside the diagonal block
-    for b in range(B):
-        for h in range(Hkv):
-            v_sum = np.concatenate([v[b, h], np.ones((S, 1), np.float32)], axis=1)  # [S, Dv+1]: last column sums
-            for i0 in range(0, L, step):
-                n = min(step, L - i0)
-                end = offset + i0 + n  # keys visible to the block's last query
-                qb = q[b, h * G : (h + 1) * G, i0 : i0 + n].reshape(G * n, D)  # [G*n, D]
-                scores = (qb @ k[b, h, :end].T).reshape(G, n, end)  # [G, n, end]
-                diag = scores[:, :, end - n :]  # [G, n, n]: the block's own positions
-                diag[:, below[:n, :n] == 0] = -np.inf
-                scores -= scores.max(axis=2, keepdims=True)
-                np.maximum(scores, FLOOR, out=scores)
-                np.exp(scores, out=scores)
-                diag *= below[:n, :n]  # masked keys weigh exactly 0
-                o = scores.reshape(G * n, end) @ v_sum[:end]  # [G*n, Dv+1]
-                o = (o[:, :Dv] / o[:, Dv:]).reshape(G, n, Dv)
-                out[b, h * G : (h + 1) * G, i0 : i0 + n] = o
-    return mx.array(out).astype(queries.dtype)
+    future = np.where(below > 0, 0.0, -np.inf).astype(np.float32)  # additive mask of the same block
+    outs = []
+    for i0 in range(0, L, step):
+        n = min(step, L - i0)
+        end = offset + i0 + n  # keys visible to the block's last query
+        qb = q[:, :, :, i0 : i0 + n].reshape(B, Hkv, G * n, D)  # [B, Hkv, G*n, D]
+        scores = qb @ k_t[..., :end]  # [B, Hkv, G*n, end]
+        mx.eval(scores)
+        s = np.asarray(scores).reshape(B, Hkv, G, n, end)  # a writable view: the softmax runs in place
+        diag = s[..., end - n :]  # [B, Hkv, G, n, n]: the block's own positions
+        diag += future[:n, :n]
+        s -= s.max(axis=-1, keepdims=True)
+        np.maximum(s, FLOOR, out=s)
+        np.exp(s, out=s)
+        diag *= below[:n, :n]  # masked keys weigh exactly 0
+        o = scores @ v_sum[:, :, :end]  # [B, Hkv, G*n, Dv+1]
+        o = (o[..., :Dv] / o[..., Dv:]).reshape(B, Hkv, G, n, Dv)
+        mx.eval(o)  # frees this block's scores before the next block's
+        outs.append(o)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, H, L, Dv).astype(queries.dtype)

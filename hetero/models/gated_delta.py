@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from hetero.models import activations as act
+
 CHUNK = 64
 TINY = 1e-18  # magnitudes below this are flushed to 0 before matmuls (see _flush)
 
@@ -27,7 +29,7 @@ def _decay(log_decay: mx.array) -> mx.array:
     Positive inputs (the upper triangle, masked out by the caller) are clipped to 0 so that exp never
     overflows: inf there would make the masked gradient inf * 0 = NaN in training.
     """
-    return mx.where(log_decay < -41.0, 0.0, mx.exp(mx.clip(log_decay, -41.0, 0.0)))
+    return mx.where(log_decay < -41.0, 0.0, act.exp(mx.clip(log_decay, -41.0, 0.0)))
 
 
 @mx.compile

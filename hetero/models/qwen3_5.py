@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from hetero.cache import GDNCache, KVCache, LayerCache
 from hetero.errors import HeteroError
+from hetero.models import activations as act
 from hetero.models.attention import attend
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 
@@ -179,7 +180,7 @@ class Attention(nn.Module):
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
         out = attend(queries, keys, values, scale=self.head_dim**-0.5)  # [B, H, S, D]
-        out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)  # [B, S, H, D]
+        out = out.transpose(0, 2, 1, 3) * act.sigmoid(gate)  # [B, S, H, D]
         return self.o_proj(out.reshape(B, S, -1))
 
 
@@ -193,7 +194,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(act.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GatedDeltaNet(nn.Module):
@@ -236,7 +237,7 @@ class GatedDeltaNet(nn.Module):
         if prev is None:
             prev = mx.zeros((B, self.kernel - 1, self.conv_dim), dtype=qkv.dtype)
         conv_in = mx.concatenate([prev, qkv], axis=1)  # [B, K-1+S, C]
-        conv_out = nn.silu(self.conv1d(conv_in))  # [B, S, C]
+        conv_out = act.silu(self.conv1d(conv_in))  # [B, S, C]
 
         key_dim = self.nk * self.dk
         q = conv_out[..., :key_dim].reshape(B, S, self.nk, self.dk)
@@ -245,7 +246,7 @@ class GatedDeltaNet(nn.Module):
         r = self.nv // self.nk
         q = mx.repeat(_l2norm(q), r, axis=2) * self.dk**-0.5  # [B, S, Hv, Dk] value head j uses key head j // r
         k = mx.repeat(_l2norm(k), r, axis=2)  # [B, S, Hv, Dk]
-        beta = mx.sigmoid(b.astype(mx.float32))  # [B, S, Hv]
+        beta = act.sigmoid(b.astype(mx.float32))  # [B, S, Hv]
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + self.dt_bias)  # [B, S, Hv]
 
         state = cache.recurrent if cache is not None else None
@@ -268,7 +269,7 @@ class GatedDeltaNet(nn.Module):
         """Gated norm and out_proj: core [B, S, Hv, Dv] fp32, z [B, S, Hv*Dv] -> [B, S, hidden] in `dtype`."""
         B, S = core.shape[:2]
         z = z.reshape(B, S, self.nv, self.dv)
-        out = rms_norm(core, self.norm.weight.astype(mx.float32), self.eps) * nn.silu(z.astype(mx.float32))
+        out = rms_norm(core, self.norm.weight.astype(mx.float32), self.eps) * act.silu(z.astype(mx.float32))
         return self.out_proj(out.astype(dtype).reshape(B, S, -1))
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from hetero.cache import GDNCache, KVCache
 from hetero.errors import HeteroError
+from hetero.models import activations as act
 from hetero.models.attention import attend
 from hetero.models.qwen3_5 import DecoderLayer
 
@@ -70,7 +71,7 @@ class GpuAttentionRest:
             all_k = mx.concatenate([cache.keys[:, self.k :, : cache.offset], keys], axis=2)  # [B, Kr, T+S, D]
             all_v = mx.concatenate([cache.values[:, self.k :, : cache.offset], values], axis=2)
         out = attend(q, all_k, all_v, scale=D**-0.5)  # [B, Hr, S, D]
-        out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)  # [B, S, Hr, D]
+        out = out.transpose(0, 2, 1, 3) * act.sigmoid(gate)  # [B, S, Hr, D]
         partial = self.o(out.reshape(B, S, -1))  # [B, S, hidden]
         mx.eval(partial, keys, values)
         return partial, keys, values
@@ -86,7 +87,7 @@ class GpuMLPRest:
 
     def __call__(self, h: mx.array) -> mx.array:
         x = self.layer.post_attention_layernorm(h)  # [1, S, hidden]
-        out = self.down(nn.silu(self.gate(x)) * self.up(x))  # [1, S, hidden]
+        out = self.down(act.silu(self.gate(x)) * self.up(x))  # [1, S, hidden]
         mx.eval(out)
         return out
 

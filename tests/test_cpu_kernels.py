@@ -1,4 +1,4 @@
-"""The CPU attention kernel against a float64 oracle and against MLX's fused kernel."""
+"""The CPU kernels (attention, activations) against float64 oracles and against MLX's own kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from hetero.models import activations as act
 from hetero.models import attention
 from hetero.models.attention import attend
 
@@ -74,3 +75,28 @@ def test_long_query_blocks_on_the_cpu_take_the_numpy_kernel(monkeypatch):
     attend(q, kv, kv, 0.25)
     attend(q[:, :, :4], kv, kv, 0.25)  # a verify block stays on MLX's kernel
     assert calls == [(1, 2, attention.MIN_QUERIES, 16)]
+
+
+ACTIVATIONS = [  # ours, MLX's, float64 oracle
+    (act.exp, mx.exp, np.exp),
+    (act.sigmoid, mx.sigmoid, lambda x: 1 / (1 + np.exp(-x))),
+    (act.silu, lambda x: x * mx.sigmoid(x), lambda x: x / (1 + np.exp(-x))),
+]
+
+
+@pytest.mark.parametrize("ours, theirs, oracle", ACTIVATIONS)
+def test_activations_are_as_accurate_as_mlx_own(ours, theirs, oracle):
+    x = mx.concatenate([mx.linspace(-87, 87, 20001), mx.random.normal((20000,)) * 4])
+    want = oracle(np.array(x).astype(np.float64))
+    scale = np.maximum(np.abs(want), 1e-30)
+    ours_err = (np.abs(np.array(ours(x)) - want) / scale).max()
+    theirs_err = (np.abs(np.array(theirs(x)) - want) / scale).max()
+    assert ours_err <= max(2 * theirs_err, 1e-6)
+
+
+@pytest.mark.parametrize("ours, theirs, oracle", ACTIVATIONS)
+def test_activations_keep_low_precision_dtypes(ours, theirs, oracle):
+    x = (mx.random.normal((4096,)) * 4).astype(mx.bfloat16)
+    got = ours(x)
+    assert got.dtype == mx.bfloat16
+    assert mx.array_equal(got, theirs(x))  # bf16 takes MLX's own kernel
