@@ -6,6 +6,9 @@ exp(x) = 2^(x log2 e) the results agree to the same ~1e-6 relative error as `mx.
 512-token prefill chunk spent a third of its time in these activations, so on the CPU fp32
 takes the power form, at every size so that prefill and decode compute the same function (fp32 only:
 x log2 e rounded to bf16 would cost precision). Metal keeps the single fused kernels.
+
+The model uses these (and no `mlx.nn` activation, which are `mx.compile`d): MLX 0.32 aborts at process exit
+after a compiled function ran on a worker thread, and the server and the pipeline run the model on workers.
 """
 
 from __future__ import annotations

@@ -247,7 +247,8 @@ class GatedDeltaNet(nn.Module):
         q = mx.repeat(_l2norm(q), r, axis=2) * self.dk**-0.5  # [B, S, Hv, Dk] value head j uses key head j // r
         k = mx.repeat(_l2norm(k), r, axis=2)  # [B, S, Hv, Dk]
         beta = act.sigmoid(b.astype(mx.float32))  # [B, S, Hv]
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + self.dt_bias)  # [B, S, Hv]
+        softplus = mx.logaddexp(a.astype(mx.float32) + self.dt_bias, 0.0)  # not nn.softplus: see activations.py
+        g = -mx.exp(self.A_log.astype(mx.float32)) * softplus  # [B, S, Hv]
 
         state = cache.recurrent if cache is not None else None
         if state is None:
