@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-cache", metavar="DIR", help="on-disk session cache (default: ~/.cache/hetero/sessions)")
     serve.add_argument("--session-cache-max-gb", type=float, default=16.0, help="disk for the session cache")
     serve.add_argument("--no-session-cache", action="store_true", help="keep checkpoints in RAM only")
+    serve.add_argument("--ane-fraction", help="split each prompt's prefill: share F for the ANE lane, or 'auto'")
+    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step (and per turn)")
+    serve.add_argument("--max-concurrent", type=int, default=4,
+                       help="requests generating at once, taking turns on the model (more wait in line)")
 
     plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
     plan.set_defaults(func=cmd_plan)
@@ -229,7 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hetero.server import serve
 
     serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
-          args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name)
+          args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name, args.ane_fraction,
+          args.prefill_chunk, args.max_concurrent)
     return 0
 
 

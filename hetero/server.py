@@ -1,8 +1,11 @@
 """OpenAI- and Anthropic-compatible HTTP server (Starlette on uvicorn) over one `Engine`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic), GET /v1/models, GET /health.
-Requests run one at a time in arrival order on a single worker thread (the runtime of the pipeline issue will
-admit several); a client that disconnects cancels its generation; a bad request gets a 4xx JSON error that names
+Up to `max_concurrent` requests generate at once, each on its own worker thread, taking round-robin turns on the
+model (`hetero.turns`): one prefill chunk or one decode token per turn, so a new request starts while others
+decode and none starves. With a split (`hetero serve --ane-fraction F`), one prompt at a time prefills through
+the ANE + GPU pipeline, whose GPU lane lends its turn to the other requests while the ANE computes its share
+(prompts arriving meanwhile prefill GPU-only). A client that disconnects cancels its generation; a bad request gets a 4xx JSON error that names
 the field. Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details.cached_tokens`,
 Anthropic `usage.cache_read_input_tokens`) and engine stats in a `hetero` field.
 """
@@ -25,6 +28,7 @@ from starlette.routing import Route
 
 from hetero.engine import Engine
 from hetero.errors import HeteroError
+from hetero.turns import LentTurns, Turns
 
 MAX_STOPS = 16
 
@@ -110,6 +114,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     mtp: bool | None = None
+    ane_fraction: float | None = None  # 0: this request prefills GPU-only; None: as the server is configured
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -198,9 +203,10 @@ def _messages(body: dict, roles: set[str]) -> list[dict]:
 class Parser:
     """Turns request bodies into Jobs for one engine (its name, tokenizer and context window)."""
 
-    def __init__(self, engine: Engine, model_names: set[str]):
+    def __init__(self, engine: Engine, model_names: set[str], split_fraction: float = 0.0):
         self.engine = engine
         self.model_names = model_names
+        self.split_fraction = split_fraction  # the server's --ane-fraction (0: GPU-only)
 
     def model(self, body: dict) -> None:
         name = body.get("model")
@@ -219,11 +225,14 @@ class Parser:
         return ids
 
     def common(self, body: dict, ids: list[int], max_name: str, required_max: bool = False) -> Job:
+        fraction = None
         if body.get("ane_fraction") is not None:
-            f = _number(body, "ane_fraction", 0.0, 0.0, 1.0)
-            if f != 0.0:
-                raise RequestError(400, "'ane_fraction' > 0 needs the GPU+ANE split runtime, which is not available "
-                                   "in this build yet; send 0 or leave it out", "ane_fraction")
+            fraction = _number(body, "ane_fraction", 0.0, 0.0, 1.0)
+            served = self.split_fraction
+            if fraction not in (0.0, served):
+                how = f"{served:g} (its --ane-fraction)" if served else "0 (start it with --ane-fraction F to split)"
+                raise RequestError(400, f"'ane_fraction' {fraction:g}: this server splits prefill at {how}; send that, "
+                                   "0 for GPU-only, or leave it out", "ane_fraction")
         room = self.engine.max_context - len(ids)
         if required_max and body.get(max_name) is None:
             raise RequestError(400, f"'{max_name}' is required", max_name)
@@ -235,7 +244,7 @@ class Parser:
             ids=ids, max_tokens=min(max_tokens, room), temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
             top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=_integer(body, "top_k", 0, lo=0),
             min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=_integer(body, "seed", None),
-            stream=bool(_boolean(body, "stream", False)), mtp=mtp,
+            stream=bool(_boolean(body, "stream", False)), mtp=mtp, ane_fraction=fraction,
         )
 
     def openai_chat(self, body: dict) -> Job:
@@ -317,25 +326,53 @@ class Outcome:
 
 
 class Runner:
-    """Runs jobs one at a time, in arrival order, on one worker thread (MLX stays on a single thread)."""
+    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking round-robin turns on the model."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-gen")
+    def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512):
+        if max_concurrent < 1:
+            raise HeteroError(f"--max-concurrent must be at least 1, got {max_concurrent}")
+        self.engine, self.split = engine, split  # split: a configured `hetero.pipeline.PipelineRun` or None
+        self.prefill_chunk = prefill_chunk
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="hetero-gen")
+        self.turns = Turns()
+        self._split_free = threading.Lock()  # one prompt at a time goes through the ANE + GPU split
         self.finished = 0
         self.cancelled = 0  # jobs stopped because their client went away
+        self.split_prefills = 0
 
     def run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event) -> Outcome:
-        """In the worker thread: generate, pass text through the stop matcher to `emit`."""
+        """In a worker thread: wait for a turn, generate, pass text through the stop matcher to `emit`."""
+        ticket = object()
+        self.turns.enter(ticket)
         try:
-            outcome = self._run(job, emit, cancelled)
+            outcome = self._run(job, emit, cancelled, ticket)
         except Cancelled:
             self.cancelled += 1
             raise
+        finally:
+            self.turns.leave(ticket)
         self.finished += 1
         return outcome
 
-    def _run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event) -> Outcome:
+    def _prefill_with(self, job: Job, ticket: object):
+        """The split prefill for this job when the server has one, the job did not opt out and it is free."""
+        if self.split is None or job.ane_fraction == 0.0:
+            return None
+
+        def split_prefill(ids: list[int]):
+            if not self._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
+                return self.engine.model.make_cache(), 0, None
+            try:
+                self.split.prepare(ids)
+                out = self.split.prefill_with(ids, decode=LentTurns(self.turns, ticket))
+                self.split_prefills += 1
+                return out
+            finally:
+                self._split_free.release()
+
+        return split_prefill
+
+    def _run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event, ticket: object) -> Outcome:
         if cancelled.is_set():
             raise Cancelled()
         matcher = StopMatcher(job.stops)
@@ -354,11 +391,16 @@ class Runner:
                 emit(Started(len(job.ids) - total))
             if cancelled.is_set():
                 raise Cancelled()
+            self.turns.pass_turn(ticket)  # after every prefill chunk
+
+        def should_stop() -> bool:
+            self.turns.pass_turn(ticket)  # after every token
+            return matcher.stopped is not None or cancelled.is_set()
 
         result = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
-            min_p=job.min_p, seed=job.seed, mtp=job.mtp, on_text=on_text, progress=progress,
-            should_stop=lambda: matcher.stopped is not None or cancelled.is_set(),
+            min_p=job.min_p, seed=job.seed, mtp=job.mtp, prefill_chunk=self.prefill_chunk, on_text=on_text, progress=progress,
+            should_stop=should_stop, prefill_with=self._prefill_with(job, ticket),
         )
         if cancelled.is_set():
             raise Cancelled()  # cut short by the client, not finished
@@ -441,10 +483,18 @@ def _anthropic_stop(o: Outcome) -> str:
     return "stop_sequence" if o.stop is not None else ("end_turn" if o.finish == "stop" else "max_tokens")
 
 
-def create_app(engine: Engine, api_key: str | None = None, model_names: set[str] | None = None) -> Starlette:
-    """The ASGI app serving `engine`; with `api_key`, /v1 routes need `Authorization: Bearer KEY` or `x-api-key`."""
+def create_app(
+    engine: Engine, api_key: str | None = None, model_names: set[str] | None = None, split=None, max_concurrent: int = 4,
+    prefill_chunk: int = 512,
+) -> Starlette:
+    """The ASGI app serving `engine`; with `api_key`, /v1 routes need `Authorization: Bearer KEY` or `x-api-key`.
+
+    `split` (a `hetero.pipeline.PipelineRun`) prefills prompts through the ANE + GPU pipeline; up to
+    `max_concurrent` requests generate at once, taking turns on the model.
+    """
     names = model_names or {engine.name}
-    parser, runner = Parser(engine, names), Runner(engine)
+    runner = Runner(engine, split, max_concurrent, prefill_chunk)
+    parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0)
     primary = sorted(names)[0]
 
     def check_key(request: Request) -> None:
@@ -581,7 +631,9 @@ def create_app(engine: Engine, api_key: str | None = None, model_names: set[str]
         pc = engine.prefix_cache
         return JSONResponse({"status": "ok", "model": primary, "max_context": engine.max_context,
                              "prefix_cache": pc.stats() if pc is not None else None,
-                             "requests": {"finished": runner.finished, "cancelled": runner.cancelled}})
+                             "requests": {"finished": runner.finished, "cancelled": runner.cancelled,
+                                          "split_prefills": runner.split_prefills, "turn_handovers": runner.turns.handovers},
+                             "ane": runner.split.ane_block() if runner.split is not None else None})
 
     return Starlette(routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -602,8 +654,14 @@ def serve(
     no_session_cache: bool = False,
     prefix_cache_max_gb: float = 2.0,
     served_name: str | None = None,
+    ane_fraction: str | None = None,
+    prefill_chunk: int = 512,
+    max_concurrent: int = 4,
 ) -> None:
-    """Load the model, attach the RAM prefix cache (and the disk session cache), and serve until interrupted."""
+    """Load the model, attach the RAM prefix cache (and the disk session cache), and serve until interrupted.
+
+    `ane_fraction` (a number in [0, 1] or "auto") prefills through the ANE + GPU split, as `hetero run` does.
+    """
     import logging
 
     import uvicorn
@@ -617,7 +675,18 @@ def serve(
     store = None if no_session_cache else SessionStore(session_cache, int(session_cache_max_gb * 1024**3))
     engine.prefix_cache = PrefixCache(int(prefix_cache_max_gb * 1024**3), store=store)
     names = {engine.name} | ({served_name} if served_name else set())
-    app = create_app(engine, api_key=api_key, model_names=names)
+    split = None
+    if ane_fraction is not None:
+        from hetero.pipeline import auto_fraction, configure
+
+        if ane_fraction == "auto":
+            split = auto_fraction(engine, prefill_chunk)
+        else:
+            try:
+                split = configure(engine, float(ane_fraction), prefill_chunk)
+            except ValueError:
+                raise HeteroError(f"--ane-fraction {ane_fraction!r}: give a number in [0, 1] or 'auto'") from None
+    app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk)
     where = f"session cache {store.root} ({len(store.entries)} entries)" if store else "no session cache"
     print(f"hetero: serving {sorted(names)} on http://{host}:{port} ({where})", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -13,7 +13,7 @@ import numpy as np
 from hetero.cache import LayerCache
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
-from hetero.pipeline.lanes import Trace
+from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.pipeline.programs import ane_backend, context_bucket, ensure_export, load_programs, weights_fingerprint
 from hetero.pipeline.split import SplitPrefill, SplitResult
 
@@ -57,16 +57,20 @@ class PipelineRun:
             self.splitter(len(ids) - 1)
             self.effective_fraction = effective_fraction(self.engine.config, self.fraction, len(ids) - 1, self.chunk)
 
-    def prefill_with(self, ids: list[int]) -> tuple[list[LayerCache], int, mx.array | None]:
+    def prefill_with(
+        self, ids: list[int], decode: DecodeQueue | None = None
+    ) -> tuple[list[LayerCache], int, mx.array | None]:
         """Split-prefill all but the last prompt token (which the decode path runs, giving the first logits).
 
-        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.generate`.
+        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.generate`. With
+        `decode`, the GPU lane interleaves other requests' work while the ANE computes its share.
         """
         model = self.engine.model
         cache = model.make_cache()
         if len(ids) < 2:
             return cache, 0, None
-        self.last = self.splitter(len(ids) - 1).run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace)
+        split = self.splitter(len(ids) - 1)
+        self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode)
         return cache, len(ids) - 1, self.last.hidden
 
     def ane_block(self) -> dict:
