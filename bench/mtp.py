@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -120,6 +121,21 @@ def _plain_decode_tps(model, prompt: list[int], sampler: Sampler) -> float:
     return times.decode_tps
 
 
+def blas_floor(model, repeats: int) -> dict[int, float]:
+    """The backbone's weight matrices multiplied by M = 2..5 rows, against one row: the cost that a verify pass
+    over M tokens cannot go below on this machine's BLAS (the rest of a step is small on this model)."""
+    weights = [w for name, w in tree_flatten(model.model.parameters())
+               if name.startswith("layers.") and w.ndim == 2 and "proj" in name]
+
+    def product(m: int) -> float:
+        xs = {w.shape[1]: mx.ones((m, w.shape[1])) for w in weights}
+        mx.eval(list(xs.values()))
+        return median_seconds(lambda: mx.eval([xs[w.shape[1]] @ w.T for w in weights]), repeats)
+
+    one = product(1)
+    return {m: product(m) / one for m in range(2, 6)}
+
+
 def large_part(args: argparse.Namespace) -> dict:
     engine = load(str(checkpoint("large", Path(args.workdir))), dtype=mx.float32)
     model = engine.model
@@ -156,7 +172,9 @@ def large_part(args: argparse.Namespace) -> dict:
             c.trim_to(c.offset - 1)
 
     draft_cost = median_seconds(draft_step, args.repeats * 5) / plain_s
+    floor = blas_floor(model, args.repeats * 3)
     print(f"large: plain step {plain_s * 1e3:.1f} ms; verify cost vs plain step {json.dumps({k: round(v, 3) for k, v in verify_cost.items()})}; draft step {draft_cost:.3f}", flush=True)
+    print(f"large: the same weights times M rows vs one row (BLAS alone) {json.dumps({k: round(v, 3) for k, v in floor.items()})}", flush=True)
 
     rng = np.random.default_rng(0)
     curve = []
@@ -164,7 +182,8 @@ def large_part(args: argparse.Namespace) -> dict:
         tps = forced_tps(fresh(), sampler, 3, rates, args.forced_rounds, rng)
         curve.append({"rates": rates, "mean_accepted_length": 1 + sum(rates), "tps": tps, "speedup": tps / plain_tps})
         print(f"large forced acceptance {rates}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x plain", flush=True)
-    return {"plain_step_s": plain_s, "plain_tps": plain_tps, "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost, "forced_acceptance": curve}
+    return {"plain_step_s": plain_s, "plain_tps": plain_tps, "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost,
+            "blas_rows_vs_one_row": floor, "forced_acceptance": curve}
 
 
 def plot(result: dict, out_dir: Path) -> list[str]:
