@@ -68,8 +68,10 @@ def build_engine(work: Path):
     return types.SimpleNamespace(model=net, config=config, path=path, name=str(path), identity="bench-ttft@shape")
 
 
-def contenders(engine, fractions: dict[str, float], n: int):
-    """name -> callable running one prefill of an n-token prompt; split ones return their SplitResult."""
+def contenders(engine, fractions: dict[str, tuple[float, tuple[str, ...]]], n: int):
+    """name -> callable running one prefill of an n-token prompt; split ones return their SplitResult.
+
+    `fractions`: name -> (fraction, the piece kinds that take it)."""
     import mlx.core as mx
 
     from hetero.generate import prefill
@@ -77,14 +79,14 @@ def contenders(engine, fractions: dict[str, float], n: int):
 
     ids = list((1 + (7 * i) % 4000) for i in range(n))
     out = {"gpu-only": lambda: (prefill(engine.model, ids, engine.model.make_cache(), CHUNK), None)[1]}
-    for name, f in fractions.items():
-        split = configure(engine, f, CHUNK).splitter(n)  # exported and loaded here, outside the timing
+    for name, (f, offload) in fractions.items():
+        split = configure(engine, f, CHUNK, offload=offload).splitter(n)  # exported and loaded here, untimed
         out[name] = lambda split=split: split.run(ids, engine.model.make_cache(), logits=True)
     mx.eval(engine.model.parameters())
     return out
 
 
-def measure_size(engine, fractions: dict[str, float], n: int, repeats: int) -> dict:
+def measure_size(engine, fractions: dict[str, tuple[float, tuple[str, ...]]], n: int, repeats: int) -> dict:
     runs = contenders(engine, fractions, n)
     stats = {k: {"ttft_s": [], "gpu_busy_s": [], "ane_busy_s": [], "overlap": []} for k in runs}
     for k, fn in runs.items():  # warm-up
@@ -102,7 +104,7 @@ def measure_size(engine, fractions: dict[str, float], n: int, repeats: int) -> d
     for k, s in stats.items():
         med = statistics.median(s["ttft_s"])
         out[k] = {
-            "fraction": fractions.get(k, 0.0),
+            "fraction": fractions.get(k, (0.0, ()))[0], "offload": list(fractions.get(k, (0.0, ()))[1]),
             "ttft_s": med, "ttft_min_s": min(s["ttft_s"]), "ttft_max_s": max(s["ttft_s"]), "runs": len(s["ttft_s"]),
             "prefill_tps": n / med,
             **({m: statistics.median(s[m]) for m in ("gpu_busy_s", "ane_busy_s", "overlap")} if s["overlap"] else {}),
@@ -113,7 +115,7 @@ def measure_size(engine, fractions: dict[str, float], n: int, repeats: int) -> d
     return out
 
 
-def timeline(engine, fraction: float, n: int, png: Path) -> dict:
+def timeline(engine, fraction: float, offload: tuple[str, ...], n: int, png: Path) -> dict:
     """One traced split run; draws both lanes' events."""
     import matplotlib
 
@@ -122,7 +124,7 @@ def timeline(engine, fraction: float, n: int, png: Path) -> dict:
 
     from hetero.pipeline import Trace, configure
 
-    split = configure(engine, fraction, CHUNK).splitter(n)
+    split = configure(engine, fraction, CHUNK, offload=offload).splitter(n)
     trace = Trace()
     res = split.run(list(range(1, n + 1)), engine.model.make_cache(), trace=trace)
     fig, ax = plt.subplots(figsize=(12, 2.6))
@@ -200,9 +202,14 @@ def main() -> None:
     engine = build_engine(Path(os.environ["HETERO_HOME"]))
     profile = measure(report=lambda line: print(line, flush=True))
     rec, plan = recommend(engine.config, Profile.from_dict(profile), 8192, CHUNK)
-    print(f"recommended fraction for this machine: {rec:.2f} (predicted {plan.predicted['split_prefill_s']} s "
-          f"split vs {plan.predicted['gpu_only_prefill_s']} s GPU-only at 8K)", flush=True)
-    fractions = {f"split@{rec:.2f} (recommended)": rec, "split@0.25": 0.25, "split@0.50": 0.5}
+    print(f"recommended fraction for this machine: {rec:.2f} of {', '.join(plan.offload)} (predicted "
+          f"{plan.predicted['split_prefill_s']} s split vs {plan.predicted['gpu_only_prefill_s']} s GPU-only at 8K)",
+          flush=True)
+    for cap in plan.caps():
+        print(f"  {cap}", flush=True)
+    everything = ("attention", "mlp", "gdn_in_proj")
+    fractions = {f"split@{rec:.2f} (recommended)": (rec, plan.offload), "split@0.25": (0.25, everything),
+                 "split@0.50": (0.5, everything)}
     results = {}
     for n in [int(s) for s in a.sizes.split(",")]:
         results[n] = measure_size(engine, fractions, n, a.repeats)
@@ -211,7 +218,7 @@ def main() -> None:
             print(f"{n:>6} {k:<28} TTFT {r['ttft_s']:7.2f}s ({r['ttft_min_s']:.2f}-{r['ttft_max_s']:.2f})  "
                   f"{r['prefill_tps']:7.0f} tok/s  {r['vs_gpu_only']:.2f}x{extra}", flush=True)
     bars(results, out_dir / "ttft.png")
-    tl = timeline(engine, rec, min(8192, max(results)), out_dir / "ttft_timeline.png")
+    tl = timeline(engine, rec, plan.offload, min(8192, max(results)), out_dir / "ttft_timeline.png")
     apple = apple_predictions(16384)
     print("\nplanner predictions, Qwen3.5-27B 4-bit, 16K prompt (inputs from hetero/profiles/):")
     for row in apple:
@@ -222,7 +229,8 @@ def main() -> None:
               f"MTP {pr['decode_mtp_tps']} tok/s")
     target = {n: results[n][f"split@{rec:.2f} (recommended)"]["vs_gpu_only"] for n in results if n >= 8192}
     doc = {"environment": environment(), "model_shape": SHAPE, "chunk": CHUNK, "this_machine_profile": profile,
-           "recommended_fraction": rec, "results": {str(k): v for k, v in results.items()}, "timeline_run": tl,
+           "recommended_fraction": rec, "recommended_offload": list(plan.offload), "recommended_caps": plan.caps(),
+           "results": {str(k): v for k, v in results.items()}, "timeline_run": tl,
            "apple_predictions": apple, "target": {"split_vs_gpu_only_at_or_below": 0.75, "measured": target,
                                                   "met": all(v <= 0.75 for v in target.values()) if target else None}}
     (out_dir / "ttft.json").write_text(json.dumps(doc, indent=1))

@@ -33,6 +33,7 @@ RUNTIME_RESERVE = 1 << 30  # MLX runtime, allocator slack and decode activations
 DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
 DEFAULT_DRAFT_DEPTH = 3
 KINDS = ("attention", "mlp", "moe", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "lm_head", "mtp")
+OFFLOADABLE = ("attention", "mlp", "gdn_in_proj")  # the kinds that may give the ANE a share
 EXACT_PATH = {
     "gdn_recurrence": "conv and delta-rule recurrence carry state across the whole context: exact GPU path",
     "gdn_out_proj": "gated norm and out_proj follow the recurrence: exact GPU path",
@@ -308,6 +309,21 @@ def _pairs(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return sizes * starts + sizes * (sizes + 1) / 2
 
 
+def context_bucket(tokens: int, chunk: int) -> int:
+    """The context the ANE's attention programs are exported for: the prompt's chunks rounded up to a power of
+    two (at most 2x waste). Static shapes: every chunk attends over all of it."""
+    n = -(-tokens // chunk)
+    return chunk * (1 << max(0, (n - 1).bit_length()))
+
+
+def ane_piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray, chunk: int, bucket: int) -> np.ndarray:
+    """FLOPs of a piece as a static-shape ANE program computes them: attention for a whole (padded) chunk over
+    the whole bucket (cache slots + the chunk), whatever part of it the prompt fills."""
+    if p.kind != "attention":
+        return piece_flops(p, starts, sizes)
+    return np.full_like(sizes, p.token_flops * chunk + p.pair_flops * chunk * bucket)
+
+
 def piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """FLOPs of one layer's piece for each chunk (lm_head: the prompt's last row only)."""
     if p.kind == "lm_head":
@@ -327,6 +343,8 @@ class Lanes:
     ane_bw: float | None
     ane_call_s: float
     gpu_recurrence_flops: float | None = None  # the GDN recurrence runs many small ops: its own rate
+    gpu_attention_flops: float | None = None  # attention (matmul FLOPs counted) at its measured rate
+    ane_attention_flops: float | None = None
 
     @classmethod
     def of(cls, profile: Profile) -> "Lanes":
@@ -336,7 +354,16 @@ class Lanes:
             mul(profile.ane_fp16_tflops, 1e12 * profile.ane_efficiency), mul(profile.ane_bandwidth_gbs, 1e9),
             profile.ane_dispatch_s or 0.0,
             mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency * profile.gpu_recurrence_efficiency),
+            mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency * profile.gpu_attention_efficiency),
+            mul(profile.ane_fp16_tflops, 1e12 * profile.ane_efficiency * profile.ane_attention_efficiency),
         )
+
+    def gpu_rate(self, kind: str) -> float | None:
+        special = {"gdn_recurrence": self.gpu_recurrence_flops, "attention": self.gpu_attention_flops}
+        return special.get(kind) or self.gpu_flops
+
+    def ane_rate(self, kind: str) -> float | None:
+        return (self.ane_attention_flops if kind == "attention" else None) or self.ane_flops
 
 
 def _seconds(flops: np.ndarray, nbytes: float, rate: float | None, bw: float | None) -> np.ndarray | None:
@@ -378,6 +405,7 @@ class PrefillTime:
 def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int, chunk: int, split: bool) -> PrefillTime:
     """Per chunk and layer, each stage takes the slower lane's time (both lanes run at once), then the merge."""
     starts, sizes = chunk_spans(tokens, chunk)
+    bucket = context_bucket(tokens, chunk)
     wall = gpu_busy = ane_busy = 0.0
     for count, concurrent, after in _stages(ps):
         gpu_t = np.zeros_like(sizes)
@@ -385,8 +413,7 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
         for p in concurrent + after:
             share = p.ane_share if split else 0.0
             f = piece_flops(p, starts, sizes)
-            rate = lanes.gpu_recurrence_flops if p.kind == "gdn_recurrence" else lanes.gpu_flops
-            g = _seconds(f * (1 - share), storage.nbytes(p.params * (1 - share)), rate, lanes.gpu_bw)
+            g = _seconds(f * (1 - share), storage.nbytes(p.params * (1 - share)), lanes.gpu_rate(p.kind), lanes.gpu_bw)
             if g is None:
                 return PrefillTime(None, None, None)
             if p in after:
@@ -395,7 +422,8 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
                 continue
             gpu_t = gpu_t + g
             if share:
-                a = _seconds(f * share, p.params * share * ANE_WEIGHT_BYTES, lanes.ane_flops, lanes.ane_bw)
+                a = _seconds(ane_piece_flops(p, starts, sizes, chunk, bucket) * share, p.params * share * ANE_WEIGHT_BYTES,
+                             lanes.ane_rate(p.kind), lanes.ane_bw)
                 if a is None:
                     return PrefillTime(None, None, None)
                 ane_t = ane_t + a + lanes.ane_call_s
@@ -562,6 +590,7 @@ class Plan:
     unknown: list[str]
     assumptions: list[str]
     memory: Budget | None = None
+    offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds that take a share
 
     @property
     def effective_fraction(self) -> float:
@@ -586,6 +615,7 @@ class Plan:
             "prompt_tokens": self.prompt_tokens,
             "requested_fraction": self.requested_fraction,
             "effective_fraction": round(self.effective_fraction, 6),
+            "offload": list(self.offload),
             "pieces": {
                 p.kind: {
                     "requested": p.requested,
@@ -627,8 +657,13 @@ def make_plan(
     accepted_length: float = DEFAULT_ACCEPTED_LENGTH,
     draft_depth: int = DEFAULT_DRAFT_DEPTH,
     name: str = "",
+    offload: tuple[str, ...] = OFFLOADABLE,
 ) -> Plan:
-    """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring)."""
+    """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring).
+
+    `offload` names the piece kinds that take their share (`recommend` leaves out those the ANE lane of the
+    profile runs too slowly to help); the others stay whole on the GPU, with the reason as their cap.
+    """
     args, moe = model_shape(config)
     storage = storage_for(config, bits, group_size)
     if chunk <= 0 or chunk % ALIGN:
@@ -642,13 +677,15 @@ def make_plan(
         raise HeteroError(f"--accepted-length {accepted_length}: a verify pass yields at least one token")
     limit = profile.ane_process_weight_limit_gb * 1e9 if profile.ane_process_weight_limit_gb else None
     ps, sliced = fit_ane_memory(args, moe, fraction, limit)
+    lanes = Lanes.of(profile)
+    ps = [p if p.kind in offload or not p.ane_units else
+          Piece(**{**asdict(p), "ane_units": 0, "cap_reason": kept_on_gpu(p.kind, lanes)}) for p in ps]
     starts, sizes = chunk_spans(context, chunk)
     flops = {}
     for p in ps:
         total = p.layers * float(piece_flops(p, starts, sizes).sum())
         flops[p.kind] = (total, total * p.ane_share)
 
-    lanes = Lanes.of(profile)
     gpu_only = predict_prefill(ps, storage, lanes, context, chunk, split=False)
     split = predict_prefill(ps, storage, lanes, context, chunk, split=True)
     ttft = predict_prefill(ps, storage, lanes, prompt, chunk, split=True)
@@ -685,7 +722,7 @@ def make_plan(
         assumptions.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their peak figures on prefill matmuls (planner assumption; `hetero tune --devices` measures this machine)")
     assumptions.append(f"MTP decode assumes {accepted_length} tokens per verify pass at draft depth {draft_depth}")
     plan = Plan(name, args, storage, profile, context, chunk, prompt, fraction, sliced, ps, layer_slices(args, ps),
-                flops, predicted, unknown, assumptions)
+                flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload))
     if memory_gb is not None:
         if memory_gb <= 0:
             raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
@@ -695,33 +732,47 @@ def make_plan(
     return plan
 
 
-def effective_fraction(config: dict, fraction: float, tokens: int, chunk: int) -> float:
-    """The ANE's share of a `tokens`-long prefill's FLOPs when each piece is sliced at `fraction` (no caps)."""
+def effective_fraction(config: dict, fraction: float, tokens: int, chunk: int,
+                       offload: tuple[str, ...] = OFFLOADABLE) -> float:
+    """The ANE's share of a `tokens`-long prefill's FLOPs when each piece in `offload` is sliced at `fraction`."""
     args, moe = model_shape(config)
     starts, sizes = chunk_spans(tokens, chunk)
     total = ane = 0.0
     for p in pieces(args, moe, fraction):
         f = p.layers * float(piece_flops(p, starts, sizes).sum())
-        total, ane = total + f, ane + f * p.ane_share
+        total, ane = total + f, ane + (f * p.ane_share if p.kind in offload else 0.0)
     return ane / total if total else 0.0
 
 
+def kept_on_gpu(kind: str, lanes: Lanes) -> str:
+    """Why a piece kind takes no ANE share in a recommended plan."""
+    rate = lambda v: "unknown" if v is None else f"{v / 1e9:.1f} GFLOP/s"  # noqa: E731
+    return (f"kept on the GPU: the ANE lane runs it at {rate(lanes.ane_rate(kind))} against the GPU's "
+            f"{rate(lanes.gpu_rate(kind))} on this profile; offloading it does not shorten the prefill")
+
+
 def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **kw) -> tuple[float, Plan]:
-    """The F in [0, 1] (steps of 0.01) with the shortest predicted split prefill: where both lanes balance."""
+    """The F in [0, 1] (steps of 0.01), and the piece kinds that take it, with the shortest predicted split
+    prefill: where both lanes balance. A kind the profile's ANE lane runs too slowly stays whole on the GPU
+    (the plan's `offload`, with that cap)."""
+    from itertools import combinations
+
     best: tuple[float, float, Plan] | None = None
     seen = set()
-    for i in range(101):
-        f = i / 100
-        plan = make_plan(config, profile, f, context, chunk, **kw)
-        key = tuple(p.ane_units for p in plan.pieces)
-        if key in seen:  # same aligned slices as a smaller F: same plan
-            continue
-        seen.add(key)
-        t = plan.predicted["split_prefill_s"]
-        if t is None:
-            raise HeteroError(f"cannot recommend a fraction for {profile.chip}: {'; '.join(plan.unknown) or 'throughput unknown'}")
-        if best is None or t < best[1] - 1e-12:
-            best = (f, t, plan)
+    subsets = [c for n in range(len(OFFLOADABLE), 0, -1) for c in combinations(OFFLOADABLE, n)]
+    for offload in subsets:  # all kinds first: on ties the plan that offloads more wins
+        for i in range(101):
+            f = i / 100
+            plan = make_plan(config, profile, f, context, chunk, offload=offload, **kw)
+            key = tuple(p.ane_units for p in plan.pieces)
+            if key in seen:  # same aligned slices as a smaller F or another subset: same plan
+                continue
+            seen.add(key)
+            t = plan.predicted["split_prefill_s"]
+            if t is None:
+                raise HeteroError(f"cannot recommend a fraction for {profile.chip}: {'; '.join(plan.unknown) or 'throughput unknown'}")
+            if best is None or t < best[1] - 1e-12:
+                best = (f, t, plan)
     return best[0], best[2]
 
 

@@ -113,6 +113,17 @@ def test_fraction_slices_each_piece_as_planned(tiny_engine):
     assert any("multiples of 64" in c for c in run.caps)
 
 
+def test_kinds_left_out_of_the_split_run_whole_on_the_gpu(tiny_engine):
+    """A plan that offloads only the MLPs (as `recommend` does when the ANE lane runs attention too slowly)
+    exports and runs MLP programs alone, and still matches the GPU-only run."""
+    run = configure(tiny_engine, 0.5, 64, offload=("mlp",))
+    progs = run.splitter(150).programs
+    assert progs.mlp and not progs.attention and not progs.gdn_z
+    assert any(c.startswith("attention") and "kept on the GPU" in c for c in run.caps)
+    check = verify(run, _prompt(150, seed=5), n_tokens=16)
+    assert check["match"] and check["greedy_match_tokens"] == 16
+
+
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
 def test_bundled_model_split_matches_gpu_only(bundled_engine, fraction):
     text = open(__file__).read()

@@ -118,6 +118,28 @@ def test_recommend_is_the_fastest_fraction_on_the_grid():
     assert 0 < f < 1
 
 
+def test_recommend_keeps_a_kind_the_ane_runs_slowly_on_the_gpu_and_says_why():
+    slow = dataclasses.replace(NO_ANE_LIMIT, ane_attention_efficiency=0.02)  # e.g. an emulated softmax
+    f, plan = recommend(Q9, slow, 8192, 512)
+    assert "attention" not in plan.offload and plan.offload  # the others still take a share
+    attn = by_kind(plan)["attention"]
+    assert attn.ane_units == 0 and attn.cap_reason.startswith("kept on the GPU")
+    assert plan.to_dict()["offload"] == list(plan.offload)
+    everything = make_plan(Q9, slow, f, 8192).predicted["split_prefill_s"]
+    assert plan.predicted["split_prefill_s"] < everything
+    fast_f, fast = recommend(Q9, NO_ANE_LIMIT, 8192, 512)
+    assert "attention" in fast.offload  # at the peak-figure rate, attention is worth offloading
+
+
+def test_ane_attention_pays_for_its_whole_static_bucket():
+    """Static shapes: every chunk's ANE attention covers the whole cache bucket (the prompt's chunks rounded up to
+    a power of two), so 3 chunks (a bucket of 4) cost the ANE exactly 3/4 of 4 chunks, not the causal share."""
+    def busy(n: int) -> float:
+        return make_plan(Q9, NO_ANE_LIMIT, 0.5, n, 512, offload=("attention",)).predicted["split_ane_busy_s"]
+
+    assert busy(1536) == pytest.approx(busy(2048) * 3 / 4, abs=2e-4)  # predictions are rounded to 1e-4 s
+
+
 def test_decode_roofline_is_bandwidth_over_bytes_and_mtp_scales_it():
     args, moe = model_shape(Q9)
     plan = make_plan(Q9, NO_ANE_LIMIT, 0.0, context=4096, bits=4, accepted_length=2.5)

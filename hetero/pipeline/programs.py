@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetero.errors import HeteroError
+from hetero.planner import context_bucket  # noqa: F401  (re-exported: the pipeline's name for it)
 
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
@@ -31,12 +32,6 @@ def export_root() -> Path:
     return Path.home() / ".cache" / "hetero" / "coreml"
 
 
-def context_bucket(tokens: int, chunk: int) -> int:
-    """The attention programs' context: the prompt's chunks rounded up to a power of two (at most 2x waste)."""
-    n = -(-tokens // chunk)
-    return chunk * (1 << max(0, (n - 1).bit_length()))
-
-
 def weights_fingerprint(path: Path) -> str:
     """Names, sizes and mtimes of a checkpoint's weight files: a retrained model never reuses stale packages."""
     import hashlib
@@ -45,11 +40,19 @@ def weights_fingerprint(path: Path) -> str:
     return hashlib.sha256(json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()[:12]
 
 
-def ensure_export(model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int) -> Path:
-    """The export directory for (model key, fraction, chunk, bucket), exported on first use with a progress bar."""
+EXPORT_PIECE = {"attention": "attention", "mlp": "mlp", "gdn_in_proj": "gdn_z"}  # planner kind -> exported piece
+
+
+def ensure_export(
+    model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = tuple(EXPORT_PIECE)
+) -> Path:
+    """The export directory for (model key, fraction, chunk, bucket, piece kinds), exported on first use with a
+    progress bar."""
     from converters.coreml_export import read_manifest
 
-    out = export_root() / key.replace("/", "_") / f"f{fraction:.4f}_s{chunk}_t{bucket}"
+    pieces = tuple(EXPORT_PIECE[k] for k in offload)
+    tag = "" if set(offload) == set(EXPORT_PIECE) else "_" + "+".join(pieces)
+    out = export_root() / key.replace("/", "_") / f"f{fraction:.4f}_s{chunk}_t{bucket}{tag}"
     try:
         manifest = read_manifest(out)
         if all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"]):
@@ -59,7 +62,7 @@ def ensure_export(model_ref: str | None, key: str, fraction: float, chunk: int, 
     from converters.coreml_export import export_coreml
     from hetero.progress import ProgressBar
 
-    export_coreml(model_ref, out, fraction, chunk, [bucket], progress=ProgressBar("export Core ML"))
+    export_coreml(model_ref, out, fraction, chunk, [bucket], progress=ProgressBar("export Core ML"), pieces=pieces)
     return out
 
 

@@ -14,6 +14,7 @@ from hetero.cache import LayerCache
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
 from hetero.pipeline.lanes import DecodeQueue, Trace
+from hetero.planner import OFFLOADABLE
 from hetero.pipeline.programs import ane_backend, context_bucket, ensure_export, load_programs, weights_fingerprint
 from hetero.pipeline.split import SplitPrefill, SplitResult
 
@@ -34,6 +35,7 @@ class PipelineRun:
     caps: list[str]
     effective_fraction: float
     trace: Trace | None = None
+    offload: tuple[str, ...] = ("attention", "mlp", "gdn_in_proj")  # the piece kinds the ANE takes a share of
     last: SplitResult | None = None
     _splits: dict = field(default_factory=dict)
 
@@ -43,7 +45,8 @@ class PipelineRun:
         if bucket not in self._splits:
             e = self.engine
             ref = None if e.name == "bundled" else str(e.path)
-            out = ensure_export(ref, f"{e.identity}-{weights_fingerprint(e.path)}", self.fraction, self.chunk, bucket)
+            key = f"{e.identity}-{weights_fingerprint(e.path)}"
+            out = ensure_export(ref, key, self.fraction, self.chunk, bucket, self.offload)
             name, loader = ane_backend()
             self._splits[bucket] = SplitPrefill(e.model, load_programs(out, loader), name)
         return self._splits[bucket]
@@ -55,7 +58,8 @@ class PipelineRun:
 
         if len(ids) >= 2:
             self.splitter(len(ids) - 1)
-            self.effective_fraction = effective_fraction(self.engine.config, self.fraction, len(ids) - 1, self.chunk)
+            self.effective_fraction = effective_fraction(self.engine.config, self.fraction, len(ids) - 1, self.chunk,
+                                                         self.offload)
 
     def prefill_with(
         self, ids: list[int], decode: DecodeQueue | None = None
@@ -78,8 +82,12 @@ class PipelineRun:
                 "effective_fraction": round(self.effective_fraction, 6), "caps": self.caps}
 
 
-def configure(engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None) -> PipelineRun:
-    """A PipelineRun for `fraction`, sliced by the planner (ANE memory cap of this machine's profile, if any)."""
+def configure(
+    engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None,
+    offload: tuple[str, ...] = OFFLOADABLE,
+) -> PipelineRun:
+    """A PipelineRun for `fraction` of the piece kinds in `offload`, sliced by the planner (ANE memory cap of this
+    machine's profile, if any)."""
     from hetero.planner import make_plan, model_shape
     from hetero.profiles import Profile
     from hetero.settings import device_profile
@@ -97,9 +105,11 @@ def configure(engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace 
                               "gpu_fp32_tflops": None, "ane_fp16_tflops": None, "ane_bandwidth_gbs": None,
                               "ram_gb": None, "gpu_efficiency": 1.0, "ane_efficiency": 1.0,
                               "ane_process_weight_limit_gb": limit})
-    plan = make_plan(engine.config, prof, fraction, context=min(4096, args.max_position_embeddings), chunk=chunk)
+    plan = make_plan(engine.config, prof, fraction, context=min(4096, args.max_position_embeddings), chunk=chunk,
+                     offload=offload)
     caps = [c for c in plan.caps() if not c.startswith(("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp"))]
-    return PipelineRun(engine, fraction, plan.sliced_fraction, chunk, backend, caps, plan.effective_fraction, trace)
+    return PipelineRun(engine, fraction, plan.sliced_fraction, chunk, backend, caps, plan.effective_fraction, trace,
+                       plan.offload)
 
 
 def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
@@ -153,14 +163,15 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
     report = report or (lambda line: print(line, file=sys.stderr))
     profile = load_profile(THIS_MACHINE)
     args = engine.model.args
-    fraction, _ = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk)
+    fraction, plan = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk)
     ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
     while fraction > 0:
-        run = configure(engine, fraction, chunk)
+        run = configure(engine, fraction, chunk, offload=plan.offload)
         check = verify(run, ids, tol=tol, n_tokens=8)
         if check["match"]:
-            report(f"--ane-fraction auto: {fraction:.2f} (recommended for this machine, verified on a calibration "
-                   f"prompt; {run.effective_fraction:.2f} of the prefill's FLOPs)")
+            kinds = "" if run.offload == OFFLOADABLE else f" of {', '.join(run.offload)} only"
+            report(f"--ane-fraction auto: {fraction:.2f}{kinds} (recommended for this machine, verified on a "
+                   f"calibration prompt; {run.effective_fraction:.2f} of the prefill's FLOPs)")
             return run
         lower = round(fraction / 2, 2) if fraction > 0.05 else 0.0
         report(f"--ane-fraction auto: {fraction:.2f} failed verification on a calibration prompt "

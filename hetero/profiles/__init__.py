@@ -37,6 +37,10 @@ class Profile:
     ane_process_weight_limit_gb: float | None = 3.5
     ane_dispatch_s: float | None = None  # fixed cost per ANE call
     gpu_recurrence_efficiency: float = 1.0  # the GDN recurrence's rate relative to the GPU's matmul rate
+    # Attention's rate relative to each lane's matmul rate: its softmax and masks are elementwise work that the
+    # FLOP count (matmuls only) leaves out. 1.0 where not measured.
+    gpu_attention_efficiency: float = 1.0
+    ane_attention_efficiency: float = 1.0
     ane_tops: float | None = None
     ane_count: int = 1
     gpu_cores: str | None = None

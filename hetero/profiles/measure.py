@@ -66,6 +66,70 @@ def gpu_recurrence(flops_rate: float, tokens: int = 512, heads: int = 8, dk: int
     return min(1.0, tokens * delta_rule_flops(heads, dk, dv) / s / flops_rate)
 
 
+ATTENTION_SHAPE = dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, chunk=256, context=2048)
+
+
+def _attention_flops(heads: int, kv_heads: int, head_dim: int, hidden: int, tokens: int, pairs: float) -> float:
+    """The planner's count for an attention piece: projections, plus QK and PV per (query, key) pair."""
+    params = hidden * head_dim * (3 * heads + 2 * kv_heads)  # q + gate, k, v, o
+    return 2.0 * params * tokens + 4.0 * heads * head_dim * pairs
+
+
+def gpu_attention(flops_rate: float, repeats: int = 3) -> float:
+    """An attention layer's achieved rate on a chunk after a filled cache, relative to `flops_rate`."""
+    import mlx.core as mx
+
+    from hetero.cache import KVCache
+    from hetero.models.qwen3_5 import Attention, ModelArgs
+
+    a = ATTENTION_SHAPE
+    args = ModelArgs.from_config(dict(
+        model_type="qwen3_5_text", hidden_size=a["hidden"], num_attention_heads=a["heads"],
+        num_key_value_heads=a["kv_heads"], head_dim=a["head_dim"], num_hidden_layers=1, intermediate_size=64,
+        vocab_size=64, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=64,
+        linear_value_head_dim=64, full_attention_interval=1))
+    layer = Attention(args)
+    before = a["context"] - a["chunk"]
+    x = mx.random.normal((1, a["chunk"], a["hidden"]))
+    past = mx.random.normal((1, a["kv_heads"], before, a["head_dim"]))
+    mx.eval(layer.parameters(), x, past)
+
+    def step() -> None:
+        cache = KVCache()
+        cache.update_and_fetch(past, past)
+        mx.eval(layer(x, cache))
+
+    cache_only = median_seconds(lambda: mx.eval(KVCache().update_and_fetch(past, past)), repeats)
+    s = max(median_seconds(step, repeats) - cache_only, 1e-9)
+    pairs = a["chunk"] * before + a["chunk"] * (a["chunk"] + 1) / 2
+    return _attention_flops(a["heads"], a["kv_heads"], a["head_dim"], a["hidden"], a["chunk"], pairs) / s / flops_rate
+
+
+def ane_attention(flops_rate: float, call_s: float, repeats: int = 3) -> float:
+    """One KV group's attention program (static cache) on the ANE backend, relative to the lane's MLP rate."""
+    from coreml_graphs.attention import (AttentionShape, AttentionWeights, attention_masks, build_attention,
+                                         cache_inputs, rope_tables)
+    from coreml_graphs.package import save_program
+    from hetero.pipeline import ane_backend
+
+    _, loader = ane_backend()
+    a = ATTENTION_SHAPE
+    heads, D, h, S = a["heads"] // a["kv_heads"], a["head_dim"], a["hidden"], a["chunk"]
+    shape = AttentionShape(h, heads, 1, D, D // 4, S, a["context"] - S, 1e-6)
+    rng = np.random.default_rng(0)
+    w = lambda *dims: (rng.standard_normal(dims) / np.sqrt(dims[-1])).astype(np.float32)  # noqa: E731
+    weights = AttentionWeights(np.ones(h, np.float32), w(heads * D, h), w(heads * D, h), w(D, h), w(D, h),
+                               np.ones(D, np.float32), np.ones(D, np.float32), w(h, heads * D))
+    start = shape.cache_slots  # the last chunk of the bucket: a full cache
+    past = rng.standard_normal((1, 1, start, D)).astype(np.float32)
+    feed = {"x": rng.standard_normal((1, h, 1, S)).astype(np.float16), **rope_tables(start, shape, 1e4),
+            **attention_masks(start, shape), **cache_inputs(past, past, shape)}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = loader(save_program(build_attention(shape, weights), Path(tmp) / "attention.mlpackage"))
+        s = max(median_seconds(lambda: run(feed), repeats) - call_s, 1e-9)
+    return _attention_flops(heads, 1, D, h, S, S * a["context"]) / s / flops_rate
+
+
 def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats: int = 3) -> tuple[str, float, float]:
     """(backend, FLOP/s of an MLP program, seconds of fixed cost per call) on the pipeline's ANE backend."""
     from coreml_graphs.mlp import MLPShape, MLPWeights, build_mlp
@@ -100,8 +164,13 @@ def measure(report: Callable[[str], None] = print) -> dict:
     rec = gpu_recurrence(gpu_flops)
     report(f"GPU lane (MLX {environment()['device']}): {gpu_flops / 1e9:.1f} GFLOP/s, {gpu_bw / 1e9:.1f} GB/s, "
            f"GDN recurrence at {rec:.2f} of that rate")
+    gpu_attn = gpu_attention(gpu_flops)
+    report(f"GPU lane attention (chunk {ATTENTION_SHAPE['chunk']} over {ATTENTION_SHAPE['context']} tokens): "
+           f"{gpu_attn:.2f} of the matmul rate")
     backend, ane_flops, call = ane_lane()
-    report(f"ANE lane ({backend}): {ane_flops / 1e9:.1f} GFLOP/s, {call * 1e3:.2f} ms per call")
+    ane_attn = ane_attention(ane_flops, call)
+    report(f"ANE lane ({backend}): {ane_flops / 1e9:.1f} GFLOP/s, {call * 1e3:.2f} ms per call; attention at "
+           f"{ane_attn:.2f} of that rate")
     on_ane = backend == "Core ML"
     return {
         "name": THIS_MACHINE,
@@ -116,6 +185,8 @@ def measure(report: Callable[[str], None] = print) -> dict:
         "ram_gb": round(physical_memory_bytes() / 1e9, 2),
         "gpu_efficiency": 1.0,
         "gpu_recurrence_efficiency": round(rec, 4),
+        "gpu_attention_efficiency": round(gpu_attn, 4),
+        "ane_attention_efficiency": round(ane_attn, 4),
         "ane_efficiency": 1.0,
         "ane_program_weight_limit_gb": 2.0 if on_ane else None,
         "ane_process_weight_limit_gb": 3.5 if on_ane else None,
@@ -124,6 +195,8 @@ def measure(report: Callable[[str], None] = print) -> dict:
         "notes": [
             f"GPU lane: MLX matmul throughput at prefill shapes and a 256 MB reduction's bandwidth ({environment()['blas']})",
             f"ANE lane: {backend} running an exported MLP program; its rate already includes its weight reads",
+            "attention on each lane: one layer's chunk over a filled cache (the ANE's static cache bucket), its rate "
+            "relative to the lane's matmul rate",
         ] + ([] if on_ane else ["no Neural Engine here: the ANE lane is the portable reference executor (no ANE memory limits)"]),
         "environment": environment(),
     }
