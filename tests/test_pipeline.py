@@ -113,6 +113,20 @@ def test_fraction_slices_each_piece_as_planned(tiny_engine):
     assert any("multiples of 64" in c for c in run.caps)
 
 
+def test_gpu_shares_share_the_weights_memory(tiny_engine):
+    """The GPU's slices of each split piece are views of the loaded weights (rows contiguous, columns strided):
+    building them allocates no weight memory, which is why the governor budgets the weights once."""
+    from hetero.pipeline.split import SplitPrefill
+
+    run = configure(tiny_engine, 0.5, 64)
+    programs = run.splitter(150).programs
+    mx.eval(tiny_engine.model.parameters())
+    before = mx.get_active_memory()
+    split = SplitPrefill(tiny_engine.model, programs)
+    assert split.attn_rest and split.mlp_rest and split.gdn_rest
+    assert mx.get_active_memory() - before < 4096  # bookkeeping at most: no copied weight slice
+
+
 def test_kinds_left_out_of_the_split_run_whole_on_the_gpu(tiny_engine):
     """A plan that offloads only the MLPs (as `recommend` does when the ANE lane runs attention too slowly)
     exports and runs MLP programs alone, and still matches the GPU-only run."""
