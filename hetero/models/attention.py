@@ -53,7 +53,10 @@ def _numpy_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         qb = q[:, :, :, i0 : i0 + n].reshape(B, Hkv, G * n, D)  # [B, Hkv, G*n, D]
         scores = qb @ k_t[..., :end]  # [B, Hkv, G*n, end]
         mx.eval(scores)
-        s = np.asarray(scores).reshape(B, Hkv, G, n, end)  # a writable view: the softmax runs in place
+        view = np.asarray(scores)  # MLX's own buffer: the softmax runs in place, then MLX multiplies by V
+        if not (view.flags.c_contiguous and view.flags.writeable):
+            raise RuntimeError("attention scores are not a writable contiguous MLX buffer; the softmax would be lost")
+        s = view.reshape(B, Hkv, G, n, end)
         diag = s[..., end - n :]  # [B, Hkv, G, n, n]: the block's own positions
         diag += future[:n, :n]
         s -= s.max(axis=-1, keepdims=True)
