@@ -5,8 +5,8 @@ Up to `max_concurrent` requests generate at once, each on its own worker thread,
 model (`hetero.turns`): one prefill chunk or one decode token per turn, so a new request starts while others
 decode and none starves. With a split (`hetero serve --ane-fraction F`), one prompt at a time prefills through
 the ANE + GPU pipeline, whose GPU lane lends its turn to the other requests while the ANE computes its share
-(prompts arriving meanwhile prefill GPU-only). A client that disconnects cancels its generation; a bad request gets a 4xx JSON error that names
-the field. Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details.cached_tokens`,
+(prompts arriving meanwhile prefill GPU-only). A client that disconnects cancels its generation; a bad request
+gets a 4xx JSON error that names the field. Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details.cached_tokens`,
 Anthropic `usage.cache_read_input_tokens`) and engine stats in a `hetero` field.
 """
 
