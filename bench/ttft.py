@@ -103,8 +103,9 @@ def measure_size(engine, fractions: dict[str, tuple[float, tuple[str, ...]]], n:
     out = {}
     for k, s in stats.items():
         med = statistics.median(s["ttft_s"])
+        fraction, offload = fractions.get(k, (0.0, ()))
         out[k] = {
-            "fraction": fractions.get(k, (0.0, ()))[0], "offload": list(fractions.get(k, (0.0, ()))[1]),
+            "fraction": fraction, "offload": list(offload),
             "ttft_s": med, "ttft_min_s": min(s["ttft_s"]), "ttft_max_s": max(s["ttft_s"]), "runs": len(s["ttft_s"]),
             "prefill_tps": n / med,
             **({m: statistics.median(s[m]) for m in ("gpu_busy_s", "ane_busy_s", "overlap")} if s["overlap"] else {}),
@@ -193,7 +194,7 @@ def main() -> None:
     reexec_with_openblas()
     os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-ttft-")  # exports and profile kept apart
 
-    from hetero.planner import recommend
+    from hetero.planner import OFFLOADABLE, recommend
     from hetero.profiles import Profile
     from hetero.profiles.measure import measure
 
@@ -207,9 +208,8 @@ def main() -> None:
           flush=True)
     for cap in plan.caps():
         print(f"  {cap}", flush=True)
-    everything = ("attention", "mlp", "gdn_in_proj")
-    fractions = {f"split@{rec:.2f} (recommended)": (rec, plan.offload), "split@0.25": (0.25, everything),
-                 "split@0.50": (0.5, everything)}
+    fractions = {f"split@{rec:.2f} (recommended)": (rec, plan.offload), "split@0.25": (0.25, OFFLOADABLE),
+                 "split@0.50": (0.5, OFFLOADABLE)}
     results = {}
     for n in [int(s) for s in a.sizes.split(",")]:
         results[n] = measure_size(engine, fractions, n, a.repeats)

@@ -18,6 +18,7 @@ import math
 import os
 import weakref
 from dataclasses import asdict, dataclass
+from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -745,18 +746,18 @@ def effective_fraction(config: dict, fraction: float, tokens: int, chunk: int,
 
 
 def kept_on_gpu(kind: str, lanes: Lanes) -> str:
-    """Why a piece kind takes no ANE share in a recommended plan."""
-    rate = lambda v: "unknown" if v is None else f"{v / 1e9:.1f} GFLOP/s"  # noqa: E731
-    return (f"kept on the GPU: the ANE lane runs it at {rate(lanes.ane_rate(kind))} against the GPU's "
-            f"{rate(lanes.gpu_rate(kind))} on this profile; offloading it does not shorten the prefill")
+    """Why a piece kind takes no ANE share (a recommended plan, or one run with such a plan's kinds)."""
+    ane, gpu = lanes.ane_rate(kind), lanes.gpu_rate(kind)
+    if ane is None or gpu is None:
+        return "kept on the GPU: not among the piece kinds this plan offloads"
+    return (f"kept on the GPU: the ANE lane runs it at {ane / 1e9:.1f} GFLOP/s against the GPU's {gpu / 1e9:.1f} "
+            f"GFLOP/s on this profile; offloading it does not shorten the prefill")
 
 
 def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **kw) -> tuple[float, Plan]:
     """The F in [0, 1] (steps of 0.01), and the piece kinds that take it, with the shortest predicted split
     prefill: where both lanes balance. A kind the profile's ANE lane runs too slowly stays whole on the GPU
     (the plan's `offload`, with that cap)."""
-    from itertools import combinations
-
     best: tuple[float, float, Plan] | None = None
     seen = set()
     subsets = [c for n in range(len(OFFLOADABLE), 0, -1) for c in combinations(OFFLOADABLE, n)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.planner import context_bucket  # noqa: F401  (re-exported: the pipeline's name for it)
+from hetero.planner import OFFLOADABLE, context_bucket  # noqa: F401  (context_bucket: re-exported)
 
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
@@ -44,7 +44,7 @@ EXPORT_PIECE = {"attention": "attention", "mlp": "mlp", "gdn_in_proj": "gdn_z"} 
 
 
 def ensure_export(
-    model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = tuple(EXPORT_PIECE)
+    model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = OFFLOADABLE
 ) -> Path:
     """The export directory for (model key, fraction, chunk, bucket, piece kinds), exported on first use with a
     progress bar."""

@@ -14,9 +14,9 @@ from hetero.cache import LayerCache
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
 from hetero.pipeline.lanes import DecodeQueue, Trace
-from hetero.planner import OFFLOADABLE
 from hetero.pipeline.programs import ane_backend, context_bucket, ensure_export, load_programs, weights_fingerprint
 from hetero.pipeline.split import SplitPrefill, SplitResult
+from hetero.planner import OFFLOADABLE
 
 DEFAULT_CHUNK = 256
 DEFAULT_VERIFY_TOL = 0.02  # max |logit difference| / max |GPU-only logit| at the last position
@@ -35,7 +35,7 @@ class PipelineRun:
     caps: list[str]
     effective_fraction: float
     trace: Trace | None = None
-    offload: tuple[str, ...] = ("attention", "mlp", "gdn_in_proj")  # the piece kinds the ANE takes a share of
+    offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds the ANE takes a share of
     last: SplitResult | None = None
     _splits: dict = field(default_factory=dict)
 

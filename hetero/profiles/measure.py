@@ -69,18 +69,10 @@ def gpu_recurrence(flops_rate: float, tokens: int = 512, heads: int = 8, dk: int
 ATTENTION_SHAPE = dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, chunk=256, context=2048)
 
 
-def _attention_flops(heads: int, kv_heads: int, head_dim: int, hidden: int, tokens: int, pairs: float) -> float:
-    """The planner's count for an attention piece: projections, plus QK and PV per (query, key) pair."""
-    params = hidden * head_dim * (3 * heads + 2 * kv_heads)  # q + gate, k, v, o
-    return 2.0 * params * tokens + 4.0 * heads * head_dim * pairs
-
-
-def gpu_attention(flops_rate: float, repeats: int = 3) -> float:
-    """An attention layer's achieved rate on a chunk after a filled cache, relative to `flops_rate`."""
-    import mlx.core as mx
-
-    from hetero.cache import KVCache
-    from hetero.models.qwen3_5 import Attention, ModelArgs
+def _attention_piece():
+    """The planner's attention piece for ATTENTION_SHAPE (its FLOP count is the one the rates are relative to)."""
+    from hetero.models.qwen3_5 import ModelArgs
+    from hetero.planner import pieces
 
     a = ATTENTION_SHAPE
     args = ModelArgs.from_config(dict(
@@ -88,6 +80,18 @@ def gpu_attention(flops_rate: float, repeats: int = 3) -> float:
         num_key_value_heads=a["kv_heads"], head_dim=a["head_dim"], num_hidden_layers=1, intermediate_size=64,
         vocab_size=64, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=64,
         linear_value_head_dim=64, full_attention_interval=1))
+    return args, next(p for p in pieces(args, None, 0.0) if p.kind == "attention")
+
+
+def gpu_attention(flops_rate: float, repeats: int = 3) -> float:
+    """An attention layer's achieved rate on a chunk after a filled cache, relative to `flops_rate`."""
+    import mlx.core as mx
+
+    from hetero.cache import KVCache
+    from hetero.models.qwen3_5 import Attention
+
+    a = ATTENTION_SHAPE
+    args, piece = _attention_piece()
     layer = Attention(args)
     before = a["context"] - a["chunk"]
     x = mx.random.normal((1, a["chunk"], a["hidden"]))
@@ -101,8 +105,8 @@ def gpu_attention(flops_rate: float, repeats: int = 3) -> float:
 
     cache_only = median_seconds(lambda: mx.eval(KVCache().update_and_fetch(past, past)), repeats)
     s = max(median_seconds(step, repeats) - cache_only, 1e-9)
-    pairs = a["chunk"] * before + a["chunk"] * (a["chunk"] + 1) / 2
-    return _attention_flops(a["heads"], a["kv_heads"], a["head_dim"], a["hidden"], a["chunk"], pairs) / s / flops_rate
+    pairs = a["chunk"] * before + a["chunk"] * (a["chunk"] + 1) / 2  # causal: what the GPU lane computes
+    return (piece.token_flops * a["chunk"] + piece.pair_flops * pairs) / s / flops_rate
 
 
 def ane_attention(flops_rate: float, call_s: float, repeats: int = 3) -> float:
@@ -127,7 +131,8 @@ def ane_attention(flops_rate: float, call_s: float, repeats: int = 3) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         run = loader(save_program(build_attention(shape, weights), Path(tmp) / "attention.mlpackage"))
         s = max(median_seconds(lambda: run(feed), repeats) - call_s, 1e-9)
-    return _attention_flops(heads, 1, D, h, S, S * a["context"]) / s / flops_rate
+    _, piece = _attention_piece()  # one KV group of it, over the whole static bucket
+    return (piece.token_flops * S + piece.pair_flops * S * a["context"]) / a["kv_heads"] / s / flops_rate
 
 
 def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats: int = 3) -> tuple[str, float, float]:
