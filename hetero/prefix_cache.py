@@ -83,6 +83,15 @@ class _Node:
         return sum(k.nbytes + v.nbytes for k, v in self.kv)
 
 
+def _kv(model, c: KVCache) -> tuple[mx.array, mx.array]:
+    """(keys, values) of a KV cache; [1, Hkv, 0, D] when it holds none yet (the MTP layer after a 1-token prompt)."""
+    if c.keys is not None:
+        return c.keys, c.values
+    args = model.args
+    empty = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), model.model.norm.weight.dtype)
+    return empty, empty
+
+
 def _rows(lo: int, hi: int, mtp: bool) -> tuple[int, int]:
     """K/V rows that belong to the edge of positions [lo, hi): an MTP row p pairs (t_{p+1}, h_p)."""
     return (max(lo - 1, 0), hi - 1) if mtp else (lo, hi)
@@ -199,7 +208,7 @@ class PrefixCache:
                 copies.append(k)
             model.mtp_hidden(mx.array(tokens[n - m + 1 :])[None], pending_hidden[None, :-1], copies)
             mtp = copies
-        kv = [(c.keys, c.values) for c in backbone if isinstance(c, KVCache)] + [(c.keys, c.values) for c in mtp]
+        kv = [_kv(model, c) for c in backbone if isinstance(c, KVCache)] + [_kv(model, c) for c in mtp]
         n_mtp = len(mtp)
         gdn = [(_own(c.conv), _own(c.recurrent)) for c in backbone if isinstance(c, GDNCache)]
         checkpoint = Checkpoint(gdn, _own(pending_hidden[-1:]))

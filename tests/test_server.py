@@ -147,6 +147,17 @@ def test_completions_and_exact_stop_strings(cold):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
 
 
+def test_a_one_token_prompt_is_answered_with_the_prefix_cache_on(warm, cold):
+    """Regression: a 1-token prompt left the MTP layer's K/V empty and the prefix cache's capture answered 500."""
+    body = {"model": model_name(warm), "prompt": "x", "max_tokens": 2}
+    r = httpx.post(warm.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 1
+    assert r.json()["choices"][0]["text"] == httpx.post(cold.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    again = warm.openai().completions.create(model=body["model"], prompt="x", max_tokens=2, extra_body={"mtp": False})
+    assert again.choices[0].text == r.json()["choices"][0]["text"]
+
+
 @settings(max_examples=60, deadline=None)
 @given(text=st.text("ab\n", max_size=30), cuts=st.lists(st.integers(0, 30), max_size=6),
        stops=st.lists(st.text("ab\n", min_size=1, max_size=4), min_size=1, max_size=3))
