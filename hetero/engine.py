@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.errors import HeteroError
+from hetero.fingerprint import weights_fingerprint
 from hetero.generate import DecodeTimes, ProgressFn, Trace, generate_tokens, prefill
 from hetero.loader import load_model
 from hetero.models.qwen3_5 import Model
@@ -49,6 +50,7 @@ class Engine:
         self.path = path
         self.name = name
         self.eos_ids = _eos_ids(model, tokenizer, path)
+        self.weights_fingerprint = weights_fingerprint(path)  # taken at load: the files' state as loaded
         self.prefix_cache: PrefixCache | None = None
         self.memory_gb: float | None = None  # RAM the memory governor budgets (None: this machine's)
 
@@ -57,6 +59,12 @@ class Engine:
         """Names this checkpoint in per-machine settings: its name plus a hash of its config."""
         digest = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()[:12]
         return f"{self.name}@{digest}"
+
+    @property
+    def cache_key(self) -> str:
+        """Keys every cached state of this engine (prefix cache, session cache): its identity, the fingerprint of
+        the weights it loaded and its compute dtype. New weights under the same name and config get a new key."""
+        return f"{self.identity}#{self.weights_fingerprint}#{self.model.model.norm.weight.dtype}"
 
     @property
     def max_context(self) -> int:
@@ -140,7 +148,7 @@ class Engine:
         mx.reset_peak_memory()
         mtp_stats = MTPStats(depth) if use_mtp else None
         pc = self.prefix_cache if use_prefix_cache else None
-        key, model = self.identity, self.model
+        key, model = self.cache_key, self.model
         cache, skip, carry = model.make_cache(), 0, None
         if pc is not None:
             restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
@@ -216,7 +224,7 @@ class Engine:
         The disk gets the checkpoints from the last chunk edge before the prompt's end onward: the same prompt
         sent again must still run its last token, so it resumes from that edge.
         """
-        key = self.identity
+        key = self.cache_key
         if decoder is not None:  # MTP: the state after the last round; x is committed but not yet run
             run = committed[: decoder.length]
             pc.capture(self.model, key, run, decoder.cache, decoder.pending_hidden)

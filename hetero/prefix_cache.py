@@ -9,7 +9,8 @@ that grows turn by turn stores each position's K/V once; a node holds the fixed-
 checkpoint. Restoring concatenates the K/V rows along the path into fresh buffers (a live KVCache writes in
 place by slice assignment, so a checkpoint never shares a buffer with a live cache).
 
-Trees are per model identity (`Engine.identity`): two models never see each other's state.
+Trees are per `Engine.cache_key` (identity + the loaded weights' fingerprint): two models, or two versions of one
+model's weights, never see each other's state.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """On-disk session cache: prefix-cache snapshots as safetensors files with a small JSON manifest.
 
-One entry = two files in DIR/<model key hash>/:
+One entry = two files in DIR/<model key hash>/, the key being `Engine.cache_key` (name, config hash, the loaded
+weights' fingerprint, dtype: new weights under the same name never see old entries):
   <id>.safetensors  tokens int32 [n]; kv.<i>.k / kv.<i>.v the K/V rows 0..n-1 of every attention layer (MTP layers:
                     0..n-2); cp.<j>.hidden [1, H] and cp.<j>.gdn.<l>.conv / .rec: the fixed-size state of checkpoint j
   <id>.json         {"format", "model", "n", "checkpoints": [positions], "n_mtp", "bytes", "sha256"}
@@ -26,7 +27,7 @@ import numpy as np
 from hetero.cache import KVCache
 from hetero.prefix_cache import Checkpoint, Snapshot
 
-FORMAT = "hetero-session/1"
+FORMAT = "hetero-session/2"  # /1 keyed entries without the weights: removed as foreign when met
 DEFAULT_MAX_BYTES = 16 * 1024**3
 log = logging.getLogger("hetero.session_store")
 
@@ -232,7 +233,7 @@ def _common_prefix(a, b, limit: int) -> int:
 def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
     """Snapshots from an entry's tensors, every shape and dtype checked against the model (ValueError if not)."""
     args, n = model.args, e.n
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.model.norm.weight.dtype  # the compute dtype (a quantized embedding's weight is uint32)
     cache = model.make_cache()
     kv_layers = sum(isinstance(c, KVCache) for c in cache)
     gdn_layers = len(cache) - kv_layers

@@ -58,13 +58,13 @@ def test_restored_logits_match_cold_within_1e5(engine):
     finally:
         engine.prefix_cache = None
     for limit in (130, 200):  # restores at the chunk edge 128 and the prompt end 200
-        r = pc.restore(model, engine.identity, ids, limit)
+        r = pc.restore(model, engine.cache_key, ids, limit)
         assert r.n == (128 if limit == 130 else 200)
         logits, _ = prefill(model, ids[r.n :], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden)
         np.testing.assert_allclose(np.array(logits), cold_logits(model, ids)[r.n :], rtol=0, atol=1e-5)
     gen = engine.generate(ids[:200], max_tokens=15, mtp=False, prefill_chunk=CHUNK, use_prefix_cache=False).tokens
     turn = ids[:200] + gen + tokens(40, 4)
-    r = pc.restore(model, engine.identity, turn)
+    r = pc.restore(model, engine.cache_key, turn)
     assert r.n == 214  # the turn end: prompt + 14 of the 15 generated tokens ran through the backbone
     logits, _ = prefill(model, turn[r.n :], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden)
     np.testing.assert_allclose(np.array(logits), cold_logits(model, turn)[r.n :], rtol=0, atol=1e-5)

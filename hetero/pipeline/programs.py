@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,14 +29,6 @@ def export_root() -> Path:
     if os.environ.get("HETERO_HOME"):
         return Path(os.environ["HETERO_HOME"]) / "coreml"
     return Path.home() / ".cache" / "hetero" / "coreml"
-
-
-def weights_fingerprint(path: Path) -> str:
-    """Names, sizes and mtimes of a checkpoint's weight files: a retrained model never reuses stale packages."""
-    import hashlib
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    return hashlib.sha256(json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()[:12]
 
 
 EXPORT_PIECE = {"attention": "attention", "mlp": "mlp", "gdn_in_proj": "gdn_z"}  # planner kind -> exported piece

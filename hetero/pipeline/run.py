@@ -14,7 +14,8 @@ from hetero.cache import LayerCache
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
 from hetero.pipeline.lanes import DecodeQueue, Trace
-from hetero.pipeline.programs import ane_backend, context_bucket, ensure_export, load_programs, weights_fingerprint
+from hetero.fingerprint import weights_fingerprint
+from hetero.pipeline.programs import ane_backend, context_bucket, ensure_export, load_programs
 from hetero.pipeline.split import SplitPrefill, SplitResult
 from hetero.planner import OFFLOADABLE
 
