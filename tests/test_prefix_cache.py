@@ -91,22 +91,47 @@ def test_mtp_state_survives_the_restore(engine):
     np.testing.assert_allclose(np.array(h_warm), np.array(h_cold), atol=1e-6)
 
 
+def valid_state(cache: list, hidden: mx.array) -> list[np.ndarray]:
+    """Every array a continuation reads: K/V rows below each offset, GDN conv and recurrent state, the carry."""
+    out = []
+    for c in cache:
+        if hasattr(c, "keys"):
+            out += [np.array(c.keys[:, :, : c.offset]), np.array(c.values[:, :, : c.offset])]
+        else:
+            out += [np.array(c.conv), np.array(c.recurrent)]
+    return out + [np.array(hidden), np.array([c.offset for c in cache])]
+
+
+def scribble(restored) -> None:
+    """Write into a restore in place, as a live cache does (a rollback rewrites rows below its capacity)."""
+    for c in restored.cache:
+        for x in c.state:
+            x[:] = 7
+    restored.hidden[:] = 7
+
+
 def test_a_checkpoint_never_shares_buffers_with_a_live_cache(engine):
+    """A restore equals an independent recomputation in every layer, and writing into one restore, into the
+    cache the checkpoint was taken from, or into a cache continued from a restore changes no other restore."""
     model, pc = engine.model, PrefixCache()
     ids = tokens(100, 6)
     cache = model.make_cache()
     prefill(model, ids[:64], cache, CHUNK, mtp=True, on_chunk=lambda n, h: pc.capture(model, "k", ids[:n], cache, h))
-    first = pc.restore(model, "k", ids, 99)
-    prefill(model, tokens(60, 7), first.cache, CHUNK, mtp=True, carry=first.hidden)  # overwrite the live cache
-    prefill(model, tokens(60, 8), cache, CHUNK, mtp=True)  # and the one the checkpoint was taken from
-    again = pc.restore(model, "k", ids, 99)
-    assert again.n == 64
-    for a, b in zip(again.cache, pc.restore(model, "k", ids, 99).cache):
-        for x, y in zip(a.state, b.state):
-            assert mx.array_equal(x, y)
     fresh = model.make_cache()
-    prefill(model, ids[:64], fresh, CHUNK, mtp=True)
-    assert mx.array_equal(again.cache[1].keys[:, :, :64], fresh[1].keys[:, :, :64])
+    _, h_fresh = prefill(model, ids[:64], fresh, CHUNK, mtp=True)  # independent: its own cache, never captured
+    expected = valid_state(fresh, h_fresh)
+    first = pc.restore(model, "k", ids, 99)
+    prefill(model, tokens(60, 7), first.cache, CHUNK, mtp=True, carry=first.hidden)  # a live cache moves on
+    prefill(model, tokens(60, 8), cache, CHUNK, mtp=True)  # and so does the one the checkpoint was taken from
+    one, two = pc.restore(model, "k", ids, 99), pc.restore(model, "k", ids, 99)
+    assert one.n == two.n == 64
+    for got, want in zip(valid_state(one.cache, one.hidden), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    scribble(one)
+    assert not np.array_equal(valid_state(one.cache, one.hidden)[0], expected[0])  # the scribble took effect
+    for restored in (two, pc.restore(model, "k", ids, 99)):  # the other restore and the trie are untouched
+        for got, want in zip(valid_state(restored.cache, restored.hidden), expected, strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_growing_transcript_stores_each_position_once(engine):
