@@ -7,7 +7,41 @@ import json
 import os
 import sys
 
-from hetero.errors import HeteroError
+from hetero import __version__
+from hetero.errors import HeteroError, internal_error
+from hetero.validate import (
+    FRACTION, MIN_P, NONNEG, PORT, POSITIVE, POSITIVE_INT, SEED, TEMPERATURE, TOP_K, TOP_P, Bound, check_config,
+    check_text, decode_utf8,
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 1, like every other user error) and defaults shown in help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        """Print what is wrong on one line and where to look, then exit 1 (argparse's own way is usage + exit 2)."""
+        self.exit(1, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Appends '(default: X)' to each option's help unless the help already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
+            return text  # flags are off unless given; None defaults are explained in the help itself
+        return f"{text} (default: %(default)s)"
+
+
+def fraction_or_auto(text: str) -> str:
+    """argparse type for --ane-fraction: a number in [0, 1] or 'auto' (kept as given; the pipeline parses it)."""
+    if text != "auto":
+        FRACTION(text)
+    return text
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -16,44 +50,50 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hetero", description="Fast hybrid-LLM inference on Apple Silicon.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from hetero.speculative import MAX_DEPTH
+
+    depth = Bound(1, MAX_DEPTH, integer=True)
+    parser = Parser(prog="hetero", description="Fast hybrid-LLM inference on Apple Silicon.")
+    parser.add_argument("--version", action="version", version=f"hetero {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="generate text for a prompt")
     run.set_defaults(func=cmd_run)
     _add_model(run)
     run.add_argument("--prompt", required=True, help="prompt text, or - to read it from stdin")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    run.add_argument("--max-tokens", type=int, default=256)
-    run.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    run.add_argument("--min-p", type=float, default=0.0)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    run.add_argument("--max-tokens", type=POSITIVE_INT, default=256, help="most tokens to generate")
+    run.add_argument("--temp", type=TEMPERATURE, default=0.0, help="sampling temperature (0 = greedy)")
+    run.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling: keep the most likely tokens up to this mass")
+    run.add_argument("--top-k", type=TOP_K, default=0, help="keep the k most likely tokens; 0 disables top-k")
+    run.add_argument("--min-p", type=MIN_P, default=0.0, help="drop tokens below this share of the most likely one's probability")
+    run.add_argument("--seed", type=SEED, default=None, help="random seed for sampling (default: a fresh random seed)")
+    run.add_argument("--prefill-chunk", type=POSITIVE_INT, default=512, help="prompt tokens per prefill step")
     run.add_argument("--no-mtp", action="store_true", help="plain decoding (no speculative MTP drafts)")
-    run.add_argument("--draft-depth", type=int, default=None, help="MTP draft tokens per step (default: tuned, else 3)")
+    run.add_argument("--draft-depth", type=depth, default=None, help="MTP draft tokens per step (default: tuned, else 3)")
     run.add_argument("--no-copy", action="store_true", help="no copy-lane drafts from n-grams of the context")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
-    run.add_argument("--memory-gb", type=float, help="RAM the memory governor budgets (default: this machine's)")
-    run.add_argument("--ane-fraction", help="split prefill: share F of each offloadable piece for the ANE lane, "
-                     "or 'auto' (this machine's measured profile, verified on a calibration prompt)")
+    run.add_argument("--memory-gb", type=POSITIVE, help="RAM the memory governor budgets (default: this machine's)")
+    run.add_argument("--ane-fraction", type=fraction_or_auto,
+                     help="split prefill: share F of each offloadable piece for the ANE lane, "
+                     "or 'auto' (this machine's measured profile, verified on a calibration prompt; default: GPU-only)")
     run.add_argument("--verify", action="store_true", help="with --ane-fraction: rerun GPU-only and compare; exit 3 on mismatch")
-    run.add_argument("--verify-tol", type=float, default=0.02,
-                     help="largest max|logit diff| / max|GPU-only logit| at the last position that still matches (default 0.02)")
-    run.add_argument("--verify-tokens", type=int, default=32, help="greedy tokens that must be identical (default 32)")
-    run.add_argument("--trace", metavar="FILE", help="with --ane-fraction: write a Chrome trace (one track per device)")
+    run.add_argument("--verify-tol", type=NONNEG, default=0.02,
+                     help="largest max|logit diff| / max|GPU-only logit| at the last position that still matches")
+    run.add_argument("--verify-tokens", type=POSITIVE_INT, default=32, help="greedy tokens that must be identical")
+    run.add_argument("--trace", metavar="FILE",
+                     help="with --ane-fraction: write a Chrome trace (one track per device; default: no trace)")
 
     check = sub.add_parser("check", help="pre-flight check of a checkpoint without loading weights")
     check.set_defaults(func=cmd_check)
     _add_model(check)
-    check.add_argument("--context", type=int, default=4096, help="context length for the peak-memory estimate")
+    check.add_argument("--context", type=POSITIVE_INT, default=4096, help="context length for the peak-memory estimate")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
 
     tune = sub.add_parser("tune", help="measure plain decoding and MTP draft depths here; save the fastest")
     tune.set_defaults(func=cmd_tune)
     _add_model(tune)
-    tune.add_argument("--tokens", type=int, default=256, help="tokens decoded per prompt and setting")
+    tune.add_argument("--tokens", type=POSITIVE_INT, default=256, help="tokens decoded per prompt and setting")
     tune.add_argument("--devices", action="store_true",
                       help="measure the GPU lane (MLX) and the ANE lane; save them as the this-machine profile")
 
@@ -61,17 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     _add_model(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--port", type=PORT, default=8080, help="TCP port to listen on")
     serve.add_argument("--api-key", default=os.environ.get("HETERO_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $HETERO_API_KEY, else no key)")
-    serve.add_argument("--served-model-name", help="another name clients may use in 'model'")
-    serve.add_argument("--prefix-cache-max-gb", type=float, default=2.0, help="RAM for prefix-cache checkpoints")
+    serve.add_argument("--served-model-name", help="another name clients may use in 'model' (default: only the model's own name)")
+    serve.add_argument("--prefix-cache-max-gb", type=NONNEG, default=2.0, help="RAM for prefix-cache checkpoints")
     serve.add_argument("--session-cache", metavar="DIR", help="on-disk session cache (default: ~/.cache/hetero/sessions)")
-    serve.add_argument("--session-cache-max-gb", type=float, default=16.0, help="disk for the session cache")
+    serve.add_argument("--session-cache-max-gb", type=NONNEG, default=16.0, help="disk for the session cache")
     serve.add_argument("--no-session-cache", action="store_true", help="keep checkpoints in RAM only")
-    serve.add_argument("--ane-fraction", help="split each prompt's prefill: share F for the ANE lane, or 'auto'")
-    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step (and per turn)")
-    serve.add_argument("--max-concurrent", type=int, default=4,
+    serve.add_argument("--ane-fraction", type=fraction_or_auto,
+                       help="split each prompt's prefill: share F for the ANE lane, or 'auto' (default: GPU-only)")
+    serve.add_argument("--prefill-chunk", type=POSITIVE_INT, default=512, help="prompt tokens per prefill step (and per turn)")
+    serve.add_argument("--max-concurrent", type=POSITIVE_INT, default=4,
                        help="requests generating at once, taking turns on the model (more wait in line)")
 
     plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
@@ -79,30 +120,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(plan)
     plan.add_argument("--profile", help="hardware profile (m4-pro, m3-ultra, m5-max, ..., this-machine; "
                       "default: this-machine when `hetero tune --devices` has measured it, else m4-pro)")
-    plan.add_argument("--ane-fraction", type=float, default=0.5, help="requested ANE share of each offloadable piece")
+    plan.add_argument("--ane-fraction", type=FRACTION, default=0.5, help="requested ANE share of each offloadable piece")
     plan.add_argument("--recommend", action="store_true", help="pick the fraction that balances both devices")
-    plan.add_argument("--context", type=int, help="context length in tokens (default: min(32768, model maximum))")
-    plan.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (multiple of 64)")
-    plan.add_argument("--prompt-tokens", type=int, help="prompt length for the TTFT prediction (default: the context)")
-    plan.add_argument("--bits", type=int, help="weight bits when the config has no quantization (default 16)")
-    plan.add_argument("--group-size", type=int, help="quantization group size (default 64)")
-    plan.add_argument("--memory-gb", type=float, help="RAM to budget: prints the budget and the largest context window")
-    plan.add_argument("--accepted-length", type=float, default=2.5, help="MTP tokens per verify pass for the decode estimate")
-    plan.add_argument("--draft-depth", type=int, default=3, help="MTP draft depth for the decode estimate")
+    plan.add_argument("--context", type=POSITIVE_INT, help="context length in tokens (default: min(32768, model maximum))")
+    plan.add_argument("--chunk", type=POSITIVE_INT, default=512, help="prefill chunk in tokens (multiple of 64)")
+    plan.add_argument("--prompt-tokens", type=POSITIVE_INT, help="prompt length for the TTFT prediction (default: the context)")
+    plan.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8, 16],
+                      help="weight bits when the config has no quantization (default 16)")
+    plan.add_argument("--group-size", type=int, choices=[32, 64, 128], help="quantization group size (default 64)")
+    plan.add_argument("--memory-gb", type=POSITIVE,
+                      help="RAM to budget: prints the budget and the largest context window (default: no budget)")
+    plan.add_argument("--accepted-length", type=Bound(1), default=2.5, help="MTP tokens per verify pass for the decode estimate")
+    plan.add_argument("--draft-depth", type=depth, default=3, help="MTP draft depth for the decode estimate")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
     convert = sub.add_parser("convert", help="write a converted copy of a checkpoint")
     convert.set_defaults(func=cmd_convert)
     _add_model(convert)
     mode = convert.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], help="bits per weight")
+    mode.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], help="bits per weight (default: no quantization)")
     mode.add_argument("--coreml", action="store_true", help="export the ANE's share of prefill as Core ML packages")
-    mode.add_argument("--lint", metavar="DIR", help="check exported Core ML packages against the ANE rules (exit 1 on errors)")
-    convert.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
-    convert.add_argument("--ane-fraction", type=float, help="with --coreml: share of each offloadable piece for the ANE")
-    convert.add_argument("--chunk-size", type=int, default=256, help="with --coreml: prefill chunk (multiple of 64)")
+    mode.add_argument("--lint", metavar="DIR",
+                      help="check exported Core ML packages against the ANE rules (exit 1 on errors; default: no lint)")
+    convert.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="with --quantize: group size")
+    convert.add_argument("--ane-fraction", type=Bound(0, 1, lo_open=True),
+                         help="with --coreml: share of each offloadable piece for the ANE (required there; default: none)")
+    convert.add_argument("--chunk-size", type=POSITIVE_INT, default=256, help="with --coreml: prefill chunk (multiple of 64)")
     convert.add_argument("--context", default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
-    convert.add_argument("--out", help="output directory (--quantize: must not exist or be empty; --coreml: reused)")
+    convert.add_argument("--out",
+                         help="output directory (--quantize: must not exist or be empty; --coreml: reused; default: none, required)")
     return parser
 
 
@@ -110,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import hetero
     from hetero.progress import ProgressBar
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     engine = hetero.load(args.model)
     engine.memory_gb = args.memory_gb
     split = _split_run(engine, args)
@@ -173,6 +219,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",
                   file=sys.stderr)
     return status
+
+
+def read_prompt(prompt: str) -> str:
+    """The prompt text (from stdin for '-'), refused in one line when it is not valid UTF-8."""
+    if prompt == "-":
+        return decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+    # argv bytes that are not UTF-8 arrive as lone surrogates (Python's surrogateescape)
+    return check_text(prompt, "--prompt")
 
 
 def _split_run(engine, args: argparse.Namespace):
@@ -244,6 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hetero.settings import device_profile
 
     config, name = read_model_config(args.model)
+    check_config(config, name)  # a bare config.json given to --model is read by the planner as is
     profile_name = args.profile or (THIS_MACHINE if device_profile() is not None else "m4-pro")
     profile = load_profile(profile_name)
     context = args.context or min(32768, model_shape(config)[0].max_position_embeddings)
@@ -269,6 +324,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.lint:
+        if not os.path.exists(args.lint):  # before the Core ML tooling loads (seconds)
+            raise HeteroError(f"--lint {args.lint}: no such file or directory; pass the --out DIR of `hetero convert --coreml`")
         from converters.coreml_export import cli_lint
 
         return cli_lint(args.lint)
@@ -286,7 +343,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `hetero` alone: what can it do?
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
     except HeteroError as e:
@@ -297,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nhetero: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug, not the user's mistake: still one line, the traceback on request
+        if args.debug:
+            raise
+        print(f"hetero: error: {internal_error(e)} (an internal error: rerun with --debug for the traceback, "
+              "and please report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
 """The one exception type for mistakes a user can fix (bad path, bad file, bad flag).
 
-The CLI prints such an error as one line and exits non-zero; anything else is a bug and keeps its traceback.
+The CLI prints such an error as one line and exits non-zero. Anything else is a bug: the CLI still prints one
+line (`internal_error`) and shows the traceback only with --debug; the server answers a JSON 500 and logs it.
 """
 
 
 class HeteroError(Exception):
     """A user-facing error: its message is one line saying what is wrong and what to do."""
+
+
+def internal_error(e: BaseException) -> str:
+    """'Type: first line of the message' for an unexpected exception (one line for the user)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import (
+    SUPPORTED_MODEL_TYPES,
     Model,
     ModelArgs,
     canonical_name,
@@ -26,6 +27,7 @@ from hetero.models.qwen3_5 import (
     sanitize,
     unfused_names,
 )
+from hetero.validate import check_config
 
 BUNDLED_MODEL = Path(__file__).parent / "bundled"
 SMALL_FILES = ["config.json", "generation_config.json", "*.index.json", "tokenizer*", "chat_template.jinja"]
@@ -76,9 +78,14 @@ def read_config(path: Path) -> dict:
     if not file.is_file():
         raise HeteroError(f"{file} is missing: a checkpoint directory needs config.json")
     try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HeteroError(f"{file} is not valid JSON ({e}); re-download it") from None
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise HeteroError(f"{file} is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__}); re-download it") from None
+    except OSError as e:
+        raise HeteroError(f"cannot read {file}: {e.strerror}") from None
+    check_config(config, str(file))
+    # a supported architecture's sizes must all be there; other model types are refused by name later
+    return check_config(config, str(file), required=config.get("model_type") in SUPPORTED_MODEL_TYPES)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -106,28 +113,40 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             if n > min(size - 8, 100_000_000):
                 raise HeteroError(f"{file} is not a safetensors file (header length {n} exceeds the file); re-download it")
             header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
         raise HeteroError(f"{file} has a corrupt safetensors header; re-download it") from None
     except OSError as e:
         raise HeteroError(f"cannot read {file}: {e.strerror}") from None
+    if not isinstance(header, dict):
+        raise HeteroError(f"{file} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object); re-download it")
     tensors: dict[str, TensorInfo] = {}
     end = 0
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            start, stop = meta["data_offsets"]
-            info = TensorInfo(name, meta["dtype"], tuple(meta["shape"]), file.name, stop - start)
-        except (KeyError, TypeError, ValueError):
-            raise HeteroError(f"{file} has a corrupt safetensors header entry for {name!r}; re-download it") from None
+        info = _tensor_info(file, name, meta)
         expected = DTYPE_BYTES.get(info.dtype, 0) * _numel(info.shape)
         if info.dtype in DTYPE_BYTES and expected != info.nbytes:
             raise HeteroError(f"{file}: tensor {name} spans {info.nbytes} bytes but {info.dtype}{list(info.shape)} needs {expected}")
         tensors[name] = info
-        end = max(end, stop)
+        end = max(end, meta["data_offsets"][1])
     if 8 + n + end > size:
         raise HeteroError(f"{file} is truncated ({size} bytes, its header describes {8 + n + end}); re-download it")
     return tensors
+
+
+def _tensor_info(file: Path, name: str, meta) -> TensorInfo:
+    """One header entry, checked: a dtype string, a shape of sizes >= 0, data offsets 0 <= start <= stop."""
+    corrupt = HeteroError(f"{file} has a corrupt safetensors header entry for {name!r}; re-download it")
+    if not isinstance(meta, dict):
+        raise corrupt
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    is_size = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**48  # noqa: E731
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not all(is_size(d) for d in shape):
+        raise corrupt
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_size(o) for o in offsets) or offsets[0] > offsets[1]:
+        raise corrupt
+    return TensorInfo(name, dtype, tuple(shape), file.name, offsets[1] - offsets[0])
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -213,10 +232,7 @@ def checkpoint_tensors(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
     """
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise HeteroError(f"{index_file} is not a valid safetensors index (no weight_map); re-download it") from None
+        weight_map = _weight_map(index_file)
         shards = sorted(set(weight_map.values()))
     else:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
@@ -234,6 +250,17 @@ def checkpoint_tensors(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
                 raise HeteroError(f"tensor {name} is listed for {shard} in the index but that file does not hold it")
         tensors.update(header)
     return tensors, absent
+
+
+def _weight_map(index_file: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file map, checked to be exactly that."""
+    try:
+        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError, KeyError, TypeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+        raise HeteroError(f"{index_file} is not a valid safetensors index (no weight_map of tensor -> file); re-download it")
+    return weight_map
 
 
 def build_lazy_model(args: ModelArgs, with_mtp: bool, quantized_names: set[str] | None = None) -> Model:
@@ -338,7 +365,7 @@ def estimate_peak_memory(args: ModelArgs, params: dict[str, mx.array], dtype: mx
 def load_weights(path: Path) -> dict[str, mx.array]:
     """All tensors of a checkpoint (after the pre-flight check vouched for the files)."""
     index = path / "model.safetensors.index.json"
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else sorted(
+    shards = sorted(set(_weight_map(index).values())) if index.is_file() else sorted(
         p.name for p in path.glob("*.safetensors")
     )
     weights: dict[str, mx.array] = {}

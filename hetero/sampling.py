@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hetero.errors import HeteroError
+from hetero.validate import MIN_P, TEMPERATURE, TOP_K, TOP_P, check_seed
 
 
 @dataclass(frozen=True)
@@ -24,14 +24,10 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise HeteroError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise HeteroError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise HeteroError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise HeteroError(f"min-p must be in [0, 1), got {self.min_p}")
+        TEMPERATURE.check(self.temperature, "temperature")
+        TOP_K.check(self.top_k, "top-k (0 disables it)")
+        TOP_P.check(self.top_p, "top-p")
+        MIN_P.check(self.min_p, "min-p")
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +73,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, seed: int | None = None):
         self.params = params
+        check_seed(seed)
         self.key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
     def next_key(self) -> mx.array:

@@ -59,8 +59,8 @@ def test_prompt_from_stdin_and_chat_template(engine):
     "args, message",
     [
         (["--model", "/no/such/dir"], "no such directory"),
-        (["--top-p", "0"], "top-p must be in (0, 1]"),
-        (["--prefill-chunk", "0"], "--prefill-chunk must be positive"),
+        (["--top-p", "0"], "--top-p: must be a number in (0, 1]"),
+        (["--prefill-chunk", "0"], "--prefill-chunk: must be an integer >= 1"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, message):
