@@ -35,6 +35,22 @@ def reference_probs(logits: np.ndarray, t: float, top_k: int, top_p: float, min_
     return p
 
 
+def matches_reference(ours: np.ndarray, logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float) -> bool:
+    """`ours` (probabilities) equals the reference within 1e-4.
+
+    One tolerance only: where the mass top-p sees reaches top_p within float32 rounding (1e-5), keeping or dropping
+    the boundary token are both right, so the reference with top_p nudged to either side is accepted too. At
+    top_p = 1.0 nothing is nudged: every token must match.
+    """
+    logits = logits.astype(np.float64)
+    candidates = [top_p]
+    if top_p < 1.0:
+        seen = reference_probs(logits, t, top_k, 1.0, 0.0)  # what top-p filters: after temperature and top-k
+        if np.isclose(np.cumsum(np.sort(seen)[::-1]), top_p, rtol=0, atol=1e-5).any():
+            candidates += [top_p - 2e-5, min(top_p + 2e-5, 1.0)]
+    return any(np.abs(ours - reference_probs(logits, t, top_k, p, min_p)).max() < 1e-4 for p in candidates)
+
+
 @settings(max_examples=60, deadline=None, database=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -46,9 +62,24 @@ def reference_probs(logits: np.ndarray, t: float, top_k: int, top_p: float, min_
 def test_warp_matches_reference(seed, t, top_k, top_p, min_p):
     logits = np.random.default_rng(seed).normal(0, 2, 16).astype(np.float32)
     ours = np.exp(np.array(warp(mx.array(logits), SamplingParams(t, top_k, top_p, min_p))))
-    ref = reference_probs(logits.astype(np.float64), t, top_k, top_p, min_p)
-    # support equality, except for ties within float32 rounding of the top-p boundary
-    assert np.abs(ours - ref).max() < 1e-4 or np.isclose(np.cumsum(np.sort(ref)[::-1]), top_p, atol=1e-5).any()
+    assert matches_reference(ours, logits, t, top_k, top_p, min_p)
+
+
+ACTIVE = {"temperature": 0.5, "top_k": 4, "top_p": 0.8, "min_p": 0.3}  # each removes or reshapes mass below
+NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+@pytest.mark.parametrize("ignores, top_p", [(k, p) for p in (1.0, 0.8) for k in ACTIVE if (k, p) != ("top_p", 1.0)])
+def test_the_reference_check_fails_a_warp_that_ignores_a_parameter(ignores, top_p):
+    """The check above can fail, at top_p = 1.0 too (where the old `isclose(cumsum, top_p)` escape was always
+    true): a warp that drops the one parameter that matters here is caught."""
+    logits = np.random.default_rng(3).permutation(np.linspace(2.0, -2.0, 16)).astype(np.float32)
+    params = {**NEUTRAL, "top_p": top_p, ignores: ACTIVE[ignores]}
+    broken = np.exp(np.array(warp(mx.array(logits), SamplingParams(**{**params, ignores: NEUTRAL[ignores]}))))
+    right = np.exp(np.array(warp(mx.array(logits), SamplingParams(**params))))
+    args = (params["temperature"], params["top_k"], params["top_p"], params["min_p"])
+    assert matches_reference(right, logits, *args)
+    assert not matches_reference(broken, logits, *args)
 
 
 def test_greedy_is_one_hot_on_argmax():
