@@ -261,8 +261,7 @@ def test_bundled_model_prefill_with_attention_on_the_executor_matches_mlx(tmp_pa
     import hetero
     from hetero.loader import BUNDLED_MODEL
 
-    if not (BUNDLED_MODEL / "config.json").is_file():
-        pytest.skip("hetero/bundled/ is not present yet")
+    assert (BUNDLED_MODEL / "model.safetensors").is_file(), "hetero/bundled/ is missing: a failure, never a skip"
     engine = hetero.load()
     model = engine.model
     text = open(__file__).read()[:2000]
