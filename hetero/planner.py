@@ -17,7 +17,7 @@ import json
 import math
 import os
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import combinations
 from pathlib import Path
 
@@ -33,6 +33,9 @@ DELTA_BLOCK = 64  # the chunked delta rule's block size: its intra-block matmuls
 RUNTIME_RESERVE = 1 << 30  # MLX runtime, allocator slack and decode activations: kept free by the governor
 DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
 DEFAULT_DRAFT_DEPTH = 3
+# Weights per exported ANE program: below the documented ~2 GB per program (a weights.bin past 2^31 bytes fails
+# to load), with room for the package's own metadata. The exporter splits a larger share into several programs.
+PROGRAM_WEIGHT_BUDGET = int(1.5 * 2**30)
 KINDS = ("attention", "mlp", "moe", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "lm_head", "mtp")
 OFFLOADABLE = ("attention", "mlp", "gdn_in_proj")  # the kinds that may give the ANE a share
 EXACT_PATH = {
@@ -247,8 +250,31 @@ def ane_weight_bytes(ps: list[Piece]) -> int:
     return sum(p.layers * p.ane_units * p.ane_unit_params * ANE_WEIGHT_BYTES for p in ps)
 
 
+def program_budget(profile: Profile) -> int:
+    """Weight bytes per exported ANE program: the exporter's budget, or the profile's per-program limit if lower."""
+    limit = profile.ane_program_weight_limit_gb
+    return PROGRAM_WEIGHT_BUDGET if limit is None else min(PROGRAM_WEIGHT_BUDGET, int(limit * 1e9))
+
+
+def program_spans(p: Piece, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
+    """One layer's ANE share of `p` cut into programs of at most `budget` fp16 weight bytes: unit ranges
+    [start, stop), channel and row parts in multiples of ALIGN (KV groups whole)."""
+    if not p.ane_units:
+        return []
+    per_part = max(1, budget // (p.ane_unit_params * ANE_WEIGHT_BYTES))
+    if p.kind != "attention" and per_part >= ALIGN:
+        per_part -= per_part % ALIGN
+    return [(a, min(a + per_part, p.ane_units)) for a in range(0, p.ane_units, per_part)]
+
+
+def ane_programs(ps: list[Piece], budget: int = PROGRAM_WEIGHT_BUDGET) -> dict[str, int]:
+    """How many ANE programs each piece kind is exported as, over all its layers."""
+    return {p.kind: p.layers * len(program_spans(p, budget)) for p in ps if p.ane_units}
+
+
 def fit_ane_memory(args: ModelArgs, moe: MoE | None, fraction: float, limit_bytes: float | None) -> tuple[list[Piece], float]:
-    """Pieces for `fraction`, scaled down to the largest fraction whose ANE weights fit `limit_bytes`.
+    """Pieces for `fraction`, scaled down to the largest fraction whose ANE weights fit `limit_bytes` (a
+    per-process limit a profile measured; None = none known).
 
     Returns (pieces, the fraction actually sliced); caps name the limit on every piece they shrink.
     """
@@ -262,7 +288,7 @@ def fit_ane_memory(args: ModelArgs, moe: MoE | None, fraction: float, limit_byte
         lo, hi = (mid, hi) if ane_weight_bytes(pieces(args, moe, mid)) <= limit_bytes else (lo, mid)
     fitted = pieces(args, moe, lo)
     why = (f"ANE memory: at {fraction:g} the ANE share needs {need / 1e9:.1f} GB of fp16 weights, above the "
-           f"{limit_bytes / 1e9:.1f} GB a process may keep on the ANE; sliced at {lo:.3f} instead")
+           f"{limit_bytes / 1e9:.1f} GB per process this profile measured on the ANE; sliced at {lo:.3f} instead")
     out = []
     for p, q in zip(ps, fitted):
         if q.ane_units < p.ane_units:
@@ -451,18 +477,40 @@ def decode_bytes_per_token(args: ModelArgs, moe: MoE | None, storage: Storage, c
     return weights + kv_bytes_per_token(args, kv_bytes, with_mtp=False) * context + 2 * gdn_state_bytes(args)
 
 
+@dataclass(frozen=True)
+class DecodeRate:
+    """Predicted decode tokens per second (None = unknown): the bandwidth roofline, plain decode (the roofline
+    times the profile's decode efficiency) and MTP decode (one verify pass plus k draft steps per round)."""
+
+    roofline_tps: float | None
+    plain_tps: float | None
+    mtp_tps: float | None
+
+
+def verify_cost(ratio: float, measured_tokens: int, tokens: int) -> float:
+    """A verify pass over `tokens` tokens in plain decode steps, from the profile's `ratio` measured at
+    `measured_tokens`: linear in the tokens between one (one plain step) and the measured point."""
+    if measured_tokens <= 1:
+        return ratio
+    return 1.0 + (ratio - 1.0) * (tokens - 1) / (measured_tokens - 1)
+
+
 def predict_decode(args: ModelArgs, moe: MoE | None, storage: Storage, bw: float | None, context: int, kv_bytes: int,
-                   accepted_length: float, depth: int) -> tuple[float | None, float | None]:
-    """(plain decode tok/s, MTP decode tok/s) as bandwidth rooflines; None when unknown or without an MTP head."""
+                   accepted_length: float, depth: int, efficiency: float = 1.0, verify_ratio: float | None = None,
+                   verify_tokens: int = 4) -> DecodeRate:
+    """Decode rates at `context` tokens: a plain step reads every weight once (bandwidth roofline x efficiency);
+    an MTP round is one verify pass over depth + 1 tokens (`verify_ratio` plain steps at `verify_tokens`) plus
+    `depth` draft steps, and yields `accepted_length` tokens. MTP is None without a head or a verify ratio."""
     if bw is None:
-        return None, None
+        return DecodeRate(None, None, None)
     step = decode_bytes_per_token(args, moe, storage, context, kv_bytes)
-    plain = bw / step
-    if not args.mtp_num_hidden_layers:
-        return plain, None
+    rate = bw * efficiency  # bytes per second a decode step really reads at
+    if not args.mtp_num_hidden_layers or verify_ratio is None:
+        return DecodeRate(bw / step, rate / step, None)
     mtp = next(p for p in pieces(args, moe, 0.0) if p.kind == "mtp")
     draft = storage.nbytes(mtp.params + args.vocab_size * args.hidden_size) + kv_bytes_per_token(args, kv_bytes, True, only_mtp=True) * context
-    return plain, accepted_length * bw / (step + depth * draft)  # one verify pass + k draft steps per round
+    round_s = (verify_cost(verify_ratio, verify_tokens, depth + 1) * step + depth * draft) / rate
+    return DecodeRate(bw / step, rate / step, accepted_length / round_s)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -592,6 +640,8 @@ class Plan:
     assumptions: list[str]
     memory: Budget | None = None
     offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds that take a share
+    programs: dict[str, int] = field(default_factory=dict)  # piece kind -> exported ANE programs, all layers
+    program_budget: int = PROGRAM_WEIGHT_BUDGET  # fp16 weight bytes per program at most
 
     @property
     def effective_fraction(self) -> float:
@@ -631,10 +681,12 @@ class Plan:
                     "flop_share": round(self.flops[p.kind][0] / total, 6) if total else 0.0,
                     "weight_bytes": int(p.layers * self.storage.nbytes(p.params)),
                     "ane_weight_bytes": int(p.layers * p.ane_units * p.ane_unit_params * ANE_WEIGHT_BYTES),
+                    "programs": self.programs.get(p.kind, 0),
                 }
                 for p in self.pieces
             },
             "caps": self.caps(),
+            "ane_programs": {"count": sum(self.programs.values()), "weight_budget_bytes": self.program_budget},
             "layers": [asdict(s) for s in self.slices],
             "predicted": self.predicted,
             "unknown": self.unknown,
@@ -691,7 +743,8 @@ def make_plan(
     split = predict_prefill(ps, storage, lanes, context, chunk, split=True)
     ttft = predict_prefill(ps, storage, lanes, prompt, chunk, split=True)
     kv_bytes = 2  # bf16 / fp16 cache on the GPU
-    plain, mtp = predict_decode(args, moe, storage, lanes.gpu_bw, context, kv_bytes, accepted_length, draft_depth)
+    decode = predict_decode(args, moe, storage, lanes.gpu_bw, context, kv_bytes, accepted_length, draft_depth,
+                            profile.decode_efficiency, profile.mtp_verify_ratio, profile.mtp_verify_tokens)
     r = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
     overlap = None
     if split.wall_s and split.gpu_busy_s and split.ane_busy_s:
@@ -700,8 +753,9 @@ def make_plan(
         "gpu_only_prefill_s": r(gpu_only.wall_s),
         "split_prefill_s": r(split.wall_s),
         "ttft_s": r(ttft.wall_s),
-        "decode_roofline_tps": r(plain, 2),
-        "decode_mtp_tps": r(mtp, 2),
+        "decode_roofline_tps": r(decode.roofline_tps, 2),
+        "decode_plain_tps": r(decode.plain_tps, 2),
+        "decode_mtp_tps": r(decode.mtp_tps, 2),
         "split_gpu_busy_s": r(split.gpu_busy_s),
         "split_ane_busy_s": r(split.ane_busy_s),
         "speedup": r(gpu_only.wall_s / split.wall_s, 3) if gpu_only.wall_s and split.wall_s else None,
@@ -709,21 +763,27 @@ def make_plan(
         "accepted_length": accepted_length,
         "draft_depth": draft_depth,
     }
-    unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown]
+    budget = program_budget(profile)
+    unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown if k != "ane_process_weight_limit_gb"]
+    unknown += ane_limit_unknowns(profile, ps, budget) + decode_unknowns(profile, args, lanes)
     if lanes.gpu_flops is None:
         unknown.append("prefill times are unknown: the profile has no GPU throughput")
     elif lanes.ane_flops is None and any(p.ane_units for p in ps):
         unknown.append("split prefill time and TTFT are unknown: the profile has no ANE throughput")
     if lanes.ane_bw is None and lanes.ane_flops is not None:
         unknown.append("ANE bandwidth unknown: ANE time counts compute only")
-    if not args.mtp_num_hidden_layers:
-        unknown.append("decode_mtp_tps: the model has no MTP head")
     assumptions = list(profile.notes)
     if not profile.measured:
-        assumptions.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their peak figures on prefill matmuls (planner assumption; `hetero tune --devices` measures this machine)")
+        assumptions.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their peak figures on prefill matmuls (the profile's figures; `hetero tune --devices` measures this machine)")
     assumptions.append(f"MTP decode assumes {accepted_length} tokens per verify pass at draft depth {draft_depth}")
+    if profile.mtp_verify_ratio is not None and draft_depth + 1 != profile.mtp_verify_tokens:
+        assumptions.append(f"a verify pass over {draft_depth + 1} tokens costs "
+                           f"{verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, draft_depth + 1):.2f} plain "
+                           f"steps: linear between 1 token and the profile's {profile.mtp_verify_ratio:g} at "
+                           f"{profile.mtp_verify_tokens}")
     plan = Plan(name, args, storage, profile, context, chunk, prompt, fraction, sliced, ps, layer_slices(args, ps),
-                flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload))
+                flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload),
+                programs=ane_programs(ps, budget), program_budget=budget)
     if memory_gb is not None:
         if memory_gb <= 0:
             raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
@@ -731,6 +791,25 @@ def make_plan(
         plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps),
                              profile.gpu_wired_fraction, storage.label)
     return plan
+
+
+def ane_limit_unknowns(profile: Profile, ps: list[Piece], budget: int) -> list[str]:
+    """What the plan cannot know about the ANE's memory: a per-process limit no one has documented."""
+    if profile.ane_process_weight_limit_gb is not None or not any(p.ane_units for p in ps):
+        return []
+    return [f"ane_process_weight_limit_gb: no per-process limit on the ANE's weights is documented or measured; "
+            f"the plan assumes none ({ane_weight_bytes(ps) / 1e9:.1f} GB of fp16 weights in "
+            f"{sum(ane_programs(ps, budget).values())} programs of at most {budget / 1e9:.2f} GB)"]
+
+
+def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str]:
+    """Why a decode prediction is missing."""
+    if not args.mtp_num_hidden_layers:
+        return ["decode_mtp_tps: the model has no MTP head"]
+    if profile.mtp_verify_ratio is None and lanes.gpu_bw is not None:
+        return ["decode_mtp_tps: the profile has no MTP verify cost (mtp_verify_ratio; `hetero tune --devices` "
+                "measures it)"]
+    return []
 
 
 def effective_fraction(config: dict, fraction: float, tokens: int, chunk: int,
@@ -777,6 +856,13 @@ def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **
     return best[0], best[2]
 
 
+def program_line(plan: Plan) -> str:
+    """How many programs the ANE's share is exported as, and why a layer's share may need several."""
+    per_kind = ", ".join(f"{k} {n}" for k, n in plan.programs.items())
+    return (f"ANE programs: {sum(plan.programs.values())} ({per_kind}); at most {plan.program_budget / 1e9:.2f} GB of "
+            f"fp16 weights each (the ANE loads about 2 GB per program), a larger layer share is split")
+
+
 def plan_lines(plan: Plan) -> list[str]:
     """The human-readable report of `hetero plan`."""
     a, pr = plan.args, plan.predicted
@@ -794,6 +880,8 @@ def plan_lines(plan: Plan) -> list[str]:
     for p in plan.pieces:
         slice_ = f"{p.ane_units}/{p.units} {p.unit}" if p.units else "-"
         out.append(f"{p.kind:<15} {p.layers:>6} {p.requested:>9.2f} {p.ane_share:>9.2f} {plan.flops[p.kind][0] / total:>10.3f}  {slice_}")
+    if plan.programs:
+        out += ["", program_line(plan)]
     if plan.caps():
         out += ["", "caps:"] + [f"  {c}" for c in plan.caps()]
     out += [
@@ -803,6 +891,7 @@ def plan_lines(plan: Plan) -> list[str]:
         f"  split prefill      {fmt(pr['split_prefill_s'])}" + (f"  ({pr['speedup']}x)" if pr["speedup"] else ""),
         f"  TTFT ({plan.prompt_tokens} tokens) {fmt(pr['ttft_s'])}",
         f"  decode roofline    {fmt(pr['decode_roofline_tps'], 'tok/s')}",
+        f"  plain decode       {fmt(pr['decode_plain_tps'], 'tok/s')}",
         f"  decode with MTP    {fmt(pr['decode_mtp_tps'], 'tok/s')}",
     ]
     if plan.unknown:

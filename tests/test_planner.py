@@ -15,6 +15,7 @@ from hetero.cli import main
 from hetero.errors import HeteroError
 from hetero.planner import (
     ALIGN,
+    PROGRAM_WEIGHT_BUDGET,
     ane_slices,
     ane_weight_bytes,
     chunk_spans,
@@ -22,7 +23,9 @@ from hetero.planner import (
     govern,
     make_plan,
     model_shape,
+    program_spans,
     recommend,
+    verify_cost,
 )
 from hetero.profiles import THIS_MACHINE, load_profile, profile_names
 
@@ -90,13 +93,14 @@ def test_flop_shares_add_up_and_match_the_closed_form():
     assert 0 < plan.effective_fraction < 0.5  # the exact path keeps part of the work on the GPU
 
 
-def test_ane_memory_limit_scales_the_plan_down_and_says_so():
-    """27B at 0.5 would put ~22 GB of fp16 weights on the ANE; a process keeps about 3.5 GB there."""
-    prof = load_profile("m4-pro")
+def test_a_measured_process_limit_scales_the_plan_down_and_says_so():
+    """27B at 0.5 would put ~22 GB of fp16 weights on the ANE; a profile that measured a per-process limit of
+    3.5 GB (none documented) caps the whole plan at it."""
+    prof = dataclasses.replace(load_profile("m4-pro"), ane_process_weight_limit_gb=3.5)
     plan = make_plan(Q27, prof, 0.5, context=4096)
     assert ane_weight_bytes(plan.pieces) <= prof.ane_process_weight_limit_gb * 1e9
     assert plan.sliced_fraction < 0.5
-    assert any("ANE memory" in c for c in plan.caps())
+    assert any("ANE memory" in c and "3.5 GB per process this profile measured" in c for c in plan.caps())
     small = make_plan(Q9, prof, 0.1, context=4096)  # fits: no memory cap
     assert not any("ANE memory" in c for c in small.caps())
 
@@ -144,10 +148,12 @@ def test_decode_roofline_is_bandwidth_over_bytes_and_mtp_scales_it():
     args, moe = model_shape(Q9)
     plan = make_plan(Q9, NO_ANE_LIMIT, 0.0, context=4096, bits=4, accepted_length=2.5)
     step = decode_bytes_per_token(args, moe, plan.storage, 4096, 2)
-    assert plan.predicted["decode_roofline_tps"] == pytest.approx(273e9 / step, rel=1e-3)
-    assert plan.predicted["decode_roofline_tps"] < plan.predicted["decode_mtp_tps"] < 2.5 * plan.predicted["decode_roofline_tps"]
+    pr = plan.predicted
+    assert pr["decode_roofline_tps"] == pytest.approx(273e9 / step, rel=1e-3)
+    assert pr["decode_plain_tps"] == pytest.approx(273e9 * NO_ANE_LIMIT.decode_efficiency / step, rel=1e-3)
+    assert pr["decode_plain_tps"] < pr["decode_mtp_tps"] < 2.5 * pr["decode_plain_tps"]
     one = make_plan(Q9, NO_ANE_LIMIT, 0.0, context=4096, bits=4, accepted_length=1.0).predicted
-    assert one["decode_mtp_tps"] < one["decode_roofline_tps"]  # drafts that never land only cost
+    assert one["decode_mtp_tps"] < one["decode_plain_tps"]  # drafts that never land only cost
 
 
 def test_profiles_keep_unknown_values_unknown():
@@ -169,6 +175,136 @@ def test_this_machine_profile_needs_tune(monkeypatch, tmp_path):
     monkeypatch.setenv("HETERO_HOME", str(tmp_path))
     with pytest.raises(HeteroError, match="tune --devices"):
         load_profile(THIS_MACHINE)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Caps from facts: ~2 GB per ANE program (several programs per share), no documented per-process limit
+
+APPLE = [n for n in profile_names() if n != THIS_MACHINE]
+
+
+def test_m3_ultra_27b_at_half_gives_gdn_its_z_share_and_no_process_cap():
+    """The measured run: Qwen3.5-27B 4-bit on an M3 Ultra at a requested 0.5 put the z share (0.37) of the GDN
+    input projections and half of each MLP on the Neural Engine: no 3.5 GB per-process cap shrinks the plan."""
+    plan = make_plan(Q27, load_profile("m3-ultra"), 0.5, context=4096, bits=4)
+    kinds = by_kind(plan)
+    assert kinds["gdn_in_proj"].ane_share == pytest.approx(6144 / 16480) and round(kinds["gdn_in_proj"].ane_share, 2) == 0.37
+    assert kinds["mlp"].ane_units == 8704 and kinds["attention"].ane_units == 2
+    assert plan.sliced_fraction == 0.5 and not any("ANE memory" in c for c in plan.caps())
+    assert ane_weight_bytes(plan.pieces) > 20e9  # far above the old 3.5 GB "limit", as the real run was
+
+
+def test_plan_command_shows_the_z_share_for_27b_on_m3_ultra(capsys):
+    argv = ["plan", "--model", str(DATA / "qwen3.5-27b.json"), "--bits", "4", "--profile", "m3-ultra",
+            "--ane-fraction", "0.5", "--context", "4096"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "gdn_in_proj: requested 0.50, effective 0.37 (only the z rows may leave" in out
+    assert "ANE memory" not in out and "ANE programs: 128 (attention 16, mlp 64, gdn_in_proj 48)" in out
+    assert "no per-process limit on the ANE's weights is documented or measured" in out
+
+
+@pytest.mark.parametrize("name", APPLE)
+def test_no_profile_claims_a_per_process_ane_limit(name):
+    prof = load_profile(name)
+    assert prof.ane_process_weight_limit_gb is None and "ane_process_weight_limit_gb" in prof.unknown
+    assert prof.ane_program_weight_limit_gb == 2.0  # the documented one stays
+    plan = make_plan(Q9, prof, 0.3, context=2048)
+    assert plan.sliced_fraction == 0.3
+    assert any(u.startswith("ane_process_weight_limit_gb: no per-process limit") for u in plan.unknown)
+
+
+def test_a_layer_share_above_the_program_budget_is_exported_as_several_programs():
+    """A (made-up) 27B with 200704 intermediate channels: half of one layer's MLP is 100352 channels x 3 x 5120
+    fp16 weights = 3.08 GB, above the ~2 GB one program holds: 2 programs per layer, each within the budget."""
+    big = json.loads(json.dumps(Q27))
+    big["text_config"]["intermediate_size"] = 200704
+    plan = make_plan(big, load_profile("m3-ultra"), 0.5, context=2048, bits=4)
+    mlp = by_kind(plan)["mlp"]
+    per_program = PROGRAM_WEIGHT_BUDGET // (3 * 5120 * 2) // ALIGN * ALIGN  # channels one program may carry
+    assert mlp.ane_units == 100352 and -(-100352 // per_program) == 2
+    assert plan.programs["mlp"] == 2 * 64 and plan.to_dict()["pieces"]["mlp"]["programs"] == 128
+    spans = program_spans(mlp, plan.program_budget)
+    assert spans[0][0] == 0 and spans[-1][1] == mlp.ane_units and all(a % ALIGN == 0 for a, _ in spans)
+    for a, b in spans:
+        assert (b - a) * 3 * 5120 * 2 <= PROGRAM_WEIGHT_BUDGET < 2**31
+    assert plan.to_dict()["ane_programs"]["count"] == sum(plan.programs.values())
+    small = make_plan(Q27, load_profile("m3-ultra"), 0.5, context=2048, bits=4)  # 0.27 GB per layer: one each
+    assert small.programs == {"attention": 16, "mlp": 64, "gdn_in_proj": 48}
+
+
+def test_a_lower_per_program_limit_in_a_profile_means_more_programs():
+    prof = dataclasses.replace(load_profile("m3-ultra"), ane_program_weight_limit_gb=0.1)
+    plan = make_plan(Q27, prof, 0.5, context=2048, bits=4)
+    assert plan.program_budget == int(0.1e9)
+    assert plan.programs["mlp"] == 64 * 3  # 8704 channels x 30720 bytes = 0.27 GB per layer: three 0.1 GB programs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MTP decode pays a verify pass per round; Apple predictions against published Qwen3.5-27B 4-bit measurements
+
+
+def _draft_bytes(config, storage, context):
+    """Bytes of one MTP draft step: the MTP layer, lm_head and the MTP layer's KV."""
+    args, moe = model_shape(config)
+    mtp = next(p for p in make_plan(config, NO_ANE_LIMIT, 0.0, context=context).pieces if p.kind == "mtp")
+    kv = args.mtp_num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 2 * context
+    return storage.nbytes(mtp.params + args.vocab_size * args.hidden_size) + kv
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.57, 2.5])
+def test_mtp_decode_pays_the_profiles_verify_ratio(ratio):
+    """tok/s = L / ((ratio x step + k x draft) / (bandwidth x efficiency)): one verify pass over k+1 tokens
+    costs `ratio` plain steps."""
+    prof = dataclasses.replace(load_profile("m3-ultra"), mtp_verify_ratio=ratio, mtp_verify_tokens=4)
+    plan = make_plan(Q27, prof, 0.0, context=4096, bits=4, accepted_length=2.6, draft_depth=3)
+    args, moe = model_shape(Q27)
+    step = decode_bytes_per_token(args, moe, plan.storage, 4096, 2)
+    rate = 819e9 * prof.decode_efficiency
+    expect = 2.6 * rate / (ratio * step + 3 * _draft_bytes(Q27, plan.storage, 4096))
+    assert plan.predicted["decode_mtp_tps"] == pytest.approx(expect, abs=0.006)
+
+
+def test_a_verify_pass_costing_one_plain_step_was_the_old_overestimate():
+    """Counting a verify pass as one plain step (the old model) predicts far above the ~60 tok/s measured."""
+    one = dataclasses.replace(load_profile("m3-ultra"), mtp_verify_ratio=1.0, decode_efficiency=1.0)
+    old = make_plan(Q27, one, 0.0, context=4096, bits=4, accepted_length=2.6).predicted["decode_mtp_tps"]
+    new = make_plan(Q27, load_profile("m3-ultra"), 0.0, context=4096, bits=4, accepted_length=2.6).predicted["decode_mtp_tps"]
+    assert old > 100 and abs(new - 60) / 60 < 0.15
+
+
+def test_verify_cost_is_linear_in_the_tokens_through_the_measured_point():
+    assert verify_cost(1.6, 4, 4) == pytest.approx(1.6) and verify_cost(1.6, 4, 1) == pytest.approx(1.0)
+    assert verify_cost(1.6, 4, 2) == pytest.approx(1.2) and verify_cost(1.6, 4, 7) == pytest.approx(2.2)
+    prof = load_profile("m3-ultra")
+    k1 = make_plan(Q27, prof, 0.0, context=4096, bits=4, draft_depth=1)
+    assert "a verify pass over 2 tokens costs 1.19 plain steps" in "\n".join(k1.assumptions)
+
+
+def test_without_a_verify_ratio_mtp_decode_is_unknown():
+    prof = dataclasses.replace(load_profile("m3-ultra"), mtp_verify_ratio=None)
+    plan = make_plan(Q27, prof, 0.0, context=4096, bits=4)
+    assert plan.predicted["decode_mtp_tps"] is None and plan.predicted["decode_plain_tps"] is not None
+    assert any("no MTP verify cost" in u for u in plan.unknown)
+
+
+# Published measurements of Qwen3.5-27B at 4-bit (docs/planner.md, Apple calibration): (profile, what, figure,
+# make_plan keywords). The planner must land within 15% of each.
+PUBLISHED = [
+    ("m3-ultra", "decode_roofline_tps", 51.0, dict(context=4096)),
+    ("m3-ultra", "decode_plain_tps", 40.7, dict(context=4096)),
+    ("m3-ultra", "decode_mtp_tps", 60.0, dict(context=4096, accepted_length=2.6, draft_depth=3)),
+    ("m3-ultra", "gpu_only_prefill_s", 39.0, dict(context=15600)),
+    ("m4-pro", "decode_mtp_tps", 18.0, dict(context=4096, accepted_length=2.6, draft_depth=3)),
+    ("m4-pro", "mtp_over_plain", 1.4, dict(context=4096, accepted_length=2.6, draft_depth=3)),
+]
+
+
+@pytest.mark.parametrize("name, what, published, kw", PUBLISHED, ids=[f"{p[0]}-{p[1]}" for p in PUBLISHED])
+def test_apple_predictions_are_within_15_percent_of_published(name, what, published, kw):
+    pr = make_plan(Q27, load_profile(name), 0.0, bits=4, **kw).predicted
+    got = pr["decode_mtp_tps"] / pr["decode_plain_tps"] if what == "mtp_over_plain" else pr[what]
+    assert abs(got - published) / published <= 0.15, (name, what, got, published)
 
 
 # ----------------------------------------------------------------------------------------------------------

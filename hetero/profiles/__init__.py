@@ -33,14 +33,21 @@ class Profile:
     gpu_efficiency: float  # share of the peak figures the GPU lane reaches on prefill matmuls
     ane_efficiency: float
     gpu_wired_fraction: float = 0.75
+    # ~2 GB of baked weights per ANE program is documented (a larger weights.bin fails to load: coremltools
+    # #1807); a larger share is exported as several programs.
     ane_program_weight_limit_gb: float | None = 2.0
-    ane_process_weight_limit_gb: float | None = 3.5
+    # No per-process limit on the ANE's weights is documented: None unless a profile measured one.
+    ane_process_weight_limit_gb: float | None = None
     ane_dispatch_s: float | None = None  # fixed cost per ANE call
     gpu_recurrence_efficiency: float = 1.0  # the GDN recurrence's rate relative to the GPU's matmul rate
     # Attention's rate relative to each lane's matmul rate: its softmax and masks are elementwise work that the
     # FLOP count (matmuls only) leaves out. 1.0 where not measured.
     gpu_attention_efficiency: float = 1.0
     ane_attention_efficiency: float = 1.0
+    decode_efficiency: float = 1.0  # share of the bandwidth roofline that plain decode reaches
+    # One MTP verify pass over `mtp_verify_tokens` tokens, in plain decode steps (None = unknown: no MTP estimate).
+    mtp_verify_ratio: float | None = None
+    mtp_verify_tokens: int = 4
     ane_tops: float | None = None
     ane_count: int = 1
     gpu_cores: str | None = None
