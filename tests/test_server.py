@@ -289,9 +289,10 @@ LONG_PROMPT = "import os\nimport sys\n"
 SHORT_PROMPT = "def f(x):\n    return x\n" * 20
 
 
-def interleaved(server: LiveServer, long_tokens: int, **short_extra) -> tuple[str, str, float, float]:
+def interleaved(server: LiveServer, long_tokens: int, **short_extra) -> tuple[str, str, int, int]:
     """Stream a long generation; once its first token is in, send a short request. Returns (long text, short text,
-    when the short one finished, when the long one finished)."""
+    the long stream's chunks received when the short answer was complete, the long stream's chunks in all): an
+    ordering of events, no clock."""
     pieces, done = [], {}
     stream = server.openai().completions.create(model=model_name(server), prompt=LONG_PROMPT, max_tokens=long_tokens,
                                                 stream=True, extra_body={"ane_fraction": 0})
@@ -302,11 +303,11 @@ def interleaved(server: LiveServer, long_tokens: int, **short_extra) -> tuple[st
             if short is None:
                 def send() -> str:
                     text = complete(server, SHORT_PROMPT, 8, **short_extra)
-                    done["short"] = time.perf_counter()
+                    done["short"] = len(pieces)
                     return text
                 short = pool.submit(send)
-        done["long"] = time.perf_counter()
-        return "".join(pieces), short.result(), done["short"], done["long"]
+        text = short.result()
+        return "".join(pieces), text, done["short"], len(pieces)
 
 
 def test_a_request_arriving_mid_generation_finishes_first_and_both_stay_exact(model_dir):
@@ -317,8 +318,8 @@ def test_a_request_arriving_mid_generation_finishes_first_and_both_stay_exact(mo
         long_alone, short_alone = complete(server, LONG_PROMPT, 300), complete(server, SHORT_PROMPT, 8)
         assert len(server.openai().completions.create(model=model_name(server), prompt=LONG_PROMPT, max_tokens=300)
                    .choices[0].text) > 100  # really a long generation (no early EOS)
-        long_text, short_text, short_done, long_done = interleaved(server, 300)
-        assert short_done < long_done
+        long_text, short_text, chunks_before_short, chunks = interleaved(server, 300)
+        assert chunks_before_short < chunks  # the long stream was still delivering when the short answer was in
         assert long_text == long_alone and short_text == short_alone
         assert httpx.get(server.url + "/health").json()["requests"]["turn_handovers"] > 0
     finally:
