@@ -6,7 +6,8 @@
 The transcript (chat template) grows each turn by a tool result (held-out standard-library source) and the
 model's own reply. Per turn, alternating: a cold run (no prefix cache) and the cached run (RAM prefix cache over a
 disk session store); then the engine is rebuilt (empty RAM, same disk) and the same turn is run again: "restart".
-Greedy; the cached and restarted replies must equal the cold one. Targets (issue 6): a turn that adds ~200
+Greedy; the cached and restarted replies must equal the cold one: a turn where they differ is reported at once
+and the run exits with status 1 after writing its results. Targets (issue 6): a turn that adds ~200
 tokens to a 16K transcript reaches its first token in <= 5% of the cold TTFT, after a restart in <= 10%.
 Writes bench/results/agent_turns.json and .png.
 """
@@ -89,6 +90,9 @@ def main() -> None:
         row["restart_ratio"] = round(row["restart_ttft_s"] / row["cold_ttft_s"], 4)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if not row["same_text"]:
+            print(f"MISMATCH at {n} prompt tokens: cold {cold.text!r}, cached {warm.text!r}, restarted "
+                  f"{restart.text!r}", file=sys.stderr, flush=True)
         if n >= args.max_tokens - args.last_step:
             break
         room = args.max_tokens - n
@@ -108,6 +112,9 @@ def main() -> None:
     (RESULTS / "agent_turns.json").write_text(json.dumps(out, indent=1))
     plot(rows, RESULTS / "agent_turns.png")
     print(json.dumps(out["final_turn"]))
+    bad = [r["prompt_tokens"] for r in rows if not r["same_text"]]
+    if bad:
+        sys.exit(f"FAILED: the cached or restarted reply differs from the cold one at {bad} prompt tokens")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -5,7 +5,8 @@
 
 Both engines load the same files, run in fp32 (the CPU's fast dtype), get the same prompts (random token ids),
 the same threads and BLAS, a warm-up, and alternate A B A B. Greedy decoding, no EOS stop. Prints the ratios
-(hetero / mlx-lm) and writes JSON to bench/results/prefill_decode.json.
+(hetero / mlx-lm) and writes JSON to bench/results/prefill_decode.json. Both engines must produce the same
+tokens: a row where they differ is reported and the run exits with status 1 (a speed of wrong output is no result).
 """
 
 from __future__ import annotations
@@ -29,20 +30,29 @@ from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
 
-def run_hetero(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+def run_hetero(model, prompt: list[int], decode_tokens: int) -> tuple[float, float, list[int]]:
+    """(prefill tok/s, decode tok/s, the greedy tokens)."""
     times = DecodeTimes()
-    for _ in generate_tokens(model, prompt, Sampler(SamplingParams()), decode_tokens, set(), times=times):
-        pass
-    return times.prefill_tps, times.decode_tps
+    tokens = list(generate_tokens(model, prompt, Sampler(SamplingParams()), decode_tokens, set(), times=times))
+    return times.prefill_tps, times.decode_tps, tokens
 
 
-def run_mlx_lm(model, tokenizer, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+def run_mlx_lm(model, tokenizer, prompt: list[int], decode_tokens: int) -> tuple[float, float, list[int]]:
+    """(prefill tok/s, decode tok/s, the greedy tokens)."""
     from mlx_lm import stream_generate
 
-    last = None
+    last, tokens = None, []
     for last in stream_generate(model, tokenizer, prompt, max_tokens=decode_tokens):
-        pass
-    return last.prompt_tps, last.generation_tps
+        tokens.append(int(last.token))
+    return last.prompt_tps, last.generation_tps, tokens
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts); None if identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def load_mlx_lm(path: Path):
@@ -82,6 +92,11 @@ def main() -> None:
                 samples["hetero"].append(run_hetero(ours, prompt, args.decode_tokens))
                 samples["mlx_lm"].append(run_mlx_lm(theirs, tok, prompt, args.decode_tokens))
             row = {"model": name, "prompt_tokens": length, "decode_tokens": args.decode_tokens}
+            diffs = [first_difference(h[2], m[2]) for h, m in zip(samples["hetero"], samples["mlx_lm"])]
+            row["same_tokens"] = all(d is None for d in diffs)
+            if not row["same_tokens"]:
+                print(f"MISMATCH {name} {length} tok: hetero and mlx-lm differ from generated token "
+                      f"{min(d for d in diffs if d is not None)}", file=sys.stderr, flush=True)
             for who, runs in samples.items():
                 pre, dec = [r[0] for r in runs], [r[1] for r in runs]
                 row[who] = {
@@ -102,6 +117,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": environment(), "rows": rows, "args": vars(args)}, indent=1))
     print(f"wrote {out}")
+    bad = [f"{r['model']}@{r['prompt_tokens']}" for r in rows if not r["same_tokens"]]
+    if bad:
+        sys.exit(f"FAILED: hetero and mlx-lm produced different tokens for {', '.join(bad)}")
 
 
 if __name__ == "__main__":
