@@ -1,9 +1,10 @@
 """`hetero tune --devices`: measure this machine's two lanes and save them as the `this-machine` profile.
 
 GPU lane: MLX matmul throughput at prefill shapes (in the dtype the engine loads models in) and bandwidth of a
-large reduction. ANE lane: the same backend the pipeline uses (Core ML on macOS, the reference executor
-elsewhere) running an exported MLP program; its fixed cost per call from a tiny program. Each figure is the
-median of several timed runs after a warm-up.
+large reduction; a decoder MLP's matmuls at one token (a plain decode step) and at k+1 tokens (an MTP verify
+pass). ANE lane: the same backend the pipeline uses (Core ML on macOS, the reference executor elsewhere)
+running an exported MLP program; its fixed cost per call from a tiny program. Each figure is the median of
+several timed runs after a warm-up; the timer and the sizes are parameters, so tests can script the times.
 """
 
 from __future__ import annotations
@@ -13,25 +14,53 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from hetero.profiles import THIS_MACHINE
 
+# (what is timed, the call, repeats) -> seconds one call takes; `what` names the measurement
+Timer = Callable[[str, Callable[[], object], int], float]
+ATTENTION_SHAPE = dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, chunk=256, context=2048)
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+
+def median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Median wall time of fn() over `repeats` calls, after one warm-up call."""
     fn()  # warm-up: first calls compile and allocate
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
 
 
-def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int = 5) -> tuple[float, float]:
+def timed(what: str, fn: Callable[[], object], repeats: int) -> float:
+    """The default `Timer`: median wall time of fn() (`what` is for timers that script or log the times)."""
+    return median_seconds(fn, repeats)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What `measure` runs. Defaults: prefill-sized matmuls and programs, and for decode one MLP with the shape
+    of Qwen3.5-9B's (shared/reference/configs): large enough that its weights stream from memory."""
+
+    chunk: int = 256
+    hidden: int = 1024
+    out: int = 4096
+    reduce_elements: int = 64 * 2**20  # fp32: 256 MB
+    recurrence_tokens: int = 512
+    mlp_channels: int = 2048
+    attention: dict = field(default_factory=lambda: dict(ATTENTION_SHAPE))
+    decode_hidden: int = 4096
+    decode_intermediate: int = 12288
+    draft_depth: int = 3  # the verify pass covers draft_depth + 1 tokens
+
+
+def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int = 5, reduce_elements: int = 64 * 2**20,
+             timer: Timer = timed) -> tuple[float, float]:
     """(matmul FLOP/s, bandwidth bytes/s) of MLX on its default device, in the engine's load dtype."""
     import mlx.core as mx
 
@@ -40,14 +69,37 @@ def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int
     dtype = default_dtype()
     x = mx.random.normal((chunk, hidden)).astype(dtype)  # [S, hidden]
     w = mx.random.normal((out, hidden)).astype(dtype)  # [out, hidden]
-    big = mx.ones((64 * 2**20,), dtype=mx.float32)  # 256 MB
+    big = mx.ones((reduce_elements,), dtype=mx.float32)
     mx.eval(x, w, big)
-    mm = median_seconds(lambda: mx.eval(x @ w.T), repeats)
-    rd = median_seconds(lambda: mx.eval(big.sum()), repeats)
+    mm = timer("gpu matmul", lambda: mx.eval(x @ w.T), repeats)
+    rd = timer("gpu bandwidth", lambda: mx.eval(big.sum()), repeats)
     return 2.0 * chunk * hidden * out / mm, big.nbytes / rd
 
 
-def gpu_recurrence(flops_rate: float, tokens: int = 512, heads: int = 8, dk: int = 64, dv: int = 64) -> float:
+def decode_verify(bandwidth: float, tokens: int, hidden: int = 4096, intermediate: int = 12288, repeats: int = 3,
+                  timer: Timer = timed) -> tuple[float, float]:
+    """(decode efficiency, MTP verify ratio) from a decoder MLP's matmuls in the engine's load dtype: at one token,
+    as a plain decode step runs them, and at `tokens` (k + 1), as a verify pass does. Efficiency: its weight
+    bytes per second at one token over `bandwidth`; ratio: the verify pass's time over the step's."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from hetero.loader import default_dtype
+    from hetero.models.qwen3_5 import MLP
+
+    mlp = MLP(hidden, intermediate)
+    mlp.set_dtype(default_dtype())
+    one = mx.random.normal((1, 1, hidden)).astype(default_dtype())  # [B, 1, hidden]
+    many = mx.random.normal((1, tokens, hidden)).astype(default_dtype())  # [B, k+1, hidden]
+    mx.eval(mlp.parameters(), one, many)
+    step = timer("decode step", lambda: mx.eval(mlp(one)), repeats)
+    verify = timer("verify pass", lambda: mx.eval(mlp(many)), repeats)
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(mlp.parameters()))
+    return weight_bytes / step / bandwidth, verify / step
+
+
+def gpu_recurrence(flops_rate: float, tokens: int = 512, heads: int = 8, dk: int = 64, dv: int = 64,
+                   timer: Timer = timed) -> float:
     """The chunked delta rule's achieved rate relative to `flops_rate` (many small ops: usually well below 1)."""
     import mlx.core as mx
 
@@ -62,19 +114,15 @@ def gpu_recurrence(flops_rate: float, tokens: int = 512, heads: int = 8, dk: int
     beta = mx.sigmoid(mx.random.normal((1, tokens, heads)))
     state = mx.zeros((1, heads, dk, dv))
     mx.eval(q, k, v, g, beta, state)
-    s = median_seconds(lambda: mx.eval(*chunked_gated_delta(q, k, v, g, beta, state)), 3)
+    s = timer("gpu recurrence", lambda: mx.eval(*chunked_gated_delta(q, k, v, g, beta, state)), 3)
     return min(1.0, tokens * delta_rule_flops(heads, dk, dv) / s / flops_rate)
 
 
-ATTENTION_SHAPE = dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, chunk=256, context=2048)
-
-
-def _attention_piece():
-    """The planner's attention piece for ATTENTION_SHAPE (its FLOP count is the one the rates are relative to)."""
+def _attention_piece(a: dict = ATTENTION_SHAPE):
+    """The planner's attention piece for the shape `a` (its FLOP count is the one the rates are relative to)."""
     from hetero.models.qwen3_5 import ModelArgs
     from hetero.planner import pieces
 
-    a = ATTENTION_SHAPE
     args = ModelArgs.from_config(dict(
         model_type="qwen3_5_text", hidden_size=a["hidden"], num_attention_heads=a["heads"],
         num_key_value_heads=a["kv_heads"], head_dim=a["head_dim"], num_hidden_layers=1, intermediate_size=64,
@@ -83,15 +131,14 @@ def _attention_piece():
     return args, next(p for p in pieces(args, None, 0.0) if p.kind == "attention")
 
 
-def gpu_attention(flops_rate: float, repeats: int = 3) -> float:
+def gpu_attention(flops_rate: float, repeats: int = 3, a: dict = ATTENTION_SHAPE, timer: Timer = timed) -> float:
     """An attention layer's achieved rate on a chunk after a filled cache, relative to `flops_rate`."""
     import mlx.core as mx
 
     from hetero.cache import KVCache
     from hetero.models.qwen3_5 import Attention
 
-    a = ATTENTION_SHAPE
-    args, piece = _attention_piece()
+    args, piece = _attention_piece(a)
     layer = Attention(args)
     before = a["context"] - a["chunk"]
     x = mx.random.normal((1, a["chunk"], a["hidden"]))
@@ -103,13 +150,14 @@ def gpu_attention(flops_rate: float, repeats: int = 3) -> float:
         cache.update_and_fetch(past, past)
         mx.eval(layer(x, cache))
 
-    cache_only = median_seconds(lambda: mx.eval(KVCache().update_and_fetch(past, past)), repeats)
-    s = max(median_seconds(step, repeats) - cache_only, 1e-9)
+    cache_only = timer("gpu cache fill", lambda: mx.eval(KVCache().update_and_fetch(past, past)), repeats)
+    s = max(timer("gpu attention", step, repeats) - cache_only, 1e-9)
     pairs = a["chunk"] * before + a["chunk"] * (a["chunk"] + 1) / 2  # causal: what the GPU lane computes
     return (piece.token_flops * a["chunk"] + piece.pair_flops * pairs) / s / flops_rate
 
 
-def ane_attention(flops_rate: float, call_s: float, repeats: int = 3) -> float:
+def ane_attention(flops_rate: float, call_s: float, repeats: int = 3, a: dict = ATTENTION_SHAPE,
+                  timer: Timer = timed) -> float:
     """One KV group's attention program (static cache) on the ANE backend, relative to the lane's MLP rate."""
     from coreml_graphs.attention import (AttentionShape, AttentionWeights, attention_masks, build_attention,
                                          cache_inputs, rope_tables)
@@ -117,7 +165,6 @@ def ane_attention(flops_rate: float, call_s: float, repeats: int = 3) -> float:
     from hetero.pipeline import ane_backend
 
     _, loader = ane_backend()
-    a = ATTENTION_SHAPE
     heads, D, h, S = a["heads"] // a["kv_heads"], a["head_dim"], a["hidden"], a["chunk"]
     shape = AttentionShape(h, heads, 1, D, D // 4, S, a["context"] - S, 1e-6)
     rng = np.random.default_rng(0)
@@ -130,12 +177,13 @@ def ane_attention(flops_rate: float, call_s: float, repeats: int = 3) -> float:
             **attention_masks(start, shape), **cache_inputs(past, past, shape)}
     with tempfile.TemporaryDirectory() as tmp:
         run = loader(save_program(build_attention(shape, weights), Path(tmp) / "attention.mlpackage"))
-        s = max(median_seconds(lambda: run(feed), repeats) - call_s, 1e-9)
-    _, piece = _attention_piece()  # one KV group of it, over the whole static bucket
+        s = max(timer("ane attention", lambda: run(feed), repeats) - call_s, 1e-9)
+    _, piece = _attention_piece(a)  # one KV group of it, over the whole static bucket
     return (piece.token_flops * S + piece.pair_flops * S * a["context"]) / a["kv_heads"] / s / flops_rate
 
 
-def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats: int = 3) -> tuple[str, float, float]:
+def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats: int = 3,
+             timer: Timer = timed) -> tuple[str, float, float]:
     """(backend, FLOP/s of an MLP program, seconds of fixed cost per call) on the pipeline's ANE backend."""
     from coreml_graphs.mlp import MLPShape, MLPWeights, build_mlp
     from coreml_graphs.package import save_program
@@ -153,55 +201,73 @@ def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats
 
     with tempfile.TemporaryDirectory() as tmp:
         run, feed = program(hidden, channels, chunk, Path(tmp))
-        big = median_seconds(lambda: run(feed), repeats)
+        big = timer("ane mlp", lambda: run(feed), repeats)
         run_small, feed_small = program(64, 64, 64, Path(tmp))
-        small = median_seconds(lambda: run_small(feed_small), repeats)
+        small = timer("ane call", lambda: run_small(feed_small), repeats)
     flops = 6.0 * hidden * channels * chunk
     return name, flops / max(big - small, 1e-9), small
 
 
-def measure(report: Callable[[str], None] = print) -> dict:
-    """Measure both lanes; returns the `this-machine` profile (a dict `Profile.from_dict` reads)."""
+def measure(report: Callable[[str], None] = print, timer: Timer = timed, sizes: Sizes = Sizes()) -> dict:
+    """Measure both lanes; returns the `this-machine` profile (a dict `Profile.from_dict` reads), every figure
+    exactly as measured."""
     from hetero.blas import environment
     from hetero.planner import physical_memory_bytes
 
-    gpu_flops, gpu_bw = gpu_lane()
-    rec = gpu_recurrence(gpu_flops)
+    z, a = sizes, sizes.attention
+    gpu_flops, gpu_bw = gpu_lane(z.chunk, z.hidden, z.out, reduce_elements=z.reduce_elements, timer=timer)
+    rec = gpu_recurrence(gpu_flops, z.recurrence_tokens, timer=timer)
     report(f"GPU lane (MLX {environment()['device']}): {gpu_flops / 1e9:.1f} GFLOP/s, {gpu_bw / 1e9:.1f} GB/s, "
            f"GDN recurrence at {rec:.2f} of that rate")
-    gpu_attn = gpu_attention(gpu_flops)
-    report(f"GPU lane attention (chunk {ATTENTION_SHAPE['chunk']} over {ATTENTION_SHAPE['context']} tokens): "
-           f"{gpu_attn:.2f} of the matmul rate")
-    backend, ane_flops, call = ane_lane()
-    ane_attn = ane_attention(ane_flops, call)
+    gpu_attn = gpu_attention(gpu_flops, a=a, timer=timer)
+    report(f"GPU lane attention (chunk {a['chunk']} over {a['context']} tokens): {gpu_attn:.2f} of the matmul rate")
+    verify_tokens = z.draft_depth + 1
+    decode_eff, verify = decode_verify(gpu_bw, verify_tokens, z.decode_hidden, z.decode_intermediate, timer=timer)
+    report(f"GPU lane decode ({z.decode_hidden}x{z.decode_intermediate} MLP): one token reads weights at "
+           f"{decode_eff:.2f} of that bandwidth; a verify pass over {verify_tokens} tokens costs {verify:.2f} steps")
+    backend, ane_flops, call = ane_lane(z.chunk, z.hidden, z.mlp_channels, timer=timer)
+    ane_attn = ane_attention(ane_flops, call, a=a, timer=timer)
     report(f"ANE lane ({backend}): {ane_flops / 1e9:.1f} GFLOP/s, {call * 1e3:.2f} ms per call; attention at "
            f"{ane_attn:.2f} of that rate")
+    return profile_dict(backend, gpu_flops, gpu_bw, rec, gpu_attn, decode_eff, verify, verify_tokens, ane_flops, call,
+                        ane_attn, physical_memory_bytes(), environment())
+
+
+def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_attn: float, decode_eff: float,
+                 verify: float, verify_tokens: int, ane_flops: float, call: float, ane_attn: float, ram: int,
+                 env: dict) -> dict:
+    """The `this-machine` profile from measured figures (unrounded: what was measured is what is saved)."""
     on_ane = backend == "Core ML"
     return {
         "name": THIS_MACHINE,
         "chip": f"this machine ({platform.machine()}, {platform.system()})",
         "source": "measured by hetero tune --devices",
         "measured": True,
-        "memory_bandwidth_gbs": round(gpu_bw / 1e9, 3),
-        "gpu_fp32_tflops": round(gpu_flops / 1e12, 6),
-        "ane_fp16_tflops": round(ane_flops / 1e12, 6),
+        "memory_bandwidth_gbs": gpu_bw / 1e9,
+        "gpu_fp32_tflops": gpu_flops / 1e12,
+        "ane_fp16_tflops": ane_flops / 1e12,
         "ane_bandwidth_gbs": None,
-        "ane_dispatch_s": round(call, 6),
-        "ram_gb": round(physical_memory_bytes() / 1e9, 2),
+        "ane_dispatch_s": call,
+        "ram_gb": round(ram / 1e9, 2),
         "gpu_efficiency": 1.0,
-        "gpu_recurrence_efficiency": round(rec, 4),
-        "gpu_attention_efficiency": round(gpu_attn, 4),
-        "ane_attention_efficiency": round(ane_attn, 4),
+        "gpu_recurrence_efficiency": rec,
+        "gpu_attention_efficiency": gpu_attn,
+        "ane_attention_efficiency": ane_attn,
         "ane_efficiency": 1.0,
+        "decode_efficiency": decode_eff,
+        "mtp_verify_ratio": verify,
+        "mtp_verify_tokens": verify_tokens,
         "ane_program_weight_limit_gb": 2.0 if on_ane else None,
-        "ane_process_weight_limit_gb": 3.5 if on_ane else None,
+        "ane_process_weight_limit_gb": None,  # not documented, and not measured here
         "gpu_wired_fraction": 0.75,
-        "unknown": ["ane_bandwidth_gbs"],
+        "unknown": ["ane_bandwidth_gbs", "ane_process_weight_limit_gb"],
         "notes": [
-            f"GPU lane: MLX matmul throughput at prefill shapes and a 256 MB reduction's bandwidth ({environment()['blas']})",
+            f"GPU lane: MLX matmul throughput at prefill shapes and a reduction's bandwidth ({env['blas']})",
+            "decode: a decoder MLP's matmuls at one token (weight bytes per second over that bandwidth) and at k+1 "
+            "tokens (the MTP verify pass, in plain steps)",
             f"ANE lane: {backend} running an exported MLP program; its rate already includes its weight reads",
             "attention on each lane: one layer's chunk over a filled cache (the ANE's static cache bucket), its rate "
             "relative to the lane's matmul rate",
         ] + ([] if on_ane else ["no Neural Engine here: the ANE lane is the portable reference executor (no ANE memory limits)"]),
-        "environment": environment(),
+        "environment": env,
     }

@@ -1,0 +1,141 @@
+"""`hetero tune --devices` (hetero/profiles/measure.py and its command-line path): with a scripted timer and tiny
+programs, the this-machine profile it saves holds exactly the figures its timings give; the median timer on a
+fake clock; the planner reads what was saved."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+import hetero.profiles.measure as measure_mod
+from hetero.cli import main
+from hetero.loader import default_dtype
+from hetero.planner import decode_bytes_per_token, delta_rule_flops, make_plan, model_shape
+from hetero.profiles import THIS_MACHINE, load_profile
+from hetero.profiles.measure import Sizes, decode_verify, median_seconds
+
+DATA = Path(__file__).parent / "data"
+TINY = Sizes(chunk=64, hidden=64, out=128, reduce_elements=4096, recurrence_tokens=64, mlp_channels=128,
+             attention=dict(hidden=64, heads=2, kv_heads=1, head_dim=64, chunk=64, context=128),
+             decode_hidden=64, decode_intermediate=192, draft_depth=3)
+# Seconds one call of each measurement takes, as the scripted timer reports them.
+SECONDS = {"gpu matmul": 0.002, "gpu bandwidth": 0.004, "gpu recurrence": 0.2, "gpu cache fill": 0.001,
+           "gpu attention": 0.003, "decode step": 0.010, "verify pass": 0.016, "ane mlp": 0.006, "ane call": 0.0005,
+           "ane attention": 0.0025}
+
+
+class ScriptedTimer:
+    """A `Timer` that runs each measured call once (so a broken measurement still fails) and reports the scripted
+    seconds for it."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds, self.calls = seconds, []
+
+    def __call__(self, what, fn, repeats):
+        fn()
+        self.calls.append(what)
+        return self.seconds[what]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """`hetero tune --devices` once, through the command line, with the scripted timer and tiny sizes."""
+    home = tmp_path_factory.mktemp("hetero-home")
+    timer, lines = ScriptedTimer(SECONDS), []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HETERO_HOME", str(home))
+        mp.setattr(measure_mod, "measure", functools.partial(measure_mod.measure, report=lines.append, timer=timer,
+                                                             sizes=TINY))
+        rc = main(["tune", "--devices"])
+        profile = load_profile(THIS_MACHINE)
+    saved = json.loads((home / "settings.json").read_text())
+    return rc, timer, lines, profile, saved
+
+
+def test_tune_devices_times_each_measurement_once_and_saves_the_profile(tuned):
+    rc, timer, _, profile, saved = tuned
+    assert rc == 0
+    assert sorted(timer.calls) == sorted(SECONDS)  # every figure comes from its own timing, none twice
+    assert profile.measured and profile.name == THIS_MACHINE
+    assert json.dumps(saved).count('"mtp_verify_ratio"') == 1  # stored once, in the settings file
+
+
+def test_saved_gpu_figures_are_the_measured_ones(tuned):
+    _, _, _, p, _ = tuned
+    gpu_flops = 2.0 * 64 * 64 * 128 / SECONDS["gpu matmul"]
+    assert p.gpu_fp32_tflops == pytest.approx(gpu_flops / 1e12, rel=1e-12)
+    assert p.memory_bandwidth_gbs == pytest.approx(4096 * 4 / SECONDS["gpu bandwidth"] / 1e9, rel=1e-12)
+    rec = 64 * delta_rule_flops(8, 64, 64) / SECONDS["gpu recurrence"] / gpu_flops
+    assert 0 < rec < 1 and p.gpu_recurrence_efficiency == pytest.approx(rec, rel=1e-12)
+    _, piece = measure_mod._attention_piece(TINY.attention)
+    pairs = 64 * 64 + 64 * 65 / 2  # the chunk over 64 cached tokens plus its causal triangle
+    attn = (piece.token_flops * 64 + piece.pair_flops * pairs) / (SECONDS["gpu attention"] - SECONDS["gpu cache fill"])
+    assert p.gpu_attention_efficiency == pytest.approx(attn / gpu_flops, rel=1e-12)
+
+
+def test_saved_decode_efficiency_and_verify_ratio_are_the_measured_ones(tuned):
+    _, _, lines, p, _ = tuned
+    weight_bytes = 3 * 64 * 192 * default_dtype().size  # gate, up and down of the decode MLP
+    bandwidth = 4096 * 4 / SECONDS["gpu bandwidth"]
+    assert p.decode_efficiency == pytest.approx(weight_bytes / SECONDS["decode step"] / bandwidth, rel=1e-12)
+    assert p.mtp_verify_ratio == pytest.approx(SECONDS["verify pass"] / SECONDS["decode step"], rel=1e-12)
+    assert p.mtp_verify_tokens == TINY.draft_depth + 1 == 4
+    assert any("a verify pass over 4 tokens costs 1.60 steps" in line for line in lines)
+
+
+def test_saved_ane_figures_are_the_measured_ones(tuned):
+    _, _, _, p, _ = tuned
+    ane_flops = 6.0 * 64 * 128 * 64 / (SECONDS["ane mlp"] - SECONDS["ane call"])
+    assert p.ane_fp16_tflops == pytest.approx(ane_flops / 1e12, rel=1e-12)
+    assert p.ane_dispatch_s == SECONDS["ane call"]
+    _, piece = measure_mod._attention_piece(TINY.attention)
+    attn = (piece.token_flops * 64 + piece.pair_flops * 64 * 128) / 1 / (SECONDS["ane attention"] - SECONDS["ane call"])
+    assert p.ane_attention_efficiency == pytest.approx(attn / ane_flops, rel=1e-12)
+
+
+def test_no_per_process_ane_limit_is_claimed(tuned):
+    _, _, _, p, _ = tuned
+    assert p.ane_process_weight_limit_gb is None and "ane_process_weight_limit_gb" in p.unknown
+
+
+def test_the_planner_decodes_with_the_saved_figures(tuned):
+    """plain decode = bandwidth x measured efficiency / bytes per token; an MTP round pays the measured verify
+    ratio: 1/mtp grows by (r' - r) x step / (L x rate) when the ratio does. (The tiny run's bandwidth is raised
+    to 100 GB/s so that the rounded predictions resolve; the efficiency and the ratio are the measured ones.)"""
+    _, _, _, measured, _ = tuned
+    p = dataclasses.replace(measured, memory_bandwidth_gbs=100.0)
+    config = json.loads((DATA / "qwen3.5-9b.json").read_text())
+    plan = make_plan(config, p, 0.0, context=2048, accepted_length=2.5)
+    args, moe = model_shape(config)
+    step = decode_bytes_per_token(args, moe, plan.storage, 2048, 2)
+    rate = 100e9 * measured.decode_efficiency
+    assert plan.predicted["decode_plain_tps"] == pytest.approx(rate / step, rel=1e-3)
+    worse = make_plan(config, dataclasses.replace(p, mtp_verify_ratio=measured.mtp_verify_ratio + 1.0), 0.0,
+                      context=2048, accepted_length=2.5)
+    grown = 1 / worse.predicted["decode_mtp_tps"] - 1 / plan.predicted["decode_mtp_tps"]
+    assert grown == pytest.approx(1.0 * step / (2.5 * rate), rel=1e-2)
+
+
+@pytest.mark.parametrize("verify_s", [0.012, 0.030])
+def test_decode_verify_returns_its_own_timings(verify_s):
+    timer = ScriptedTimer({"decode step": 0.01, "verify pass": verify_s})
+    eff, ratio = decode_verify(1e9, 4, hidden=64, intermediate=192, timer=timer)
+    assert ratio == pytest.approx(verify_s / 0.01, rel=1e-12)
+    assert eff == pytest.approx(3 * 64 * 192 * default_dtype().size / 0.01 / 1e9, rel=1e-12)
+    assert timer.calls == ["decode step", "verify pass"]
+
+
+def test_decode_verify_runs_on_the_real_clock():
+    eff, ratio = decode_verify(1e9, 4, hidden=64, intermediate=192, repeats=1)
+    assert eff > 0 and ratio > 0
+
+
+def test_median_seconds_times_each_call_on_the_clock_after_one_warm_up():
+    ticks = iter([10.0, 10.5, 20.0, 23.0, 30.0, 31.0])  # timed calls take 0.5, 3.0 and 1.0 s
+    calls = []
+    assert median_seconds(lambda: calls.append(1), 3, clock=lambda: next(ticks)) == 1.0
+    assert len(calls) == 4  # the warm-up call is not timed
