@@ -20,7 +20,7 @@ from hetero.loader import load_model
 from hetero.models.qwen3_5 import Model
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
-from hetero.settings import tuned_depth
+from hetero.settings import PLAIN, tuned_depth
 from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, mtp_generate_tokens
 from hetero.tokenizer import Tokenizer
 
@@ -121,9 +121,10 @@ class Engine:
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
 
-        `mtp` (default: whenever the checkpoint has an MTP head) decodes speculatively with the model's own MTP
-        head at `draft_depth` (default: the depth `hetero tune` saved for this model and machine, else 3), with
-        the copy lane unless `copy=False`. The output distribution is the same either way.
+        `mtp` (default: whenever the checkpoint has an MTP head, except where `hetero tune` saved "off" for this
+        model and machine and no `draft_depth` is given) decodes speculatively with the model's own MTP head at
+        `draft_depth` (default: the depth `hetero tune` saved, else 3), with the copy lane unless `copy=False`.
+        The output distribution is the same either way.
 
         With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached
         prefix; the output is the cold run's. `should_stop` is polled after every token: True ends the
@@ -138,8 +139,10 @@ class Engine:
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p), seed)
         if mtp and not self.model.has_mtp:
             raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
-        use_mtp = self.model.has_mtp if mtp is None else mtp
-        depth = draft_depth if draft_depth is not None else tuned_depth(self.identity) or DEFAULT_DRAFT_DEPTH
+        tuned = tuned_depth(self.identity) if draft_depth is None else None
+        # a saved "off" (plain decoding won `hetero tune` here) decides only when the caller left MTP to the default
+        use_mtp = (self.model.has_mtp and tuned != PLAIN) if mtp is None else mtp
+        depth = draft_depth if draft_depth is not None else tuned if isinstance(tuned, int) else DEFAULT_DRAFT_DEPTH
         if use_mtp and not 1 <= depth <= MAX_DEPTH:
             raise HeteroError(f"--draft-depth must be in 1..{MAX_DEPTH}, got {depth}")
         times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix

@@ -42,15 +42,21 @@ def _write(data: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
 
 
-def tuned_depth(model_id: str) -> int | None:
-    """The draft depth `hetero tune` saved for this model on this machine; None if none (or MTP lost)."""
+PLAIN = "off"  # the saved draft depth when plain decoding beat every depth: decode without MTP
+
+
+def tuned_depth(model_id: str) -> int | str | None:
+    """What `hetero tune` saved for this model on this machine: a draft depth, PLAIN ("off": plain decoding won,
+    so decode plainly), or None (never tuned here, or a damaged entry)."""
     entry = _read().get(machine_id(), {}).get(model_id, {})
     depth = entry.get("draft_depth") if isinstance(entry, dict) else None
-    return depth if isinstance(depth, int) and depth > 0 else None
+    if depth == PLAIN:
+        return PLAIN
+    return depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else None
 
 
 def save_tuning(model_id: str, result: dict) -> Path:
-    """Store `result` (with `draft_depth`, or draft_depth None when plain decoding won) for this model."""
+    """Store `result` (with `draft_depth`: the winning depth, or PLAIN when plain decoding won) for this model."""
     data = _read()
     data.setdefault(machine_id(), {})[model_id] = result
     _write(data)

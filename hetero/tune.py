@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Callable
 
 from hetero.engine import Engine
-from hetero.settings import save_tuning
+from hetero.settings import PLAIN, save_tuning
 
 PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n",
@@ -21,7 +21,8 @@ def tune(
     tokens: int = 256,
     report: Callable[[str], None] = print,
 ) -> dict:
-    """Decode the same prompts plainly and at each depth (greedy, after a warm-up); save the winner if MTP wins.
+    """Decode the same prompts plainly and at each depth (greedy, after a warm-up) and save the winner: the fastest
+    depth, or PLAIN ("off") when plain decoding beat them all, so that `hetero run` then decodes plainly.
 
     Returns {"plain_tps", "depths": {depth: {"decode_tps", "mean_accepted_length"}}, "draft_depth"}.
     """
@@ -44,10 +45,12 @@ def tune(
         table[depth] = {"decode_tps": round(tps, 2), "mean_accepted_length": accepted}
         report(f"{'depth ' + str(depth):>8}  {tps:8.1f} tok/s  {tps / plain:5.2f}x  accepted length {accepted:.2f}")
     best = max(table, key=lambda d: table[d]["decode_tps"])
-    result = {"plain_tps": round(plain, 2), "depths": table, "draft_depth": best if table[best]["decode_tps"] > plain else None}
-    if result["draft_depth"] is not None:
-        path = save_tuning(engine.identity, result)
+    mtp_wins = table[best]["decode_tps"] > round(plain, 2)  # compare what is saved: the file explains the choice
+    result = {"plain_tps": round(plain, 2), "depths": table, "draft_depth": best if mtp_wins else PLAIN}
+    path = save_tuning(engine.identity, result)
+    if mtp_wins:
         report(f"saved draft depth {best} for {engine.name} to {path}")
     else:
-        report("plain decoding was fastest on this machine: nothing saved (hetero run keeps its default depth)")
+        report(f"plain decoding was fastest on this machine: saved 'off' for {engine.name} to {path} "
+               "(hetero run decodes plainly; --draft-depth still turns MTP on)")
     return result

@@ -1,0 +1,92 @@
+"""`hetero tune` (the draft-depth tuner) and the settings it saves: the saved choice is the one it measured, a saved
+"off" makes `run` decode plainly, a saved depth makes it draft at that depth."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+import hetero
+from hetero.cli import main
+from hetero.settings import PLAIN, save_tuning, settings_path, tuned_depth
+from hetero.tune import PROMPTS, tune
+from tiny_checkpoint import write_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def private_settings(tmp_path, monkeypatch):
+    """Each test reads and writes its own settings file."""
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path / "home"))
+
+
+class FakeEngine:
+    """Answers `generate` with fixed decode speeds per setting (plain, or MTP at a depth): timing made exact."""
+
+    def __init__(self, plain_tps: float, depth_tps: dict[int, float]):
+        self.plain_tps, self.depth_tps = plain_tps, depth_tps
+        self.identity, self.name = "fake@0", "fake"
+        self.calls = []
+
+    def generate(self, prompt, max_tokens, temperature=0.0, mtp=None, draft_depth=None, **kw):
+        self.calls.append((prompt, mtp, draft_depth))
+        if not mtp:
+            return types.SimpleNamespace(stats={"decode_tps": self.plain_tps})
+        stats = {"decode_tps": self.depth_tps[draft_depth], "mtp": {"mean_accepted_length": 1.0 + draft_depth / 2}}
+        return types.SimpleNamespace(stats=stats)
+
+
+def saved(identity: str) -> dict:
+    from hetero.settings import machine_id
+
+    return json.loads(settings_path().read_text())[machine_id()][identity]
+
+
+def test_tune_saves_the_depth_it_measured_fastest():
+    engine = FakeEngine(100.0, {1: 120.0, 2: 150.0, 3: 140.0, 4: 90.0})
+    result = tune(engine, tokens=16, report=lambda line: None)
+    assert result["draft_depth"] == 2 and tuned_depth("fake@0") == 2
+    assert saved("fake@0")["depths"]["2"]["decode_tps"] == 150.0 and saved("fake@0")["plain_tps"] == 100.0
+    measured = [c for c in engine.calls if c[0] in PROMPTS]
+    assert {(mtp, d) for _, mtp, d in measured} >= {(False, None), (True, 1), (True, 2), (True, 3), (True, 4)}
+
+
+def test_tune_saves_off_when_plain_decoding_wins():
+    engine = FakeEngine(200.0, {1: 120.0, 2: 150.0, 3: 199.0, 4: 90.0})
+    save_tuning("fake@0", {"draft_depth": 3})  # an earlier tune's winner must not survive a new measurement
+    result = tune(engine, tokens=16, report=lambda line: None)
+    assert result["draft_depth"] == PLAIN and tuned_depth("fake@0") == PLAIN
+    assert saved("fake@0")["draft_depth"] == "off"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tune") / "m")
+
+
+def run_json(model_dir, capsys, *extra: str) -> dict:
+    assert main(["run", "--model", str(model_dir), "--prompt", "def add(a, b):", "--max-tokens", "8", "--json",
+                 *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_run_follows_the_saved_choice(model_dir, capsys):
+    identity = hetero.load(model_dir).identity
+    assert run_json(model_dir, capsys)["mtp"]["depth"] == 3  # untuned: MTP at the default depth
+    save_tuning(identity, {"draft_depth": 2})
+    assert run_json(model_dir, capsys)["mtp"]["depth"] == 2
+    save_tuning(identity, {"draft_depth": PLAIN})
+    plain = run_json(model_dir, capsys)
+    assert "mtp" not in plain  # decoded plainly
+    assert run_json(model_dir, capsys, "--draft-depth", "1")["mtp"]["depth"] == 1  # asked for: MTP after all
+    assert run_json(model_dir, capsys, "--no-mtp")["tokens"] == plain["tokens"]
+
+
+def test_tune_on_a_tiny_model_saves_what_it_measured(model_dir):
+    engine = hetero.load(model_dir)
+    result = tune(engine, depths=(1, 2), tokens=12, report=lambda line: None)
+    best = max(result["depths"], key=lambda d: result["depths"][d]["decode_tps"])
+    expected = best if result["depths"][best]["decode_tps"] > result["plain_tps"] else PLAIN
+    assert result["draft_depth"] == expected and tuned_depth(engine.identity) == expected
+    assert all(v["mean_accepted_length"] >= 1.0 for v in result["depths"].values())
