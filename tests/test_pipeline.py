@@ -16,7 +16,7 @@ from hetero.cli import main
 from hetero.errors import HeteroError
 from hetero.generate import prefill
 from hetero.loader import BUNDLED_MODEL, load_model
-from hetero.pipeline import Lane, Stage, Trace, configure, run_stages, verify
+from hetero.pipeline import Job, Lane, Trace, configure, run_jobs, verify
 from test_coreml_graphs import TINY, save_checkpoint, tiny_model
 from tiny_checkpoint import write_tiny_model
 
@@ -155,37 +155,78 @@ def test_bundled_model_split_matches_gpu_only(bundled_engine, fraction):
 # Scheduling with simulated devices
 
 
-def _sleepy_stages(items: list[tuple[float, float, float]]):
-    for i, (g, a, m) in enumerate(items):
-        yield Stage(f"s{i}", gpu=lambda g=g: time.sleep(g), ane=lambda a=a: time.sleep(a),
-                    merge=lambda _g, _a, m=m: time.sleep(m))
+def _sleepy_graph(chunks: int, layers: int, gpu_s: float, ane_s: float) -> list[Job]:
+    """A prefill-shaped graph of sleeps: mixer(l, c) on the GPU after mlp(l-1, c) and mixer(l, c-1); mlp(l, c) on
+    the ANE after mixer(l, c)."""
+    jobs, state = [], {}
+    for c in range(chunks):
+        h = None
+        for layer in range(layers):
+            after = tuple(j for j in (h, state.get(layer)) if j is not None)
+            mixer = Job(f"mixer {layer} @{c}", "gpu", lambda: time.sleep(gpu_s), after, (c, layer, 0))
+            h = Job(f"mlp {layer} @{c}", "ane", lambda: time.sleep(ane_s), (mixer,), (c, layer, 1))
+            state[layer] = mixer
+            jobs += [mixer, h]
+    return jobs
 
 
-def test_lanes_overlap_to_the_critical_path():
-    """Fixed sleeps per work item: the wall time is within 15% of the critical path (max of the two shares +
-    merge, per stage), and the two lanes are busy at the same time."""
+def test_wavefront_keeps_both_lanes_busy_across_chunks():
+    """Each layer's mixer (GPU) and MLP (ANE) depend on each other within a chunk, so lock-step stages would take
+    the sum of both; with chunks in flight the wall time approaches one lane's total plus one job of fill."""
     import anyio
 
-    items = [(0.04, 0.03, 0.005), (0.02, 0.05, 0.005), (0.05, 0.05, 0.0)] * 4
-    critical = sum(max(g, a) + m for g, a, m in items)
-    serial = sum(g + a + m for g, a, m in items)
+    chunks, layers, g, a = 6, 4, 0.02, 0.02
+    lock_step = chunks * layers * (g + a)
+    bound = chunks * layers * max(g, a) + min(g, a)  # the busier lane's total + the other's first job
     trace = Trace()
     gpu, ane = Lane("GPU", 1, trace), Lane("ANE", 2, trace)
     start = time.perf_counter()
-    anyio.run(run_stages, _sleepy_stages(items), gpu, ane)
+    anyio.run(run_jobs, _sleepy_graph(chunks, layers, g, a), gpu, ane)
     wall = time.perf_counter() - start
-    assert critical * 0.99 <= wall <= critical * 1.15, (wall, critical, serial)
+    assert bound * 0.99 <= wall <= bound * 1.2, (wall, bound, lock_step)
+    assert wall < 0.7 * lock_step
     spans = {tid: [(e["ts"], e["ts"] + e["dur"]) for e in trace.events if e["tid"] == tid] for tid in (1, 2)}
     concurrent = sum(1 for a0, a1 in spans[1] for b0, b1 in spans[2] if min(a1, b1) - max(a0, b0) > 10_000)  # > 10 ms
-    assert concurrent >= len(items) // 2
-    assert gpu.busy_s + ane.busy_s > wall * 1.3  # the lanes really overlapped
+    assert concurrent >= chunks * layers // 2
+
+
+def test_jobs_run_after_their_dependencies_oldest_chunk_first():
+    """Every job starts after all of its `after` jobs ended; among ready jobs of a lane the lowest rank runs first."""
+    import anyio
+
+    order: list[str] = []
+    jobs = _sleepy_graph(3, 3, 0.0, 0.0)
+    for j in jobs:
+        j.fn = lambda j=j: order.append(j.label)
+    anyio.run(run_jobs, list(reversed(jobs)), Lane("GPU", 1), Lane("ANE", 2))
+    assert sorted(order) == sorted(j.label for j in jobs)
+    for j in jobs:
+        assert all(order.index(d.label) < order.index(j.label) for d in j.after), j.label
+    gpu = [x for x in order if x.startswith("mixer")]
+    assert gpu.index("mixer 0 @0") < gpu.index("mixer 0 @1") < gpu.index("mixer 0 @2")
+
+
+def test_a_failing_job_stops_both_lanes_and_raises_its_error():
+    import anyio
+
+    ran = []
+    boom = Job("boom", "ane", lambda: 1 / 0)
+    after = Job("after", "gpu", lambda: ran.append(1), (boom,))
+    with pytest.raises(ZeroDivisionError):
+        anyio.run(run_jobs, [boom, after], Lane("GPU", 1), Lane("ANE", 2))
+    assert not ran
+    a = Job("a", "gpu", lambda: None)
+    b = Job("b", "ane", lambda: None, (a,))
+    a.after = (b,)
+    with pytest.raises(RuntimeError, match="cycle"):
+        anyio.run(run_jobs, [a, b], Lane("GPU", 1), Lane("ANE", 2))
 
 
 def test_trace_file_is_chrome_trace_json_with_both_tracks(tmp_path):
     import anyio
 
     trace = Trace()
-    anyio.run(run_stages, _sleepy_stages([(0.01, 0.01, 0.0)] * 3), Lane("GPU (MLX)", 1, trace), Lane("ANE", 2, trace))
+    anyio.run(run_jobs, _sleepy_graph(2, 2, 0.01, 0.01), Lane("GPU (MLX)", 1, trace), Lane("ANE", 2, trace))
     path = tmp_path / "trace.json"
     trace.write(path)
     data = json.loads(path.read_text())
@@ -236,7 +277,11 @@ def test_verify_mismatch_exits_3(tiny_checkpoint, capsys):
 def test_verify_and_trace_need_a_split(tiny_checkpoint, capsys):
     assert main(["run", "--model", str(tiny_checkpoint), "--prompt", "x", "--verify"]) == 1
     assert "--ane-fraction" in capsys.readouterr().err
-    assert main(["run", "--model", str(tiny_checkpoint), "--prompt", "x", "--ane-fraction", "half"]) == 1
+    try:  # a usage error: argparse's own exit
+        code = main(["run", "--model", str(tiny_checkpoint), "--prompt", "x", "--ane-fraction", "half"])
+    except SystemExit as e:
+        code = e.code
+    assert code == 1 and "--ane-fraction" in capsys.readouterr().err
 
 
 def test_prompt_beyond_the_governors_window_is_refused(tiny_checkpoint, capsys):
@@ -269,8 +314,8 @@ def test_decode_rounds_fill_the_gpu_lane_while_the_ane_works():
 
     from hetero.pipeline import DecodeQueue
 
-    items = [(0.01, 0.05, 0.0)] * 8  # the ANE's share is the long one: the GPU lane waits 40 ms per stage
-    critical = sum(max(g, a) + m for g, a, m in items)
+    chunks, layers, g, a = 1, 8, 0.01, 0.05  # one chunk: the GPU lane waits 40 ms for each ANE job
+    critical = layers * (g + a)
     done = {"a": 0, "b": 0}
 
     def stream(name):
@@ -284,10 +329,10 @@ def test_decode_rounds_fill_the_gpu_lane_while_the_ane_works():
     queue = DecodeQueue([stream("a"), stream("b")])
     trace = Trace()
     start = time.perf_counter()
-    anyio.run(run_stages, _sleepy_stages(items), Lane("GPU", 1, trace), Lane("ANE", 2, trace), queue)
+    anyio.run(run_jobs, _sleepy_graph(chunks, layers, g, a), Lane("GPU", 1, trace), Lane("ANE", 2, trace), queue)
     wall = time.perf_counter() - start
-    assert queue.rounds >= 2 * len(items) and abs(done["a"] - done["b"]) <= 1  # round-robin: fair
-    assert wall <= critical * 1.25, (wall, critical)  # rounds fill the wait; at most one overshoots per stage
+    assert queue.rounds >= 2 * layers and abs(done["a"] - done["b"]) <= 1  # round-robin: fair
+    assert wall <= critical * 1.25, (wall, critical)  # rounds fill the wait; at most one overshoots per ANE job
     ane = [e for e in trace.events if e["tid"] == 2]
     rounds = [e for e in trace.events if e["name"] == "decode round"]
     assert min(e["ts"] for e in rounds) < max(e["ts"] + e["dur"] for e in ane)  # during the prefill
@@ -300,9 +345,11 @@ def test_decode_never_starves_behind_a_gpu_only_prefill():
 
     count = []
     queue = DecodeQueue([lambda: count.append(1) or True], every=3)
-    stages = (Stage(f"s{i}", gpu=lambda: time.sleep(0.001)) for i in range(12))  # no ANE work to hide behind
-    anyio.run(run_stages, stages, Lane("GPU", 1), Lane("ANE", 2), queue)
-    assert len(count) == 3  # one round every 3 stages
+    jobs: list[Job] = []
+    for i in range(12):  # a chain of GPU jobs: always one ready, no ANE work to hide behind
+        jobs.append(Job(f"j{i}", "gpu", lambda: time.sleep(0.001), tuple(jobs[-1:]), (i,)))
+    anyio.run(run_jobs, jobs, Lane("GPU", 1), Lane("ANE", 2), queue)
+    assert len(count) == 3  # one round after every 3 GPU jobs (after the 3rd, 6th and 9th; the 12th ends it)
 
 
 def test_real_requests_interleave_and_stay_exact(tiny_checkpoint):

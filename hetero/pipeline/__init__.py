@@ -1,10 +1,12 @@
-"""The two-lane prefill runtime: per chunk and layer, the ANE's slice and the GPU's rest run at the same time.
+"""The two-lane prefill runtime: a wavefront of jobs over (chunk, layer, piece) on two device lanes.
 
 Two device lanes, each a single worker thread driven from anyio: the GPU lane runs MLX; the ANE lane runs the
 exported Core ML programs (Core ML on macOS, the portable reference executor elsewhere; numpy and MLX release
-the GIL while they compute, so the lanes overlap). A layer is a sequence of stages; each stage is
-`prep` (GPU lane: the ANE's inputs), then the GPU's share and the ANE's share concurrently, then `merge`
-(GPU lane) which combines them exactly where the math allows (shared/DESIGN.md section 4):
+the GIL while they compute, so the lanes overlap). The prefill is a graph of jobs: a layer's mixer for chunk c
+needs the layer's state after chunk c-1 and chunk c's hidden from the layer below, an MLP its own layer's mixer
+output. Each lane runs its ready jobs, oldest chunk first, so with several chunks in flight the ANE works on one
+chunk's shares while the GPU runs the recurrent and attention work of another. A split piece's shares run as
+two jobs whose `merge` (GPU lane) combines them exactly where the math allows (shared/DESIGN.md section 4):
 
 - attention: the ANE's KV-head groups and the GPU's rest each give a partial o_proj sum; their new K/V are
   concatenated by head and written into the GPU cache (the single source of truth);
@@ -14,11 +16,11 @@ the GIL while they compute, so the lanes overlap). A layer is a sequence of stag
 
 `--verify` reruns the prompt GPU-only and compares; `--trace` writes one Chrome trace track per lane.
 
-Modules: `lanes` (lanes, stages, decode interleaving, trace), `programs` (ANE backend, export cache), `shares`
+Modules: `lanes` (lanes, the job scheduler, decode interleaving, trace), `programs` (ANE backend, export cache), `shares`
 (the GPU's slices), `split` (the split prefill), `run` (a configured split, verification, `auto`).
 """
 
-from hetero.pipeline.lanes import DecodeQueue, Lane, Stage, Trace, run_stages
+from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
 from hetero.pipeline.programs import Programs, ane_backend, context_bucket, ensure_export, export_root, load_programs
 from hetero.pipeline.run import (
     DEFAULT_CHUNK,
@@ -35,7 +37,7 @@ from hetero.pipeline.split import SplitPrefill, SplitResult
 
 __all__ = [
     "DEFAULT_CHUNK", "DEFAULT_VERIFY_TOKENS", "DEFAULT_VERIFY_TOL", "DecodeQueue", "GpuAttentionRest", "GpuGDNRest",
-    "GpuMLPRest", "Lane", "PipelineRun", "Programs", "SplitPrefill", "SplitResult", "Stage", "Trace", "ane_backend",
+    "GpuMLPRest", "Job", "Lane", "PipelineRun", "Programs", "SplitPrefill", "SplitResult", "Trace", "ane_backend",
     "auto_fraction", "configure", "context_bucket", "ensure_export", "export_root", "greedy_continuation",
-    "load_programs", "run_stages", "verify",
+    "load_programs", "run_jobs", "verify",
 ]

@@ -1,5 +1,5 @@
-"""Device lanes on anyio, the stage driver (both lanes at once, merge on the GPU lane), decode interleaving,
-and the Chrome trace with one track per lane."""
+"""Device lanes on anyio, the job-graph scheduler (each lane runs its ready jobs, oldest chunk first), decode
+interleaving, and the Chrome trace with one track per lane."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+import heapq
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,31 +107,20 @@ def _one_numpy_blas_thread() -> None:
         pass
 
 
-@dataclass
-class Stage:
-    """One synchronisation step: prep (GPU lane), GPU share and ANE share at once, merge (GPU lane)."""
-
-    label: str
-    gpu: Callable[[], object] | None = None
-    ane: Callable[[], object] | None = None
-    merge: Callable[[object, object], None] | None = None
-    prep: Callable[[], None] | None = None
-
-
 class DecodeQueue:
     """Decode rounds of requests already generating, which the GPU lane interleaves with another prefill.
 
     Each stream is a callable that runs one decode round (e.g. one MTP draft + verify + commit) and returns False
     once its request is done. Policy: round-robin over streams (no request starves another); the GPU lane runs
-    rounds while the ANE is still busy with its share of a stage, and at least one round every `every` stages
-    even when it is not (so decoding never stalls behind a long prefill).
+    rounds whenever it has no prefill job ready (it would otherwise wait for the ANE), and at least one round
+    every `every` prefill jobs even when it has (so decoding never stalls behind a long prefill).
     """
 
     def __init__(self, streams: list[Callable[[], bool]] | None = None, every: int = 4):
         self.streams: list[Callable[[], bool]] = list(streams or [])
         self.every = every
         self.rounds = 0
-        self.since = 0  # stages since the last round
+        self.since = 0  # GPU prefill jobs since the last round
         self._next = 0
 
     def add(self, stream: Callable[[], bool]) -> None:
@@ -151,34 +141,82 @@ class DecodeQueue:
         self.since = 0
 
 
-async def run_stages(stages: Iterator[Stage], gpu: Lane, ane: Lane, decode: DecodeQueue | None = None) -> None:
-    """Drive stages one after another; within a stage both lanes work at the same time, and the GPU lane fills
-    its wait for the ANE with decode rounds from `decode`."""
-    for st in stages:
-        if decode is not None and decode.pending and decode.since >= decode.every:
-            await gpu.run(decode.run_one, "decode round")
-        if st.prep is not None:
-            await gpu.run(st.prep, f"{st.label} prep")
-        results: dict[str, object] = {}
-        ane_done = anyio.Event()
 
-        async def on_gpu() -> None:
-            if st.gpu is not None:
-                results["gpu"] = await gpu.run(st.gpu, st.label)
-            while decode is not None and decode.pending and st.ane is not None and not ane_done.is_set():
-                await gpu.run(decode.run_one, "decode round")
 
-        async def on_ane() -> None:
+@dataclass(eq=False)
+class Job:
+    """One unit of prefill work for one lane ("gpu" or "ane"), runnable once every job in `after` has run.
+
+    Among a lane's ready jobs the lowest `rank` runs first: (chunk, layer, step), so the oldest chunk in flight
+    moves on and the other lane gets its next job as early as possible.
+    """
+
+    label: str
+    lane: str
+    fn: Callable[[], object]
+    after: tuple["Job", ...] = ()
+    rank: tuple = ()
+
+
+async def run_jobs(jobs: Iterable[Job], gpu: Lane, ane: Lane, decode: DecodeQueue | None = None) -> None:
+    """Run a job graph on two lanes: each lane takes its ready jobs one at a time, lowest rank first, while the
+    other lane runs its own (a wavefront, not lock-step stages). The GPU lane fills its idle time with decode
+    rounds from `decode`. The first exception of any job stops both lanes and is raised here."""
+    jobs = list(jobs)
+    waiting = {job: len(job.after) for job in jobs}
+    dependents: dict[Job, list[Job]] = {job: [] for job in jobs}
+    for job in jobs:
+        for dep in job.after:
+            dependents[dep].append(job)
+    left = {"gpu": sum(j.lane == "gpu" for j in jobs), "ane": sum(j.lane == "ane" for j in jobs)}
+    ready: dict[str, list] = {"gpu": [], "ane": []}  # heaps of (rank, sequence, job)
+    seq = iter(range(len(jobs)))
+    for job in jobs:
+        if not job.after:
+            heapq.heappush(ready[job.lane], (job.rank, next(seq), job))
+    state = {"changed": anyio.Event(), "error": None, "running": 0}
+
+    def notify() -> None:
+        state["changed"].set()
+        state["changed"] = anyio.Event()
+
+    def done(job: Job) -> None:
+        left[job.lane] -= 1
+        for nxt in dependents.pop(job):
+            waiting[nxt] -= 1
+            if not waiting[nxt]:
+                heapq.heappush(ready[nxt.lane], (nxt.rank, next(seq), nxt))
+        notify()
+
+    async def drive(name: str, lane: Lane) -> None:
+        fill = decode if name == "gpu" else None
+        while left[name] and state["error"] is None:
+            if fill is not None and fill.pending and (fill.since >= fill.every or not ready[name]):
+                await lane.run(fill.run_one, "decode round")
+                continue
+            if not ready[name]:
+                if not state["running"] and not any(ready.values()):  # nothing can ever become ready
+                    state["error"] = RuntimeError("the prefill job graph has a cycle")
+                    notify()
+                    return
+                await state["changed"].wait()
+                continue
+            job = heapq.heappop(ready[name])[2]
+            state["running"] += 1
             try:
-                results["ane"] = await ane.run(st.ane, st.label)
+                await lane.run(job.fn, job.label)
+            except BaseException as e:  # noqa: BLE001  (re-raised by run_jobs once both lanes have stopped)
+                state["error"] = state["error"] or e
+                notify()
+                return
             finally:
-                ane_done.set()
+                state["running"] -= 1
+            if fill is not None:
+                fill.since += 1
+            done(job)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(on_gpu)
-            if st.ane is not None:
-                tg.start_soon(on_ane)
-        if decode is not None:
-            decode.since += 1
-        if st.merge is not None:
-            await gpu.run(lambda: st.merge(results.get("gpu"), results.get("ane")), f"{st.label} merge")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(drive, "gpu", gpu)
+        tg.start_soon(drive, "ane", ane)
+    if state["error"] is not None:
+        raise state["error"]

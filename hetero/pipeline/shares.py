@@ -115,9 +115,14 @@ class GpuGDNRest:
         return self.m.output(out, z, dtype)
 
 
+def host(a: mx.array) -> np.ndarray:
+    """An evaluated MLX array as fp32 numpy; an fp32 one is read without an MLX op, so any thread may call it."""
+    return np.asarray(a) if a.dtype == mx.float32 else np.asarray(a.astype(mx.float32))
+
+
 def to_bc1s(h: mx.array, chunk: int) -> np.ndarray:
     """[1, s, hidden] -> (1, hidden, 1, chunk) fp16, zero-padded past s."""
-    a = np.array(h[0].astype(mx.float32)).T  # [hidden, s]
+    a = host(h)[0].T  # [hidden, s]
     return np.pad(a, ((0, 0), (0, chunk - a.shape[1]))).astype(np.float16)[None, :, None, :]
 
 

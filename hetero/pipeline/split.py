@@ -1,11 +1,16 @@
-"""The split prefill: per chunk and layer, one stage per piece in which the ANE's slice and the GPU's rest run at
-once and merge exactly (partial sums, head and row concatenation); K/V of the ANE's heads enter the GPU cache."""
+"""The split prefill as a job graph over (chunk, layer, piece): the ANE lane runs its shares of chunk c while the
+GPU lane runs the recurrent and attention work of other chunks and layers; shares merge exactly (partial sums,
+head and row concatenation) and K/V of the ANE's heads enter the GPU cache.
+
+Dependencies: a layer's mixer for chunk c needs that layer's state after chunk c-1 (GDN recurrence, attention
+KV) and the hidden of chunk c from the layer below; an MLP needs its own layer's mixer output for the same
+chunk. At most `in_flight` chunks are in progress at once (each holds its hidden and the pieces' outputs).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import mlx.core as mx
@@ -13,9 +18,11 @@ import numpy as np
 
 from hetero.cache import LayerCache, cache_arrays
 from hetero.models.qwen3_5 import DecoderLayer, Model
-from hetero.pipeline.lanes import DecodeQueue, Lane, Stage, Trace, run_stages
+from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
 from hetero.pipeline.programs import Programs
-from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, to_bc1s, from_bc1s
+from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, from_bc1s, host, to_bc1s
+
+DEFAULT_IN_FLIGHT = 4  # chunks in progress at once: enough for both lanes to find work, few transient buffers
 
 
 @dataclass
@@ -39,15 +46,32 @@ class SplitResult:
                 "wall_s": round(self.wall_s, 6), "overlap": round(self.overlap, 4)}
 
 
+@dataclass(eq=False)
+class Chunk:
+    """One chunk in flight: its tokens, absolute start, residual stream and the pieces' partial results."""
+
+    index: int
+    ids: list[int]
+    start: int
+    h: mx.array | None = None  # [1, s, hidden]
+    piece: mx.array | None = None  # [1, s] token ids
+    parts: dict = field(default_factory=dict)  # (layer, piece) -> a share's output, until its merge
+
+    @property
+    def s(self) -> int:
+        return len(self.ids)
+
+
 class SplitPrefill:
     """Prefill through both lanes with a set of loaded programs; `GPU rest` slices are built once per model."""
 
-    def __init__(self, model: Model, programs: Programs, backend: str = "reference executor"):
-        self.model, self.programs, self.backend = model, programs, backend
+    def __init__(self, model: Model, programs: Programs, backend: str = "reference executor",
+                 in_flight: int = DEFAULT_IN_FLIGHT):
+        self.model, self.programs, self.backend, self.in_flight = model, programs, backend, in_flight
         self.attn_rest: dict[int, GpuAttentionRest] = {}
         self.mlp_rest: dict[int, GpuMLPRest] = {}
         self.gdn_rest: dict[int, GpuGDNRest] = {}
-        self._tables: dict = {}  # (chunk start, program shape) -> RoPE tables and masks of the current chunk
+        self._tables: dict = {}  # (chunk start, program shape) -> RoPE tables and masks (ANE lane only)
         args = model.args
         for i, layer in enumerate(model.layers):
             k, c, zr = programs.share("attention", i), programs.share("mlp", i), programs.share("gdn_z", i)
@@ -58,143 +82,165 @@ class SplitPrefill:
             if layer.is_linear and zr:
                 self.gdn_rest[i] = GpuGDNRest(layer, zr)
 
-    def stages(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
-               logits: bool) -> Iterator[Stage]:
-        """Every stage of the prefill of `tokens` (appended to `cache`); results land in `out`."""
-        model, chunk = self.model, self.programs.chunk
-        theta = model.args.rope_theta
-        st: dict = {"carry": carry}
+    def jobs(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
+             logits: bool) -> list[Job]:
+        """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`."""
+        model, size = self.model, self.programs.chunk
         base = cache[0].offset
-        for lo in range(0, len(tokens), chunk):
-            ids = tokens[lo : lo + chunk]
-            s = len(ids)
+        st = {"carry": carry}
+        jobs: list[Job] = []
+        state: dict[int, Job] = {}  # layer -> the job that last advanced its cache
+        finished: list[Job] = []  # per chunk: its final-norm job
+        for c, lo in enumerate(range(0, len(tokens), size)):
+            ch = Chunk(c, tokens[lo : lo + size], base + lo)
 
-            def embed(ids=ids) -> None:  # every MLX op runs on the GPU lane's thread (streams are per thread)
-                st["piece"] = mx.array(ids)[None]  # [1, s]
-                st["h"] = model.model.embed_tokens(st["piece"])  # [1, s, hidden]
-                mx.eval(st["h"], st["piece"])  # nothing lazy outlives a job: each may run on another thread
+            def embed(ch=ch) -> None:  # every MLX op runs on the GPU lane's thread (streams are per thread)
+                ch.piece = mx.array(ch.ids)[None]  # [1, s]
+                ch.h = model.model.embed_tokens(ch.piece)  # [1, s, hidden]
+                mx.eval(ch.h, ch.piece)  # nothing lazy outlives a job: each may run on another thread
 
-            yield Stage(f"embed {base + lo}", gpu=embed)
+            window = (finished[c - self.in_flight],) if c >= self.in_flight else ()
+            h_job = Job(f"embed @{ch.start}", "gpu", embed, window, (c, -1, 0))
+            jobs.append(h_job)
             for i, layer in enumerate(model.layers):
-                yield from self._mixer(i, layer, cache[i], st, s, theta, base + lo)
-                yield from self._mlp(i, layer, st, s)
-            last = lo + chunk >= len(tokens)
+                new = self._mixer(i, layer, cache[i], ch, h_job, state.get(i))
+                jobs += new
+                h_job = new[-1]
+                # a split GDN's state advances in its recurrence job (the first); the output merge only reads it
+                state[i] = new[0] if (layer.is_linear and i in self.gdn_rest) else new[-1]
+                new = self._mlp(i, layer, ch, h_job)
+                jobs += new
+                h_job = new[-1]
+            last = lo + size >= len(tokens)
 
-            def finish(last=last) -> None:
-                h, piece = model.model.norm(st["h"]), st["piece"]  # [1, s, hidden], [1, s]
+            def finish(ch=ch, last=last) -> None:
+                h, piece = model.model.norm(ch.h), ch.piece  # [1, s, hidden], [1, s]
                 if mtp and model.has_mtp:  # the MTP head's KV: (t_{p+1}, h_p) pairs, as `generate.prefill` does
-                    c = st["carry"]
-                    pairs_h = h[0, :-1] if c is None else mx.concatenate([c, h[0, :-1]])  # [m, H]
-                    pairs_t = piece[0, 1:] if c is None else piece[0]
+                    prev = st["carry"]
+                    pairs_h = h[0, :-1] if prev is None else mx.concatenate([prev, h[0, :-1]])  # [m, H]
+                    pairs_t = piece[0, 1:] if prev is None else piece[0]
                     if pairs_t.size:
                         model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
                 out["hidden"] = st["carry"] = h[0, -1:]  # evaluated below: the next job may run on another thread
                 out["logits"] = model.logits(h[:, -1:])[0] if (logits and last) else None
                 mx.eval(out["hidden"], *([out["logits"]] if out["logits"] is not None else []), *cache_arrays(cache))
+                ch.h = ch.piece = None  # the chunk's buffers go now
+                ch.parts.clear()
+                self._tables.pop(ch.start, None)
 
-            yield Stage(f"norm {base + lo}", gpu=finish)
+            after = (h_job, finished[-1]) if finished else (h_job,)  # the MTP KV and the carry go chunk by chunk
+            finished.append(Job(f"norm @{ch.start}", "gpu", finish, after, (c, len(model.layers), 0)))
+            jobs.append(finished[-1])
+        return jobs
 
-    def _mixer(self, i: int, layer: DecoderLayer, c: LayerCache, st: dict, s: int, theta: float, start: int):
-        progs, chunk = self.programs, self.programs.chunk
-        label = f"L{i} {'gdn' if layer.is_linear else 'attn'} @{start}"
+    def _mixer(self, i: int, layer: DecoderLayer, c: LayerCache, ch: Chunk, h_job: Job, prev: Job | None) -> list[Job]:
+        """Jobs of layer i's mixer for chunk `ch`, after `h_job` (its input) and `prev` (the layer's last state
+        update); the last job returned leaves the mixer's output in `ch.h`."""
+        progs, size = self.programs, self.programs.chunk
+        label = f"L{i} {'gdn' if layer.is_linear else 'attn'} @{ch.start}"
+        after = (h_job,) if prev is None else (h_job, prev)
+        rank = lambda step: (ch.index, i, step)  # noqa: E731
         if layer.is_linear and i in self.gdn_rest:
             rest, parts = self.gdn_rest[i], progs.gdn_z[i]
 
-            def prep() -> None:
-                st["x"] = to_bc1s(st["h"], chunk)
+            def gpu() -> None:
+                ch.parts[i, "gdn"] = rest(ch.h, c)
 
-            def ane() -> np.ndarray:
-                return np.concatenate([from_bc1s(run({"x": st["x"]})["z"], s) for run, _ in parts], axis=1)  # [s, zr]
+            def ane() -> None:
+                x = to_bc1s(ch.h, size)
+                ch.parts[i, "z"] = np.concatenate([from_bc1s(run({"x": x})["z"], ch.s) for run, _ in parts], 1)  # [s, zr]
 
-            def merge(gpu, ane_z) -> None:
-                o, z_rest = gpu
-                dtype = st["h"].dtype
-                z = mx.array(ane_z)[None].astype(dtype)  # [1, s, zr]
+            def merge() -> None:
+                o, z_rest = ch.parts.pop((i, "gdn"))
+                dtype = ch.h.dtype
+                z = mx.array(ch.parts.pop((i, "z")))[None].astype(dtype)  # [1, s, zr]
                 if z_rest is not None:
                     z = mx.concatenate([z, z_rest], axis=-1)  # [1, s, nv*dv]
-                st["h"] = st["h"] + rest.finish(o, z, dtype)
-                mx.eval(st["h"])
+                ch.h = ch.h + rest.finish(o, z, dtype)
+                mx.eval(ch.h)
 
-            yield Stage(label, gpu=lambda: rest(st["h"], c), ane=ane, merge=merge, prep=prep)
-        elif not layer.is_linear and i in progs.attention:
+            g, a = Job(label, "gpu", gpu, after, rank(0)), Job(f"{label} z", "ane", ane, (h_job,), rank(0))
+            return [g, a, Job(f"{label} merge", "gpu", merge, (g, a), rank(1))]
+        if not layer.is_linear and i in progs.attention:
             rest, parts = self.attn_rest.get(i), progs.attention[i]
+            theta = self.model.args.rope_theta
 
-            def prep() -> None:
+            def ane() -> None:
                 from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables
 
-                x = to_bc1s(st["h"], chunk)
-                feeds = []
-                for _, shape, kv in parts:
-                    if start:
-                        keys = np.array(c.keys[:, kv.start : kv.stop, :start].astype(mx.float32))  # [1, Kp, T, D]
-                        vals = np.array(c.values[:, kv.start : kv.stop, :start].astype(mx.float32))
-                    else:
-                        keys = vals = np.zeros((1, len(kv), 0, shape.head_dim), np.float32)
-                    key = (start, shape)  # every attention layer of a chunk shares its RoPE tables and masks
-                    if key not in self._tables:
-                        self._tables = {key: {**rope_tables(start, shape, theta), **attention_masks(start, shape)}}
-                    feeds.append({"x": x, **self._tables[key], **cache_inputs(keys, vals, shape)})
-                st["feeds"] = feeds
-
-            def ane() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                x = to_bc1s(ch.h, size)
                 total, ks, vs = None, [], []
-                for (run, _, _), feed in zip(parts, st["feeds"]):
-                    r = run(feed)
-                    part = from_bc1s(r["out"], s)  # [s, hidden]
+                for run, shape, kv in parts:
+                    keys, vals = _cached_heads(c, kv, ch.start, shape.head_dim)
+                    key = (ch.start, shape)  # every attention layer of a chunk shares its RoPE tables and masks
+                    tables = self._tables.setdefault(ch.start, {})
+                    if key not in tables:
+                        tables[key] = {**rope_tables(ch.start, shape, theta), **attention_masks(ch.start, shape)}
+                    r = run({"x": x, **tables[key], **cache_inputs(keys, vals, shape)})
+                    part = from_bc1s(r["out"], ch.s)  # [s, hidden]
                     total = part if total is None else total + part  # partial o_proj sums add up
-                    ks.append(r["k_new"][:, :, :s])  # (1, Kp, s, D)
-                    vs.append(r["v_new"][:, :, :s])
-                return total, np.concatenate(ks, 1), np.concatenate(vs, 1)
+                    ks.append(r["k_new"][:, :, : ch.s])  # (1, Kp, s, D)
+                    vs.append(r["v_new"][:, :, : ch.s])
+                ch.parts[i, "ane"] = total, np.concatenate(ks, 1), np.concatenate(vs, 1)
 
-            def merge(gpu, ane_out) -> None:
-                dtype = st["h"].dtype
-                total, k_ane, v_ane = ane_out
+            def gpu() -> None:
+                ch.parts[i, "gpu"] = rest(ch.h, c)
+
+            def merge() -> None:
+                dtype = ch.h.dtype
+                total, k_ane, v_ane = ch.parts.pop((i, "ane"))
                 keys, values = mx.array(k_ane).astype(dtype), mx.array(v_ane).astype(dtype)
                 out = mx.array(total)[None].astype(dtype)  # [1, s, hidden]
-                if gpu is not None:
-                    g_out, g_k, g_v = gpu
+                if rest is not None:
+                    g_out, g_k, g_v = ch.parts.pop((i, "gpu"))
                     keys = mx.concatenate([keys, g_k], axis=1)  # ANE heads first: [1, Hkv, s, D]
                     values = mx.concatenate([values, g_v], axis=1)
                     out = out + g_out
                 c.update_and_fetch(keys, values)  # the GPU cache stays the single source of truth
-                st["h"] = st["h"] + out
-                mx.eval(st["h"], *c.state)
+                ch.h = ch.h + out
+                mx.eval(ch.h, *c.state)
 
-            gpu = (lambda: rest(st["h"], c)) if rest is not None else None
-            yield Stage(label, gpu=gpu, ane=ane, merge=merge, prep=prep)
-        else:
-            def whole() -> None:
-                mixer = layer.linear_attn if layer.is_linear else layer.self_attn
-                st["h"] = st["h"] + mixer(layer.input_layernorm(st["h"]), c)
-                mx.eval(st["h"], *c.state)
+            shares = [Job(f"{label} heads", "ane", ane, after, rank(0))]
+            if rest is not None:
+                shares.append(Job(label, "gpu", gpu, after, rank(0)))
+            return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(1))]
 
-            yield Stage(label, gpu=whole)
+        def whole() -> None:
+            mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+            ch.h = ch.h + mixer(layer.input_layernorm(ch.h), c)
+            mx.eval(ch.h, *c.state)
 
-    def _mlp(self, i: int, layer: DecoderLayer, st: dict, s: int):
-        progs, chunk = self.programs, self.programs.chunk
-        label = f"L{i} mlp"
+        return [Job(label, "gpu", whole, after, rank(0))]
+
+    def _mlp(self, i: int, layer: DecoderLayer, ch: Chunk, h_job: Job) -> list[Job]:
+        """Jobs of layer i's MLP for chunk `ch` after `h_job`; the last one leaves the layer's output in `ch.h`."""
+        progs, size = self.programs, self.programs.chunk
+        label = f"L{i} mlp @{ch.start}"
+        rank = lambda step: (ch.index, i, step)  # noqa: E731
         if i not in progs.mlp:
             def whole() -> None:
-                st["h"] = st["h"] + layer.mlp(layer.post_attention_layernorm(st["h"]))
-                mx.eval(st["h"])
+                ch.h = ch.h + layer.mlp(layer.post_attention_layernorm(ch.h))
+                mx.eval(ch.h)
 
-            yield Stage(label, gpu=whole)
-            return
+            return [Job(label, "gpu", whole, (h_job,), rank(2))]
         rest, parts = self.mlp_rest.get(i), progs.mlp[i]
 
-        def prep() -> None:
-            st["x"] = to_bc1s(st["h"], chunk)
+        def ane() -> None:
+            x = to_bc1s(ch.h, size)
+            ch.parts[i, "mlp ane"] = sum(from_bc1s(run({"x": x})["out"], ch.s) for run, _ in parts)  # [s, hidden]
 
-        def ane() -> np.ndarray:
-            return sum(from_bc1s(run({"x": st["x"]})["out"], s) for run, _ in parts)  # [s, hidden]
+        def gpu() -> None:
+            ch.parts[i, "mlp gpu"] = rest(ch.h)
 
-        def merge(gpu, ane_out) -> None:
-            out = mx.array(ane_out)[None].astype(st["h"].dtype)  # [1, s, hidden]
-            st["h"] = st["h"] + (out if gpu is None else out + gpu)
-            mx.eval(st["h"])
+        def merge() -> None:
+            out = mx.array(ch.parts.pop((i, "mlp ane")))[None].astype(ch.h.dtype)  # [1, s, hidden]
+            ch.h = ch.h + (out if rest is None else out + ch.parts.pop((i, "mlp gpu")))
+            mx.eval(ch.h)
 
-        gpu = (lambda: rest(st["h"])) if rest is not None else None
-        yield Stage(label, gpu=gpu, ane=ane, merge=merge, prep=prep)
+        shares = [Job(f"{label} channels", "ane", ane, (h_job,), rank(2))]
+        if rest is not None:
+            shares.append(Job(label, "gpu", gpu, (h_job,), rank(2)))
+        return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
 
     def run(self, tokens: list[int], cache: list[LayerCache], mtp: bool = False, carry: mx.array | None = None,
             logits: bool = True, trace: Trace | None = None, decode: DecodeQueue | None = None) -> SplitResult:
@@ -208,8 +254,18 @@ class SplitPrefill:
         out: dict = {}
         start = time.perf_counter()
         try:
-            anyio.run(run_stages, self.stages(tokens, cache, out, mtp, carry, logits), gpu, ane, decode)
+            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits), gpu, ane, decode)
         finally:
             gpu.close()
         wall = time.perf_counter() - start
         return SplitResult(out.get("logits"), out["hidden"], gpu.busy_s, ane.busy_s, wall)
+
+
+def _cached_heads(c: LayerCache, kv: range, start: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The GPU cache's K/V of KV heads `kv` before position `start`, as fp32 numpy [1, Kp, start, D] (read on the
+    ANE lane: an fp32 cache is viewed without an MLX op; the merge that writes the next chunk waits for this)."""
+    if not start:
+        empty = np.zeros((1, len(kv), 0, head_dim), np.float32)
+        return empty, empty
+    return tuple(host(a)[:, kv.start : kv.stop, :start] for a in (c.keys, c.values))
+
