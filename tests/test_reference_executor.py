@@ -273,3 +273,24 @@ def test_bundled_model_prefill_with_attention_on_the_executor_matches_mlx(tmp_pa
     metrics = compare(got, ref)
     assert int(got.argmax()) == int(ref.argmax()), metrics
     assert metrics["cosine"] >= 0.999, metrics
+
+
+def test_fp16_values_equal_numpys_cast_everywhere():
+    """The executor's bit-arithmetic rounding equals numpy's fp32 -> fp16 -> fp32 casts on every kind of value:
+    ties either way, fp16 subnormals, fp32 subnormals, the overflow edge 65504 / 65520, inf and NaN."""
+    from hetero.backends.reference_executor import fp16_values
+
+    rng = np.random.default_rng(0)
+    step = np.float32(2.0**-10)  # an fp16 ulp at 1.0
+    ties = (1 + step * np.arange(64, dtype=np.float32)) + step / 2  # exactly halfway: half go down, half up
+    special = np.array([0.0, -0.0, 2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1e-40, -1e-40, 65504.0, 65519.0,
+                        65520.0, -65520.0, 1e38, np.inf, -np.inf, np.nan], np.float32)
+    values = [rng.standard_normal(100_000).astype(np.float32) * scale for scale in (1e-6, 1e-3, 1.0, 100.0, 3e4)]
+    a = np.concatenate([ties, -ties, special, *values]).astype(np.float32)
+    want = a.astype(np.float16).astype(np.float32)
+    got = fp16_values(a)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)  # NaN positions compare equal in assert_array_equal
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+    grid = fp16_values(a[:, None] * np.ones((1, 3), np.float32)[:, :1])  # 2-D (and a strided view) too
+    np.testing.assert_array_equal(grid[:, 0], want)

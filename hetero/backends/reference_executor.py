@@ -2,14 +2,15 @@
 
 This is not the Neural Engine; it is what lets the whole export pipeline run and be checked on machines without
 one. Each op computes in fp32 (so sums and dot products accumulate in fp32) and its result is rounded to fp16,
-as the ANE stores every intermediate tensor in fp16. Only the ops the `coreml_graphs` builders emit are
-implemented; a program with any other op is refused at load time, naming the op.
+as the ANE stores every intermediate tensor in fp16; the rounded values are held in fp32 arrays (bit arithmetic,
+`fp16_values`), so no op pays numpy's slow fp16 casts, and outputs are returned as fp16. Only the ops the
+`coreml_graphs` builders emit are implemented; a program with any other op is refused at load time, naming it.
 
 Numpy semantics come from coremltools where they fit: the elementwise-binary and reduction ops' own
 `get_operator()`, and the `value_inference` of the data-movement ops, matmul, exp and sigmoid. conv (1x1 only),
 reshape, silu and layer_norm are written here (layer_norm's result is tested equal to coremltools' own; it
 is here because coremltools' numpy version took a seventh of an MLP program's time). Data-movement ops move
-fp16 values as they are: no widening, no rounding, the same values.
+the values as they are: no rounding, the same values.
 """
 
 from __future__ import annotations
@@ -76,17 +77,17 @@ class ReferenceExecutor:
             a = np.asarray(inputs[name])
             if a.shape != shape:
                 raise ValueError(f"{self.path.name}: input {name} has shape {a.shape}, the program takes {shape}")
-            env[name] = a.astype(np.float16)
+            env[name] = _round(a)  # fp16 values (held in fp32, as every value in `env`)
         for i, op in enumerate(self.ops):
             out = op.outputs[0]
             if op.op_type == "const":
                 env[out.name] = self._consts[out.name]
                 continue
             result = _run(op, {k: _fetch(env, v) for k, v in op.inputs.items()})
-            env[out.name] = _round(result)
+            env[out.name] = result if op.op_type in DATA_MOVEMENT_OPS else _round(result)  # moved values stay fp16
             for name in self._last_use.get(i, ()):  # free what no later op reads: attention makes big temporaries
                 env.pop(name, None)
-        return {name: env[name] for name in self.output_names}
+        return {name: np.asarray(env[name]).astype(np.float16) for name in self.output_names}  # exact: fp16 values
 
 
 def _fetch(env: dict[str, np.ndarray], var: Any) -> Any:
@@ -116,9 +117,35 @@ def _f32(a: Any) -> Any:
 
 
 def _round(a: Any) -> np.ndarray:
-    """Store an op's result as the ANE would: floats rounded to fp16 (fp16 results are kept as they are)."""
+    """Store an op's result as the ANE would: every float rounded to the nearest fp16 value (ties to even), kept
+    in an fp32 array so that the next op reads it without a conversion (numpy's fp16 casts cost ~5 ns/element)."""
     a = np.asarray(a)
-    return a.astype(np.float16) if np.issubdtype(a.dtype, np.floating) and a.dtype != np.float16 else a
+    if not np.issubdtype(a.dtype, np.floating):
+        return a
+    if a.dtype == np.float16:
+        return a.astype(np.float32)
+    if a.dtype != np.float32:  # one rounding straight to fp16, as the cast would (no double rounding via fp32)
+        return a.astype(np.float16).astype(np.float32)
+    return fp16_values(a)
+
+
+def fp16_values(a: np.ndarray) -> np.ndarray:
+    """fp32 [any] -> the nearest fp16 values as fp32 (ties to even, fp16 subnormals, overflow to inf, NaN kept):
+    exactly `a.astype(float16).astype(float32)`, in integer arithmetic on the fp32 bits."""
+    bits = np.ascontiguousarray(a).view(np.uint32)
+    out = (bits >> 13) & 1  # round half to even: add 0xfff, plus one more when the kept last bit is odd
+    out += 0x0FFF
+    out += bits
+    out &= np.uint32(0xFFFFE000)  # keep 10 mantissa bits (fp16's), exponent and sign
+    out = out.view(np.float32)
+    mag = np.abs(a)
+    small = mag < 2.0**-14  # below fp16's normal range: multiples of its subnormal step 2^-24
+    if small.any():
+        out[small] = np.rint(a[small] * np.float32(2.0**24)) * np.float32(2.0**-24)
+    large = ~(mag < 65520.0)  # from 65520 up (and inf, NaN): beyond fp16's largest value 65504 plus half a step
+    if large.any():
+        out[large] = np.where(np.isnan(a[large]), a[large], np.copysign(np.float32(np.inf), a[large]))
+    return out
 
 
 def _run(op: Any, args: dict[str, Any]) -> np.ndarray:
