@@ -3,7 +3,7 @@
 This is not the Neural Engine; it is what lets the whole export pipeline run and be checked on machines without
 one. Each op computes in fp32 (so sums and dot products accumulate in fp32) and its result is rounded to fp16,
 as the ANE stores every intermediate tensor in fp16; the rounded values are held in fp32 arrays (bit arithmetic,
-`fp16_values`), so no op pays numpy's slow fp16 casts, and outputs are returned as fp16. Only the ops the
+`hetero.fp16`), so no op pays numpy's slow fp16 casts; outputs come back the same way. Only the ops the
 `coreml_graphs` builders emit are implemented; a program with any other op is refused at load time, naming it.
 
 Numpy semantics come from coremltools where they fit: the elementwise-binary and reduction ops' own
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from hetero.errors import HeteroError
+from hetero.fp16 import fp16_values
 
 # Ops whose numpy semantics are the coremltools op's own `value_inference`.
 VALUE_INFERENCE_OPS = frozenset({"identity", "concat", "slice_by_index", "transpose", "matmul", "exp", "sigmoid"})
@@ -68,7 +69,8 @@ class ReferenceExecutor:
         self._consts = {op.outputs[0].name: _f32(op.outputs[0].val) for op in self.ops if op.op_type == "const"}
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the program on `inputs` (name -> array of the declared shape); returns fp16 outputs by name."""
+        """Run the program on `inputs` (name -> array of the declared shape; any float dtype, rounded to fp16 as
+        Core ML would); returns the outputs by name as fp16 values held in fp32 arrays."""
         missing = set(self.input_shapes) - set(inputs)
         if missing:
             raise ValueError(f"{self.path.name}: missing inputs {sorted(missing)}")
@@ -87,7 +89,7 @@ class ReferenceExecutor:
             env[out.name] = result if op.op_type in DATA_MOVEMENT_OPS else _round(result)  # moved values stay fp16
             for name in self._last_use.get(i, ()):  # free what no later op reads: attention makes big temporaries
                 env.pop(name, None)
-        return {name: np.asarray(env[name]).astype(np.float16) for name in self.output_names}  # exact: fp16 values
+        return {name: env[name] for name in self.output_names}
 
 
 def _fetch(env: dict[str, np.ndarray], var: Any) -> Any:
@@ -127,25 +129,6 @@ def _round(a: Any) -> np.ndarray:
     if a.dtype != np.float32:  # one rounding straight to fp16, as the cast would (no double rounding via fp32)
         return a.astype(np.float16).astype(np.float32)
     return fp16_values(a)
-
-
-def fp16_values(a: np.ndarray) -> np.ndarray:
-    """fp32 [any] -> the nearest fp16 values as fp32 (ties to even, fp16 subnormals, overflow to inf, NaN kept):
-    exactly `a.astype(float16).astype(float32)`, in integer arithmetic on the fp32 bits."""
-    bits = np.ascontiguousarray(a).view(np.uint32)
-    out = (bits >> 13) & 1  # round half to even: add 0xfff, plus one more when the kept last bit is odd
-    out += 0x0FFF
-    out += bits
-    out &= np.uint32(0xFFFFE000)  # keep 10 mantissa bits (fp16's), exponent and sign
-    out = out.view(np.float32)
-    mag = np.abs(a)
-    small = mag < 2.0**-14  # below fp16's normal range: multiples of its subnormal step 2^-24
-    if small.any():
-        out[small] = np.rint(a[small] * np.float32(2.0**24)) * np.float32(2.0**-24)
-    large = ~(mag < 65520.0)  # from 65520 up (and inf, NaN): beyond fp16's largest value 65504 plus half a step
-    if large.any():
-        out[large] = np.where(np.isnan(a[large]), a[large], np.copysign(np.float32(np.inf), a[large]))
-    return out
 
 
 def _run(op: Any, args: dict[str, Any]) -> np.ndarray:

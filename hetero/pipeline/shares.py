@@ -11,6 +11,7 @@ import numpy as np
 
 from hetero.cache import GDNCache, KVCache
 from hetero.errors import HeteroError
+from hetero.fp16 import fp16_values
 from hetero.models import activations as act
 from hetero.models.attention import attend
 from hetero.models.qwen3_5 import DecoderLayer
@@ -121,11 +122,11 @@ def host(a: mx.array) -> np.ndarray:
 
 
 def to_bc1s(h: mx.array, chunk: int) -> np.ndarray:
-    """[1, s, hidden] -> (1, hidden, 1, chunk) fp16, zero-padded past s."""
+    """[1, s, hidden] -> (1, hidden, 1, chunk) fp16 values (in fp32: both backends take them), zero-padded past s."""
     a = host(h)[0].T  # [hidden, s]
-    return np.pad(a, ((0, 0), (0, chunk - a.shape[1]))).astype(np.float16)[None, :, None, :]
+    return fp16_values(np.pad(a, ((0, 0), (0, chunk - a.shape[1]))))[None, :, None, :]
 
 
 def from_bc1s(out: np.ndarray, s: int) -> np.ndarray:
-    """(1, C, 1, chunk) -> [s, C] fp32."""
+    """(1, C, 1, chunk) fp16 values -> [s, C] fp32."""
     return out[0, :, 0, :s].T.astype(np.float32)
