@@ -13,13 +13,17 @@ Anthropic `usage.cache_read_input_tokens`) and engine stats in a `hetero` field.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
+import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,10 +31,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hetero.engine import Engine
-from hetero.errors import HeteroError
+from hetero.errors import HeteroError, internal_error
 from hetero.turns import LentTurns, Turns
+from hetero.validate import FRACTION, MIN_P, NONNEG_INT, POSITIVE_INT, SEED, TOP_K, TOP_P, Bound
+
+log = logging.getLogger("hetero.server")
 
 MAX_STOPS = 16
+MAX_JSON_DEPTH = 64  # deeper request bodies are refused; real ones nest a few levels (tool inputs a few more)
+OPENAI_TEMPERATURE = Bound(0, 2)  # the APIs' documented ranges, inside the engine's own (finite, >= 0)
+ANTHROPIC_TEMPERATURE = Bound(0, 1)
 
 
 class RequestError(Exception):
@@ -74,24 +84,35 @@ class StopMatcher:
             return ""
         self.held += piece
         hits = [(self.held.find(s), s) for s in self.stops if s in self.held]
-        if hits:
-            at, stop = min(hits)
-            self.stopped = stop
-            out, self.held = self.held[:at], ""
-            return out
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.held)), keep, -1):
-                if self.held.endswith(s[:k]):
-                    keep = k
-                    break
-        out = self.held[: len(self.held) - keep]
-        self.held = self.held[len(self.held) - keep :]
+        at = min(hits)[0] if hits else len(self.held)
+        pending = self._pending(at)  # a stop that begins earlier may still complete: it would win
+        if hits and pending is None:
+            return self._cut(*min(hits))
+        keep = at if pending is None else pending
+        out, self.held = self.held[:keep], self.held[keep:]
         return out
 
     def flush(self) -> str:
-        """The held-back text once generation has ended without a stop."""
-        out, self.held = ("" if self.stopped is not None else self.held), ""
+        """The held-back text once generation has ended (up to the first stop string in it)."""
+        if self.stopped is not None:
+            return ""
+        hits = [(self.held.find(s), s) for s in self.stops if s in self.held]
+        if hits:
+            return self._cut(*min(hits))
+        out, self.held = self.held, ""
+        return out
+
+    def _pending(self, limit: int) -> int | None:
+        """The first position before `limit` from which the held text is a proper prefix of a stop string."""
+        for q in range(max(0, len(self.held) - max((len(s) for s in self.stops), default=0) + 1), limit):
+            tail = self.held[q:]
+            if any(len(tail) < len(s) and s.startswith(tail) for s in self.stops):
+                return q
+        return None
+
+    def _cut(self, at: int, stop: str) -> str:
+        self.stopped = stop
+        out, self.held = self.held[:at], ""
         return out
 
 
@@ -117,25 +138,23 @@ class Job:
     ane_fraction: float | None = None  # 0: this request prefills GPU-only; None: as the server is configured
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict, name: str, default: float, bound: Bound) -> float:
+    """A number field within `bound` (absent or null: `default`)."""
+    return float(_value(body, name, default, bound))
+
+
+def _integer(body: dict, name: str, default: int | None, bound: Bound = NONNEG_INT) -> int | None:
+    """An integer field within `bound` (an integer Bound; absent or null: `default`)."""
+    return _value(body, name, default, bound)
+
+
+def _value(body: dict, name: str, default, bound: Bound):
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise RequestError(400, f"'{name}' must be a number, got {type(v).__name__}", name)
-    if not lo <= v <= hi:
-        raise RequestError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
-    return float(v)
-
-
-def _integer(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(400, f"'{name}' must be an integer, got {type(v).__name__}", name)
-    if lo is not None and v < lo:
-        raise RequestError(400, f"'{name}' must be at least {lo}, got {v}", name)
+    why = bound.problem(v)
+    if why is not None:
+        raise RequestError(400, f"'{name}' {why}", name)
     return v
 
 
@@ -194,10 +213,56 @@ def _messages(body: dict, roles: set[str]) -> list[dict]:
         if not isinstance(m, dict):
             raise RequestError(400, f"'messages[{i}]' must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:
             raise RequestError(400, f"'messages[{i}].role' must be one of {sorted(roles)}, got {role!r}", f"messages[{i}].role")
         out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
     return out
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body -> its JSON object, refusing what no engine should see: bad JSON, NaN/Infinity, nesting
+    deeper than MAX_JSON_DEPTH, strings that are not valid Unicode (lone surrogates)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise RequestError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", None,
+                           "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints longer than Python parses
+        raise RequestError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object", None)
+    _check_tree(body)
+    return body
+
+
+def _no_constant(name: str):
+    raise RequestError(400, f"the request body is not valid JSON: {name} is not a JSON number", None, "invalid_json")
+
+
+def _check_tree(body: dict) -> None:
+    """Walk the parsed body (iteratively: no recursion limit to hit) for depth and for unencodable strings."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", None,
+                               "invalid_json")
+        if isinstance(value, str):
+            _check_unicode(value, path or "body")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_unicode(k, f"{path}.{k!a}" if path else "body key")
+                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _check_unicode(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"'{where}' is not valid Unicode: it holds a lone surrogate ({text[e.start]!a}) at "
+                           f"character {e.start}; send UTF-8 text", where) from None
 
 
 class Parser:
@@ -227,7 +292,7 @@ class Parser:
     def common(self, body: dict, ids: list[int], max_name: str, required_max: bool = False) -> Job:
         fraction = None
         if body.get("ane_fraction") is not None:
-            fraction = _number(body, "ane_fraction", 0.0, 0.0, 1.0)
+            fraction = _number(body, "ane_fraction", 0.0, FRACTION)
             served = self.split_fraction
             if fraction not in (0.0, served):
                 how = f"{served:g} (its --ane-fraction)" if served else "0 (start it with --ane-fraction F to split)"
@@ -236,14 +301,14 @@ class Parser:
         room = self.engine.max_context - len(ids)
         if required_max and body.get(max_name) is None:
             raise RequestError(400, f"'{max_name}' is required", max_name)
-        max_tokens = _integer(body, max_name, room, lo=1)
+        max_tokens = _integer(body, max_name, room, POSITIVE_INT)
         mtp = _boolean(body, "mtp", None)
         if mtp and not self.engine.model.has_mtp:
             raise RequestError(400, "'mtp': this model has no MTP head", "mtp")
         return Job(
-            ids=ids, max_tokens=min(max_tokens, room), temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, 0.0, 1.0), top_k=_integer(body, "top_k", 0, lo=0),
-            min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=_integer(body, "seed", None),
+            ids=ids, max_tokens=min(max_tokens, room), temperature=_number(body, "temperature", 0.0, OPENAI_TEMPERATURE),
+            top_p=_number(body, "top_p", 1.0, TOP_P), top_k=_integer(body, "top_k", 0, TOP_K),
+            min_p=_number(body, "min_p", 0.0, MIN_P), seed=_integer(body, "seed", None, SEED),
             stream=bool(_boolean(body, "stream", False)), mtp=mtp, ane_fraction=fraction,
         )
 
@@ -252,7 +317,7 @@ class Parser:
         messages = _messages(body, {"system", "developer", "user", "assistant", "tool"})
         for m in messages:
             m["role"] = "system" if m["role"] == "developer" else m["role"]
-        if _integer(body, "n", 1, lo=1) != 1:
+        if _integer(body, "n", 1, POSITIVE_INT) != 1:
             raise RequestError(400, "'n' must be 1: one choice per request", "n")
         try:
             text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -273,7 +338,7 @@ class Parser:
             raise RequestError(400, "'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
         if not isinstance(prompt, (str, list)):
             raise RequestError(400, "'prompt' is required: a string or a list of token ids", "prompt")
-        if _integer(body, "n", 1, lo=1) != 1:
+        if _integer(body, "n", 1, POSITIVE_INT) != 1:
             raise RequestError(400, "'n' must be 1: one choice per request", "n")
         job = self.common(body, self.encode(prompt, "prompt"), "max_tokens")
         job.stops = _stops(body, "stop")
@@ -291,7 +356,7 @@ class Parser:
         except HeteroError as e:
             raise RequestError(400, str(e), "messages") from None
         job = self.common(body, self.encode(text, "messages"), "max_tokens", required_max=True)
-        job.temperature = _number(body, "temperature", 0.0, 0.0, 1.0)
+        job.temperature = _number(body, "temperature", 0.0, ANTHROPIC_TEMPERATURE)
         job.stops = _stops(body, "stop_sequences")
         return job
 
@@ -449,16 +514,36 @@ class Runner:
 # HTTP
 
 
+def _failure(e: Exception, rid: str) -> RequestError:
+    """What a failed generation tells the client: a HeteroError is the request's fault (400), anything else a
+    bug (500, logged with its traceback under the request id)."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, HeteroError):
+        return RequestError(400, str(e))
+    log.error("request %s failed", rid, exc_info=e)
+    return RequestError(500, f"internal error in request {rid}: {internal_error(e)} (the server log has the traceback)",
+                        None, "internal_error")
+
+
 def _openai_error(e: RequestError) -> JSONResponse:
     kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+    kind = "server_error" if e.status >= 500 else kind
     return JSONResponse({"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}},
                         status_code=e.status)
 
 
 def _anthropic_error(e: RequestError) -> JSONResponse:
     kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+    kind = "api_error" if e.status >= 500 else kind
     message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=e.status)
+
+
+async def _unhandled(request: Request, e: Exception) -> Response:
+    """Starlette's last resort: a JSON 500 in the API's own error shape, naming a request id for the log."""
+    failure = _failure(e, "req_" + uuid.uuid4().hex[:24])
+    return _anthropic_error(failure) if request.url.path.startswith("/v1/messages") else _openai_error(failure)
 
 
 def _sse(data: dict, event: str | None = None) -> str:
@@ -507,14 +592,7 @@ def create_app(
 
     async def body_of(request: Request) -> dict:
         check_key(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object", None)
-        return body
+        return parse_body(await request.body())
 
     async def chat_completions(request: Request) -> Response:
         try:
@@ -539,8 +617,8 @@ def create_app(
                 o = await runner.complete(job, request)
             except Cancelled:
                 return Response(status_code=499)
-            except HeteroError as e:
-                return _openai_error(RequestError(400, str(e)))
+            except Exception as e:
+                return _openai_error(_failure(e, rid))
             choice = ({"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish,
                        "logprobs": None} if chat else
                       {"index": 0, "text": o.text, "finish_reason": o.finish, "logprobs": None})
@@ -559,18 +637,22 @@ def create_app(
         async def events() -> AsyncIterator[str]:
             if chat:
                 yield _sse(chunk(None, role=True))
-            async for item in runner.stream(job):
-                if isinstance(item, Started):
-                    continue
-                if isinstance(item, str):
-                    yield _sse(chunk(item))
-                    continue
-                last = chunk(None, item.finish)
-                last["hetero"] = item.stats
-                yield _sse(last)
-                if job.include_usage:
-                    yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                "model": primary, "choices": [], "usage": _openai_usage(item)})
+            try:
+                async for item in runner.stream(job):
+                    if isinstance(item, Started):
+                        continue
+                    if isinstance(item, str):
+                        yield _sse(chunk(item))
+                        continue
+                    last = chunk(None, item.finish)
+                    last["hetero"] = item.stats
+                    yield _sse(last)
+                    if job.include_usage:
+                        yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                                    "model": primary, "choices": [], "usage": _openai_usage(item)})
+            except Exception as e:  # headers are sent: the error travels as an event (the SDKs raise on it)
+                yield _sse(json.loads(bytes(_openai_error(_failure(e, rid)).body)))
+                return
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -586,8 +668,8 @@ def create_app(
                 o = await runner.complete(job, request)
             except Cancelled:
                 return Response(status_code=499)
-            except HeteroError as e:
-                return _anthropic_error(RequestError(400, str(e)))
+            except Exception as e:
+                return _anthropic_error(_failure(e, mid))
             return JSONResponse({
                 "id": mid, "type": "message", "role": "assistant", "model": primary,
                 "content": [{"type": "text", "text": o.text}], "stop_reason": _anthropic_stop(o),
@@ -595,6 +677,13 @@ def create_app(
             })
 
         async def events() -> AsyncIterator[str]:
+            try:
+                async for event in anthropic_events():
+                    yield event
+            except Exception as e:  # headers are sent: Anthropic's stream carries errors as an `error` event
+                yield _sse(json.loads(bytes(_anthropic_error(_failure(e, mid)).body)), "error")
+
+        async def anthropic_events() -> AsyncIterator[str]:
             async for item in runner.stream(job):
                 if isinstance(item, Started):  # message_start waits for the restore to report cached tokens
                     cached = item.cached_tokens
@@ -641,7 +730,7 @@ def create_app(
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ])
+    ], exception_handlers={Exception: _unhandled})
 
 
 def serve(
@@ -662,31 +751,67 @@ def serve(
 
     `ane_fraction` (a number in [0, 1] or "auto") prefills through the ANE + GPU split, as `hetero run` does.
     """
-    import logging
-
     import uvicorn
 
     import hetero
     from hetero.prefix_cache import PrefixCache
-    from hetero.session_store import SessionStore
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = hetero.load(model)
-    store = None if no_session_cache else SessionStore(session_cache, int(session_cache_max_gb * 1024**3))
-    engine.prefix_cache = PrefixCache(int(prefix_cache_max_gb * 1024**3), store=store)
-    names = {engine.name} | ({served_name} if served_name else set())
-    split = None
-    if ane_fraction is not None:
-        from hetero.pipeline import auto_fraction, configure
+    sock = bind(host, port)  # before the model loads: a port in use fails at once, not after a minute of loading
+    try:
+        store = None if no_session_cache else open_session_store(session_cache, session_cache_max_gb)
+        engine = hetero.load(model)
+        engine.prefix_cache = PrefixCache(int(prefix_cache_max_gb * 1024**3), store=store)
+        names = {engine.name} | ({served_name} if served_name else set())
+        split = None
+        if ane_fraction is not None:
+            from hetero.pipeline import auto_fraction, configure
 
-        if ane_fraction == "auto":
-            split = auto_fraction(engine, prefill_chunk)
-        else:
-            try:
-                split = configure(engine, float(ane_fraction), prefill_chunk)
-            except ValueError:
-                raise HeteroError(f"--ane-fraction {ane_fraction!r}: give a number in [0, 1] or 'auto'") from None
-    app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk)
+            if ane_fraction == "auto":
+                split = auto_fraction(engine, prefill_chunk)
+            else:
+                try:
+                    split = configure(engine, float(ane_fraction), prefill_chunk)
+                except ValueError:
+                    raise HeteroError(f"--ane-fraction {ane_fraction!r}: give a number in [0, 1] or 'auto'") from None
+        app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk)
+    except BaseException:
+        sock.close()
+        raise
     where = f"session cache {store.root} ({len(store.entries)} entries)" if store else "no session cache"
     print(f"hetero: serving {sorted(names)} on http://{host}:{port} ({where})", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), or a one-line HeteroError saying why not (port in use, bad address)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise HeteroError(f"--host {host!r} is not an address this machine can bind ({e}); try 127.0.0.1 or 0.0.0.0") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a port in TIME_WAIT is free
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise HeteroError(f"port {port} on {host} is in use (another server running?); stop it or pass --port N") from None
+        raise HeteroError(f"cannot listen on {host}:{port}: {e.strerror}; pass another --host or --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def open_session_store(root: str | None, max_gb: float):
+    """The on-disk session cache at `root` (None: the default place), refused in one line when it cannot be a directory."""
+    from hetero.session_store import SessionStore, default_dir
+
+    path = Path(root).expanduser() if root is not None else default_dir()
+    if path.exists() and not path.is_dir():
+        raise HeteroError(f"--session-cache {path} is a file, not a directory; pass a directory (created when missing) "
+                          "or --no-session-cache")
+    try:
+        return SessionStore(path, int(max_gb * 1024**3))
+    except OSError as e:
+        raise HeteroError(f"cannot use {path} as the session cache ({e.strerror or e}); pass another --session-cache DIR "
+                          "or --no-session-cache") from None

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hetero
@@ -161,6 +161,7 @@ def test_a_one_token_prompt_is_answered_with_the_prefix_cache_on(warm, cold):
 @settings(max_examples=60, deadline=None)
 @given(text=st.text("ab\n", max_size=30), cuts=st.lists(st.integers(0, 30), max_size=6),
        stops=st.lists(st.text("ab\n", min_size=1, max_size=4), min_size=1, max_size=3))
+@example(text="\naa", cuts=[2], stops=["a", "\naa"])  # 'a' completes first, but '\naa' begins earlier and wins
 def test_stop_matcher_cuts_where_the_first_stop_begins(text, cuts, stops):
     edges = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     m = StopMatcher(stops)
