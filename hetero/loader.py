@@ -27,7 +27,7 @@ from hetero.models.qwen3_5 import (
     sanitize,
     unfused_names,
 )
-from hetero.validate import check_config
+from hetero.validate import MAX_DIM, check_config
 
 BUNDLED_MODEL = Path(__file__).parent / "bundled"
 SMALL_FILES = ["config.json", "generation_config.json", "*.index.json", "tokenizer*", "chat_template.jinja"]
@@ -141,10 +141,10 @@ def _tensor_info(file: Path, name: str, meta) -> TensorInfo:
     if not isinstance(meta, dict):
         raise corrupt
     dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    is_size = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**48  # noqa: E731
-    if not isinstance(dtype, str) or not isinstance(shape, list) or not all(is_size(d) for d in shape):
+    is_size = lambda v, top: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= top  # noqa: E731
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not all(is_size(d, MAX_DIM) for d in shape):
         raise corrupt
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_size(o) for o in offsets) or offsets[0] > offsets[1]:
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_size(o, 2**62) for o in offsets) or offsets[0] > offsets[1]:
         raise corrupt
     return TensorInfo(name, dtype, tuple(shape), file.name, offsets[1] - offsets[0])
 
@@ -312,7 +312,11 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
 
     quantized = {canonical_name(n) or n for n in tensors}
     quantized = {n[: -len(".scales")] for n in quantized if n.endswith(".scales")}
-    expected = dict(tree_flatten(build_lazy_model(args, report.has_mtp, quantized).parameters()))
+    try:
+        expected = dict(tree_flatten(build_lazy_model(args, report.has_mtp, quantized).parameters()))
+    except (OverflowError, ValueError) as e:  # sizes each in range whose products are not (MLX dims are 32-bit)
+        report.errors.append(f"config.json's sizes give a parameter MLX cannot hold ({e}); fix or re-download config.json")
+        return report
     expected_shapes = {k: tuple(v.shape) for k, v in expected.items()}
 
     if report.shapes_checked:

@@ -134,6 +134,9 @@ CONFIG_POSITIVE_INTS = (
     "decoder_sparse_step", "num_experts_per_tok", "moe_intermediate_size",
 )
 CONFIG_NONNEG_INTS = ("mtp_num_hidden_layers", "num_experts", "shared_expert_intermediate_size")
+MAX_DIM = 2**31 - 1  # MLX array dimensions are 32-bit
+# Counts that size Python lists (one object per layer): far above any released model, far below a hang
+CONFIG_MAX = {"num_hidden_layers": 4096, "mtp_num_hidden_layers": 64}
 CONFIG_FLOATS = {
     "rms_norm_eps": POSITIVE,
     "rope_theta": POSITIVE,
@@ -182,9 +185,9 @@ def _check_fields(fields: dict, where: str, scope: str | None) -> None:
     """Type and range of each known field present in one level of the config."""
     name = lambda k: f"{where}: {scope + '.' if scope else ''}{k}"  # noqa: E731
     for key in CONFIG_POSITIVE_INTS:
-        _check_value(fields, key, POSITIVE_INT, name(key))
+        _check_value(fields, key, Bound(1, CONFIG_MAX.get(key, MAX_DIM), integer=True), name(key))
     for key in CONFIG_NONNEG_INTS:
-        _check_value(fields, key, NONNEG_INT, name(key))
+        _check_value(fields, key, Bound(0, CONFIG_MAX.get(key, MAX_DIM), integer=True), name(key))
     for key, bound in CONFIG_FLOATS.items():
         _check_value(fields, key, bound, name(key))
     for key in CONFIG_BOOLS:
