@@ -404,22 +404,6 @@ def _seconds(flops: np.ndarray, nbytes: float, rate: float | None, bw: float | N
     return np.maximum(t, np.where(flops > 0, nbytes, 0.0) / bw) if bw else t
 
 
-def _stages(ps: list[Piece]) -> list[tuple[int, list[Piece], list[Piece]]]:
-    """(layer count, pieces run concurrently, pieces run after the merge) per stage of a layer."""
-    by = {p.kind: p for p in ps}
-    get = lambda *kinds: [by[k] for k in kinds if k in by]  # noqa: E731
-    out = []
-    if "attention" in by:
-        out.append((by["attention"].layers, get("attention"), []))
-    if "gdn_in_proj" in by:
-        out.append((by["gdn_in_proj"].layers, get("gdn_in_proj", "gdn_recurrence"), get("gdn_out_proj")))
-    for kind in ("mlp", "moe"):
-        if kind in by:
-            out.append((by[kind].layers, [by[kind]], []))
-    out.append((1, get("mtp", "lm_head"), []))
-    return out
-
-
 @dataclass
 class PrefillTime:
     """Predicted prefill seconds: wall time and each lane's busy time (None = unknown)."""
@@ -429,35 +413,43 @@ class PrefillTime:
     ane_busy_s: float | None
 
 
-def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int, chunk: int, split: bool) -> PrefillTime:
-    """Per chunk and layer, each stage takes the slower lane's time (both lanes run at once), then the merge."""
+MERGE_BYTES_PER_ACTIVATION = 12  # a merge brings an fp32 activation into MLX, then reads and writes it in the sum
+
+
+def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int, chunk: int, split: bool,
+                    hidden: int) -> PrefillTime:
+    """The runtime's wavefront: each lane runs its own jobs back to back while the other runs its own, so the wall
+    time is the busier lane's total plus the fill and drain of the pipeline: the other lane's work on the last
+    chunk, which nothing can overlap (its jobs alternate with the busier lane's along that chunk's layers).
+
+    GPU lane: every piece's GPU share (all of it when not split) and, per split piece and chunk, the merge (the
+    ANE's output into MLX and a sum over the chunk's activations). ANE lane: its shares at the static shapes it
+    runs (attention over the whole context bucket) plus a fixed cost per program call.
+    """
     starts, sizes = chunk_spans(tokens, chunk)
     bucket = context_bucket(tokens, chunk)
-    wall = gpu_busy = ane_busy = 0.0
-    for count, concurrent, after in _stages(ps):
-        gpu_t = np.zeros_like(sizes)
-        ane_t = np.zeros_like(sizes)
-        for p in concurrent + after:
-            share = p.ane_share if split else 0.0
-            f = piece_flops(p, starts, sizes)
-            g = _seconds(f * (1 - share), storage.nbytes(p.params * (1 - share)), lanes.gpu_rate(p.kind), lanes.gpu_bw)
-            if g is None:
+    gpu = np.zeros_like(sizes)  # seconds per chunk on each lane
+    ane = np.zeros_like(sizes)
+    merge_bytes = sizes * hidden * MERGE_BYTES_PER_ACTIVATION  # [chunks]
+    for p in ps:
+        share = p.ane_share if split else 0.0
+        g = _seconds(piece_flops(p, starts, sizes) * (1 - share), storage.nbytes(p.params * (1 - share)),
+                     lanes.gpu_rate(p.kind), lanes.gpu_bw)
+        if g is None:
+            return PrefillTime(None, None, None)
+        gpu += p.layers * g
+        if share:
+            a = _seconds(ane_piece_flops(p, starts, sizes, chunk, bucket) * share, p.params * share * ANE_WEIGHT_BYTES,
+                         lanes.ane_rate(p.kind), lanes.ane_bw)
+            if a is None:
                 return PrefillTime(None, None, None)
-            if p in after:
-                wall += count * float(g.sum())
-                gpu_busy += count * float(g.sum())
-                continue
-            gpu_t = gpu_t + g
-            if share:
-                a = _seconds(ane_piece_flops(p, starts, sizes, chunk, bucket) * share, p.params * share * ANE_WEIGHT_BYTES,
-                             lanes.ane_rate(p.kind), lanes.ane_bw)
-                if a is None:
-                    return PrefillTime(None, None, None)
-                ane_t = ane_t + a + lanes.ane_call_s
-        wall += count * float(np.maximum(gpu_t, ane_t).sum())
-        gpu_busy += count * float(gpu_t.sum())
-        ane_busy += count * float(ane_t.sum())
-    return PrefillTime(wall, gpu_busy, ane_busy)
+            ane += p.layers * (a + lanes.ane_call_s)
+            if lanes.gpu_bw:
+                gpu += p.layers * merge_bytes / lanes.gpu_bw
+    gpu_busy, ane_busy = float(gpu.sum()), float(ane.sum())
+    if not ane_busy:
+        return PrefillTime(gpu_busy, gpu_busy, 0.0)
+    return PrefillTime(max(gpu_busy, ane_busy) + min(float(gpu[-1]), float(ane[-1])), gpu_busy, ane_busy)
 
 
 def decode_bytes_per_token(args: ModelArgs, moe: MoE | None, storage: Storage, context: int, kv_bytes: int) -> float:
@@ -739,9 +731,9 @@ def make_plan(
         total = p.layers * float(piece_flops(p, starts, sizes).sum())
         flops[p.kind] = (total, total * p.ane_share)
 
-    gpu_only = predict_prefill(ps, storage, lanes, context, chunk, split=False)
-    split = predict_prefill(ps, storage, lanes, context, chunk, split=True)
-    ttft = predict_prefill(ps, storage, lanes, prompt, chunk, split=True)
+    gpu_only = predict_prefill(ps, storage, lanes, context, chunk, False, args.hidden_size)
+    split = predict_prefill(ps, storage, lanes, context, chunk, True, args.hidden_size)
+    ttft = predict_prefill(ps, storage, lanes, prompt, chunk, True, args.hidden_size)
     kv_bytes = 2  # bf16 / fp16 cache on the GPU
     decode = predict_decode(args, moe, storage, lanes.gpu_bw, context, kv_bytes, accepted_length, draft_depth,
                             profile.decode_efficiency, profile.mtp_verify_ratio, profile.mtp_verify_tokens)

@@ -131,8 +131,11 @@ def test_recommend_keeps_a_kind_the_ane_runs_slowly_on_the_gpu_and_says_why():
     assert plan.to_dict()["offload"] == list(plan.offload)
     everything = make_plan(Q9, slow, f, 8192).predicted["split_prefill_s"]
     assert plan.predicted["split_prefill_s"] < everything
-    fast_f, fast = recommend(Q9, NO_ANE_LIMIT, 8192, 512)
-    assert "attention" in fast.offload  # at the peak-figure rate, attention is worth offloading
+    _, balanced = recommend(Q9, NO_ANE_LIMIT, 8192, 512)
+    assert balanced.offload == ("mlp",)  # the MLPs alone balance the lanes: no need for the bucket-padded attention
+    quick = dataclasses.replace(NO_ANE_LIMIT, ane_fp16_tflops=3 * NO_ANE_LIMIT.ane_fp16_tflops)
+    _, fast = recommend(Q9, quick, 8192, 512)
+    assert "attention" in fast.offload  # an ANE with time to spare after every MLP takes attention heads too
 
 
 def test_ane_attention_pays_for_its_whole_static_bucket():
@@ -392,3 +395,23 @@ def test_chunk_spans_cover_the_prompt():
     starts, sizes = chunk_spans(1000, 256)
     assert list(starts) == [0, 256, 512, 768] and list(sizes) == [256, 256, 256, 232]
     assert np.sum(sizes) == 1000
+
+
+def test_split_prefill_is_the_busier_lane_plus_the_last_chunks_other_lane():
+    """The wavefront: wall = max(GPU busy, ANE busy) + the other lane's share of the last chunk; lock-step stages
+    (the previous model) would be the sum over stages of the slower share, never below the busier lane."""
+    from hetero.planner import Lanes, chunk_spans, model_shape, pieces, predict_prefill, storage_for
+
+    args, moe = model_shape(Q9)
+    lanes, storage = Lanes.of(NO_ANE_LIMIT), storage_for(Q9, None, None)
+    ps = pieces(args, moe, 0.5)
+    t = predict_prefill(ps, storage, lanes, 8192, 512, True, args.hidden_size)
+    one = predict_prefill(ps, storage, lanes, 512, 512, True, args.hidden_size)  # a single chunk: nothing to overlap
+    assert max(t.gpu_busy_s, t.ane_busy_s) < t.wall_s < t.gpu_busy_s + t.ane_busy_s
+    assert one.wall_s == pytest.approx(one.gpu_busy_s + one.ane_busy_s)  # the chain alternates lanes
+    last = predict_prefill(ps, storage, lanes, 8192 - 512, 512, True, args.hidden_size)
+    gpu_last, ane_last = t.gpu_busy_s - last.gpu_busy_s, t.ane_busy_s - last.ane_busy_s  # the 16th chunk alone
+    assert t.wall_s == pytest.approx(max(t.gpu_busy_s, t.ane_busy_s) + min(gpu_last, ane_last), rel=1e-6)
+    gpu_only = predict_prefill(ps, storage, lanes, 8192, 512, False, args.hidden_size)
+    assert gpu_only.wall_s == gpu_only.gpu_busy_s and gpu_only.ane_busy_s == 0.0
+    assert len(chunk_spans(8192, 512)[0]) == 16
