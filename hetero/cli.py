@@ -44,6 +44,16 @@ def fraction_or_auto(text: str) -> str:
     return text
 
 
+def token_counts(text: str) -> str:
+    """argparse type for --context lists: comma-separated integers >= 1 (kept as given; the exporter splits it)."""
+    parts = [c.strip() for c in text.split(",") if c.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("give one or more token counts separated by commas")
+    for c in parts:
+        POSITIVE_INT(c)
+    return text
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory or hub id (default: the bundled model)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -146,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--ane-fraction", type=Bound(0, 1, lo_open=True),
                          help="with --coreml: share of each offloadable piece for the ANE (required there; default: none)")
     convert.add_argument("--chunk-size", type=POSITIVE_INT, default=256, help="with --coreml: prefill chunk (multiple of 64)")
-    convert.add_argument("--context", default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
+    convert.add_argument("--context", type=token_counts, default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
     convert.add_argument("--out",
                          help="output directory (--quantize: must not exist or be empty; --coreml: reused; default: none, required)")
     return parser

@@ -88,6 +88,18 @@ def read_config(path: Path) -> dict:
     return check_config(config, str(file), required=config.get("model_type") in SUPPORTED_MODEL_TYPES)
 
 
+def check_generation_config(path: Path) -> None:
+    """generation_config.json, when present and JSON, must be an object with token ids where ids go."""
+    file = path / "generation_config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return  # unreadable: the engine ignores it (config.json and the tokenizer still name EOS)
+    if not isinstance(config, dict):
+        raise HeteroError(f"{file} must hold a JSON object, got a JSON {type(config).__name__}; fix or delete it")
+    check_config({"eos_token_id": config.get("eos_token_id")}, str(file))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # safetensors headers
 
@@ -287,6 +299,7 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
         report.model_type = config.get("model_type")
         report.architecture = ", ".join(config.get("architectures") or []) or None
         args = ModelArgs.from_config(config)
+        check_generation_config(path)
         report.quantization = args.quantization
         if args.moe_layers:
             raise HeteroError(

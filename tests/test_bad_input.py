@@ -118,6 +118,18 @@ def test_nested_text_config_fields_are_checked_too(tiny, tmp_path, capsys):
     assert_one_line(rc, err, "text_config.num_attention_heads must be an integer in [1, ")
 
 
+@pytest.mark.parametrize("content, needle", [
+    ("[1, 2]", "generation_config.json must hold a JSON object"),
+    ('{"eos_token_id": "x"}', "eos_token_id must be a token id"),
+])
+def test_bad_generation_config_is_one_line(tiny, tmp_path, capsys, content, needle):
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    (model / "generation_config.json").write_text(content)
+    rc, _, err = cli(capsys, "run", "--model", str(model), "--prompt", "x")
+    assert_one_line(rc, err, needle)
+
+
 def write_safetensors_header(file: Path, header, data: bytes = b"") -> None:
     raw = json.dumps(header).encode()
     file.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
@@ -175,6 +187,8 @@ def test_seed_out_of_range_is_one_line(capsys, seed):
     ["serve", "--session-cache-max-gb", "inf"],
     ["convert", "--coreml", "--out", "x", "--ane-fraction", "0"],
     ["convert", "--coreml", "--out", "x", "--chunk-size", "0"],
+    ["convert", "--coreml", "--out", "x", "--context", "4096,-1"],
+    ["convert", "--coreml", "--out", "x", "--context", ","],
 ])
 def test_out_of_range_options_are_refused_in_one_line(capsys, args):
     rc, out, err = cli(capsys, *args)
