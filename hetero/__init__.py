@@ -5,6 +5,10 @@
     print(result.text, result.stats)
 """
 
+from hetero import blas as _blas
+
+_blas.apply()  # Linux: the wheel's fast BLAS under MLX; must come before anything imports mlx.core
+
 from hetero.engine import Engine, GenerationResult, load
 from hetero.errors import HeteroError
 
