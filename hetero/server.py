@@ -509,6 +509,29 @@ class Runner:
         finally:
             cancelled.set()
 
+    async def stream_started(self, job: Job, request: Request) -> AsyncIterator[str | Started | Outcome] | None:
+        """`stream(job)` once its first item is in, so that a job failing before it generates anything fails
+        before the response's first byte (a 4xx/5xx, not a 200 that breaks off). None: the client went away."""
+        items = self.stream(job)
+        first = asyncio.ensure_future(items.__anext__())
+        while not first.done():
+            await asyncio.wait([first], timeout=0.25)
+            if not first.done() and await request.is_disconnected():
+                first.cancel()  # closes the stream, which cancels the job
+                await asyncio.wait([first])
+                return None
+        head = first.result()  # the job's own exception, when it failed first
+
+        async def chained() -> AsyncIterator[str | Started | Outcome]:
+            try:
+                yield head
+                async for item in items:
+                    yield item
+            finally:
+                await items.aclose()  # now, not at garbage collection: closing the stream is what cancels the job
+
+        return chained()
+
 
 # ----------------------------------------------------------------------------------------------------------
 # HTTP
@@ -634,11 +657,18 @@ def create_app(
             return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": primary,
                     "choices": [c]}
 
+        try:
+            items = await runner.stream_started(job, request)
+        except Exception as e:
+            return _openai_error(_failure(e, rid))
+        if items is None:
+            return Response(status_code=499)
+
         async def events() -> AsyncIterator[str]:
             if chat:
                 yield _sse(chunk(None, role=True))
             try:
-                async for item in runner.stream(job):
+                async for item in items:
                     if isinstance(item, Started):
                         continue
                     if isinstance(item, str):
@@ -676,6 +706,13 @@ def create_app(
                 "stop_sequence": o.stop, "usage": _anthropic_usage(o), "hetero": o.stats,
             })
 
+        try:
+            items = await runner.stream_started(job, request)
+        except Exception as e:
+            return _anthropic_error(_failure(e, mid))
+        if items is None:
+            return Response(status_code=499)
+
         async def events() -> AsyncIterator[str]:
             try:
                 async for event in anthropic_events():
@@ -684,7 +721,7 @@ def create_app(
                 yield _sse(json.loads(bytes(_anthropic_error(_failure(e, mid)).body)), "error")
 
         async def anthropic_events() -> AsyncIterator[str]:
-            async for item in runner.stream(job):
+            async for item in items:
                 if isinstance(item, Started):  # message_start waits for the restore to report cached tokens
                     cached = item.cached_tokens
                     yield _sse({"type": "message_start", "message": {

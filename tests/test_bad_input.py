@@ -450,6 +450,28 @@ def test_failures_in_generation_are_json_errors_with_a_request_id(server, monkey
         assert r.json()["error"]["type"] == "api_error" and "msg_" in r.json()["error"]["message"]
 
 
+def fail_before_generating(error: Exception):
+    """The engine fails before it reports any progress (stands in for a check deep in the engine)."""
+
+    def generate(ids, **kw):
+        raise error
+
+    return generate
+
+
+@pytest.mark.parametrize("error, status", [(RuntimeError("kernel exploded"), 500), (HeteroError("bad prompt"), 400)])
+def test_a_stream_that_fails_before_generating_is_an_http_error(server, monkeypatch, error, status):
+    engine = _served_engine(server)
+    monkeypatch.setattr(engine, "generate", fail_before_generating(error))
+    for path, body in (("/v1/chat/completions", good_chat(server)), ("/v1/messages", good_chat(server))):
+        with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+            r.read()
+        assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+        assert str(error) in r.text
+    monkeypatch.undo()
+    assert_still_answers(server)
+
+
 def test_a_failure_mid_stream_sends_an_error_event(server, monkeypatch):
     engine = _served_engine(server)
     monkeypatch.setattr(engine, "generate", fail_mid_generation(engine, RuntimeError("kernel exploded")))
