@@ -33,6 +33,7 @@ DELTA_BLOCK = 64  # the chunked delta rule's block size: its intra-block matmuls
 RUNTIME_RESERVE = 1 << 30  # MLX runtime, allocator slack and decode activations: kept free by the governor
 DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
 DEFAULT_DRAFT_DEPTH = 3
+SPLIT_IN_FLIGHT = 4  # chunks a split prefill keeps in progress: enough for both lanes to find work
 # Weights per exported ANE program: below the documented ~2 GB per program (a weights.bin past 2^31 bytes fails
 # to load), with room for the package's own metadata. The exporter splits a larger share into several programs.
 PROGRAM_WEIGHT_BUDGET = int(1.5 * 2**30)
@@ -580,9 +581,11 @@ def govern(
     coreml_bytes: float = 0,
     wired_fraction: float = 0.75,
     weights_label: str = "",
+    in_flight: int = 1,
 ) -> Budget:
     """The largest context window (a multiple of `chunk`, at most the model's maximum) that fits the wirable RAM.
 
+    `in_flight`: chunks prefilled at once (a split prefill's wavefront keeps several), each with its buffers.
     Raises HeteroError when the fixed costs alone do not fit (memory below the weights).
     """
     wirable = int(memory_bytes * wired_fraction)
@@ -590,7 +593,8 @@ def govern(
         (f"weights{f' ({weights_label})' if weights_label else ''}", int(weight_bytes)),
         ("Core ML packages (ANE share, fp16)", int(coreml_bytes)),
         ("GDN recurrent state + conv window, one sequence", gdn_state_bytes(args)),
-        (f"transient prefill buffers (chunk {chunk})", prefill_buffer_bytes(args, chunk)),
+        (f"transient prefill buffers (chunk {chunk}{f', {in_flight} in flight' if in_flight > 1 else ''})",
+         in_flight * prefill_buffer_bytes(args, chunk)),
         ("runtime reserve (MLX, allocator, decode)", RUNTIME_RESERVE),
     ]
     per_token = kv_bytes_per_token(args, kv_bytes)
@@ -781,7 +785,8 @@ def make_plan(
             raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
         weights = sum(p.layers * storage.nbytes(p.params) for p in ps)
         plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps),
-                             profile.gpu_wired_fraction, storage.label)
+                             profile.gpu_wired_fraction, storage.label,
+                             SPLIT_IN_FLIGHT if any(p.ane_units for p in ps) else 1)
     return plan
 
 
@@ -901,25 +906,26 @@ def plan_lines(plan: Plan) -> list[str]:
 _WINDOWS: dict[tuple[int, float | None], tuple[weakref.ref, Budget]] = {}
 
 
-def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512) -> Budget:
+def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_flight: int = 1) -> Budget:
     """The governor's budget for a loaded model: its actual weight bytes and cache dtype, this machine's RAM
-    (or `memory_gb`). Cached per model and memory size."""
+    (or `memory_gb`), `in_flight` chunks of prefill buffers. Cached per model, memory size and chunks in flight."""
     from mlx.utils import tree_flatten
 
-    key = (id(model), memory_gb)
+    key = (id(model), memory_gb, in_flight)
     ref, budget = _WINDOWS.get(key, (None, None))
     if ref is None or ref() is not model:  # an id can be reused once a model is freed
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         kv_bytes = model.model.norm.weight.dtype.size  # the cache holds K/V in the model's dtype
         memory = memory_gb * 1e9 if memory_gb is not None else physical_memory_bytes()
-        budget = govern(model.args, weights, memory, chunk, kv_bytes, weights_label="as loaded")
+        budget = govern(model.args, weights, memory, chunk, kv_bytes, weights_label="as loaded", in_flight=in_flight)
         _WINDOWS[key] = (weakref.ref(model), budget)
     return budget
 
 
-def check_prompt_fits(model, n_tokens: int, memory_gb: float | None = None) -> None:
-    """HeteroError when a prompt of `n_tokens` exceeds the memory governor's context window."""
-    budget = loaded_budget(model, memory_gb)
+def check_prompt_fits(model, n_tokens: int, memory_gb: float | None = None, in_flight: int = 1) -> None:
+    """HeteroError when a prompt of `n_tokens` exceeds the memory governor's context window (with `in_flight`
+    chunks prefilled at once)."""
+    budget = loaded_budget(model, memory_gb, in_flight=in_flight)
     if n_tokens >= budget.context_window:
         raise HeteroError(
             f"the prompt has {n_tokens} tokens but the memory governor's context window is {budget.context_window} "

@@ -415,3 +415,18 @@ def test_split_prefill_is_the_busier_lane_plus_the_last_chunks_other_lane():
     gpu_only = predict_prefill(ps, storage, lanes, 8192, 512, False, args.hidden_size)
     assert gpu_only.wall_s == gpu_only.gpu_busy_s and gpu_only.ane_busy_s == 0.0
     assert len(chunk_spans(8192, 512)[0]) == 16
+
+
+def test_the_governor_counts_every_chunk_a_split_keeps_in_flight():
+    """A split prefill holds SPLIT_IN_FLIGHT chunks' buffers at once: the governor's line says so and counts them,
+    so the window can only shrink; a GPU-only plan counts one chunk."""
+    from hetero.planner import SPLIT_IN_FLIGHT, model_shape, prefill_buffer_bytes
+
+    args, _ = model_shape(Q9)
+    split = make_plan(Q9, NO_ANE_LIMIT, 0.5, 8192, memory_gb=64).memory
+    alone = make_plan(Q9, NO_ANE_LIMIT, 0.0, 8192, memory_gb=64).memory
+    lines = lambda b: {name: n for name, n in b.lines if name.startswith("transient")}  # noqa: E731
+    assert list(lines(split).values()) == [SPLIT_IN_FLIGHT * prefill_buffer_bytes(args, 512)]
+    assert f"{SPLIT_IN_FLIGHT} in flight" in next(iter(lines(split)))
+    assert list(lines(alone).values()) == [prefill_buffer_bytes(args, 512)]
+    assert split.context_window <= alone.context_window

@@ -70,11 +70,14 @@ class PipelineRun:
         Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.generate`. With
         `decode`, the GPU lane interleaves other requests' work while the ANE computes its share.
         """
+        from hetero.planner import check_prompt_fits
+
         model = self.engine.model
         cache = model.make_cache()
         if len(ids) < 2:
             return cache, 0, None
         split = self.splitter(len(ids) - 1)
+        check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight)
         self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode)
         return cache, len(ids) - 1, self.last.hidden
 

@@ -21,8 +21,7 @@ from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
 from hetero.pipeline.programs import Programs
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, from_bc1s, host, to_bc1s
-
-DEFAULT_IN_FLIGHT = 4  # chunks in progress at once: enough for both lanes to find work, few transient buffers
+from hetero.planner import SPLIT_IN_FLIGHT
 
 
 @dataclass
@@ -66,7 +65,7 @@ class SplitPrefill:
     """Prefill through both lanes with a set of loaded programs; `GPU rest` slices are built once per model."""
 
     def __init__(self, model: Model, programs: Programs, backend: str = "reference executor",
-                 in_flight: int = DEFAULT_IN_FLIGHT):
+                 in_flight: int = SPLIT_IN_FLIGHT):
         self.model, self.programs, self.backend, self.in_flight = model, programs, backend, in_flight
         self.attn_rest: dict[int, GpuAttentionRest] = {}
         self.mlp_rest: dict[int, GpuMLPRest] = {}
