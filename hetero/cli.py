@@ -296,6 +296,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from hetero.server import serve
 
+    if args.served_model_name is not None:  # sent back in every response: it must be valid text
+        check_text(args.served_model_name, "--served-model-name")
+
     serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
           args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name, args.ane_fraction,
           args.prefill_chunk, args.max_concurrent)
@@ -368,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nhetero: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`hetero run ... | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # keep the exit-time flush quiet
+        return 141
     except Exception as e:  # a bug, not the user's mistake: still one line, the traceback on request
         if args.debug:
             raise

@@ -302,17 +302,23 @@ CONFIG_KEYS = [
 
 
 def load_or_refuse(model: Path) -> None:
-    """Pre-flight and load: either works or raises HeteroError (anything else is a bug)."""
+    """Pre-flight, load and generate: either works or raises HeteroError (anything else is a bug)."""
     report = preflight(model)
     assert all(isinstance(e, str) for e in report.errors)
     try:
-        hetero.load(model)
+        hetero.load(model).generate("def add", max_tokens=2)
     except HeteroError as e:
         assert "\n" not in str(e)
 
 
+CONFIG_VALUES = st.one_of(  # mostly near the real values, so that some configs get past the first check
+    st.integers(0, 70), st.sampled_from([None, 1e-6, 0.5, 10_000.0, True, False]),
+    st.lists(st.sampled_from(["linear_attention", "full_attention", "moe"]), max_size=4), JSON_VALUES,
+)
+
+
 @FUZZ
-@given(edits=st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), JSON_VALUES), min_size=1, max_size=3),
+@given(edits=st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), CONFIG_VALUES), min_size=1, max_size=3),
        nest=st.booleans())
 def test_fuzzed_config_loads_or_is_refused_in_one_line(tiny, tmp_path_factory, edits, nest):
     model = tmp_path_factory.mktemp("fuzz-config") / "m"
@@ -505,31 +511,50 @@ def _served_engine(server):
 # Fuzz: request bodies
 
 FIELD_VALUES = st.one_of(JSON_VALUES, st.integers(-3, 4), st.floats(-1, 3), st.sampled_from(["\ud800", "x\udfff"]))
-MESSAGES = st.one_of(
-    JSON_VALUES,
-    st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), JSON_VALUES),
-                                    "content": st.one_of(st.text(max_size=12), JSON_VALUES,
-                                                         st.lists(st.fixed_dictionaries(
-                                                             {"type": st.sampled_from(["text", "tool_result", "tool_use", "image"]),
-                                                              "text": st.one_of(st.text(max_size=8), JSON_VALUES),
-                                                              "content": JSON_VALUES}), max_size=2))}),
-             min_size=0, max_size=3),
+CONTENT = st.one_of(
+    st.text(max_size=12), JSON_VALUES,
+    st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_result", "tool_use", "image"])},
+                                    optional={"text": st.one_of(st.text(max_size=8), JSON_VALUES),
+                                              "content": st.one_of(st.text(max_size=8), JSON_VALUES),
+                                              "name": st.text(max_size=4), "input": JSON_VALUES}), max_size=2),
 )
-BODY = st.fixed_dictionaries(
-    {"model": st.one_of(st.just("model"), JSON_VALUES)},
-    optional={
-        "messages": MESSAGES, "prompt": st.one_of(st.text(max_size=12), st.lists(st.integers(-2, 400), max_size=4), JSON_VALUES),
-        "max_tokens": st.one_of(st.integers(-2, 3), JSON_VALUES), "temperature": FIELD_VALUES, "top_p": FIELD_VALUES,
-        "top_k": FIELD_VALUES, "min_p": FIELD_VALUES, "seed": st.one_of(st.integers(-2**70, 2**70), FIELD_VALUES),
-        "stop": FIELD_VALUES, "stop_sequences": FIELD_VALUES, "stream": st.one_of(st.booleans(), FIELD_VALUES),
-        "stream_options": FIELD_VALUES, "n": FIELD_VALUES, "mtp": FIELD_VALUES, "ane_fraction": FIELD_VALUES,
-        "system": st.one_of(st.text(max_size=8), JSON_VALUES), "max_completion_tokens": FIELD_VALUES,
-    },
-)
+MESSAGE = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool", "developer"]),
+                                                   JSON_VALUES)}, optional={"content": CONTENT})
+# Each field is mostly in range (so that generation runs, streamed or not) and sometimes anything at all
+MUTATIONS = {
+    "model": st.one_of(st.just("model"), JSON_VALUES),
+    "messages": st.one_of(st.lists(MESSAGE, max_size=3), JSON_VALUES),
+    "prompt": st.one_of(st.text(max_size=12), st.lists(st.integers(-2, 400), max_size=4), JSON_VALUES),
+    "system": st.one_of(st.text(max_size=8), CONTENT),
+    "max_tokens": st.one_of(st.integers(-1, 3), FIELD_VALUES),
+    "max_completion_tokens": st.one_of(st.integers(1, 3), FIELD_VALUES),
+    "temperature": st.one_of(st.floats(0, 2), FIELD_VALUES),
+    "top_p": st.one_of(st.floats(0, 1), FIELD_VALUES),
+    "top_k": st.one_of(st.integers(0, 400), FIELD_VALUES),
+    "min_p": st.one_of(st.floats(0, 1), FIELD_VALUES),
+    "seed": st.one_of(st.integers(-2**70, 2**70), st.integers(0, 2**64 - 1), FIELD_VALUES),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), FIELD_VALUES),
+    "stop_sequences": st.one_of(st.lists(st.text(max_size=3), max_size=3), FIELD_VALUES),
+    "stream": st.one_of(st.booleans(), FIELD_VALUES),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), FIELD_VALUES),
+    "n": st.one_of(st.just(1), FIELD_VALUES),
+    "mtp": st.one_of(st.booleans(), FIELD_VALUES),
+    "ane_fraction": st.one_of(st.just(0), FIELD_VALUES),
+}
+BASE = {"model": "model", "messages": [{"role": "user", "content": "def add"}], "prompt": "def add", "max_tokens": 2}
+
+
+@st.composite
+def request_bodies(draw) -> dict | list:
+    """A good request with a few fields changed (or added), now and then any JSON value at all."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(JSON_VALUES)
+    keys = draw(st.lists(st.sampled_from(sorted(MUTATIONS)), max_size=4, unique=True))
+    return {**BASE, **{k: draw(MUTATIONS[k]) for k in keys}}
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/messages"]), body=BODY)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/messages"]), body=request_bodies())
 def test_fuzzed_requests_never_get_a_500(server, path, body):
     raw = json.dumps(body).encode("utf-8", "surrogatepass")  # lone surrogates travel as \\udXXX escapes
     with httpx.stream("POST", server.url + path, content=raw, headers={"content-type": "application/json"},
@@ -538,8 +563,10 @@ def test_fuzzed_requests_never_get_a_500(server, path, body):
     assert r.status_code < 500, text
     if r.status_code >= 400:
         assert r.headers["content-type"] == "application/json" and "error" in json.loads(text)
-    elif r.headers["content-type"].startswith("text/event-stream"):
-        assert "error" not in text.split("data:")[-1][:20], text  # a valid request streams to its end
+    elif r.headers["content-type"].startswith("text/event-stream"):  # a valid request streams to its end
+        assert ("event: message_stop" if path == "/v1/messages" else "data: [DONE]") in text, text
+    else:
+        assert "choices" in json.loads(text) or "content" in json.loads(text)
 
 
 def test_server_answers_after_the_fuzzing(server):
