@@ -345,6 +345,7 @@ def reexec_with_fast_blas(argv: list[str] | None = None) -> None:
         return
     preload = ":".join(filter(None, [*map(str, found[1]), os.environ.get("LD_PRELOAD")]))
     env = dict(os.environ, LD_PRELOAD=preload, **{_REEXEC_MARK: "1"})
+    print(f"hetero: restarting with {found[1][-1].name} preloaded", file=sys.stderr, flush=True)
     os.execve(sys.executable, [sys.executable, *(argv if argv is not None else sys.argv)], env)
 
 
