@@ -251,7 +251,7 @@ def _check_tree(body: dict) -> None:
             _check_unicode(value, path or "body")
         elif isinstance(value, dict):
             for k, v in value.items():
-                _check_unicode(k, f"{path}.{k!a}" if path else "body key")
+                _check_unicode(k, f"a key in {path or 'the body'}")
                 stack.append((v, f"{path}.{k}" if path else k, depth + 1))
         elif isinstance(value, list):
             stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
