@@ -5,3 +5,5 @@ import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HETERO_HOME", tempfile.mkdtemp(prefix="hetero-test-home-"))
+
+import hetero  # noqa: E402,F401  (before any test imports MLX: the fast BLAS is under it whatever the test order)

@@ -122,7 +122,9 @@ def test_gdn_chunked_layer_equals_token_by_token_through_cache(chaotic):
     outs = [gdn(x[:, t : t + 1], steps) for t in range(x.shape[1])]
     assert rel_err(mx.concatenate(outs, axis=1), out) <= 1e-5
     assert rel_err(steps.recurrent, whole.recurrent) <= 1e-5
-    assert rel_err(steps.conv, whole.conv) == 0.0  # the conv window is just the last K-1 inputs
+    # the conv window is the last K-1 projected inputs: a fast BLAS projects one row and 40 rows with different
+    # kernels, so they agree to fp32 rounding, not bit for bit
+    assert rel_err(steps.conv, whole.conv) <= 1e-6
     assert steps.offset == whole.offset == 40
 
     split = GDNCache()  # the chunked form starting from a carried conv window and state: 20 + 20 tokens
@@ -144,7 +146,7 @@ def test_step_by_step_decode_and_chunked_prefill_equal_one_prefill(chaotic):
         rows.append(logits[0])
         mx.eval(rows[-1])
     stepped = np.array(mx.concatenate(rows))
-    assert rel_err(stepped, full) <= 1e-5
+    assert rel_err(stepped, full) <= 3e-5  # 160 chained fp32 steps of a chaotic model, one-row vs many-row kernels
 
     chunked, hidden = prefill(model, tokens, model.make_cache(), chunk=64, all_logits=True)  # 64+64+64+8
     assert chunked.shape == (200, helpers.VOCAB) and hidden.shape == (200, helpers.HIDDEN)
