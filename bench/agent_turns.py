@@ -26,7 +26,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from converters.tokenizer_train import load_corpus  # noqa: E402
-from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.engine import load  # noqa: E402
 from hetero.prefix_cache import PrefixCache  # noqa: E402
 from hetero.session_store import SessionStore  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=32, help="max tokens of each reply")
     ap.add_argument("--chunk", type=int, default=512)
     args = ap.parse_args()
-    reexec_with_openblas()
+    reexec_with_fast_blas()
     engine = load(args.model, dtype=mx.float32)
     if engine.max_context < args.max_tokens + args.reply:
         print(f"note: {engine.name} allows {engine.max_context} positions; stopping there", file=sys.stderr)

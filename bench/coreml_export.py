@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_27B = Path("/work/shared/reference/configs/qwen3.5-27b.json")
@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--skip-bundled", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "coreml_export.json"))
     opts = ap.parse_args()
-    reexec_with_openblas()
+    reexec_with_fast_blas()
 
     import coremltools as ct
 

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkpoints import checkpoint  # noqa: E402
 from converters.tokenizer_train import load_corpus  # noqa: E402
-from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.engine import Engine, load  # noqa: E402
 from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
 from hetero.profiles.measure import median_seconds  # noqa: E402
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
     ap.add_argument("--out", default="bench/results/mtp.json")
     args = ap.parse_args()
-    reexec_with_openblas()
+    reexec_with_fast_blas()
     result: dict = {"environment": environment(), "args": vars(args)}
     if args.part in ("bundled", "both"):
         result["bundled"] = bundled_part(args)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from bench.checkpoints import checkpoint  # noqa: E402
 from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
     ap.add_argument("--out", default="bench/results/prefill_decode.json")
     args = ap.parse_args()
-    reexec_with_openblas()
+    reexec_with_fast_blas()
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

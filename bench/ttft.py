@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane: the same budget for everyone
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.blas import environment, reexec_with_openblas  # noqa: E402
+from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 SHAPE = dict(  # the bundled model's layer pattern (3 GDN : 1 attention), wider
     model_type="qwen3_5_text", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
@@ -219,7 +219,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = p.parse_args()
-    reexec_with_openblas()
+    reexec_with_fast_blas()
     os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-ttft-")  # exports and profile kept apart
 
     from hetero.planner import OFFLOADABLE, recommend

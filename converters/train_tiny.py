@@ -26,7 +26,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from hetero.blas import describe, reexec_with_openblas
+from hetero.blas import describe, reexec_with_fast_blas
 from hetero.models.qwen3_5 import Model, ModelArgs, is_zero_centred_norm
 
 SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--eval-tokens", type=int, default=None, help="cap the validation tokens evaluated")
     a = p.parse_args(argv)
-    reexec_with_openblas(["-m", "converters.train_tiny", *sys.argv[1:]])
+    reexec_with_fast_blas(["-m", "converters.train_tiny", *sys.argv[1:]])
 
     from converters import hf_export, tokenizer_train
 

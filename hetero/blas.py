@@ -349,9 +349,6 @@ def reexec_with_fast_blas(argv: list[str] | None = None) -> None:
     os.execve(sys.executable, [sys.executable, *(argv if argv is not None else sys.argv)], env)
 
 
-reexec_with_openblas = reexec_with_fast_blas  # the old name, kept for bench/*.py and converters/train_tiny.py
-
-
 def environment() -> dict:
     """What a benchmark's numbers depend on: machine, BLAS, threads, versions."""
     import mlx.core as mx

@@ -109,14 +109,14 @@ def test_mlx_imported_first_is_said_once_with_the_reason():
 
 
 def test_reexec_puts_the_wheel_blas_under_an_already_imported_mlx(tmp_path):
-    # the benchmarks' path: mlx imported first, then reexec_with_openblas() restarts once with LD_PRELOAD
+    # the benchmarks' path: mlx imported first, then reexec_with_fast_blas() restarts once with LD_PRELOAD
     script = tmp_path / "bench_like.py"
     script.write_text(textwrap.dedent("""
         import json, os, sys
         sys.path.insert(0, sys.argv[1])
         import mlx.core as mx
-        from hetero.blas import describe, in_use, reexec_with_openblas
-        reexec_with_openblas()
+        from hetero.blas import describe, in_use, reexec_with_fast_blas
+        reexec_with_fast_blas()
         print(json.dumps({"describe": describe(), "in_use": in_use(), "child": "HETERO_BLAS_REEXEC" in os.environ}))
     """))
     full = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "HETERO_BLAS_REEXEC")}
@@ -128,8 +128,8 @@ def test_reexec_puts_the_wheel_blas_under_an_already_imported_mlx(tmp_path):
     # and where `import hetero` already did it, nothing restarts
     proc = _run("""
         import json, os
-        from hetero.blas import in_use, reexec_with_openblas
-        reexec_with_openblas()
+        from hetero.blas import in_use, reexec_with_fast_blas
+        reexec_with_fast_blas()
         print(json.dumps({"in_use": in_use(), "child": "HETERO_BLAS_REEXEC" in os.environ}))
     """)
     assert _last_json(proc) == {"in_use": True, "child": False}
