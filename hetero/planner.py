@@ -338,18 +338,28 @@ def _pairs(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 
 def context_bucket(tokens: int, chunk: int) -> int:
-    """The context the ANE's attention programs are exported for: the prompt's chunks rounded up to a power of
-    two (at most 2x waste). Static shapes: every chunk attends over all of it."""
+    """The context of a `tokens`-long prefix's static ANE attention program: its chunks rounded up to a power of
+    two (at most 2x waste)."""
     n = -(-tokens // chunk)
     return chunk * (1 << max(0, (n - 1).bit_length()))
 
 
-def ane_piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray, chunk: int, bucket: int) -> np.ndarray:
-    """FLOPs of a piece as a static-shape ANE program computes them: attention for a whole (padded) chunk over
-    the whole bucket (cache slots + the chunk), whatever part of it the prompt fills."""
+def context_buckets(tokens: int, chunk: int) -> list[int]:
+    """Every bucket a `tokens`-long prompt's chunks use: chunk x 1, 2, 4, ... up to the prompt's own bucket.
+
+    The ANE's attention programs are exported once per bucket and each chunk runs the smallest one that holds its
+    cache and itself, so a chunk attends over at most twice the keys it can see, not over the whole prompt's."""
+    top = context_bucket(tokens, chunk)
+    return [chunk << k for k in range((top // chunk).bit_length())]
+
+
+def ane_piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray, chunk: int) -> np.ndarray:
+    """FLOPs of a piece as a static-shape ANE program computes them: attention for a whole (padded) chunk over its
+    whole bucket (cache slots + the chunk: `context_bucket` of the chunk's end), whatever part the prompt fills."""
     if p.kind != "attention":
         return piece_flops(p, starts, sizes)
-    return np.full_like(sizes, p.token_flops * chunk + p.pair_flops * chunk * bucket)
+    buckets = np.array([context_bucket(int(a) + chunk, chunk) for a in starts], dtype=np.float64)
+    return p.token_flops * chunk + p.pair_flops * chunk * buckets
 
 
 def piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -425,10 +435,9 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
 
     GPU lane: every piece's GPU share (all of it when not split) and, per split piece and chunk, the merge (the
     ANE's output into MLX and a sum over the chunk's activations). ANE lane: its shares at the static shapes it
-    runs (attention over the whole context bucket) plus a fixed cost per program call.
+    runs (attention over each chunk's context bucket) plus a fixed cost per program call.
     """
     starts, sizes = chunk_spans(tokens, chunk)
-    bucket = context_bucket(tokens, chunk)
     gpu = np.zeros_like(sizes)  # seconds per chunk on each lane
     ane = np.zeros_like(sizes)
     merge_bytes = sizes * hidden * MERGE_BYTES_PER_ACTIVATION  # [chunks]
@@ -440,7 +449,7 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
             return PrefillTime(None, None, None)
         gpu += p.layers * g
         if share:
-            a = _seconds(ane_piece_flops(p, starts, sizes, chunk, bucket) * share, p.params * share * ANE_WEIGHT_BYTES,
+            a = _seconds(ane_piece_flops(p, starts, sizes, chunk) * share, p.params * share * ANE_WEIGHT_BYTES,
                          lanes.ane_rate(p.kind), lanes.ane_bw)
             if a is None:
                 return PrefillTime(None, None, None)

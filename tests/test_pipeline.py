@@ -419,3 +419,21 @@ def test_auto_fraction_lowers_a_split_that_fails_verification(tiny_checkpoint, m
     lines.clear()
     good = auto_fraction(engine, 64, report=lines.append)
     assert good.fraction > 0 and "verified" in lines[-1]
+
+
+def test_each_chunk_runs_the_smallest_attention_bucket_that_holds_it():
+    """Attention programs come per context bucket; a chunk at position p runs those with the fewest cache slots
+    >= p (never a larger one: the ANE would attend over padding), and a position past every bucket is refused."""
+    from coreml_graphs.attention import AttentionShape
+    from hetero.pipeline import Programs
+
+    def part(slots: int, kv: range):
+        return (f"run{slots}", AttentionShape(64, 2, 1, 32, 8, 64, slots, 1e-6), kv)
+
+    progs = Programs(64, attention={3: [part(s, range(k, k + 1)) for s in (0, 64, 192) for k in (0, 1)]})
+    assert [p[0] for p in progs.attention_at(3, 0)] == ["run0", "run0"]
+    assert [p[0] for p in progs.attention_at(3, 64)] == ["run64", "run64"]
+    assert [p[0] for p in progs.attention_at(3, 128)] == ["run192", "run192"]
+    assert progs.share("attention", 3) == 2
+    with pytest.raises(HeteroError, match="largest cache has 192 slots"):
+        progs.attention_at(3, 256)

@@ -138,13 +138,18 @@ def test_recommend_keeps_a_kind_the_ane_runs_slowly_on_the_gpu_and_says_why():
     assert "attention" in fast.offload  # an ANE with time to spare after every MLP takes attention heads too
 
 
-def test_ane_attention_pays_for_its_whole_static_bucket():
-    """Static shapes: every chunk's ANE attention covers the whole cache bucket (the prompt's chunks rounded up to
-    a power of two), so 3 chunks (a bucket of 4) cost the ANE exactly 3/4 of 4 chunks, not the causal share."""
+def test_ane_attention_pays_for_its_chunks_static_bucket():
+    """Static shapes: each chunk's ANE attention covers the smallest power-of-two bucket holding its cache and
+    itself (512-token chunks: 512, 1024, 2048, 2048 for the first four), never the causal share alone."""
     def busy(n: int) -> float:
         return make_plan(Q9, NO_ANE_LIMIT, 0.5, n, 512, offload=("attention",)).predicted["split_ane_busy_s"]
 
-    assert busy(1536) == pytest.approx(busy(2048) * 3 / 4, abs=2e-4)  # predictions are rounded to 1e-4 s
+    third, fourth = busy(1536) - busy(1024), busy(2048) - busy(1536)
+    assert fourth == pytest.approx(third, abs=3e-4)  # both over a 2048 bucket (predictions rounded to 1e-4 s)
+    assert busy(1024) - busy(512) < third  # the second chunk's bucket is 1024
+    from hetero.planner import context_buckets
+
+    assert context_buckets(2048, 512) == [512, 1024, 2048] and context_buckets(2049, 512) == [512, 1024, 2048, 4096]
 
 
 def test_decode_roofline_is_bandwidth_over_bytes_and_mtp_scales_it():

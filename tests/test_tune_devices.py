@@ -14,12 +14,13 @@ import pytest
 import hetero.profiles.measure as measure_mod
 from hetero.cli import main
 from hetero.loader import default_dtype
-from hetero.planner import decode_bytes_per_token, delta_rule_flops, make_plan, model_shape
+from hetero.planner import decode_bytes_per_token, make_plan, model_shape
 from hetero.profiles import THIS_MACHINE, load_profile
 from hetero.profiles.measure import Sizes, decode_verify, median_seconds
 
 DATA = Path(__file__).parent / "data"
 TINY = Sizes(chunk=64, hidden=64, out=128, reduce_elements=4096, recurrence_tokens=64, mlp_channels=128,
+             gdn=dict(hidden=64, key_heads=2, value_heads=4, key_dim=32, value_dim=32),
              attention=dict(hidden=64, heads=2, kv_heads=1, head_dim=64, chunk=64, context=128),
              decode_hidden=64, decode_intermediate=192, draft_depth=3)
 # Seconds one call of each measurement takes, as the scripted timer reports them.
@@ -69,7 +70,9 @@ def test_saved_gpu_figures_are_the_measured_ones(tuned):
     gpu_flops = 2.0 * 64 * 64 * 128 / SECONDS["gpu matmul"]
     assert p.gpu_fp32_tflops == pytest.approx(gpu_flops / 1e12, rel=1e-12)
     assert p.memory_bandwidth_gbs == pytest.approx(4096 * 4 / SECONDS["gpu bandwidth"] / 1e9, rel=1e-12)
-    rec = 64 * delta_rule_flops(8, 64, 64) / SECONDS["gpu recurrence"] / gpu_flops
+    _, gdn = measure_mod._gdn_pieces(TINY.gdn)  # a whole layer timed, its projections taken off
+    projections = 64 * (gdn["gdn_in_proj"].token_flops + gdn["gdn_out_proj"].token_flops) / gpu_flops
+    rec = 64 * gdn["gdn_recurrence"].token_flops / gpu_flops / (SECONDS["gpu recurrence"] - projections)
     assert 0 < rec < 1 and p.gpu_recurrence_efficiency == pytest.approx(rec, rel=1e-12)
     _, piece = measure_mod._attention_piece(TINY.attention)
     pairs = 64 * 64 + 64 * 65 / 2  # the chunk over 64 cached tokens plus its causal triangle

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.planner import OFFLOADABLE, context_bucket  # noqa: F401  (context_bucket: re-exported)
+from hetero.planner import OFFLOADABLE, context_bucket, context_buckets  # noqa: F401  (context_bucket: re-exported)
 
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
@@ -38,22 +38,25 @@ def ensure_export(
     model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = OFFLOADABLE
 ) -> Path:
     """The export directory for (model key, fraction, chunk, bucket, piece kinds), exported on first use with a
-    progress bar."""
+    progress bar: attention programs for every context bucket up to `bucket` (each chunk runs the smallest that
+    holds it)."""
     from converters.coreml_export import read_manifest
 
     pieces = tuple(EXPORT_PIECE[k] for k in offload)
+    contexts = context_buckets(bucket, chunk)
     tag = "" if set(offload) == set(EXPORT_PIECE) else "_" + "+".join(pieces)
     out = export_root() / key.replace("/", "_") / f"f{fraction:.4f}_s{chunk}_t{bucket}{tag}"
     try:
         manifest = read_manifest(out)
-        if all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"]):
+        files = all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"])
+        if files and manifest["context_buckets"] == contexts:
             return out
     except HeteroError:
         pass
     from converters.coreml_export import export_coreml
     from hetero.progress import ProgressBar
 
-    export_coreml(model_ref, out, fraction, chunk, [bucket], progress=ProgressBar("export Core ML"), pieces=pieces)
+    export_coreml(model_ref, out, fraction, chunk, contexts, progress=ProgressBar("export Core ML"), pieces=pieces)
     return out
 
 
@@ -65,6 +68,16 @@ class Programs:
     attention: dict[int, list] = field(default_factory=dict)
     mlp: dict[int, list] = field(default_factory=dict)
     gdn_z: dict[int, list] = field(default_factory=dict)
+
+    def attention_at(self, layer: int, start: int) -> list:
+        """The attention parts of `layer` for a chunk at position `start`: those of the smallest context bucket
+        whose cache slots hold every position before it."""
+        parts = self.attention[layer]
+        slots = min((shape.cache_slots for _, shape, _ in parts if shape.cache_slots >= start), default=None)
+        if slots is None:
+            raise HeteroError(f"no attention program of layer {layer} holds a chunk at position {start}: the export's "
+                              f"largest cache has {max(shape.cache_slots for _, shape, _ in parts)} slots")
+        return [p for p in parts if p[1].cache_slots == slots]
 
     def share(self, kind: str, layer: int) -> int:
         """Units the ANE computes for a layer's piece (its parts cover [0, share))."""

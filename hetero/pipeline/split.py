@@ -161,7 +161,7 @@ class SplitPrefill:
             g, a = Job(label, "gpu", gpu, after, rank(0)), Job(f"{label} z", "ane", ane, (h_job,), rank(0))
             return [g, a, Job(f"{label} merge", "gpu", merge, (g, a), rank(1))]
         if not layer.is_linear and i in progs.attention:
-            rest, parts = self.attn_rest.get(i), progs.attention[i]
+            rest, parts = self.attn_rest.get(i), progs.attention_at(i, ch.start)
             theta = self.model.args.rope_theta
 
             def ane() -> None:

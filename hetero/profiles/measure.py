@@ -23,6 +23,7 @@ from hetero.profiles import THIS_MACHINE
 
 # (what is timed, the call, repeats) -> seconds one call takes; `what` names the measurement
 Timer = Callable[[str, Callable[[], object], int], float]
+GDN_SHAPE = dict(hidden=1024, key_heads=4, value_heads=8, key_dim=64, value_dim=64)
 ATTENTION_SHAPE = dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, chunk=256, context=2048)
 
 
@@ -52,6 +53,7 @@ class Sizes:
     out: int = 4096
     reduce_elements: int = 64 * 2**20  # fp32: 256 MB
     recurrence_tokens: int = 512
+    gdn: dict = field(default_factory=lambda: dict(GDN_SHAPE))
     mlp_channels: int = 2048
     attention: dict = field(default_factory=lambda: dict(ATTENTION_SHAPE))
     decode_hidden: int = 4096
@@ -98,24 +100,35 @@ def decode_verify(bandwidth: float, tokens: int, hidden: int = 4096, intermediat
     return weight_bytes / step / bandwidth, verify / step
 
 
-def gpu_recurrence(flops_rate: float, tokens: int = 512, heads: int = 8, dk: int = 64, dv: int = 64,
-                   timer: Timer = timed) -> float:
-    """The chunked delta rule's achieved rate relative to `flops_rate` (many small ops: usually well below 1)."""
+def _gdn_pieces(a: dict = GDN_SHAPE):
+    """(model args, the planner's GDN pieces by kind) for the shape `a`: the FLOP counts the rate is relative to."""
+    from hetero.models.qwen3_5 import ModelArgs
+    from hetero.planner import pieces
+
+    args = ModelArgs.from_config(dict(
+        model_type="qwen3_5_text", hidden_size=a["hidden"], num_attention_heads=1, num_key_value_heads=1,
+        head_dim=64, num_hidden_layers=2, intermediate_size=64, vocab_size=64, full_attention_interval=2,
+        linear_num_key_heads=a["key_heads"], linear_num_value_heads=a["value_heads"],
+        linear_key_head_dim=a["key_dim"], linear_value_head_dim=a["value_dim"]))
+    return args, {p.kind: p for p in pieces(args, None, 0.0)}
+
+
+def gpu_recurrence(flops_rate: float, tokens: int = 512, a: dict = GDN_SHAPE, timer: Timer = timed) -> float:
+    """The GDN recurrence's achieved rate relative to `flops_rate`, as the planner charges it: a whole
+    GatedDeltaNet layer on one chunk is timed and its projections' FLOPs at `flops_rate` are taken off; the rest
+    (the chunked delta rule, and the conv, gates, norms and l2-norms around it) is the recurrence's time."""
     import mlx.core as mx
 
-    from hetero.models.gated_delta import chunked_gated_delta
-    from hetero.planner import delta_rule_flops
+    from hetero.cache import GDNCache
+    from hetero.models.qwen3_5 import GatedDeltaNet
 
-    key = mx.random.key(0)
-    q, k = mx.random.normal((2, 1, tokens, heads, dk), key=key)  # [B, S, Hv, Dk] each
-    q, k = q / dk**0.5, k / mx.linalg.norm(k, axis=-1, keepdims=True)
-    v = mx.random.normal((1, tokens, heads, dv))  # [B, S, Hv, Dv]
-    g = -mx.abs(mx.random.normal((1, tokens, heads))) * 0.1  # [B, S, Hv] log decays
-    beta = mx.sigmoid(mx.random.normal((1, tokens, heads)))
-    state = mx.zeros((1, heads, dk, dv))
-    mx.eval(q, k, v, g, beta, state)
-    s = timer("gpu recurrence", lambda: mx.eval(*chunked_gated_delta(q, k, v, g, beta, state)), 3)
-    return min(1.0, tokens * delta_rule_flops(heads, dk, dv) / s / flops_rate)
+    args, by = _gdn_pieces(a)
+    layer = GatedDeltaNet(args)
+    x = mx.random.normal((1, tokens, a["hidden"])) / a["hidden"] ** 0.5  # [1, S, hidden]
+    mx.eval(layer.parameters(), x)
+    s = timer("gpu recurrence", lambda: mx.eval(layer(x, GDNCache())), 3)
+    projections = tokens * (by["gdn_in_proj"].token_flops + by["gdn_out_proj"].token_flops) / flops_rate
+    return min(1.0, tokens * by["gdn_recurrence"].token_flops / flops_rate / max(s - projections, 1e-9))
 
 
 def _attention_piece(a: dict = ATTENTION_SHAPE):
@@ -216,7 +229,7 @@ def measure(report: Callable[[str], None] = print, timer: Timer = timed, sizes: 
 
     z, a = sizes, sizes.attention
     gpu_flops, gpu_bw = gpu_lane(z.chunk, z.hidden, z.out, reduce_elements=z.reduce_elements, timer=timer)
-    rec = gpu_recurrence(gpu_flops, z.recurrence_tokens, timer=timer)
+    rec = gpu_recurrence(gpu_flops, z.recurrence_tokens, z.gdn, timer=timer)
     report(f"GPU lane (MLX {environment()['device']}): {gpu_flops / 1e9:.1f} GFLOP/s, {gpu_bw / 1e9:.1f} GB/s, "
            f"GDN recurrence at {rec:.2f} of that rate")
     gpu_attn = gpu_attention(gpu_flops, a=a, timer=timer)
