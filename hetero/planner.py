@@ -112,6 +112,7 @@ class Piece:
     ane_unit_params: int = 0  # weights that travel with one ANE unit
     requested: float = 0.0
     cap_reason: str | None = None
+    pair_scores: float = 0.0  # softmax scores per (query, visible key) pair: the attention heads
 
     @property
     def ane_share(self) -> float:
@@ -193,7 +194,7 @@ def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
         cap = f"heads go in whole KV groups ({group} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
     if n_attn:
         out.append(Piece("attention", n_attn, Hkv, "kv_groups", kv, attn_params, 2.0 * attn_params, 4.0 * H * D,
-                         attn_params // Hkv, fraction, cap))
+                         attn_params // Hkv, fraction, cap, pair_scores=H))
 
     dense_layers = args.num_hidden_layers - len(args.moe_layers)
     if dense_layers:
@@ -236,7 +237,8 @@ def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
         I = args.intermediate_size or (moe.intermediate if moe else 0)
         mtp_params = args.mtp_num_hidden_layers * (attn_params + 3 * h * I) + 2 * h * h
         out.append(Piece("mtp", 1, 0, "", 0, mtp_params, 2.0 * mtp_params, 4.0 * H * D * args.mtp_num_hidden_layers,
-                         requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None))
+                         requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None,
+                         pair_scores=H * args.mtp_num_hidden_layers))
     return out
 
 
@@ -383,6 +385,7 @@ class Lanes:
     gpu_recurrence_flops: float | None = None  # the GDN recurrence runs many small ops: its own rate
     gpu_attention_flops: float | None = None  # attention (matmul FLOPs counted) at its measured rate
     ane_attention_flops: float | None = None
+    gpu_score_s: float = 0.0  # the GPU's softmax cost per attention score, beyond the matmuls
 
     @classmethod
     def of(cls, profile: Profile) -> "Lanes":
@@ -394,6 +397,7 @@ class Lanes:
             mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency * profile.gpu_recurrence_efficiency),
             mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency * profile.gpu_attention_efficiency),
             mul(profile.ane_fp16_tflops, 1e12 * profile.ane_efficiency * profile.ane_attention_efficiency),
+            profile.gpu_attention_score_s,
         )
 
     def gpu_rate(self, kind: str) -> float | None:
@@ -447,6 +451,7 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
                      lanes.gpu_rate(p.kind), lanes.gpu_bw)
         if g is None:
             return PrefillTime(None, None, None)
+        g = g + (1 - share) * p.pair_scores * _pairs(starts, sizes) * lanes.gpu_score_s  # the softmax
         gpu += p.layers * g
         if share:
             a = _seconds(ane_piece_flops(p, starts, sizes, chunk) * share, p.params * share * ANE_WEIGHT_BYTES,

@@ -24,8 +24,8 @@ TINY = Sizes(chunk=64, hidden=64, out=128, reduce_elements=4096, recurrence_toke
              attention=dict(hidden=64, heads=2, kv_heads=1, head_dim=64, chunk=64, context=128),
              decode_hidden=64, decode_intermediate=192, draft_depth=3)
 # Seconds one call of each measurement takes, as the scripted timer reports them.
-SECONDS = {"gpu matmul": 0.002, "gpu bandwidth": 0.004, "gpu recurrence": 0.2, "gpu cache fill": 0.001,
-           "gpu attention": 0.003, "decode step": 0.010, "verify pass": 0.016, "ane mlp": 0.006, "ane call": 0.0005,
+SECONDS = {"gpu matmul": 0.002, "gpu bandwidth": 0.004, "gpu recurrence": 0.2, "gpu cache fill d32": 0.001,
+           "gpu attention d32": 0.020, "gpu cache fill d64": 0.001, "gpu attention d64": 0.030, "decode step": 0.010, "verify pass": 0.016, "ane mlp": 0.006, "ane call": 0.0005,
            "ane attention": 0.0025}
 
 
@@ -74,10 +74,18 @@ def test_saved_gpu_figures_are_the_measured_ones(tuned):
     projections = 64 * (gdn["gdn_in_proj"].token_flops + gdn["gdn_out_proj"].token_flops) / gpu_flops
     rec = 64 * gdn["gdn_recurrence"].token_flops / gpu_flops / (SECONDS["gpu recurrence"] - projections)
     assert 0 < rec < 1 and p.gpu_recurrence_efficiency == pytest.approx(rec, rel=1e-12)
-    _, piece = measure_mod._attention_piece(TINY.attention)
     pairs = 64 * 64 + 64 * 65 / 2  # the chunk over 64 cached tokens plus its causal triangle
-    attn = (piece.token_flops * 64 + piece.pair_flops * pairs) / (SECONDS["gpu attention"] - SECONDS["gpu cache fill"])
-    assert p.gpu_attention_efficiency == pytest.approx(attn / gpu_flops, rel=1e-12)
+    past_projections, core = {}, {}
+    for D in (32, 64):  # head sizes 32 and 64: the matmuls double, the softmax (per score) stays
+        _, piece = measure_mod._attention_piece(dict(TINY.attention, head_dim=D))
+        seconds = SECONDS[f"gpu attention d{D}"] - SECONDS[f"gpu cache fill d{D}"]
+        past_projections[D] = seconds - piece.token_flops * 64 / gpu_flops
+        core[D] = piece.pair_flops * pairs
+    efficiency = (core[64] - core[32]) / gpu_flops / (past_projections[64] - past_projections[32])
+    per_score = (past_projections[32] - core[32] / gpu_flops / efficiency) / (pairs * 2)
+    assert 0 < efficiency < 1 and per_score > 0
+    assert p.gpu_attention_efficiency == pytest.approx(efficiency, rel=1e-12)
+    assert p.gpu_attention_score_s == pytest.approx(per_score, rel=1e-12)
 
 
 def test_saved_decode_efficiency_and_verify_ratio_are_the_measured_ones(tuned):

@@ -42,7 +42,8 @@ class Profile:
     gpu_recurrence_efficiency: float = 1.0  # the GDN recurrence's rate relative to the GPU's matmul rate
     # Attention's rate relative to each lane's matmul rate: its softmax and masks are elementwise work that the
     # FLOP count (matmuls only) leaves out. 1.0 where not measured.
-    gpu_attention_efficiency: float = 1.0
+    gpu_attention_efficiency: float = 1.0  # attention's matmuls (QK^T, PV) relative to the GPU's matmul rate
+    gpu_attention_score_s: float = 0.0  # seconds per attention score (query, key, head) beyond its matmuls: softmax
     ane_attention_efficiency: float = 1.0
     decode_efficiency: float = 1.0  # share of the bandwidth roofline that plain decode reaches
     # One MTP verify pass over `mtp_verify_tokens` tokens, in plain decode steps (None = unknown: no MTP estimate).

@@ -24,7 +24,7 @@ from hetero.profiles import THIS_MACHINE
 # (what is timed, the call, repeats) -> seconds one call takes; `what` names the measurement
 Timer = Callable[[str, Callable[[], object], int], float]
 GDN_SHAPE = dict(hidden=1024, key_heads=4, value_heads=8, key_dim=64, value_dim=64)
-ATTENTION_SHAPE = dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, chunk=256, context=2048)
+ATTENTION_SHAPE = dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, chunk=512, context=4096)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -144,29 +144,45 @@ def _attention_piece(a: dict = ATTENTION_SHAPE):
     return args, next(p for p in pieces(args, None, 0.0) if p.kind == "attention")
 
 
-def gpu_attention(flops_rate: float, repeats: int = 3, a: dict = ATTENTION_SHAPE, timer: Timer = timed) -> float:
-    """An attention layer's achieved rate on a chunk after a filled cache, relative to `flops_rate`."""
+def gpu_attention(flops_rate: float, repeats: int = 3, a: dict = ATTENTION_SHAPE,
+                  timer: Timer = timed) -> tuple[float, float]:
+    """(matmul efficiency, seconds per score) of an attention layer on a chunk after a filled cache.
+
+    Timed at two head sizes (`a`'s and half of it): the matmuls (QK^T, PV) scale with the head size, the softmax
+    with the scores alone, so the two times separate the matmuls' rate (relative to `flops_rate`) from the
+    softmax's cost per (query, key, head) score. Projections are charged at `flops_rate`."""
     import mlx.core as mx
 
     from hetero.cache import KVCache
     from hetero.models.qwen3_5 import Attention
 
-    args, piece = _attention_piece(a)
-    layer = Attention(args)
     before = a["context"] - a["chunk"]
-    x = mx.random.normal((1, a["chunk"], a["hidden"]))
-    past = mx.random.normal((1, a["kv_heads"], before, a["head_dim"]))
-    mx.eval(layer.parameters(), x, past)
-
-    def step() -> None:
-        cache = KVCache()
-        cache.update_and_fetch(past, past)
-        mx.eval(layer(x, cache))
-
-    cache_only = timer("gpu cache fill", lambda: mx.eval(KVCache().update_and_fetch(past, past)), repeats)
-    s = max(timer("gpu attention", step, repeats) - cache_only, 1e-9)
     pairs = a["chunk"] * before + a["chunk"] * (a["chunk"] + 1) / 2  # causal: what the GPU lane computes
-    return (piece.token_flops * a["chunk"] + piece.pair_flops * pairs) / s / flops_rate
+    rest = {}  # head size -> (seconds past the projections, core matmul FLOPs)
+    for D in (a["head_dim"] // 2, a["head_dim"]):
+        shape = dict(a, head_dim=D)
+        args, piece = _attention_piece(shape)
+        layer = Attention(args)
+        x = mx.random.normal((1, a["chunk"], a["hidden"]))
+        past = mx.random.normal((1, a["kv_heads"], before, D))
+        mx.eval(layer.parameters(), x, past)
+
+        def step(layer=layer, x=x, past=past) -> None:
+            cache = KVCache()
+            cache.update_and_fetch(past, past)
+            mx.eval(layer(x, cache))
+
+        fill = timer(f"gpu cache fill d{D}", lambda past=past: mx.eval(KVCache().update_and_fetch(past, past)), repeats)
+        s = max(timer(f"gpu attention d{D}", step, repeats) - fill, 1e-9)
+        rest[D] = (s - piece.token_flops * a["chunk"] / flops_rate, piece.pair_flops * pairs)
+    (t_half, f_half), (t_full, f_full) = rest[a["head_dim"] // 2], rest[a["head_dim"]]
+    scores = pairs * a["heads"]
+    if t_full > t_half > 0:
+        efficiency = (f_full - f_half) / flops_rate / (t_full - t_half)
+        per_score = (t_half - f_half / flops_rate / efficiency) / scores
+        if per_score >= 0:
+            return efficiency, per_score
+    return f_full / flops_rate / max(t_full, 1e-9), 0.0  # noise hid the split: all of it as matmul rate
 
 
 def ane_attention(flops_rate: float, call_s: float, repeats: int = 3, a: dict = ATTENTION_SHAPE,
@@ -232,8 +248,9 @@ def measure(report: Callable[[str], None] = print, timer: Timer = timed, sizes: 
     rec = gpu_recurrence(gpu_flops, z.recurrence_tokens, z.gdn, timer=timer)
     report(f"GPU lane (MLX {environment()['device']}): {gpu_flops / 1e9:.1f} GFLOP/s, {gpu_bw / 1e9:.1f} GB/s, "
            f"GDN recurrence at {rec:.2f} of that rate")
-    gpu_attn = gpu_attention(gpu_flops, a=a, timer=timer)
-    report(f"GPU lane attention (chunk {a['chunk']} over {a['context']} tokens): {gpu_attn:.2f} of the matmul rate")
+    gpu_attn, score_s = gpu_attention(gpu_flops, a=a, timer=timer)
+    report(f"GPU lane attention (chunk {a['chunk']} over {a['context']} tokens): matmuls at {gpu_attn:.2f} of the "
+           f"matmul rate, {score_s * 1e9:.2f} ns per score for the softmax")
     verify_tokens = z.draft_depth + 1
     decode_eff, verify = decode_verify(gpu_bw, verify_tokens, z.decode_hidden, z.decode_intermediate, timer=timer)
     report(f"GPU lane decode ({z.decode_hidden}x{z.decode_intermediate} MLP): one token reads weights at "
@@ -242,14 +259,15 @@ def measure(report: Callable[[str], None] = print, timer: Timer = timed, sizes: 
     ane_attn = ane_attention(ane_flops, call, a=a, timer=timer)
     report(f"ANE lane ({backend}): {ane_flops / 1e9:.1f} GFLOP/s, {call * 1e3:.2f} ms per call; attention at "
            f"{ane_attn:.2f} of that rate")
-    return profile_dict(backend, gpu_flops, gpu_bw, rec, gpu_attn, decode_eff, verify, verify_tokens, ane_flops, call,
-                        ane_attn, physical_memory_bytes(), environment())
+    return profile_dict(backend, gpu_flops, gpu_bw, rec, (gpu_attn, score_s), decode_eff, verify, verify_tokens,
+                        ane_flops, call, ane_attn, physical_memory_bytes(), environment())
 
 
-def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_attn: float, decode_eff: float,
-                 verify: float, verify_tokens: int, ane_flops: float, call: float, ane_attn: float, ram: int,
-                 env: dict) -> dict:
-    """The `this-machine` profile from measured figures (unrounded: what was measured is what is saved)."""
+def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_attn: tuple[float, float],
+                 decode_eff: float, verify: float, verify_tokens: int, ane_flops: float, call: float, ane_attn: float,
+                 ram: int, env: dict) -> dict:
+    """The `this-machine` profile from measured figures (unrounded: what was measured is what is saved);
+    `gpu_attn` is (matmul efficiency, seconds per score)."""
     on_ane = backend == "Core ML"
     return {
         "name": THIS_MACHINE,
@@ -264,7 +282,8 @@ def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_
         "ram_gb": round(ram / 1e9, 2),
         "gpu_efficiency": 1.0,
         "gpu_recurrence_efficiency": rec,
-        "gpu_attention_efficiency": gpu_attn,
+        "gpu_attention_efficiency": gpu_attn[0],
+        "gpu_attention_score_s": gpu_attn[1],
         "ane_attention_efficiency": ane_attn,
         "ane_efficiency": 1.0,
         "decode_efficiency": decode_eff,
@@ -280,7 +299,8 @@ def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_
             "tokens (the MTP verify pass, in plain steps)",
             f"ANE lane: {backend} running an exported MLP program; its rate already includes its weight reads",
             "attention on each lane: one layer's chunk over a filled cache (the ANE's static cache bucket), its rate "
-            "relative to the lane's matmul rate",
+            "relative to the lane's matmul rate; on the GPU timed at two head sizes, which separates the matmuls' "
+            "rate from the softmax's cost per score",
         ] + ([] if on_ane else ["no Neural Engine here: the ANE lane is the portable reference executor (no ANE memory limits)"]),
         "environment": env,
     }
