@@ -6,7 +6,8 @@
 1. This machine: both lanes are CPU here (MLX with the BLAS hetero applies, the reference executor with numpy's
    OpenBLAS), one BLAS thread each, so this measures the runtime's schedule, not the ANE. The model has the
    bundled model's layer pattern at a larger width (random weights; a 16K prompt exceeds the bundled model's
-   4096-token maximum). `hetero tune --devices`'s measurement gives the this-machine profile, and the planner
+   4096-token maximum). `hetero tune --devices --model`'s measurement at this model's shapes gives the
+   this-machine profile, and the planner
    recommends a fraction and the piece kinds that take it. Contenders: GPU-only prefill, the split the planner
    recommends, every MLP and z row on the ANE lane, and half of every kind; each warmed up, then alternated
    A B C D A B C D; median and spread of TTFT (prefill of the whole prompt + its last logits), prefill tok/s,
@@ -224,12 +225,12 @@ def main() -> None:
 
     from hetero.planner import OFFLOADABLE, recommend
     from hetero.profiles import Profile
-    from hetero.profiles.measure import measure
+    from hetero.profiles.measure import Sizes, measure
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     engine = build_engine(Path(os.environ["HETERO_HOME"]))
-    profile = measure(report=lambda line: print(line, flush=True))
+    profile = measure(report=lambda line: print(line, flush=True), sizes=Sizes.for_model(SHAPE, CHUNK))
     rec, plan = recommend(engine.config, Profile.from_dict(profile), 8192, CHUNK)
     print(f"recommended fraction for this machine: {rec:.2f} of {', '.join(plan.offload)} (predicted "
           f"{plan.predicted['split_prefill_s']} s split vs {plan.predicted['gpu_only_prefill_s']} s GPU-only at 8K)",

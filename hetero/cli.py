@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(tune)
     tune.add_argument("--tokens", type=POSITIVE_INT, default=256, help="tokens decoded per prompt and setting")
     tune.add_argument("--devices", action="store_true",
-                      help="measure the GPU lane (MLX) and the ANE lane; save them as the this-machine profile")
+                      help="measure the GPU lane (MLX) and the ANE lane (with --model: at its shapes); save them as "
+                           "the this-machine profile")
 
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a prefix cache")
     serve.set_defaults(func=cmd_serve)
@@ -278,10 +279,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import hetero
 
     if args.devices:
-        from hetero.profiles.measure import measure
+        from hetero.planner import read_model_config
+        from hetero.profiles.measure import Sizes, measure
         from hetero.settings import save_device_profile
 
-        path = save_device_profile(measure())
+        # with --model, at that model's shapes (rates depend on the sizes they are measured at)
+        profile = measure(sizes=Sizes.for_model(read_model_config(args.model)[0])) if args.model else measure()
+        path = save_device_profile(profile)
         print(f"saved the this-machine profile to {path} (hetero plan --profile this-machine, --ane-fraction auto)")
         return 0
     from hetero.tune import tune

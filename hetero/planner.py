@@ -355,13 +355,17 @@ def context_buckets(tokens: int, chunk: int) -> list[int]:
     return [chunk << k for k in range((top // chunk).bit_length())]
 
 
+def ane_pairs(starts: np.ndarray, chunk: int) -> np.ndarray:
+    """(query, key) pairs a static ANE attention program computes per chunk: a whole (padded) chunk over its whole
+    bucket (cache slots + the chunk: `context_bucket` of the chunk's end), whatever part the prompt fills."""
+    return chunk * np.array([context_bucket(int(a) + chunk, chunk) for a in starts], dtype=np.float64)
+
+
 def ane_piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray, chunk: int) -> np.ndarray:
-    """FLOPs of a piece as a static-shape ANE program computes them: attention for a whole (padded) chunk over its
-    whole bucket (cache slots + the chunk: `context_bucket` of the chunk's end), whatever part the prompt fills."""
+    """FLOPs of a piece as a static-shape ANE program computes them (attention: over `ane_pairs`)."""
     if p.kind != "attention":
         return piece_flops(p, starts, sizes)
-    buckets = np.array([context_bucket(int(a) + chunk, chunk) for a in starts], dtype=np.float64)
-    return p.token_flops * chunk + p.pair_flops * chunk * buckets
+    return p.token_flops * chunk + p.pair_flops * ane_pairs(starts, chunk)
 
 
 def piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -386,6 +390,7 @@ class Lanes:
     gpu_attention_flops: float | None = None  # attention (matmul FLOPs counted) at its measured rate
     ane_attention_flops: float | None = None
     gpu_score_s: float = 0.0  # the GPU's softmax cost per attention score, beyond the matmuls
+    ane_score_s: float = 0.0  # the ANE's, over its static programs' scores
 
     @classmethod
     def of(cls, profile: Profile) -> "Lanes":
@@ -398,6 +403,7 @@ class Lanes:
             mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency * profile.gpu_attention_efficiency),
             mul(profile.ane_fp16_tflops, 1e12 * profile.ane_efficiency * profile.ane_attention_efficiency),
             profile.gpu_attention_score_s,
+            profile.ane_attention_score_s,
         )
 
     def gpu_rate(self, kind: str) -> float | None:
@@ -458,6 +464,7 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
                          lanes.ane_rate(p.kind), lanes.ane_bw)
             if a is None:
                 return PrefillTime(None, None, None)
+            a = a + share * p.pair_scores * ane_pairs(starts, chunk) * lanes.ane_score_s if p.pair_scores else a
             ane += p.layers * (a + lanes.ane_call_s)
             if lanes.gpu_bw:
                 gpu += p.layers * merge_bytes / lanes.gpu_bw

@@ -26,7 +26,7 @@ TINY = Sizes(chunk=64, hidden=64, out=128, reduce_elements=4096, recurrence_toke
 # Seconds one call of each measurement takes, as the scripted timer reports them.
 SECONDS = {"gpu matmul": 0.002, "gpu bandwidth": 0.004, "gpu recurrence": 0.2, "gpu cache fill d32": 0.001,
            "gpu attention d32": 0.020, "gpu cache fill d64": 0.001, "gpu attention d64": 0.030, "decode step": 0.010, "verify pass": 0.016, "ane mlp": 0.006, "ane call": 0.0005,
-           "ane attention": 0.0025}
+           "ane attention d32": 0.012, "ane attention d64": 0.020}
 
 
 class ScriptedTimer:
@@ -103,9 +103,17 @@ def test_saved_ane_figures_are_the_measured_ones(tuned):
     ane_flops = 6.0 * 64 * 128 * 64 / (SECONDS["ane mlp"] - SECONDS["ane call"])
     assert p.ane_fp16_tflops == pytest.approx(ane_flops / 1e12, rel=1e-12)
     assert p.ane_dispatch_s == SECONDS["ane call"]
-    _, piece = measure_mod._attention_piece(TINY.attention)
-    attn = (piece.token_flops * 64 + piece.pair_flops * 64 * 128) / 1 / (SECONDS["ane attention"] - SECONDS["ane call"])
-    assert p.ane_attention_efficiency == pytest.approx(attn / ane_flops, rel=1e-12)
+    past_projections, core = {}, {}
+    for D in (32, 64):  # one KV group's program over its whole static bucket (64-token chunk, 128-token context)
+        _, piece = measure_mod._attention_piece(dict(TINY.attention, head_dim=D))
+        seconds = SECONDS[f"ane attention d{D}"] - SECONDS["ane call"]
+        past_projections[D] = seconds - piece.token_flops * 64 / ane_flops
+        core[D] = piece.pair_flops * 64 * 128
+    efficiency = (core[64] - core[32]) / ane_flops / (past_projections[64] - past_projections[32])
+    per_score = (past_projections[32] - core[32] / ane_flops / efficiency) / (64 * 128 * 2)
+    assert 0 < efficiency < 1 and per_score > 0
+    assert p.ane_attention_efficiency == pytest.approx(efficiency, rel=1e-12)
+    assert p.ane_attention_score_s == pytest.approx(per_score, rel=1e-12)
 
 
 def test_no_per_process_ane_limit_is_claimed(tuned):
@@ -150,3 +158,27 @@ def test_median_seconds_times_each_call_on_the_clock_after_one_warm_up():
     calls = []
     assert median_seconds(lambda: calls.append(1), 3, clock=lambda: next(ticks)) == 1.0
     assert len(calls) == 4  # the warm-up call is not timed
+
+
+def test_devices_with_a_model_measures_at_that_models_shapes(tmp_path, monkeypatch):
+    """`hetero tune --devices --model M` times the GPU and ANE lanes at M's own layer shapes."""
+    from hetero.loader import BUNDLED_MODEL
+
+    config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())["text_config"]
+    seen, real = {}, measure_mod.measure
+
+    def spy(sizes=Sizes(), **kw):
+        seen["sizes"] = sizes
+        return real(report=lambda line: None, timer=ScriptedTimer(SECONDS), sizes=sizes)
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path))
+    monkeypatch.setattr(measure_mod, "measure", spy)
+    assert main(["tune", "--devices", "--model", str(BUNDLED_MODEL)]) == 0
+    z = seen["sizes"]
+    assert (z.hidden, z.mlp_channels, z.chunk) == (config["hidden_size"], config["intermediate_size"], 512)
+    assert z.gdn == dict(hidden=config["hidden_size"], key_heads=config["linear_num_key_heads"],
+                         value_heads=config["linear_num_value_heads"], key_dim=config["linear_key_head_dim"],
+                         value_dim=config["linear_value_head_dim"])
+    assert (z.attention["heads"], z.attention["kv_heads"], z.attention["head_dim"]) == (
+        config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
+    assert load_profile(THIS_MACHINE).measured

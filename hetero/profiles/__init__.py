@@ -44,6 +44,7 @@ class Profile:
     # FLOP count (matmuls only) leaves out. 1.0 where not measured.
     gpu_attention_efficiency: float = 1.0  # attention's matmuls (QK^T, PV) relative to the GPU's matmul rate
     gpu_attention_score_s: float = 0.0  # seconds per attention score (query, key, head) beyond its matmuls: softmax
+    ane_attention_score_s: float = 0.0  # the same on the ANE lane (over its static program's scores)
     ane_attention_efficiency: float = 1.0
     decode_efficiency: float = 1.0  # share of the bandwidth roofline that plain decode reaches
     # One MTP verify pass over `mtp_verify_tokens` tokens, in plain decode steps (None = unknown: no MTP estimate).

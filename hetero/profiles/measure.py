@@ -60,6 +60,24 @@ class Sizes:
     decode_intermediate: int = 12288
     draft_depth: int = 3  # the verify pass covers draft_depth + 1 tokens
 
+    @classmethod
+    def for_model(cls, config: dict, chunk: int = 512) -> "Sizes":
+        """Prefill measurements at a model's own shapes (its projections, GDN and attention layers, one chunk
+        over a 4K context): rates depend on the sizes they are measured at."""
+        from hetero.planner import model_shape
+
+        args, _ = model_shape(config)
+        return cls(
+            chunk=chunk, hidden=args.hidden_size, out=args.intermediate_size or 4 * args.hidden_size,
+            recurrence_tokens=chunk, mlp_channels=args.intermediate_size or 4 * args.hidden_size,
+            gdn=dict(hidden=args.hidden_size, key_heads=args.linear_num_key_heads,
+                     value_heads=args.linear_num_value_heads, key_dim=args.linear_key_head_dim,
+                     value_dim=args.linear_value_head_dim),
+            attention=dict(hidden=args.hidden_size, heads=args.num_attention_heads,
+                           kv_heads=args.num_key_value_heads, head_dim=args.head_dim, chunk=chunk,
+                           context=max(4096, 2 * chunk)),
+        )
+
 
 def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int = 5, reduce_elements: int = 64 * 2**20,
              timer: Timer = timed) -> tuple[float, float]:
@@ -175,40 +193,49 @@ def gpu_attention(flops_rate: float, repeats: int = 3, a: dict = ATTENTION_SHAPE
         fill = timer(f"gpu cache fill d{D}", lambda past=past: mx.eval(KVCache().update_and_fetch(past, past)), repeats)
         s = max(timer(f"gpu attention d{D}", step, repeats) - fill, 1e-9)
         rest[D] = (s - piece.token_flops * a["chunk"] / flops_rate, piece.pair_flops * pairs)
-    (t_half, f_half), (t_full, f_full) = rest[a["head_dim"] // 2], rest[a["head_dim"]]
-    scores = pairs * a["heads"]
-    if t_full > t_half > 0:
-        efficiency = (f_full - f_half) / flops_rate / (t_full - t_half)
-        per_score = (t_half - f_half / flops_rate / efficiency) / scores
-        if per_score >= 0:
-            return efficiency, per_score
-    return f_full / flops_rate / max(t_full, 1e-9), 0.0  # noise hid the split: all of it as matmul rate
+    return _split_attention_time(rest, a["head_dim"], flops_rate, pairs * a["heads"])
 
 
 def ane_attention(flops_rate: float, call_s: float, repeats: int = 3, a: dict = ATTENTION_SHAPE,
-                  timer: Timer = timed) -> float:
-    """One KV group's attention program (static cache) on the ANE backend, relative to the lane's MLP rate."""
+                  timer: Timer = timed) -> tuple[float, float]:
+    """(matmul efficiency, seconds per score) of one KV group's attention program (static cache) on the ANE
+    backend, relative to the lane's MLP rate; timed at two head sizes as `gpu_attention` is."""
     from coreml_graphs.attention import (AttentionShape, AttentionWeights, attention_masks, build_attention,
                                          cache_inputs, rope_tables)
     from coreml_graphs.package import save_program
     from hetero.pipeline import ane_backend
 
     _, loader = ane_backend()
-    heads, D, h, S = a["heads"] // a["kv_heads"], a["head_dim"], a["hidden"], a["chunk"]
-    shape = AttentionShape(h, heads, 1, D, D // 4, S, a["context"] - S, 1e-6)
+    heads, h, S = a["heads"] // a["kv_heads"], a["hidden"], a["chunk"]
     rng = np.random.default_rng(0)
     w = lambda *dims: (rng.standard_normal(dims) / np.sqrt(dims[-1])).astype(np.float32)  # noqa: E731
-    weights = AttentionWeights(np.ones(h, np.float32), w(heads * D, h), w(heads * D, h), w(D, h), w(D, h),
-                               np.ones(D, np.float32), np.ones(D, np.float32), w(h, heads * D))
-    start = shape.cache_slots  # the last chunk of the bucket: a full cache
-    past = rng.standard_normal((1, 1, start, D)).astype(np.float32)
-    feed = {"x": rng.standard_normal((1, h, 1, S)).astype(np.float16), **rope_tables(start, shape, 1e4),
-            **attention_masks(start, shape), **cache_inputs(past, past, shape)}
-    with tempfile.TemporaryDirectory() as tmp:
-        run = loader(save_program(build_attention(shape, weights), Path(tmp) / "attention.mlpackage"))
-        s = max(timer("ane attention", lambda: run(feed), repeats) - call_s, 1e-9)
-    _, piece = _attention_piece(a)  # one KV group of it, over the whole static bucket
-    return (piece.token_flops * S + piece.pair_flops * S * a["context"]) / a["kv_heads"] / s / flops_rate
+    rest = {}  # head size -> (seconds past the projections, core matmul FLOPs)
+    for D in (a["head_dim"] // 2, a["head_dim"]):
+        shape = AttentionShape(h, heads, 1, D, D // 4, S, a["context"] - S, 1e-6)
+        weights = AttentionWeights(np.ones(h, np.float32), w(heads * D, h), w(heads * D, h), w(D, h), w(D, h),
+                                   np.ones(D, np.float32), np.ones(D, np.float32), w(h, heads * D))
+        start = shape.cache_slots  # the last chunk of the bucket: a full cache
+        past = rng.standard_normal((1, 1, start, D)).astype(np.float32)
+        feed = {"x": rng.standard_normal((1, h, 1, S)).astype(np.float16), **rope_tables(start, shape, 1e4),
+                **attention_masks(start, shape), **cache_inputs(past, past, shape)}
+        with tempfile.TemporaryDirectory() as tmp:
+            run = loader(save_program(build_attention(shape, weights), Path(tmp) / "attention.mlpackage"))
+            s = max(timer(f"ane attention d{D}", lambda: run(feed), repeats) - call_s, 1e-9)
+        _, piece = _attention_piece(dict(a, head_dim=D))  # one KV group of it, over the whole static bucket
+        rest[D] = (s - piece.token_flops * S / a["kv_heads"] / flops_rate, piece.pair_flops * S * a["context"] / a["kv_heads"])
+    return _split_attention_time(rest, a["head_dim"], flops_rate, S * a["context"] * heads)
+
+
+def _split_attention_time(rest: dict, head_dim: int, flops_rate: float, scores: float) -> tuple[float, float]:
+    """(matmul efficiency, seconds per score) from attention's time past its projections at head sizes
+    head_dim / 2 and head_dim ({D: (seconds, matmul FLOPs)}): the matmuls scale with D, the softmax does not."""
+    (t_half, f_half), (t_full, f_full) = rest[head_dim // 2], rest[head_dim]
+    if t_full > t_half > 0:
+        efficiency = (f_full - f_half) / flops_rate / (t_full - t_half)
+        per_score = (t_half - f_half / flops_rate / efficiency) / scores
+        if per_score >= 0:
+            return efficiency, per_score
+    return f_full / flops_rate / max(t_full, 1e-9), 0.0  # noise hid the split: all of it as matmul rate
 
 
 def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats: int = 3,
@@ -257,17 +284,18 @@ def measure(report: Callable[[str], None] = print, timer: Timer = timed, sizes: 
            f"{decode_eff:.2f} of that bandwidth; a verify pass over {verify_tokens} tokens costs {verify:.2f} steps")
     backend, ane_flops, call = ane_lane(z.chunk, z.hidden, z.mlp_channels, timer=timer)
     ane_attn = ane_attention(ane_flops, call, a=a, timer=timer)
-    report(f"ANE lane ({backend}): {ane_flops / 1e9:.1f} GFLOP/s, {call * 1e3:.2f} ms per call; attention at "
-           f"{ane_attn:.2f} of that rate")
+    report(f"ANE lane ({backend}): {ane_flops / 1e9:.1f} GFLOP/s, {call * 1e3:.2f} ms per call; attention's "
+           f"matmuls at {ane_attn[0]:.2f} of that rate, {ane_attn[1] * 1e9:.2f} ns per score")
     return profile_dict(backend, gpu_flops, gpu_bw, rec, (gpu_attn, score_s), decode_eff, verify, verify_tokens,
                         ane_flops, call, ane_attn, physical_memory_bytes(), environment())
 
 
 def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_attn: tuple[float, float],
-                 decode_eff: float, verify: float, verify_tokens: int, ane_flops: float, call: float, ane_attn: float,
+                 decode_eff: float, verify: float, verify_tokens: int, ane_flops: float, call: float,
+                 ane_attn: tuple[float, float],
                  ram: int, env: dict) -> dict:
     """The `this-machine` profile from measured figures (unrounded: what was measured is what is saved);
-    `gpu_attn` is (matmul efficiency, seconds per score)."""
+    `gpu_attn` and `ane_attn` are (matmul efficiency, seconds per score)."""
     on_ane = backend == "Core ML"
     return {
         "name": THIS_MACHINE,
@@ -284,7 +312,8 @@ def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_
         "gpu_recurrence_efficiency": rec,
         "gpu_attention_efficiency": gpu_attn[0],
         "gpu_attention_score_s": gpu_attn[1],
-        "ane_attention_efficiency": ane_attn,
+        "ane_attention_efficiency": ane_attn[0],
+        "ane_attention_score_s": ane_attn[1],
         "ane_efficiency": 1.0,
         "decode_efficiency": decode_eff,
         "mtp_verify_ratio": verify,
