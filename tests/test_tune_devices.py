@@ -67,18 +67,19 @@ def test_tune_devices_times_each_measurement_once_and_saves_the_profile(tuned):
 
 def test_saved_gpu_figures_are_the_measured_ones(tuned):
     _, _, _, p, _ = tuned
-    gpu_flops = 2.0 * 64 * 64 * 128 / SECONDS["gpu matmul"]
+    copies = measure_mod.MAX_COPIES  # tiny layers: each measurement cycles through the most copies, timed as one
+    gpu_flops = copies * 2.0 * 64 * 64 * 128 / SECONDS["gpu matmul"]
     assert p.gpu_fp32_tflops == pytest.approx(gpu_flops / 1e12, rel=1e-12)
     assert p.memory_bandwidth_gbs == pytest.approx(4096 * 4 / SECONDS["gpu bandwidth"] / 1e9, rel=1e-12)
     _, gdn = measure_mod._gdn_pieces(TINY.gdn)  # a whole layer timed, its projections taken off
     projections = 64 * (gdn["gdn_in_proj"].token_flops + gdn["gdn_out_proj"].token_flops) / gpu_flops
-    rec = 64 * gdn["gdn_recurrence"].token_flops / gpu_flops / (SECONDS["gpu recurrence"] - projections)
+    rec = 64 * gdn["gdn_recurrence"].token_flops / gpu_flops / (SECONDS["gpu recurrence"] / copies - projections)
     assert 0 < rec < 1 and p.gpu_recurrence_efficiency == pytest.approx(rec, rel=1e-12)
     pairs = 64 * 64 + 64 * 65 / 2  # the chunk over 64 cached tokens plus its causal triangle
     past_projections, core = {}, {}
     for D in (32, 64):  # head sizes 32 and 64: the matmuls double, the softmax (per score) stays
         _, piece = measure_mod._attention_piece(dict(TINY.attention, head_dim=D))
-        seconds = SECONDS[f"gpu attention d{D}"] - SECONDS[f"gpu cache fill d{D}"]
+        seconds = (SECONDS[f"gpu attention d{D}"] - SECONDS[f"gpu cache fill d{D}"]) / copies
         past_projections[D] = seconds - piece.token_flops * 64 / gpu_flops
         core[D] = piece.pair_flops * pairs
     efficiency = (core[64] - core[32]) / gpu_flops / (past_projections[64] - past_projections[32])
@@ -100,7 +101,7 @@ def test_saved_decode_efficiency_and_verify_ratio_are_the_measured_ones(tuned):
 
 def test_saved_ane_figures_are_the_measured_ones(tuned):
     _, _, _, p, _ = tuned
-    ane_flops = 6.0 * 64 * 128 * 64 / (SECONDS["ane mlp"] - SECONDS["ane call"])
+    ane_flops = 6.0 * 64 * 128 * 64 / (SECONDS["ane mlp"] / measure_mod.MAX_COPIES - SECONDS["ane call"])
     assert p.ane_fp16_tflops == pytest.approx(ane_flops / 1e12, rel=1e-12)
     assert p.ane_dispatch_s == SECONDS["ane call"]
     past_projections, core = {}, {}
@@ -182,3 +183,11 @@ def test_devices_with_a_model_measures_at_that_models_shapes(tmp_path, monkeypat
     assert (z.attention["heads"], z.attention["kv_heads"], z.attention["head_dim"]) == (
         config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
     assert load_profile(THIS_MACHINE).measured
+
+
+def test_measurements_cycle_through_enough_copies_to_defeat_the_caches():
+    """A layer is timed over as many distinct copies as make IN_FLOW_BYTES (at most MAX_COPIES), as a forward
+    pass streams its layers' weights: one hot copy overstated the rates."""
+    big, copies = measure_mod.IN_FLOW_BYTES, measure_mod._copies
+    assert copies(big) == 1 and copies(big // 2) == 2 and copies(big // 4) == 4 and copies(big // 4 - 1) == 5
+    assert copies(1) == measure_mod.MAX_COPIES and copies(10 * big) == 1
