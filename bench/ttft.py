@@ -156,7 +156,7 @@ def timeline(engine, fraction: float, offload: tuple[str, ...], n: int, png: Pat
 
     split = configure(engine, fraction, CHUNK, offload=offload).splitter(n)
     trace = Trace()
-    res = split.run(list(range(1, n + 1)), engine.model.make_cache(), trace=trace)
+    res = split.run(prompt_ids(n), engine.model.make_cache(), trace=trace)
     fig, ax = plt.subplots(figsize=(12, 2.6))
     colors = {1: "tab:blue", 2: "tab:orange"}
     for e in trace.events:

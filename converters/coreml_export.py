@@ -195,11 +195,14 @@ def export_coreml(
     budget: int = WEIGHT_BUDGET,
     progress: Callable[[int, int], None] | None = None,
     pieces: tuple[str, ...] = PIECES,
+    loaded: tuple | None = None,
 ) -> dict:
     """Export the ANE share of `model` for `fraction` into `out`; returns the manifest (also written there).
 
-    `pieces` limits the export to some piece kinds (e.g. only "attention"). Packages whose key matches the
-    existing manifest's entry are reused; packages no longer in the plan are removed.
+    `pieces` limits the export to some piece kinds (e.g. only "attention"). `loaded` = (model, path, config) of
+    an already loaded checkpoint: its weights are exported as they are in memory, the files are not read again.
+    Packages whose key matches the existing manifest's entry are reused; packages no longer in the plan are
+    removed.
     """
     from coreml_graphs.package import save_program  # first: quiets coremltools' import warnings off macOS
     from hetero.loader import load_model
@@ -208,7 +211,7 @@ def export_coreml(
 
     contexts = sorted(set(contexts or [DEFAULT_CONTEXT]))
     check_shapes(chunk, contexts)
-    net, path, config = load_model(model)  # its own dtype: slices are widened to fp32 numpy one at a time
+    net, path, config = loaded or load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     args = net.args
     if args.attention_bias:
         raise HeteroError("Core ML export does not support attention biases (attention_bias: true in config.json)")

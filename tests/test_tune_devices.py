@@ -25,7 +25,8 @@ TINY = Sizes(chunk=64, hidden=64, out=128, reduce_elements=4096, recurrence_toke
              decode_hidden=64, decode_intermediate=192, draft_depth=3)
 # Seconds one call of each measurement takes, as the scripted timer reports them.
 SECONDS = {"gpu matmul": 0.002, "gpu bandwidth": 0.004, "gpu recurrence": 0.2, "gpu cache fill d32": 0.001,
-           "gpu attention d32": 0.020, "gpu cache fill d64": 0.001, "gpu attention d64": 0.030, "decode step": 0.010, "verify pass": 0.016, "ane mlp": 0.006, "ane call": 0.0005,
+           "gpu attention d32": 0.020, "gpu cache fill d64": 0.001, "gpu attention d64": 0.030,
+           "decode step": 0.010, "verify pass": 0.016, "ane mlp": 0.006, "ane call": 0.0005,
            "ane attention d32": 0.012, "ane attention d64": 0.020}
 
 

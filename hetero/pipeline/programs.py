@@ -35,11 +35,12 @@ EXPORT_PIECE = {"attention": "attention", "mlp": "mlp", "gdn_in_proj": "gdn_z"} 
 
 
 def ensure_export(
-    model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = OFFLOADABLE
+    model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = OFFLOADABLE,
+    loaded: tuple | None = None,
 ) -> Path:
     """The export directory for (model key, fraction, chunk, bucket, piece kinds), exported on first use with a
     progress bar: attention programs for every context bucket up to `bucket` (each chunk runs the smallest that
-    holds it)."""
+    holds it). `loaded` = (model, path, config): export the weights in memory instead of reading the files."""
     from converters.coreml_export import read_manifest
 
     pieces = tuple(EXPORT_PIECE[k] for k in offload)
@@ -56,7 +57,8 @@ def ensure_export(
     from converters.coreml_export import export_coreml
     from hetero.progress import ProgressBar
 
-    export_coreml(model_ref, out, fraction, chunk, contexts, progress=ProgressBar("export Core ML"), pieces=pieces)
+    export_coreml(model_ref, out, fraction, chunk, contexts, progress=ProgressBar("export Core ML"), pieces=pieces,
+                  loaded=loaded)
     return out
 
 

@@ -46,8 +46,10 @@ class PipelineRun:
         if bucket not in self._splits:
             e = self.engine
             ref = None if e.name == "bundled" else str(e.path)
-            key = f"{e.identity}-{weights_fingerprint(e.path)}"
-            out = ensure_export(ref, key, self.fraction, self.chunk, bucket, self.offload)
+            # the weights as loaded (an Engine records them at load) are what is exported, not the files now
+            key = f"{e.identity}-{getattr(e, 'weights_fingerprint', None) or weights_fingerprint(e.path)}"
+            loaded = (e.model, e.path, e.config)
+            out = ensure_export(ref, key, self.fraction, self.chunk, bucket, self.offload, loaded)
             name, loader = ane_backend()
             self._splits[bucket] = SplitPrefill(e.model, load_programs(out, loader), name)
         return self._splits[bucket]

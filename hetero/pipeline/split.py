@@ -147,7 +147,8 @@ class SplitPrefill:
 
             def ane() -> None:
                 x = to_bc1s(ch.h, size)
-                ch.parts[i, "z"] = np.concatenate([from_bc1s(run({"x": x})["z"], ch.s) for run, _ in parts], 1)  # [s, zr]
+                zs = [from_bc1s(run({"x": x})["z"], ch.s) for run, _ in parts]  # [s, rows of each part]
+                ch.parts[i, "z"] = np.concatenate(zs, 1)  # [s, zr]
 
             def merge() -> None:
                 o, z_rest = ch.parts.pop((i, "gdn"))

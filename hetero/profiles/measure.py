@@ -238,7 +238,8 @@ def ane_attention(flops_rate: float, call_s: float, repeats: int = 3, a: dict = 
             run = loader(save_program(build_attention(shape, weights), Path(tmp) / "attention.mlpackage"))
             s = max(timer(f"ane attention d{D}", lambda: run(feed), repeats) - call_s, 1e-9)
         _, piece = _attention_piece(dict(a, head_dim=D))  # one KV group of it, over the whole static bucket
-        rest[D] = (s - piece.token_flops * S / a["kv_heads"] / flops_rate, piece.pair_flops * S * a["context"] / a["kv_heads"])
+        projections = piece.token_flops * S / a["kv_heads"] / flops_rate
+        rest[D] = (s - projections, piece.pair_flops * S * a["context"] / a["kv_heads"])
     return _split_attention_time(rest, a["head_dim"], flops_rate, S * a["context"] * heads)
 
 
