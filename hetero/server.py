@@ -617,6 +617,15 @@ def create_app(
         check_key(request)
         return parse_body(await request.body())
 
+    async def started(job: Job, request: Request, error: Callable[[Exception], Response]) -> AsyncIterator | Response:
+        """A stream's items once its job has started, or the response to send instead: `error(e)` when it failed
+        before its first byte, 499 when the client left."""
+        try:
+            items = await runner.stream_started(job, request)
+        except Exception as e:
+            return error(e)
+        return Response(status_code=499) if items is None else items
+
     async def chat_completions(request: Request) -> Response:
         try:
             job = parser.openai_chat(await body_of(request))
@@ -657,12 +666,9 @@ def create_app(
             return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": primary,
                     "choices": [c]}
 
-        try:
-            items = await runner.stream_started(job, request)
-        except Exception as e:
-            return _openai_error(_failure(e, rid))
-        if items is None:
-            return Response(status_code=499)
+        items = await started(job, request, lambda e: _openai_error(_failure(e, rid)))
+        if isinstance(items, Response):
+            return items
 
         async def events() -> AsyncIterator[str]:
             if chat:
@@ -706,12 +712,9 @@ def create_app(
                 "stop_sequence": o.stop, "usage": _anthropic_usage(o), "hetero": o.stats,
             })
 
-        try:
-            items = await runner.stream_started(job, request)
-        except Exception as e:
-            return _anthropic_error(_failure(e, mid))
-        if items is None:
-            return Response(status_code=499)
+        items = await started(job, request, lambda e: _anthropic_error(_failure(e, mid)))
+        if isinstance(items, Response):
+            return items
 
         async def events() -> AsyncIterator[str]:
             try:

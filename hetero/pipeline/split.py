@@ -70,7 +70,7 @@ class SplitPrefill:
         self.attn_rest: dict[int, GpuAttentionRest] = {}
         self.mlp_rest: dict[int, GpuMLPRest] = {}
         self.gdn_rest: dict[int, GpuGDNRest] = {}
-        self._tables: dict = {}  # (chunk start, program shape) -> RoPE tables and masks (ANE lane only)
+        self._tables: dict = {}  # chunk start -> {program shape: RoPE tables and masks} (filled on the ANE lane)
         args = model.args
         for i, layer in enumerate(model.layers):
             k, c, zr = programs.share("attention", i), programs.share("mlp", i), programs.share("gdn_z", i)
