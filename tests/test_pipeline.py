@@ -33,8 +33,7 @@ def tiny_engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundled_engine():
-    if not (BUNDLED_MODEL / "config.json").is_file():
-        pytest.skip("hetero/bundled/ is not present yet")
+    assert (BUNDLED_MODEL / "config.json").is_file(), "hetero/bundled/ is missing: the package ships it"
     import hetero
 
     return hetero.load()
@@ -171,23 +170,21 @@ def _sleepy_graph(chunks: int, layers: int, gpu_s: float, ane_s: float) -> list[
 
 
 def test_wavefront_keeps_both_lanes_busy_across_chunks():
-    """Each layer's mixer (GPU) and MLP (ANE) depend on each other within a chunk, so lock-step stages would take
-    the sum of both; with chunks in flight the wall time approaches one lane's total plus one job of fill."""
+    """Each layer's mixer (GPU) and MLP (ANE) depend on each other within a chunk, so lock-step stages would leave
+    one lane idle at every step; with chunks in flight the GPU runs the next chunk's mixers while the ANE runs
+    this chunk's MLPs (the trace shows jobs of different chunks at the same time, most of the run)."""
     import anyio
 
-    chunks, layers, g, a = 6, 4, 0.02, 0.02
-    lock_step = chunks * layers * (g + a)
-    bound = chunks * layers * max(g, a) + min(g, a)  # the busier lane's total + the other's first job
+    chunks, layers = 6, 4
     trace = Trace()
-    gpu, ane = Lane("GPU", 1, trace), Lane("ANE", 2, trace)
-    start = time.perf_counter()
-    anyio.run(run_jobs, _sleepy_graph(chunks, layers, g, a), gpu, ane)
-    wall = time.perf_counter() - start
-    assert bound * 0.99 <= wall <= bound * 1.2, (wall, bound, lock_step)
-    assert wall < 0.7 * lock_step
-    spans = {tid: [(e["ts"], e["ts"] + e["dur"]) for e in trace.events if e["tid"] == tid] for tid in (1, 2)}
-    concurrent = sum(1 for a0, a1 in spans[1] for b0, b1 in spans[2] if min(a1, b1) - max(a0, b0) > 10_000)  # > 10 ms
-    assert concurrent >= chunks * layers // 2
+    anyio.run(run_jobs, _sleepy_graph(chunks, layers, 0.02, 0.02), Lane("GPU", 1, trace), Lane("ANE", 2, trace))
+    spans = {tid: [(e["ts"], e["ts"] + e["dur"], int(e["name"].split("@")[1])) for e in trace.events if e["tid"] == tid]
+             for tid in (1, 2)}
+    across = [(g, a) for g in spans[1] for a in spans[2] if g[2] != a[2] and min(g[1], a[1]) - max(g[0], a[0]) > 10_000]
+    assert len(across) >= (chunks - 1) * layers // 2  # > 10 ms together on jobs of two different chunks
+    first_gpu_of = {c: min(g[0] for g in spans[1] if g[2] == c) for c in range(chunks)}
+    last_ane_of = {c: max(a[1] for a in spans[2] if a[2] == c) for c in range(chunks)}
+    assert all(first_gpu_of[c + 1] < last_ane_of[c] for c in range(chunks - 1))  # chunk c+1 starts before c ends
 
 
 def test_jobs_run_after_their_dependencies_oldest_chunk_first():
@@ -309,13 +306,12 @@ def test_prompt_beyond_the_governors_window_is_refused(tiny_checkpoint, capsys):
 
 def test_decode_rounds_fill_the_gpu_lane_while_the_ane_works():
     """Simulated devices: two generating requests' rounds run during a third request's prefill, alternately
-    (neither starves), inside the prefill's span, and the prefill still ends near its critical path."""
+    (neither starves), while the ANE lane works on the prefill's shares."""
     import anyio
 
     from hetero.pipeline import DecodeQueue
 
     chunks, layers, g, a = 1, 8, 0.01, 0.05  # one chunk: the GPU lane waits 40 ms for each ANE job
-    critical = layers * (g + a)
     done = {"a": 0, "b": 0}
 
     def stream(name):
@@ -328,14 +324,12 @@ def test_decode_rounds_fill_the_gpu_lane_while_the_ane_works():
 
     queue = DecodeQueue([stream("a"), stream("b")])
     trace = Trace()
-    start = time.perf_counter()
     anyio.run(run_jobs, _sleepy_graph(chunks, layers, g, a), Lane("GPU", 1, trace), Lane("ANE", 2, trace), queue)
-    wall = time.perf_counter() - start
     assert queue.rounds >= 2 * layers and abs(done["a"] - done["b"]) <= 1  # round-robin: fair
-    assert wall <= critical * 1.25, (wall, critical)  # rounds fill the wait; at most one overshoots per ANE job
-    ane = [e for e in trace.events if e["tid"] == 2]
-    rounds = [e for e in trace.events if e["name"] == "decode round"]
-    assert min(e["ts"] for e in rounds) < max(e["ts"] + e["dur"] for e in ane)  # during the prefill
+    ane = [(e["ts"], e["ts"] + e["dur"]) for e in trace.events if e["tid"] == 2]
+    rounds = [(e["ts"], e["ts"] + e["dur"]) for e in trace.events if e["name"] == "decode round"]
+    during = [r for r in rounds if any(a0 <= r[0] < a1 for a0, a1 in ane)]
+    assert len(during) >= 2 * layers  # the rounds run while the ANE works, not after the prefill
 
 
 def test_decode_never_starves_behind_a_gpu_only_prefill():
@@ -437,3 +431,17 @@ def test_each_chunk_runs_the_smallest_attention_bucket_that_holds_it():
     assert progs.share("attention", 3) == 2
     with pytest.raises(HeteroError, match="largest cache has 192 slots"):
         progs.attention_at(3, 256)
+
+
+def test_verify_catches_a_defective_program_at_the_default_tolerance(bundled_engine):
+    """A real defect on the ANE lane fails `--verify` at its default tolerance: one layer's MLP program losing half
+    its output (the honest split of the same prompt passes)."""
+    ids = bundled_engine.tokenizer.encode(open(__file__).read())[:128]  # two chunks: the second reads the cache
+    run = configure(bundled_engine, 1.0, 64)
+    assert verify(run, ids)["match"]
+    progs = run.splitter(len(ids)).programs
+    layer = sorted(progs.mlp)[0]
+    program, units = progs.mlp[layer][0]
+    progs.mlp[layer][0] = (lambda feed, p=program: {k: v * 0.5 for k, v in p(feed).items()}, units)
+    check = verify(run, ids)
+    assert check["tolerance"] == 0.02 and not check["match"], check
