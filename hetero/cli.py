@@ -195,7 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress=ProgressBar("prefill"),
         prefill_with=split.prefill_with if split is not None else None,
     )
-    extra, status = {}, 0
+    extra, status = {"blas": hetero.blas.describe()}, 0  # the BLAS under MLX: what CPU speed depends on
     if split is not None:
         extra["ane"] = split.ane_block()
         if split.last is not None:

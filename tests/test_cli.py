@@ -121,3 +121,12 @@ def test_eos_stops_generation(engine):
         engine.eos_ids = saved
     assert stopped.tokens == greedy[: greedy.index(greedy[3])]
     assert stopped.stats["finish_reason"] == "stop"
+
+
+def test_run_json_names_the_blas_in_use(capsys):
+    """`hetero run --json` reports the BLAS library MLX's CPU backend really uses (the one describe() finds)."""
+    import hetero.blas
+    from hetero.cli import main
+
+    assert main(["run", "--prompt", "x", "--max-tokens", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["blas"] == hetero.blas.describe()
