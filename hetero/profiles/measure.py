@@ -79,8 +79,19 @@ class Sizes:
         )
 
 
-def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int = 5, reduce_elements: int = 64 * 2**20,
-             timer: Timer = timed) -> tuple[float, float]:
+IN_FLOW_BYTES = 64 << 20  # a prefill streams its layers' weights: more than the caches of a CPU (or a GPU) hold
+MAX_COPIES = 8
+
+
+def _copies(nbytes: int) -> int:
+    """How many distinct copies of a layer a measurement cycles through so that, as in a model's forward, its
+    weights come from memory rather than a cache warmed by the previous call (a hot cache overstated the rates
+    by 15-20% against the bench's prefill)."""
+    return max(1, min(MAX_COPIES, -(-IN_FLOW_BYTES // max(nbytes, 1))))
+
+
+def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int = 5,
+             reduce_elements: int = 64 * 2**20, timer: Timer = timed) -> tuple[float, float]:
     """(matmul FLOP/s, bandwidth bytes/s) of MLX on its default device, in the engine's load dtype."""
     import mlx.core as mx
 
@@ -95,16 +106,6 @@ def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int
     rd = timer("gpu bandwidth", lambda: mx.eval(big.sum()), repeats)
     return 2.0 * chunk * hidden * out * len(ws) / mm, big.nbytes / rd
 
-
-IN_FLOW_BYTES = 64 << 20  # a prefill streams its layers' weights: more than the caches of a CPU (or a GPU) hold
-MAX_COPIES = 8
-
-
-def _copies(nbytes: int) -> int:
-    """How many distinct copies of a layer a measurement cycles through so that, as in a model's forward, its
-    weights come from memory rather than a cache warmed by the previous call (a hot cache overstated the rates
-    by 15-20% against the bench's prefill)."""
-    return max(1, min(MAX_COPIES, -(-IN_FLOW_BYTES // max(nbytes, 1))))
 
 
 def decode_verify(bandwidth: float, tokens: int, hidden: int = 4096, intermediate: int = 12288, repeats: int = 3,
