@@ -440,12 +440,13 @@ def test_the_governor_counts_every_chunk_a_split_keeps_in_flight():
 def test_the_gpu_softmax_costs_its_measured_seconds_per_score():
     """A profile's per-score softmax cost adds heads x visible pairs x that cost per attention layer (and the MTP
     layer) to the GPU-only prefill, and the GPU's share of split attention pays its share of it."""
-    from hetero.planner import _pairs, chunk_spans, model_shape
+    from hetero.planner import chunk_spans, model_shape
+    from hetero.planner.cost import visible_pairs
 
     args, _ = model_shape(Q9)
     costly = dataclasses.replace(NO_ANE_LIMIT, gpu_attention_score_s=1e-9)
     base = make_plan(Q9, NO_ANE_LIMIT, 0.0, 8192, 512).predicted["gpu_only_prefill_s"]
     more = make_plan(Q9, costly, 0.0, 8192, 512).predicted["gpu_only_prefill_s"]
-    pairs = float(_pairs(*chunk_spans(8192, 512)).sum())
+    pairs = float(visible_pairs(*chunk_spans(8192, 512)).sum())
     layers = args.layer_types.count("full_attention") + args.mtp_num_hidden_layers
     assert more - base == pytest.approx(layers * args.num_attention_heads * pairs * 1e-9, abs=2e-4)

@@ -1,0 +1,133 @@
+"""The memory governor (shared/DESIGN.md section 7): from weights, KV bytes per token, GDN state, prefill buffers,
+Core ML packages and the GPU-wirable share of RAM it resolves the largest aligned context window that fits, line
+by line; for a loaded model it refuses a prompt beyond that window."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import ModelArgs
+from hetero.planner.shape import gdn_state_bytes, kv_bytes_per_token
+
+RUNTIME_RESERVE = 1 << 30  # MLX runtime, allocator slack and decode activations: kept free by the governor
+SPLIT_IN_FLIGHT = 4  # chunks a split prefill keeps in progress: enough for both lanes to find work
+
+
+def prefill_buffer_bytes(args: ModelArgs, chunk: int) -> int:
+    """Transient buffers of one prefill chunk in fp32: residual and projections, MLP, conv, and one logits row."""
+    conv = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    inter = args.intermediate_size
+    return chunk * 4 * (6 * args.hidden_size + 3 * inter + 2 * conv) + 4 * args.vocab_size
+
+
+def physical_memory_bytes() -> int:
+    """RAM of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class Budget:
+    """The governor's answer: budget lines (name, bytes) that add up to the GPU-wirable bytes, and the window."""
+
+    memory_bytes: int
+    wired_fraction: float
+    lines: list[tuple[str, int]]
+    context_window: int
+    kv_bytes_per_token: int
+    model_max: int
+
+    @property
+    def wirable_bytes(self) -> int:
+        return int(self.memory_bytes * self.wired_fraction)
+
+    def to_dict(self) -> dict:
+        return {
+            "memory_gb": round(self.memory_bytes / 1e9, 3),
+            "wired_fraction": self.wired_fraction,
+            "wirable_bytes": self.wirable_bytes,
+            "context_window": self.context_window,
+            "model_max_context": self.model_max,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "lines": [{"name": n, "bytes": b} for n, b in self.lines],
+        }
+
+    def text(self) -> list[str]:
+        gb = lambda b: f"{b / 1e9:9.2f} GB"  # noqa: E731
+        out = [f"memory: {self.memory_bytes / 1e9:.1f} GB RAM, GPU may wire {self.wired_fraction:.0%} = {self.wirable_bytes / 1e9:.2f} GB"]
+        out += [f"  {gb(b)}  {n}" for n, b in self.lines]
+        limit = " (the model's maximum)" if self.context_window == self.model_max else ""
+        out.append(f"context window: {self.context_window} tokens{limit}")
+        return out
+
+
+def govern(
+    args: ModelArgs,
+    weight_bytes: float,
+    memory_bytes: float,
+    chunk: int,
+    kv_bytes: int = 2,
+    coreml_bytes: float = 0,
+    wired_fraction: float = 0.75,
+    weights_label: str = "",
+    in_flight: int = 1,
+) -> Budget:
+    """The largest context window (a multiple of `chunk`, at most the model's maximum) that fits the wirable RAM.
+
+    `in_flight`: chunks prefilled at once (a split prefill's wavefront keeps several), each with its buffers.
+    Raises HeteroError when the fixed costs alone do not fit (memory below the weights).
+    """
+    wirable = int(memory_bytes * wired_fraction)
+    fixed = [
+        (f"weights{f' ({weights_label})' if weights_label else ''}", int(weight_bytes)),
+        ("Core ML packages (ANE share, fp16)", int(coreml_bytes)),
+        ("GDN recurrent state + conv window, one sequence", gdn_state_bytes(args)),
+        (f"transient prefill buffers (chunk {chunk}{f', {in_flight} in flight' if in_flight > 1 else ''})",
+         in_flight * prefill_buffer_bytes(args, chunk)),
+        ("runtime reserve (MLX, allocator, decode)", RUNTIME_RESERVE),
+    ]
+    per_token = kv_bytes_per_token(args, kv_bytes)
+    room = wirable - sum(b for _, b in fixed)
+    window = min(args.max_position_embeddings, (room // per_token // chunk) * chunk) if per_token else args.max_position_embeddings
+    if room <= 0 or window < chunk:
+        raise HeteroError(
+            f"{memory_bytes / 1e9:.1f} GB of RAM leaves {wirable / 1e9:.2f} GB the GPU may wire; the weights "
+            f"({weight_bytes / 1e9:.2f} GB) and fixed buffers ({sum(b for _, b in fixed) / 1e9:.2f} GB in all) leave no room for "
+            f"even one {chunk}-token chunk of KV cache"
+        )
+    kv = window * per_token
+    lines = [*fixed, (f"KV cache: {window} tokens x {per_token} bytes", kv), ("unused (below one aligned step, or past the model maximum)", room - kv)]
+    return Budget(int(memory_bytes), wired_fraction, lines, int(window), per_token, args.max_position_embeddings)
+
+
+_WINDOWS: dict[tuple[int, float | None], tuple[weakref.ref, Budget]] = {}
+
+
+def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_flight: int = 1) -> Budget:
+    """The governor's budget for a loaded model: its actual weight bytes and cache dtype, this machine's RAM
+    (or `memory_gb`), `in_flight` chunks of prefill buffers. Cached per model, memory size and chunks in flight."""
+    from mlx.utils import tree_flatten
+
+    key = (id(model), memory_gb, in_flight)
+    ref, budget = _WINDOWS.get(key, (None, None))
+    if ref is None or ref() is not model:  # an id can be reused once a model is freed
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        kv_bytes = model.model.norm.weight.dtype.size  # the cache holds K/V in the model's dtype
+        memory = memory_gb * 1e9 if memory_gb is not None else physical_memory_bytes()
+        budget = govern(model.args, weights, memory, chunk, kv_bytes, weights_label="as loaded", in_flight=in_flight)
+        _WINDOWS[key] = (weakref.ref(model), budget)
+    return budget
+
+
+def check_prompt_fits(model, n_tokens: int, memory_gb: float | None = None, in_flight: int = 1) -> None:
+    """HeteroError when a prompt of `n_tokens` exceeds the memory governor's context window (with `in_flight`
+    chunks prefilled at once)."""
+    budget = loaded_budget(model, memory_gb, in_flight=in_flight)
+    if n_tokens >= budget.context_window:
+        raise HeteroError(
+            f"the prompt has {n_tokens} tokens but the memory governor's context window is {budget.context_window} "
+            f"tokens ({budget.memory_bytes / 1e9:.1f} GB RAM, {budget.wirable_bytes / 1e9:.1f} GB GPU-wirable, "
+            f"{budget.kv_bytes_per_token} KV bytes per token); shorten it or give more memory (--memory-gb)"
+        )

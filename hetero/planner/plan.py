@@ -1,0 +1,248 @@
+"""The whole plan: `make_plan` turns (model config, weight storage, context, chunk, hardware profile, requested
+fraction F) into the pieces' slices with their caps, the predicted prefill and decode times, what is unknown and
+assumed, and (with a memory size) the governor's budget. `Plan` is what `hetero plan` reports and what the
+pipeline configures a split from."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import ModelArgs
+from hetero.planner.cost import chunk_spans, piece_flops
+from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
+from hetero.planner.predict import Lanes, predict_decode, predict_prefill, verify_cost
+from hetero.planner.shape import Storage, model_shape, storage_for
+from hetero.planner.slices import (
+    ALIGN,
+    ANE_WEIGHT_BYTES,
+    OFFLOADABLE,
+    PROGRAM_WEIGHT_BUDGET,
+    Piece,
+    PieceSlice,
+    ane_programs,
+    ane_weight_bytes,
+    fit_ane_memory,
+    layer_slices,
+    pieces,
+    program_budget,
+)
+from hetero.profiles import Profile
+
+DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
+DEFAULT_DRAFT_DEPTH = 3
+
+
+@dataclass
+class Plan:
+    """Everything `hetero plan` reports; `to_dict` is the `--json` form."""
+
+    model: str
+    args: ModelArgs
+    storage: Storage
+    profile: Profile
+    context: int
+    chunk: int
+    prompt_tokens: int
+    requested_fraction: float
+    sliced_fraction: float
+    pieces: list[Piece]
+    slices: list[PieceSlice]
+    flops: dict[str, tuple[float, float]]  # kind -> (total, ANE) at the context
+    predicted: dict
+    unknown: list[str]
+    assumptions: list[str]
+    memory: Budget | None = None
+    offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds that take a share
+    programs: dict[str, int] = field(default_factory=dict)  # piece kind -> exported ANE programs, all layers
+    program_budget: int = PROGRAM_WEIGHT_BUDGET  # fp16 weight bytes per program at most
+
+    @property
+    def effective_fraction(self) -> float:
+        total = sum(t for t, _ in self.flops.values())
+        return sum(a for _, a in self.flops.values()) / total if total else 0.0
+
+    def caps(self) -> list[str]:
+        out = []
+        for p in self.pieces:
+            if p.cap_reason:
+                out.append(f"{p.kind}: requested {p.requested:.2f}, effective {p.ane_share:.2f} ({p.cap_reason})")
+        return out
+
+    def to_dict(self) -> dict:
+        total = sum(t for t, _ in self.flops.values())
+        d = {
+            "model": self.model,
+            "profile": self.profile.name,
+            "storage": {"bits": self.storage.bits, "group_size": self.storage.group_size},
+            "context": self.context,
+            "chunk": self.chunk,
+            "prompt_tokens": self.prompt_tokens,
+            "requested_fraction": self.requested_fraction,
+            "effective_fraction": round(self.effective_fraction, 6),
+            "offload": list(self.offload),
+            "pieces": {
+                p.kind: {
+                    "requested": p.requested,
+                    "effective": round(p.ane_share, 6),
+                    "cap_reason": p.cap_reason,
+                    "layers": p.layers,
+                    "units": p.units,
+                    "ane_units": p.ane_units,
+                    "unit": p.unit,
+                    "flops": self.flops[p.kind][0],
+                    "ane_flops": self.flops[p.kind][1],
+                    "flop_share": round(self.flops[p.kind][0] / total, 6) if total else 0.0,
+                    "weight_bytes": int(p.layers * self.storage.nbytes(p.params)),
+                    "ane_weight_bytes": int(p.layers * p.ane_units * p.ane_unit_params * ANE_WEIGHT_BYTES),
+                    "programs": self.programs.get(p.kind, 0),
+                }
+                for p in self.pieces
+            },
+            "caps": self.caps(),
+            "ane_programs": {"count": sum(self.programs.values()), "weight_budget_bytes": self.program_budget},
+            "layers": [asdict(s) for s in self.slices],
+            "predicted": self.predicted,
+            "unknown": self.unknown,
+            "assumptions": self.assumptions,
+        }
+        if self.memory is not None:
+            d["memory"] = self.memory.to_dict()
+        return d
+
+
+def make_plan(
+    config: dict,
+    profile: Profile,
+    fraction: float,
+    context: int,
+    chunk: int = 512,
+    prompt_tokens: int | None = None,
+    bits: int | None = None,
+    group_size: int | None = None,
+    memory_gb: float | None = None,
+    accepted_length: float = DEFAULT_ACCEPTED_LENGTH,
+    draft_depth: int = DEFAULT_DRAFT_DEPTH,
+    name: str = "",
+    offload: tuple[str, ...] = OFFLOADABLE,
+) -> Plan:
+    """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring).
+
+    `offload` names the piece kinds that take their share (`recommend` leaves out those the ANE lane of the
+    profile runs too slowly to help); the others stay whole on the GPU, with the reason as their cap.
+    """
+    args, moe = model_shape(config)
+    storage = storage_for(config, bits, group_size)
+    if chunk <= 0 or chunk % ALIGN:
+        raise HeteroError(f"--chunk {chunk}: must be a positive multiple of {ALIGN}")
+    if not 0 < context <= args.max_position_embeddings:
+        raise HeteroError(f"--context {context}: must be between 1 and the model's maximum, {args.max_position_embeddings}")
+    prompt = prompt_tokens or context
+    if not 0 < prompt <= context:
+        raise HeteroError(f"--prompt-tokens {prompt}: must be between 1 and the context ({context})")
+    if accepted_length < 1:
+        raise HeteroError(f"--accepted-length {accepted_length}: a verify pass yields at least one token")
+    limit = profile.ane_process_weight_limit_gb * 1e9 if profile.ane_process_weight_limit_gb else None
+    ps, sliced = fit_ane_memory(args, moe, fraction, limit)
+    lanes = Lanes.of(profile)
+    ps = [p if p.kind in offload or not p.ane_units else
+          Piece(**{**asdict(p), "ane_units": 0, "cap_reason": kept_on_gpu(p.kind, lanes)}) for p in ps]
+    starts, sizes = chunk_spans(context, chunk)
+    flops = {}
+    for p in ps:
+        total = p.layers * float(piece_flops(p, starts, sizes).sum())
+        flops[p.kind] = (total, total * p.ane_share)
+
+    gpu_only = predict_prefill(ps, storage, lanes, context, chunk, False, args.hidden_size)
+    split = predict_prefill(ps, storage, lanes, context, chunk, True, args.hidden_size)
+    ttft = predict_prefill(ps, storage, lanes, prompt, chunk, True, args.hidden_size)
+    kv_bytes = 2  # bf16 / fp16 cache on the GPU
+    decode = predict_decode(args, moe, storage, lanes.gpu_bw, context, kv_bytes, accepted_length, draft_depth,
+                            profile.decode_efficiency, profile.mtp_verify_ratio, profile.mtp_verify_tokens)
+    r = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
+    overlap = None
+    if split.wall_s and split.gpu_busy_s and split.ane_busy_s:
+        overlap = (split.gpu_busy_s + split.ane_busy_s - split.wall_s) / min(split.gpu_busy_s, split.ane_busy_s)
+    predicted = {
+        "gpu_only_prefill_s": r(gpu_only.wall_s),
+        "split_prefill_s": r(split.wall_s),
+        "ttft_s": r(ttft.wall_s),
+        "decode_roofline_tps": r(decode.roofline_tps, 2),
+        "decode_plain_tps": r(decode.plain_tps, 2),
+        "decode_mtp_tps": r(decode.mtp_tps, 2),
+        "split_gpu_busy_s": r(split.gpu_busy_s),
+        "split_ane_busy_s": r(split.ane_busy_s),
+        "speedup": r(gpu_only.wall_s / split.wall_s, 3) if gpu_only.wall_s and split.wall_s else None,
+        "overlap": r(overlap, 3),
+        "accepted_length": accepted_length,
+        "draft_depth": draft_depth,
+    }
+    budget = program_budget(profile)
+    unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown if k != "ane_process_weight_limit_gb"]
+    unknown += ane_limit_unknowns(profile, ps, budget) + decode_unknowns(profile, args, lanes)
+    if lanes.gpu_flops is None:
+        unknown.append("prefill times are unknown: the profile has no GPU throughput")
+    elif lanes.ane_flops is None and any(p.ane_units for p in ps):
+        unknown.append("split prefill time and TTFT are unknown: the profile has no ANE throughput")
+    if lanes.ane_bw is None and lanes.ane_flops is not None:
+        unknown.append("ANE bandwidth unknown: ANE time counts compute only")
+    assumptions = list(profile.notes)
+    if not profile.measured:
+        assumptions.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their peak figures on prefill matmuls (the profile's figures; `hetero tune --devices` measures this machine)")
+    assumptions.append(f"MTP decode assumes {accepted_length} tokens per verify pass at draft depth {draft_depth}")
+    if profile.mtp_verify_ratio is not None and draft_depth + 1 != profile.mtp_verify_tokens:
+        assumptions.append(f"a verify pass over {draft_depth + 1} tokens costs "
+                           f"{verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, draft_depth + 1):.2f} plain "
+                           f"steps: linear between 1 token and the profile's {profile.mtp_verify_ratio:g} at "
+                           f"{profile.mtp_verify_tokens}")
+    plan = Plan(name, args, storage, profile, context, chunk, prompt, fraction, sliced, ps, layer_slices(args, ps),
+                flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload),
+                programs=ane_programs(ps, budget), program_budget=budget)
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
+        weights = sum(p.layers * storage.nbytes(p.params) for p in ps)
+        plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps),
+                             profile.gpu_wired_fraction, storage.label,
+                             SPLIT_IN_FLIGHT if any(p.ane_units for p in ps) else 1)
+    return plan
+
+
+def ane_limit_unknowns(profile: Profile, ps: list[Piece], budget: int) -> list[str]:
+    """What the plan cannot know about the ANE's memory: a per-process limit no one has documented."""
+    if profile.ane_process_weight_limit_gb is not None or not any(p.ane_units for p in ps):
+        return []
+    return [f"ane_process_weight_limit_gb: no per-process limit on the ANE's weights is documented or measured; "
+            f"the plan assumes none ({ane_weight_bytes(ps) / 1e9:.1f} GB of fp16 weights in "
+            f"{sum(ane_programs(ps, budget).values())} programs of at most {budget / 1e9:.2f} GB)"]
+
+
+def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str]:
+    """Why a decode prediction is missing."""
+    if not args.mtp_num_hidden_layers:
+        return ["decode_mtp_tps: the model has no MTP head"]
+    if profile.mtp_verify_ratio is None and lanes.gpu_bw is not None:
+        return ["decode_mtp_tps: the profile has no MTP verify cost (mtp_verify_ratio; `hetero tune --devices` "
+                "measures it)"]
+    return []
+
+
+def effective_fraction(config: dict, fraction: float, tokens: int, chunk: int,
+                       offload: tuple[str, ...] = OFFLOADABLE) -> float:
+    """The ANE's share of a `tokens`-long prefill's FLOPs when each piece in `offload` is sliced at `fraction`."""
+    args, moe = model_shape(config)
+    starts, sizes = chunk_spans(tokens, chunk)
+    total = ane = 0.0
+    for p in pieces(args, moe, fraction):
+        f = p.layers * float(piece_flops(p, starts, sizes).sum())
+        total, ane = total + f, ane + (f * p.ane_share if p.kind in offload else 0.0)
+    return ane / total if total else 0.0
+
+
+def kept_on_gpu(kind: str, lanes: Lanes) -> str:
+    """Why a piece kind takes no ANE share (a recommended plan, or one run with such a plan's kinds)."""
+    ane, gpu = lanes.ane_rate(kind), lanes.gpu_rate(kind)
+    if ane is None or gpu is None:
+        return "kept on the GPU: not among the piece kinds this plan offloads"
+    return (f"kept on the GPU: the ANE lane runs it at {ane / 1e9:.1f} GFLOP/s against the GPU's {gpu / 1e9:.1f} "
+            f"GFLOP/s on this profile; offloading it does not shorten the prefill")

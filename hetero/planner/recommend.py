@@ -1,0 +1,34 @@
+"""`hetero plan --recommend` and `--ane-fraction auto`: the fraction, and the piece kinds that take it, with the
+shortest predicted split prefill."""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+from hetero.errors import HeteroError
+from hetero.planner.plan import Plan, make_plan
+from hetero.planner.slices import OFFLOADABLE
+from hetero.profiles import Profile
+
+
+def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **kw) -> tuple[float, Plan]:
+    """The F in [0, 1] (steps of 0.01), and the piece kinds that take it, with the shortest predicted split
+    prefill: where both lanes balance. A kind the profile's ANE lane runs too slowly stays whole on the GPU
+    (the plan's `offload`, with that cap)."""
+    best: tuple[float, float, Plan] | None = None
+    seen = set()
+    subsets = [c for n in range(len(OFFLOADABLE), 0, -1) for c in combinations(OFFLOADABLE, n)]
+    for offload in subsets:  # all kinds first: on ties the plan that offloads more wins
+        for i in range(101):
+            f = i / 100
+            plan = make_plan(config, profile, f, context, chunk, offload=offload, **kw)
+            key = tuple(p.ane_units for p in plan.pieces)
+            if key in seen:  # same aligned slices as a smaller F or another subset: same plan
+                continue
+            seen.add(key)
+            t = plan.predicted["split_prefill_s"]
+            if t is None:
+                raise HeteroError(f"cannot recommend a fraction for {profile.chip}: {'; '.join(plan.unknown) or 'throughput unknown'}")
+            if best is None or t < best[1] - 1e-12:
+                best = (f, t, plan)
+    return best[0], best[2]

@@ -1,0 +1,52 @@
+"""The human-readable report of `hetero plan` (its `--json` form is `Plan.to_dict`)."""
+
+from __future__ import annotations
+
+from hetero.planner.plan import Plan
+
+
+def program_line(plan: Plan) -> str:
+    """How many programs the ANE's share is exported as, and why a layer's share may need several."""
+    per_kind = ", ".join(f"{k} {n}" for k, n in plan.programs.items())
+    return (f"ANE programs: {sum(plan.programs.values())} ({per_kind}); at most {plan.program_budget / 1e9:.2f} GB of "
+            f"fp16 weights each (the ANE loads about 2 GB per program), a larger layer share is split")
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """The human-readable report of `hetero plan`."""
+    a, pr = plan.args, plan.predicted
+    fmt = lambda v, unit="s": "unknown" if v is None else f"{v:.3f} {unit}" if unit else f"{v}"  # noqa: E731
+    out = [
+        f"model: {plan.model} ({a.num_hidden_layers} layers: {a.layer_types.count('full_attention')} attention, "
+        f"{a.layer_types.count('linear_attention')} GDN; hidden {a.hidden_size}), weights {plan.storage.label}",
+        f"profile: {plan.profile.name} ({plan.profile.chip})",
+        f"context {plan.context} tokens, chunk {plan.chunk}, prompt {plan.prompt_tokens}",
+        f"ANE fraction: requested {plan.requested_fraction:.2f}, effective {plan.effective_fraction:.3f} of the prefill's FLOPs",
+        "",
+        f"{'piece':<15} {'layers':>6} {'requested':>9} {'effective':>9} {'FLOP share':>10}  ANE slice",
+    ]
+    total = sum(t for t, _ in plan.flops.values())
+    for p in plan.pieces:
+        slice_ = f"{p.ane_units}/{p.units} {p.unit}" if p.units else "-"
+        out.append(f"{p.kind:<15} {p.layers:>6} {p.requested:>9.2f} {p.ane_share:>9.2f} {plan.flops[p.kind][0] / total:>10.3f}  {slice_}")
+    if plan.programs:
+        out += ["", program_line(plan)]
+    if plan.caps():
+        out += ["", "caps:"] + [f"  {c}" for c in plan.caps()]
+    out += [
+        "",
+        "predicted:",
+        f"  GPU-only prefill   {fmt(pr['gpu_only_prefill_s'])}",
+        f"  split prefill      {fmt(pr['split_prefill_s'])}" + (f"  ({pr['speedup']}x)" if pr["speedup"] else ""),
+        f"  TTFT ({plan.prompt_tokens} tokens) {fmt(pr['ttft_s'])}",
+        f"  decode roofline    {fmt(pr['decode_roofline_tps'], 'tok/s')}",
+        f"  plain decode       {fmt(pr['decode_plain_tps'], 'tok/s')}",
+        f"  decode with MTP    {fmt(pr['decode_mtp_tps'], 'tok/s')}",
+    ]
+    if plan.unknown:
+        out += ["", "unknown:"] + [f"  {u}" for u in plan.unknown]
+    if plan.assumptions:
+        out += ["", "assumptions:"] + [f"  {x}" for x in plan.assumptions]
+    if plan.memory is not None:
+        out += [""] + plan.memory.text()
+    return out

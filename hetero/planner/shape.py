@@ -1,0 +1,100 @@
+"""The network as the planner sees it: a model config read from a file, a directory or the hub, its shape
+(`ModelArgs` plus routed experts), how the GPU stores its weights, and the per-token and per-sequence state sizes
+(KV bytes per token, GDN state) that both the decode cost and the memory governor count."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import ModelArgs
+
+
+@dataclass(frozen=True)
+class MoE:
+    """The routed-expert MLP of a mixture-of-experts layer."""
+
+    experts: int
+    per_token: int
+    intermediate: int
+    shared_intermediate: int
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How the GPU's copy of the weights is stored: bf16 (bits 16) or MLX affine quantization."""
+
+    bits: int = 16
+    group_size: int = 64
+
+    def nbytes(self, params: float) -> float:
+        """Bytes of `params` weights: packed bits plus an fp16 scale and bias per group when quantized."""
+        if self.bits >= 16:
+            return 2.0 * params
+        return params * self.bits / 8 + params / self.group_size * 4
+
+    @property
+    def label(self) -> str:
+        return "bf16" if self.bits >= 16 else f"{self.bits}-bit, group size {self.group_size}"
+
+
+def read_model_config(model: str | None) -> tuple[dict, str]:
+    """(config dict, display name) from a bare config.json, a checkpoint directory or a hub id (small files only)."""
+    from hetero.loader import read_config, resolve
+
+    if model is not None and Path(model).is_file():
+        try:
+            return json.loads(Path(model).read_text()), str(model)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HeteroError(f"{model} is not valid JSON ({e})") from None
+    return read_config(resolve(model, weights=False)), model or "bundled"
+
+
+def model_shape(config: dict) -> tuple[ModelArgs, MoE | None]:
+    """The network's shape from a config: `ModelArgs` plus the routed experts of MoE models (planning only)."""
+    text = config.get("text_config") or config
+    base = {"qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_text"}.get(config.get("model_type"))
+    moe = None
+    if text.get("num_experts"):
+        moe = MoE(int(text["num_experts"]), int(text.get("num_experts_per_tok", 1)),
+                  int(text.get("moe_intermediate_size") or 0), int(text.get("shared_expert_intermediate_size") or 0))
+    if base or text.get("intermediate_size") is None:
+        patched_text = dict(text, intermediate_size=text.get("intermediate_size") or (moe.intermediate if moe else None))
+        config = dict(config, model_type=base or config.get("model_type"))
+        if "text_config" in config:
+            config["text_config"] = dict(patched_text, model_type=base or text.get("model_type"))
+        else:
+            config.update(patched_text, model_type=base or config.get("model_type"))
+    args = ModelArgs.from_config(config)
+    return args, (moe if args.moe_layers else None)
+
+
+def storage_for(config: dict, bits: int | None, group_size: int | None) -> Storage:
+    """The checkpoint's own quantization when it has one, else `--bits` / `--group-size` (default bf16)."""
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    if q.get("bits") and bits is None:
+        return Storage(int(q["bits"]), int(q.get("group_size", 64)))
+    b = 16 if bits is None else bits
+    if b not in (2, 3, 4, 5, 6, 8, 16):
+        raise HeteroError(f"--bits {b}: choose 2, 3, 4, 5, 6, 8 or 16")
+    g = group_size or 64
+    if g not in (32, 64, 128):
+        raise HeteroError(f"--group-size {g}: choose 32, 64 or 128")
+    return Storage(b, g)
+
+
+def kv_bytes_per_token(args: ModelArgs, kv_bytes: int, with_mtp: bool = True, only_mtp: bool = False) -> int:
+    """KV bytes per token: full-attention layers only (+ the MTP layer); GDN layers keep a fixed state instead."""
+    layers = 0 if only_mtp else args.layer_types.count("full_attention")
+    layers += args.mtp_num_hidden_layers if with_mtp else 0
+    return layers * 2 * args.num_key_value_heads * args.head_dim * kv_bytes
+
+
+def gdn_state_bytes(args: ModelArgs) -> int:
+    """Per sequence: every GDN layer's fp32 recurrent state and its conv window."""
+    n = args.layer_types.count("linear_attention")
+    conv = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    state = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
+    return n * (state + (args.linear_conv_kernel_dim - 1) * conv * 4)

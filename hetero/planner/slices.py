@@ -1,0 +1,225 @@
+"""Slicing: a requested ANE fraction -> the aligned share of every piece of a prefill (shared/DESIGN.md section 4).
+
+Attention layers give F of their KV-head groups (whole groups, their query heads along), MLPs F of their
+intermediate channels (multiples of 64), GDN input projections only their `z` rows (capped at
+z / (qkv + z + b + a)); the recurrent path, embeddings, lm_head and the MTP head give nothing. Each cap carries its
+reason. Also here: the per-layer slices the exporter builds and the pipeline runs, the ANE's fp16 weight bytes, the
+per-program budget and the programs a share is exported as, and the fit to a measured per-process ANE limit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import ModelArgs
+from hetero.planner.shape import MoE
+from hetero.profiles import Profile
+
+ALIGN = 64  # channel and row slices come in multiples of 64 (the exporter's BC1S channel tile)
+ANE_WEIGHT_BYTES = 2  # the exporter embeds fp16 weights
+DELTA_BLOCK = 64  # the chunked delta rule's block size: its intra-block matmuls scale with it
+# Weights per exported ANE program: below the documented ~2 GB per program (a weights.bin past 2^31 bytes fails
+# to load), with room for the package's own metadata. The exporter splits a larger share into several programs.
+PROGRAM_WEIGHT_BUDGET = int(1.5 * 2**30)
+KINDS = ("attention", "mlp", "moe", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "lm_head", "mtp")
+OFFLOADABLE = ("attention", "mlp", "gdn_in_proj")  # the kinds that may give the ANE a share
+EXACT_PATH = {
+    "gdn_recurrence": "conv and delta-rule recurrence carry state across the whole context: exact GPU path",
+    "gdn_out_proj": "gated norm and out_proj follow the recurrence: exact GPU path",
+    "lm_head": "embeddings, final norm and lm_head (last row only) stay on the GPU",
+    "mtp": "the MTP head stays on the GPU: its KV feeds speculative decoding",
+    "moe": "mixture-of-experts: experts are routed per token; static ANE programs cannot follow the routing",
+}
+
+
+@dataclass(frozen=True)
+class PieceSlice:
+    """One layer's ANE share of one piece: units [start, stop).
+
+    Units: attention -> KV heads (their query-head groups come along), mlp -> intermediate channels,
+    gdn_z -> rows of in_proj_z.
+    """
+
+    layer: int
+    piece: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One kind of per-layer work with its cost and its ANE share (uniform over the layers of that kind).
+
+    `token_flops` are FLOPs per token; `pair_flops` FLOPs per (query, visible key) pair (attention's core).
+    """
+
+    kind: str
+    layers: int  # how many layers carry it (1 for model-level pieces)
+    units: int  # what it splits into (0: it does not split)
+    unit: str
+    ane_units: int
+    params: int  # weights per layer
+    token_flops: float
+    pair_flops: float = 0.0
+    ane_unit_params: int = 0  # weights that travel with one ANE unit
+    requested: float = 0.0
+    cap_reason: str | None = None
+    pair_scores: float = 0.0  # softmax scores per (query, visible key) pair: the attention heads
+
+    @property
+    def ane_share(self) -> float:
+        return self.ane_units / self.units if self.units else 0.0
+
+
+def _aligned(x: float, step: int, total: int) -> int:
+    """x rounded to the nearest multiple of `step` (half up), within [0, total]."""
+    return max(0, min(total, int(math.floor(x / step + 0.5)) * step))
+
+
+def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
+    """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
+    h, H, Hkv, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    n_attn = args.layer_types.count("full_attention")
+    n_gdn = args.num_hidden_layers - n_attn
+    group = H // Hkv
+    out: list[Piece] = []
+
+    attn_params = h * (2 * H * D + 2 * Hkv * D + H * D)  # q + gate, k, v, o
+    kv = _aligned(fraction * Hkv, 1, Hkv)
+    cap = None
+    if kv != fraction * Hkv:
+        cap = f"heads go in whole KV groups ({group} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
+    if n_attn:
+        out.append(Piece("attention", n_attn, Hkv, "kv_groups", kv, attn_params, 2.0 * attn_params, 4.0 * H * D,
+                         attn_params // Hkv, fraction, cap, pair_scores=H))
+
+    dense_layers = args.num_hidden_layers - len(args.moe_layers)
+    if dense_layers:
+        I = args.intermediate_size
+        c = _aligned(fraction * I, ALIGN, I)
+        cap = None if c == fraction * I else f"channels in multiples of {ALIGN}: {fraction:g} x {I} rounds to {c}"
+        out.append(Piece("mlp", dense_layers, I, "channels", c, 3 * h * I, 6.0 * h * I, 0.0, 3 * h, fraction, cap))
+    if moe is not None:
+        params = h * moe.experts + 3 * h * (moe.experts * moe.intermediate + moe.shared_intermediate)
+        active = 2.0 * h * moe.experts + 6.0 * h * (moe.per_token * moe.intermediate + moe.shared_intermediate)
+        out.append(Piece("moe", len(args.moe_layers), 0, "", 0, params, active, requested=fraction,
+                         cap_reason=EXACT_PATH["moe"] if fraction else None))
+
+    if n_gdn:
+        nk, nv, dk, dv = args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
+        z = nv * dv
+        qkv = 2 * nk * dk + nv * dv
+        rows = qkv + z + 2 * nv
+        want = fraction * rows
+        zr = z if want >= z else _aligned(want, ALIGN, z)  # past z: all of z, whatever its alignment
+        cap = None
+        if want > z:
+            cap = (f"only the z rows may leave: qkv, b, a feed the recurrence and stay on the exact GPU path "
+                   f"(cap z / (qkv + z + b + a) = {z}/{rows} = {z / rows:.2f})")
+        elif zr != want:
+            cap = f"z rows in multiples of {ALIGN}: {fraction:g} x {rows} rows rounds to {zr}"
+        out.append(Piece("gdn_in_proj", n_gdn, rows, "rows", zr, h * rows, 2.0 * h * rows, 0.0, h, fraction, cap))
+        conv = qkv
+        K = args.linear_conv_kernel_dim
+        delta = delta_rule_flops(nv, dk, dv)
+        out.append(Piece("gdn_recurrence", n_gdn, 0, "", 0, conv * K, 2.0 * conv * K + delta, requested=fraction,
+                         cap_reason=EXACT_PATH["gdn_recurrence"] if fraction else None))
+        out.append(Piece("gdn_out_proj", n_gdn, 0, "", 0, z * h, 2.0 * z * h + 8.0 * z, requested=fraction,
+                         cap_reason=EXACT_PATH["gdn_out_proj"] if fraction else None))
+
+    head_params = args.vocab_size * h * (1 if args.tie_word_embeddings else 2)
+    out.append(Piece("lm_head", 1, 0, "", 0, head_params, 2.0 * h * args.vocab_size, requested=fraction,
+                     cap_reason=EXACT_PATH["lm_head"] if fraction else None))
+    if args.mtp_num_hidden_layers:
+        I = args.intermediate_size or (moe.intermediate if moe else 0)
+        mtp_params = args.mtp_num_hidden_layers * (attn_params + 3 * h * I) + 2 * h * h
+        out.append(Piece("mtp", 1, 0, "", 0, mtp_params, 2.0 * mtp_params, 4.0 * H * D * args.mtp_num_hidden_layers,
+                         requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None,
+                         pair_scores=H * args.mtp_num_hidden_layers))
+    return out
+
+
+def delta_rule_flops(nv: int, dk: int, dv: int) -> float:
+    """FLOPs per token of the chunked delta rule: intra-block matmuls (QK^T, KK^T, attn @ V) and the state's
+    read, update and output."""
+    return nv * 2.0 * (2 * DELTA_BLOCK * dk + DELTA_BLOCK * dv + 3 * dk * dv)
+
+
+def ane_weight_bytes(ps: list[Piece]) -> int:
+    """fp16 bytes of every weight the ANE's share carries (what Core ML keeps resident)."""
+    return sum(p.layers * p.ane_units * p.ane_unit_params * ANE_WEIGHT_BYTES for p in ps)
+
+
+def program_budget(profile: Profile) -> int:
+    """Weight bytes per exported ANE program: the exporter's budget, or the profile's per-program limit if lower."""
+    limit = profile.ane_program_weight_limit_gb
+    return PROGRAM_WEIGHT_BUDGET if limit is None else min(PROGRAM_WEIGHT_BUDGET, int(limit * 1e9))
+
+
+def program_spans(p: Piece, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
+    """One layer's ANE share of `p` cut into programs of at most `budget` fp16 weight bytes: unit ranges
+    [start, stop), channel and row parts in multiples of ALIGN (KV groups whole)."""
+    if not p.ane_units:
+        return []
+    per_part = max(1, budget // (p.ane_unit_params * ANE_WEIGHT_BYTES))
+    if p.kind != "attention" and per_part >= ALIGN:
+        per_part -= per_part % ALIGN
+    return [(a, min(a + per_part, p.ane_units)) for a in range(0, p.ane_units, per_part)]
+
+
+def ane_programs(ps: list[Piece], budget: int = PROGRAM_WEIGHT_BUDGET) -> dict[str, int]:
+    """How many ANE programs each piece kind is exported as, over all its layers."""
+    return {p.kind: p.layers * len(program_spans(p, budget)) for p in ps if p.ane_units}
+
+
+def fit_ane_memory(args: ModelArgs, moe: MoE | None, fraction: float, limit_bytes: float | None) -> tuple[list[Piece], float]:
+    """Pieces for `fraction`, scaled down to the largest fraction whose ANE weights fit `limit_bytes` (a
+    per-process limit a profile measured; None = none known).
+
+    Returns (pieces, the fraction actually sliced); caps name the limit on every piece they shrink.
+    """
+    ps = pieces(args, moe, fraction)
+    need = ane_weight_bytes(ps)
+    if limit_bytes is None or need <= limit_bytes:
+        return ps, fraction
+    lo, hi = 0.0, fraction
+    for _ in range(30):  # bisection: ANE bytes grow monotonically with the fraction
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ane_weight_bytes(pieces(args, moe, mid)) <= limit_bytes else (lo, mid)
+    fitted = pieces(args, moe, lo)
+    why = (f"ANE memory: at {fraction:g} the ANE share needs {need / 1e9:.1f} GB of fp16 weights, above the "
+           f"{limit_bytes / 1e9:.1f} GB per process this profile measured on the ANE; sliced at {lo:.3f} instead")
+    out = []
+    for p, q in zip(ps, fitted):
+        if q.ane_units < p.ane_units:
+            q = Piece(**{**asdict(q), "requested": fraction, "cap_reason": why})
+        else:
+            q = Piece(**{**asdict(q), "requested": fraction})
+        out.append(q)
+    return out, lo
+
+
+def ane_slices(args: ModelArgs, fraction: float, moe: MoE | None = None) -> list[PieceSlice]:
+    """Per-layer ANE slices for a fraction (alignment only; the caller passes an already memory-capped one).
+
+    This is what the Core ML exporter builds and what the pipeline runs.
+    """
+    return layer_slices(args, pieces(args, moe, fraction))
+
+
+def layer_slices(args: ModelArgs, ps: list[Piece]) -> list[PieceSlice]:
+    by_kind = {p.kind: p for p in ps}
+    moe_layers = set(args.moe_layers)
+    out = []
+    for i, kind in enumerate(args.layer_types):
+        if kind == "full_attention" and by_kind.get("attention") and by_kind["attention"].ane_units:
+            out.append(PieceSlice(i, "attention", 0, by_kind["attention"].ane_units))
+        if kind == "linear_attention" and by_kind.get("gdn_in_proj") and by_kind["gdn_in_proj"].ane_units:
+            out.append(PieceSlice(i, "gdn_z", 0, by_kind["gdn_in_proj"].ane_units))
+        if i not in moe_layers and by_kind.get("mlp") and by_kind["mlp"].ane_units:
+            out.append(PieceSlice(i, "mlp", 0, by_kind["mlp"].ane_units))
+    return out
