@@ -1,0 +1,24 @@
+"""OpenAI- and Anthropic-compatible HTTP server (Starlette on uvicorn) over one `Engine`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic), GET /v1/models, GET /health.
+Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details.cached_tokens`, Anthropic
+`usage.cache_read_input_tokens`) and engine stats in a `hetero` field; a bad request gets a 4xx JSON error that
+names the field.
+
+Modules, in the order a request meets them:
+  app.py        create_app (routes, access log), serve, bind, open_session_store
+  common.py     the key check, the body limit, one path from Job to response (JSON or SSE) and for errors
+  requests.py   body JSON and field checks, the Parser (template + tokenizer), the Job
+  openai.py     OpenAI chat / completions: parse_chat, parse_completion, ChatOutput, CompletionOutput
+  anthropic.py  Anthropic messages: parse_messages, MessagesOutput
+  runner.py     the Runner: jobs on worker threads taking turns on the model (Started, text, Outcome)
+  stops.py      exact stop strings over streamed text
+"""
+
+from hetero.server.app import bind, create_app, open_session_store, serve
+from hetero.server.requests import DEFAULT_MAX_TOKENS, Job, Parser, RequestError, parse_body
+from hetero.server.runner import Cancelled, Outcome, Runner, Started
+from hetero.server.stops import StopMatcher
+
+__all__ = ["DEFAULT_MAX_TOKENS", "Cancelled", "Job", "Outcome", "Parser", "RequestError", "Runner", "Started",
+           "StopMatcher", "bind", "create_app", "open_session_store", "parse_body", "serve"]

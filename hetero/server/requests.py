@@ -1,0 +1,271 @@
+"""Request parsing shared by both APIs: the body's JSON, field checks, and the `Parser` that turns a request
+into a `Job` (the prompt's token ids and its sampling settings).
+
+Each API module (`openai.py`, `anthropic.py`) has one `parse_*` function per route built from these pieces;
+that function is where a request's options are read. An option that changes generation (tools rendered into
+the prompt, a constraint, logprobs) becomes a field of `Job`, which the Runner and the API's output shaper read.
+Parsing runs on a worker thread (the chat template and the tokenizer are slow on a large prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from hetero.engine import Engine
+from hetero.errors import HeteroError
+from hetero.validate import FRACTION, MIN_P, NONNEG_INT, POSITIVE_INT, SEED, TOP_K, TOP_P, Bound
+
+MAX_STOPS = 16
+MAX_JSON_DEPTH = 64  # deeper request bodies are refused; real ones nest a few levels (tool inputs a few more)
+DEFAULT_MAX_TOKENS = 4096  # an OpenAI request without max_tokens: a long answer, not the rest of a 256K window
+OPENAI_TEMPERATURE = Bound(0, 2)  # the APIs' documented ranges, inside the engine's own (finite, >= 0)
+ANTHROPIC_TEMPERATURE = Bound(0, 1)
+
+
+class RequestError(Exception):
+    """A client mistake: HTTP `status`, one-line `message`, the offending field as `param`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class Job:
+    """One validated generation request, independent of the API it came through."""
+
+    ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    mtp: bool | None = None
+    ane_fraction: float | None = None  # 0: this request prefills GPU-only; None: as the server is configured
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fields
+
+
+def number(body: dict, name: str, default: float, bound: Bound) -> float:
+    """A number field within `bound` (absent or null: `default`)."""
+    return float(_value(body, name, default, bound))
+
+
+def integer(body: dict, name: str, default: int | None, bound: Bound = NONNEG_INT) -> int | None:
+    """An integer field within `bound` (an integer Bound; absent or null: `default`)."""
+    return _value(body, name, default, bound)
+
+
+def _value(body: dict, name: str, default, bound: Bound):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    why = bound.problem(v)
+    if why is not None:
+        raise RequestError(400, f"'{name}' {why}", name)
+    return v
+
+
+def boolean(body: dict, name: str, default: bool | None) -> bool | None:
+    """A true/false field (absent or null: `default`)."""
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(400, f"'{name}' must be true or false, got {type(v).__name__}", name)
+    return v
+
+
+def stops(body: dict, name: str) -> list[str]:
+    """Stop strings: one string or a list of at most MAX_STOPS non-empty ones."""
+    v = body.get(name)
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > MAX_STOPS:
+        raise RequestError(400, f"'{name}' must be a non-empty string or a list of at most {MAX_STOPS} of them", name)
+    return v
+
+
+def content_text(content, where: str) -> str:
+    """Message content (a string, or a list of parts / Anthropic blocks) -> plain text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(400, f"'{where}' must be a string or a list of content parts", where)
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise RequestError(400, f"'{where}[{i}]' must be an object with a 'type'", f"{where}[{i}]")
+        kind = part["type"]
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise RequestError(400, f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
+            out.append(part["text"])
+        elif kind == "tool_result":  # Anthropic: the tool's output, as text
+            out.append(content_text(part.get("content"), f"{where}[{i}].content"))
+        elif kind == "tool_use":
+            out.append(json.dumps({"name": part.get("name"), "input": part.get("input")}))
+        else:
+            raise RequestError(400, f"'{where}[{i}].type' {kind!r} is not supported (text only)", f"{where}[{i}].type")
+    return "".join(out)
+
+
+def messages(body: dict, roles: set[str]) -> list[dict]:
+    """The `messages` list as {role, content text} dicts, each role one of `roles`."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RequestError(400, f"'messages[{i}]' must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in roles:
+            raise RequestError(400, f"'messages[{i}].role' must be one of {sorted(roles)}, got {role!r}", f"messages[{i}].role")
+        out.append({"role": role, "content": content_text(m.get("content"), f"messages[{i}].content")})
+    return out
+
+
+def stream_options(body: dict, job: Job) -> None:
+    """OpenAI `stream_options.include_usage`: a last chunk with the usage."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return
+    if not isinstance(opts, dict):
+        raise RequestError(400, "'stream_options' must be an object", "stream_options")
+    job.include_usage = bool(boolean(opts, "include_usage", False))
+
+
+def one_choice(body: dict) -> None:
+    """OpenAI `n`: only 1 is served."""
+    if integer(body, "n", 1, POSITIVE_INT) != 1:
+        raise RequestError(400, "'n' must be 1: one choice per request", "n")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The body
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body -> its JSON object, refusing what no engine should see: bad JSON, NaN/Infinity, nesting
+    deeper than MAX_JSON_DEPTH, strings that are not valid Unicode (lone surrogates)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise RequestError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", None,
+                           "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints longer than Python parses
+        raise RequestError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object", None)
+    _check_tree(body)
+    return body
+
+
+def _no_constant(name: str):
+    raise RequestError(400, f"the request body is not valid JSON: {name} is not a JSON number", None, "invalid_json")
+
+
+def _check_tree(body: dict) -> None:
+    """Walk the parsed body (iteratively: no recursion limit to hit) for depth and for unencodable strings."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", None,
+                               "invalid_json")
+        if isinstance(value, str):
+            _check_unicode(value, path or "body")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_unicode(k, f"a key in {path or 'the body'}")
+                stack.append((v, f"{path}.{k}" if path else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _check_unicode(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"'{where}' is not valid Unicode: it holds a lone surrogate ({text[e.start]!a}) at "
+                           f"character {e.start}; send UTF-8 text", where) from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The parser
+
+
+class Parser:
+    """Turns request bodies into Jobs for one engine (its name, tokenizer and context window)."""
+
+    def __init__(self, engine: Engine, model_names: set[str], split_fraction: float = 0.0,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
+        if default_max_tokens < 1:
+            raise HeteroError(f"--default-max-tokens must be at least 1, got {default_max_tokens}")
+        self.engine = engine
+        self.model_names = model_names
+        self.split_fraction = split_fraction  # the server's --ane-fraction (0: GPU-only)
+        self.default_max_tokens = default_max_tokens
+
+    def model(self, body: dict) -> None:
+        """`model` must name the served model (404 otherwise)."""
+        name = body.get("model")
+        if not isinstance(name, str):
+            raise RequestError(400, "'model' is required and must be a string", "model")
+        if name not in self.model_names:
+            raise RequestError(404, f"model {name!r} is not served here; GET /v1/models lists {sorted(self.model_names)}",
+                               "model", "model_not_found")
+
+    def encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """Prompt text or token ids -> token ids that fit the context window (a 400 naming `param` if not)."""
+        try:
+            return self.engine.encode_prompt(prompt)
+        except HeteroError as e:
+            code = "context_length_exceeded" if "context window" in str(e) else None
+            raise RequestError(400, str(e), param, code) from None
+
+    def chat(self, msgs: list[dict]) -> list[int]:
+        """Chat messages through the checkpoint's template -> prompt token ids."""
+        try:
+            prompt = self.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        except HeteroError as e:
+            raise RequestError(400, str(e), "messages") from None
+        return self.encode(prompt, "messages")
+
+    def job(self, body: dict, ids: list[int], max_name: str, required_max: bool = False) -> Job:
+        """The Job for `ids` with the fields both APIs share (max tokens, sampling, seed, stream, extensions).
+
+        A request without `max_name` gets `default_max_tokens` (capped by the room left in the window)."""
+        fraction = None
+        if body.get("ane_fraction") is not None:
+            fraction = number(body, "ane_fraction", 0.0, FRACTION)
+            served = self.split_fraction
+            if fraction not in (0.0, served):
+                how = f"{served:g} (its --ane-fraction)" if served else "0 (start it with --ane-fraction F to split)"
+                raise RequestError(400, f"'ane_fraction' {fraction:g}: this server splits prefill at {how}; send that, "
+                                   "0 for GPU-only, or leave it out", "ane_fraction")
+        room = self.engine.max_context - len(ids)
+        if required_max and body.get(max_name) is None:
+            raise RequestError(400, f"'{max_name}' is required", max_name)
+        max_tokens = integer(body, max_name, self.default_max_tokens, POSITIVE_INT)
+        mtp = boolean(body, "mtp", None)
+        if mtp and not self.engine.model.has_mtp:
+            raise RequestError(400, "'mtp': this model has no MTP head", "mtp")
+        return Job(
+            ids=ids, max_tokens=min(max_tokens, room), temperature=number(body, "temperature", 0.0, OPENAI_TEMPERATURE),
+            top_p=number(body, "top_p", 1.0, TOP_P), top_k=integer(body, "top_k", 0, TOP_K),
+            min_p=number(body, "min_p", 0.0, MIN_P), seed=integer(body, "seed", None, SEED),
+            stream=bool(boolean(body, "stream", False)), mtp=mtp, ane_fraction=fraction,
+        )

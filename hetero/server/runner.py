@@ -1,0 +1,195 @@
+"""The job runner: up to `max_concurrent` generations at once, each on its own worker thread, taking round-robin
+turns on the model (`hetero.turns`): one prefill chunk or one decode token per turn, so a new request starts
+while others decode and none starves. With a split (`hetero serve --ane-fraction F`), one prompt at a time
+prefills through the ANE + GPU pipeline, whose GPU lane lends its turn to the other requests while the ANE
+computes its share (prompts arriving meanwhile prefill GPU-only). A client that disconnects cancels its job.
+
+A job yields, in order: `Started` (when its prefill begins), text pieces (stop strings already cut), then its
+`Outcome`. The API modules turn these into responses; they never touch the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from hetero.engine import Engine
+from hetero.errors import HeteroError
+from hetero.server.requests import Job
+from hetero.server.stops import StopMatcher
+from hetero.turns import LentTurns, Turns
+
+
+class Cancelled(Exception):
+    """The client went away; the generation stops where it is."""
+
+
+@dataclass
+class Started:
+    """Streamed once, when the prefill begins: how many prompt tokens came from the prefix cache."""
+
+    cached_tokens: int
+
+
+@dataclass
+class Outcome:
+    """What a finished job reports to every API's formatter."""
+
+    text: str
+    stats: dict
+    stop: str | None  # the stop string that ended it
+    finish: str  # "stop" (EOS or a stop string) or "length"
+
+    @property
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt tokens, cached prompt tokens, completion tokens)."""
+        s = self.stats
+        return s["prompt_tokens"], s["cached_tokens"], s["generated_tokens"]
+
+
+class Runner:
+    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking round-robin turns on the model."""
+
+    def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512):
+        if max_concurrent < 1:
+            raise HeteroError(f"--max-concurrent must be at least 1, got {max_concurrent}")
+        self.engine, self.split = engine, split  # split: a configured `hetero.pipeline.PipelineRun` or None
+        self.prefill_chunk = prefill_chunk
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="hetero-gen")
+        self.turns = Turns()
+        self._split_free = threading.Lock()  # one prompt at a time goes through the ANE + GPU split
+        self.finished = 0
+        self.cancelled = 0  # jobs stopped because their client went away
+        self.split_prefills = 0
+
+    def run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event) -> Outcome:
+        """In a worker thread: wait for a turn, generate, pass text through the stop matcher to `emit`."""
+        ticket = object()
+        self.turns.enter(ticket)
+        try:
+            outcome = self._run(job, emit, cancelled, ticket)
+        except Cancelled:
+            self.cancelled += 1
+            raise
+        finally:
+            self.turns.leave(ticket)
+        self.finished += 1
+        return outcome
+
+    def _prefill_with(self, job: Job, ticket: object):
+        """The split prefill for this job when the server has one, the job did not opt out and it is free."""
+        if self.split is None or job.ane_fraction == 0.0:
+            return None
+
+        def split_prefill(ids: list[int]):
+            if not self._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
+                return self.engine.model.make_cache(), 0, None
+            try:
+                self.split.prepare(ids)
+                out = self.split.prefill_with(ids, decode=LentTurns(self.turns, ticket))
+                self.split_prefills += 1
+                return out
+            finally:
+                self._split_free.release()
+
+        return split_prefill
+
+    def _run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event, ticket: object) -> Outcome:
+        if cancelled.is_set():
+            raise Cancelled()
+        matcher = StopMatcher(job.stops)
+        parts: list[str] = []
+        started = []
+
+        def on_text(piece: str) -> None:
+            out = matcher.feed(piece)
+            if out:
+                parts.append(out)
+                emit(out)
+
+        def progress(done: int, total: int) -> None:
+            if not started:  # the prefill covers only what the prefix cache did not restore
+                started.append(True)
+                emit(Started(len(job.ids) - total))
+            if cancelled.is_set():
+                raise Cancelled()
+            self.turns.pass_turn(ticket)  # after every prefill chunk
+
+        def should_stop() -> bool:
+            self.turns.pass_turn(ticket)  # after every token
+            return matcher.stopped is not None or cancelled.is_set()
+
+        result = self.engine.generate(
+            job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
+            min_p=job.min_p, seed=job.seed, mtp=job.mtp, prefill_chunk=self.prefill_chunk, on_text=on_text, progress=progress,
+            should_stop=should_stop, prefill_with=self._prefill_with(job, ticket),
+        )
+        if cancelled.is_set():
+            raise Cancelled()  # cut short by the client, not finished
+        tail = matcher.flush()
+        if tail:
+            parts.append(tail)
+            emit(tail)
+        finish = "stop" if matcher.stopped is not None else result.stats["finish_reason"]
+        stats = {k: v for k, v in result.stats.items() if k != "model"}
+        return Outcome("".join(parts), stats, matcher.stopped, finish)
+
+    async def complete(self, job: Job, request: Request) -> Outcome:
+        """Run to the end; a client that disconnects meanwhile cancels the job."""
+        cancelled = threading.Event()
+        fut = asyncio.wrap_future(self.pool.submit(self.run, job, lambda _: None, cancelled))
+        while not fut.done():
+            await asyncio.wait([fut], timeout=0.25)
+            if not fut.done() and await request.is_disconnected():
+                cancelled.set()
+        return fut.result()
+
+    async def stream(self, job: Job) -> AsyncIterator[str | Started | Outcome]:
+        """Started, text pieces as they come, then the Outcome; closing the iterator (client gone) cancels the job."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def emit(piece: str | Started) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+        fut = self.pool.submit(self.run, job, emit, cancelled)
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, f))
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, (str, Started)):
+                    yield item
+                    continue
+                yield item.result()
+                return
+        finally:
+            cancelled.set()
+
+    async def stream_started(self, job: Job, request: Request) -> AsyncIterator[str | Started | Outcome] | None:
+        """`stream(job)` once its first item is in, so that a job failing before it generates anything fails
+        before the response's first byte (a 4xx/5xx, not a 200 that breaks off). None: the client went away."""
+        items = self.stream(job)
+        first = asyncio.ensure_future(items.__anext__())
+        while not first.done():
+            await asyncio.wait([first], timeout=0.25)
+            if not first.done() and await request.is_disconnected():
+                first.cancel()  # closes the stream, which cancels the job
+                await asyncio.wait([first])
+                return None
+        head = first.result()  # the job's own exception, when it failed first
+
+        async def chained() -> AsyncIterator[str | Started | Outcome]:
+            try:
+                yield head
+                async for item in items:
+                    yield item
+            finally:
+                await items.aclose()  # now, not at garbage collection: closing the stream is what cancels the job
+
+        return chained()
