@@ -19,6 +19,7 @@ from hetero.cache import GDNCache, KVCache, LayerCache
 from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.attention import attend
+from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
@@ -166,20 +167,27 @@ class Attention(nn.Module):
         self.rope = nn.RoPE(args.rotary_dims, traditional=False, base=args.rope_theta)
 
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        offset = cache.offset if cache is not None else 0
+        queries, keys, values, gate = self.project(x, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
+        return self.finish(attend(queries, keys, values, scale=self.head_dim**-0.5), gate)
+
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """x [B, S, hidden] at positions offset.. -> queries [B, H, S, D], keys and values [B, Hkv, S, D] (RoPE
+        applied), gate [B, S, H, D]."""
         B, S, _ = x.shape
         qg = self.q_proj(x).reshape(B, S, self.n_heads, 2 * self.head_dim)  # [B, S, H, 2D]
         queries, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [B, S, H, D] each
         keys = self.k_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
         values = self.v_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)  # [B, H, S, D]
-        keys = self.k_norm(keys).transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
-        values = values.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
-        offset = cache.offset if cache is not None else 0
-        queries = self.rope(queries, offset=offset)
-        keys = self.rope(keys, offset=offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
-        out = attend(queries, keys, values, scale=self.head_dim**-0.5)  # [B, H, S, D]
+        queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)  # [B, H, S, D]
+        keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)  # [B, Hkv, S, D]
+        return queries, keys, values.transpose(0, 2, 1, 3), gate
+
+    def finish(self, out: mx.array, gate: mx.array) -> mx.array:
+        """Attention output [B, H, S, D] and gate [B, S, H, D] -> o_proj(out * sigmoid(gate)) [B, S, hidden]."""
+        B, _, S, _ = out.shape
         out = out.transpose(0, 2, 1, 3) * act.sigmoid(gate)  # [B, S, H, D]
         return self.o_proj(out.reshape(B, S, -1))
 
@@ -280,7 +288,11 @@ def _l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: mixer (GDN or attention), then the MLP."""
+    """Pre-norm residual block: mixer (GDN or attention), then the MLP.
+
+    A few tokens over a warm cache (decode, draft and verify steps) run as compiled functions of fixed shape
+    (see `compiled.py`): everything but the attention over the cache, whose length changes every step.
+    """
 
     def __init__(self, args: ModelArgs, layer_type: str):
         super().__init__()
@@ -292,11 +304,48 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if self.is_linear:
+            self._gdn_step = PerThread(lambda x, conv, state: self._gdn_tokens(x, conv, state, record=False))
+            self._gdn_recorded_step = PerThread(lambda x, conv, state: self._gdn_tokens(x, conv, state, record=True))
+        else:
+            self._attention_in = PerThread(lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset))
+            self._attention_out = PerThread(lambda x, out, g: self._feed_forward(x + self.self_attn.finish(out, g)))
 
     def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
+        if cache is not None and x.shape[1] <= RECURRENT_MAX_TOKENS:
+            if isinstance(cache, GDNCache) and cache.conv is not None:
+                return self._compiled_gdn(x, cache)
+            if isinstance(cache, KVCache):
+                return self._compiled_attention(x, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), cache)
+        return self._feed_forward(x + mixer(self.input_layernorm(x), cache))
+
+    def _feed_forward(self, h: mx.array) -> mx.array:
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _gdn_tokens(self, x: mx.array, conv: mx.array, state: mx.array, record: bool) -> list[mx.array]:
+        """The whole layer over x [B, S, hidden] from (conv, state) -> [h, conv, state] (+ [conv_in, *states])."""
+        cache = GDNCache()
+        cache.conv, cache.recurrent = conv, state
+        if record:
+            cache.start_recording()
+        h = self._feed_forward(x + self.linear_attn(self.input_layernorm(x), cache))
+        recorded = [cache.recorded_conv_in, *cache.recorded_states] if record else []
+        return [h, cache.conv, cache.recurrent, *recorded]
+
+    def _compiled_gdn(self, x: mx.array, cache: GDNCache) -> mx.array:
+        step = self._gdn_recorded_step if cache.recording else self._gdn_step
+        h, cache.conv, cache.recurrent, *recorded = step(x, cache.conv, cache.recurrent)
+        if cache.recording:
+            cache.recorded_conv_in, *cache.recorded_states = recorded
+        cache.offset += x.shape[1]
+        return h
+
+    def _compiled_attention(self, x: mx.array, cache: KVCache) -> mx.array:
+        queries, keys, values, gate = self._attention_in(x, mx.array(cache.offset))
+        keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
+        out = attend(queries, keys, values, scale=self.self_attn.head_dim**-0.5)  # [B, H, S, D]
+        return self._attention_out(x, out, gate)
 
 
 class TextModel(nn.Module):
