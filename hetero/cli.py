@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=POSITIVE_INT, default=512, help="prompt tokens per prefill step (and per turn)")
     serve.add_argument("--max-concurrent", type=POSITIVE_INT, default=4,
                        help="requests generating at once, taking turns on the model (more wait in line)")
+    serve.add_argument("--default-max-tokens", type=POSITIVE_INT, default=4096,
+                       help="max_tokens of an OpenAI request that leaves it out (capped by the context window)")
+    serve.add_argument("--max-body-mb", type=POSITIVE, default=32.0,
+                       help="largest request body in MB; a larger one gets a 413")
 
     plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
     plan.set_defaults(func=cmd_plan)
@@ -305,7 +309,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
           args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name, args.ane_fraction,
-          args.prefill_chunk, args.max_concurrent)
+          args.prefill_chunk, args.max_concurrent, args.default_max_tokens, args.max_body_mb)
     return 0
 
 
