@@ -51,7 +51,7 @@ def alternate(contenders: dict, repeats: int) -> dict:
 
 
 def bench_bundled(work: Path, chunk: int, context: int) -> dict:
-    from converters.coreml_export import export_coreml
+    from hetero.export import export_coreml
     from hetero.backends.accuracy import compare
     from hetero.backends.reference_prefill import prefill_with_attention_programs
     from hetero.generate import prefill
@@ -85,7 +85,7 @@ def bench_bundled(work: Path, chunk: int, context: int) -> dict:
 def bench_27b_attention(work: Path, chunk: int, context: int, repeats: int) -> dict:
     from coreml_graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
     from coreml_graphs.package import save_program
-    from converters.coreml_export import attention_weights
+    from hetero.export import attention_weights
     from hetero.backends.accuracy import compare
     from hetero.backends.reference_executor import ReferenceExecutor
     from hetero.cache import KVCache
@@ -138,7 +138,7 @@ def bench_27b_attention(work: Path, chunk: int, context: int, repeats: int) -> d
 def bench_27b_mlp(work: Path, chunk: int, repeats: int) -> dict:
     from coreml_graphs.mlp import MLPShape, build_mlp
     from coreml_graphs.package import save_program
-    from converters.coreml_export import mlp_weights
+    from hetero.export import mlp_weights
     from hetero.backends.accuracy import compare
     from hetero.backends.reference_executor import ReferenceExecutor
     from hetero.models.qwen3_5 import MLP, ModelArgs, RMSNorm

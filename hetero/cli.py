@@ -347,20 +347,48 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.lint:
         if not os.path.exists(args.lint):  # before the Core ML tooling loads (seconds)
             raise HeteroError(f"--lint {args.lint}: no such file or directory; pass the --out DIR of `hetero convert --coreml`")
-        from converters.coreml_export import cli_lint
+        from hetero.export import lint_export
 
-        return cli_lint(args.lint)
+        return 1 if print_lint(lint_export(args.lint)) else 0
     if args.out is None:
         raise HeteroError("hetero convert --quantize/--coreml needs --out DIR")
     if args.coreml:
-        from converters.coreml_export import cli_export
-
-        return cli_export(args.model, args.out, args.ane_fraction, args.chunk_size, args.context)
+        return convert_coreml(args.model, args.out, args.ane_fraction, args.chunk_size, args.context)
     from converters.quantize import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, bits=args.quantize, group_size=args.group_size)
     print(f"wrote {args.quantize}-bit copy to {out}")
     return 0
+
+
+def convert_coreml(model: str | None, out: str, fraction: float | None, chunk: int, context: str) -> int:
+    """`hetero convert --coreml`: export, then lint; exit status 1 when the lint finds errors."""
+    from hetero.export import export_coreml, lint_export
+    from hetero.progress import ProgressBar
+
+    if fraction is None or not 0.0 < fraction <= 1.0:
+        raise HeteroError("hetero convert --coreml needs --ane-fraction F with 0 < F <= 1 (the ANE's share of each piece)")
+    try:
+        contexts = [int(c) for c in context.split(",") if c.strip()]
+    except ValueError:
+        raise HeteroError(f"--context {context!r}: give one or more token counts separated by commas") from None
+    manifest = export_coreml(model, out, fraction, chunk, contexts, progress=ProgressBar("export"))
+    progs = manifest["programs"]
+    total = sum(p["weight_bytes"] for p in progs)
+    reused = sum(p["reused"] for p in progs)
+    print(f"wrote {len(progs)} Core ML programs ({reused} reused, {total / 2**20:.1f} MiB of fp16 weights) to {out}")
+    return 1 if print_lint(lint_export(out, manifest["weight_budget_bytes"])) else 0
+
+
+def print_lint(reports: list) -> int:
+    """Print the lint's findings and a summary; returns the number of errors."""
+    for r in reports:
+        for line in r.lines():
+            print(line)
+    errors = sum(len(r.errors) for r in reports)
+    warnings = sum(len(r.warnings) for r in reports)
+    print(f"lint: {len(reports)} programs, {errors} errors, {warnings} warnings")
+    return errors
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,12 @@
-"""`hetero convert --coreml`: export the ANE's share of prefill as Core ML packages plus `manifest.json`.
+"""The Core ML export of the ANE's share of prefill: `.mlpackage` programs plus `manifest.json`.
 
-For a fraction F the planner (`hetero.planner.ane_slices`) picks, per layer, the slice of each offloadable piece
-(shared/DESIGN.md section 4); each slice becomes one or more programs (split so that none carries more than
-WEIGHT_BUDGET bytes of weights), written as `.mlpackage` files next to a manifest that records the model's
-identity and weight hashes, the plan, every program's shapes, the chunk size, the context buckets and the
-coremltools version. A re-run reuses every package whose key (weights hash + shape + builder version) is
-unchanged. The ANE lint runs over the result.
+The pipeline exports on first use (`hetero.pipeline.programs.ensure_export`); `hetero convert --coreml` exports
+into a directory and lints it. For a fraction F the planner (`hetero.planner.ane_slices`) picks, per layer, the
+slice of each offloadable piece (shared/DESIGN.md section 4); each slice becomes one or more programs (split so
+that none carries more than the planner's PROGRAM_WEIGHT_BUDGET bytes of weights), written next to a manifest
+that records the model's identity and weight hashes, the plan, every program's shapes, the chunk size, the
+context buckets and the coremltools version. A re-run reuses every package whose key (weights hash + shape +
+builder version) is unchanged.
 """
 
 from __future__ import annotations
@@ -24,38 +25,29 @@ import numpy as np
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
-from hetero.planner import PieceSlice, ane_slices
+from hetero.planner import OFFLOADABLE, PROGRAM_WEIGHT_BUDGET, PieceSlice, ane_slices
+from hetero.planner.slices import ANE_WEIGHT_BYTES, budget_spans, pieces
 
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: the GDN piece is named gdn_in_proj (format 1 exports are re-exported, not misread)
 BUILDER_VERSION = 1  # bump when a builder's graph changes: invalidates reuse of packages built before
-WEIGHT_BUDGET = int(1.5 * 2**30)  # bytes of weights per program; the ANE's limit is ~2 GB
 DEFAULT_CHUNK = 256
 DEFAULT_CONTEXT = 4096
-PIECES = ("attention", "mlp", "gdn_z")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Slices (hetero/planner.py decides them) and the per-program weight budget
+# Slices (the planner decides them) cut to the per-program weight budget
 
 
 def unit_bytes(args: ModelArgs, piece: str) -> int:
     """fp16 weight bytes one unit of a piece carries (one KV head's group, one channel, one z row)."""
-    h, d = args.hidden_size, args.head_dim
-    if piece == "attention":
-        group = args.num_attention_heads // args.num_key_value_heads
-        return 2 * (2 * group * d * h + 2 * d * h + group * d * h)  # q + gate, k + v, o columns
-    if piece == "mlp":
-        return 2 * 3 * h
-    return 2 * h
+    return next(p.ane_unit_params for p in pieces(args, None, 0.0) if p.kind == piece) * ANE_WEIGHT_BYTES
 
 
-def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = WEIGHT_BUDGET) -> list[PieceSlice]:
+def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[PieceSlice]:
     """A slice cut into consecutive parts of at most `budget` weight bytes (channel parts in multiples of 64)."""
-    per_part = max(1, budget // unit_bytes(args, s.piece))
-    if s.piece != "attention" and per_part >= 64:
-        per_part -= per_part % 64
-    return [PieceSlice(s.layer, s.piece, a, min(a + per_part, s.stop)) for a in range(s.start, s.stop, per_part)]
+    spans = budget_spans(s.piece, s.stop - s.start, unit_bytes(args, s.piece), budget)
+    return [PieceSlice(s.layer, s.piece, s.start + a, s.start + b) for a, b in spans]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -109,7 +101,7 @@ def mlp_weights(layer: DecoderLayer, channels: range):
     )
 
 
-def gdn_z_weights(layer: DecoderLayer, rows: range):
+def gdn_in_proj_weights(layer: DecoderLayer, rows: range):
     """The z-projection slice for `rows` of in_proj_z of a GDN decoder layer."""
     from coreml_graphs.gdn import GDNZWeights
 
@@ -133,7 +125,7 @@ def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, contex
         return shape, attention_weights(args, layer, units), build_attention
     if s.piece == "mlp":
         return MLPShape(args.hidden_size, len(units), chunk, eps), mlp_weights(layer, units), build_mlp
-    return GDNZShape(args.hidden_size, len(units), chunk, eps), gdn_z_weights(layer, units), build_gdn_z
+    return GDNZShape(args.hidden_size, len(units), chunk, eps), gdn_in_proj_weights(layer, units), build_gdn_z
 
 
 def weights_sha256(weights) -> str:
@@ -192,14 +184,14 @@ def export_coreml(
     fraction: float,
     chunk: int = DEFAULT_CHUNK,
     contexts: list[int] | None = None,
-    budget: int = WEIGHT_BUDGET,
+    budget: int = PROGRAM_WEIGHT_BUDGET,
     progress: Callable[[int, int], None] | None = None,
-    pieces: tuple[str, ...] = PIECES,
+    kinds: tuple[str, ...] = OFFLOADABLE,
     loaded: tuple | None = None,
 ) -> dict:
     """Export the ANE share of `model` for `fraction` into `out`; returns the manifest (also written there).
 
-    `pieces` limits the export to some piece kinds (e.g. only "attention"). `loaded` = (model, path, config) of
+    `kinds` limits the export to some piece kinds (e.g. only "attention"). `loaded` = (model, path, config) of
     an already loaded checkpoint: its weights are exported as they are in memory, the files are not read again.
     Packages whose key matches the existing manifest's entry are reused; packages no longer in the plan are
     removed.
@@ -224,7 +216,7 @@ def export_coreml(
 
     if args.num_experts:
         raise HeteroError("Core ML export covers dense-MLP models only; this checkpoint has mixture-of-experts layers")
-    plan = [s for s in ane_slices(args, fraction) if s.piece in pieces]
+    plan = [s for s in ane_slices(args, fraction) if s.piece in kinds]
     jobs = []  # (slice, part index, part slice, context or None)
     for s in plan:
         for part, piece in enumerate(split_for_budget(args, s, budget)):
@@ -283,14 +275,17 @@ def export_coreml(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Lint and the command line
+# Lint
 
 
 def lint_export(out: str | os.PathLike, budget: int | None = None) -> list:
-    """Lint every package of an export directory (or one .mlpackage); HeteroError when there is none."""
+    """Lint every package of an export directory (or one .mlpackage) against the ANE's rules; HeteroError when
+    there is none. `budget`: weight bytes per program (default: the manifest's, else the lint's own)."""
     from coreml_graphs.lint import WEIGHT_BUDGET as LINT_BUDGET
     from coreml_graphs.lint import export_packages, lint_package
 
+    if budget is None and (Path(out) / MANIFEST).is_file():
+        budget = read_manifest(out).get("weight_budget_bytes")
     packages = export_packages(out)
     if not packages:
         raise HeteroError(f"{out}: no .mlpackage to lint (pass an export directory or a package)")
@@ -298,43 +293,3 @@ def lint_export(out: str | os.PathLike, budget: int | None = None) -> list:
     if missing:
         raise HeteroError(f"{missing[0]} is listed in the manifest but missing; re-run hetero convert --coreml")
     return [lint_package(p, budget or LINT_BUDGET) for p in packages]
-
-
-def print_lint(reports: list, stream=None) -> int:
-    """Print findings and a summary; returns the number of errors."""
-    import sys
-
-    stream = stream or sys.stdout
-    for r in reports:
-        for line in r.lines():
-            print(line, file=stream)
-    errors = sum(len(r.errors) for r in reports)
-    warnings = sum(len(r.warnings) for r in reports)
-    print(f"lint: {len(reports)} programs, {errors} errors, {warnings} warnings", file=stream)
-    return errors
-
-
-def cli_export(model: str | None, out: str, fraction: float | None, chunk: int, context: str) -> int:
-    """`hetero convert --coreml`: export, then lint; exit status 1 when the lint finds errors."""
-    from hetero.progress import ProgressBar
-
-    if fraction is None or not 0.0 < fraction <= 1.0:
-        raise HeteroError("hetero convert --coreml needs --ane-fraction F with 0 < F <= 1 (the ANE's share of each piece)")
-    try:
-        contexts = [int(c) for c in context.split(",") if c.strip()]
-    except ValueError:
-        raise HeteroError(f"--context {context!r}: give one or more token counts separated by commas") from None
-    manifest = export_coreml(model, out, fraction, chunk, contexts, progress=ProgressBar("export"))
-    progs = manifest["programs"]
-    total = sum(p["weight_bytes"] for p in progs)
-    reused = sum(p["reused"] for p in progs)
-    print(f"wrote {len(progs)} Core ML programs ({reused} reused, {total / 2**20:.1f} MiB of fp16 weights) to {out}")
-    return 1 if print_lint(lint_export(out, manifest["weight_budget_bytes"])) else 0
-
-
-def cli_lint(path: str) -> int:
-    """`hetero convert --lint DIR`: exit status 1 when any program breaks an ANE rule."""
-    budget = None
-    if (Path(path) / MANIFEST).is_file():
-        budget = read_manifest(path).get("weight_budget_bytes")
-    return 1 if print_lint(lint_export(path, budget)) else 0

@@ -275,7 +275,7 @@ def test_port_in_use_fails_before_serving_is_printed():
 
 def test_convert_lint_on_a_missing_path_fails_at_once():
     probe = ("import sys; from hetero.cli import main; rc = main(['convert', '--lint', '/no/such/exports']); "
-             "print(rc, 'coremltools' in sys.modules, 'converters.coreml_export' in sys.modules)")
+             "print(rc, 'coremltools' in sys.modules, 'hetero.export' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["1", "False", "False"], out.stderr  # refused before the Core ML tooling loads
     assert_one_line(1, out.stderr, "no such file or directory")

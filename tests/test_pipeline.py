@@ -108,7 +108,7 @@ def test_fraction_slices_each_piece_as_planned(tiny_engine):
     progs = run.splitter(150).programs
     assert progs.share("attention", 1) == 1  # 0.5 of 2 KV groups rounds (half up) to 1
     assert progs.share("mlp", 0) == 64  # 0.25 x 192 = 48 -> 64 channels
-    assert progs.share("gdn_z", 0) == 64  # 0.25 x 328 = 82 -> 64 of 128 z rows: the GPU computes the rest of z
+    assert progs.share("gdn_in_proj", 0) == 64  # 0.25 x 328 = 82 -> 64 of 128 z rows: the GPU computes the rest of z
     assert any("multiples of 64" in c for c in run.caps)
 
 
@@ -131,7 +131,7 @@ def test_kinds_left_out_of_the_split_run_whole_on_the_gpu(tiny_engine):
     exports and runs MLP programs alone, and still matches the GPU-only run."""
     run = configure(tiny_engine, 0.5, 64, offload=("mlp",))
     progs = run.splitter(150).programs
-    assert progs.mlp and not progs.attention and not progs.gdn_z
+    assert progs.mlp and not progs.attention and not progs.gdn_in_proj
     assert any(c.startswith("attention") and "kept on the GPU" in c for c in run.caps)
     check = verify(run, _prompt(150, seed=5), n_tokens=16)
     assert check["match"] and check["greedy_match_tokens"] == 16

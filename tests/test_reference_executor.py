@@ -13,7 +13,7 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
-from converters.coreml_export import (
+from hetero.export import (
     PieceSlice,
     export_coreml,
     read_manifest,
@@ -122,7 +122,7 @@ def test_not_a_package_is_a_one_line_error(tmp_path):
 def test_export_slices_come_from_the_planner():
     args = ModelArgs.from_config(TINY)  # 2 KV heads, 192 channels, z 64 of 200 input-projection rows
     plan = ane_slices(args, 0.5)
-    assert PieceSlice(1, "attention", 0, 1) in plan and PieceSlice(0, "gdn_z", 0, 64) in plan
+    assert PieceSlice(1, "attention", 0, 1) in plan and PieceSlice(0, "gdn_in_proj", 0, 64) in plan
     assert {(s.start, s.stop) for s in plan if s.piece == "mlp"} == {(0, 128)}  # 96 rounds (half up) to 128
     assert not [s for s in ane_slices(args, 0.2) if s.piece == "attention"]  # 0.4 of a KV group rounds to none
     assert ane_slices(args, 0.0) == []
@@ -204,7 +204,7 @@ def test_cli_export_writes_manifest_and_lints_clean(checkpoint, tmp_path, capsys
     text = capsys.readouterr().out
     assert "0 errors" in text and "wrote" in text
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["ane_fraction"] == 0.5 and {p["piece"] for p in manifest["programs"]} == {"attention", "mlp", "gdn_z"}
+    assert manifest["ane_fraction"] == 0.5 and {p["piece"] for p in manifest["programs"]} == {"attention", "mlp", "gdn_in_proj"}
     assert main(["convert", "--lint", str(out)]) == 0
 
 
@@ -267,7 +267,7 @@ def test_bundled_model_prefill_with_attention_on_the_executor_matches_mlx(tmp_pa
     model = engine.model
     text = open(__file__).read()[:2000]
     tokens = engine.tokenizer.encode(text)[:200]
-    export_coreml(None, tmp_path, 1.0, chunk=64, contexts=[256], pieces=("attention",))
+    export_coreml(None, tmp_path, 1.0, chunk=64, contexts=[256], kinds=("attention",))
     ref_logits, _ = prefill(model, tokens, model.make_cache(), chunk=64)
     ours, _, _ = prefill_with_attention_programs(model, tokens, tmp_path)
     ref, got = np.array(ref_logits[-1].astype(mx.float32)), np.array(ours[-1].astype(mx.float32))

@@ -15,6 +15,7 @@ import numpy as np
 
 from hetero.backends.reference_executor import ReferenceExecutor
 from hetero.errors import HeteroError
+from hetero.export import read_manifest
 from hetero.models.qwen3_5 import Model
 
 
@@ -23,7 +24,6 @@ def attention_programs(export_dir: str | os.PathLike, model: Model, length: int)
 
     Every attention layer must be covered whole (fraction 1.0): the GPU side of a partial layer is the pipeline's.
     """
-    from converters.coreml_export import read_manifest
     from coreml_graphs.attention import AttentionShape
 
     manifest = read_manifest(export_dir)

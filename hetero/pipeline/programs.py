@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetero.errors import HeteroError
+from hetero.export import export_coreml, read_manifest
 from hetero.planner import OFFLOADABLE, context_bucket, context_buckets  # noqa: F401  (context_bucket: re-exported)
 
 
@@ -31,9 +32,6 @@ def export_root() -> Path:
     return Path.home() / ".cache" / "hetero" / "coreml"
 
 
-EXPORT_PIECE = {"attention": "attention", "mlp": "mlp", "gdn_in_proj": "gdn_z"}  # planner kind -> exported piece
-
-
 def ensure_export(
     model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = OFFLOADABLE,
     loaded: tuple | None = None,
@@ -41,11 +39,8 @@ def ensure_export(
     """The export directory for (model key, fraction, chunk, bucket, piece kinds), exported on first use with a
     progress bar: attention programs for every context bucket up to `bucket` (each chunk runs the smallest that
     holds it). `loaded` = (model, path, config): export the weights in memory instead of reading the files."""
-    from converters.coreml_export import read_manifest
-
-    pieces = tuple(EXPORT_PIECE[k] for k in offload)
     contexts = context_buckets(bucket, chunk)
-    tag = "" if set(offload) == set(EXPORT_PIECE) else "_" + "+".join(pieces)
+    tag = "" if set(offload) == set(OFFLOADABLE) else "_" + "+".join(offload)
     out = export_root() / key.replace("/", "_") / f"f{fraction:.4f}_s{chunk}_t{bucket}{tag}"
     try:
         manifest = read_manifest(out)
@@ -54,10 +49,9 @@ def ensure_export(
             return out
     except HeteroError:
         pass
-    from converters.coreml_export import export_coreml
     from hetero.progress import ProgressBar
 
-    export_coreml(model_ref, out, fraction, chunk, contexts, progress=ProgressBar("export Core ML"), pieces=pieces,
+    export_coreml(model_ref, out, fraction, chunk, contexts, progress=ProgressBar("export Core ML"), kinds=offload,
                   loaded=loaded)
     return out
 
@@ -69,7 +63,7 @@ class Programs:
     chunk: int
     attention: dict[int, list] = field(default_factory=dict)
     mlp: dict[int, list] = field(default_factory=dict)
-    gdn_z: dict[int, list] = field(default_factory=dict)
+    gdn_in_proj: dict[int, list] = field(default_factory=dict)
 
     def attention_at(self, layer: int, start: int) -> list:
         """The attention parts of `layer` for a chunk at position `start`: those of the smallest context bucket
@@ -88,7 +82,6 @@ class Programs:
 
 
 def load_programs(export_dir: Path, loader: Callable[[Path], Callable]) -> Programs:
-    from converters.coreml_export import read_manifest
     from coreml_graphs.attention import AttentionShape
 
     manifest = read_manifest(export_dir)

@@ -73,7 +73,7 @@ class SplitPrefill:
         self._tables: dict = {}  # chunk start -> {program shape: RoPE tables and masks} (filled on the ANE lane)
         args = model.args
         for i, layer in enumerate(model.layers):
-            k, c, zr = programs.share("attention", i), programs.share("mlp", i), programs.share("gdn_z", i)
+            k, c, zr = programs.share("attention", i), programs.share("mlp", i), programs.share("gdn_in_proj", i)
             if not layer.is_linear and 0 < k < args.num_key_value_heads:
                 self.attn_rest[i] = GpuAttentionRest(layer, k)
             if 0 < c < args.intermediate_size:
@@ -140,7 +140,7 @@ class SplitPrefill:
         after = (h_job,) if prev is None else (h_job, prev)
         rank = lambda step: (ch.index, i, step)  # noqa: E731
         if layer.is_linear and i in self.gdn_rest:
-            rest, parts = self.gdn_rest[i], progs.gdn_z[i]
+            rest, parts = self.gdn_rest[i], progs.gdn_in_proj[i]
 
             def gpu() -> None:
                 ch.parts[i, "gdn"] = rest(ch.h, c)

@@ -39,7 +39,7 @@ class PieceSlice:
     """One layer's ANE share of one piece: units [start, stop).
 
     Units: attention -> KV heads (their query-head groups come along), mlp -> intermediate channels,
-    gdn_z -> rows of in_proj_z.
+    gdn_in_proj -> rows of in_proj_z (the only rows of the GDN input projections that may leave).
     """
 
     layer: int
@@ -160,15 +160,18 @@ def program_budget(profile: Profile) -> int:
     return PROGRAM_WEIGHT_BUDGET if limit is None else min(PROGRAM_WEIGHT_BUDGET, int(limit * 1e9))
 
 
-def program_spans(p: Piece, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
-    """One layer's ANE share of `p` cut into programs of at most `budget` fp16 weight bytes: unit ranges
+def budget_spans(kind: str, units: int, unit_bytes: int, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
+    """`units` units of `unit_bytes` weight bytes each cut into programs of at most `budget` bytes: unit ranges
     [start, stop), channel and row parts in multiples of ALIGN (KV groups whole)."""
-    if not p.ane_units:
-        return []
-    per_part = max(1, budget // (p.ane_unit_params * ANE_WEIGHT_BYTES))
-    if p.kind != "attention" and per_part >= ALIGN:
+    per_part = max(1, budget // unit_bytes)
+    if kind != "attention" and per_part >= ALIGN:
         per_part -= per_part % ALIGN
-    return [(a, min(a + per_part, p.ane_units)) for a in range(0, p.ane_units, per_part)]
+    return [(a, min(a + per_part, units)) for a in range(0, units, per_part)]
+
+
+def program_spans(p: Piece, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
+    """One layer's ANE share of `p` cut into programs of at most `budget` fp16 weight bytes."""
+    return budget_spans(p.kind, p.ane_units, p.ane_unit_params * ANE_WEIGHT_BYTES, budget)
 
 
 def ane_programs(ps: list[Piece], budget: int = PROGRAM_WEIGHT_BUDGET) -> dict[str, int]:
@@ -219,7 +222,7 @@ def layer_slices(args: ModelArgs, ps: list[Piece]) -> list[PieceSlice]:
         if kind == "full_attention" and by_kind.get("attention") and by_kind["attention"].ane_units:
             out.append(PieceSlice(i, "attention", 0, by_kind["attention"].ane_units))
         if kind == "linear_attention" and by_kind.get("gdn_in_proj") and by_kind["gdn_in_proj"].ane_units:
-            out.append(PieceSlice(i, "gdn_z", 0, by_kind["gdn_in_proj"].ane_units))
+            out.append(PieceSlice(i, "gdn_in_proj", 0, by_kind["gdn_in_proj"].ane_units))
         if i not in moe_layers and by_kind.get("mlp") and by_kind["mlp"].ane_units:
             out.append(PieceSlice(i, "mlp", 0, by_kind["mlp"].ane_units))
     return out
