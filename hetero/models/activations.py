@@ -7,8 +7,9 @@ exp(x) = 2^(x log2 e) the results agree to the same ~1e-6 relative error as `mx.
 takes the power form, at every size so that prefill and decode compute the same function (fp32 only:
 x log2 e rounded to bf16 would cost precision). Metal keeps the single fused kernels.
 
-The model uses these (and no `mlx.nn` activation, which are `mx.compile`d): MLX 0.32 aborts at process exit
-after a compiled function ran on a worker thread, and the server and the pipeline run the model on workers.
+The model uses these and no `mlx.nn` activation: those are `mx.compile`d once for all threads, and MLX 0.32
+aborts at process exit after such a function ran on a worker thread (the server's, the pipeline's); the model's
+own compiled steps are compiled per thread instead (`compiled.py`).
 """
 
 from __future__ import annotations
