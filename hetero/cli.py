@@ -315,12 +315,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetero.planner import make_plan, model_shape, plan_lines, read_model_config, recommend
-    from hetero.profiles import THIS_MACHINE, load_profile
-    from hetero.settings import device_profile
+    from hetero.profiles import default_profile_name, load_profile
 
     config, name = read_model_config(args.model)
     check_config(config, name)  # a bare config.json given to --model is read by the planner as is
-    profile_name = args.profile or (THIS_MACHINE if device_profile() is not None else "m4-pro")
+    profile_name = args.profile or default_profile_name()
     profile = load_profile(profile_name)
     context = args.context or min(32768, model_shape(config)[0].max_position_embeddings)
     kw = dict(prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,

@@ -112,6 +112,20 @@ def test_fraction_slices_each_piece_as_planned(tiny_engine):
     assert any("multiples of 64" in c for c in run.caps)
 
 
+def test_the_profile_a_split_is_planned_for_caps_its_slices(tiny_engine):
+    """configure plans with a real profile (this machine's, else the default chip's): only a per-process ANE
+    weight limit that a profile measured shrinks the slices, and the cap says so."""
+    import dataclasses
+
+    from hetero.profiles import DEFAULT_PROFILE, load_profile
+
+    chip = load_profile(DEFAULT_PROFILE)
+    assert configure(tiny_engine, 1.0, 64, profile=chip).fraction == 1.0  # no per-process limit is documented
+    limited = dataclasses.replace(chip, ane_process_weight_limit_gb=1e-4)  # 100 KB of fp16 weights
+    run = configure(tiny_engine, 1.0, 64, profile=limited)
+    assert 0 < run.fraction < 1.0 and any("ANE memory" in c for c in run.caps)
+
+
 def test_gpu_shares_share_the_weights_memory(tiny_engine):
     """The GPU's slices of each split piece are views of the loaded weights (rows contiguous, columns strided):
     building them allocates no weight memory, which is why the governor budgets the weights once."""

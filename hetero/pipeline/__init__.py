@@ -21,7 +21,7 @@ Modules: `lanes` (lanes, the job scheduler, decode interleaving, trace), `progra
 """
 
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
-from hetero.pipeline.programs import Programs, ane_backend, context_bucket, ensure_export, export_root, load_programs
+from hetero.pipeline.programs import Programs, ane_backend, ensure_export, export_root, load_programs
 from hetero.pipeline.run import (
     DEFAULT_CHUNK,
     DEFAULT_VERIFY_TOKENS,
@@ -34,6 +34,7 @@ from hetero.pipeline.run import (
 )
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest
 from hetero.pipeline.split import SplitPrefill, SplitResult
+from hetero.planner import context_bucket
 
 __all__ = [
     "DEFAULT_CHUNK", "DEFAULT_VERIFY_TOKENS", "DEFAULT_VERIFY_TOL", "DecodeQueue", "GpuAttentionRest", "GpuGDNRest",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hetero.errors import HeteroError
 from hetero.export import export_coreml, read_manifest
-from hetero.planner import OFFLOADABLE, context_bucket, context_buckets  # noqa: F401  (context_bucket: re-exported)
+from hetero.planner import OFFLOADABLE, context_buckets
 
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:

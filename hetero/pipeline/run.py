@@ -15,9 +15,10 @@ from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.fingerprint import weights_fingerprint
-from hetero.pipeline.programs import ane_backend, context_bucket, ensure_export, load_programs
+from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
 from hetero.pipeline.split import SplitPrefill, SplitResult
-from hetero.planner import OFFLOADABLE
+from hetero.planner import OFFLOADABLE, context_bucket
+from hetero.profiles import Profile
 
 DEFAULT_CHUNK = 256
 DEFAULT_VERIFY_TOL = 0.02  # max |logit difference| / max |GPU-only logit| at the last position
@@ -90,32 +91,24 @@ class PipelineRun:
 
 def configure(
     engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None,
-    offload: tuple[str, ...] = OFFLOADABLE,
+    offload: tuple[str, ...] = OFFLOADABLE, profile: Profile | None = None,
 ) -> PipelineRun:
-    """A PipelineRun for `fraction` of the piece kinds in `offload`, sliced by the planner (ANE memory cap of this
-    machine's profile, if any)."""
-    from hetero.planner import make_plan, model_shape
-    from hetero.profiles import Profile
-    from hetero.settings import device_profile
+    """A PipelineRun for `fraction` of the piece kinds in `offload`, sliced by the planner for `profile` (default:
+    this machine's measured profile, else the planner's default chip). Only a per-process ANE weight limit that a
+    profile measured shrinks the slices; none is documented."""
+    from hetero.planner import make_plan
+    from hetero.profiles import default_profile_name, load_profile
 
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     if engine.model.args.attention_bias:
         raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
-    backend = ane_backend()[0]
-    saved = device_profile()
-    # No per-process ANE weight limit is documented: only one a saved profile measured caps the plan.
-    limit = saved.get("ane_process_weight_limit_gb") if saved else None
-    args, _ = model_shape(engine.config)
-    prof = Profile.from_dict({"name": "run", "chip": "this machine", "source": "run", "memory_bandwidth_gbs": None,
-                              "gpu_fp32_tflops": None, "ane_fp16_tflops": None, "ane_bandwidth_gbs": None,
-                              "ram_gb": None, "gpu_efficiency": 1.0, "ane_efficiency": 1.0,
-                              "ane_process_weight_limit_gb": limit})
-    plan = make_plan(engine.config, prof, fraction, context=min(4096, args.max_position_embeddings), chunk=chunk,
-                     offload=offload)
+    profile = profile or load_profile(default_profile_name())
+    context = min(4096, engine.model.args.max_position_embeddings)
+    plan = make_plan(engine.config, profile, fraction, context, chunk, offload=offload)
     caps = [c for c in plan.caps() if not c.startswith(("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp"))]
-    return PipelineRun(engine, fraction, plan.sliced_fraction, chunk, backend, caps, plan.effective_fraction, trace,
-                       plan.offload)
+    return PipelineRun(engine, fraction, plan.sliced_fraction, chunk, ane_backend()[0], caps, plan.effective_fraction,
+                       trace, plan.offload)
 
 
 def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
@@ -172,7 +165,7 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
     fraction, plan = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk)
     ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
     while fraction > 0:
-        run = configure(engine, fraction, chunk, offload=plan.offload)
+        run = configure(engine, fraction, chunk, offload=plan.offload, profile=profile)
         check = verify(run, ids, tol=tol, n_tokens=8)
         if check["match"]:
             kinds = "" if run.offload == OFFLOADABLE else f" of {', '.join(run.offload)} only"
@@ -185,4 +178,4 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
                f"lowering to {lower:.2f}")
         fraction = lower
     report("--ane-fraction auto: no split passed verification; prefill runs GPU-only")
-    return configure(engine, 0.0, chunk)
+    return configure(engine, 0.0, chunk, profile=profile)

@@ -16,6 +16,7 @@ from hetero.errors import HeteroError
 
 PROFILE_DIR = Path(__file__).parent
 THIS_MACHINE = "this-machine"
+DEFAULT_PROFILE = "m4-pro"  # what the planner uses until `hetero tune --devices` has measured this machine
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,10 @@ def load_profile(name: str) -> Profile:
     if not file.is_file():
         raise HeteroError(f"--profile {name}: unknown profile; choose one of {', '.join(profile_names())}")
     return Profile.from_dict(json.loads(file.read_text()))
+
+
+def default_profile_name() -> str:
+    """`this-machine` once `hetero tune --devices` has measured it here, else DEFAULT_PROFILE."""
+    from hetero.settings import device_profile
+
+    return THIS_MACHINE if device_profile() is not None else DEFAULT_PROFILE
