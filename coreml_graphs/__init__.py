@@ -6,7 +6,7 @@ Everything here is built directly with coremltools' MIL builder (no tracing), in
 - `ops`        small MIL helpers: program assembly, conv1x1, exact RMSNorm via layer_norm, finite masks
 - `attention`  the attention-layer prefill graph for a slice of whole KV-head groups
 - `mlp`        the MLP slice graph (a share of intermediate channels, partial sum)
-- `gdn`        the GDN z-projection graph
+- `gdn`        the GDN input-projection graph (`gdn_in_proj`: z rows only)
 - `package`    save a program as an .mlpackage and read its MIL back
 - `lint`       static check of a saved program against the ANE's rules
 

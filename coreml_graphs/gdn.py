@@ -1,4 +1,5 @@
-"""The GDN z-projection graph: only the `z` rows of a Gated DeltaNet layer's input projection.
+"""The GDN input-projection graph (piece `gdn_in_proj`): only the `z` rows of a Gated DeltaNet layer's input
+projection.
 
     x (1, hidden, 1, S) -> input_layernorm -> in_proj_z[rows] x -> (1, rows, 1, S)
 
@@ -17,8 +18,8 @@ from coreml_graphs.ops import build_program, conv1x1, rms_norm
 
 
 @dataclass(frozen=True)
-class GDNZShape:
-    """Static shape of one z-projection program."""
+class GDNInProjShape:
+    """Static shape of one `gdn_in_proj` program (z rows)."""
 
     hidden: int
     rows: int  # z rows in the slice (<= 16384)
@@ -33,15 +34,15 @@ class GDNZShape:
 
 
 @dataclass
-class GDNZWeights:
+class GDNInProjWeights:
     """input_layernorm's effective scale and the slice's in_proj_z rows."""
 
     norm: np.ndarray  # [hidden]
     z: np.ndarray  # [rows, hidden]
 
 
-def build_gdn_z(shape: GDNZShape, w: GDNZWeights) -> Program:
-    """The z-projection program: input `x`, output `z`."""
+def build_gdn_in_proj(shape: GDNInProjShape, w: GDNInProjWeights) -> Program:
+    """The `gdn_in_proj` program: input `x`, output its `z` rows."""
 
     def body(inp: dict[str, Var]) -> dict[str, Var]:
         x = rms_norm(inp["x"], w.norm, shape.eps, axis=1, name="input_norm")  # (1, hidden, 1, S)

@@ -103,15 +103,15 @@ def mlp_weights(layer: DecoderLayer, channels: range):
 
 def gdn_in_proj_weights(layer: DecoderLayer, rows: range):
     """The z-projection slice for `rows` of in_proj_z of a GDN decoder layer."""
-    from coreml_graphs.gdn import GDNZWeights
+    from coreml_graphs.gdn import GDNInProjWeights
 
-    return GDNZWeights(norm=_vec(layer.input_layernorm.weight), z=linear_weight(layer.linear_attn.in_proj_z)[rows.start : rows.stop])
+    return GDNInProjWeights(norm=_vec(layer.input_layernorm.weight), z=linear_weight(layer.linear_attn.in_proj_z)[rows.start : rows.stop])
 
 
 def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int):
     """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`."""
     from coreml_graphs.attention import AttentionShape, build_attention
-    from coreml_graphs.gdn import GDNZShape, build_gdn_z
+    from coreml_graphs.gdn import GDNInProjShape, build_gdn_in_proj
     from coreml_graphs.mlp import MLPShape, build_mlp
 
     layer, units = model.layers[s.layer], range(s.start, s.stop)
@@ -125,7 +125,7 @@ def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, contex
         return shape, attention_weights(args, layer, units), build_attention
     if s.piece == "mlp":
         return MLPShape(args.hidden_size, len(units), chunk, eps), mlp_weights(layer, units), build_mlp
-    return GDNZShape(args.hidden_size, len(units), chunk, eps), gdn_in_proj_weights(layer, units), build_gdn_z
+    return GDNInProjShape(args.hidden_size, len(units), chunk, eps), gdn_in_proj_weights(layer, units), build_gdn_in_proj
 
 
 def weights_sha256(weights) -> str:

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from hetero.export import PieceSlice, attention_weights, build_piece, gdn_in_proj_weights, mlp_weights
 from coreml_graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
-from coreml_graphs.gdn import GDNZShape, build_gdn_z
+from coreml_graphs.gdn import GDNInProjShape, build_gdn_in_proj
 from coreml_graphs.mlp import MLPShape, build_mlp
 from coreml_graphs.package import save_program
 from hetero.backends.accuracy import compare
@@ -180,8 +180,8 @@ def test_gdn_in_proj_z_rows_match_mlx(tmp_path):
     rng = np.random.default_rng(5)
     x = mx.array(fp16_exact(rng.standard_normal((1, 64, args.hidden_size)) * 2))
     ref = np.array(layer.linear_attn.in_proj_z(layer.input_layernorm(x))[0, :, :32])  # [64, 32]
-    shape = GDNZShape(args.hidden_size, 32, chunk=64, eps=args.rms_norm_eps)
-    path = save_program(build_gdn_z(shape, gdn_in_proj_weights(layer, range(0, 32))), tmp_path / "z.mlpackage")
+    shape = GDNInProjShape(args.hidden_size, 32, chunk=64, eps=args.rms_norm_eps)
+    path = save_program(build_gdn_in_proj(shape, gdn_in_proj_weights(layer, range(0, 32))), tmp_path / "z.mlpackage")
     out = ReferenceExecutor(path)({"x": bc1s(np.array(x[0]), 64)})
     assert_close(from_bc1s(out["z"], 64), ref, "gdn z rows")
 

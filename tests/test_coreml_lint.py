@@ -10,7 +10,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import get_new_symbol, types
 
 from coreml_graphs.attention import AttentionShape, AttentionWeights, build_attention
-from coreml_graphs.gdn import GDNZShape, GDNZWeights, build_gdn_z
+from coreml_graphs.gdn import GDNInProjShape, GDNInProjWeights, build_gdn_in_proj
 from coreml_graphs.lint import lint_package, lint_program
 from coreml_graphs.mlp import MLPShape, MLPWeights, build_mlp
 from coreml_graphs.ops import DEPLOYMENT_TARGET
@@ -116,7 +116,7 @@ def test_builder_programs_are_clean():
         AttentionWeights(r(64), r(128, 64), r(128, 64), r(64, 64), r(64, 64), r(32), r(32), r(64, 128)),
     )
     mlp = build_mlp(MLPShape(64, 128, 64, 1e-6, channel_block=64), MLPWeights(r(64), r(128, 64), r(128, 64), r(64, 128)))
-    z = build_gdn_z(GDNZShape(64, 64, 64, 1e-6), GDNZWeights(r(64), r(64, 64)))
+    z = build_gdn_in_proj(GDNInProjShape(64, 64, 64, 1e-6), GDNInProjWeights(r(64), r(64, 64)))
     for prog in (attn, mlp, z):
         assert lint_program(prog).findings == []
 
