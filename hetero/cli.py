@@ -353,7 +353,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise HeteroError("hetero convert --quantize/--coreml needs --out DIR")
     if args.coreml:
         return convert_coreml(args.model, args.out, args.ane_fraction, args.chunk_size, args.context)
-    from converters.quantize import quantize_checkpoint
+    from hetero.quantize import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, bits=args.quantize, group_size=args.group_size)
     print(f"wrote {args.quantize}-bit copy to {out}")

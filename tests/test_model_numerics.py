@@ -159,7 +159,7 @@ def test_step_by_step_decode_and_chunked_prefill_equal_one_prefill(chaotic):
 
 @pytest.fixture(scope="module", params=[8, 4], ids=["8bit", "4bit"])
 def quantized(request, with_mtp, tmp_path_factory):
-    from converters.quantize import quantize_checkpoint
+    from hetero.quantize import quantize_checkpoint
 
     bits = request.param
     out = quantize_checkpoint(str(with_mtp[0]), tmp_path_factory.mktemp(f"q{bits}") / "out", bits=bits)
