@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,11 +34,11 @@ MAX_CONTEXT = 1024
 class LiveServer:
     """uvicorn serving `engine` on a free loopback port in a background thread."""
 
-    def __init__(self, engine, api_key: str | None = None, split=None):
+    def __init__(self, engine, api_key: str | None = None, split=None, **app_kw):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.app = create_app(engine, api_key=api_key, split=split, prefill_chunk=64)
+        self.app = create_app(engine, api_key=api_key, split=split, prefill_chunk=64, **app_kw)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -370,9 +374,160 @@ print("done")
 def test_model_work_on_worker_threads_exits_cleanly():
     """The server and the pipeline run the model on worker threads; MLX 0.32 aborts at exit after an
     `mx.compile`d function ran on one (half the runs, measured), so three clean exits in a row are required."""
-    import subprocess
-    import sys
-
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", WORKER_THREAD_RUN], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-400:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hygiene: default max_tokens, tokenization off the event loop, body limit, access log, key, exposure warning
+
+
+def test_a_request_without_max_tokens_gets_the_default_capped_by_the_window(model_dir):
+    server = LiveServer(hetero.load(model_dir), default_max_tokens=7)
+    try:
+        client, name = server.openai(), model_name(server)
+        plain = client.completions.create(model=name, prompt=LONG_PROMPT)  # no max_tokens
+        assert plain.usage.completion_tokens == 7 and plain.choices[0].finish_reason == "length"
+        assert plain.choices[0].text == complete(server, LONG_PROMPT, 7)
+        chat = client.chat.completions.create(model=name, messages=transcript(0))
+        assert chat.usage.completion_tokens <= 7
+        assert chat.choices[0].message.content == ask(server, transcript(0), max_tokens=7).choices[0].message.content
+    finally:
+        server.stop()
+    server = LiveServer(hetero.load(model_dir))  # the default 4096 is more than the 1024-token window
+    try:
+        ids = (hetero.load(model_dir).tokenizer.encode(LONG_PROMPT) * MAX_CONTEXT)[: MAX_CONTEXT - 5]
+        near_full = server.openai().completions.create(model=model_name(server), prompt=ids)
+        assert near_full.usage.prompt_tokens == MAX_CONTEXT - 5 and near_full.usage.completion_tokens <= 5
+    finally:
+        server.stop()
+
+
+def test_a_1mb_prompt_being_tokenized_does_not_stall_other_clients(model_dir, monkeypatch):
+    """The chat template and the tokenizer run off the event loop. The 1 MB prompt enters the real tokenizer through
+    a gate that opens once /health and a short completion have been answered: off the loop they are answered
+    meanwhile; on the loop the gate would hold the loop itself and they would come only after it (the order of
+    events is the evidence, not a clock)."""
+    engine = hetero.load(model_dir)
+    server = LiveServer(engine)
+    real, entered, answered, events = engine.tokenizer.encode, threading.Event(), threading.Event(), []
+
+    def encode(text: str) -> list[int]:
+        if len(text) < 500_000:
+            return real(text)
+        entered.set()
+        answered.wait(10)
+        ids = real(text)
+        events.append("big prompt tokenized")
+        return ids
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    try:
+        big = {"model": model_name(server), "max_tokens": 2,
+               "messages": [{"role": "user", "content": "def add(a, b):\n" * 70_000}]}  # 1 MB of text
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, server.url + "/v1/chat/completions", json=big, timeout=120)
+            assert entered.wait(60)
+            assert httpx.get(server.url + "/health", timeout=60).json()["status"] == "ok"
+            events.append("health")
+            assert complete(server, SHORT_PROMPT, 4) is not None
+            events.append("short completion")
+            answered.set()
+            r = pending.result()
+        assert events == ["health", "short completion", "big prompt tokenized"]
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        answered.set()
+        server.stop()
+
+
+def test_a_body_over_the_limit_is_a_413_in_each_apis_error_shape(model_dir):
+    server = LiveServer(hetero.load(model_dir), max_body_mb=1 / 16)  # 64 KiB
+    try:
+        name = model_name(server)
+        huge = [{"role": "user", "content": "x" * 100_000}]
+        with pytest.raises(openai.APIStatusError) as e:
+            server.openai().chat.completions.create(model=name, messages=huge, max_tokens=2)
+        assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+        assert "--max-body-mb" in e.value.body["message"]
+        with pytest.raises(anthropic.APIStatusError) as e:
+            server.anthropic().messages.create(model=name, messages=huge, max_tokens=2)
+        assert e.value.status_code == 413 and e.value.body["error"]["type"] == "request_too_large"
+
+        def chunked():  # no Content-Length: the bytes are counted as they arrive
+            body = json.dumps({"model": name, "messages": huge, "max_tokens": 2}).encode()
+            for i in range(0, len(body), 8192):
+                yield body[i: i + 8192]
+
+        r = httpx.post(server.url + "/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert "content-length" not in r.request.headers
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:  # announces 100 MB, sends none
+            s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100000000\r\n\r\n")
+            answer = b""  # answered from the header alone, without waiting for the body
+            while b"request_too_large" not in answer and (more := s.recv(65536)):
+                answer += more
+        assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
+
+        assert ask(server, transcript(0)).choices[0].message.content is not None  # a body under the limit is served
+    finally:
+        server.stop()
+
+
+ACCESS = re.compile(r'^127\.0\.0\.1:\d+ "(\w+) (\S+)" (\d+) prompt_tokens=(\S+) completion_tokens=(\S+) \d+\.\d{3}s$')
+
+
+def test_every_request_gets_an_access_log_line(model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="hetero.access")
+    server = LiveServer(hetero.load(model_dir))
+    try:
+        name = model_name(server)
+        plain = server.openai().completions.create(model=name, prompt="def add", max_tokens=3)
+        chunks = list(server.openai().chat.completions.create(
+            model=name, messages=transcript(0), max_tokens=3, stream=True, stream_options={"include_usage": True}))
+        missing = httpx.post(server.url + "/v1/messages", json={"model": "nope", "max_tokens": 2, "messages": []})
+        assert missing.status_code == 404
+        expected = [
+            ("GET", "/v1/models", "200", "-", "-"),
+            ("POST", "/v1/completions", "200", str(plain.usage.prompt_tokens), str(plain.usage.completion_tokens)),
+            ("POST", "/v1/chat/completions", "200", str(chunks[-1].usage.prompt_tokens),
+             str(chunks[-1].usage.completion_tokens)),
+            ("POST", "/v1/messages", "404", "-", "-"),
+        ]
+        deadline = time.time() + 20  # a line is written once its response has ended, which the client may see first
+        while True:
+            lines = [r.getMessage() for r in caplog.records if r.name == "hetero.access"]
+            if len(lines) >= len(expected) or time.time() > deadline:
+                break
+            time.sleep(0.02)
+        assert [ACCESS.match(line).groups() for line in lines] == expected, lines
+    finally:
+        server.stop()
+
+
+def test_a_wrong_or_undecodable_key_is_401(model_dir):
+    server = LiveServer(hetero.load(model_dir), api_key="sekrit")
+    try:
+        for key in (b"sekri", b"sekrit!", b"\xe9\xff", b""):  # compared as bytes: no 500 on a non-ASCII header
+            r = httpx.get(server.url + "/v1/models", headers={"x-api-key": key})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", key
+        assert httpx.get(server.url + "/v1/models", headers={"x-api-key": "sekrit"}).status_code == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("args, warned", [(["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False),
+                                          ([], False)])
+def test_serving_beyond_loopback_without_a_key_warns(tmp_path, args, warned):
+    (tmp_path / "config.json").write_text("[]")  # the model fails to load after the bind: the process ends there
+    env = {k: v for k, v in os.environ.items() if k != "HETERO_API_KEY"}
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        port = str(s.getsockname()[1])  # free on every address
+    out = subprocess.run([sys.executable, "-m", "hetero", "serve", *args, "--port", port, "--model", str(tmp_path),
+                          "--no-session-cache"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1 and "must hold a JSON object" in out.stderr, out.stderr
+    assert ("without --api-key" in out.stderr) == warned, out.stderr
