@@ -13,10 +13,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from hetero.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
 from hetero.errors import HeteroError
 from hetero.fingerprint import weights_fingerprint
 from hetero.generate import DecodeTimes, ProgressFn, Trace, generate_tokens, prefill
 from hetero.loader import load_model
+from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.models.qwen3_5 import Model
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
@@ -34,6 +36,7 @@ class GenerationResult:
     text: str
     tokens: list[int]
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token when asked for (`logprobs=N`)
 
 
 class Engine:
@@ -53,6 +56,7 @@ class Engine:
         self.weights_fingerprint = weights_fingerprint(path)  # taken at load: the files' state as loaded
         self.prefix_cache: PrefixCache | None = None
         self.memory_gb: float | None = None  # RAM the memory governor budgets (None: this machine's)
+        self._grammar_tokenizer = None  # llguidance's tokenizer, built on the first constrained request
 
     @property
     def identity(self) -> str:
@@ -93,6 +97,21 @@ class Engine:
         check_prompt_fits(self.model, len(ids), self.memory_gb)
         return ids
 
+    def json_grammar(self, schema: dict | None) -> str:
+        """Compile a JSON Schema (None: any JSON object) for `generate(json_schema=...)`; a schema the grammar
+        library rejects raises HeteroError, so a server can refuse it before it streams anything."""
+        return json_schema_grammar(ANY_OBJECT if schema is None else schema, self._grammar_tok())
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token (a piece of a UTF-8 character for byte-level tokens), as logprobs report it."""
+        return self._grammar_tok().decode_bytes([token])
+
+    def _grammar_tok(self):
+        if self._grammar_tokenizer is None:  # about 1 s for a 250K vocabulary: once per engine
+            self._grammar_tokenizer = grammar_tokenizer(self.path / "tokenizer.json", self.model.args.vocab_size,
+                                                        self.eos_ids)
+        return self._grammar_tokenizer
+
     def logits(self, token_ids: list[int], chunk: int = 512) -> np.ndarray:
         """float32 logits [len, vocab] for every position, from one (chunked) prefill."""
         ids = self.encode_prompt(list(token_ids))
@@ -118,6 +137,10 @@ class Engine:
         use_prefix_cache: bool = True,
         should_stop: Callable[[], bool] | None = None,
         prefill_with: Callable[[list[int]], tuple[list, int, mx.array | None]] | None = None,
+        logprobs: int | None = None,
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
+        json_schema: dict | None = None,
+        json_object: bool = False,
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
 
@@ -131,12 +154,23 @@ class Engine:
         generation there (finish_reason "stop"), e.g. on a stop string or a client that went away.
         `prefill_with(ids)` (e.g. the ANE + GPU pipeline) may fill the cache instead of the plain prefill:
         it returns (cache, tokens in it, post-norm hidden of the last one) and the rest runs as after a restore.
+
+        `logprobs=N` (0..20) returns each token's logprob and the N most likely alternatives in `result.logprobs`
+        and hands each to `on_logprob` just before its text reaches `on_text`. They are the raw model distribution
+        (log_softmax of the logits, before temperature / top-k / top-p / min-p and before a JSON constraint), also
+        under MTP (the verify pass's rows). `json_schema` (a JSON Schema dict) or `json_object` constrains the
+        output to JSON that matches it: the logits are masked at every position, drafts included, so MTP samples
+        exactly what constrained plain decoding samples. EOS is allowed only where the JSON is complete.
         """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
         ids = self.encode_prompt(prompt, chat)
         max_tokens = min(max_tokens, self.max_context - len(ids))
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p), seed)
+        recorder = LogprobRecorder(logprobs) if logprobs is not None else None
+        constraint = None
+        if json_schema is not None or json_object:
+            constraint = Constraint(self._grammar_tok(), self.json_grammar(json_schema), self.eos_ids)
         if mtp and not self.model.has_mtp:
             raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
         tuned = tuned_depth(self.identity) if draft_depth is None else None
@@ -181,16 +215,18 @@ class Engine:
             stream = mtp_generate_tokens(
                 model, ids, sampler, max_tokens, self.eos_ids, depth, copy, prefill_chunk, progress, times,
                 mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry, on_chunk=chunk_hook,
-                on_commit=on_commit,
+                on_commit=on_commit, constraint=constraint, logprobs=recorder,
             )
         else:
             stream = generate_tokens(
                 model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times, cache=cache,
                 skip=skip, carry=carry, on_chunk=chunk_hook, mtp_prefill=pc is not None and model.has_mtp,
-                trace=trace,
+                trace=trace, constraint=constraint, logprobs=recorder,
             )
         for tid in stream:
             tokens.append(tid)
+            if on_logprob is not None and recorder is not None:
+                on_logprob(recorder.items[len(tokens) - 1])
             piece = detok.add(tid)
             if piece and on_text is not None:
                 on_text(piece)
@@ -216,7 +252,7 @@ class Engine:
         }
         if mtp_stats is not None:
             stats["mtp"] = mtp_stats.to_dict()
-        return GenerationResult(detok.text, tokens, stats)
+        return GenerationResult(detok.text, tokens, stats, recorder.items[: len(tokens)] if recorder else None)
 
     def _checkpoint_turn(
         self, pc: PrefixCache, ids: list[int], cache: list, trace: Trace, decoder: Decoder | None, committed: list[int],

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from hetero.cache import LayerCache, cache_arrays
+from hetero.constrained import Constraint
+from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
 
@@ -125,6 +127,8 @@ def generate_tokens(
     on_chunk: ChunkFn | None = None,
     mtp_prefill: bool = False,
     trace: Trace | None = None,
+    constraint: Constraint | None = None,
+    logprobs: LogprobRecorder | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or `max_tokens`.
 
@@ -132,6 +136,8 @@ def generate_tokens(
     model computes while the caller detokenizes and prints. With `skip` > 0, `cache` already holds
     prompt[:skip] (a restored prefix, `carry` its last hidden) and only the rest is prefilled;
     `mtp_prefill` fills the MTP head's KV during prefill too (so checkpoints serve MTP requests).
+    `constraint` masks every position's logits before sampling (its mask is computed on the CPU while the
+    next step runs); `logprobs` records each yielded token's raw logprobs before the token is yielded.
     """
     times = times if times is not None else DecodeTimes()
     times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)  # a caller may start earlier
@@ -141,7 +147,8 @@ def generate_tokens(
         return
     logits, last_hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
                                   on_chunk=on_chunk)
-    token = sampler(logits[-1])
+    row = logits[-1]  # [V] the logits the current token is drawn from
+    token = sampler(row if constraint is None else constraint.apply(row))
     if trace is not None:
         trace.hidden.append(last_hidden)
 
@@ -150,23 +157,32 @@ def generate_tokens(
         if trace is not None:
             trace.tokens.append(tok)
             trace.hidden.append(h[0])
-        return sampler(out[0, -1])
+        return out[0, -1]  # [V]
 
     mx.async_eval(token)
     for n in range(max_tokens):
-        nxt = step(token) if n + 1 < max_tokens else None
-        if nxt is not None:
-            mx.async_eval(nxt)
+        nxt_row = step(token) if n + 1 < max_tokens else None
+        nxt = None
+        if nxt_row is not None:  # unconstrained, the sample joins the queued step; constrained, it waits for the mask
+            nxt = sampler(nxt_row) if constraint is None else None
+            mx.async_eval(nxt if nxt is not None else nxt_row)
         tid = token.item()
         if n == 0:
             times.first_token = time.perf_counter()
         if tid in eos_ids:
             times.finish_reason = "stop"
             break
+        if constraint is not None:
+            constraint.advance(tid)
+            if nxt_row is not None:
+                nxt = sampler(constraint.apply(nxt_row))
+                mx.async_eval(nxt)
+        if logprobs is not None:
+            logprobs.add(row[None], [tid])
         times.generated += 1
         times.end = time.perf_counter()
         yield tid
         if nxt is None:
             break
-        token = nxt
+        token, row = nxt, nxt_row
     times.end = time.perf_counter()

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
+from hetero.constrained import Constraint
 from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, prefill
+from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
 
@@ -121,15 +123,23 @@ class Decoder:
         """Tokens the backbone has run (all committed tokens but x)."""
         return self.backbone[0].offset
 
-    def propose(self, k: int, copy_k: int, sampler: Sampler) -> tuple[list[int], mx.array | None, bool]:
-        """Drafts for one round: (ids, their proposal log-probs or None for a point mass, from the copy lane)."""
+    def propose(
+        self, k: int, copy_k: int, sampler: Sampler, constraint: Constraint | None = None
+    ) -> tuple[list[int], mx.array | None, bool]:
+        """Drafts for one round: (ids, their proposal log-probs or None for a point mass, from the copy lane).
+
+        With a `constraint`, drafts are legal and consumed by it (copied ones cut at the first illegal token)."""
         if self.lane is not None and copy_k > 0:
             copied = self.lane.propose(copy_k)
+            if constraint is not None:
+                copied = copied[: constraint.extend(copied)]
             if copied:
                 return copied, None, True
         if k == 0:
             return [], None, False
-        drafts, logprobs = _draft(self.model, self.mtp_cache, self.pending_tokens + [self.x], self.pending_hidden, k, sampler)
+        drafts, logprobs = _draft(
+            self.model, self.mtp_cache, self.pending_tokens + [self.x], self.pending_hidden, k, sampler, constraint
+        )
         self.pending_tokens, self.pending_hidden = [], self.pending_hidden[:0]
         return drafts, logprobs, False
 
@@ -161,18 +171,36 @@ class Decoder:
         self.x = nxt
 
 
-def run_round(decoder: Decoder, sampler: Sampler, k: int, copy_k: int) -> tuple[list[int], int, bool]:
-    """Draft, verify, accept, commit: returns (drafts, accepted count, from the copy lane); decoder.x is the new token."""
-    drafts, draft_logprobs, copied = decoder.propose(k, copy_k, sampler)
-    target, hidden = decoder.verify(drafts)
+def run_round(
+    decoder: Decoder,
+    sampler: Sampler,
+    k: int,
+    copy_k: int,
+    constraint: Constraint | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> tuple[list[int], int, bool]:
+    """Draft, verify, accept, commit: returns (drafts, accepted count, from the copy lane); decoder.x is the new token.
+
+    A `constraint` (which has consumed decoder.x) masks verify position i given x and d_0..d_{i-1}, the masks the
+    drafts were proposed under; it is rolled back over the rejected drafts and advanced by the new token.
+    `logprobs` records the kept drafts and the new token from the unmasked target rows.
+    """
+    drafts, draft_logprobs, copied = decoder.propose(k, copy_k, sampler, constraint)
+    target, hidden = decoder.verify(drafts)  # [k+1, V], [k+1, H]
+    masked = target if constraint is None else mx.where(constraint.recent_masks(len(drafts) + 1), target, -mx.inf)
     d = mx.array(drafts, dtype=mx.int32)
     if sampler.params.greedy:
-        n_acc, nxt = accept_greedy(target, d)
+        n_acc, nxt = accept_greedy(masked, d)
     else:
-        n_acc, nxt = accept_drafts(warp(target, sampler.params), d, draft_logprobs, sampler.next_key())
+        n_acc, nxt = accept_drafts(warp(masked, sampler.params), d, draft_logprobs, sampler.next_key())
     mx.eval(n_acc, nxt)
-    accepted = n_acc.item()
-    decoder.commit(drafts, hidden, accepted, nxt.item(), mtp_ran=bool(drafts) and not copied)
+    accepted, token = n_acc.item(), nxt.item()
+    if constraint is not None:
+        constraint.rollback(len(drafts) - accepted)
+        constraint.advance(token)
+    if logprobs is not None:
+        logprobs.add(target[: accepted + 1], drafts[:accepted] + [token])
+    decoder.commit(drafts, hidden, accepted, token, mtp_ran=bool(drafts) and not copied)
     return drafts, accepted, copied
 
 
@@ -194,11 +222,15 @@ def mtp_generate_tokens(
     carry: mx.array | None = None,
     on_chunk: ChunkFn | None = None,
     on_commit: Callable[[Decoder, list[int]], None] | None = None,
+    constraint: Constraint | None = None,
+    logprobs: LogprobRecorder | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded), exactly as `generate_tokens` would in distribution.
 
     `skip`/`carry`/`on_chunk` as in `start`; `on_commit(decoder, tokens)` sees the committed state after the
     first token and after every round, with the tokens that state newly committed (the last one is decoder.x).
+    `constraint` and `logprobs` as in `generate_tokens`; `logprobs` may record a few tokens past the last one
+    yielded (those a round committed after an EOS or max_tokens): its i-th item is the i-th token yielded.
     """
     if not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"draft depth must be in 1..{MAX_DEPTH}, got {depth}")
@@ -209,7 +241,7 @@ def mtp_generate_tokens(
     if max_tokens <= 0:
         times.first_token = times.end = time.perf_counter()
         return
-    decoder = start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk)
+    decoder = start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk, constraint, logprobs)
     if on_commit is not None:
         on_commit(decoder, [decoder.x])
     emitted = 0
@@ -234,7 +266,7 @@ def mtp_generate_tokens(
         room = min(max_tokens - emitted - 1, max_context - decoder.length - 2)  # drafts never overshoot
         k = max(0, min(depth, room))
         copy_k = max(0, min(MAX_DEPTH, 2 * depth, room))
-        drafts, accepted, copied = run_round(decoder, sampler, k, copy_k)
+        drafts, accepted, copied = run_round(decoder, sampler, k, copy_k, constraint, logprobs)
         stats.record(len(drafts), accepted, copied)
         if on_commit is not None:
             on_commit(decoder, drafts[:accepted] + [decoder.x])
@@ -258,6 +290,8 @@ def start(
     skip: int = 0,
     carry: mx.array | None = None,
     on_chunk: ChunkFn | None = None,
+    constraint: Constraint | None = None,
+    logprobs: LogprobRecorder | None = None,
 ) -> Decoder:
     """Prefill the prompt (backbone and MTP head) and sample the first token.
 
@@ -267,8 +301,12 @@ def start(
     cache = cache if cache is not None else model.make_cache()
     logits, last_hidden = prefill(
         model, prompt[skip:], cache, chunk, progress, mtp=True, carry=carry, on_chunk=on_chunk
-    )  # last_hidden [1, H]
-    x = sampler(logits[-1]).item()
+    )  # logits [1, V], last_hidden [1, H]
+    x = sampler(logits[-1] if constraint is None else constraint.apply(logits[-1])).item()
+    if constraint is not None:
+        constraint.advance(x)
+    if logprobs is not None:
+        logprobs.add(logits[-1:], [x])
     lane = CopyLane(prompt + [x]) if copy else None
     return Decoder(model, cache, x, last_hidden, lane=lane)
 
@@ -280,16 +318,21 @@ def _draft(
     hidden: mx.array,
     k: int,
     sampler: Sampler,
+    constraint: Constraint | None = None,
 ) -> tuple[list[int], mx.array | None]:
     """k draft tokens from the MTP head; the first call also feeds it every committed pair it has not seen.
 
     tokens [m] pair with hidden [m, H] (token t_{p+1} with backbone hidden h_p). Returns the drafts and, when
-    sampling, their proposal log-probabilities [k, V] (None: argmax drafts, a point mass).
+    sampling, their proposal log-probabilities [k, V] (None: argmax drafts, a point mass). With a `constraint`
+    each draft is drawn from the masked head distribution and consumed (one sync per draft); an EOS draft ends
+    the chain early.
     """
     z = model.mtp_hidden(mx.array(tokens)[None], hidden[None], mtp_cache)[:, -1:]  # [1, 1, H]
     drafts, logprobs = [], []
     for j in range(k):
         logits = model.logits(z)[0, -1]  # [V]
+        if constraint is not None:
+            logits = constraint.apply(logits)
         if sampler.params.greedy:
             d = mx.argmax(logits)
         else:
@@ -297,6 +340,10 @@ def _draft(
             d = sample(q, sampler.next_key())
             logprobs.append(q)
         drafts.append(d)
+        if constraint is not None:
+            constraint.advance(d.item())
+            if constraint.ended:
+                break
         if j + 1 < k:
             z = model.mtp_hidden(d.reshape(1, 1), z, mtp_cache)  # [1, 1, H] fed its own post-norm output
     mx.eval(drafts, logprobs)
