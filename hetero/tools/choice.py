@@ -1,0 +1,62 @@
+"""tool_choice: which tools the template sees and what text, forced after the prompt, makes the model call one.
+
+`none` renders no tools (the model cannot see them). `required` and a named function are enforced by
+appending the start of a call to the generation prompt, in the template's own call form:
+
+    XML form (Qwen3.5 / 3.6):  <tool_call>\\n<function=NAME>\\n     (required: <tool_call>\\n<function=)
+    JSON form (Qwen2.5 / 3):   <tool_call>\\n{"name": "NAME", "arguments":    (required: ...{"name": ")
+
+so the model can only go on with that call. When the prompt leaves a think block open, the prefix closes it
+first (an empty block, as the template writes with enable_thinking=False): a forced call skips reasoning.
+The caller feeds the prefix to the ReplyParser before the model's text, as if the model had written it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hetero.errors import HeteroError
+from hetero.tools.reasoning import CLOSE, opens_reasoning
+
+
+def normalize_choice(choice: Any, tools: list[dict] | None) -> str | None:
+    """OpenAI ("auto" | "none" | "required" | {"type": "function", "function": {"name"}}) or Anthropic
+    ({"type": "auto" | "any" | "tool" | "none", "name"}) tool_choice -> "auto", "none", "required" or a function
+    name; None without tools."""
+    if not tools:
+        return None
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str) and choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind in ("auto", "none"):
+            return kind
+        if kind == "any":
+            return "required"
+        name = choice.get("name") if kind == "tool" else (choice.get("function") or {}).get("name") if kind == "function" else None
+        if isinstance(name, str):
+            known = {t["function"]["name"] for t in tools}
+            if name not in known:
+                raise HeteroError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(sorted(known))})")
+            return name
+    raise HeteroError(f"tool_choice {choice!r} is not understood; use auto, none, required or a named function")
+
+
+def call_form(template: str | None) -> str:
+    """"xml" when the chat template writes calls as <function=...>, else "json"."""
+    return "xml" if template and "<function=" in template else "json"
+
+
+def forced_prefix(choice: str | None, prompt: str, template: str | None) -> str:
+    """Text to append to the rendered prompt so the model must call a tool ("" for auto / none / no tools)."""
+    if choice in (None, "auto", "none"):
+        return ""
+    named = choice != "required"
+    if call_form(template) == "xml":
+        call = "<tool_call>\n<function=" + (f"{choice}>\n" if named else "")
+    else:
+        call = "<tool_call>\n" + ('{"name": ' + json.dumps(choice) + ', "arguments": ' if named else '{"name": "')
+    return ("\n" + CLOSE + "\n\n" if opens_reasoning(prompt) else "") + call
