@@ -38,7 +38,7 @@ class Started:
 
 @dataclass
 class Outcome:
-    """What a finished job reports to every API's formatter."""
+    """What a finished job reports to its API's output shaper."""
 
     text: str
     stats: dict
