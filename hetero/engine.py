@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,19 @@ class Engine:
         """Names this checkpoint in per-machine settings: its name plus a hash of its config."""
         digest = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()[:12]
         return f"{self.name}@{digest}"
+
+    def default_depth(self) -> int | str | None:
+        """How this model decodes here when the caller does not say: the depth `hetero tune` saved, PLAIN ("off"),
+        or, for a model with an MTP head never measured on this machine, the result of a short calibration run
+        now (`tune.calibrate`, once: it is saved). None for a model without an MTP head."""
+        if not self.model.has_mtp:
+            return None
+        tuned = tuned_depth(self.identity)
+        if tuned is None:
+            from hetero.tune import calibrate  # tune drives this engine: imported here, not at module level
+
+            tuned = calibrate(self, DEFAULT_DRAFT_DEPTH, report=lambda line: print(line, file=sys.stderr, flush=True))
+        return tuned
 
     @property
     def cache_key(self) -> str:
@@ -173,7 +187,9 @@ class Engine:
             constraint = Constraint(self._grammar_tok(), self.json_grammar(json_schema), self.eos_ids)
         if mtp and not self.model.has_mtp:
             raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
-        tuned = tuned_depth(self.identity) if draft_depth is None else None
+        tuned = None  # what was measured here: a depth, PLAIN, or None
+        if draft_depth is None:  # mtp left to the default: calibrate on first use; mtp=True: a saved depth if any
+            tuned = self.default_depth() if mtp is None else tuned_depth(self.identity)
         # a saved "off" (plain decoding won `hetero tune` here) decides only when the caller left MTP to the default
         use_mtp = (self.model.has_mtp and tuned != PLAIN) if mtp is None else mtp
         depth = draft_depth if draft_depth is not None else tuned if isinstance(tuned, int) else DEFAULT_DRAFT_DEPTH

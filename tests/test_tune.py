@@ -11,7 +11,7 @@ import pytest
 import hetero
 from hetero.cli import main
 from hetero.settings import PLAIN, save_tuning, settings_path, tuned_depth
-from hetero.tune import PROMPTS, tune
+from hetero.tune import PROMPTS, calibrate, tune
 from tiny_checkpoint import write_tiny_model
 
 
@@ -71,9 +71,36 @@ def run_json(model_dir, capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("plain_tps, drafted_tps, choice", [(100.0, 130.0, 3), (100.0, 99.0, PLAIN)])
+def test_first_use_calibration_saves_the_faster(plain_tps, drafted_tps, choice):
+    engine = FakeEngine(plain_tps, {3: drafted_tps})
+    assert calibrate(engine, 3, report=lambda line: None) == choice
+    assert tuned_depth("fake@0") == choice and saved("fake@0")["calibrated"] == "first use"
+    assert {(mtp, d) for _, mtp, d in engine.calls} == {(False, None), (True, 3)}
+
+
+def test_an_untuned_run_calibrates_once_then_follows_what_it_measured(model_dir, capsys):
+    identity = hetero.load(model_dir).identity
+    assert tuned_depth(identity) is None
+    assert main(["run", "--model", str(model_dir), "--prompt", "def add(a, b):", "--max-tokens", "8", "--json"]) == 0
+    out, err = capsys.readouterr()
+    first = json.loads(out)
+    assert "measuring MTP against plain decoding" in err  # the user is told why the first run takes longer
+    entry = saved(identity)
+    assert entry["calibrated"] == "first use"
+    measured_mtp_faster = entry["depths"]["3"]["decode_tps"] > entry["plain_tps"]
+    assert entry["draft_depth"] == (3 if measured_mtp_faster else PLAIN)
+    assert ("mtp" in first) == measured_mtp_faster  # the first run already decodes as measured
+    assert main(["run", "--model", str(model_dir), "--prompt", "def add(a, b):", "--max-tokens", "8", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "measuring" not in err and saved(identity) == entry  # measured once
+    assert json.loads(out)["tokens"] == first["tokens"]
+
+
 def test_run_follows_the_saved_choice(model_dir, capsys):
     identity = hetero.load(model_dir).identity
-    assert run_json(model_dir, capsys)["mtp"]["depth"] == 3  # untuned: MTP at the default depth
+    save_tuning(identity, {"draft_depth": 3})
+    assert run_json(model_dir, capsys)["mtp"]["depth"] == 3
     save_tuning(identity, {"draft_depth": 2})
     assert run_json(model_dir, capsys)["mtp"]["depth"] == 2
     save_tuning(identity, {"draft_depth": PLAIN})

@@ -142,6 +142,7 @@ def serve(
     try:
         store = None if no_session_cache else open_session_store(session_cache, session_cache_max_gb)
         engine = hetero.load(model)
+        engine.default_depth()  # a model never measured here is calibrated now, not inside the first request
         engine.prefix_cache = PrefixCache(int(prefix_cache_max_gb * 1024**3), store=store)
         names = {engine.name} | ({served_name} if served_name else set())
         split = None
