@@ -459,3 +459,23 @@ def test_verify_catches_a_defective_program_at_the_default_tolerance(bundled_eng
     progs.mlp[layer][0] = (lambda feed, p=program: {k: v * 0.5 for k, v in p(feed).items()}, units)
     check = verify(run, ids)
     assert check["tolerance"] == 0.02 and not check["match"], check
+
+
+def test_verify_catches_kv_heads_written_in_the_wrong_order(bundled_engine):
+    """An attention program that returns its KV heads swapped leaves the chunk's own output right and the cache
+    wrong: the next chunk reads the wrong heads. The logits of a short prompt hardly move (this defect passed the
+    last-position check at 2%); the cache comparison fails it at the default tolerance and names the array."""
+    ids = bundled_engine.tokenizer.encode(open(__file__).read())[:128]
+    run = configure(bundled_engine, 1.0, 64, offload=("attention",))
+    honest = verify(run, ids)
+    assert honest["match"] and honest["max_rel_cache_diff"] < 0.005, honest
+    progs = run.splitter(len(ids)).programs
+    layer = sorted(progs.attention)[0]
+    for k, (program, shape, units) in enumerate(progs.attention[layer]):
+        def swapped(feed, p=program):
+            out = p(feed)
+            return {**out, "k_new": out["k_new"][:, ::-1], "v_new": out["v_new"][:, ::-1]}
+        progs.attention[layer][k] = (swapped, shape, units)
+    check = verify(run, ids)
+    assert check["tolerance"] == 0.02 and not check["match"], check
+    assert check["worst_cache"].startswith(f"layer {layer} "), check

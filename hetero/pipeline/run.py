@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import LayerCache
+from hetero.cache import KVCache, LayerCache
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
 from hetero.pipeline.lanes import DecodeQueue, Trace
@@ -123,10 +123,13 @@ def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array,
 
 
 def verify(run: PipelineRun, ids: list[int], tol: float = DEFAULT_VERIFY_TOL, n_tokens: int = DEFAULT_VERIFY_TOKENS) -> dict:
-    """Split prefill against the GPU-only prefill of the same prompt: last logits and a greedy continuation.
+    """Split prefill against the GPU-only prefill of the same prompt: the caches it leaves, the last logits and a
+    greedy continuation.
 
-    `match` is true when max |split - gpu| / max |gpu| <= tol at the last position and the greedy continuation
-    of `n_tokens` tokens is identical.
+    `match` is true when max |split - gpu| / max |gpu| <= tol for the last position's logits and for every cache
+    array (each layer's K and V over the prompt, GDN conv window and recurrent state), and the greedy continuation
+    of `n_tokens` tokens is identical. The caches are what the next chunk, turn or decode step reads: a defect
+    there (a head written in the wrong slot) can hide at the last position of a short prompt.
     """
     from hetero.generate import prefill
 
@@ -135,6 +138,7 @@ def verify(run: PipelineRun, ids: list[int], tol: float = DEFAULT_VERIFY_TOL, n_
     res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True)
     gpu_cache = model.make_cache()
     ref, _ = prefill(model, ids, gpu_cache, run.chunk)
+    cache_rel, worst = cache_difference(split_cache[: len(model.layers)], gpu_cache[: len(model.layers)])
     a, b = np.array(res.logits[-1].astype(mx.float32)), np.array(ref[-1].astype(mx.float32))
     diff = float(np.abs(a - b).max())
     cosine = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
@@ -142,9 +146,28 @@ def verify(run: PipelineRun, ids: list[int], tol: float = DEFAULT_VERIFY_TOL, n_
     theirs = greedy_continuation(model, gpu_cache, ref, n_tokens)
     same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
     rel = diff / max(float(np.abs(b).max()), 1e-30)
-    return {"match": bool(rel <= tol and same == n_tokens), "max_abs_logit_diff": round(diff, 6),
+    return {"match": bool(rel <= tol and cache_rel <= tol and same == n_tokens), "max_abs_logit_diff": round(diff, 6),
+            "max_rel_logit_diff": round(rel, 6), "max_rel_cache_diff": round(cache_rel, 6), "worst_cache": worst,
             "cosine": round(cosine, 8), "greedy_match_tokens": same, "greedy_compared_tokens": n_tokens,
             "tolerance": tol}
+
+
+def cache_difference(ours: list[LayerCache], theirs: list[LayerCache]) -> tuple[float, str]:
+    """The largest max |a - b| / max |b| over every array two filled caches hold (K and V up to the cache's
+    offset, GDN conv window and recurrent state), and which array it was ("layer 3 values")."""
+    worst, where = 0.0, ""
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if isinstance(b, KVCache):
+            pairs = {"keys": (a.keys[:, :, : b.offset], b.keys[:, :, : b.offset]),
+                     "values": (a.values[:, :, : b.offset], b.values[:, :, : b.offset])}
+        else:
+            pairs = {"conv window": (a.conv, b.conv), "recurrent state": (a.recurrent, b.recurrent)}
+        for name, (x, y) in pairs.items():
+            x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+            rel = float(np.abs(x - y).max()) / max(float(np.abs(y).max()), 1e-30)
+            if rel > worst:
+                worst, where = rel, f"layer {i} {name}"
+    return worst, where
 
 
 CALIBRATION = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n" * 4
