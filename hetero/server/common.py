@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from hetero.engine import Engine
 from hetero.errors import HeteroError, internal_error
 from hetero.server.requests import Job, Parser, RequestError, parse_body
-from hetero.server.runner import Cancelled, Outcome, Runner, Started
+from hetero.server.runner import Cancelled, Outcome, Runner, Started, TokenLogprobs
 
 log = logging.getLogger("hetero.server")
 
@@ -79,6 +79,10 @@ class Output:
 
     def text(self, piece: str) -> list[str]:
         raise NotImplementedError
+
+    def logprob(self, item: TokenLogprobs) -> list[str]:
+        """A token's logprobs, streamed just before its text (a job that asked for them): by default held by no one."""
+        return []
 
     def finish(self, o: Outcome) -> list[str]:
         raise NotImplementedError
@@ -174,6 +178,8 @@ async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Re
                     sent = out.start(item)
                 elif isinstance(item, str):
                     sent = out.text(item)
+                elif isinstance(item, TokenLogprobs):
+                    sent = out.logprob(item)
                 else:
                     request.scope[USAGE] = item.usage
                     sent = out.finish(item)

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import time
 
+from hetero.errors import HeteroError
+from hetero.logprobs import MAX_TOP_LOGPROBS
 from hetero.server.common import Output, sse
-from hetero.server.requests import Job, Parser, RequestError, messages, one_choice, stops, stream_options
-from hetero.server.runner import Outcome, Started
+from hetero.server.requests import (
+    Job, Parser, RequestError, boolean, integer, messages, one_choice, stops, stream_options,
+)
+from hetero.server.runner import Outcome, Started, TokenLogprobs
+from hetero.validate import Bound
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -34,6 +39,8 @@ def parse_chat(parser: Parser, body: dict) -> Job:
     job = parser.job(body, ids, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     job.stops = stops(body, "stop")
     stream_options(body, job)
+    parse_chat_logprobs(body, job)
+    parse_response_format(parser, body, job)
     return job
 
 
@@ -51,6 +58,7 @@ def parse_completion(parser: Parser, body: dict) -> Job:
     job = parser.job(body, parser.encode(prompt, "prompt"), "max_tokens")
     job.stops = stops(body, "stop")
     stream_options(body, job)
+    job.logprobs = integer(body, "logprobs", None, TOP_LOGPROBS)
     return job
 
 
@@ -69,15 +77,28 @@ class ChatOutput(Output):
     def __init__(self, model: str, job: Job):
         super().__init__(model, job)
         self.created = int(time.time())
+        self.pending_logprobs: list[TokenLogprobs] = []  # streamed tokens whose text has not gone out yet
 
     def choice(self, o: Outcome) -> dict:
         return {"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish,
-                "logprobs": None}
+                "logprobs": self.logprobs_field(o.logprobs)}
 
     def piece(self, text: str | None, finish: str | None = None) -> dict:
         """One stream chunk's choice: a text delta, or (with `finish`) the last, empty one."""
         return {"index": 0, "delta": {"content": text} if finish is None else {}, "finish_reason": finish,
-                "logprobs": None}
+                "logprobs": self.take_logprobs() if finish is None else None}
+
+    def logprob(self, item: TokenLogprobs) -> list[str]:
+        self.pending_logprobs.append(item)  # goes out with the next text piece (a token may have no text alone)
+        return []
+
+    def take_logprobs(self) -> dict | None:
+        """The logprobs of the tokens since the last text piece, for the chunk that carries this one."""
+        items, self.pending_logprobs = self.pending_logprobs, []
+        return self.logprobs_field(items if self.job.logprobs is not None else None)
+
+    def logprobs_field(self, items: list[TokenLogprobs] | None) -> dict | None:
+        return None if items is None else {"content": [chat_logprob(x) for x in items], "refusal": None}
 
     def chunk(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
@@ -107,12 +128,94 @@ class CompletionOutput(ChatOutput):
     """A text completion, or its stream of `text_completion` chunks."""
 
     prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+    text_offset = 0  # characters of completion text the logprobs reported so far (the legacy `text_offset`)
 
     def choice(self, o: Outcome) -> dict:
-        return {"index": 0, "text": o.text, "finish_reason": o.finish, "logprobs": None}
+        return {"index": 0, "text": o.text, "finish_reason": o.finish, "logprobs": self.logprobs_field(o.logprobs)}
 
     def piece(self, text: str | None, finish: str | None = None) -> dict:
-        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text or "", "finish_reason": finish,
+                "logprobs": self.take_logprobs() if finish is None else None}
+
+    def logprobs_field(self, items: list[TokenLogprobs] | None) -> dict | None:
+        """The legacy completions shape: parallel lists of tokens, their logprobs, top {token: logprob} and offsets."""
+        if items is None:
+            return None
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for x in items:
+            token = token_text(x.token)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(x.logprob)
+            out["top_logprobs"].append({token_text(t): lp for t, lp in x.top})
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(token)
+        return out
 
     def start(self, s: Started) -> list[str]:
         return []  # no role chunk in the completions API
+
+
+# ----------------------------------------------------------------------------------------------------------
+# logprobs and response_format
+
+TOP_LOGPROBS = Bound(0, MAX_TOP_LOGPROBS, integer=True)
+
+
+def parse_chat_logprobs(body: dict, job: Job) -> None:
+    """Chat `logprobs: true` and `top_logprobs: N` (0..20, only with logprobs) -> job.logprobs."""
+    wanted = boolean(body, "logprobs", False)
+    top = integer(body, "top_logprobs", None, TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise RequestError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    job.logprobs = (top or 0) if wanted else None
+
+
+def parse_response_format(parser: Parser, body: dict, job: Job) -> None:
+    """`response_format`: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}; the schema is compiled here, so one the grammar library rejects is a 400."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kinds = "'text', 'json_object' or 'json_schema'"
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise RequestError(400, f"'response_format' must be an object with a 'type': {kinds}", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return
+    if kind == "json_object":
+        job.json_object = True
+        return
+    if kind != "json_schema":
+        raise RequestError(400, f"'response_format.type' must be {kinds}, got {kind!r}", "response_format.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError(400, "'response_format.json_schema' must be an object with 'name' and 'schema'",
+                           "response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= 64 or not all(c.isascii() and (c.isalnum() or c in "_-")
+                                                                       for c in name):
+        raise RequestError(400, "'response_format.json_schema.name' must be 1-64 characters of a-z, A-Z, 0-9, _ "
+                           "and -", "response_format.json_schema.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):  # constrained either way
+        raise RequestError(400, "'response_format.json_schema.strict' must be true or false",
+                           "response_format.json_schema.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise RequestError(400, "'response_format.json_schema.schema' must be a JSON Schema object",
+                           "response_format.json_schema.schema")
+    try:
+        parser.engine.json_grammar(schema)
+    except HeteroError as e:
+        raise RequestError(400, str(e), "response_format.json_schema.schema") from None
+    job.json_schema = schema
+
+
+def token_text(b: bytes) -> str:
+    """A token's text as logprobs show it (a piece of a multi-byte character shows as U+FFFD; `bytes` has it all)."""
+    return b.decode("utf-8", errors="replace")
+
+
+def chat_logprob(x: TokenLogprobs) -> dict:
+    """One entry of a chat choice's `logprobs.content`."""
+    return {"token": token_text(x.token), "logprob": x.logprob, "bytes": list(x.token),
+            "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(t)} for t, lp in x.top]}

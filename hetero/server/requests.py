@@ -47,6 +47,9 @@ class Job:
     include_usage: bool = False
     mtp: bool | None = None
     ane_fraction: float | None = None  # 0: this request prefills GPU-only; None: as the server is configured
+    logprobs: int | None = None  # top alternatives per token (0: only the token's own); None: no logprobs
+    json_schema: dict | None = None  # constrain the output to JSON matching this schema
+    json_object: bool = False  # constrain the output to a JSON object
 
 
 # ----------------------------------------------------------------------------------------------------------

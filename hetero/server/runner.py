@@ -5,7 +5,8 @@ prefills through the ANE + GPU pipeline, whose GPU lane lends its turn to the ot
 computes its share (prompts arriving meanwhile prefill GPU-only). A client that disconnects cancels its job.
 
 A job yields, in order: `Started` (when its prefill begins), text pieces (stop strings already cut), then its
-`Outcome`. The API modules turn these into responses; they never touch the model.
+`Outcome`; a job that asked for logprobs also yields each token's `TokenLogprobs` just before that token's text.
+The API modules turn these into responses; they never touch the model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.requests import Request
 
 from hetero.engine import Engine
 from hetero.errors import HeteroError
+from hetero.logprobs import TokenLogprob
 from hetero.server.requests import Job
 from hetero.server.stops import StopMatcher
 from hetero.turns import LentTurns, Turns
@@ -37,6 +39,15 @@ class Started:
 
 
 @dataclass
+class TokenLogprobs:
+    """One generated token's raw bytes and logprob, and its top alternatives (bytes, logprob), most likely first."""
+
+    token: bytes
+    logprob: float
+    top: list[tuple[bytes, float]]
+
+
+@dataclass
 class Outcome:
     """What a finished job reports to its API's output shaper."""
 
@@ -44,6 +55,7 @@ class Outcome:
     stats: dict
     stop: str | None  # the stop string that ended it
     finish: str  # "stop" (EOS or a stop string) or "length"
+    logprobs: list[TokenLogprobs] | None = None  # every generated token's, when the job asked for them
 
     @property
     def usage(self) -> tuple[int, int, int]:
@@ -67,7 +79,8 @@ class Runner:
         self.cancelled = 0  # jobs stopped because their client went away
         self.split_prefills = 0
 
-    def run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event) -> Outcome:
+    def run(self, job: Job, emit: Callable[[str | Started | TokenLogprobs], None],
+            cancelled: threading.Event) -> Outcome:
         """In a worker thread: wait for a turn, generate, pass text through the stop matcher to `emit`."""
         ticket = object()
         self.turns.enter(ticket)
@@ -99,7 +112,8 @@ class Runner:
 
         return split_prefill
 
-    def _run(self, job: Job, emit: Callable[[str | Started], None], cancelled: threading.Event, ticket: object) -> Outcome:
+    def _run(self, job: Job, emit: Callable[[str | Started | TokenLogprobs], None], cancelled: threading.Event,
+             ticket: object) -> Outcome:
         if cancelled.is_set():
             raise Cancelled()
         matcher = StopMatcher(job.stops)
@@ -124,10 +138,12 @@ class Runner:
             self.turns.pass_turn(ticket)  # after every token
             return matcher.stopped is not None or cancelled.is_set()
 
+        logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
         result = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
             min_p=job.min_p, seed=job.seed, mtp=job.mtp, prefill_chunk=self.prefill_chunk, on_text=on_text, progress=progress,
             should_stop=should_stop, prefill_with=self._prefill_with(job, ticket),
+            **self._output_options(job, emit, logprobs),
         )
         if cancelled.is_set():
             raise Cancelled()  # cut short by the client, not finished
@@ -137,7 +153,23 @@ class Runner:
             emit(tail)
         finish = "stop" if matcher.stopped is not None else result.stats["finish_reason"]
         stats = {k: v for k, v in result.stats.items() if k != "model"}
-        return Outcome("".join(parts), stats, matcher.stopped, finish)
+        return Outcome("".join(parts), stats, matcher.stopped, finish, logprobs)
+
+    def _output_options(self, job: Job, emit: Callable[[TokenLogprobs], None],
+                        into: list[TokenLogprobs] | None) -> dict:
+        """engine.generate's logprobs and JSON-constraint arguments for `job`: each token's logprobs go to `emit`
+        (ahead of its text) and into `into`."""
+        options: dict = {"json_schema": job.json_schema, "json_object": job.json_object}
+        if into is not None:
+            token_bytes = self.engine.token_bytes
+
+            def on_logprob(x: TokenLogprob) -> None:
+                item = TokenLogprobs(token_bytes(x.token), x.logprob, [(token_bytes(t), lp) for t, lp in x.top])
+                into.append(item)
+                emit(item)
+
+            options.update(logprobs=job.logprobs, on_logprob=on_logprob)
+        return options
 
     async def complete(self, job: Job, request: Request) -> Outcome:
         """Run to the end; a client that disconnects meanwhile cancels the job."""
@@ -149,13 +181,13 @@ class Runner:
                 cancelled.set()
         return fut.result()
 
-    async def stream(self, job: Job) -> AsyncIterator[str | Started | Outcome]:
+    async def stream(self, job: Job) -> AsyncIterator[str | Started | TokenLogprobs | Outcome]:
         """Started, text pieces as they come, then the Outcome; closing the iterator (client gone) cancels the job."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
 
-        def emit(piece: str | Started) -> None:
+        def emit(piece: str | Started | TokenLogprobs) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, piece)
 
         fut = self.pool.submit(self.run, job, emit, cancelled)
@@ -163,7 +195,7 @@ class Runner:
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, (str, Started)):
+                if isinstance(item, (str, Started, TokenLogprobs)):
                     yield item
                     continue
                 yield item.result()
@@ -171,7 +203,8 @@ class Runner:
         finally:
             cancelled.set()
 
-    async def stream_started(self, job: Job, request: Request) -> AsyncIterator[str | Started | Outcome] | None:
+    async def stream_started(self, job: Job, request: Request
+                             ) -> AsyncIterator[str | Started | TokenLogprobs | Outcome] | None:
         """`stream(job)` once its first item is in, so that a job failing before it generates anything fails
         before the response's first byte (a 4xx/5xx, not a 200 that breaks off). None: the client went away."""
         items = self.stream(job)
@@ -184,7 +217,7 @@ class Runner:
                 return None
         head = first.result()  # the job's own exception, when it failed first
 
-        async def chained() -> AsyncIterator[str | Started | Outcome]:
+        async def chained() -> AsyncIterator[str | Started | TokenLogprobs | Outcome]:
             try:
                 yield head
                 async for item in items:
