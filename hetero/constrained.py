@@ -30,6 +30,9 @@ def grammar_tokenizer(tokenizer_json: Path, vocab_size: int, eos_ids: set[int]) 
     `vocab_size` is the model's (its embedding may have more rows than the tokenizer has tokens: those rows are
     never allowed); the smallest EOS id stands for all of them inside the matcher.
     """
+    if not eos_ids:
+        raise HeteroError("constrained decoding needs an EOS token id (config.json, generation_config.json or "
+                          "tokenizer_config.json name none)")
     try:
         return LLTokenizer(tokenizer_json.read_text(encoding="utf-8"), n_vocab=vocab_size, eos_token=min(eos_ids))
     except ValueError as e:
