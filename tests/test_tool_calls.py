@@ -235,6 +235,7 @@ def test_opens_reasoning():
     (False, "<think>\nmine\n</think>\n\nok", ("ok", "mine")),
     (False, "Just text, <think> later stays text", ("Just text, <think> later stays text", "")),
     (False, "<thinking is not the tag", ("<thinking is not the tag", "")),
+    (False, "\n  leading whitespace stays when nothing is split off", ("\n  leading whitespace stays when nothing is split off", "")),
 ])
 def test_reasoning_split_at_every_point(start_inside, text, expected):
     for cut in range(len(text) + 1):

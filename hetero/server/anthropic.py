@@ -2,16 +2,16 @@
 
 `parse_messages` reads a request into a Job (a new request option goes there, onto a Job field);
 `MessagesOutput` shapes its generation into a message, or into the stream of events the Anthropic SDK expects
-(message_start, content_block_start, ping, content_block_delta..., content_block_stop, message_delta,
-message_stop).
+(message_start, ping, then per block content_block_start, content_block_delta..., content_block_stop, then
+message_delta, message_stop).
 """
 
 from __future__ import annotations
 
 from hetero.server.common import Output, sse
-from hetero.server.requests import (ANTHROPIC_TEMPERATURE, Job, Parser, RequestError, content_text, messages, number,
-                                    stops)
+from hetero.server.requests import ANTHROPIC_TEMPERATURE, Job, Parser, RequestError, number, stops
 from hetero.server.runner import Outcome, Started
+from hetero.server.toolcalls import AnthropicBlocks, anthropic_chat, anthropic_content
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
 
@@ -26,11 +26,9 @@ def error_body(e: RequestError) -> dict:
 def parse_messages(parser: Parser, body: dict) -> Job:
     """A messages request -> its Job (`system` and the messages through the chat template; max_tokens required)."""
     parser.model(body)
-    msgs = messages(body, {"user", "assistant"})
-    system = body.get("system")
-    if system is not None:
-        msgs.insert(0, {"role": "system", "content": content_text(system, "system")})
-    job = parser.job(body, parser.chat(msgs), "max_tokens", required_max=True)
+    ids, reply = anthropic_chat(parser, body)
+    job = parser.job(body, ids, "max_tokens", required_max=True)
+    job.reply = reply
     job.temperature = number(body, "temperature", 0.0, ANTHROPIC_TEMPERATURE)
     job.stops = stops(body, "stop_sequences")
     return job
@@ -43,38 +41,45 @@ def usage(o: Outcome) -> dict:
             "cache_creation_input_tokens": 0}
 
 
-def stop_reason(o: Outcome) -> str:
-    return "stop_sequence" if o.stop is not None else ("end_turn" if o.finish == "stop" else "max_tokens")
+def stop_reason(o: Outcome, calls: int = 0) -> str:
+    if o.stop is not None:
+        return "stop_sequence"
+    return ("tool_use" if calls else "end_turn") if o.finish == "stop" else "max_tokens"
 
 
 class MessagesOutput(Output):
-    """A message with one text block, or its event stream."""
+    """A message (thinking, text and tool_use blocks), or its event stream (blocks open as their output comes)."""
 
     prefix, error_event = "msg_", "error"
     error_body = staticmethod(error_body)
+
+    def __init__(self, model: str, job: Job):
+        super().__init__(model, job)
+        self.replies = job.reply.parser()
+        self.blocks = AnthropicBlocks()
 
     def message(self, content: list[dict], stop: str | None, stop_sequence: str | None, use: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop, "stop_sequence": stop_sequence, "usage": use}
 
     def body(self, o: Outcome) -> dict:
-        return {**self.message([{"type": "text", "text": o.text}], stop_reason(o), o.stop, usage(o)), "hetero": o.stats}
+        reply = self.job.reply.parse(o.text)
+        return {**self.message(anthropic_content(reply), stop_reason(o, len(reply.tool_calls)), o.stop, usage(o)),
+                "hetero": o.stats}
 
     def start(self, s: Started) -> list[str]:
         cached = s.cached_tokens  # message_start waits for the restore to report cached tokens
         use = {"input_tokens": len(self.job.ids) - cached, "output_tokens": 0, "cache_read_input_tokens": cached,
                "cache_creation_input_tokens": 0}
         return [sse({"type": "message_start", "message": self.message([], None, None, use)}, "message_start"),
-                sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                    "content_block_start"),
                 sse({"type": "ping"}, "ping")]
 
     def text(self, piece: str) -> list[str]:
-        return [sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}},
-                    "content_block_delta")]
+        return [sse(e, e["type"]) for e in self.blocks.events(self.replies.feed(piece))]
 
     def finish(self, o: Outcome) -> list[str]:
-        return [sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-                sse({"type": "message_delta", "delta": {"stop_reason": stop_reason(o), "stop_sequence": o.stop},
-                     "usage": usage(o), "hetero": o.stats}, "message_delta"),
-                sse({"type": "message_stop"}, "message_stop")]
+        blocks = self.blocks.events(self.replies.finish()) + self.blocks.end()
+        delta = {"stop_reason": stop_reason(o, self.replies.calls), "stop_sequence": o.stop}
+        return [sse(e, e["type"]) for e in blocks] + [
+            sse({"type": "message_delta", "delta": delta, "usage": usage(o), "hetero": o.stats}, "message_delta"),
+            sse({"type": "message_stop"}, "message_stop")]

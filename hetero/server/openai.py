@@ -16,6 +16,8 @@ from hetero.server.requests import (
     Job, Parser, RequestError, boolean, integer, messages, one_choice, stops, stream_options,
 )
 from hetero.server.runner import Outcome, Started, TokenLogprobs
+from hetero.server.toolcalls import openai_chat, openai_deltas, openai_finish, openai_message
+from hetero.tools import Event, Reply
 from hetero.validate import Bound
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -31,12 +33,11 @@ def error_body(e: RequestError) -> dict:
 def parse_chat(parser: Parser, body: dict) -> Job:
     """A chat completions request -> its Job (the messages through the chat template)."""
     parser.model(body)
-    msgs = messages(body, CHAT_ROLES)
-    for m in msgs:
-        m["role"] = "system" if m["role"] == "developer" else m["role"]
+    messages(body, CHAT_ROLES)  # roles and content checked; the template gets toolcalls' conversion of them
     one_choice(body)
-    ids = parser.chat(msgs)
+    ids, reply = openai_chat(parser, body)
     job = parser.job(body, ids, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
+    job.reply = reply
     job.stops = stops(body, "stop")
     stream_options(body, job)
     parse_chat_logprobs(body, job)
@@ -78,9 +79,11 @@ class ChatOutput(Output):
         super().__init__(model, job)
         self.created = int(time.time())
         self.pending_logprobs: list[TokenLogprobs] = []  # streamed tokens whose text has not gone out yet
+        self.replies = job.reply.parser() if job.reply is not None else None  # a stream's reasoning / calls
+        self._parsed: Reply | None = None
 
     def choice(self, o: Outcome) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish,
+        return {"index": 0, "message": self.message(o), "finish_reason": self.finish_reason(o),
                 "logprobs": self.logprobs_field(o.logprobs)}
 
     def piece(self, text: str | None, finish: str | None = None) -> dict:
@@ -113,15 +116,40 @@ class ChatOutput(Output):
                                  "logprobs": None}]))]
 
     def text(self, piece: str) -> list[str]:
+        if self.replies is not None:
+            return self.reply_chunks(self.replies.feed(piece))
         return [sse(self.chunk([self.piece(piece)]))]
 
     def finish(self, o: Outcome) -> list[str]:
-        last = self.chunk([self.piece(None, o.finish)])
+        flushed = self.reply_chunks(self.replies.finish()) if self.replies is not None else []
+        last = self.chunk([self.piece(None, self.finish_reason(o))])
         last["hetero"] = o.stats
-        events = [sse(last)]
+        events = flushed + [sse(last)]
         if self.job.include_usage:
             events.append(sse({**self.chunk([]), "usage": usage(o)}))
         return events + [sse("[DONE]")]
+
+    # reasoning and tool calls (hetero.server.toolcalls): a chat job's reply is parsed, a completion's is not
+
+    def message(self, o: Outcome) -> dict:
+        if self.job.reply is None:
+            return {"role": "assistant", "content": o.text}
+        return openai_message(self.parsed(o))
+
+    def parsed(self, o: Outcome) -> Reply:
+        """The whole reply of a plain request (one Outcome per request: parsed once)."""
+        if self._parsed is None:
+            self._parsed = self.job.reply.parse(o.text)
+        return self._parsed
+
+    def finish_reason(self, o: Outcome) -> str:
+        if self.job.reply is None:
+            return o.finish
+        return openai_finish(o.finish, self.replies.calls if self.job.stream else len(self.parsed(o).tool_calls))
+
+    def reply_chunks(self, events: list[Event]) -> list[str]:
+        """A stream's parsed events as chunks (the pending logprobs ride on the first)."""
+        return [sse(self.chunk([{**self.piece(None), "delta": delta}])) for delta in openai_deltas(events)]
 
 
 class CompletionOutput(ChatOutput):

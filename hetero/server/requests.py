@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetero.engine import Engine
 from hetero.errors import HeteroError
@@ -50,6 +51,7 @@ class Job:
     logprobs: int | None = None  # top alternatives per token (0: only the token's own); None: no logprobs
     json_schema: dict | None = None  # constrain the output to JSON matching this schema
     json_object: bool = False  # constrain the output to a JSON object
+    reply: Any = None  # chat routes: a `hetero.server.toolcalls.ChatReply`, how the output splits into reasoning / text / calls
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def stops(body: dict, name: str) -> list[str]:
 
 
 def content_text(content, where: str) -> str:
-    """Message content (a string, or a list of parts / Anthropic blocks) -> plain text."""
+    """Message content (a string, or a list of text parts) -> plain text."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -115,29 +117,29 @@ def content_text(content, where: str) -> str:
             if not isinstance(part.get("text"), str):
                 raise RequestError(400, f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
             out.append(part["text"])
-        elif kind == "tool_result":  # Anthropic: the tool's output, as text
-            out.append(content_text(part.get("content"), f"{where}[{i}].content"))
-        elif kind == "tool_use":
-            out.append(json.dumps({"name": part.get("name"), "input": part.get("input")}))
         else:
             raise RequestError(400, f"'{where}[{i}].type' {kind!r} is not supported (text only)", f"{where}[{i}].type")
     return "".join(out)
 
 
-def messages(body: dict, roles: set[str]) -> list[dict]:
-    """The `messages` list as {role, content text} dicts, each role one of `roles`."""
+def message_list(body: dict, roles: set[str]) -> list[dict]:
+    """The `messages` list: non-empty, each an object whose role is one of `roles`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError(400, "'messages' must be a non-empty list", "messages")
-    out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise RequestError(400, f"'messages[{i}]' must be an object", f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or role not in roles:
             raise RequestError(400, f"'messages[{i}].role' must be one of {sorted(roles)}, got {role!r}", f"messages[{i}].role")
-        out.append({"role": role, "content": content_text(m.get("content"), f"messages[{i}].content")})
-    return out
+    return msgs
+
+
+def messages(body: dict, roles: set[str]) -> list[dict]:
+    """The `messages` list as {role, content text} dicts, each role one of `roles`."""
+    return [{"role": m["role"], "content": content_text(m.get("content"), f"messages[{i}].content")}
+            for i, m in enumerate(message_list(body, roles))]
 
 
 def stream_options(body: dict, job: Job) -> None:
@@ -238,14 +240,6 @@ class Parser:
         except HeteroError as e:
             code = "context_length_exceeded" if "context window" in str(e) else None
             raise RequestError(400, str(e), param, code) from None
-
-    def chat(self, msgs: list[dict]) -> list[int]:
-        """Chat messages through the checkpoint's template -> prompt token ids."""
-        try:
-            prompt = self.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-        except HeteroError as e:
-            raise RequestError(400, str(e), "messages") from None
-        return self.encode(prompt, "messages")
 
     def job(self, body: dict, ids: list[int], max_name: str, required_max: bool = False) -> Job:
         """The Job for `ids` with the fields both APIs share (max tokens, sampling, seed, stream, extensions).

@@ -4,7 +4,8 @@ Qwen3.5 / Qwen3.6 templates open the think block in the prompt (the generation p
 generation starts inside reasoning; with `enable_thinking=False` they close it there (`<think>\\n\\n</think>\\n\\n`)
 and generation starts in the answer. Earlier templates leave it to the model to write `<think>` first.
 `opens_reasoning(prompt)` tells the cases apart from the rendered prompt. The newlines the template puts
-inside the tags and after `</think>` are dropped; an output that ends before `</think>` is all reasoning.
+inside the tags and after `</think>` are dropped; an output without a think block comes through unchanged; an
+output that ends before `</think>` is all reasoning.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class ReasoningSplitter:
     def __init__(self, in_reasoning: bool = False) -> None:
         self._state = "reasoning" if in_reasoning else "start"  # start: the output may still open <think>
         self._buf = ""
-        self._strip = True  # drop leading whitespace of the next reasoning / answer text
+        self._strip = in_reasoning  # drop leading whitespace of the next reasoning / answer text (inside the tags)
 
     def feed(self, piece: str) -> list[Event]:
         self._buf += piece
@@ -48,7 +49,7 @@ class ReasoningSplitter:
             if self._state == "start":
                 head = self._buf.lstrip()
                 if head.startswith(OPEN):
-                    self._buf, self._state = head[len(OPEN) :], "reasoning"
+                    self._buf, self._state, self._strip = head[len(OPEN) :], "reasoning", True
                     continue
                 if not final and OPEN.startswith(head):  # empty or a partial <think>: wait
                     return out

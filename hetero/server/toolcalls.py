@@ -1,0 +1,232 @@
+"""Tool calls and reasoning in both chat APIs, between the requests and `hetero.tools`.
+
+Request side: the messages (assistant calls, tool results, reasoning), `tools`, `tool_choice` and the template
+switches (OpenAI `chat_template_kwargs`, Anthropic `thinking` -> `enable_thinking`) go through the checkpoint's
+chat template; a forced tool_choice appends the start of a call to the prompt (`hetero.tools.choice`). Reply
+side: the generated text is split into reasoning, answer text and tool calls, for a whole reply or piece by
+piece for a stream. Without a think block or calls in the output, the reply is the generated text unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.errors import HeteroError
+from hetero.server.requests import Parser, RequestError, boolean, message_list
+from hetero.tools import (
+    CallArgs, CallEnd, CallStart, Event, Reasoning, Reply, ReplyParser, Text, anthropic_messages, anthropic_tools,
+    forced_prefix, normalize_choice, openai_messages, openai_tools,
+)
+
+
+@dataclass
+class ChatReply:
+    """How a chat job's output is parsed: what the template was given and what was forced after the prompt."""
+
+    prompt: str  # the rendered prompt (it tells whether generation starts inside a think block)
+    tools: list[dict] | None = None  # the tools the template saw, in its form
+    forced: str = ""  # text appended to the prompt by tool_choice; the parser reads it as the reply's start
+    parallel: bool = True  # False: only the first call is kept
+
+    def parser(self) -> "ReplyStream":
+        return ReplyStream(self)
+
+    def parse(self, text: str) -> Reply:
+        """The whole reply."""
+        stream = self.parser()
+        return Reply().add(stream.feed(text) + stream.finish())
+
+
+class ReplyStream:
+    """The generated text, piece by piece -> events (a call beyond the first is dropped unless parallel)."""
+
+    def __init__(self, reply: ChatReply):
+        self.reply = reply
+        self._parser = ReplyParser(reply.prompt, reply.tools, parse_calls=bool(reply.tools))
+        self._pending = self._parser.feed(reply.forced) if reply.forced else []
+        self.calls = 0
+
+    def feed(self, piece: str) -> list[Event]:
+        return self._keep(self._parser.feed(piece))
+
+    def finish(self) -> list[Event]:
+        return self._keep(self._parser.finish())
+
+    def _keep(self, events: list[Event]) -> list[Event]:
+        events, self._pending = self._pending + events, []
+        out = []
+        for e in events:
+            if isinstance(e, (CallStart, CallArgs, CallEnd)) and e.index > 0 and not self.reply.parallel:
+                continue
+            self.calls += isinstance(e, CallEnd)
+            out.append(e)
+        return out
+
+
+def _tools_or_400(convert, tools: Any) -> list[dict] | None:
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError(400, "'tools' must be a list", "tools")
+    try:
+        return convert(tools)
+    except HeteroError as e:
+        raise RequestError(400, str(e), "tools") from None
+
+
+def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: Any, template_kwargs: dict,
+           parallel: bool) -> tuple[list[int], ChatReply]:
+    """Template messages and tools -> the prompt's token ids and how to parse the reply."""
+    tokenizer = parser.engine.tokenizer
+    try:
+        mode = normalize_choice(choice, tools)
+    except HeteroError as e:
+        raise RequestError(400, str(e), "tool_choice") from None
+    shown = tools if mode not in (None, "none") else None
+    try:
+        prompt = tokenizer.apply_chat_template(msgs, tools=shown, add_generation_prompt=True, **template_kwargs)
+    except HeteroError as e:
+        raise RequestError(400, str(e), "messages") from None
+    forced = forced_prefix(mode, prompt, tokenizer.chat_template)
+    return parser.encode(prompt + forced, "messages"), ChatReply(prompt, shown, forced, parallel)
+
+
+def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
+    """An OpenAI chat request's messages, tools, tool_choice, parallel_tool_calls and chat_template_kwargs."""
+    try:
+        msgs = openai_messages(body["messages"])
+    except HeteroError as e:
+        raise RequestError(400, str(e), "messages") from None
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise RequestError(400, "'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
+    tools = _tools_or_400(openai_tools, body.get("tools"))
+    parallel = bool(boolean(body, "parallel_tool_calls", True))
+    return render(parser, msgs, tools, body.get("tool_choice"), kwargs, parallel)
+
+
+def anthropic_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
+    """An Anthropic messages request's system, messages, tools, tool_choice and thinking.
+
+    `thinking: {"type": "enabled"}` / `{"type": "disabled"}` set the template's enable_thinking; without it the
+    checkpoint's own default holds (Qwen3.5 / 3.6 think by default)."""
+    try:
+        msgs = anthropic_messages(message_list(body, {"user", "assistant"}), body.get("system"))
+    except HeteroError as e:
+        raise RequestError(400, str(e), "system" if str(e).startswith("system") else "messages") from None
+    kwargs = {}
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+            raise RequestError(400, "'thinking' must be {\"type\": \"enabled\" | \"disabled\", ...}", "thinking")
+        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+    tools = _tools_or_400(anthropic_tools, body.get("tools"))
+    choice = body.get("tool_choice")
+    parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
+    return render(parser, msgs, tools, choice, kwargs, parallel)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# OpenAI shapes
+
+
+def openai_message(reply: Reply) -> dict:
+    """A chat completion's `message`: content (None beside calls when empty), reasoning_content, tool_calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.tool_calls else "")}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments_json}} for c in reply.tool_calls]
+    return message
+
+
+def openai_finish(finish: str, calls: int) -> str:
+    """`tool_calls` when the model ended its turn with calls."""
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def openai_deltas(events: list[Event]) -> list[dict]:
+    """Stream events -> chat.completion.chunk deltas."""
+    out = []
+    for e in events:
+        if isinstance(e, Text):
+            out.append({"content": e.text})
+        elif isinstance(e, Reasoning):
+            out.append({"reasoning_content": e.text})
+        elif isinstance(e, CallStart):
+            out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                        "function": {"name": e.name, "arguments": ""}}]})
+        elif isinstance(e, CallArgs):
+            out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.delta}}]})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Anthropic shapes
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id style for the same call."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def anthropic_content(reply: Reply) -> list[dict]:
+    """A message's content blocks: thinking, text (also when the reply is empty), tool_use."""
+    blocks: list[dict] = []
+    if reply.reasoning:
+        blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.content or not reply.tool_calls:
+        blocks.append({"type": "text", "text": reply.content})
+    blocks += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": c.arguments}
+               for c in reply.tool_calls]
+    return blocks
+
+
+class AnthropicBlocks:
+    """Stream events -> content_block_start / _delta / _stop dicts, one block per kind of output, in order."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "thinking", "text", or the call index of an open tool_use block
+
+    def _switch(self, kind: str, block: dict) -> list[dict]:
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def _delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def events(self, events: list[Event]) -> list[dict]:
+        out: list[dict] = []
+        for e in events:
+            if isinstance(e, Reasoning):
+                if self.open != "thinking":
+                    out += self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+            elif isinstance(e, Text):
+                if self.open != "text":
+                    out += self._switch("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": e.text}))
+            elif isinstance(e, CallStart):
+                out += self._switch(f"call {e.index}", {"type": "tool_use", "id": tool_use_id(e.id), "name": e.name,
+                                                        "input": {}})
+            elif isinstance(e, CallArgs):
+                out.append(self._delta({"type": "input_json_delta", "partial_json": e.delta}))
+            elif isinstance(e, CallEnd):
+                out += self.close()
+        return out
+
+    def end(self) -> list[dict]:
+        """Close the last block; a reply with none gets one empty text block."""
+        if self.index < 0:
+            return self._switch("text", {"type": "text", "text": ""}) + self.close()
+        return self.close()
