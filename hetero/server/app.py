@@ -23,6 +23,7 @@ from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure
 from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser, RequestError
 from hetero.server.runner import Runner
+from hetero.turns import DECODE_SHARE
 
 log = logging.getLogger("hetero.server")
 access = logging.getLogger("hetero.access")
@@ -33,17 +34,19 @@ DEFAULT_MAX_BODY_MB = 32.0  # a 256K-token transcript is ~1 MB of text; 32 MB le
 def create_app(
     engine: Engine, api_key: str | None = None, model_names: set[str] | None = None, split=None, max_concurrent: int = 4,
     prefill_chunk: int = 512, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    decode_share: float = DECODE_SHARE,
 ) -> Starlette:
     """The ASGI app serving `engine`; with `api_key`, /v1 routes need `Authorization: Bearer KEY` or `x-api-key`.
 
     `split` (a `hetero.pipeline.PipelineRun`) prefills prompts through the ANE + GPU pipeline; up to
     `max_concurrent` requests generate at once, taking turns on the model. An OpenAI request without
-    `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413.
+    `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413. While some requests decode,
+    a prompt prefills in `1 - decode_share` of the model's time (`hetero.turns`).
     """
     if not max_body_mb > 0:
         raise HeteroError(f"--max-body-mb must be positive, got {max_body_mb}")
     names = model_names or {engine.name}
-    runner = Runner(engine, split, max_concurrent, prefill_chunk)
+    runner = Runner(engine, split, max_concurrent, prefill_chunk, decode_share)
     parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, default_max_tokens)
     state = State(engine, runner, parser, names, api_key, int(max_body_mb * 2**20))
 
@@ -122,6 +125,7 @@ def serve(
     max_concurrent: int = 4,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    decode_share: float = DECODE_SHARE,
 ) -> None:
     """Load the model, attach the RAM prefix cache (and the disk session cache), and serve until interrupted.
 
@@ -156,7 +160,8 @@ def serve(
                     split = configure(engine, float(ane_fraction), prefill_chunk)
                 except ValueError:
                     raise HeteroError(f"--ane-fraction {ane_fraction!r}: give a number in [0, 1] or 'auto'") from None
-        app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk, default_max_tokens, max_body_mb)
+        app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk, default_max_tokens, max_body_mb,
+                         decode_share)
     except BaseException:
         sock.close()
         raise

@@ -24,7 +24,7 @@ from hetero.errors import HeteroError
 from hetero.logprobs import TokenLogprob
 from hetero.server.requests import Job
 from hetero.server.stops import StopMatcher
-from hetero.turns import LentTurns, Turns
+from hetero.turns import DECODE_SHARE, LentTurns, Turns
 
 
 class Cancelled(Exception):
@@ -65,15 +65,17 @@ class Outcome:
 
 
 class Runner:
-    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking round-robin turns on the model."""
+    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking turns on the model; while some
+    decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.turns`)."""
 
-    def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512):
+    def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512,
+                 decode_share: float = DECODE_SHARE):
         if max_concurrent < 1:
             raise HeteroError(f"--max-concurrent must be at least 1, got {max_concurrent}")
         self.engine, self.split = engine, split  # split: a configured `hetero.pipeline.PipelineRun` or None
         self.prefill_chunk = prefill_chunk
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="hetero-gen")
-        self.turns = Turns()
+        self.turns = Turns(decode_share)
         self._split_free = threading.Lock()  # one prompt at a time goes through the ANE + GPU split
         self.finished = 0
         self.cancelled = 0  # jobs stopped because their client went away
@@ -132,7 +134,7 @@ class Runner:
                 emit(Started(len(job.ids) - total))
             if cancelled.is_set():
                 raise Cancelled()
-            self.turns.pass_turn(ticket)  # after every prefill chunk
+            self.turns.pass_turn(ticket, prefilling=True)  # after every prefill chunk
 
         def should_stop() -> bool:
             self.turns.pass_turn(ticket)  # after every token
