@@ -6,7 +6,8 @@
 
 Part 1 (bundled model, greedy, code-like prompts from the standard library): decode tok/s with MTP at depths
 1..4 and with --no-mtp, alternating, median of the repeats; acceptance by depth and mean accepted length; and
-acceptance against context length (prompts of ~1K, 4K and 8K tokens).
+acceptance against context length (prompts of ~1K, 4K and 8K tokens). Every depth's greedy output must equal plain
+decoding's on every prompt, or the run exits with status 1 after writing its results.
 Part 2 (large random model, where a decode step reads ~1 GB of weights): the cost of one verify pass over k+1
 tokens and of one draft step, each relative to a plain decode step; then tokens/s when drafts are accepted at
 forced per-depth rates (a benchmark-only mode that decides acceptance by coin flips and discards the output)
@@ -54,11 +55,13 @@ def bundled_part(args: argparse.Namespace) -> dict:
     prompts = code_prompts(engine, args.prompts, 256)
     settings = ["plain"] + [f"depth {d}" for d in (1, 2, 3, 4)]
 
+    outputs: dict[tuple[int, str], list[int]] = {}
+
     def run(setting: str, prompt: list[int]) -> dict:
         depth = None if setting == "plain" else int(setting.split()[1])
-        return engine.generate(
-            prompt, max_tokens=args.tokens, mtp=depth is not None, draft_depth=depth, copy=False
-        ).stats
+        result = engine.generate(prompt, max_tokens=args.tokens, mtp=depth is not None, draft_depth=depth, copy=False)
+        outputs[(id(prompt), setting)] = result.tokens
+        return result.stats
 
     run("plain", prompts[0]), run("depth 3", prompts[0])  # warm-up
     samples: dict[str, list[dict]] = {s: [] for s in settings}
@@ -66,6 +69,7 @@ def bundled_part(args: argparse.Namespace) -> dict:
         for prompt in prompts:
             for s in settings:  # alternate the contenders on the same prompt
                 samples[s].append(run(s, prompt))
+    differ = sorted({s for (p, s), toks in outputs.items() if toks != outputs[(p, "plain")]})
     rows = {}
     plain_tps = statistics.median(r["decode_tps"] for r in samples["plain"])
     for s in settings:
@@ -93,7 +97,8 @@ def bundled_part(args: argparse.Namespace) -> dict:
             "mean_accepted_length": statistics.mean(m["mean_accepted_length"] for m in accepted),
         }
         print(f"bundled context {length:5d}: accepted length {by_context[length]['mean_accepted_length']:.2f}", flush=True)
-    return {"settings": rows, "acceptance_vs_context": by_context, "prompt_tokens": 256, "decode_tokens": args.tokens}
+    return {"settings": rows, "acceptance_vs_context": by_context, "prompt_tokens": 256, "decode_tokens": args.tokens,
+            "greedy_identical_to_plain": not differ, "differing_settings": differ}
 
 
 def forced_tps(decoder: Decoder, sampler: Sampler, depth: int, rates: tuple[float, ...], rounds: int, rng) -> float:
@@ -245,6 +250,8 @@ def main() -> None:
     result["plots"] = plot(result, out.parent)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} and {', '.join(result['plots'])}")
+    if "bundled" in result and not result["bundled"]["greedy_identical_to_plain"]:  # a speed of wrong output is no result
+        sys.exit(f"FAILED: greedy output differs from plain decoding at {', '.join(result['bundled']['differing_settings'])}")
 
 
 if __name__ == "__main__":
