@@ -269,9 +269,7 @@ def test_openai_messages():
     assert openai_messages(messages) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "weather please"},
-        {"role": "assistant", "content": "", "reasoning_content": "look it up",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
+        {**call_message(WEATHER_ARGS, "call_1"), "reasoning_content": "look it up"},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
     ]
     with pytest.raises(HeteroError, match="not valid JSON"):
@@ -296,9 +294,7 @@ def test_anthropic_messages():
     assert anthropic_messages(messages, system=[{"type": "text", "text": "Be brief."}]) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "use the tool",
-         "tool_calls": [{"id": "toolu_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
+        {**call_message(WEATHER_ARGS, "toolu_1"), "content": "Checking.", "reasoning_content": "use the tool"},
         {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"},
         {"role": "tool", "content": "Error: boom", "tool_call_id": "toolu_2"},
         {"role": "user", "content": "and tomorrow?"},
