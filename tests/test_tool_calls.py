@@ -328,12 +328,13 @@ def test_tool_choice():
     thinking = render([{"role": "user", "content": "hi"}])
     assert call_form(TEMPLATE) == "xml" and call_form("{{ '<tool_call>' }}") == "json"
     assert forced_prefix("auto", thinking, TEMPLATE) == ""
-    assert forced_prefix("get_weather", thinking, TEMPLATE) == "\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+    assert forced_prefix("get_weather", thinking, TEMPLATE) == "\n</think>\n\n<tool_call>\n<function=get_weather"
     assert forced_prefix("required", "x<think>\n\n</think>\n\n", TEMPLATE) == "<tool_call>\n<function="
-    assert forced_prefix("g", "", None) == '<tool_call>\n{"name": "g", "arguments": '
+    assert forced_prefix("g", "", None) == '<tool_call>\n{"name": "g", "arguments":'
+    assert forced_prefix("required", "", None) == '<tool_call>\n{"name":'
     # the prefix is parsed as part of the reply: a forced call's text completes to a call
     prefix = forced_prefix("get_weather", thinking, TEMPLATE)
-    rest = "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    rest = ">\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
     reply = parse_reply(prefix + rest, thinking, TOOLS)
     assert reply.reasoning == "" and [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", WEATHER_ARGS)]
 

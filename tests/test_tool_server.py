@@ -119,14 +119,20 @@ def test_openai_template_switches_reach_the_template(oai, model):
     assert prompt_tokens(tool_choice="none") < thinking  # no tools block in the system prompt
 
 
-def test_openai_tool_choice(oai, model):
+def test_tool_choice(oai, claude, model):
     none = oai.chat.completions.create(model=model, messages=WEATHER, tools=TOOLS, tool_choice="none", max_tokens=16)
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason != "tool_calls"
     named = {"type": "function", "function": {"name": NAME}}
     forced = oai.chat.completions.create(model=model, messages=MATH, tools=TOOLS, tool_choice=named, max_tokens=48)
-    message = forced.choices[0].message
-    # the model had to start the call (whatever it then writes): it is a call, or text that starts the call's body
-    assert (message.tool_calls and message.tool_calls[0].function.name == NAME) or message.content is not None
+    (call,) = forced.choices[0].message.tool_calls  # the arithmetic question, answered with the forced call
+    assert call.function.name == NAME and forced.choices[0].finish_reason == "tool_calls"
+    required = oai.chat.completions.create(model=model, messages=MATH, tools=TOOLS, tool_choice="required",
+                                           max_tokens=48)
+    assert [c.function.name for c in required.choices[0].message.tool_calls] == [NAME]
+    with claude.messages.stream(model=model, messages=MATH, tools=ANTHROPIC_TOOLS, max_tokens=48,
+                                tool_choice={"type": "tool", "name": NAME}) as stream:
+        message = stream.get_final_message()
+    assert [(b.type, b.name) for b in message.content] == [("tool_use", NAME)] and message.stop_reason == "tool_use"
 
 
 def test_a_call_cut_off_by_max_tokens_comes_back_as_text(oai, model):

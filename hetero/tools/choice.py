@@ -3,12 +3,15 @@
 `none` renders no tools (the model cannot see them). `required` and a named function are enforced by
 appending the start of a call to the generation prompt, in the template's own call form:
 
-    XML form (Qwen3.5 / 3.6):  <tool_call>\\n<function=NAME>\\n     (required: <tool_call>\\n<function=)
-    JSON form (Qwen2.5 / 3):   <tool_call>\\n{"name": "NAME", "arguments":    (required: ...{"name": ")
+    XML form (Qwen3.5 / 3.6):  <tool_call>\\n<function=NAME          (required: <tool_call>\\n<function=)
+    JSON form (Qwen2.5 / 3):   <tool_call>\\n{"name": "NAME", "arguments":    (required: <tool_call>\\n{"name":)
 
-so the model can only go on with that call. When the prompt leaves a think block open, the prefix closes it
-first (an empty block, as the template writes with enable_thinking=False): a forced call skips reasoning.
-The caller feeds the prefix to the ReplyParser before the model's text, as if the model had written it.
+so the model can only go on with that call. The prefix stops before the `>\\n` or the space that follows, where
+the model's own tokens break: a prefix ending inside what the tokenizer writes as one token leaves the model a
+token sequence it never saw, and it wanders off (measured on the test tool model: `...<function=NAME>\\n` failed,
+`...<function=NAME` gives the call). When the prompt leaves a think block open, the prefix closes it first (an
+empty block, as the template writes with enable_thinking=False): a forced call skips reasoning. The caller feeds
+the prefix to the ReplyParser before the model's text, as if the model had written it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def forced_prefix(choice: str | None, prompt: str, template: str | None) -> str:
         return ""
     named = choice != "required"
     if call_form(template) == "xml":
-        call = "<tool_call>\n<function=" + (f"{choice}>\n" if named else "")
+        call = "<tool_call>\n<function=" + (choice if named else "")
     else:
-        call = "<tool_call>\n" + ('{"name": ' + json.dumps(choice) + ', "arguments": ' if named else '{"name": "')
+        call = '<tool_call>\n{"name":' + (" " + json.dumps(choice) + ', "arguments":' if named else "")
     return ("\n" + CLOSE + "\n\n" if opens_reasoning(prompt) else "") + call
