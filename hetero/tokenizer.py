@@ -157,7 +157,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None, **kwargs: Any) -> str:
-        """Render `messages` to a prompt string with the model's Jinja chat template, as transformers would."""
+        """Render `messages` to a prompt string with the model's Jinja chat template, as transformers would.
+
+        `tools` (function definitions, as `hetero.tools.openai_tools` writes them) and keyword arguments (e.g.
+        `enable_thinking=False`, `preserve_thinking=True`) reach the template as its variables.
+        """
         if not self.chat_template:
             raise HeteroError(f"{self._source} has no chat template; run without --chat or add chat_template.jinja")
         if self._template is None:

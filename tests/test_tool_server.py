@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
 from test_server import LiveServer
