@@ -145,7 +145,7 @@ def main() -> None:
     reexec_with_fast_blas()
     home = tempfile.mkdtemp(prefix="hetero-mixed-")
     os.environ["HETERO_HOME"] = home
-    from hetero.profiles.measure import Sizes, measure
+    from hetero.measure import Sizes, measure
     from hetero.settings import save_device_profile
 
     import bench.ttft as T

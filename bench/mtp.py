@@ -35,7 +35,7 @@ from converters.tokenizer_train import load_corpus  # noqa: E402
 from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.engine import Engine, load  # noqa: E402
 from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
-from hetero.profiles.measure import median_seconds  # noqa: E402
+from hetero.measure import median_seconds  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
 from hetero.speculative import Decoder, start  # noqa: E402
 

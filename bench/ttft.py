@@ -223,9 +223,9 @@ def main() -> None:
     reexec_with_fast_blas()
     os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-ttft-")  # exports and profile kept apart
 
+    from hetero.measure import Sizes, measure
     from hetero.planner import OFFLOADABLE, make_plan, recommend
     from hetero.profiles import Profile
-    from hetero.profiles.measure import Sizes, measure
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from hetero import __version__
 from hetero.errors import HeteroError, internal_error
 from hetero.validate import (
     FRACTION, MIN_P, NONNEG, PORT, POSITIVE, POSITIVE_INT, SEED, TEMPERATURE, TOP_K, TOP_P, Bound, check_config,
-    check_text, decode_utf8,
+    check_text, decode_utf8, fraction_or_auto,
 )
 
 
@@ -35,13 +35,6 @@ class DefaultsFormatter(argparse.HelpFormatter):
         if "default" in text or action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
             return text  # flags are off unless given; None defaults are explained in the help itself
         return f"{text} (default: %(default)s)"
-
-
-def fraction_or_auto(text: str) -> str:
-    """argparse type for --ane-fraction: a number in [0, 1] or 'auto' (kept as given; the pipeline parses it)."""
-    if text != "auto":
-        FRACTION(text)
-    return text
 
 
 def token_counts(text: str) -> str:
@@ -254,16 +247,9 @@ def _split_run(engine, args: argparse.Namespace):
             if getattr(args, flag):
                 raise HeteroError(f"--{flag} needs --ane-fraction F (the split to check or trace)")
         return None
-    from hetero.pipeline import Trace, auto_fraction, configure
+    from hetero.pipeline import Trace, split_for
 
-    if args.ane_fraction == "auto":
-        split = auto_fraction(engine, args.prefill_chunk)
-    else:
-        try:
-            fraction = float(args.ane_fraction)
-        except ValueError:
-            raise HeteroError(f"--ane-fraction {args.ane_fraction!r}: give a number in [0, 1] or 'auto'") from None
-        split = configure(engine, fraction, args.prefill_chunk)
+    split = split_for(engine, args.ane_fraction, args.prefill_chunk)
     if args.trace:
         split.trace = Trace()
     if args.verify and not 1 <= args.verify_tokens:
@@ -287,7 +273,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.devices:
         from hetero.planner import read_model_config
-        from hetero.profiles.measure import Sizes, measure
+        from hetero.measure import Sizes, measure
         from hetero.settings import save_device_profile
 
         # with --model, at that model's shapes (rates depend on the sizes they are measured at)

@@ -1,12 +1,12 @@
 """The Core ML export of the ANE's share of prefill: `.mlpackage` programs plus `manifest.json`.
 
-The pipeline exports on first use (`hetero.pipeline.programs.ensure_export`); `hetero convert --coreml` exports
-into a directory and lints it. For a fraction F the planner (`hetero.planner.ane_slices`) picks, per layer, the
-slice of each offloadable piece (shared/DESIGN.md section 4); each slice becomes one or more programs (split so
-that none carries more than the planner's PROGRAM_WEIGHT_BUDGET bytes of weights), written next to a manifest
-that records the model's identity and weight hashes, the plan, every program's shapes, the chunk size, the
-context buckets and the coremltools version. A re-run reuses every package whose key (weights hash + shape +
-builder version) is unchanged.
+`export_plan` exports a `Plan` (hetero.planner): per layer, the slice of each offloadable piece the plan gives
+the ANE (shared/DESIGN.md section 4), each as the programs the plan cuts it into (none carrying more than the
+plan's `program_budget` bytes of weights), written next to a manifest that records the model's identity and
+weight hashes, the plan's slices, every program's shapes, the chunk size, the context buckets and the coremltools
+version. The pipeline exports its split's plan on first use (`hetero.pipeline.programs.ensure_export`);
+`hetero convert --coreml` plans a fraction for a checkpoint (`export_coreml`), exports it into a directory and
+lints it. A re-run reuses every package whose key (weights hash + shape + builder version) is unchanged.
 """
 
 from __future__ import annotations
@@ -25,29 +25,14 @@ import numpy as np
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
-from hetero.planner import OFFLOADABLE, PROGRAM_WEIGHT_BUDGET, PieceSlice, ane_slices
-from hetero.planner.slices import ANE_WEIGHT_BYTES, budget_spans, pieces
+from hetero.planner import OFFLOADABLE, PieceSlice, Plan, make_plan
+from hetero.profiles import default_profile_name, load_profile
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2  # 2: the GDN piece is named gdn_in_proj (format 1 exports are re-exported, not misread)
 BUILDER_VERSION = 1  # bump when a builder's graph changes: invalidates reuse of packages built before
 DEFAULT_CHUNK = 256
 DEFAULT_CONTEXT = 4096
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Slices (the planner decides them) cut to the per-program weight budget
-
-
-def unit_bytes(args: ModelArgs, piece: str) -> int:
-    """fp16 weight bytes one unit of a piece carries (one KV head's group, one channel, one z row)."""
-    return next(p.ane_unit_params for p in pieces(args, None, 0.0) if p.kind == piece) * ANE_WEIGHT_BYTES
-
-
-def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[PieceSlice]:
-    """A slice cut into consecutive parts of at most `budget` weight bytes (channel parts in multiples of 64)."""
-    spans = budget_spans(s.piece, s.stop - s.start, unit_bytes(args, s.piece), budget)
-    return [PieceSlice(s.layer, s.piece, s.start + a, s.start + b) for a, b in spans]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -184,26 +169,46 @@ def export_coreml(
     fraction: float,
     chunk: int = DEFAULT_CHUNK,
     contexts: list[int] | None = None,
-    budget: int = PROGRAM_WEIGHT_BUDGET,
+    budget: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     kinds: tuple[str, ...] = OFFLOADABLE,
-    loaded: tuple | None = None,
 ) -> dict:
-    """Export the ANE share of `model` for `fraction` into `out`; returns the manifest (also written there).
-
-    `kinds` limits the export to some piece kinds (e.g. only "attention"). `loaded` = (model, path, config) of
-    an already loaded checkpoint: its weights are exported as they are in memory, the files are not read again.
-    Packages whose key matches the existing manifest's entry are reused; packages no longer in the plan are
-    removed.
-    """
-    from coreml_graphs.package import save_program  # first: quiets coremltools' import warnings off macOS
+    """`hetero convert --coreml`: load `model`, plan `fraction` of the piece kinds in `kinds` for prefill chunks of
+    `chunk` tokens (with the profile a split is planned with; `budget` overrides its weight bytes per program) and
+    export that plan into `out` (`export_plan`); returns the manifest."""
     from hetero.loader import load_model
-
-    import coremltools as ct
 
     contexts = sorted(set(contexts or [DEFAULT_CONTEXT]))
     check_shapes(chunk, contexts)
-    net, path, config = loaded or load_model(model)  # its own dtype: slices are widened to fp32 one at a time
+    loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
+    net, _, config = loaded
+    context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
+    plan = make_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
+                     budget=budget)
+    return export_plan(plan, loaded, out, contexts, progress)
+
+
+def export_plan(
+    plan: Plan,
+    loaded: tuple,
+    out: str | os.PathLike,
+    contexts: list[int],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Export the ANE's share of `plan` into `out`: each of its slices as the programs it cuts them into, attention
+    for every context bucket in `contexts`; returns the manifest (also written there).
+
+    `loaded` = (model, path, config) of the checkpoint the plan is for: its weights are exported as they are in
+    memory. Packages whose key matches the existing manifest's entry are reused; packages no longer in the plan
+    are removed.
+    """
+    from coreml_graphs.package import save_program  # first: quiets coremltools' import warnings off macOS
+
+    import coremltools as ct
+
+    contexts = sorted(set(contexts))
+    check_shapes(plan.chunk, contexts)
+    net, path, config = loaded
     args = net.args
     if args.attention_bias:
         raise HeteroError("Core ML export does not support attention biases (attention_bias: true in config.json)")
@@ -216,15 +221,14 @@ def export_coreml(
 
     if args.num_experts:
         raise HeteroError("Core ML export covers dense-MLP models only; this checkpoint has mixture-of-experts layers")
-    plan = [s for s in ane_slices(args, fraction) if s.piece in kinds]
     jobs = []  # (slice, part index, part slice, context or None)
-    for s in plan:
-        for part, piece in enumerate(split_for_budget(args, s, budget)):
+    for s in plan.slices:
+        for part, piece in enumerate(plan.program_parts(s)):
             for ctx in contexts if s.piece == "attention" else [None]:
                 jobs.append((s, part, piece, ctx))
     programs = []
     for n, (s, part, piece, ctx) in enumerate(jobs):
-        shape, weights, build = build_piece(args, net, piece, chunk, ctx or chunk)
+        shape, weights, build = build_piece(args, net, piece, plan.chunk, ctx or plan.chunk)
         digest = weights_sha256(weights)
         key = hashlib.sha256(
             json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(shape), digest]).encode()
@@ -261,11 +265,11 @@ def export_coreml(
         "model": model_identity(path, config, args),
         "coremltools": ct.__version__,
         "builder_version": BUILDER_VERSION,
-        "ane_fraction": fraction,
-        "chunk_size": chunk,
+        "ane_fraction": plan.sliced_fraction,
+        "chunk_size": plan.chunk,
         "context_buckets": contexts,
-        "weight_budget_bytes": budget,
-        "plan": [asdict(s) for s in plan],
+        "weight_budget_bytes": plan.program_budget,
+        "plan": [asdict(s) for s in plan.slices],
         "programs": programs,
     }
     tmp = out / (MANIFEST + ".tmp")

@@ -97,6 +97,28 @@ TOP_P = Bound(0, 1, lo_open=True)
 MIN_P = Bound(0, 1, hi_open=True)
 
 
+def fraction_or_auto(text) -> float | str:
+    """`--ane-fraction F|auto` parsed, the one parser of it: 'auto' as is, else the number in [0, 1] it spells.
+    An argparse `type=` (the CLI); the server calls `check_fraction_or_auto`. Both say the same thing."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if FRACTION.problem(value) is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number in [0, 1] or 'auto'")
+    return value
+
+
+def check_fraction_or_auto(value, name: str = "--ane-fraction") -> float | str:
+    """`fraction_or_auto` for the server and the library: a HeteroError naming `name`."""
+    try:
+        return fraction_or_auto(value)
+    except argparse.ArgumentTypeError as e:
+        raise HeteroError(f"{name} {e}") from None
+
+
 def check_seed(seed: int | None) -> int | None:
     """A seed MLX accepts (None: a random one)."""
     return None if seed is None else SEED.check(seed, "seed")

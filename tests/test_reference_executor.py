@@ -17,8 +17,6 @@ from hetero.export import (
     PieceSlice,
     export_coreml,
     read_manifest,
-    split_for_budget,
-    unit_bytes,
 )
 from coreml_graphs.ops import DEPLOYMENT_TARGET
 from coreml_graphs.package import save_program
@@ -29,6 +27,7 @@ from hetero.cli import main
 from hetero.errors import HeteroError
 from hetero.generate import prefill
 from hetero.planner import ane_slices
+from hetero.planner.slices import split_for_budget, unit_bytes
 from hetero.models.qwen3_5 import ModelArgs
 from test_coreml_graphs import TINY, save_checkpoint, tiny_model
 

@@ -1,4 +1,4 @@
-"""`hetero tune --devices` (hetero/profiles/measure.py and its command-line path): with a scripted timer and tiny
+"""`hetero tune --devices` (hetero/measure.py and its command-line path): with a scripted timer and tiny
 programs, the this-machine profile it saves holds exactly the figures its timings give; the median timer on a
 fake clock; the planner reads what was saved."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import hetero.profiles.measure as measure_mod
+import hetero.measure as measure_mod
 from hetero.cli import main
 from hetero.loader import default_dtype
+from hetero.measure import Sizes, decode_verify, median_seconds
 from hetero.planner import decode_bytes_per_token, make_plan, model_shape
 from hetero.profiles import THIS_MACHINE, load_profile
-from hetero.profiles.measure import Sizes, decode_verify, median_seconds
 
 DATA = Path(__file__).parent / "data"
 TINY = Sizes(chunk=64, hidden=64, out=128, reduce_elements=4096, recurrence_tokens=64, mlp_channels=128,

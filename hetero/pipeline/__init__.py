@@ -17,7 +17,7 @@ two jobs whose `merge` (GPU lane) combines them exactly where the math allows (s
 `--verify` reruns the prompt GPU-only and compares; `--trace` writes one Chrome trace track per lane.
 
 Modules: `lanes` (lanes, the job scheduler, decode interleaving, trace), `programs` (ANE backend, export cache), `shares`
-(the GPU's slices), `split` (the split prefill), `run` (a configured split, verification, `auto`).
+(the GPU's slices), `split` (the split prefill), `run` (a configured split: its plan, verification, `auto`).
 """
 
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
@@ -30,6 +30,7 @@ from hetero.pipeline.run import (
     auto_fraction,
     configure,
     greedy_continuation,
+    split_for,
     verify,
 )
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest
@@ -40,5 +41,5 @@ __all__ = [
     "DEFAULT_CHUNK", "DEFAULT_VERIFY_TOKENS", "DEFAULT_VERIFY_TOL", "DecodeQueue", "GpuAttentionRest", "GpuGDNRest",
     "GpuMLPRest", "Job", "Lane", "PipelineRun", "Programs", "SplitPrefill", "SplitResult", "Trace", "ane_backend",
     "auto_fraction", "configure", "context_bucket", "ensure_export", "export_root", "greedy_continuation",
-    "load_programs", "run_jobs", "verify",
+    "load_programs", "run_jobs", "split_for", "verify",
 ]

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.export import export_coreml, read_manifest
-from hetero.planner import OFFLOADABLE, context_buckets
+from hetero.export import export_plan, read_manifest
+from hetero.planner import OFFLOADABLE, Plan, context_buckets
 
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
@@ -32,16 +32,14 @@ def export_root() -> Path:
     return Path.home() / ".cache" / "hetero" / "coreml"
 
 
-def ensure_export(
-    model_ref: str | None, key: str, fraction: float, chunk: int, bucket: int, offload: tuple[str, ...] = OFFLOADABLE,
-    loaded: tuple | None = None,
-) -> Path:
-    """The export directory for (model key, fraction, chunk, bucket, piece kinds), exported on first use with a
-    progress bar: attention programs for every context bucket up to `bucket` (each chunk runs the smallest that
-    holds it). `loaded` = (model, path, config): export the weights in memory instead of reading the files."""
-    contexts = context_buckets(bucket, chunk)
-    tag = "" if set(offload) == set(OFFLOADABLE) else "_" + "+".join(offload)
-    out = export_root() / key.replace("/", "_") / f"f{fraction:.4f}_s{chunk}_t{bucket}{tag}"
+def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int) -> Path:
+    """The export directory of `plan` for the loaded model (model, path, config) whose weights `key` names, and a
+    context `bucket`: exported on first use with a progress bar, attention programs for every context bucket up to
+    `bucket` (each chunk runs the smallest that holds it). The directory is named by (key, the plan's sliced
+    fraction, chunk and piece kinds, bucket)."""
+    contexts = context_buckets(bucket, plan.chunk)
+    tag = "" if set(plan.offload) == set(OFFLOADABLE) else "_" + "+".join(plan.offload)
+    out = export_root() / key.replace("/", "_") / f"f{plan.sliced_fraction:.4f}_s{plan.chunk}_t{bucket}{tag}"
     try:
         manifest = read_manifest(out)
         files = all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"])
@@ -51,8 +49,7 @@ def ensure_export(
         pass
     from hetero.progress import ProgressBar
 
-    export_coreml(model_ref, out, fraction, chunk, contexts, progress=ProgressBar("export Core ML"), kinds=offload,
-                  loaded=loaded)
+    export_plan(plan, loaded, out, contexts, progress=ProgressBar("export Core ML"))
     return out
 
 

@@ -1,5 +1,5 @@
-"""A configured split for one engine (`hetero run --ane-fraction F|auto`), and its verification against the
-GPU-only run."""
+"""A configured split for one engine (`hetero run` / `hetero serve --ane-fraction F|auto`): the planner's `Plan`,
+made once, and what the runtime does with it; its verification against the GPU-only run."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.fingerprint import weights_fingerprint
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
 from hetero.pipeline.split import SplitPrefill, SplitResult
-from hetero.planner import OFFLOADABLE, context_bucket
+from hetero.planner import OFFLOADABLE, Plan, context_bucket
 from hetero.profiles import Profile
 
 DEFAULT_CHUNK = 256
@@ -27,30 +27,48 @@ DEFAULT_VERIFY_TOKENS = 32
 
 @dataclass
 class PipelineRun:
-    """A configured split for one engine: backend, fraction, plan caps; `prefill_with` plugs into `Engine.generate`."""
+    """A configured split for one engine: its `Plan` (slices, piece kinds, programs, caps) and the backend that runs
+    the ANE's share; `prefill_with` plugs into `Engine.generate`."""
 
     engine: object
-    requested_fraction: float
-    fraction: float  # the fraction actually sliced (after the ANE memory cap)
-    chunk: int
+    plan: Plan
     backend: str
-    caps: list[str]
-    effective_fraction: float
+    effective_fraction: float  # the ANE's share of the FLOPs: at the plan's context, then of the prompt prepared
     trace: Trace | None = None
-    offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds the ANE takes a share of
     last: SplitResult | None = None
     _splits: dict = field(default_factory=dict)
+
+    @property
+    def requested_fraction(self) -> float:
+        return self.plan.requested_fraction
+
+    @property
+    def fraction(self) -> float:
+        """The fraction actually sliced (after a measured ANE memory cap)."""
+        return self.plan.sliced_fraction
+
+    @property
+    def chunk(self) -> int:
+        return self.plan.chunk
+
+    @property
+    def offload(self) -> tuple[str, ...]:
+        """The piece kinds the ANE takes a share of."""
+        return self.plan.offload
+
+    @property
+    def caps(self) -> list[str]:
+        """The plan's caps on the pieces that may split (the others never leave the GPU: no news)."""
+        return [c for c in self.plan.caps() if not c.startswith(("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp"))]
 
     def splitter(self, n_tokens: int) -> SplitPrefill:
         """The split prefill for a prompt of `n_tokens` (programs exported for its context bucket on first use)."""
         bucket = context_bucket(n_tokens, self.chunk)
         if bucket not in self._splits:
             e = self.engine
-            ref = None if e.name == "bundled" else str(e.path)
             # the weights as loaded (an Engine records them at load) are what is exported, not the files now
             key = f"{e.identity}-{getattr(e, 'weights_fingerprint', None) or weights_fingerprint(e.path)}"
-            loaded = (e.model, e.path, e.config)
-            out = ensure_export(ref, key, self.fraction, self.chunk, bucket, self.offload, loaded)
+            out = ensure_export((e.model, e.path, e.config), key, self.plan, bucket)
             name, loader = ane_backend()
             self._splits[bucket] = SplitPrefill(e.model, load_programs(out, loader), name)
         return self._splits[bucket]
@@ -58,12 +76,9 @@ class PipelineRun:
     def prepare(self, ids: list[int]) -> None:
         """Export and load the programs the prompt `ids` needs now, so the first token's time excludes it; the
         effective fraction is then the share of this prompt's prefill FLOPs."""
-        from hetero.planner import effective_fraction
-
         if len(ids) >= 2:
             self.splitter(len(ids) - 1)
-            self.effective_fraction = effective_fraction(self.engine.config, self.fraction, len(ids) - 1, self.chunk,
-                                                         self.offload)
+            self.effective_fraction = self.plan.effective_fraction_at(len(ids) - 1)
 
     def prefill_with(
         self, ids: list[int], decode: DecodeQueue | None = None
@@ -93,9 +108,9 @@ def configure(
     engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None,
     offload: tuple[str, ...] = OFFLOADABLE, profile: Profile | None = None,
 ) -> PipelineRun:
-    """A PipelineRun for `fraction` of the piece kinds in `offload`, sliced by the planner for `profile` (default:
-    this machine's measured profile, else the planner's default chip). Only a per-process ANE weight limit that a
-    profile measured shrinks the slices; none is documented."""
+    """A PipelineRun for `fraction` of the piece kinds in `offload`: the one place a split's `Plan` is made, by the
+    planner for `profile` (default: this machine's measured profile, else the planner's default chip). Only a
+    per-process ANE weight limit that a profile measured shrinks the slices; none is documented."""
     from hetero.planner import make_plan
     from hetero.profiles import default_profile_name, load_profile
 
@@ -106,9 +121,7 @@ def configure(
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
     plan = make_plan(engine.config, profile, fraction, context, chunk, offload=offload)
-    caps = [c for c in plan.caps() if not c.startswith(("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp"))]
-    return PipelineRun(engine, fraction, plan.sliced_fraction, chunk, ane_backend()[0], caps, plan.effective_fraction,
-                       trace, plan.offload)
+    return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace)
 
 
 def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
@@ -173,6 +186,11 @@ def cache_difference(ours: list[LayerCache], theirs: list[LayerCache]) -> tuple[
 CALIBRATION = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n" * 4
 
 
+def split_for(engine, fraction: float | str, chunk: int = DEFAULT_CHUNK) -> PipelineRun:
+    """The split of `--ane-fraction F|auto` (as `hetero.validate.fraction_or_auto` parses it) for `engine`."""
+    return auto_fraction(engine, chunk) if fraction == "auto" else configure(engine, fraction, chunk)
+
+
 def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], None] | None = None,
                   tol: float = DEFAULT_VERIFY_TOL) -> PipelineRun:
     """`--ane-fraction auto`: the fraction this machine's measured profile recommends, lowered until the split
@@ -185,10 +203,10 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
     report = report or (lambda line: print(line, file=sys.stderr))
     profile = load_profile(THIS_MACHINE)
     args = engine.model.args
-    fraction, plan = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk)
+    fraction, best = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk)
     ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
     while fraction > 0:
-        run = configure(engine, fraction, chunk, offload=plan.offload, profile=profile)
+        run = configure(engine, fraction, chunk, offload=best.offload, profile=profile)
         check = verify(run, ids, tol=tol, n_tokens=8)
         if check["match"]:
             kinds = "" if run.offload == OFFLOADABLE else f" of {', '.join(run.offload)} only"

@@ -17,7 +17,7 @@ from hetero.planner.governor import (
     physical_memory_bytes,
     prefill_buffer_bytes,
 )
-from hetero.planner.plan import Plan, effective_fraction, make_plan
+from hetero.planner.plan import Plan, make_plan
 from hetero.planner.predict import Lanes, decode_bytes_per_token, predict_decode, predict_prefill, verify_cost
 from hetero.planner.recommend import recommend
 from hetero.planner.report import plan_lines
@@ -37,7 +37,7 @@ from hetero.planner.slices import (
 __all__ = [
     "ALIGN", "OFFLOADABLE", "PROGRAM_WEIGHT_BUDGET", "SPLIT_IN_FLIGHT", "Budget", "Lanes", "MoE", "Piece",
     "PieceSlice", "Plan", "Storage", "ane_slices", "ane_weight_bytes", "check_prompt_fits", "chunk_spans",
-    "context_bucket", "context_buckets", "decode_bytes_per_token", "effective_fraction", "govern", "loaded_budget",
+    "context_bucket", "context_buckets", "decode_bytes_per_token", "govern", "loaded_budget",
     "make_plan", "model_shape", "physical_memory_bytes", "piece_flops", "pieces", "plan_lines", "predict_decode",
     "prefill_buffer_bytes",
     "predict_prefill", "program_spans", "read_model_config", "recommend", "storage_for", "verify_cost",

@@ -1,7 +1,7 @@
 """The whole plan: `make_plan` turns (model config, weight storage, context, chunk, hardware profile, requested
 fraction F) into the pieces' slices with their caps, the predicted prefill and decode times, what is unknown and
-assumed, and (with a memory size) the governor's budget. `Plan` is what `hetero plan` reports and what the
-pipeline configures a split from."""
+assumed, and (with a memory size) the governor's budget. `Plan` is what `hetero plan` reports, and the one object
+a split travels as: the export builds its slices and programs, the runtime reports its fractions from it."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from hetero.planner.slices import (
     ane_weight_bytes,
     fit_ane_memory,
     layer_slices,
-    pieces,
     program_budget,
+    split_for_budget,
 )
 from hetero.profiles import Profile
 
@@ -59,8 +59,17 @@ class Plan:
 
     @property
     def effective_fraction(self) -> float:
-        total = sum(t for t, _ in self.flops.values())
-        return sum(a for _, a in self.flops.values()) / total if total else 0.0
+        """The ANE's share of the prefill's FLOPs at the plan's context."""
+        return ane_share(self.flops)
+
+    def effective_fraction_at(self, tokens: int) -> float:
+        """The ANE's share of the FLOPs of a `tokens`-long prefill in the plan's chunks (a prompt the split runs)."""
+        return ane_share(prefill_flops(self.pieces, tokens, self.chunk))
+
+    def program_parts(self, s: PieceSlice) -> list[PieceSlice]:
+        """One of the plan's per-layer slices cut into the programs it is exported as (at most `program_budget`
+        fp16 weight bytes each)."""
+        return split_for_budget(self.args, s, self.program_budget)
 
     def caps(self) -> list[str]:
         out = []
@@ -125,11 +134,13 @@ def make_plan(
     draft_depth: int = DEFAULT_DRAFT_DEPTH,
     name: str = "",
     offload: tuple[str, ...] = OFFLOADABLE,
+    budget: int | None = None,
 ) -> Plan:
     """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring).
 
     `offload` names the piece kinds that take their share (`recommend` leaves out those the ANE lane of the
-    profile runs too slowly to help); the others stay whole on the GPU, with the reason as their cap.
+    profile runs too slowly to help); the others stay whole on the GPU, with the reason as their cap. `budget`:
+    fp16 weight bytes per exported ANE program (default: `program_budget` of the profile).
     """
     args, moe = model_shape(config)
     storage = storage_for(config, bits, group_size)
@@ -147,11 +158,7 @@ def make_plan(
     lanes = Lanes.of(profile)
     ps = [p if p.kind in offload or not p.ane_units else
           Piece(**{**asdict(p), "ane_units": 0, "cap_reason": kept_on_gpu(p.kind, lanes)}) for p in ps]
-    starts, sizes = chunk_spans(context, chunk)
-    flops = {}
-    for p in ps:
-        total = p.layers * float(piece_flops(p, starts, sizes).sum())
-        flops[p.kind] = (total, total * p.ane_share)
+    flops = prefill_flops(ps, context, chunk)
 
     gpu_only = predict_prefill(ps, storage, lanes, context, chunk, False, args.hidden_size)
     split = predict_prefill(ps, storage, lanes, context, chunk, True, args.hidden_size)
@@ -177,7 +184,7 @@ def make_plan(
         "accepted_length": accepted_length,
         "draft_depth": draft_depth,
     }
-    budget = program_budget(profile)
+    budget = program_budget(profile) if budget is None else budget
     unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown if k != "ane_process_weight_limit_gb"]
     unknown += ane_limit_unknowns(profile, ps, budget) + decode_unknowns(profile, args, lanes)
     if lanes.gpu_flops is None:
@@ -227,16 +234,20 @@ def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str
     return []
 
 
-def effective_fraction(config: dict, fraction: float, tokens: int, chunk: int,
-                       offload: tuple[str, ...] = OFFLOADABLE) -> float:
-    """The ANE's share of a `tokens`-long prefill's FLOPs when each piece in `offload` is sliced at `fraction`."""
-    args, moe = model_shape(config)
+def prefill_flops(ps: list[Piece], tokens: int, chunk: int) -> dict[str, tuple[float, float]]:
+    """Per piece kind, (FLOPs, the ANE's share of them) of a `tokens`-long prefill in chunks of `chunk`."""
     starts, sizes = chunk_spans(tokens, chunk)
-    total = ane = 0.0
-    for p in pieces(args, moe, fraction):
-        f = p.layers * float(piece_flops(p, starts, sizes).sum())
-        total, ane = total + f, ane + (f * p.ane_share if p.kind in offload else 0.0)
-    return ane / total if total else 0.0
+    flops = {}
+    for p in ps:
+        total = p.layers * float(piece_flops(p, starts, sizes).sum())
+        flops[p.kind] = (total, total * p.ane_share)
+    return flops
+
+
+def ane_share(flops: dict[str, tuple[float, float]]) -> float:
+    """The ANE's share of all the FLOPs in `prefill_flops`'s answer."""
+    total = sum(t for t, _ in flops.values())
+    return sum(a for _, a in flops.values()) / total if total else 0.0
 
 
 def kept_on_gpu(kind: str, lanes: Lanes) -> str:

@@ -160,13 +160,25 @@ def program_budget(profile: Profile) -> int:
     return PROGRAM_WEIGHT_BUDGET if limit is None else min(PROGRAM_WEIGHT_BUDGET, int(limit * 1e9))
 
 
-def budget_spans(kind: str, units: int, unit_bytes: int, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
-    """`units` units of `unit_bytes` weight bytes each cut into programs of at most `budget` bytes: unit ranges
+def budget_spans(kind: str, units: int, per_unit: int, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
+    """`units` units of `per_unit` weight bytes each cut into programs of at most `budget` bytes: unit ranges
     [start, stop), channel and row parts in multiples of ALIGN (KV groups whole)."""
-    per_part = max(1, budget // unit_bytes)
+    per_part = max(1, budget // per_unit)
     if kind != "attention" and per_part >= ALIGN:
         per_part -= per_part % ALIGN
     return [(a, min(a + per_part, units)) for a in range(0, units, per_part)]
+
+
+def unit_bytes(args: ModelArgs, piece: str) -> int:
+    """fp16 weight bytes one unit of a piece carries (one KV head's group, one channel, one z row)."""
+    return next(p.ane_unit_params for p in pieces(args, None, 0.0) if p.kind == piece) * ANE_WEIGHT_BYTES
+
+
+def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[PieceSlice]:
+    """A slice cut into the programs it is exported as: consecutive parts of at most `budget` weight bytes
+    (channel and row parts in multiples of 64)."""
+    spans = budget_spans(s.piece, s.stop - s.start, unit_bytes(args, s.piece), budget)
+    return [PieceSlice(s.layer, s.piece, s.start + a, s.start + b) for a, b in spans]
 
 
 def program_spans(p: Piece, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:

@@ -120,7 +120,7 @@ def serve(
     no_session_cache: bool = False,
     prefix_cache_max_gb: float = 2.0,
     served_name: str | None = None,
-    ane_fraction: str | None = None,
+    ane_fraction: float | str | None = None,
     prefill_chunk: int = 512,
     max_concurrent: int = 4,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -151,15 +151,10 @@ def serve(
         names = {engine.name} | ({served_name} if served_name else set())
         split = None
         if ane_fraction is not None:
-            from hetero.pipeline import auto_fraction, configure
+            from hetero.pipeline import split_for
+            from hetero.validate import check_fraction_or_auto
 
-            if ane_fraction == "auto":
-                split = auto_fraction(engine, prefill_chunk)
-            else:
-                try:
-                    split = configure(engine, float(ane_fraction), prefill_chunk)
-                except ValueError:
-                    raise HeteroError(f"--ane-fraction {ane_fraction!r}: give a number in [0, 1] or 'auto'") from None
+            split = split_for(engine, check_fraction_or_auto(ane_fraction), prefill_chunk)
         app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk, default_max_tokens, max_body_mb,
                          decode_share)
     except BaseException:
