@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from hetero.calibrate import calibrate
 from hetero.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
 from hetero.errors import HeteroError
 from hetero.fingerprint import weights_fingerprint
@@ -68,13 +69,11 @@ class Engine:
     def default_depth(self) -> int | str | None:
         """How this model decodes here when the caller does not say: the depth `hetero tune` saved, PLAIN ("off"),
         or, for a model with an MTP head never measured on this machine, the result of a short calibration run
-        now (`tune.calibrate`, once: it is saved). None for a model without an MTP head."""
+        now (`hetero.calibrate`, once: it is saved). None for a model without an MTP head."""
         if not self.model.has_mtp:
             return None
         tuned = tuned_depth(self.identity)
         if tuned is None:
-            from hetero.tune import calibrate  # tune drives this engine: imported here, not at module level
-
             tuned = calibrate(self, DEFAULT_DRAFT_DEPTH, report=lambda line: print(line, file=sys.stderr, flush=True))
         return tuned
 

@@ -1,22 +1,16 @@
-"""`hetero tune`: measure plain decoding against MTP draft depths on this machine and keep the fastest; and the
-short first-use calibration that decides MTP on or off for a model never tuned here."""
+"""`hetero tune`: measure plain decoding against MTP draft depths on this machine and keep the fastest."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
 
-from typing import TYPE_CHECKING
-
+from hetero.calibrate import CODE_PROMPT
+from hetero.engine import Engine
 from hetero.settings import PLAIN, save_tuning
 
-if TYPE_CHECKING:  # the engine calls `calibrate` on itself: no import of it at run time
-    from hetero.engine import Engine
-
-CALIBRATION_TOKENS = 48  # per contender: long enough for MTP's rounds to average out, short on a 27B (~10 s in all)
-
 PROMPTS = (
-    "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n",
+    CODE_PROMPT,
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
     "def read_config(path):\n    with open(path) as f:\n        for line in f:\n            line = line.strip()\n",
 )
@@ -61,30 +55,3 @@ def tune(
         report(f"plain decoding was fastest on this machine: saved 'off' for {engine.name} to {path} "
                "(hetero run decodes plainly; --draft-depth still turns MTP on)")
     return result
-
-
-def calibrate(engine: Engine, depth: int, report: Callable[[str], None] = print) -> int | str:
-    """First use of a model with an MTP head on this machine: decode one code prompt plainly and at draft `depth`
-    (greedy, after a warm-up of each), save the faster as if `hetero tune` had, and return it (`depth`, or PLAIN).
-    `hetero tune` measures every depth on more prompts and replaces this decision.
-    """
-    report(f"hetero: first run of {engine.name} on this machine: measuring MTP against plain decoding "
-           f"({CALIBRATION_TOKENS} tokens each, once; `hetero tune` measures more)")
-    prompt = PROMPTS[0]
-    engine.generate(prompt, max_tokens=8, mtp=False)  # warm-up: first calls compile and allocate
-    engine.generate(prompt, max_tokens=8, mtp=True, draft_depth=depth)
-    plain = engine.generate(prompt, max_tokens=CALIBRATION_TOKENS, mtp=False).stats["decode_tps"]
-    drafted = engine.generate(prompt, max_tokens=CALIBRATION_TOKENS, mtp=True, draft_depth=depth).stats
-    choice = depth if drafted["decode_tps"] > plain else PLAIN
-    result = {
-        "plain_tps": round(plain, 2),
-        "depths": {depth: {"decode_tps": round(drafted["decode_tps"], 2),
-                                         "mean_accepted_length": drafted["mtp"]["mean_accepted_length"]}},
-        "draft_depth": choice,
-        "calibrated": "first use",
-    }
-    path = save_tuning(engine.identity, result)
-    verdict = f"MTP at depth {choice}" if choice != PLAIN else "plain decoding"
-    report(f"hetero: plain {plain:.1f} tok/s, MTP depth {depth} {drafted['decode_tps']:.1f} tok/s: "
-           f"{verdict} from now on (saved to {path})")
-    return choice

@@ -11,7 +11,8 @@ import pytest
 import hetero
 from hetero.cli import main
 from hetero.settings import PLAIN, save_tuning, settings_path, tuned_depth
-from hetero.tune import PROMPTS, calibrate, tune
+from hetero.calibrate import calibrate
+from hetero.tune import PROMPTS, tune
 from tiny_checkpoint import write_tiny_model
 
 
