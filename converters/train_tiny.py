@@ -27,6 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from hetero.blas import describe, reexec_with_fast_blas
+from hetero.models import attention
 from hetero.models.qwen3_5 import Model, ModelArgs, is_zero_centred_norm
 
 SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
@@ -184,7 +185,8 @@ def train(
     history = []
     done = 0
     for i in range(steps):
-        loss, ce, ce_mtp, norm = step(next(data))
+        with attention.differentiable():  # MLX's attention kernel: the CPU one's numpy softmax has no gradient
+            loss, ce, ce_mtp, norm = step(next(data))
         mx.eval(loss, ce, ce_mtp, norm, model.state, optimizer.state)
         done = i + 1
         elapsed = time.perf_counter() - start

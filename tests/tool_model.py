@@ -129,15 +129,11 @@ def _train(model, batch: mx.array, mask: mx.array, steps: int, lr: float) -> flo
         optimizer.update(model, grads)
         return loss
 
-    # the CPU attention kernel's in-place numpy softmax has no gradient (and cannot be compiled): train on MLX's
-    min_queries, attention.MIN_QUERIES = attention.MIN_QUERIES, batch.shape[1] + 1
-    try:
+    with attention.differentiable():  # the CPU attention kernel's numpy softmax has no gradient
         loss = mx.array(0.0)
         for _ in range(steps):
             loss = step(batch, mask)
             mx.eval(loss, state)
-    finally:
-        attention.MIN_QUERIES = min_queries
     return loss.item()
 
 

@@ -9,9 +9,14 @@ computes in place on the evaluated scores (a writable view of MLX's buffer; nump
 thread pool never competes with MLX's), block by block so the score matrix stays small, and only over the
 keys each block can see.
 Decode and verify steps (a few queries) stay on MLX, where the whole step remains one lazy graph.
+The numpy kernel evaluates mid-graph and has no gradient, so training runs inside `differentiable()`.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +24,20 @@ import numpy as np
 MIN_QUERIES = 32  # query blocks at least this long take the numpy kernel on the CPU
 BLOCK_SCORES = 1 << 21  # scores held at once (8 MiB of fp32: the softmax passes stay in cache; 64 MiB was ~20% slower at 8K-16K)
 FLOOR = -41.0  # exp(FLOOR) ~ 1.6e-18: exponents are clipped here so no subnormal reaches the matmul
+_mode = threading.local()
+
+
+@contextmanager
+def differentiable() -> Iterator[None]:
+    """Within (on this thread), every shape takes MLX's own kernel, which `mx.grad` and `mx.compile` can trace: the
+    numpy softmax's in-place update is invisible to autodiff (its gradient came out wrong by 21 where the true one
+    is at most 1.5) and it evaluates in the middle of the graph, which a compiled function cannot. For training."""
+    before = getattr(_mode, "differentiable", False)
+    _mode.differentiable = True
+    try:
+        yield
+    finally:
+        _mode.differentiable = before
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
@@ -28,7 +47,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
     H is a multiple of Hkv (grouped-query attention).
     """
     L = queries.shape[2]
-    if L >= MIN_QUERIES and mx.default_device() == mx.cpu:
+    if L >= MIN_QUERIES and mx.default_device() == mx.cpu and not getattr(_mode, "differentiable", False):
         return _numpy_causal(queries, keys, values, scale)
     mask = "causal" if L > 1 else None
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
