@@ -9,7 +9,8 @@ model's tokenizer (same vocabulary size). For each setting a fresh server (no se
 restored) takes two streaming completions with a long max_tokens; once both stream, their tokens per second are
 measured alone for a few seconds, then the long prompt (token ids, max_tokens 1) is sent and its TTFT measured,
 with the decoders' tokens per second during that prefill. The split's programs are exported before the server
-starts (what the first split request would otherwise do). The exit code does not depend on the targets.
+starts (what the first split request would otherwise do). Both settings run with the same `--decode-share` (the
+server's default unless given). The exit code does not depend on the targets.
 JSON to bench/results/mixed_load.json.
 """
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane, as in bench/ttft.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.turns import DECODE_SHARE  # noqa: E402
 
 TTFT_TARGET = 0.75  # auto / GPU-only TTFT of the long prompt
 DECODE_TARGET = 0.8  # decoders' tokens/s during the prefill / alone
@@ -89,14 +91,14 @@ class Decoder(threading.Thread):
         return sum(t0 <= t < t1 for t in self.times) / (t1 - t0)
 
 
-def scenario(model: Path, home: str, fraction: str, tokens: int, alone_s: float, seed: int) -> dict:
+def scenario(model: Path, home: str, fraction: str, tokens: int, alone_s: float, seed: int, share: float) -> dict:
     import httpx
     import numpy as np
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model), "--port", str(port), "--no-session-cache",
-           "--prefix-cache-max-gb", "0", "--ane-fraction", fraction]
+           "--prefix-cache-max-gb", "0", "--ane-fraction", fraction, "--decode-share", str(share)]
     server = subprocess.Popen(cmd, env=dict(os.environ, HETERO_HOME=home), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
@@ -140,6 +142,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--alone-seconds", type=float, default=5.0)
+    p.add_argument("--decode-share", type=float, default=DECODE_SHARE,
+                   help="hetero serve --decode-share: the model's time the decoders keep while the prompt prefills")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = p.parse_args()
     reexec_with_fast_blas()
@@ -155,13 +159,13 @@ def main() -> None:
     pre_export(model, a.tokens)
     runs = {}
     for i, fraction in enumerate(("0", "auto")):
-        runs[fraction] = scenario(model, home, fraction, a.tokens, a.alone_seconds, seed=i)
+        runs[fraction] = scenario(model, home, fraction, a.tokens, a.alone_seconds, seed=i, share=a.decode_share)
         r = runs[fraction]
         print(f"--ane-fraction {fraction:<4}: {a.tokens}-token prompt TTFT {r['ttft_s']:.2f} s; two decoders "
               f"{r['decode_tps_alone']:.1f} tok/s alone, {r['decode_tps_during']:.1f} during the prefill "
               f"({r['decode_kept']:.2f}x)", flush=True)
     ttft_ratio = runs["auto"]["ttft_s"] / runs["0"]["ttft_s"]
-    doc = {"environment": environment(), "tokens": a.tokens, "runs": runs,
+    doc = {"environment": environment(), "tokens": a.tokens, "decode_share": a.decode_share, "runs": runs,
            "target": {"ttft_auto_vs_gpu_only": ttft_ratio, "ttft_at_or_below": TTFT_TARGET,
                       "decode_kept_auto": runs["auto"]["decode_kept"], "decode_kept_at_least": DECODE_TARGET,
                       "met": ttft_ratio <= TTFT_TARGET and runs["auto"]["decode_kept"] >= DECODE_TARGET}}
