@@ -1,7 +1,7 @@
 """`hetero tune --devices`: measure this machine's two lanes and save them as the `this-machine` profile.
 
 GPU lane: MLX matmul throughput at prefill shapes (in the dtype the engine loads models in) and bandwidth of a
-large reduction; a decoder MLP's matmuls at one token (a plain decode step) and at k+1 tokens (an MTP verify
+large reduction (MLX's or numpy's, the faster); a decoder MLP's matmuls at one token (a plain decode step) and at k+1 tokens (an MTP verify
 pass). ANE lane: the same backend the pipeline uses (Core ML on macOS, the reference executor elsewhere)
 running an exported MLP program; its fixed cost per call from a tiny program. Each figure is the median of
 several timed runs after a warm-up; the timer and the sizes are parameters, so tests can script the times.
@@ -92,7 +92,9 @@ def _copies(nbytes: int) -> int:
 
 def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int = 5,
              reduce_elements: int = 64 * 2**20, timer: Timer = timed) -> tuple[float, float]:
-    """(matmul FLOP/s, bandwidth bytes/s) of MLX on its default device, in the engine's load dtype."""
+    """(matmul FLOP/s, bandwidth bytes/s) of MLX on its default device, in the engine's load dtype. Bandwidth: the
+    faster of an MLX reduction and a numpy one over the same bytes (MLX's CPU reduction is scalar: 4.8 GB/s where
+    numpy's read 25 GB/s and a one-token matmul's weights 21 GB/s; on a Mac the GPU's reduction is the faster)."""
     import mlx.core as mx
 
     from hetero.loader import default_dtype
@@ -104,6 +106,8 @@ def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int
     mx.eval(x, *ws, big)
     mm = timer("gpu matmul", lambda: mx.eval(*[x @ w.T for w in ws]), repeats)  # [S, out] each
     rd = timer("gpu bandwidth", lambda: mx.eval(big.sum()), repeats)
+    host = np.ones(reduce_elements, np.float32)
+    rd = min(rd, timer("host bandwidth", host.sum, repeats))
     return 2.0 * chunk * hidden * out * len(ws) / mm, big.nbytes / rd
 
 
@@ -347,7 +351,7 @@ def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_
         "gpu_wired_fraction": 0.75,
         "unknown": ["ane_bandwidth_gbs", "ane_process_weight_limit_gb"],
         "notes": [
-            f"GPU lane: MLX matmul throughput at prefill shapes and a reduction's bandwidth ({env['blas']})",
+            f"GPU lane: MLX matmul throughput at prefill shapes and a reduction's bandwidth, MLX's or numpy's, the faster ({env['blas']})",
             "decode: a decoder MLP's matmuls at one token (weight bytes per second over that bandwidth) and at k+1 "
             "tokens (the MTP verify pass, in plain steps)",
             f"ANE lane: {backend} running an exported MLP program; its rate already includes its weight reads",
