@@ -11,6 +11,10 @@ _blas.apply()  # Linux: the wheel's fast BLAS under MLX; must come before anythi
 
 from hetero.engine import Engine, GenerationResult, load
 from hetero.errors import HeteroError
+from hetero.library import GenerationResponse, generate, load_prompt_cache, prefill, save_prompt_cache, stream_generate
 
-__all__ = ["Engine", "GenerationResult", "HeteroError", "load"]
+__all__ = [
+    "Engine", "GenerationResponse", "GenerationResult", "HeteroError", "generate", "load", "load_prompt_cache",
+    "prefill", "save_prompt_cache", "stream_generate",
+]
 __version__ = "0.1.0"

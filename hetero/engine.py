@@ -87,8 +87,9 @@ class Engine:
     def max_context(self) -> int:
         return self.model.args.max_position_embeddings
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        """Text (optionally wrapped in the chat template as one user turn) or token ids -> token ids."""
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False, held: int = 0) -> list[int]:
+        """Text (optionally wrapped in the chat template as one user turn) or token ids -> token ids; `held` tokens
+        already in a cache count against the context window."""
         if isinstance(prompt, str):
             if chat:
                 prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -101,13 +102,14 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise HeteroError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
-        if len(ids) >= self.max_context:
+        if held + len(ids) >= self.max_context:
+            cached = f" after {held} cached tokens" if held else ""
             raise HeteroError(
-                f"the prompt has {len(ids)} tokens but the model's context window is {self.max_context}; shorten it"
+                f"the prompt has {len(ids)} tokens{cached} but the model's context window is {self.max_context}; shorten it"
             )
         from hetero.planner import check_prompt_fits  # the memory governor's window (shared/DESIGN.md section 7)
 
-        check_prompt_fits(self.model, len(ids), self.memory_gb)
+        check_prompt_fits(self.model, held + len(ids), self.memory_gb)
         return ids
 
     def json_grammar(self, schema: dict | None) -> str:
@@ -154,6 +156,7 @@ class Engine:
         on_logprob: Callable[[TokenLogprob], None] | None = None,
         json_schema: dict | None = None,
         json_object: bool = False,
+        prompt_cache: list | None = None,
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
 
@@ -177,8 +180,13 @@ class Engine:
         """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
-        ids = self.encode_prompt(prompt, chat)
-        max_tokens = min(max_tokens, self.max_context - len(ids))
+        held = 0
+        if prompt_cache is not None:
+            from hetero.mlx_lm_cache import check_layout
+
+            held = check_layout(prompt_cache, [layer.is_linear for layer in self.model.layers])
+        ids = self.encode_prompt(prompt, chat, held)
+        max_tokens = min(max_tokens, self.max_context - held - len(ids))
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p), seed)
         recorder = LogprobRecorder(logprobs) if logprobs is not None else None
         constraint = None
@@ -199,14 +207,19 @@ class Engine:
         tokens: list[int] = []
         mx.reset_peak_memory()
         mtp_stats = MTPStats(depth) if use_mtp else None
-        pc = self.prefix_cache if use_prefix_cache else None
+        pc = self.prefix_cache if use_prefix_cache and prompt_cache is None else None
         key, model = self.cache_key, self.model
         cache, skip, carry = model.make_cache(), 0, None
+        if prompt_cache is not None:  # prefill continues at its offset: chunk edges stay those of a cold run
+            from hetero.mlx_lm_cache import from_mlx_lm
+
+            n_mtp = len(cache) - len(model.layers)
+            cache = from_mlx_lm(prompt_cache, [layer.is_linear for layer in model.layers], n_mtp)
         if pc is not None:
             restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
             if restored is not None:
                 cache, skip, carry = restored.cache, restored.n, restored.hidden
-        if prefill_with is not None and skip == 0:
+        if prefill_with is not None and skip == 0 and prompt_cache is None:
             cache, skip, carry = prefill_with(ids)
 
         def on_chunk(n: int, hidden: mx.array) -> None:
@@ -257,7 +270,7 @@ class Engine:
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
-            "cached_tokens": skip,
+            "cached_tokens": skip + held,
             "generated_tokens": len(tokens),
             "finish_reason": times.finish_reason,
             "ttft_s": round(times.ttft_s, 6),

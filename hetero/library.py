@@ -1,0 +1,230 @@
+"""hetero as a library for MLX programs: a prefill accelerator that hands back mlx-lm prompt caches, and
+`generate` / `stream_generate` shaped like mlx-lm's.
+
+    cache = hetero.prefill(model, ids[:-1])             # model: hetero.load(...) or mlx_lm.load(...)[0]
+    for r in mlx_lm.stream_generate(model, tokenizer, ids[-1:], prompt_cache=cache): ...
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from hetero.engine import Engine
+from hetero.errors import HeteroError
+from hetero.logprobs import TokenLogprob
+from hetero.mlx_lm_cache import from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
+from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
+from hetero.validate import check_fraction_or_auto
+
+DEFAULT_CHUNK = 512
+
+__all__ = ["GenerationResponse", "generate", "load_prompt_cache", "prefill", "save_prompt_cache", "stream_generate"]
+
+
+def _held(model, tokenizer=None) -> Engine | MlxLmModel:
+    """An Engine as it is, an mlx-lm model wrapped over its own weights."""
+    if isinstance(model, Engine):
+        return model
+    if is_mlx_lm_model(model):
+        held = wrap(model)
+        if tokenizer is not None:
+            held.tokenizer = tokenizer
+        return held
+    raise HeteroError(f"hetero.prefill needs a hetero Engine (hetero.load) or a model from mlx_lm.load, "
+                      f"not {type(model).__name__}")
+
+
+def _ids(held: Engine | MlxLmModel, prompt: str | list[int], offset: int) -> list[int]:
+    if isinstance(held, Engine):
+        return held.encode_prompt(prompt, held=offset)
+    if isinstance(prompt, str):
+        if held.tokenizer is None:
+            raise HeteroError("a text prompt with an mlx-lm model needs its tokenizer: prefill(..., tokenizer=tok)")
+        prompt = held.tokenizer.encode(prompt)
+    ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    if not ids:
+        raise HeteroError("the prompt is empty: give at least one token")
+    if offset + len(ids) >= held.max_context:
+        raise HeteroError(f"{offset} cached + {len(ids)} prompt tokens exceed the context window {held.max_context}")
+    return ids
+
+
+def prefill(
+    model,
+    prompt: str | list[int],
+    *,
+    ane_fraction: float | str = 0.0,
+    cache: list | None = None,
+    chunk: int | None = None,
+    tokenizer=None,
+    verify: bool = False,
+) -> list:
+    """Prefill `prompt` and return the prompt cache, in mlx-lm's own classes (`KVCache` per attention layer,
+    `ArraysCache` per GDN layer), so `mlx_lm.stream_generate(model, tokenizer, next_tokens, prompt_cache=cache)`
+    continues exactly where the prompt ended.
+
+    `model` is a hetero `Engine` or a model from `mlx_lm.load` (qwen3_5; run on its own weight arrays, not
+    copies). `prompt` is token ids or text (text with an mlx-lm model needs `tokenizer`). With `cache` (an mlx-lm
+    prompt cache, e.g. the previous turn's) the prompt is appended: its objects are updated in place and
+    returned. `ane_fraction` F in (0, 1] or "auto" prefills through the ANE + GPU split (as
+    `hetero run --ane-fraction`); `verify` then checks that split against the GPU-only prefill of the prompt and
+    raises HeteroError when it does not match. `chunk` is the prefill chunk (default 512; 256 for the split).
+    """
+    held = _held(model, tokenizer)
+    net = held.model
+    kinds = [layer.is_linear for layer in net.layers]
+    hcache = from_mlx_lm(cache, kinds) if cache is not None else net.make_cache()[: len(kinds)]
+    offset = hcache[0].offset
+    ids = _ids(held, prompt, offset)
+    fraction = None if ane_fraction is None else check_fraction_or_auto(ane_fraction, "ane_fraction")
+    if not fraction:  # None or 0: the GPU-only prefill
+        from hetero.generate import prefill as gpu_prefill
+
+        gpu_prefill(net, ids, hcache, chunk or DEFAULT_CHUNK)
+    else:
+        _split_prefill(held, ids, hcache, fraction, chunk, verify)
+    return to_mlx_lm(hcache, len(kinds), into=cache)
+
+
+def _split_prefill(held, ids: list[int], hcache: list, fraction: float | str, chunk: int | None, verify: bool) -> None:
+    from hetero.pipeline import DEFAULT_CHUNK as SPLIT_CHUNK
+    from hetero.pipeline import split_for
+    from hetero.pipeline import verify as verify_split
+
+    if fraction == "auto" and getattr(held, "tokenizer", None) is None:
+        raise HeteroError('ane_fraction="auto" with an mlx-lm model needs its tokenizer: prefill(..., tokenizer=tok)')
+    run = split_for(held, fraction, chunk or SPLIT_CHUNK)
+    run.splitter(hcache[0].offset + len(ids)).run(ids, hcache, mtp=False, logits=False)
+    if verify:
+        check = verify_split(run, ids)
+        if not check["match"]:
+            raise HeteroError(f"the split prefill at ane_fraction {fraction} does not match the GPU-only one: {check}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# mlx-lm-shaped generation
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed token, with the fields of mlx-lm's `GenerationResponse` (`peak_memory` in GB).
+
+    `logprobs` is this token's log-probability under the raw model distribution (mlx-lm gives the whole vector);
+    `top_logprobs` the most likely alternatives when `logprobs=N` was asked. `finish_reason` is None until the
+    last response ("stop" or "length")."""
+
+    text: str
+    token: int | None
+    logprobs: float | None
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+def _engine(model) -> Engine:
+    if isinstance(model, Engine):
+        return model
+    if model is None or isinstance(model, (str, os.PathLike)):
+        from hetero.engine import load
+
+        return load(model)
+    raise HeteroError(f"hetero.generate needs a hetero Engine (hetero.load) or a checkpoint path, not "
+                      f"{type(model).__name__}; an mlx-lm model can still prefill with hetero.prefill")
+
+
+def _generate_kwargs(kwargs: dict) -> dict:
+    """mlx-lm's argument names -> Engine.generate's; an mlx-lm sampler object is refused (MTP needs the warps)."""
+    if "sampler" in kwargs or "logits_processors" in kwargs:
+        raise HeteroError("pass temp / top_p / top_k / min_p instead of an mlx-lm sampler: hetero samples (and accepts "
+                          "MTP drafts) from the warped distribution itself")
+    names = {"temp": "temperature", "draft_depth": "draft_depth"}
+    return {names.get(k, k): v for k, v in kwargs.items()}
+
+
+def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tokens: int = 256,
+                    **kwargs) -> Iterator[GenerationResponse]:
+    """Like `mlx_lm.stream_generate`: yields a `GenerationResponse` per generated token.
+
+    `model` is a hetero Engine (or a checkpoint path); `tokenizer` is ignored (the engine's is used: the argument
+    is there so mlx-lm call sites keep their shape). Keyword arguments: `temp`, `top_p`, `top_k`, `min_p`, `seed`,
+    `prompt_cache` (an mlx-lm cache holding the tokens before `prompt`), `mtp`, `draft_depth`, `logprobs` (N top
+    alternatives), `chat`, and any other `Engine.generate` argument. MTP decoding is on when the model has a head.
+    """
+    engine = _engine(model)
+    args = _generate_kwargs(kwargs)
+    args.setdefault("logprobs", 0)
+    n_prompt = len(engine.encode_prompt(prompt, args.get("chat", False)))
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            result = engine.generate(prompt, max_tokens=max_tokens, on_text=lambda t: events.put(("text", t)),
+                                     on_logprob=lambda lp: events.put(("token", lp)), should_stop=stop.is_set, **args)
+            events.put(("done", result))
+        except BaseException as e:  # raised again in the caller's thread
+            events.put(("error", e))
+
+    thread = threading.Thread(target=work, name="hetero-generate", daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    pending: TokenLogprob | None = None
+    text, count, first = "", 0, 0.0
+
+    def response(finish: str | None, prompt_tokens: int = n_prompt) -> GenerationResponse:
+        now = time.perf_counter()
+        gen_s = now - first
+        return GenerationResponse(
+            text, pending.token if pending else None, pending.logprob if pending else None, False, prompt_tokens,
+            prompt_tokens / (first - start) if first > start else 0.0, count, (count - 1) / gen_s if count > 1 and gen_s > 0 else 0.0,
+            mx.get_peak_memory() / 1e9, finish, pending.top if pending else (),
+        )
+
+    try:
+        while True:
+            kind, value = events.get()
+            if kind == "error":
+                raise value
+            if kind == "text":
+                text += value
+            elif kind == "token":
+                if pending is not None:
+                    yield response(None)
+                    text = ""
+                pending, count = value, count + 1
+                first = first or time.perf_counter()
+            else:
+                stats = value.stats
+                yield response(stats["finish_reason"])
+                return
+    finally:
+        stop.set()
+        thread.join()
+
+
+def generate(model, tokenizer=None, prompt: str | list[int] = "", verbose: bool = False, max_tokens: int = 256,
+             **kwargs) -> str:
+    """Like `mlx_lm.generate`: the generated text (with `verbose`, streamed to stdout with a summary)."""
+    engine = _engine(model)
+    args = _generate_kwargs(kwargs)
+    if verbose:
+        args["on_text"] = lambda t: print(t, end="", flush=True)
+    result = engine.generate(prompt, max_tokens=max_tokens, **args)
+    if verbose:
+        s = result.stats
+        print(f"\n==========\nPrompt: {s['prompt_tokens']} tokens, {s['prefill_tps']:.3f} tokens-per-sec\n"
+              f"Generation: {s['generated_tokens']} tokens, {s['decode_tps']:.3f} tokens-per-sec\n"
+              f"Peak memory: {s['peak_memory_bytes'] / 1e9:.3f} GB")
+    return result.text
