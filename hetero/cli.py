@@ -160,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--context", type=token_counts, default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
     convert.add_argument("--out",
                          help="output directory (--quantize: must not exist or be empty; --coreml: reused; default: none, required)")
+
+    pre = sub.add_parser("prefill", help="prefill a prompt and write mlx-lm's prompt-cache file (mlx_lm.generate --prompt-cache-file)")
+    pre.set_defaults(func=cmd_prefill)
+    _add_model(pre)
+    pre.add_argument("--prompt-file", required=True, help="the prompt: a UTF-8 text file, or - for stdin")
+    pre.add_argument("--out", required=True, help="the .safetensors prompt-cache file to write")
+    pre.add_argument("--prefill-chunk", type=POSITIVE_INT, default=None, help="prompt tokens per prefill step (default: 512; 256 split)")
+    pre.add_argument("--ane-fraction", type=fraction_or_auto, help="split prefill as in `hetero run` (default: GPU-only)")
+    pre.add_argument("--verify", action="store_true", help="with --ane-fraction: check the split against GPU-only; exit 1 on mismatch")
     return parser
 
 
@@ -346,6 +355,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     out = quantize_checkpoint(args.model, args.out, bits=args.quantize, group_size=args.group_size)
     print(f"wrote {args.quantize}-bit copy to {out}")
+    return 0
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    """`hetero prefill`: the cache file records the model as given, the name `mlx_lm.generate` then loads."""
+    import time
+
+    import hetero
+    from hetero.library import prefill_to_file
+    from hetero.loader import BUNDLED_MODEL
+
+    if args.verify and args.ane_fraction is None:
+        raise HeteroError("--verify needs --ane-fraction F (the split to check)")
+    if args.prompt_file == "-":
+        text = decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+    else:
+        try:
+            with open(args.prompt_file, "rb") as f:
+                text = decode_utf8(f.read(), args.prompt_file)
+        except OSError as e:
+            raise HeteroError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+    start = time.perf_counter()
+    engine = hetero.load(args.model)
+    meta = {"model": str(args.model or BUNDLED_MODEL), "tokenizer_config": "{}"}
+    n = prefill_to_file(engine, text, args.out, ane_fraction=args.ane_fraction, chunk=args.prefill_chunk,
+                        verify=args.verify, metadata=meta)
+    print(f"[wrote a {n}-token prompt cache to {args.out} in {time.perf_counter() - start:.2f}s; continue with "
+          f"mlx_lm.generate --prompt-cache-file {args.out} --prompt ...]", file=sys.stderr)
     return 0
 
 

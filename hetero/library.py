@@ -25,7 +25,8 @@ from hetero.validate import check_fraction_or_auto
 
 DEFAULT_CHUNK = 512
 
-__all__ = ["GenerationResponse", "generate", "load_prompt_cache", "prefill", "save_prompt_cache", "stream_generate"]
+__all__ = ["GenerationResponse", "generate", "load_prompt_cache", "prefill", "prefill_to_file", "save_prompt_cache",
+           "stream_generate"]
 
 
 def _held(model, tokenizer=None) -> Engine | MlxLmModel:
@@ -78,19 +79,33 @@ def prefill(
     raises HeteroError when it does not match. `chunk` is the prefill chunk (default 512; 256 for the split).
     """
     held = _held(model, tokenizer)
-    net = held.model
-    kinds = [layer.is_linear for layer in net.layers]
-    hcache = from_mlx_lm(cache, kinds) if cache is not None else net.make_cache()[: len(kinds)]
-    offset = hcache[0].offset
-    ids = _ids(held, prompt, offset)
+    kinds = [layer.is_linear for layer in held.model.layers]
+    hcache = from_mlx_lm(cache, kinds) if cache is not None else held.model.make_cache()[: len(kinds)]
+    _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify)
+    return to_mlx_lm(hcache, len(kinds), into=cache)
+
+
+def prefill_to_file(model, prompt: str | list[int], out: str | os.PathLike, *, ane_fraction: float | str = 0.0,
+                    chunk: int | None = None, verify: bool = False, metadata: dict[str, str] | None = None) -> int:
+    """Prefill `prompt` and write the cache to `out` in mlx-lm's prompt-cache format (`hetero prefill`; needs no
+    mlx-lm). Returns the number of tokens the cache holds."""
+    held = _held(model)
+    hcache = held.model.make_cache()[: len(held.model.layers)]
+    _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify)
+    save_prompt_cache(out, hcache, metadata)
+    return hcache[0].offset
+
+
+def _prefill_into(held, prompt, hcache: list, ane_fraction, chunk: int | None, verify: bool) -> None:
+    """Prefill `prompt` into hetero's backbone caches `hcache` (which may hold a prefix)."""
+    ids = _ids(held, prompt, hcache[0].offset)
     fraction = None if ane_fraction is None else check_fraction_or_auto(ane_fraction, "ane_fraction")
     if not fraction:  # None or 0: the GPU-only prefill
         from hetero.generate import prefill as gpu_prefill
 
-        gpu_prefill(net, ids, hcache, chunk or DEFAULT_CHUNK)
+        gpu_prefill(held.model, ids, hcache, chunk or DEFAULT_CHUNK)
     else:
         _split_prefill(held, ids, hcache, fraction, chunk, verify)
-    return to_mlx_lm(hcache, len(kinds), into=cache)
 
 
 def _split_prefill(held, ids: list[int], hcache: list, fraction: float | str, chunk: int | None, verify: bool) -> None:

@@ -236,3 +236,37 @@ def test_layouts_mlx_lm_gets_wrong_are_refused_by_name(case):
         engine.generate(ids[-1:], max_tokens=2, prompt_cache=bad)
     with pytest.raises(hetero.HeteroError, match="layers"):
         hetero.prefill(model, ids[:4], cache=make_prompt_cache(model)[:-1])
+
+
+def test_hetero_prefill_command_writes_what_mlx_lm_generate_reads(tmp_path):
+    import subprocess
+    import sys
+
+    from hetero.cli import main
+
+    engine = hetero.load()
+    text = Path(hetero.engine.__file__).read_text()[:1500]
+    (tmp_path / "prompt.txt").write_text(text)
+    out = tmp_path / "cache.safetensors"
+    assert main(["prefill", "--prompt-file", str(tmp_path / "prompt.txt"), "--out", str(out)]) == 0
+    ids, more = engine.tokenizer.encode(text), engine.tokenizer.encode("    def run(self):")
+    model, tokenizer = _mlx_lm(BUNDLED_MODEL)
+    cache, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert meta["model"] == str(BUNDLED_MODEL) and json.loads(meta["tokenizer_config"]) == {}
+    assert cache[3].offset == len(ids)
+    assert lm_tokens(model, tokenizer, more, cache) == lm_tokens(model, tokenizer, ids + more)
+    # mlx-lm's own command line: finds the model in the file's metadata and continues from the cache
+    done = subprocess.run([sys.executable, "-m", "mlx_lm.generate", "--prompt-cache-file", str(out), "--prompt", "def",
+                           "--max-tokens", "4", "--ignore-chat-template"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Prompt: 1 tokens" in done.stdout  # the 1-token suffix ran on top of the cached prompt
+
+
+def test_the_prefill_command_refuses_what_it_cannot_do(tmp_path, capsys):
+    from hetero.cli import main
+
+    assert main(["prefill", "--prompt-file", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "c")]) == 1
+    assert "missing.txt" in capsys.readouterr().err
+    (tmp_path / "p.txt").write_text("x = 1\n")
+    assert main(["prefill", "--prompt-file", str(tmp_path / "p.txt"), "--out", str(tmp_path / "c"), "--verify"]) == 1
+    assert "--verify needs --ane-fraction" in capsys.readouterr().err
