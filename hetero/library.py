@@ -19,7 +19,7 @@ import mlx.core as mx
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.logprobs import TokenLogprob
-from hetero.mlx_lm_cache import from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
+from hetero.mlx_lm_cache import cache_leaves, from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
 from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
 from hetero.validate import check_fraction_or_auto
 
@@ -180,12 +180,15 @@ def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tok
     engine = _engine(model)
     args = _generate_kwargs(kwargs)
     args.setdefault("logprobs", 0)
+    if args.get("prompt_cache") is not None:  # evaluated here: the worker thread has its own MLX stream
+        mx.eval(cache_leaves(args["prompt_cache"]))
     n_prompt = len(engine.encode_prompt(prompt, args.get("chat", False)))
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
 
     def work() -> None:
         try:
+            mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams are per thread
             result = engine.generate(prompt, max_tokens=max_tokens, on_text=lambda t: events.put(("text", t)),
                                      on_logprob=lambda lp: events.put(("token", lp)), should_stop=stop.is_set, **args)
             events.put(("done", result))

@@ -83,7 +83,13 @@ def to_mlx_lm(cache: list[LayerCache], n_layers: int, into: list | None = None) 
             target.keys, target.values, target.offset = state
         else:
             target[0], target[1] = state[0]
+    mx.eval(cache_leaves(out))  # nothing lazy: the cache may be read on another thread (MLX streams are per thread)
     return out
+
+
+def cache_leaves(cache: list) -> list[mx.array]:
+    """Every array an mlx-lm or hetero cache list holds."""
+    return [a for c in cache for _, a in tree_flatten(layer_state(c)[1]) if isinstance(a, mx.array)]
 
 
 def check_layout(cache: list, layer_kinds: list[bool]) -> int:
@@ -128,6 +134,7 @@ def from_mlx_lm(cache: list, layer_kinds: list[bool], n_mtp: int = 0) -> list[La
                 g.recurrent = mx.contiguous(state.astype(mx.float32).swapaxes(-1, -2))  # [B, Hv, Dk, Dv]
             g.offset = n
             out.append(g)
+    mx.eval([a for c in out for a in c.state])
     return out + [KVCache() for _ in range(n_mtp)]
 
 

@@ -270,3 +270,32 @@ def test_the_prefill_command_refuses_what_it_cannot_do(tmp_path, capsys):
     (tmp_path / "p.txt").write_text("x = 1\n")
     assert main(["prefill", "--prompt-file", str(tmp_path / "p.txt"), "--out", str(tmp_path / "c"), "--verify"]) == 1
     assert "--verify needs --ane-fraction" in capsys.readouterr().err
+
+
+def test_stream_generate_is_shaped_like_mlx_lms_and_decodes_the_same(case):
+    name, engine, model, tokenizer, ids = case
+    theirs = list(lm_stream_generate(model, tokenizer, mx.array(ids), max_tokens=NEW_TOKENS))
+    ours = list(hetero.stream_generate(engine, None, ids, max_tokens=NEW_TOKENS, logprobs=2))
+    assert [r.token for r in ours] == [r.token for r in theirs]
+    assert "".join(r.text for r in ours) == engine.generate(ids, max_tokens=NEW_TOKENS).text
+    assert [r.finish_reason for r in ours] == [None] * (len(ours) - 1) + ["length"]
+    last = ours[-1]
+    assert last.prompt_tokens == len(ids) and last.generation_tokens == NEW_TOKENS
+    assert last.prompt_tps > 0 and last.generation_tps > 0 and 0 < last.peak_memory < 10
+    for r, t in zip(ours, theirs):  # the chosen token's logprob, as mlx-lm's vector holds it
+        assert abs(r.logprobs - float(t.logprobs[t.token])) < 1e-2 and len(r.top_logprobs) == 2
+
+
+def test_generate_and_a_stream_stopped_early(case):
+    name, engine, model, tokenizer, ids = case
+    text = hetero.generate(engine, None, ids, max_tokens=8, temp=0.0)
+    assert text == engine.generate(ids, max_tokens=8).text
+    stream = hetero.stream_generate(engine, None, ids, max_tokens=200)
+    first = next(stream)
+    stream.close()  # the generating thread is told to stop and joined
+    assert first.token is not None and first.finish_reason is None
+    cache = hetero.prefill(engine, ids[:-1])  # continuing from a prompt cache, as mlx-lm's prompt_cache=
+    assert [r.token for r in hetero.stream_generate(engine, None, ids[-1:], max_tokens=8, prompt_cache=cache)] == \
+        engine.generate(ids, max_tokens=8).tokens
+    with pytest.raises(hetero.HeteroError, match="sampler"):
+        hetero.generate(engine, None, ids, sampler=lambda x: x)
