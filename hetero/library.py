@@ -201,14 +201,13 @@ def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tok
     pending: TokenLogprob | None = None
     text, count, first = "", 0, 0.0
 
-    def response(finish: str | None, prompt_tokens: int = n_prompt) -> GenerationResponse:
-        now = time.perf_counter()
-        gen_s = now - first
-        return GenerationResponse(
-            text, pending.token if pending else None, pending.logprob if pending else None, False, prompt_tokens,
-            prompt_tokens / (first - start) if first > start else 0.0, count, (count - 1) / gen_s if count > 1 and gen_s > 0 else 0.0,
-            mx.get_peak_memory() / 1e9, finish, pending.top if pending else (),
-        )
+    def response(finish: str | None) -> GenerationResponse:
+        gen_s = time.perf_counter() - first
+        prompt_tps = n_prompt / (first - start) if first > start else 0.0
+        gen_tps = (count - 1) / gen_s if count > 1 and gen_s > 0 else 0.0
+        token, logprob, top = (pending.token, pending.logprob, pending.top) if pending else (None, None, ())
+        return GenerationResponse(text, token, logprob, False, n_prompt, prompt_tps, count, gen_tps,
+                                  mx.get_peak_memory() / 1e9, finish, top)
 
     try:
         while True:

@@ -78,7 +78,9 @@ def to_mlx_lm(cache: list[LayerCache], n_layers: int, into: list | None = None) 
             out[i] = LmKVCache() if kind == KV else ArraysCache(size=2)
         target = out[i]
         if _kind(target) != kind:
-            raise HeteroError(f"prompt cache layer {i} is a {type(target).__name__}; this model's layer {i} needs a {kind}")
+            raise HeteroError(
+                f"prompt cache layer {i} is a {type(target).__name__}; this model's layer {i} needs a {kind}"
+            )
         if kind == KV:
             target.keys, target.values, target.offset = state
         else:

@@ -22,7 +22,9 @@ pytest.importorskip("mlx_lm")
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm import load as lm_load  # noqa: E402
 from mlx_lm import stream_generate as lm_stream_generate  # noqa: E402
-from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    ArraysCache, KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache,
+)
 
 import hetero  # noqa: E402
 from hetero.loader import BUNDLED_MODEL  # noqa: E402
