@@ -115,7 +115,11 @@ def _split_prefill(held, ids: list[int], hcache: list, fraction: float | str, ch
 
     if fraction == "auto" and getattr(held, "tokenizer", None) is None:
         raise HeteroError('ane_fraction="auto" with an mlx-lm model needs its tokenizer: prefill(..., tokenizer=tok)')
-    run = split_for(held, fraction, chunk or SPLIT_CHUNK)
+    runs = vars(held).setdefault("split_runs", {})  # lives as long as the engine / the wrapped mlx-lm model
+    key = (fraction, chunk or SPLIT_CHUNK)
+    if key not in runs:  # configured once per model: "auto" recommends and verifies on a calibration prompt
+        runs[key] = split_for(held, fraction, chunk or SPLIT_CHUNK)
+    run = runs[key]
     run.splitter(hcache[0].offset + len(ids)).run(ids, hcache, mtp=False, logits=False)
     if verify:
         check = verify_split(run, ids)
