@@ -156,6 +156,7 @@ class Engine:
         on_logprob: Callable[[TokenLogprob], None] | None = None,
         json_schema: dict | None = None,
         json_object: bool = False,
+        mark: int | None = None,
         prompt_cache: list | None = None,
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
@@ -177,6 +178,10 @@ class Engine:
         under MTP (the verify pass's rows). `json_schema` (a JSON Schema dict) or `json_object` constrains the
         output to JSON that matches it: the logits are masked at every position, drafts included, so MTP samples
         exactly what constrained plain decoding samples. EOS is allowed only where the JSON is complete.
+
+        `mark` (a prompt position: where a chat transcript ends and its generation prompt begins) also ends a
+        prefill chunk, so the prefix cache checkpoints it and the conversation's next turn, which renders this
+        turn's reply after that point, resumes there. The prefill with a mark is the same at every run.
         """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
@@ -239,17 +244,18 @@ class Engine:
                 last_mark[0] = mark
                 pc.capture(model, key, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
 
+        marks = () if mark is None else (mark,)
         if use_mtp:
             stream = mtp_generate_tokens(
                 model, ids, sampler, max_tokens, self.eos_ids, depth, copy, prefill_chunk, progress, times,
                 mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry, on_chunk=chunk_hook,
-                on_commit=on_commit, constraint=constraint, logprobs=recorder,
+                on_commit=on_commit, constraint=constraint, logprobs=recorder, marks=marks,
             )
         else:
             stream = generate_tokens(
                 model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times, cache=cache,
                 skip=skip, carry=carry, on_chunk=chunk_hook, mtp_prefill=pc is not None and model.has_mtp,
-                trace=trace, constraint=constraint, logprobs=recorder,
+                trace=trace, constraint=constraint, logprobs=recorder, marks=marks,
             )
         for tid in stream:
             tokens.append(tid)
@@ -266,7 +272,8 @@ class Engine:
         if tail and on_text is not None:
             on_text(tail)
         if pc is not None:
-            self._checkpoint_turn(pc, ids, cache, trace, state[0] if state else None, committed, prefill_chunk)
+            self._checkpoint_turn(pc, ids, cache, trace, state[0] if state else None, committed, prefill_chunk,
+                                mark)
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
@@ -284,12 +291,13 @@ class Engine:
 
     def _checkpoint_turn(
         self, pc: PrefixCache, ids: list[int], cache: list, trace: Trace, decoder: Decoder | None, committed: list[int],
-        chunk: int,
+        chunk: int, mark: int | None = None,
     ) -> None:
         """Checkpoint the committed end state of a turn (never a speculative one), then persist it.
 
-        The disk gets the checkpoints from the last chunk edge before the prompt's end onward: the same prompt
-        sent again must still run its last token, so it resumes from that edge.
+        The disk gets the checkpoints from the last chunk edge before the prompt's end (or the `mark`, when
+        earlier) onward: the same prompt sent again must still run its last token, so it resumes from that edge;
+        the conversation's next turn resumes from the mark.
         """
         key = self.cache_key
         if decoder is not None:  # MTP: the state after the last round; x is committed but not yet run
@@ -301,7 +309,8 @@ class Engine:
             pc.capture(self.model, key, run, cache, pending)
         else:
             return
-        pc.persist(self.model, key, run, since=(len(ids) - 1) // chunk * chunk)
+        since = (len(ids) - 1) // chunk * chunk
+        pc.persist(self.model, key, run, since=since if mark is None else min(since, mark))
 
 
 def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -28,6 +28,7 @@ def prefill(
     mtp: bool = False,
     carry: mx.array | None = None,
     on_chunk: ChunkFn | None = None,
+    marks: Sequence[int] = (),
 ) -> tuple[mx.array, mx.array]:
     """Run `tokens` through the model in chunks, filling `cache` (which may already hold a prefix).
 
@@ -39,13 +40,16 @@ def prefill(
     When `cache` already holds n tokens (a restored prefix), chunk edges stay at multiples of `chunk` counted
     from position 0, so the work after a restore at a chunk edge is exactly the cold run's; `carry` [1, H] is
     then h_{n-1}, which the MTP head pairs with tokens[0]. `on_chunk` sees the cache after every chunk.
+    `marks` (absolute positions) end a chunk too: the chunk holding a mark is cut in two there, so `on_chunk`
+    sees the state exactly at it (a chat transcript's end, before its generation prompt).
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
     logits, hidden = [], []
     offset = cache[0].offset if cache else 0
     first = chunk - offset % chunk  # tokens up to the next absolute chunk edge
-    edges = [0] + list(range(first, len(tokens), chunk)) + [len(tokens)]
+    cuts = set(range(first, len(tokens), chunk)) | {m - offset for m in marks if offset < m < offset + len(tokens)}
+    edges = [0] + sorted(cuts) + [len(tokens)]
     for start, stop in zip(edges, edges[1:]):
         if start == stop:
             continue
@@ -129,6 +133,7 @@ def generate_tokens(
     trace: Trace | None = None,
     constraint: Constraint | None = None,
     logprobs: LogprobRecorder | None = None,
+    marks: Sequence[int] = (),
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or `max_tokens`.
 
@@ -146,7 +151,7 @@ def generate_tokens(
         times.first_token = times.end = time.perf_counter()
         return
     logits, last_hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
-                                  on_chunk=on_chunk)
+                                  on_chunk=on_chunk, marks=marks)
     row = logits[-1]  # [V] the logits the current token is drawn from
     token = sampler(row if constraint is None else constraint.apply(row))
     if trace is not None:

@@ -14,7 +14,7 @@ Nothing accepted is ever re-run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -224,11 +224,12 @@ def mtp_generate_tokens(
     on_commit: Callable[[Decoder, list[int]], None] | None = None,
     constraint: Constraint | None = None,
     logprobs: LogprobRecorder | None = None,
+    marks: Sequence[int] = (),
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded), exactly as `generate_tokens` would in distribution.
 
-    `skip`/`carry`/`on_chunk` as in `start`; `on_commit(decoder, tokens)` sees the committed state after the
-    first token and after every round, with the tokens that state newly committed (the last one is decoder.x).
+    `skip`/`carry`/`on_chunk`/`marks` as in `start`; `on_commit(decoder, tokens)` sees the committed state after
+    the first token and after every round, with the tokens that state newly committed (the last one is decoder.x).
     `constraint` and `logprobs` as in `generate_tokens`; `logprobs` may record a few tokens past the last one
     yielded (those a round committed after an EOS or max_tokens): its i-th item is the i-th token yielded.
     """
@@ -241,7 +242,8 @@ def mtp_generate_tokens(
     if max_tokens <= 0:
         times.first_token = times.end = time.perf_counter()
         return
-    decoder = start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk, constraint, logprobs)
+    decoder = start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk, constraint, logprobs,
+                    marks)
     if on_commit is not None:
         on_commit(decoder, [decoder.x])
     emitted = 0
@@ -292,15 +294,17 @@ def start(
     on_chunk: ChunkFn | None = None,
     constraint: Constraint | None = None,
     logprobs: LogprobRecorder | None = None,
+    marks: Sequence[int] = (),
 ) -> Decoder:
     """Prefill the prompt (backbone and MTP head) and sample the first token.
 
     With `skip` > 0, `cache` already holds prompt[:skip] (a restored checkpoint) and `carry` [1, H] is its
-    h_{skip-1}; only prompt[skip:] is prefilled. `on_chunk` sees the cache after every prefill chunk.
+    h_{skip-1}; only prompt[skip:] is prefilled. `on_chunk` sees the cache after every prefill chunk and at
+    `marks` (`generate.prefill`).
     """
     cache = cache if cache is not None else model.make_cache()
     logits, last_hidden = prefill(
-        model, prompt[skip:], cache, chunk, progress, mtp=True, carry=carry, on_chunk=on_chunk
+        model, prompt[skip:], cache, chunk, progress, mtp=True, carry=carry, on_chunk=on_chunk, marks=marks
     )  # logits [1, V], last_hidden [1, H]
     x = sampler(logits[-1] if constraint is None else constraint.apply(logits[-1])).item()
     if constraint is not None:

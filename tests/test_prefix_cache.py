@@ -200,3 +200,32 @@ def test_diverging_prompt_restores_the_deepest_checkpoint_at_or_below_the_match(
     assert r.n == 128
     logits, _ = prefill(model, branch[128:], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden)
     np.testing.assert_array_equal(np.array(logits), cold_logits(model, branch)[128:])
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_the_next_turn_resumes_from_a_mark_inside_a_chunk(engine, mtp):
+    """A chat turn's mark (where its transcript ends, before the generation prompt) cuts the prefill there, so it
+    is checkpointed; the next turn, which parts from this one right after the mark, resumes from it. That run
+    computes the chunk holding the mark in two pieces where the next turn's cold run uses one: the same values
+    up to rounding, the same greedy tokens."""
+    transcript = tokens(100, 5)  # the mark at 100, inside the chunk [64, 128)
+    turn1 = transcript + [7, 8, 9]  # + the generation prompt
+    turn2 = transcript + [7, 8, 10, 11] + tokens(50, 6) + [7, 8, 9]  # this turn's reply rendered otherwise
+    mark2 = len(turn2) - 3
+    engine.prefix_cache = None
+    cold = engine.generate(turn2, max_tokens=20, mtp=mtp, prefill_chunk=CHUNK, mark=mark2)
+    pc = PrefixCache()
+    engine.prefix_cache = pc
+    try:
+        first = engine.generate(turn1, max_tokens=5, mtp=mtp, prefill_chunk=CHUNK, mark=100)
+        second = engine.generate(turn2, max_tokens=20, mtp=mtp, prefill_chunk=CHUNK, mark=mark2)
+    finally:
+        engine.prefix_cache = None
+    assert first.stats["cached_tokens"] == 0 and second.stats["cached_tokens"] == 100
+    assert second.tokens == cold.tokens
+    model = engine.model
+    r = pc.restore(model, engine.cache_key, turn2, limit=101)
+    assert r.n == 100
+    restored, _ = prefill(model, turn2[100:], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden, marks=[mark2])
+    whole, _ = prefill(model, turn2, model.make_cache(), CHUNK, all_logits=True, mtp=True, marks=[mark2])
+    np.testing.assert_allclose(np.array(restored), np.array(whole)[100:], rtol=0, atol=1e-5)  # 1e-6 measured

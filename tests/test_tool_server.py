@@ -1,20 +1,32 @@
 """Tool calls and reasoning through `hetero serve`, with the official OpenAI and Anthropic SDKs on loopback, on the
 tiny model trained to call a tool (tests/tool_model.py): the full agent loop (request with tools -> tool call ->
-tool result -> final answer), streaming and not, and reasoning in both APIs' shapes."""
+tool result -> final answer), streaming and not, reasoning in both APIs' shapes, the prefix cache across tool
+turns (also after a restart), and an agent framework from PyPI (pydantic-ai) running the loop."""
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+import threading
+from types import SimpleNamespace
 
 import openai
 import pytest
-from test_server import LiveServer
+from pydantic_ai import Agent
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+from test_server import LiveServer, cached_engine
 from tool_model import (
     FINAL_ANSWER, MATH_ANSWER, MATH_REASONING, MATH_REQUEST, TOOLS, WEATHER_ARGS, WEATHER_REQUEST, WEATHER_RESULT,
+    render,
 )
 
 import hetero
+from hetero.server.requests import Job
+from hetero.server.runner import Runner
 from hetero.server.toolcalls import ChatReply
+from hetero.tokenizer import Tokenizer
 from hetero.tools import CallEnd, CallStart
 
 NAME = "get_weather"
@@ -214,3 +226,133 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     stream = ChatReply("", tools, parallel=False).parser()
     events = [e for ch in two for e in stream.feed(ch)] + stream.finish()
     assert [e.name for e in events if isinstance(e, (CallStart, CallEnd))] == ["a", "a"] and stream.calls == 1
+
+
+def test_parallel_tool_calls_false_ends_the_generation_at_the_first_call():
+    two = "<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in "ab"]
+
+    class Writer:  # an engine that writes `two` a character per token, as long as should_stop lets it
+        def generate(self, ids, on_text, should_stop, **kw):
+            n = 0
+            for n, ch in enumerate(two, 1):
+                on_text(ch)
+                if should_stop():
+                    break
+            return SimpleNamespace(stats={"finish_reason": "stop", "prompt_tokens": 1, "cached_tokens": 0,
+                                          "generated_tokens": n})
+
+    def run(parallel: bool):
+        job = Job(ids=[0], max_tokens=99, reply=ChatReply("", tools, parallel=parallel))
+        return Runner(Writer()).run(job, lambda _: None, threading.Event())
+
+    assert run(True).text == two
+    one = run(False)
+    assert one.text == two[: two.index("</tool_call>") + len("</tool_call>")] and one.finish == "stop"
+    assert [c.name for c in ChatReply("", tools, parallel=False).parse(one.text).tool_calls] == ["a"]
+
+
+def test_a_call_to_another_function_than_the_named_tool_choice_is_text(caplog):
+    call = "<tool_call>\n<function=b>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in "ab"]
+    assert [c.name for c in ChatReply("", tools).parse(call).tool_calls] == ["b"]
+    caplog.set_level(logging.WARNING, logger="hetero.tools.calls")
+    wrong = ChatReply("", tools, forced="<tool_call>\n<function=", only="a")
+    reply = wrong.parse(call.removeprefix(wrong.forced))
+    assert reply.tool_calls == [] and reply.content == call and "tool_choice names 'a'" in caplog.text
+    assert [c.name for c in ChatReply("", tools, only="b").parse(call).tool_calls] == ["b"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The prefix cache across tool turns: turn N's prompt up to its generation prompt is turn N+1's cached prefix
+
+
+def transcript_end(tool_model_dir, messages: list[dict]) -> int:
+    """Tokens of `messages` rendered (with the tools) without the generation prompt."""
+    tokenizer = Tokenizer.from_dir(tool_model_dir)
+    return len(tokenizer.encode(render(messages, add_generation_prompt=False)))
+
+
+def test_openai_tool_turn_reads_the_last_prompt_from_the_cache_also_after_a_restart(tool_model_dir, oai, model,
+                                                                                      tmp_path):
+    first_dir, restart_dir = tmp_path / "sessions", tmp_path / "restart"
+    warm = LiveServer(cached_engine(tool_model_dir, first_dir))
+    try:
+        client = warm.openai()
+        first = client.chat.completions.create(model=model, messages=WEATHER, tools=TOOLS, max_tokens=64)
+        shutil.copytree(first_dir, restart_dir)  # the disk as a restart after turn 1 finds it
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        (call,) = first.choices[0].message.tool_calls
+        history = WEATHER + [first.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call.id, "content": WEATHER_RESULT}]
+        chunks = list(client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=64,
+                                                     stream=True, stream_options={"include_usage": True}))
+    finally:
+        warm.stop()
+    mark = transcript_end(tool_model_dir, WEATHER)
+    assert 0 < mark < first.usage.prompt_tokens
+    cold = oai.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=64)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == mark
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cold.choices[0].message.content
+
+    restarted = LiveServer(cached_engine(tool_model_dir, restart_dir))
+    try:
+        again = restarted.openai().chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=64)
+    finally:
+        restarted.stop()
+    assert again.usage.prompt_tokens_details.cached_tokens == mark
+    assert again.choices[0].message.content == cold.choices[0].message.content == FINAL_ANSWER
+
+
+def test_anthropic_tool_turn_reads_the_last_prompt_from_the_cache(tool_model_dir, claude, model):
+    mtp = {"extra_body": {"mtp": True}}  # speculative decoding on: its checkpoints resume from the mark too
+    warm = LiveServer(cached_engine(tool_model_dir, None))
+    try:
+        client = warm.anthropic()
+        first = client.messages.create(model=model, messages=WEATHER, tools=ANTHROPIC_TOOLS, max_tokens=64, **mtp)
+        assert first.usage.cache_read_input_tokens == 0
+        (use,) = first.content
+        history = WEATHER + [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": WEATHER_RESULT}]},
+        ]
+        with client.messages.stream(model=model, messages=history, tools=ANTHROPIC_TOOLS, max_tokens=64,
+                                    **mtp) as stream:
+            started = next(e for e in stream if e.type == "message_start")
+            final = stream.get_final_message()
+    finally:
+        warm.stop()
+    mark = transcript_end(tool_model_dir, WEATHER)
+    assert started.message.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens == mark
+    cold = claude.messages.create(model=model, messages=history, tools=ANTHROPIC_TOOLS, max_tokens=64)
+    assert cold.usage.cache_read_input_tokens == 0
+    assert final.usage.input_tokens + mark == cold.usage.input_tokens
+    assert [b.text for b in final.content] == [b.text for b in cold.content] == [FINAL_ANSWER]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# An agent framework from PyPI
+
+
+def test_pydantic_ai_agent_runs_the_tool_loop(tool_model_dir, model):
+    """pydantic-ai's chat-completions model against `hetero serve`: the agent calls the tool, reads its result,
+    answers; its second request reads the first one's prompt from the prefix cache."""
+    warm = LiveServer(cached_engine(tool_model_dir, None))
+    calls = []
+    agent = Agent(OpenAIChatModel(model, provider=OpenAIProvider(base_url=warm.url + "/v1", api_key="none")))
+
+    @agent.tool_plain
+    def get_weather(city: str, days: int) -> str:
+        """Weather forecast for a city."""
+        calls.append((city, days))
+        return WEATHER_RESULT
+
+    try:
+        result = agent.run_sync(WEATHER_REQUEST)
+    finally:
+        warm.stop()
+    assert calls == [(WEATHER_ARGS["city"], WEATHER_ARGS["days"])] and result.output == FINAL_ANSWER
+    responses = [m for m in result.all_messages() if m.kind == "response"]
+    assert [[p.part_kind for p in r.parts] for r in responses] == [["tool-call"], ["text"]]
+    assert responses[1].usage.cache_read_tokens > 0

@@ -121,12 +121,16 @@ class Runner:
         matcher = StopMatcher(job.stops)
         parts: list[str] = []
         started = []
+        # parallel_tool_calls false: the reply is parsed here too, and the generation ends with its first call
+        one_call = job.reply.parser() if job.reply is not None and not job.reply.parallel else None
 
         def on_text(piece: str) -> None:
             out = matcher.feed(piece)
             if out:
                 parts.append(out)
                 emit(out)
+                if one_call is not None:
+                    one_call.feed(out)
 
         def progress(done: int, total: int) -> None:
             if not started:  # the prefill covers only what the prefix cache did not restore
@@ -138,13 +142,14 @@ class Runner:
 
         def should_stop() -> bool:
             self.turns.pass_turn(ticket)  # after every token
-            return matcher.stopped is not None or cancelled.is_set()
+            return matcher.stopped is not None or cancelled.is_set() or (one_call is not None and one_call.calls > 0)
 
         logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
         result = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
             min_p=job.min_p, seed=job.seed, mtp=job.mtp, prefill_chunk=self.prefill_chunk, on_text=on_text, progress=progress,
             should_stop=should_stop, prefill_with=self._prefill_with(job, ticket),
+            mark=job.reply.mark if job.reply is not None else None,
             **self._output_options(job, emit, logprobs),
         )
         if cancelled.is_set():

@@ -27,7 +27,9 @@ class ChatReply:
     prompt: str  # the rendered prompt (it tells whether generation starts inside a think block)
     tools: list[dict] | None = None  # the tools the template saw, in its form
     forced: str = ""  # text appended to the prompt by tool_choice; the parser reads it as the reply's start
-    parallel: bool = True  # False: only the first call is kept
+    parallel: bool = True  # False: only the first call is kept, and the generation ends with it
+    mark: int | None = None  # prompt tokens before the generation prompt (`transcript_end`)
+    only: str | None = None  # the function a tool_choice names: a call to another is returned as text
 
     def parser(self) -> "ReplyStream":
         return ReplyStream(self)
@@ -43,7 +45,7 @@ class ReplyStream:
 
     def __init__(self, reply: ChatReply):
         self.reply = reply
-        self._parser = ReplyParser(reply.prompt, reply.tools, parse_calls=bool(reply.tools))
+        self._parser = ReplyParser(reply.prompt, reply.tools, parse_calls=bool(reply.tools), only=reply.only)
         self._pending = self._parser.feed(reply.forced) if reply.forced else []
         self.calls = 0
 
@@ -87,7 +89,26 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
     except HeteroError as e:
         raise RequestError(400, str(e), "messages") from None
     forced = forced_prefix(mode, prompt, tokenizer.chat_template)
-    return parser.encode(prompt + forced, "messages"), ChatReply(prompt, shown, forced, parallel)
+    ids = parser.encode(prompt + forced, "messages")
+    mark = transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids)
+    only = mode if mode not in (None, "auto", "none", "required") else None
+    return ids, ChatReply(prompt, shown, forced, parallel, mark, only)
+
+
+def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kwargs: dict, prompt: str,
+                   ids: list[int]) -> int | None:
+    """Tokens of the conversation rendered without the generation prompt, when they prefix the prompt's `ids`
+    (else None). The next turn renders this turn's reply after exactly these tokens (Qwen templates write
+    `<|im_start|>assistant\\n<think>\\n` as the generation prompt but an empty think block before a call in
+    the history), so a checkpoint here is the longest one both turns share."""
+    try:
+        head = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=False, **template_kwargs)
+    except HeteroError:
+        return None
+    if not head or len(head) >= len(prompt) or not prompt.startswith(head):
+        return None
+    head_ids = tokenizer.encode(head)
+    return len(head_ids) if ids[: len(head_ids)] == head_ids else None
 
 
 def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:

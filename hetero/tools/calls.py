@@ -13,7 +13,7 @@ import logging
 
 from hetero.tools.events import Event, Text, call_events
 from hetero.tools.json_calls import scan_json_call
-from hetero.tools.scan import Scan, skip_space
+from hetero.tools.scan import Scan, bad, skip_space
 from hetero.tools.schema import tool_parameters
 from hetero.tools.xml_calls import scan_xml_call
 
@@ -32,10 +32,12 @@ def held_tail(text: str, word: str) -> int:
 
 
 class ToolCallParser:
-    """feed(piece) -> events; finish() -> the rest. `tools` (OpenAI or Anthropic definitions) type XML values."""
+    """feed(piece) -> events; finish() -> the rest. `tools` (OpenAI or Anthropic definitions) type XML values;
+    with `only` (a tool_choice that names a function), a call to any other function is returned as text."""
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict] | None = None, only: str | None = None) -> None:
         self._params = tool_parameters(tools)
+        self._only = only
         self._buf = ""  # text mode: the held tail; call mode: what follows <tool_call>
         self._in_call = False
         self._after_call = False  # strip the whitespace that follows a call
@@ -80,6 +82,8 @@ class ToolCallParser:
             scan = self._scan()
             if scan.status == "more" and not final:
                 return out
+            if scan.status == "ok" and self._only is not None and scan.name != self._only:
+                scan = bad(scan.end, f"it calls {scan.name!r} where tool_choice names {self._only!r}")
             if scan.status == "ok":
                 out += call_events(self.count, scan.name, scan.arguments)
                 if self._params and scan.name not in self._params:

@@ -14,13 +14,14 @@ class ReplyParser:
 
     `prompt` is the rendered prompt (it tells whether generation starts inside a think block). With
     `tools=None` and `parse_calls=False` the answer is plain text; with `reasoning=False` <think> is text too.
-    Text a caller forces after the prompt (a tool_choice prefix) is fed first, as if the model wrote it.
+    Text a caller forces after the prompt (a tool_choice prefix) is fed first, as if the model wrote it; `only`
+    (the function a tool_choice names) turns a call to any other function into text.
     """
 
     def __init__(self, prompt: str = "", tools: list[dict] | None = None, parse_calls: bool = True,
-                 reasoning: bool = True) -> None:
+                 reasoning: bool = True, only: str | None = None) -> None:
         self._think = ReasoningSplitter(opens_reasoning(prompt)) if reasoning else None
-        self._calls = ToolCallParser(tools) if parse_calls else None
+        self._calls = ToolCallParser(tools, only) if parse_calls else None
 
     def feed(self, piece: str) -> list[Event]:
         return self._route(self._think.feed(piece) if self._think else [Text(piece)])
