@@ -96,6 +96,29 @@ class GDNCache:
         return sum(a.nbytes for a in self.state)
 
 
+class RaggedKV:
+    """One attention layer's KV for a batch of requests, each in its own `KVCache` at its own length.
+
+    A batched pass runs x [B, S, hidden] where row i holds `lengths[i]` real tokens (then padding): row i's
+    real keys are written into `rows[i]` at its own positions and its queries attend over that cache alone,
+    so every request sees exactly the attention it would see decoding alone (`DecoderLayer`).
+    """
+
+    def __init__(self, rows: list[KVCache], lengths: list[int]) -> None:
+        if len(rows) != len(lengths):
+            raise ValueError(f"{len(rows)} caches for {len(lengths)} lengths")
+        self.rows, self.lengths = rows, lengths
+
+    @property
+    def offsets(self) -> mx.array:
+        """[B] each row's position before this pass (its RoPE offset)."""
+        return mx.array([c.offset for c in self.rows])
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for c in self.rows for a in c.state]
+
+
 LayerCache = KVCache | GDNCache
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from hetero.cache import GDNCache, KVCache, LayerCache
+from hetero.cache import GDNCache, KVCache, LayerCache, RaggedKV
 from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.attention import attend
@@ -311,7 +311,9 @@ class DecoderLayer(nn.Module):
             self._attention_in = PerThread(lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset))
             self._attention_out = PerThread(lambda x, out, g: self._feed_forward(x + self.self_attn.finish(out, g)))
 
-    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | RaggedKV | None) -> mx.array:
+        if isinstance(cache, RaggedKV):
+            return self._ragged_attention(x, cache)
         if cache is not None and x.shape[1] <= RECURRENT_MAX_TOKENS:
             if isinstance(cache, GDNCache) and cache.conv is not None:
                 return self._compiled_gdn(x, cache)
@@ -346,6 +348,27 @@ class DecoderLayer(nn.Module):
         keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
         out = attend(queries, keys, values, scale=self.self_attn.head_dim**-0.5)  # [B, H, S, D]
         return self._attention_out(x, out, gate)
+
+    def _ragged_attention(self, x: mx.array, cache: RaggedKV) -> mx.array:
+        """A batch of requests, row i with cache.lengths[i] real tokens over its own KV (`RaggedKV`).
+
+        Projections and the MLP run over the whole [B, S] block (weights read once for the batch); the attention
+        proper runs row by row on the row's real tokens, the very shapes a request decoding alone runs.
+        """
+        B, S, _ = x.shape
+        few = S <= RECURRENT_MAX_TOKENS  # the compiled pieces, as for one request (longer: the plain path)
+        queries, keys, values, gate = (
+            self._attention_in(x, cache.offsets) if few else self.self_attn.project(self.input_layernorm(x), cache.offsets)
+        )  # [B, H, S, D], [B, Hkv, S, D] x2, [B, S, H, D]
+        outs = []
+        for i, (c, n) in enumerate(zip(cache.rows, cache.lengths)):
+            k, v = c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])  # [1, Hkv, offset+n, D]
+            out = attend(queries[i : i + 1, :, :n], k, v, scale=self.self_attn.head_dim**-0.5)  # [1, H, n, D]
+            outs.append(out if n == S else mx.pad(out, [(0, 0), (0, 0), (0, S - n), (0, 0)]))
+        out = mx.concatenate(outs) if B > 1 else outs[0]  # [B, H, S, D], zeros past each row's real tokens
+        if few:
+            return self._attention_out(x, out, gate)
+        return self._feed_forward(x + self.self_attn.finish(out, gate))
 
 
 class TextModel(nn.Module):

@@ -1,0 +1,352 @@
+"""Batched decoding: concurrent requests share every backbone pass (DESIGN.md section 3, issue 13).
+
+A decode pass is bound by reading the weights; B requests decoding together read them once per round instead
+of B times. Each request keeps its own caches in the solo layout (`model.make_cache()`), its own sampler,
+draft depth and limits, and gets exactly the tokens it would get decoding alone (`mtp_generate_tokens`, or
+`generate_tokens` at depth 0): the same drafts, the same acceptance draws from its own key stream. One round:
+
+  draft   rows with a copy-lane proposal take it; the rows that draft with the MTP head run it together: the
+          catch-up over each row's pending (token, hidden) pairs, padded to the longest, then one step per
+          depth for the rows whose depth k_i goes that far.
+  verify  one backbone pass over tokens [B, S], row i = [x_i, d_i...] padded to S = max(k_i + 1). GDN layers
+          run on the rows' states stacked [B, ...], recording every step; attention layers write and read
+          each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`).
+  accept  row by row, `accept_greedy` / `accept_drafts` with the row's own sampler (as `run_round`).
+  commit  row by row: KV trimmed to the row's length, GDN state and conv window as recorded after the row's
+          own last kept token (one gather per layer re-stacks them), MTP KV trimmed, pending pairs queued.
+
+Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
+row at one token (plain decoding, or no drafts anywhere) the pass records nothing. Requests join (prefilled
+alone, `start`) and leave between rounds; the rows' caches always hold their committed state (views into the
+batch's stacked GDN arrays), so a request that leaves takes a complete cache with it.
+
+Attention layout: per-row attention over each request's own cache (not a padded [B, Hkv, L_max, D] copy of all
+caches with a mask): it copies no KV, and each request's attention runs the very shapes and kernel it runs
+alone. The projections, MLPs, GDN layers and lm_head, where the weights are read, run over the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
+from hetero.errors import HeteroError
+from hetero.generate import DecodeTimes, prefill
+from hetero.models.qwen3_5 import Model
+from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
+from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, start
+
+MAX_BATCH = 8
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a batch: its decoder state (the solo `Decoder`), sampler, limits and tokens so far."""
+
+    decoder: Decoder
+    sampler: Sampler
+    depth: int  # MTP draft depth; 0 decodes plainly
+    max_tokens: int
+    eos_ids: set[int]
+    max_context: int
+    tokens: list[int] = field(default_factory=list)  # emitted, EOS excluded
+    finish_reason: str | None = None  # "stop" (EOS) or "length" once done
+    stats: MTPStats | None = None
+    times: DecodeTimes = field(default_factory=DecodeTimes)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def take(self, new: list[int]) -> list[int]:
+        """Emit the committed `new` tokens up to EOS or max_tokens, as solo decoding would; returns those emitted."""
+        out = []
+        for t in new:
+            if not self.tokens and not out:
+                self.times.first_token = time.perf_counter()
+            if t in self.eos_ids:
+                self.finish_reason = self.times.finish_reason = "stop"
+                break
+            out.append(t)
+            if len(self.tokens) + len(out) >= self.max_tokens:
+                self.finish_reason = self.times.finish_reason = "length"
+                break
+        self.tokens += out
+        self.times.generated, self.times.end = len(self.tokens), time.perf_counter()
+        return out
+
+
+@dataclass
+class Round:
+    """What one round proposes and decides for each row."""
+
+    drafts: list[list[int]]
+    draft_logprobs: list[mx.array | None]  # [k_i, V] proposal log-probs when sampled from the MTP head
+    copied: list[bool]
+    accepted: list[int] = field(default_factory=list)
+    next: list[int] = field(default_factory=list)
+
+    def mtp_ran(self, i: int) -> bool:
+        return bool(self.drafts[i]) and not self.copied[i]
+
+
+class Batch:
+    """Requests decoding together, one round at a time (`step`); `join` and `leave` between rounds."""
+
+    def __init__(self, model: Model, max_batch: int = MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise HeteroError(f"--max-batch must be at least 1, got {max_batch}")
+        self.model, self.max_batch = model, max_batch
+        self.requests: list[Request] = []
+        self.rounds = 0
+        self._stacked_for: list[Request] = []  # the rows (in order) that `_stacked` holds
+        self._stacked: dict[int, tuple[mx.array, mx.array]] = {}  # GDN layer -> (conv [B, K-1, C], state [B, ...])
+
+    @property
+    def full(self) -> bool:
+        return len(self.requests) >= self.max_batch
+
+    def join(
+        self,
+        prompt: list[int],
+        sampler: Sampler,
+        max_tokens: int,
+        eos_ids: set[int],
+        depth: int = 3,
+        copy: bool = False,
+        cache: list[LayerCache] | None = None,
+        skip: int = 0,
+        carry: mx.array | None = None,
+        chunk: int = 512,
+        max_context: int | None = None,
+    ) -> Request:
+        """Prefill `prompt` alone and add the request; its first token is in `request.tokens` already.
+
+        `depth` 0 decodes plainly (as `generate_tokens`), else speculatively with the MTP head (as
+        `mtp_generate_tokens`, with the copy lane when `copy`). `cache`/`skip`/`carry`: a restored prefix (`start`).
+        """
+        if self.full:
+            raise HeteroError(f"the batch is full ({self.max_batch} requests)")
+        if depth and not self.model.has_mtp:
+            raise HeteroError("this checkpoint has no MTP head: join with depth 0 (plain decoding)")
+        if not 0 <= depth <= MAX_DEPTH:
+            raise HeteroError(f"draft depth must be in 0..{MAX_DEPTH}, got {depth}")
+        times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(prompt))
+        cache = cache if cache is not None else self.model.make_cache()
+        if depth:
+            decoder = start(self.model, prompt, sampler, cache, chunk, copy=copy, skip=skip, carry=carry)
+        else:
+            logits, hidden = prefill(self.model, prompt[skip:], cache, chunk)  # [1, V], [1, H]
+            decoder = Decoder(self.model, cache, sampler(logits[-1]).item(), hidden[:0])
+        request = Request(decoder, sampler, depth, max_tokens, set(eos_ids),
+                          max_context or self.model.args.max_position_embeddings,
+                          stats=MTPStats(depth) if depth else None, times=times)
+        if max_tokens <= 0:
+            request.finish_reason = times.finish_reason = "length"
+            times.first_token = times.end = time.perf_counter()
+            return request
+        request.take([decoder.x])
+        if not request.done:
+            self.requests.append(request)
+        return request
+
+    def leave(self, request: Request) -> None:
+        """Drop a request (cancelled or done) before the next round; its caches hold its committed state."""
+        if request in self.requests:
+            self.requests.remove(request)
+
+    def drain(self) -> Iterator[dict[Request, list[int]]]:
+        """Rounds until every request is done (`step`'s results)."""
+        while self.requests:
+            yield self.step()
+
+    def step(self) -> dict[Request, list[int]]:
+        """One round for every request: {request: tokens it emitted}. Finished requests leave the batch."""
+        rows = list(self.requests)
+        if not rows:
+            return {}
+        plans = [self._plan(r) for r in rows]
+        rnd = self._propose(rows, plans)
+        target, hidden, gdn = self._verify(rows, rnd)  # [B, S, V], [B, S, H]
+        self._accept(rows, rnd, target)
+        self._commit(rows, rnd, hidden, gdn)
+        self.rounds += 1
+        emitted = {}
+        for i, r in enumerate(rows):
+            if r.stats is not None:
+                r.stats.record(len(rnd.drafts[i]), rnd.accepted[i], rnd.copied[i])
+            emitted[r] = r.take(rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
+            if r.stats is not None:
+                r.stats.emitted += len(emitted[r])
+        self.requests = [r for r in self.requests if not r.done]
+        return emitted
+
+    # ------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _plan(r: Request) -> tuple[int, int]:
+        """(MTP draft count, copy-lane draft count) for this round: drafts never overshoot max_tokens or the context."""
+        room = min(r.max_tokens - len(r.tokens) - 1, r.max_context - r.decoder.length - 2)
+        return max(0, min(r.depth, room)), max(0, min(MAX_DEPTH, 2 * r.depth, room))
+
+    def _propose(self, rows: list[Request], plans: list[tuple[int, int]]) -> Round:
+        rnd = Round([[] for _ in rows], [None] * len(rows), [False] * len(rows))
+        drafting = []
+        for i, (r, (k, copy_k)) in enumerate(zip(rows, plans)):
+            lane = r.decoder.lane
+            copied = lane.propose(copy_k) if lane is not None and copy_k > 0 else []
+            if copied:
+                rnd.drafts[i], rnd.copied[i] = copied, True
+            elif k > 0:
+                drafting.append(i)
+        if drafting:
+            drafts, logprobs = self._draft([rows[i] for i in drafting], [plans[i][0] for i in drafting])
+            for i, d, q in zip(drafting, drafts, logprobs):
+                rnd.drafts[i], rnd.draft_logprobs[i] = d, q
+        return rnd
+
+    def _mtp_caches(self, rows: list[Request], lengths: list[int]) -> list[RaggedKV]:
+        n = len(self.model.layers)
+        return [RaggedKV([r.decoder.cache[n + j] for r in rows], lengths)
+                for j in range(len(rows[0].decoder.cache) - n)]
+
+    def _draft(self, rows: list[Request], ks: list[int]) -> tuple[list[list[int]], list[mx.array | None]]:
+        """k_i drafts per row from the MTP head (`speculative._draft` for a batch), each row with its own sampler."""
+        model = self.model
+        pending = [r.decoder.pending_tokens + [r.decoder.x] for r in rows]  # pairs with pending_hidden
+        m = [len(p) for p in pending]
+        M = max(m)
+        tokens = mx.array([p + [0] * (M - len(p)) for p in pending])  # [B, M]
+        hidden = mx.stack([mx.pad(r.decoder.pending_hidden, [(0, M - n), (0, 0)]) for r, n in zip(rows, m)])
+        z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m))  # [B, M, H]
+        z = z[mx.arange(len(rows)), mx.array(m) - 1][:, None]  # [B, 1, H] each row's last real position
+        for r in rows:
+            r.decoder.pending_tokens, r.decoder.pending_hidden = [], r.decoder.pending_hidden[:0]
+        drafts: list[list[mx.array]] = [[] for _ in rows]
+        logprobs: list[list[mx.array]] = [[] for _ in rows]
+        live = list(range(len(rows)))  # rows still drafting, in z's row order
+        for j in range(max(ks)):
+            logits = model.logits(z)[:, -1]  # [b, V]
+            for b, i in enumerate(live):
+                params = rows[i].sampler.params
+                if params.greedy:
+                    drafts[i].append(mx.argmax(logits[b]))
+                else:
+                    q = warp(logits[b], params)
+                    drafts[i].append(sample(q, rows[i].sampler.next_key()))
+                    logprobs[i].append(q)
+            keep = [b for b, i in enumerate(live) if ks[i] > j + 1]
+            if not keep:
+                break
+            live_rows = [rows[live[b]] for b in keep]
+            d = mx.stack([drafts[live[b]][-1] for b in keep]).reshape(-1, 1)  # [b', 1]
+            z = z if len(keep) == len(live) else z[mx.array(keep)]
+            z = model.mtp_hidden(d, z, self._mtp_caches(live_rows, [1] * len(keep)))  # fed its own post-norm output
+            live = [live[b] for b in keep]
+        mx.eval(drafts, logprobs)
+        return ([[int(d.item()) for d in row] for row in drafts],
+                [mx.stack(lp) if lp else None for lp in logprobs])
+
+    def _gdn_rows(self, rows: list[Request], layer: int) -> tuple[mx.array, mx.array]:
+        """The rows' conv windows and states of one GDN layer, stacked [B, ...] (kept from the last round when the
+        rows are the same)."""
+        same = len(rows) == len(self._stacked_for) and all(a is b for a, b in zip(rows, self._stacked_for))
+        if same and layer in self._stacked:
+            return self._stacked[layer]
+        caches = [r.decoder.cache[layer] for r in rows]
+        return mx.concatenate([c.conv for c in caches]), mx.concatenate([c.recurrent for c in caches])
+
+    def _verify(self, rows: list[Request], rnd: Round) -> tuple[mx.array, mx.array, dict[int, GDNCache]]:
+        """One backbone pass over every row's [x, drafts]: (logits [B, S, V], hiddens [B, S, H], GDN caches)."""
+        lengths = [len(d) + 1 for d in rnd.drafts]
+        S = max(lengths)
+        tokens = mx.array([[r.decoder.x] + d + [0] * (S - n) for r, d, n in zip(rows, rnd.drafts, lengths)])  # [B, S]
+        caches: list[GDNCache | RaggedKV] = []
+        gdn: dict[int, GDNCache] = {}
+        for l, layer in enumerate(self.model.layers):
+            if layer.is_linear:
+                c = gdn[l] = GDNCache()
+                c.conv, c.recurrent = self._gdn_rows(rows, l)
+                if S > 1:
+                    c.start_recording()
+                caches.append(c)
+            else:
+                caches.append(RaggedKV([r.decoder.cache[l] for r in rows], lengths))
+        hidden = self.model.model(tokens, caches)  # [B, S, H]
+        return self.model.logits(hidden), hidden, gdn
+
+    @staticmethod
+    def _accept(rows: list[Request], rnd: Round, target: mx.array) -> None:
+        """Each row's acceptance with its own sampler: (accepted, next token) into `rnd`, one sync for all rows."""
+        decided = []
+        for i, r in enumerate(rows):
+            row = target[i, : len(rnd.drafts[i]) + 1]  # [k_i+1, V]
+            d = mx.array(rnd.drafts[i], dtype=mx.int32)
+            if r.depth == 0:  # plain decoding: the draw `generate_tokens` makes
+                decided.append((mx.array(0), r.sampler(row[-1])))
+            elif r.sampler.params.greedy:
+                decided.append(accept_greedy(row, d))
+            else:
+                q = rnd.draft_logprobs[i]
+                decided.append(accept_drafts(warp(row, r.sampler.params), d, q, r.sampler.next_key()))
+        mx.eval(decided)
+        rnd.accepted = [int(n.item()) for n, _ in decided]
+        rnd.next = [int(t.item()) for _, t in decided]
+
+    def _commit(self, rows: list[Request], rnd: Round, hidden: mx.array, gdn: dict[int, GDNCache]) -> None:
+        """Keep each row's x and first a_i drafts; its next token becomes its x (`Decoder.commit`, row by row)."""
+        kept = [a + 1 for a in rnd.accepted]  # tokens each row keeps of its pass
+        self._stacked = {}
+        for l, c in gdn.items():
+            if c.recording:  # row i's state after its own token kept[i]; the conv window ending there
+                window = c.conv.shape[1]
+                state = mx.concatenate([c.recorded_states[n - 1][i : i + 1] for i, n in enumerate(kept)])
+                conv = mx.concatenate([c.recorded_conv_in[i : i + 1, n : n + window] for i, n in enumerate(kept)])
+            else:
+                state, conv = c.recurrent, c.conv
+            self._stacked[l] = (conv, state)
+            for i, r in enumerate(rows):
+                own = r.decoder.cache[l]
+                own.conv, own.recurrent = conv[i : i + 1], state[i : i + 1]
+                own.offset += kept[i]
+        self._stacked_for = list(rows)
+        for l, layer in enumerate(self.model.layers):
+            if not layer.is_linear:
+                for i, r in enumerate(rows):
+                    own = r.decoder.cache[l]  # the pass wrote len(drafts) + 1 positions
+                    own.trim_to(own.offset - len(rnd.drafts[i]) - 1 + kept[i])
+        for i, r in enumerate(rows):
+            d, drafts, a = r.decoder, rnd.drafts[i], rnd.accepted[i]
+            for c in d.mtp_cache:  # drop the draft chain's speculative positions, keep the catch-up
+                c.trim_to(c.offset - (len(drafts) - 1 if rnd.mtp_ran(i) else 0))
+            if r.depth:
+                if not rnd.mtp_ran(i):
+                    d.pending_tokens.append(d.x)
+                d.pending_tokens += drafts[:a]
+                d.pending_hidden = mx.concatenate([d.pending_hidden, hidden[i, : a + 1]])
+            if d.lane is not None:
+                d.lane.extend(drafts[:a] + [rnd.next[i]])
+            d.x = rnd.next[i]
+        mx.eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows])
+
+
+def batch_generate(
+    model: Model,
+    prompts: list[list[int]],
+    samplers: list[Sampler],
+    max_tokens: list[int],
+    eos_ids: set[int],
+    depths: list[int],
+    copy: bool = False,
+) -> list[Request]:
+    """Decode every prompt in one batch to the end; the requests in prompt order (`request.tokens`)."""
+    batch = Batch(model, max_batch=max(1, len(prompts)))
+    requests = [batch.join(p, s, n, eos_ids, d, copy) for p, s, n, d in zip(prompts, samplers, max_tokens, depths)]
+    for _ in batch.drain():
+        pass
+    return requests
+

@@ -1,0 +1,230 @@
+"""Batched decoding (hetero.batch): every request of a batch gets exactly the tokens it gets decoding alone.
+
+Solo references are `mtp_generate_tokens` (depth > 0) and `generate_tokens` (depth 0). Greedy rows must match
+token for token; sampled rows with their own seeded samplers match too (each row draws from its own key stream
+in the solo order), which is stronger than matching in distribution. The tiny random models are
+tests/test_speculative.py's; `hetero.load()` is the bundled checkpoint.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_speculative import (
+    GREEDY, ScriptedLane, agreeing_model, assert_decoder_matches_reference, plain, random_model, rel_err, tiny_args,
+)
+
+from hetero.batch import Batch, Request, batch_generate
+from hetero.cache import KVCache, RaggedKV
+from hetero.errors import HeteroError
+from hetero.generate import generate_tokens
+from hetero.models.qwen3_5 import Model
+from hetero.sampling import Sampler, SamplingParams
+from hetero.speculative import mtp_generate_tokens
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [5, 5, 5, 5], [9, 9, 1],
+           [4, 9, 2, 7, 1] * 3, [30, 2], [6, 28, 4, 1, 7]]
+DEPTHS = [3, 1, 0, 4, 2, 3, 0, 1]
+MAX_TOKENS = [40, 25, 30, 33, 12, 37, 21, 28]
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, Model]:
+    return {"rejecting": random_model(0, 32), "agreeing": agreeing_model(1, 32, alpha=0.2)}
+
+
+def solo(model: Model, prompt: list[int], max_tokens: int, depth: int, sampler: Sampler | None = None,
+         eos: set[int] = frozenset(), copy: bool = False) -> list[int]:
+    sampler = sampler or Sampler(GREEDY)
+    if depth == 0:
+        return list(generate_tokens(model, prompt, sampler, max_tokens, set(eos)))
+    return list(mtp_generate_tokens(model, prompt, sampler, max_tokens, set(eos), depth=depth, copy=copy))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["rejecting", "agreeing"])
+def test_greedy_batch_equals_solo(models, name, n):
+    model = models[name]
+    requests = batch_generate(model, PROMPTS[:n], [Sampler(GREEDY) for _ in range(n)], MAX_TOKENS[:n], set(),
+                              DEPTHS[:n])
+    for i, r in enumerate(requests):
+        assert r.tokens == solo(model, PROMPTS[i], MAX_TOKENS[i], DEPTHS[i]), f"request {i}"
+        assert r.finish_reason == "length" and len(r.tokens) == MAX_TOKENS[i]
+    if name == "agreeing" and n >= 4:  # drafts were accepted, and rejected: both commit paths ran in the batch
+        assert all(1.3 < r.stats.to_dict()["mean_accepted_length"] < r.depth + 1 for r in requests if r.depth > 1)
+
+
+def test_seeded_sampling_batch_equals_solo(models):
+    """Sampled rows (mixed with a greedy one) draw what they draw alone with the same seed: same distribution."""
+    model, params = models["rejecting"], SamplingParams(0.8, top_k=10)
+    kinds = [params, params, GREEDY, SamplingParams(1.0, top_p=0.9), params]
+    requests = batch_generate(model, PROMPTS[:5], [Sampler(p, 10 + i) for i, p in enumerate(kinds)], MAX_TOKENS[:5],
+                              set(), DEPTHS[:5])
+    for i, r in enumerate(requests):
+        assert r.tokens == solo(model, PROMPTS[i], MAX_TOKENS[i], DEPTHS[i], Sampler(kinds[i], 10 + i)), f"request {i}"
+    again = batch_generate(model, PROMPTS[:2], [Sampler(params, 99), Sampler(params, 98)], [40, 40], set(), [3, 3])
+    assert again[0].tokens != again[1].tokens  # each row its own key stream, not a shared one
+
+
+@pytest.mark.parametrize("name", ["rejecting", "agreeing"])
+def test_copy_lane_rows_equal_solo(models, name):
+    model = models[name]
+    prompts = [[4, 9, 2, 7, 1] * 3, [1, 2, 3] * 4, [8, 6, 4]]
+    requests = batch_generate(model, prompts, [Sampler(GREEDY) for _ in prompts], [60, 45, 50], set(), [3, 2, 1],
+                              copy=True)
+    for r, p, n, d in zip(requests, prompts, [60, 45, 50], [3, 2, 1]):
+        assert r.tokens == solo(model, p, n, d, copy=True)
+    assert sum(r.stats.copy_drafted for r in requests) > 0 and sum(r.stats.mtp_rounds for r in requests) > 0
+
+
+def test_eos_ends_each_row_where_solo_does(models):
+    model = models["agreeing"]
+    reference = [solo(model, p, 40, d) for p, d in zip(PROMPTS[:4], DEPTHS[:4])]
+    eos = {reference[0][17], reference[3][9]}  # inside the outputs; each row stops at its own first EOS
+    requests = batch_generate(model, PROMPTS[:4], [Sampler(GREEDY) for _ in range(4)], [40] * 4, eos, DEPTHS[:4])
+    for r, p, d in zip(requests, PROMPTS, DEPTHS):
+        expected = solo(model, p, 40, d, eos=eos)
+        assert r.tokens == expected
+        assert r.finish_reason == ("stop" if len(expected) < 40 else "length")
+    assert requests[0].finish_reason == "stop"
+
+
+def test_join_and_leave_between_rounds(models):
+    """Requests join a running batch and one is cancelled midway: the others' outputs stay their solo ones, and the
+    cancelled one leaves with a cache holding exactly its committed tokens."""
+    model = models["agreeing"]
+    batch = Batch(model, max_batch=3)
+    a = batch.join(PROMPTS[0], Sampler(GREEDY), 40, set(), depth=3)
+    b = batch.join(PROMPTS[2], Sampler(GREEDY), 30, set(), depth=0)
+    for _ in range(3):
+        batch.step()
+    c = batch.join(PROMPTS[3], Sampler(GREEDY), 33, set(), depth=4)
+    with pytest.raises(HeteroError):
+        batch.join(PROMPTS[4], Sampler(GREEDY), 5, set())  # full
+    batch.step()
+    batch.step()
+    batch.leave(a)
+    assert a not in batch.requests and not a.done
+    assert a.tokens == solo(model, PROMPTS[0], 40, 3)[: len(a.tokens)]
+    assert a.tokens[-1] == a.decoder.x  # every committed token was emitted (no limit reached)
+    assert_decoder_matches_reference(model, a.decoder, PROMPTS[0] + a.tokens)
+    d = batch.join(PROMPTS[5], Sampler(GREEDY), 20, set(), depth=2)
+    for _ in batch.drain():
+        pass
+    assert b.tokens == solo(model, PROMPTS[2], 30, 0)
+    assert c.tokens == solo(model, PROMPTS[3], 33, 4)
+    assert d.tokens == solo(model, PROMPTS[5], 20, 2)
+    assert not batch.requests and all(r.done for r in (b, c, d))
+
+
+def test_edge_requests(models):
+    model = models["rejecting"]
+    batch = Batch(model)
+    none = batch.join([1, 2], Sampler(GREEDY), 0, set())
+    one = batch.join([1, 2], Sampler(GREEDY), 1, set())
+    first_eos = batch.join([3], Sampler(GREEDY), 10, {solo(model, [3], 1, 0)[0]})
+    assert none.tokens == [] and one.tokens == solo(model, [1, 2], 1, 3) and first_eos.tokens == []
+    assert (none.finish_reason, one.finish_reason, first_eos.finish_reason) == ("length", "length", "stop")
+    assert batch.requests == [] and batch.step() == {}
+    with pytest.raises(HeteroError):
+        Batch(model, max_batch=0)
+    with pytest.raises(HeteroError):
+        batch.join([1], Sampler(GREEDY), 4, set(), depth=16)
+
+
+def test_plain_batch_of_a_model_without_mtp_head():
+    headless = Model(tiny_args(32))
+    mx.eval(headless.parameters())
+    prompts, limits = PROMPTS[:3], [20, 9, 15]
+    requests = batch_generate(headless, prompts, [Sampler(GREEDY) for _ in prompts], limits, set(), [0, 0, 0])
+    for r, p, n in zip(requests, prompts, limits):
+        assert r.tokens == plain(headless, p, n)
+    with pytest.raises(HeteroError):
+        Batch(headless).join([1], Sampler(GREEDY), 4, set(), depth=2)
+
+
+@pytest.mark.parametrize("S", [3, 20])  # the compiled few-token pieces, and the plain path past RECURRENT_MAX_TOKENS
+def test_ragged_attention_equals_each_row_alone(models, S):
+    """An attention layer over rows of different real lengths and cache lengths equals each row run alone."""
+    layer = models["rejecting"].layers[1]
+    lengths, history = [S, 1, S - 1], [5, 0, 12]
+    x = mx.random.normal((3, S, 32), key=mx.random.key(0))
+    alone, rows = [], []
+    for i, (n, h) in enumerate(zip(lengths, history)):
+        past = mx.random.normal((1, h, 32), key=mx.random.key(i + 1)) if h else None
+        ref, mine = KVCache(), KVCache()
+        if past is not None:
+            layer(past, ref)
+            layer(past, mine)
+        alone.append(layer(x[i : i + 1, :n], ref)[0])  # [n, H]
+        rows.append((mine, ref))
+    out = layer(x, RaggedKV([m for m, _ in rows], lengths))  # [3, S, H]
+    for i, (n, (mine, ref)) in enumerate(zip(lengths, rows)):
+        assert rel_err(out[i, :n], alone[i]) <= 1e-5, f"row {i}"
+        assert mine.offset == ref.offset == history[i] + n
+        assert rel_err(mine.keys[:, :, : mine.offset], ref.keys[:, :, : ref.offset]) <= 1e-5
+
+
+class ScriptedBatch(Batch):
+    """A batch whose rounds do what the test says: per row, how many drafts (from the MTP head or a scripted copy
+    lane), how many of them are accepted and the next token."""
+
+    def __init__(self, model: Model):
+        super().__init__(model)
+        self.script: dict[Request, tuple[int, bool, int, int]] = {}  # (k, from the copy lane, accepted, next)
+        self.drafted: dict[Request, list[int]] = {}
+
+    def _plan(self, r):
+        k, from_copy, _, _ = self.script[r]
+        return (0 if from_copy else k), (k if from_copy else 0)
+
+    def _accept(self, rows, rnd, target):
+        self.drafted = dict(zip(rows, rnd.drafts))
+        rnd.accepted = [self.script[r][2] for r in rows]
+        rnd.next = [self.script[r][3] for r in rows]
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(data=st.data())
+def test_rollback_per_request(models, data):
+    """After any per-row drafts and forced acceptances, every row's caches equal a run over its committed tokens
+    alone: each row rolled back on its own, whatever the other rows kept."""
+    model, V = models["rejecting"], 32
+    token = st.integers(0, V - 1)
+    batch = ScriptedBatch(model)
+    n = data.draw(st.integers(1, 4), label="requests")
+    rows, committed = [], []
+    for i in range(n):
+        prompt = data.draw(st.lists(token, min_size=1, max_size=10), label=f"prompt {i}")
+        r = batch.join(prompt, Sampler(GREEDY), 1000, set(), depth=4)
+        r.decoder.lane = ScriptedLane()
+        rows.append(r)
+        committed.append(prompt + [r.decoder.x])
+    for _ in range(data.draw(st.integers(1, 4), label="rounds")):
+        for i, r in enumerate(rows):
+            k = data.draw(st.integers(0, 4), label="k")
+            from_copy = k > 0 and data.draw(st.booleans(), label="copy lane")
+            r.decoder.lane.next = data.draw(st.lists(token, min_size=k, max_size=k), label="copied") if from_copy else []
+            batch.script[r] = (k, from_copy, data.draw(st.integers(0, k), label="accepted"), data.draw(token, label="next"))
+        batch.step()
+        for i, r in enumerate(rows):
+            k, _, a, nxt = batch.script[r]
+            assert len(batch.drafted[r]) == k
+            committed[i] += batch.drafted[r][:a] + [nxt]
+            assert_decoder_matches_reference(model, r.decoder, committed[i])
+
+
+def test_bundled_model_greedy_batch_equals_solo():
+    engine = pytest.importorskip("hetero").load()
+    texts = ["def fib(n):", "The quick brown fox jumps over the lazy dog and then", "import numpy as np\n",
+             "Once upon a time", "class Stack:\n    def push(self, x):", "# TODO", "SELECT * FROM users WHERE",
+             "Dear Sir or Madam,"]
+    prompts = [engine.encode_prompt(t) for t in texts]
+    depths, limits = [3, 2, 0, 4, 1, 3, 0, 2], [20, 31, 12, 25, 16, 9, 18, 22]
+    alone = [solo(engine.model, p, n, d, eos=engine.eos_ids) for p, n, d in zip(prompts, limits, depths)]
+    for n in (1, 2, 4, 8):
+        requests = batch_generate(engine.model, prompts[:n], [Sampler(GREEDY) for _ in range(n)], limits[:n],
+                                  engine.eos_ids, depths[:n])
+        assert [r.tokens for r in requests] == alone[:n], n
