@@ -28,7 +28,7 @@ alone. The projections, MLPs, GDN layers and lm_head, where the weights are read
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -41,13 +41,14 @@ from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
 from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, start
 
 MAX_BATCH = 8
+CommitFn = Callable[[Decoder, list[int]], None]  # (the committed state, the tokens it newly committed; last = x)
 
 
 @dataclass(eq=False)
 class Request:
     """One request of a batch: its decoder state (the solo `Decoder`), sampler, limits and tokens so far."""
 
-    decoder: Decoder
+    decoder: Decoder | None  # None: a request with nothing to decode (max_tokens <= 0), done at once
     sampler: Sampler
     depth: int  # MTP draft depth; 0 decodes plainly
     max_tokens: int
@@ -57,6 +58,7 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS) or "length" once done
     stats: MTPStats | None = None
     times: DecodeTimes = field(default_factory=DecodeTimes)
+    on_commit: CommitFn | None = None
 
     @property
     def done(self) -> bool:
@@ -123,36 +125,63 @@ class Batch:
         carry: mx.array | None = None,
         chunk: int = 512,
         max_context: int | None = None,
+        on_commit: CommitFn | None = None,
     ) -> Request:
         """Prefill `prompt` alone and add the request; its first token is in `request.tokens` already.
 
         `depth` 0 decodes plainly (as `generate_tokens`), else speculatively with the MTP head (as
         `mtp_generate_tokens`, with the copy lane when `copy`). `cache`/`skip`/`carry`: a restored prefix (`start`).
+        `on_commit(decoder, tokens)` sees the request's committed state after its first token and after every round
+        (as in `mtp_generate_tokens`), e.g. to checkpoint it in a prefix cache.
         """
+        self._check(depth)
+        times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(prompt))
+        cache = cache if cache is not None else self.model.make_cache()
+        if max_tokens <= 0:  # nothing to decode: no prefill either (as solo)
+            request = Request(None, sampler, depth, 0, set(eos_ids), 0, times=times)
+            request.finish_reason = times.finish_reason = "length"
+            times.first_token = times.end = time.perf_counter()
+            return request
+        if depth:
+            decoder = start(self.model, prompt, sampler, cache, chunk, copy=copy, skip=skip, carry=carry)
+        else:
+            logits, hidden = prefill(self.model, prompt[skip:], cache, chunk)  # [1, V], [1, H]
+            decoder = Decoder(self.model, cache, sampler(logits[-1]).item(), hidden[:0])
+        return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit)
+
+    def add(
+        self,
+        decoder: Decoder,
+        sampler: Sampler,
+        max_tokens: int,
+        eos_ids: set[int],
+        depth: int = 3,
+        max_context: int | None = None,
+        times: DecodeTimes | None = None,
+        on_commit: CommitFn | None = None,
+    ) -> Request:
+        """Add a request prefilled elsewhere (`speculative.start`, or a plain prefill for depth 0) whose first token,
+        `decoder.x`, is sampled and not emitted yet; it is emitted now. The batch owns the decoder's caches until the
+        request leaves."""
+        self._check(depth)
+        request = Request(decoder, sampler, depth, max_tokens, set(eos_ids),
+                          max_context or self.model.args.max_position_embeddings,
+                          stats=MTPStats(depth) if depth else None, times=times or DecodeTimes(start=time.perf_counter()),
+                          on_commit=on_commit)
+        if on_commit is not None:
+            on_commit(decoder, [decoder.x])
+        request.take([decoder.x])
+        if not request.done:
+            self.requests.append(request)
+        return request
+
+    def _check(self, depth: int) -> None:
         if self.full:
             raise HeteroError(f"the batch is full ({self.max_batch} requests)")
         if depth and not self.model.has_mtp:
             raise HeteroError("this checkpoint has no MTP head: join with depth 0 (plain decoding)")
         if not 0 <= depth <= MAX_DEPTH:
             raise HeteroError(f"draft depth must be in 0..{MAX_DEPTH}, got {depth}")
-        times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(prompt))
-        cache = cache if cache is not None else self.model.make_cache()
-        if depth:
-            decoder = start(self.model, prompt, sampler, cache, chunk, copy=copy, skip=skip, carry=carry)
-        else:
-            logits, hidden = prefill(self.model, prompt[skip:], cache, chunk)  # [1, V], [1, H]
-            decoder = Decoder(self.model, cache, sampler(logits[-1]).item(), hidden[:0])
-        request = Request(decoder, sampler, depth, max_tokens, set(eos_ids),
-                          max_context or self.model.args.max_position_embeddings,
-                          stats=MTPStats(depth) if depth else None, times=times)
-        if max_tokens <= 0:
-            request.finish_reason = times.finish_reason = "length"
-            times.first_token = times.end = time.perf_counter()
-            return request
-        request.take([decoder.x])
-        if not request.done:
-            self.requests.append(request)
-        return request
 
     def leave(self, request: Request) -> None:
         """Drop a request (cancelled or done) before the next round; its caches hold its committed state."""
@@ -179,7 +208,10 @@ class Batch:
         for i, r in enumerate(rows):
             if r.stats is not None:
                 r.stats.record(len(rnd.drafts[i]), rnd.accepted[i], rnd.copied[i])
-            emitted[r] = r.take(rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
+            new = rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]]
+            if r.on_commit is not None:
+                r.on_commit(r.decoder, new)
+            emitted[r] = r.take(new)
             if r.stats is not None:
                 r.stats.emitted += len(emitted[r])
         self.requests = [r for r in self.requests if not r.done]

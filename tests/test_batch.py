@@ -19,9 +19,10 @@ from test_speculative import (
 from hetero.batch import Batch, Request, batch_generate
 from hetero.cache import KVCache, RaggedKV
 from hetero.errors import HeteroError
-from hetero.generate import generate_tokens
+from hetero.generate import generate_tokens, prefill
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, SamplingParams
+from hetero import speculative
 from hetero.speculative import mtp_generate_tokens
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [5, 5, 5, 5], [9, 9, 1],
@@ -117,6 +118,24 @@ def test_join_and_leave_between_rounds(models):
     assert c.tokens == solo(model, PROMPTS[3], 33, 4)
     assert d.tokens == solo(model, PROMPTS[5], 20, 2)
     assert not batch.requests and all(r.done for r in (b, c, d))
+
+
+def test_restored_prefix_and_prefilled_decoder_join(models):
+    """A request restored from a checkpoint (cache, skip, carry) and one prefilled elsewhere (`add`) decode as cold
+    solo runs do; on_commit sees every committed token in order."""
+    model = models["agreeing"]
+    prompt = PROMPTS[2]
+    cache = model.make_cache()
+    _, carry = prefill(model, prompt[:6], cache, mtp=True)  # a checkpoint of the first 6 tokens and h_5
+    batch = Batch(model)
+    committed: list[int] = []
+    restored = batch.join(prompt, Sampler(GREEDY), 30, set(), depth=2, cache=cache, skip=6, carry=carry,
+                          on_commit=lambda decoder, new: committed.extend(new))
+    added = batch.add(speculative.start(model, PROMPTS[0], Sampler(GREEDY), copy=False), Sampler(GREEDY), 25, set(), 3)
+    for _ in batch.drain():
+        pass
+    assert restored.tokens == solo(model, prompt, 30, 2) and added.tokens == solo(model, PROMPTS[0], 25, 3)
+    assert committed[: len(restored.tokens)] == restored.tokens and committed[-1] == restored.decoder.x
 
 
 def test_edge_requests(models):

@@ -1,0 +1,197 @@
+"""Batched decoding (hetero.batch) against round-robin turns, with 1, 2, 4 and 8 concurrent greedy requests.
+
+    python bench/batched.py                          # both models; JSON under bench/results/batched.json
+    python bench/batched.py --models bundled --batch-sizes 1 2 --tokens 4 --repeats 1   # a smoke run
+
+For each model (the bundled one, and bench/checkpoints.py's ~540 MB random one), each decode mode (plain, and MTP
+at --depth) and each number n of concurrent requests (prompts of different lengths, every request decoding
+--tokens tokens):
+  batched      one `Batch`: every round runs one backbone pass for all n requests;
+  round-robin  what `hetero serve` did before batching (hetero.turns): n generators, one token each in turn.
+Both start once every request has prefilled and produced its first token; reported: aggregate decode tokens/s
+(tokens after the first, all requests, over the wall time until the last request finishes), the speedup of
+batched over round-robin and over one request alone, and each request's latency (seconds until its last token,
+and that over its tokens). Greedy outputs of the two must be identical, request by request, or the run exits
+with status 1 after writing its results. The contenders alternate within each repeat; medians over repeats.
+
+--part attention times the attention layouts alone (the choice hetero.batch made): per-request attention over
+each request's own KV, against one padded call over all requests' KV with a mask, with and without the copy that
+gathering per-request caches into the padded layout costs every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkpoints import checkpoint  # noqa: E402
+from hetero.batch import Batch  # noqa: E402
+from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.engine import load  # noqa: E402
+from hetero.generate import generate_tokens  # noqa: E402
+from hetero.measure import median_seconds  # noqa: E402
+from hetero.sampling import Sampler, SamplingParams  # noqa: E402
+from hetero.speculative import mtp_generate_tokens  # noqa: E402
+
+GREEDY = SamplingParams()
+
+
+def prompts_for(vocab: int, n: int, base: int) -> list[list[int]]:
+    """n prompts of different lengths (base, base + 37, ...) of random ids (the models are random or tiny)."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab, base + 37 * i).tolist() for i in range(n)]
+
+
+def batched(model, prompts: list[list[int]], tokens: int, depth: int) -> dict:
+    batch = Batch(model, max_batch=len(prompts))
+    requests = [batch.join(p, Sampler(GREEDY), tokens, set(), depth) for p in prompts]
+    t0 = time.perf_counter()
+    finish = {}
+    rounds = 0
+    for _ in batch.drain():
+        rounds += 1
+        now = time.perf_counter() - t0
+        finish.update({id(r): now for r in requests if r.done and id(r) not in finish})
+    return {"outputs": [r.tokens for r in requests], "seconds": time.perf_counter() - t0, "rounds": rounds,
+            "finish_s": [finish.get(id(r), 0.0) for r in requests]}
+
+
+def round_robin(model, prompts: list[list[int]], tokens: int, depth: int) -> dict:
+    def gen(p):
+        if depth == 0:
+            return generate_tokens(model, p, Sampler(GREEDY), tokens, set())
+        return mtp_generate_tokens(model, p, Sampler(GREEDY), tokens, set(), depth=depth, copy=False)
+
+    gens = [gen(p) for p in prompts]
+    outputs = [[next(g)] for g in gens]  # prefill and first token, before the clock starts
+    t0 = time.perf_counter()
+    finish = [0.0] * len(gens)
+    live = list(range(len(gens)))
+    while live:
+        for i in list(live):
+            tok = next(gens[i], None)
+            if tok is None:
+                finish[i] = time.perf_counter() - t0
+                live.remove(i)
+            else:
+                outputs[i].append(tok)
+    return {"outputs": outputs, "seconds": time.perf_counter() - t0, "finish_s": finish}
+
+
+def model_part(name: str, args: argparse.Namespace) -> dict:
+    path = None if name == "bundled" else str(checkpoint(name, Path(args.workdir)))
+    engine = load(path, dtype=mx.float32)  # as bench/mtp.py: fp32 runs fastest on the CPU backend
+    model = engine.model
+    modes = {"plain": 0, f"mtp depth {args.depth}": args.depth}
+    base = args.prompt_tokens
+    rows, identical = {}, True
+    for mode, depth in modes.items():
+        for n in args.batch_sizes:
+            prompts = prompts_for(model.args.vocab_size, n, base)
+            batched(model, prompts, min(args.tokens, 4), depth)  # warm-up: compile this batch shape
+            samples: dict[str, list[dict]] = {"batched": [], "round_robin": []}
+            for _ in range(args.repeats):
+                for kind, fn in (("batched", batched), ("round_robin", round_robin)):
+                    samples[kind].append(fn(model, prompts, args.tokens, depth))
+            same = all(b["outputs"] == r["outputs"] for b, r in zip(samples["batched"], samples["round_robin"]))
+            identical &= same
+            decoded = n * (args.tokens - 1)
+            row = {"identical": same}
+            for kind, runs in samples.items():
+                secs = statistics.median(r["seconds"] for r in runs)
+                latency = [statistics.median(r["finish_s"][i] for r in runs) for i in range(n)]
+                row[kind] = {"aggregate_tps": decoded / secs, "seconds": secs, "latency_s": latency,
+                             "latency_ms_per_token": [1e3 * s / (args.tokens - 1) for s in latency]}
+            row["speedup_vs_round_robin"] = row["batched"]["aggregate_tps"] / row["round_robin"]["aggregate_tps"]
+            rows.setdefault(mode, {})[n] = row
+            one = rows[mode].get(1) or rows[mode][min(rows[mode])]
+            row["batched_vs_one_request"] = row["batched"]["aggregate_tps"] / one["batched"]["aggregate_tps"]
+            print(f"{name} {mode:12s} n={n}: batched {row['batched']['aggregate_tps']:7.1f} tok/s "
+                  f"({row['batched_vs_one_request']:.2f}x one request), round-robin "
+                  f"{row['round_robin']['aggregate_tps']:7.1f} tok/s, batched/round-robin "
+                  f"{row['speedup_vs_round_robin']:.2f}x, identical {same}", flush=True)
+    return {"modes": rows, "prompt_tokens": base, "decode_tokens": args.tokens, "greedy_identical": identical}
+
+
+def attention_part(args: argparse.Namespace) -> dict:
+    """Attention alone, the large model's shape (8 query heads, 2 KV heads, head dim 128), S queries per request."""
+    H, Hkv, D, S = 8, 2, 128, args.depth + 1
+    out = {}
+    for n in args.batch_sizes:
+        lengths = [args.context * (i + 1) // n for i in range(n)]  # ragged: up to --context
+        keys = [mx.random.normal((1, Hkv, L, D)) for L in lengths]
+        values = [mx.random.normal((1, Hkv, L, D)) for L in lengths]
+        q = mx.random.normal((n, H, S, D))
+        Lmax = max(lengths)
+        pad = lambda a, L: mx.pad(a, [(0, 0), (0, 0), (0, Lmax - L), (0, 0)])  # noqa: E731
+        kp = mx.concatenate([pad(k, L) for k, L in zip(keys, lengths)])
+        vp = mx.concatenate([pad(v, L) for v, L in zip(values, lengths)])
+        cols = mx.arange(Lmax)[None, None, None, :]  # key position
+        rows = (mx.array(lengths)[:, None, None, None] - S + mx.arange(S)[None, None, :, None])  # query position
+        mask = (cols <= rows) & (cols < mx.array(lengths)[:, None, None, None])  # [n, 1, S, Lmax]
+        mx.eval(keys, values, q, kp, vp, mask)
+        scale = D**-0.5
+        sdpa = mx.fast.scaled_dot_product_attention
+
+        def per_request():
+            mx.eval([sdpa(q[i : i + 1], keys[i], values[i], scale=scale, mask="causal") for i in range(n)])
+
+        def padded_copy():
+            k = mx.concatenate([pad(k, L) for k, L in zip(keys, lengths)])
+            v = mx.concatenate([pad(v, L) for v, L in zip(values, lengths)])
+            mx.eval(sdpa(q, k, v, scale=scale, mask=mask))
+
+        def padded_shared():
+            mx.eval(sdpa(q, kp, vp, scale=scale, mask=mask))
+
+        row = {f: median_seconds(fn, args.repeats * 5) * 1e3 for f, fn in
+               (("per_request_ms", per_request), ("padded_with_copy_ms", padded_copy),
+                ("padded_shared_buffer_ms", padded_shared))}
+        out[n] = {"context_lengths": lengths, **row}
+        print(f"attention n={n} contexts {lengths}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=["bundled", "large"], default=["bundled", "large"])
+    ap.add_argument("--part", choices=["decode", "attention", "both"], default="both")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="the shortest prompt; request i adds 37 i")
+    ap.add_argument("--depth", type=int, default=3, help="MTP draft depth")
+    ap.add_argument("--context", type=int, default=4096, help="longest context of the attention part")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
+    ap.add_argument("--out", default="bench/results/batched.json")
+    args = ap.parse_args()
+    if args.tokens < 2:
+        ap.error("--tokens must be at least 2 (the first token comes from the prefill)")
+    reexec_with_fast_blas()
+    result: dict = {"environment": environment(), "args": vars(args)}
+    if args.part in ("decode", "both"):
+        for name in args.models:
+            result[name] = model_part(name, args)
+    if args.part in ("attention", "both"):
+        result["attention"] = attention_part(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    differ = [name for name in args.models if name in result and not result[name]["greedy_identical"]]
+    if differ:  # a speed of wrong output is no result
+        sys.exit(f"FAILED: batched greedy output differs from round-robin on {', '.join(differ)}")
+
+
+if __name__ == "__main__":
+    main()
