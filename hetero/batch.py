@@ -36,6 +36,7 @@ import mlx.core as mx
 from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
 from hetero.errors import HeteroError
 from hetero.generate import DecodeTimes, prefill
+from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
 from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, start
@@ -59,6 +60,7 @@ class Request:
     stats: MTPStats | None = None
     times: DecodeTimes = field(default_factory=DecodeTimes)
     on_commit: CommitFn | None = None
+    logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
 
     @property
     def done(self) -> bool:
@@ -126,13 +128,15 @@ class Batch:
         chunk: int = 512,
         max_context: int | None = None,
         on_commit: CommitFn | None = None,
+        logprobs: LogprobRecorder | None = None,
     ) -> Request:
         """Prefill `prompt` alone and add the request; its first token is in `request.tokens` already.
 
         `depth` 0 decodes plainly (as `generate_tokens`), else speculatively with the MTP head (as
         `mtp_generate_tokens`, with the copy lane when `copy`). `cache`/`skip`/`carry`: a restored prefix (`start`).
         `on_commit(decoder, tokens)` sees the request's committed state after its first token and after every round
-        (as in `mtp_generate_tokens`), e.g. to checkpoint it in a prefix cache.
+        (as in `mtp_generate_tokens`), e.g. to checkpoint it in a prefix cache. `logprobs` records each committed
+        token's raw logprobs (`generate_tokens`).
         """
         self._check(depth)
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(prompt))
@@ -143,11 +147,14 @@ class Batch:
             times.first_token = times.end = time.perf_counter()
             return request
         if depth:
-            decoder = start(self.model, prompt, sampler, cache, chunk, copy=copy, skip=skip, carry=carry)
+            decoder = start(self.model, prompt, sampler, cache, chunk, copy=copy, skip=skip, carry=carry,
+                            logprobs=logprobs)
         else:
             logits, hidden = prefill(self.model, prompt[skip:], cache, chunk)  # [1, V], [1, H]
             decoder = Decoder(self.model, cache, sampler(logits[-1]).item(), hidden[:0])
-        return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit)
+            if logprobs is not None:
+                logprobs.add(logits[-1:], [decoder.x])
+        return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit, logprobs)
 
     def add(
         self,
@@ -159,15 +166,16 @@ class Batch:
         max_context: int | None = None,
         times: DecodeTimes | None = None,
         on_commit: CommitFn | None = None,
+        logprobs: LogprobRecorder | None = None,
     ) -> Request:
         """Add a request prefilled elsewhere (`speculative.start`, or a plain prefill for depth 0) whose first token,
-        `decoder.x`, is sampled and not emitted yet; it is emitted now. The batch owns the decoder's caches until the
-        request leaves."""
+        `decoder.x`, is sampled and not emitted yet; it is emitted now (`logprobs` holds its row already, if any).
+        The batch owns the decoder's caches until the request leaves."""
         self._check(depth)
         request = Request(decoder, sampler, depth, max_tokens, set(eos_ids),
                           max_context or self.model.args.max_position_embeddings,
                           stats=MTPStats(depth) if depth else None, times=times or DecodeTimes(start=time.perf_counter()),
-                          on_commit=on_commit)
+                          on_commit=on_commit, logprobs=logprobs)
         if on_commit is not None:
             on_commit(decoder, [decoder.x])
         request.take([decoder.x])
@@ -187,6 +195,7 @@ class Batch:
         """Drop a request (cancelled or done) before the next round; its caches hold its committed state."""
         if request in self.requests:
             self.requests.remove(request)
+        self._stacked, self._stacked_for = {}, []  # rebuilt from the remaining rows' own caches
 
     def drain(self) -> Iterator[dict[Request, list[int]]]:
         """Rounds until every request is done (`step`'s results)."""
@@ -202,6 +211,9 @@ class Batch:
         rnd = self._propose(rows, plans)
         target, hidden, gdn = self._verify(rows, rnd)  # [B, S, V], [B, S, H]
         self._accept(rows, rnd, target)
+        for i, r in enumerate(rows):
+            if r.logprobs is not None:  # the raw target rows of the kept drafts and the new token
+                r.logprobs.add(target[i, : rnd.accepted[i] + 1], rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
         self._commit(rows, rnd, hidden, gdn)
         self.rounds += 1
         emitted = {}
@@ -215,6 +227,8 @@ class Batch:
             if r.stats is not None:
                 r.stats.emitted += len(emitted[r])
         self.requests = [r for r in self.requests if not r.done]
+        if not self.requests:
+            self._stacked, self._stacked_for = {}, []
         return emitted
 
     # ------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from hetero.batch import Batch, Request, batch_generate
 from hetero.cache import KVCache, RaggedKV
 from hetero.errors import HeteroError
 from hetero.generate import generate_tokens, prefill
+from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, SamplingParams
 from hetero import speculative
@@ -136,6 +137,26 @@ def test_restored_prefix_and_prefilled_decoder_join(models):
         pass
     assert restored.tokens == solo(model, prompt, 30, 2) and added.tokens == solo(model, PROMPTS[0], 25, 3)
     assert committed[: len(restored.tokens)] == restored.tokens and committed[-1] == restored.decoder.x
+
+
+def test_logprobs_per_request_equal_solo(models):
+    model = models["agreeing"]
+    batch = Batch(model)
+    recorders = [LogprobRecorder(3) for _ in range(3)]
+    requests = [batch.join(p, Sampler(GREEDY), 20, set(), d, logprobs=rec)
+                for p, d, rec in zip(PROMPTS[:3], DEPTHS[:3], recorders)]
+    for _ in batch.drain():
+        pass
+    for r, p, d, rec in zip(requests, PROMPTS, DEPTHS, recorders):
+        ref = LogprobRecorder(3)
+        if d:
+            list(mtp_generate_tokens(model, p, Sampler(GREEDY), 20, set(), depth=d, copy=False, logprobs=ref))
+        else:
+            list(generate_tokens(model, p, Sampler(GREEDY), 20, set(), logprobs=ref))
+        ours, theirs = rec.items[:20], ref.items[:20]
+        assert [x.token for x in ours] == [x.token for x in theirs] == r.tokens
+        assert [t for x in ours for t, _ in x.top] == [t for x in theirs for t, _ in x.top]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(ours, theirs)) < 1e-4
 
 
 def test_edge_requests(models):
