@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
 from hetero.errors import HeteroError
-from hetero.generate import DecodeTimes, prefill
+from hetero.generate import DecodeTimes, ProgressFn, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
@@ -129,6 +129,7 @@ class Batch:
         max_context: int | None = None,
         on_commit: CommitFn | None = None,
         logprobs: LogprobRecorder | None = None,
+        progress: ProgressFn | None = None,
     ) -> Request:
         """Prefill `prompt` alone and add the request; its first token is in `request.tokens` already.
 
@@ -136,7 +137,8 @@ class Batch:
         `mtp_generate_tokens`, with the copy lane when `copy`). `cache`/`skip`/`carry`: a restored prefix (`start`).
         `on_commit(decoder, tokens)` sees the request's committed state after its first token and after every round
         (as in `mtp_generate_tokens`), e.g. to checkpoint it in a prefix cache. `logprobs` records each committed
-        token's raw logprobs (`generate_tokens`).
+        token's raw logprobs (`generate_tokens`). `progress(done, total)` runs after every prefill chunk: with
+        `lambda *_: batch.step()` the requests already decoding get a round after every chunk of the new prompt.
         """
         self._check(depth)
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(prompt))
@@ -147,10 +149,10 @@ class Batch:
             times.first_token = times.end = time.perf_counter()
             return request
         if depth:
-            decoder = start(self.model, prompt, sampler, cache, chunk, copy=copy, skip=skip, carry=carry,
+            decoder = start(self.model, prompt, sampler, cache, chunk, progress, copy=copy, skip=skip, carry=carry,
                             logprobs=logprobs)
         else:
-            logits, hidden = prefill(self.model, prompt[skip:], cache, chunk)  # [1, V], [1, H]
+            logits, hidden = prefill(self.model, prompt[skip:], cache, chunk, progress)  # [1, V], [1, H]
             decoder = Decoder(self.model, cache, sampler(logits[-1]).item(), hidden[:0])
             if logprobs is not None:
                 logprobs.add(logits[-1:], [decoder.x])

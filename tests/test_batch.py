@@ -112,12 +112,14 @@ def test_join_and_leave_between_rounds(models):
     assert a.tokens == solo(model, PROMPTS[0], 40, 3)[: len(a.tokens)]
     assert a.tokens[-1] == a.decoder.x  # every committed token was emitted (no limit reached)
     assert_decoder_matches_reference(model, a.decoder, PROMPTS[0] + a.tokens)
-    d = batch.join(PROMPTS[5], Sampler(GREEDY), 20, set(), depth=2)
+    long_prompt = [(7 * i + 3) % 32 for i in range(23)]  # prefilled in chunks of 4, a round of the others after each
+    d = batch.join(long_prompt, Sampler(GREEDY), 20, set(), depth=2, chunk=4, progress=lambda *_: batch.step())
+    assert len(b.tokens) > 5 + 5  # b decoded while d prefilled
     for _ in batch.drain():
         pass
     assert b.tokens == solo(model, PROMPTS[2], 30, 0)
     assert c.tokens == solo(model, PROMPTS[3], 33, 4)
-    assert d.tokens == solo(model, PROMPTS[5], 20, 2)
+    assert d.tokens == solo(model, long_prompt, 20, 2)
     assert not batch.requests and all(r.done for r in (b, c, d))
 
 
