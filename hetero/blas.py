@@ -18,7 +18,10 @@ Threads follow MKL_NUM_THREADS (MKL only), then OMP_NUM_THREADS, then OPENBLAS_N
 give each lane one BLAS thread keep control; one thread selects MKL's sequential layer, otherwise MKL runs on its
 Intel OpenMP layer (bench/blas.py: 2 threads take M = 1024 from ~90 to ~140 GFLOP/s here and leave M = 1 and
 M = 4 unchanged), with idle workers sleeping at once (KMP_BLOCKTIME=0 unless set) so that they never spin on the
-core MLX's own thread needs. NVPL runs its sequential variant (not measured: no aarch64 machine here).
+core MLX's own thread needs. Unasked, a machine of at most two cores gets one thread: the OpenMP layer costs
+~9 us per call, which the chunked delta rule's many small matmuls pay (128 products of 64 x 64 blocks: 0.87 ms
+sequential, 2.0 ms on two threads; the bundled model's 2K-token prefill 2,500-2,700 tok/s against 1,300-2,100),
+and the second core is the other lane's or the numpy softmax's. NVPL runs its sequential variant (not measured: no aarch64 machine here).
 `describe()` reads which library libmlx actually bound `cblas_sgemm` to.
 """
 
@@ -31,6 +34,8 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+SEQUENTIAL_UP_TO_CORES = 2  # machines with this many cores or fewer run MKL single-threaded unless asked otherwise
 
 # MKL's threading layers (mkl_service.h)
 _MKL_LAYERS = {"intel": 0, "sequential": 1, "gnu": 3}
@@ -96,6 +101,8 @@ def _kind_of(path: str | os.PathLike) -> str:
 
 
 def _requested_threads(kind: str | None) -> int | None:
+    """The thread count the environment asks for; else 1 on a machine of at most two cores (MKL's sequential
+    layer), else None (the library's own default: every core)."""
     names = ("MKL_NUM_THREADS",) if kind == "mkl" else ()
     for name in (*names, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         value = os.environ.get(name, "").split(",")[0].strip()
@@ -106,7 +113,7 @@ def _requested_threads(kind: str | None) -> int | None:
                 continue
             if n > 0:
                 return n
-    return None
+    return 1 if (os.cpu_count() or 1) <= SEQUENTIAL_UP_TO_CORES else None
 
 
 def _warn(message: str) -> None:

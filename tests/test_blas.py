@@ -149,3 +149,20 @@ def test_threads_follow_the_benchmarks_variables(env, want):
     """, env=env)
     assert proc.returncode == 0, proc.stderr
     assert want in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="MKL's threading layers")
+def test_unasked_threads_are_one_on_a_machine_of_two_cores_or_fewer():
+    """The OpenMP layer's per-call cost slows the chunked delta rule's small matmuls (hetero/blas.py): a machine of
+    at most two cores runs MKL sequentially unless a variable asks otherwise, a larger one on every core."""
+    proc = _run("""
+        import os, hetero, hetero.blas as b, mlx.core as mx
+        mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
+        print(os.cpu_count(), b.describe())
+    """)
+    assert proc.returncode == 0, proc.stderr
+    cores, described = proc.stdout.strip().splitlines()[-1].split(" ", 1)
+    if int(cores) <= 2:
+        assert "sequential layer, 1 thread" in described, described
+    else:
+        assert f"intel layer, {cores} threads" in described, described
