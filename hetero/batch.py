@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
 from hetero.errors import HeteroError
-from hetero.generate import DecodeTimes, ProgressFn, prefill
+from hetero.generate import DecodeTimes, ProgressFn, Trace, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
@@ -61,6 +61,7 @@ class Request:
     times: DecodeTimes = field(default_factory=DecodeTimes)
     on_commit: CommitFn | None = None
     logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
+    trace: Trace | None = None  # depth 0: what each round ran, as `generate_tokens` records it
 
     @property
     def done(self) -> bool:
@@ -156,9 +157,17 @@ class Batch:
             decoder = Decoder(self.model, cache, sampler(logits[-1]).item(), hidden[:0])
             if logprobs is not None:
                 logprobs.add(logits[-1:], [decoder.x])
-        return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit, logprobs)
+        return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit=on_commit,
+                        logprobs=logprobs)
 
-    def add(
+    def add(self, decoder: Decoder, sampler: Sampler, max_tokens: int, eos_ids: set[int], depth: int = 3,
+            max_context: int | None = None, times: DecodeTimes | None = None, **hooks) -> Request:
+        """Add a request prefilled elsewhere (`speculative.start`, or a plain prefill for depth 0): `request` then
+        `admit`. The batch owns the decoder's caches until the request leaves."""
+        self._check(depth)
+        return self.admit(self.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, **hooks))
+
+    def request(
         self,
         decoder: Decoder,
         sampler: Sampler,
@@ -167,26 +176,35 @@ class Batch:
         depth: int = 3,
         max_context: int | None = None,
         times: DecodeTimes | None = None,
+        stats: MTPStats | None = None,
         on_commit: CommitFn | None = None,
         logprobs: LogprobRecorder | None = None,
+        trace: Trace | None = None,
     ) -> Request:
-        """Add a request prefilled elsewhere (`speculative.start`, or a plain prefill for depth 0) whose first token,
-        `decoder.x`, is sampled and not emitted yet; it is emitted now (`logprobs` holds its row already, if any).
-        The batch owns the decoder's caches until the request leaves."""
-        self._check(depth)
+        """A request for a prefilled decoder whose first token, `decoder.x`, is sampled and not emitted yet; it is
+        emitted now (`logprobs` holds its row already, if any), and `on_commit` sees it. Not in the batch yet
+        (`admit`): a thread that prefilled it can stream its first token at once. `trace` (depth 0) gets each round's
+        token and hidden as `generate_tokens` records them."""
+        self._check(depth, room=False)
         request = Request(decoder, sampler, depth, max_tokens, set(eos_ids),
                           max_context or self.model.args.max_position_embeddings,
-                          stats=MTPStats(depth) if depth else None, times=times or DecodeTimes(start=time.perf_counter()),
-                          on_commit=on_commit, logprobs=logprobs)
+                          stats=stats or (MTPStats(depth) if depth else None),
+                          times=times or DecodeTimes(start=time.perf_counter()), on_commit=on_commit,
+                          logprobs=logprobs, trace=trace)
         if on_commit is not None:
             on_commit(decoder, [decoder.x])
         request.take([decoder.x])
+        return request
+
+    def admit(self, request: Request) -> Request:
+        """Put a request made by `request` into the batch (unless it is done already) for the next round."""
         if not request.done:
+            self._check(request.depth)
             self.requests.append(request)
         return request
 
-    def _check(self, depth: int) -> None:
-        if self.full:
+    def _check(self, depth: int, room: bool = True) -> None:
+        if room and self.full:
             raise HeteroError(f"the batch is full ({self.max_batch} requests)")
         if depth and not self.model.has_mtp:
             raise HeteroError("this checkpoint has no MTP head: join with depth 0 (plain decoding)")
@@ -371,6 +389,9 @@ class Batch:
             d, drafts, a = r.decoder, rnd.drafts[i], rnd.accepted[i]
             for c in d.mtp_cache:  # drop the draft chain's speculative positions, keep the catch-up
                 c.trim_to(c.offset - (len(drafts) - 1 if rnd.mtp_ran(i) else 0))
+            if r.trace is not None and not r.depth:
+                r.trace.tokens.append(mx.array(d.x))
+                r.trace.hidden.append(hidden[i, :1])
             if r.depth:
                 if not rnd.mtp_ran(i):
                     d.pending_tokens.append(d.x)
@@ -379,7 +400,8 @@ class Batch:
             if d.lane is not None:
                 d.lane.extend(drafts[:a] + [rnd.next[i]])
             d.x = rnd.next[i]
-        mx.eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows])
+        mx.eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows],
+                [r.trace.hidden[-1] for r in rows if r.trace is not None])  # a row's arrays may move to another thread
 
 
 def batch_generate(

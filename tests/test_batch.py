@@ -8,6 +8,8 @@ tests/test_speculative.py's; `hetero.load()` is the bundled checkpoint.
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import pytest
 from hypothesis import given, settings
@@ -17,9 +19,10 @@ from test_speculative import (
 )
 
 from hetero.batch import Batch, Request, batch_generate
+from hetero.batching import DecodeLoop
 from hetero.cache import KVCache, RaggedKV
 from hetero.errors import HeteroError
-from hetero.generate import generate_tokens, prefill
+from hetero.generate import Trace, generate_tokens, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, SamplingParams
@@ -270,3 +273,72 @@ def test_bundled_model_greedy_batch_equals_solo():
         requests = batch_generate(engine.model, prompts[:n], [Sampler(GREEDY) for _ in range(n)], limits[:n],
                                   engine.eos_ids, depths[:n])
         assert [r.tokens for r in requests] == alone[:n], n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The decode loop: jobs on their own threads, one shared batch
+
+
+def run_jobs(loop: DecodeLoop, model: Model, jobs: list[tuple[list[int], int, int]], cancel_after: dict[int, int]):
+    """Each job on its own thread: its turn for the prefill (given up at the handover), then its stream's tokens;
+    job i stops reading after cancel_after[i] tokens."""
+    outputs: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def job(i: int, prompt: list[int], max_tokens: int, depth: int) -> None:
+        ticket = object()
+        loop.turns.enter(ticket)
+        try:
+            out = []
+            stream = loop.generate_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(), depth, copy=False,
+                                          on_handover=lambda: loop.turns.leave(ticket))
+            for t in stream:
+                out.append(t)
+                if len(out) == cancel_after.get(i, -1):
+                    stream.close()
+                    break
+            outputs[i] = out
+        except BaseException as e:  # noqa: BLE001  (reported by the test)
+            errors.append(e)
+        finally:
+            loop.turns.leave(ticket)
+
+    threads = [threading.Thread(target=job, args=(i, *j)) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return outputs
+
+
+def test_decode_loop_batches_jobs_from_their_threads(models):
+    model = models["agreeing"]
+    loop = DecodeLoop(model, max_batch=3)
+    jobs = [(PROMPTS[i], MAX_TOKENS[i], DEPTHS[i]) for i in range(5)]  # 5 jobs, 3 at a time in the batch
+    outputs = run_jobs(loop, model, jobs, cancel_after={1: 4})
+    for i, (p, n, d) in enumerate(jobs):
+        expected = solo(model, p, n, d)
+        assert outputs[i] == (expected[:4] if i == 1 else expected), f"job {i}"
+    health = loop.health()
+    assert health["batch_size"] == 0 and health["rounds"] > 0 and max(health["recent_batch_sizes"]) <= 3
+    assert max(n for _, n in loop.sizes) >= 2  # requests did share rounds
+    loop.close()
+
+
+def test_decode_loop_plain_jobs_fill_the_trace(models):
+    """Plain (depth 0) requests record what generate_tokens' trace records, for the engine's checkpoints."""
+    model = models["rejecting"]
+    loop = DecodeLoop(model)
+    traces = [Trace(), Trace()]
+    streams = [loop.generate_tokens(model, p, Sampler(GREEDY), 12, set(), depth=0, trace=tr)
+               for p, tr in zip(PROMPTS[:2], traces)]
+    outs = [list(s) for s in streams]  # one after the other: the loop thread serves each in turn
+    for p, out, tr in zip(PROMPTS, outs, traces):
+        ref = Trace()
+        assert out == list(generate_tokens(model, p, Sampler(GREEDY), 12, set(), trace=ref))
+        assert [int(t.item()) for t in tr.tokens] == [int(t.item()) for t in ref.tokens][: len(tr.tokens)]
+        assert len(tr.hidden) == len(tr.tokens) + 1 and len(tr.tokens) >= len(ref.tokens) - 1
+        for a, b in zip(tr.hidden, ref.hidden):
+            assert rel_err(a, b) <= 1e-5
+    loop.close()

@@ -1,0 +1,198 @@
+"""Batched decoding for requests that live on their own threads (the server's jobs): one decode loop for all.
+
+A job prefills its prompt on its own thread, taking turns on the model as before (`hetero.turns`), emits its
+first token, then hands its decoder to the `DecodeLoop` and reads the rest of its tokens from a queue. The loop's
+thread runs one `Batch` round for every request handed over, one turn on the model per round, so the prefill
+chunks of prompts that arrive meanwhile still interleave with decoding. Requests join and leave between rounds;
+a job that stops reading (its client went away, a stop string matched) closes its stream, and its request leaves
+before the next round without disturbing the others.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from hetero.batch import MAX_BATCH, Batch, CommitFn, Request
+from hetero.cache import LayerCache, cache_arrays
+from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace, prefill
+from hetero.logprobs import LogprobRecorder
+from hetero.models.qwen3_5 import Model
+from hetero.sampling import Sampler
+from hetero.speculative import Decoder, MTPStats, start
+from hetero.turns import Turns
+
+
+class _Stream:
+    """One handed-over request and the queue its job reads: token lists, then None (done) or an exception."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+
+
+class DecodeLoop:
+    """Decodes every handed-over request in one `Batch` on its own thread, one turn of `turns` per round."""
+
+    def __init__(self, model: Model, turns: Turns | None = None, max_batch: int = MAX_BATCH, history: int = 512):
+        self.model = model
+        self.turns = turns if turns is not None else Turns()
+        self.batch = Batch(model, max_batch)
+        self.rounds = 0
+        self.sizes: deque[tuple[float, int]] = deque(maxlen=history)  # (wall time, requests) of the latest rounds
+        self._cv = threading.Condition()
+        self._arrivals: deque[_Stream] = deque()
+        self._streams: dict[Request, _Stream] = {}
+        self._ticket = object()  # the loop's place in the turn ring
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch.max_batch
+
+    def health(self) -> dict:
+        """Batch size now and over the latest rounds (for /health)."""
+        recent = [n for _, n in self.sizes]
+        return {"batch_size": len(self.batch.requests), "max_batch": self.max_batch, "rounds": self.rounds,
+                "waiting": len(self._arrivals), "recent_batch_sizes": recent[-32:],
+                "mean_batch_size": round(sum(recent) / len(recent), 3) if recent else 0.0}
+
+    def generate_tokens(
+        self,
+        model: Model,
+        prompt: list[int],
+        sampler: Sampler,
+        max_tokens: int,
+        eos_ids: set[int],
+        depth: int = 3,
+        copy: bool = True,
+        chunk: int = 512,
+        progress: ProgressFn | None = None,
+        times: DecodeTimes | None = None,
+        stats: MTPStats | None = None,
+        cache: list[LayerCache] | None = None,
+        max_context: int | None = None,
+        skip: int = 0,
+        carry: mx.array | None = None,
+        on_chunk: ChunkFn | None = None,
+        on_commit: CommitFn | None = None,
+        logprobs: LogprobRecorder | None = None,
+        marks: Sequence[int] = (),
+        trace: Trace | None = None,
+        mtp_prefill: bool = False,
+        on_handover: Callable[[], None] | None = None,
+    ) -> Iterator[int]:
+        """`mtp_generate_tokens` (depth > 0) or `generate_tokens` (depth 0, `trace`, `mtp_prefill`), the same
+        tokens, with the decoding done in the shared batch. The prefill runs on the caller's thread, then the first
+        token is yielded; `on_handover()` runs once the rest is the loop's (the caller gives up its turn there)."""
+        times = times if times is not None else DecodeTimes()
+        times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
+        if max_tokens <= 0:
+            times.first_token = times.end = time.perf_counter()
+            return
+        cache = cache if cache is not None else model.make_cache()
+        if depth:
+            decoder = start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk,
+                            logprobs=logprobs, marks=marks)
+        else:
+            logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
+                                     on_chunk=on_chunk, marks=marks)  # [1, V], [1, H]
+            decoder = Decoder(model, cache, sampler(logits[-1]).item(), hidden)
+            if trace is not None:
+                trace.hidden.append(hidden)
+            if logprobs is not None:
+                logprobs.add(logits[-1:], [decoder.x])
+        request = self.batch.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, stats,
+                                     on_commit, logprobs, trace if not depth else None)
+        yield from list(request.tokens)
+        if request.done:
+            return
+        mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache))  # the loop's thread has its own stream
+        stream = _Stream(request)
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hetero-batch", daemon=True)
+                self._thread.start()
+                atexit.register(self.close)  # a daemon thread, ended before the interpreter finalizes
+            self._arrivals.append(stream)
+            self._cv.notify_all()
+        if on_handover is not None:
+            on_handover()
+        try:
+            while True:
+                item = stream.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield from item
+        finally:
+            stream.cancelled = True  # read by the loop before its next round
+            with self._cv:
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the loop's thread (requests still in the batch get no more tokens)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        holding = False  # whether the loop is in the turn ring
+        try:
+            while True:
+                if holding and not self._streams:  # nothing to decode: the other jobs have the model
+                    self.turns.leave(self._ticket)
+                    holding = False
+                with self._cv:
+                    self._cv.wait_for(lambda: self._closed or self._arrivals or self._streams)
+                    if self._closed:
+                        return
+                    while self._arrivals and not self.batch.full:
+                        s = self._arrivals.popleft()
+                        if not s.cancelled:
+                            self._streams[self.batch.admit(s.request)] = s
+                for r, s in list(self._streams.items()):
+                    if s.cancelled:
+                        self.batch.leave(r)
+                        del self._streams[r]
+                if not self._streams:
+                    continue
+                if not holding:
+                    self.turns.enter(self._ticket)
+                    holding = True
+                self._round()
+                self.turns.pass_turn(self._ticket)
+        finally:
+            if holding:
+                self.turns.leave(self._ticket)
+
+    def _round(self) -> None:
+        """One batch round; its tokens to each request's stream. A failure ends every request of the batch."""
+        try:
+            emitted = self.batch.step()
+        except Exception as e:  # the rows' states are unknown now: each job gets the error
+            for r, s in self._streams.items():
+                self.batch.leave(r)
+                s.queue.put(e)
+            self._streams.clear()
+            return
+        self.rounds += 1
+        self.sizes.append((time.time(), len(emitted)))
+        for r, tokens in emitted.items():
+            s = self._streams[r]
+            if tokens:
+                s.queue.put(tokens)
+            if r.done:
+                s.queue.put(None)
+                del self._streams[r]
