@@ -89,10 +89,14 @@ class DecodeLoop:
         trace: Trace | None = None,
         mtp_prefill: bool = False,
         on_handover: Callable[[], None] | None = None,
+        on_handback: Callable[[], None] | None = None,
     ) -> Iterator[int]:
         """`mtp_generate_tokens` (depth > 0) or `generate_tokens` (depth 0, `trace`, `mtp_prefill`), the same
         tokens, with the decoding done in the shared batch. The prefill runs on the caller's thread, then the first
-        token is yielded; `on_handover()` runs once the rest is the loop's (the caller gives up its turn there)."""
+        token is yielded; `on_handover()` runs once the rest is the loop's (the caller gives up its turn on the
+        model there) and `on_handback()` once the stream ends or is closed (the caller takes a turn again: the
+        loop has finished its round, and the request's state is its committed one). `on_commit`, `stats` and
+        `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are yielded."""
         times = times if times is not None else DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
         if max_tokens <= 0:
@@ -110,10 +114,20 @@ class DecodeLoop:
                 trace.hidden.append(hidden)
             if logprobs is not None:
                 logprobs.add(logits[-1:], [decoder.x])
-        request = self.batch.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, stats,
-                                     on_commit, logprobs, trace if not depth else None)
-        yield from list(request.tokens)
+        request = self.batch.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, None, stats,
+                                     on_commit, logprobs, trace if not depth else None)  # its own times: this thread's
+
+        def emit(tokens: list[int]) -> Iterator[int]:
+            for t in tokens:
+                if times.generated == 0:
+                    times.first_token = time.perf_counter()
+                times.generated += 1
+                times.end = time.perf_counter()
+                yield t
+
+        yield from emit(list(request.tokens))
         if request.done:
+            times.finish_reason = request.finish_reason
             return
         mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache))  # the loop's thread has its own stream
         stream = _Stream(request)
@@ -130,14 +144,17 @@ class DecodeLoop:
             while True:
                 item = stream.queue.get()
                 if item is None:
+                    times.finish_reason = request.finish_reason
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield from item
+                yield from emit(item)
         finally:
             stream.cancelled = True  # read by the loop before its next round
             with self._cv:
                 self._cv.notify_all()
+            if on_handback is not None:
+                on_handback()
 
     def close(self) -> None:
         """Stop the loop's thread (requests still in the batch get no more tokens)."""

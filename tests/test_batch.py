@@ -22,7 +22,7 @@ from hetero.batch import Batch, Request, batch_generate
 from hetero.batching import DecodeLoop
 from hetero.cache import KVCache, RaggedKV
 from hetero.errors import HeteroError
-from hetero.generate import Trace, generate_tokens, prefill
+from hetero.generate import DecodeTimes, Trace, generate_tokens, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, SamplingParams
@@ -280,18 +280,20 @@ def test_bundled_model_greedy_batch_equals_solo():
 
 
 def run_jobs(loop: DecodeLoop, model: Model, jobs: list[tuple[list[int], int, int]], cancel_after: dict[int, int]):
-    """Each job on its own thread: its turn for the prefill (given up at the handover), then its stream's tokens;
-    job i stops reading after cancel_after[i] tokens."""
+    """Each job on its own thread: its turn for the prefill (given up at the handover, taken again at the end), then
+    its stream's tokens; job i stops reading after cancel_after[i] tokens."""
     outputs: dict[int, list[int]] = {}
+    times: dict[int, DecodeTimes] = {}
     errors: list[BaseException] = []
 
     def job(i: int, prompt: list[int], max_tokens: int, depth: int) -> None:
         ticket = object()
         loop.turns.enter(ticket)
         try:
-            out = []
+            out, times[i] = [], DecodeTimes()
             stream = loop.generate_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(), depth, copy=False,
-                                          on_handover=lambda: loop.turns.leave(ticket))
+                                          times=times[i], on_handover=lambda: loop.turns.leave(ticket),
+                                          on_handback=lambda: loop.turns.enter(ticket))
             for t in stream:
                 out.append(t)
                 if len(out) == cancel_after.get(i, -1):
@@ -309,17 +311,19 @@ def run_jobs(loop: DecodeLoop, model: Model, jobs: list[tuple[list[int], int, in
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    return outputs
+    return outputs, times
 
 
 def test_decode_loop_batches_jobs_from_their_threads(models):
     model = models["agreeing"]
     loop = DecodeLoop(model, max_batch=3)
     jobs = [(PROMPTS[i], MAX_TOKENS[i], DEPTHS[i]) for i in range(5)]  # 5 jobs, 3 at a time in the batch
-    outputs = run_jobs(loop, model, jobs, cancel_after={1: 4})
+    outputs, times = run_jobs(loop, model, jobs, cancel_after={1: 4})
     for i, (p, n, d) in enumerate(jobs):
         expected = solo(model, p, n, d)
         assert outputs[i] == (expected[:4] if i == 1 else expected), f"job {i}"
+        assert times[i].generated == len(outputs[i]) and times[i].end >= times[i].first_token > 0
+        assert times[i].finish_reason == "length"  # the cancelled job's is its caller's to set
     health = loop.health()
     assert health["batch_size"] == 0 and health["rounds"] > 0 and max(health["recent_batch_sizes"]) <= 3
     assert max(n for _, n in loop.sizes) >= 2  # requests did share rounds
