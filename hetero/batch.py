@@ -28,14 +28,14 @@ alone. The projections, MLPs, GDN layers and lm_head, where the weights are read
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
 from hetero.errors import HeteroError
-from hetero.generate import DecodeTimes, ProgressFn, Trace, prefill
+from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
@@ -149,14 +149,8 @@ class Batch:
             request.finish_reason = times.finish_reason = "length"
             times.first_token = times.end = time.perf_counter()
             return request
-        if depth:
-            decoder = start(self.model, prompt, sampler, cache, chunk, progress, copy=copy, skip=skip, carry=carry,
+        decoder = prefilled(self.model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry,
                             logprobs=logprobs)
-        else:
-            logits, hidden = prefill(self.model, prompt[skip:], cache, chunk, progress)  # [1, V], [1, H]
-            decoder = Decoder(self.model, cache, sampler(logits[-1]).item(), hidden[:0])
-            if logprobs is not None:
-                logprobs.add(logits[-1:], [decoder.x])
         return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit=on_commit,
                         logprobs=logprobs)
 
@@ -402,6 +396,39 @@ class Batch:
             d.x = rnd.next[i]
         mx.eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows],
                 [r.trace.hidden[-1] for r in rows if r.trace is not None])  # a row's arrays may move to another thread
+
+
+def prefilled(
+    model: Model,
+    prompt: list[int],
+    sampler: Sampler,
+    depth: int,
+    cache: list[LayerCache],
+    chunk: int = 512,
+    progress: ProgressFn | None = None,
+    copy: bool = False,
+    skip: int = 0,
+    carry: mx.array | None = None,
+    on_chunk: ChunkFn | None = None,
+    logprobs: LogprobRecorder | None = None,
+    marks: Sequence[int] = (),
+    trace: Trace | None = None,
+    mtp_prefill: bool = False,
+) -> Decoder:
+    """Prefill `prompt` into `cache` and sample the first token, as the solo decoder of `depth` does: `start`
+    (depth > 0), or `generate_tokens`' prefill (depth 0: `trace` gets the last hidden; `mtp_prefill` fills the MTP
+    head's KV too). Arguments as in `start`."""
+    if depth:
+        return start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk, logprobs=logprobs,
+                     marks=marks)
+    logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
+                             on_chunk=on_chunk, marks=marks)  # [1, V], [1, H]
+    decoder = Decoder(model, cache, sampler(logits[-1]).item(), hidden)  # depth 0 keeps no pending pairs after this
+    if trace is not None:
+        trace.hidden.append(hidden)
+    if logprobs is not None:
+        logprobs.add(logits[-1:], [decoder.x])
+    return decoder
 
 
 def batch_generate(

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from hetero.batch import MAX_BATCH, Batch, CommitFn, Request
+from hetero.batch import MAX_BATCH, Batch, CommitFn, Request, prefilled
 from hetero.cache import LayerCache, cache_arrays
-from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace, prefill
+from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
-from hetero.speculative import Decoder, MTPStats, start
+from hetero.speculative import MTPStats
 from hetero.turns import Turns
 
 
@@ -103,17 +103,8 @@ class DecodeLoop:
             times.first_token = times.end = time.perf_counter()
             return
         cache = cache if cache is not None else model.make_cache()
-        if depth:
-            decoder = start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk,
-                            logprobs=logprobs, marks=marks)
-        else:
-            logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
-                                     on_chunk=on_chunk, marks=marks)  # [1, V], [1, H]
-            decoder = Decoder(model, cache, sampler(logits[-1]).item(), hidden)
-            if trace is not None:
-                trace.hidden.append(hidden)
-            if logprobs is not None:
-                logprobs.add(logits[-1:], [decoder.x])
+        decoder = prefilled(model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
+                            logprobs, marks, trace, mtp_prefill)
         request = self.batch.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, None, stats,
                                      on_commit, logprobs, trace if not depth else None)  # its own times: this thread's
 

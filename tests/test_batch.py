@@ -251,8 +251,10 @@ def test_rollback_per_request(models, data):
         for i, r in enumerate(rows):
             k = data.draw(st.integers(0, 4), label="k")
             from_copy = k > 0 and data.draw(st.booleans(), label="copy lane")
-            r.decoder.lane.next = data.draw(st.lists(token, min_size=k, max_size=k), label="copied") if from_copy else []
-            batch.script[r] = (k, from_copy, data.draw(st.integers(0, k), label="accepted"), data.draw(token, label="next"))
+            copied = data.draw(st.lists(token, min_size=k, max_size=k), label="copied") if from_copy else []
+            r.decoder.lane.next = copied
+            accepted, nxt = data.draw(st.integers(0, k), label="accepted"), data.draw(token, label="next")
+            batch.script[r] = (k, from_copy, accepted, nxt)
         batch.step()
         for i, r in enumerate(rows):
             k, _, a, nxt = batch.script[r]
