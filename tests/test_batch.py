@@ -33,6 +33,9 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9
            [4, 9, 2, 7, 1] * 3, [30, 2], [6, 28, 4, 1, 7]]
 DEPTHS = [3, 1, 0, 4, 2, 3, 0, 1]
 MAX_TOKENS = [40, 25, 30, 33, 12, 37, 21, 28]
+# Cache states against a reference prefill: batched rows run other matmul shapes than the reference (fp32 BLAS
+# results differ in the last bits) and the random model amplifies that; 1e-5 was exceeded (1.005e-5) at 1 seed in 20.
+TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +117,7 @@ def test_join_and_leave_between_rounds(models):
     assert a not in batch.requests and not a.done
     assert a.tokens == solo(model, PROMPTS[0], 40, 3)[: len(a.tokens)]
     assert a.tokens[-1] == a.decoder.x  # every committed token was emitted (no limit reached)
-    assert_decoder_matches_reference(model, a.decoder, PROMPTS[0] + a.tokens)
+    assert_decoder_matches_reference(model, a.decoder, PROMPTS[0] + a.tokens, TOL)
     long_prompt = [(7 * i + 3) % 32 for i in range(23)]  # prefilled in chunks of 4, a round of the others after each
     d = batch.join(long_prompt, Sampler(GREEDY), 20, set(), depth=2, chunk=4, progress=lambda *_: batch.step())
     assert len(b.tokens) > 5 + 5  # b decoded while d prefilled
@@ -260,7 +263,7 @@ def test_rollback_per_request(models, data):
             k, _, a, nxt = batch.script[r]
             assert len(batch.drafted[r]) == k
             committed[i] += batch.drafted[r][:a] + [nxt]
-            assert_decoder_matches_reference(model, r.decoder, committed[i])
+            assert_decoder_matches_reference(model, r.decoder, committed[i], TOL)
 
 
 def test_bundled_model_greedy_batch_equals_solo():
