@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from hetero.batch import MAX_BATCH, Batch, CommitFn, Request, prefilled
 from hetero.cache import LayerCache, cache_arrays
+from hetero.errors import HeteroError
 from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
@@ -123,6 +124,8 @@ class DecodeLoop:
         mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache))  # the loop's thread has its own stream
         stream = _Stream(request)
         with self._cv:
+            if self._closed:
+                raise HeteroError("the batched decode loop is closed")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hetero-batch", daemon=True)
                 self._thread.start()
@@ -181,9 +184,16 @@ class DecodeLoop:
                     holding = True
                 self._round()
                 self.turns.pass_turn(self._ticket)
-        finally:
+        finally:  # closed, or a failure outside a round: no job waits for tokens that will not come
             if holding:
                 self.turns.leave(self._ticket)
+            with self._cv:
+                self._closed = True
+                orphans = list(self._streams.values()) + list(self._arrivals)
+                self._streams.clear()
+                self._arrivals.clear()
+            for s in orphans:
+                s.queue.put(HeteroError("the batched decode loop stopped"))
 
     def _round(self) -> None:
         """One batch round; its tokens to each request's stream. A failure ends every request of the batch."""
