@@ -8,7 +8,9 @@ at --depth) and each number n of concurrent requests (prompts of different lengt
 --tokens tokens):
   batched      one `Batch`: every round runs one backbone pass for all n requests;
   round-robin  what `hetero serve` did before batching (hetero.turns): n generators, one token each in turn.
-Both start once every request has prefilled and produced its first token; reported: aggregate decode tokens/s
+Both start once every request has prefilled and produced its first token (round-robin's `generate_tokens` has
+queued its next step by then: one step per request ahead, a bias of 1 / (--tokens - 1) in its favour, kept rather
+than hidden); reported: aggregate decode tokens/s
 (tokens after the first, all requests, over the wall time until the last request finishes), the speedup of
 batched over round-robin and over one request alone, and each request's latency (seconds until its last token,
 and that over its tokens). Greedy outputs of the two must be identical, request by request, or the run exits
