@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-share", type=Bound(0, 1, hi_open=True), default=0.8,
                        help="share of the model's time that decoding requests keep while another prompt prefills "
                             "(0: chunk for chunk, round-robin)")
+    serve.add_argument("--max-batch", type=POSITIVE_INT, default=1,
+                       help="decoding requests that share each decode pass (1: each decodes in its own turns)")
 
     plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
     plan.set_defaults(func=cmd_plan)
@@ -307,7 +309,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
           args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name, args.ane_fraction,
-          args.prefill_chunk, args.max_concurrent, args.default_max_tokens, args.max_body_mb, args.decode_share)
+          args.prefill_chunk, args.max_concurrent, args.default_max_tokens, args.max_body_mb, args.decode_share,
+          args.max_batch)
     return 0
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +158,7 @@ class Engine:
         json_object: bool = False,
         mark: int | None = None,
         prompt_cache: list | None = None,
+        batched: Callable[..., Iterator[int]] | None = None,
     ) -> GenerationResult:
         """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
 
@@ -182,6 +183,9 @@ class Engine:
         `mark` (a prompt position: where a chat transcript ends and its generation prompt begins) also ends a
         prefill chunk, so the prefix cache checkpoints it and the conversation's next turn, which renders this
         turn's reply after that point, resumes there. The prefill with a mark is the same at every run.
+
+        `batched` (`hetero.batching.DecodeLoop.generate_tokens`, the caller's turn hooks bound) decodes in a batch
+        shared with other requests, the same tokens; a JSON-constrained request decodes on its own.
         """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
@@ -245,7 +249,14 @@ class Engine:
                 pc.capture(model, key, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
 
         marks = () if mark is None else (mark,)
-        if use_mtp:
+        if batched is not None and constraint is None:
+            stream = batched(
+                model, ids, sampler, max_tokens, self.eos_ids, depth if use_mtp else 0, copy, prefill_chunk, progress,
+                times, mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry,
+                on_chunk=chunk_hook, on_commit=on_commit if use_mtp else None, logprobs=recorder, marks=marks,
+                trace=trace, mtp_prefill=pc is not None and model.has_mtp,
+            )
+        elif use_mtp:
             stream = mtp_generate_tokens(
                 model, ids, sampler, max_tokens, self.eos_ids, depth, copy, prefill_chunk, progress, times,
                 mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry, on_chunk=chunk_hook,

@@ -9,6 +9,8 @@ tests/test_speculative.py's; `hetero.load()` is the bundled checkpoint.
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
@@ -330,9 +332,39 @@ def test_decode_loop_batches_jobs_from_their_threads(models):
         assert times[i].generated == len(outputs[i]) and times[i].end >= times[i].first_token > 0
         assert times[i].finish_reason == "length"  # the cancelled job's is its caller's to set
     health = loop.health()
-    assert health["batch_size"] == 0 and health["rounds"] > 0 and max(health["recent_batch_sizes"]) <= 3
+    assert health["rounds"] > 0 and max(health["recent_batch_sizes"]) <= 3
     assert max(n for _, n in loop.sizes) >= 2  # requests did share rounds
     loop.close()
+
+
+def test_decode_loop_under_churn(models):
+    """8 jobs, 3 at a time in the batch, half of them cut at different points: no job hangs, the rest are exact."""
+    model = models["rejecting"]
+    loop = DecodeLoop(model, max_batch=3)
+    jobs = [(PROMPTS[i], 15 + 3 * i, (i % 3)) for i in range(8)]
+    cuts = {0: 1, 3: 2, 5: 7, 6: 3}
+    outputs, _ = run_jobs(loop, model, jobs, cancel_after=cuts)
+    for i, (p, n, d) in enumerate(jobs):
+        expected = solo(model, p, n, d)
+        assert outputs[i] == expected[: cuts.get(i, n)], f"job {i}"
+    deadline = time.time() + 10
+    while loop.health()["batch_size"]:  # the last cut request leaves at the loop's next pass
+        assert time.time() < deadline
+        time.sleep(0.01)
+    loop.close()
+
+
+def test_decode_loop_closed_fails_its_streams(models):
+    model = models["rejecting"]
+    loop = DecodeLoop(model)
+    stream = loop.generate_tokens(model, PROMPTS[0], Sampler(GREEDY), 1000, set(), depth=2, copy=False)
+    assert len([next(stream) for _ in range(3)]) == 3
+    loop.close()
+    with pytest.raises(HeteroError):
+        for _ in stream:
+            pass
+    with pytest.raises(HeteroError):  # a loop that is closed takes no new request
+        list(loop.generate_tokens(model, PROMPTS[1], Sampler(GREEDY), 10, set(), depth=0))
 
 
 def test_decode_loop_plain_jobs_fill_the_trace(models):
@@ -351,3 +383,73 @@ def test_decode_loop_plain_jobs_fill_the_trace(models):
         for a, b in zip(tr.hidden, ref.hidden):
             assert rel_err(a, b) <= 1e-5
     loop.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The server: `--max-batch N`
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    tokenizers = pytest.importorskip("tokenizers")
+    from hetero.engine import Engine
+    from hetero.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
+    return Engine(models["agreeing"], Tokenizer(tok), {"model_type": "qwen3_5_text"}, tmp_path_factory.mktemp("e"), "tiny")
+
+
+def test_server_batches_concurrent_requests(engine):
+    """Concurrent completions through `create_app(max_batch=3)` get their single-request answers, MTP and plain
+    alike, also when sent again and restored from the prefix cache that the batch's rounds checkpointed; /health
+    shows the rounds they shared."""
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from hetero.prefix_cache import PrefixCache
+    from hetero.server import create_app
+
+    engine.prefix_cache = PrefixCache(1 << 28)
+    app = create_app(engine, max_concurrent=2, max_batch=3, prefill_chunk=8)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        threading.Event().wait(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, "mtp": d > 0}
+              for p, n, d in zip(PROMPTS[:5], MAX_TOKENS[:5], DEPTHS[:5])]
+    try:
+        def ask(body: dict) -> tuple[str, int]:
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny", **body}, timeout=120)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            return r.json()["choices"][0]["text"], usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+        with ThreadPoolExecutor(5) as pool:
+            first = list(pool.map(ask, bodies))
+            again = list(pool.map(ask, bodies))
+        health = httpx.get(url + "/health").json()
+        long = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 900, "mtp": True, "stream": True}
+        with ThreadPoolExecutor(1) as pool:
+            beside = pool.submit(ask, bodies[3])  # decodes in the batch while the stream is cut
+            with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break  # the first token arrived; hang up
+            assert beside.result()[0] == first[3][0]
+        deadline = time.time() + 20
+        while httpx.get(url + "/health").json()["requests"]["cancelled"] == 0:
+            assert time.time() < deadline, "the batched generation was not cancelled"
+            time.sleep(0.05)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.prefix_cache = None
+    texts = [t for t, _ in first]
+    assert [t for t, _ in again] == texts and sum(c for _, c in again) > 0
+    for body, text in zip(bodies, texts):
+        alone = engine.generate(body["prompt"], max_tokens=body["max_tokens"], mtp=body["mtp"], copy=True,
+                                use_prefix_cache=False)
+        assert text == alone.text
+    assert health["batch"]["max_batch"] == 3 and health["batch"]["rounds"] > 0
+    assert max(health["batch"]["recent_batch_sizes"]) >= 2

@@ -34,19 +34,20 @@ DEFAULT_MAX_BODY_MB = 32.0  # a 256K-token transcript is ~1 MB of text; 32 MB le
 def create_app(
     engine: Engine, api_key: str | None = None, model_names: set[str] | None = None, split=None, max_concurrent: int = 4,
     prefill_chunk: int = 512, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-    decode_share: float = DECODE_SHARE,
+    decode_share: float = DECODE_SHARE, max_batch: int = 1,
 ) -> Starlette:
     """The ASGI app serving `engine`; with `api_key`, /v1 routes need `Authorization: Bearer KEY` or `x-api-key`.
 
     `split` (a `hetero.pipeline.PipelineRun`) prefills prompts through the ANE + GPU pipeline; up to
     `max_concurrent` requests generate at once, taking turns on the model. An OpenAI request without
     `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413. While some requests decode,
-    a prompt prefills in `1 - decode_share` of the model's time (`hetero.turns`).
+    a prompt prefills in `1 - decode_share` of the model's time (`hetero.turns`). With `max_batch` > 1, up to that
+    many decoding requests share each decode pass (`hetero.batching`).
     """
     if not max_body_mb > 0:
         raise HeteroError(f"--max-body-mb must be positive, got {max_body_mb}")
     names = model_names or {engine.name}
-    runner = Runner(engine, split, max_concurrent, prefill_chunk, decode_share)
+    runner = Runner(engine, split, max_concurrent, prefill_chunk, decode_share, max_batch)
     parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, default_max_tokens)
     state = State(engine, runner, parser, names, api_key, int(max_body_mb * 2**20))
 
@@ -64,6 +65,7 @@ def create_app(
                              "prefix_cache": pc.stats() if pc is not None else None,
                              "requests": {"finished": runner.finished, "cancelled": runner.cancelled,
                                           "split_prefills": runner.split_prefills, "turn_handovers": runner.turns.handovers},
+                             "batch": runner.loop.health() if runner.loop is not None else None,
                              "ane": runner.split.ane_block() if runner.split is not None else None})
 
     return Starlette(routes=[
@@ -126,6 +128,7 @@ def serve(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     decode_share: float = DECODE_SHARE,
+    max_batch: int = 1,
 ) -> None:
     """Load the model, attach the RAM prefix cache (and the disk session cache), and serve until interrupted.
 
@@ -156,7 +159,7 @@ def serve(
 
             split = split_for(engine, check_fraction_or_auto(ane_fraction), prefill_chunk)
         app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk, default_max_tokens, max_body_mb,
-                         decode_share)
+                         decode_share, max_batch)
     except BaseException:
         sock.close()
         raise

@@ -1,8 +1,11 @@
 """The job runner: up to `max_concurrent` generations at once, each on its own worker thread, taking round-robin
 turns on the model (`hetero.turns`): one prefill chunk or one decode token per turn, so a new request starts
-while others decode and none starves. With a split (`hetero serve --ane-fraction F`), one prompt at a time
-prefills through the ANE + GPU pipeline, whose GPU lane lends its turn to the other requests while the ANE
-computes its share (prompts arriving meanwhile prefill GPU-only). A client that disconnects cancels its job.
+while others decode and none starves. With `max_batch` > 1 (`hetero serve --max-batch N`), the requests decoding at
+one moment share every decode pass instead (`hetero.batching`): each prefills in its turns, then hands its decoding
+to one loop that runs a batched round per turn; JSON-constrained requests keep decoding on their own. With a split
+(`hetero serve --ane-fraction F`), one prompt at a time prefills through the ANE + GPU pipeline, whose GPU lane
+lends its turn to the other requests while the ANE computes its share (prompts arriving meanwhile prefill
+GPU-only). A client that disconnects cancels its job.
 
 A job yields, in order: `Started` (when its prefill begins), text pieces (stop strings already cut), then its
 `Outcome`; a job that asked for logprobs also yields each token's `TokenLogprobs` just before that token's text.
@@ -16,9 +19,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from starlette.requests import Request
 
+from hetero.batching import DecodeLoop
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.logprobs import TokenLogprob
@@ -69,13 +74,17 @@ class Runner:
     decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.turns`)."""
 
     def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512,
-                 decode_share: float = DECODE_SHARE):
+                 decode_share: float = DECODE_SHARE, max_batch: int = 1):
         if max_concurrent < 1:
             raise HeteroError(f"--max-concurrent must be at least 1, got {max_concurrent}")
+        if max_batch < 1:
+            raise HeteroError(f"--max-batch must be at least 1, got {max_batch}")
         self.engine, self.split = engine, split  # split: a configured `hetero.pipeline.PipelineRun` or None
         self.prefill_chunk = prefill_chunk
-        self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="hetero-gen")
+        workers = max(max_concurrent, max_batch)  # a batch of N needs N jobs generating at once
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hetero-gen")
         self.turns = Turns(decode_share)
+        self.loop = DecodeLoop(engine.model, self.turns, max_batch) if max_batch > 1 else None
         self._split_free = threading.Lock()  # one prompt at a time goes through the ANE + GPU split
         self.finished = 0
         self.cancelled = 0  # jobs stopped because their client went away
@@ -145,11 +154,15 @@ class Runner:
             return matcher.stopped is not None or cancelled.is_set() or (one_call is not None and one_call.calls > 0)
 
         logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
+        batched = None
+        if self.loop is not None:  # the job gives its turn up while the loop decodes for it, then takes it back
+            batched = partial(self.loop.generate_tokens, on_handover=lambda: self.turns.leave(ticket),
+                              on_handback=lambda: self.turns.enter(ticket))
         result = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
             min_p=job.min_p, seed=job.seed, mtp=job.mtp, prefill_chunk=self.prefill_chunk, on_text=on_text, progress=progress,
             should_stop=should_stop, prefill_with=self._prefill_with(job, ticket),
-            mark=job.reply.mark if job.reply is not None else None,
+            mark=job.reply.mark if job.reply is not None else None, batched=batched,
             **self._output_options(job, emit, logprobs),
         )
         if cancelled.is_set():
