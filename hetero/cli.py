@@ -371,6 +371,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
     if args.verify and args.ane_fraction is None:
         raise HeteroError("--verify needs --ane-fraction F (the split to check)")
+    if not args.out.endswith(".safetensors"):  # before the prefill, not after it
+        raise HeteroError(f"--out {args.out}: the name must end in .safetensors (mlx-lm reads prompt caches by that)")
     if args.prompt_file == "-":
         text = decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     else:

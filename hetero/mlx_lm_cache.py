@@ -166,8 +166,16 @@ def save_prompt_cache(file: str | os.PathLike, cache: list, metadata: dict[str, 
         else:
             raise HeteroError(f"prompt cache entry {name} is a {type(leaf).__name__}: not storable")
     meta = {k: str(v) for k, v in (metadata or {"format": "hetero"}).items()}
-    Path(file).parent.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(file), tensors, dict(tree_flatten([meta, classes, kinds])))
+    path = Path(file)
+    if path.suffix != ".safetensors":
+        raise HeteroError(f"{path}: a prompt-cache file's name must end in .safetensors (mlx-lm reads it by that)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.safetensors")  # MLX keeps a .safetensors name as is
+    try:
+        mx.save_safetensors(str(tmp), tensors, dict(tree_flatten([meta, classes, kinds])))
+        os.replace(tmp, path)  # atomic: a reader finds the old file or the whole new one, never half of one
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_prompt_cache(file: str | os.PathLike) -> tuple[list[tuple[str, list]], dict[str, str]]:

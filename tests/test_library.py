@@ -164,6 +164,10 @@ def test_cache_files_round_trip_through_mlx_lm(case, tmp_path):
     assert meta == {"model": name}
     assert lm_tokens(model, tokenizer, ids[-1:], cache) == lm_tokens(model, tokenizer, ids)
 
+    assert [p.name for p in tmp_path.iterdir()] == ["hetero.safetensors"]  # written whole, under its own name
+    with pytest.raises(hetero.HeteroError, match="must end in .safetensors"):
+        hetero.save_prompt_cache(tmp_path / "cache.bin", hetero.prefill(engine, ids[:4]))
+
     theirs = tmp_path / "mlx_lm.safetensors"  # and the reverse: mlx-lm writes, hetero reads and decodes
     lm_cache = make_prompt_cache(model)
     model(mx.array(ids[:-1])[None], cache=lm_cache)
