@@ -316,14 +316,19 @@ def test_tools_from_both_apis_render_alike():
 
 def test_tool_choice():
     tools = openai_tools(TOOLS)
-    assert normalize_choice(None, tools) == "auto" and normalize_choice("required", None) is None
+    assert normalize_choice(None, tools) == "auto" and normalize_choice("auto", None) is None
+    assert normalize_choice({"type": "none"}, []) is None
     assert normalize_choice("none", tools) == "none" and normalize_choice({"type": "any"}, tools) == "required"
     assert normalize_choice({"type": "function", "function": {"name": "get_weather"}}, tools) == "get_weather"
     assert normalize_choice({"type": "tool", "name": "get_weather"}, tools) == "get_weather"
     with pytest.raises(HeteroError, match="not among the tools"):
         normalize_choice({"type": "tool", "name": "nope"}, tools)
-    with pytest.raises(HeteroError, match="not understood"):
-        normalize_choice("sometimes", tools)
+    for bad in ("sometimes", {"type": "function", "function": {"name": 3}}, {"type": "function", "function": "f"}, 7):
+        for with_tools in (tools, None):  # checked whether or not the request has tools
+            with pytest.raises(HeteroError, match="not understood"):
+                normalize_choice(bad, with_tools)
+    with pytest.raises(HeteroError, match="has no tools"):
+        normalize_choice("required", None)
 
     thinking = render([{"role": "user", "content": "hi"}])
     assert call_form(TEMPLATE) == "xml" and call_form("{{ '<tool_call>' }}") == "json"

@@ -26,9 +26,22 @@ from hetero.tools.reasoning import CLOSE, opens_reasoning
 def normalize_choice(choice: Any, tools: list[dict] | None) -> str | None:
     """OpenAI ("auto" | "none" | "required" | {"type": "function", "function": {"name"}}) or Anthropic
     ({"type": "auto" | "any" | "tool" | "none", "name"}) tool_choice -> "auto", "none", "required" or a function
-    name; None without tools."""
+    name; None without tools. A value of any other shape, or one that needs tools the request lacks, is an error."""
+    mode = _mode(choice)
     if not tools:
-        return None
+        if mode in ("auto", "none"):
+            return None
+        raise HeteroError(f"tool_choice {choice!r} asks for a tool call, but the request has no tools")
+    if mode in ("auto", "none", "required"):
+        return mode
+    known = {t["function"]["name"] for t in tools}
+    if mode not in known:
+        raise HeteroError(f"tool_choice names {mode!r}, which is not among the tools ({', '.join(sorted(known))})")
+    return mode
+
+
+def _mode(choice: Any) -> str:
+    """"auto", "none", "required", or the function name a tool_choice value asks for."""
     if choice is None:
         return "auto"
     if isinstance(choice, str) and choice in ("auto", "none", "required"):
@@ -39,11 +52,9 @@ def normalize_choice(choice: Any, tools: list[dict] | None) -> str | None:
             return kind
         if kind == "any":
             return "required"
-        name = choice.get("name") if kind == "tool" else (choice.get("function") or {}).get("name") if kind == "function" else None
-        if isinstance(name, str):
-            known = {t["function"]["name"] for t in tools}
-            if name not in known:
-                raise HeteroError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(sorted(known))})")
+        function = choice.get("function") if kind == "function" else None
+        name = choice.get("name") if kind == "tool" else function.get("name") if isinstance(function, dict) else None
+        if isinstance(name, str) and name:
             return name
     raise HeteroError(f"tool_choice {choice!r} is not understood; use auto, none, required or a named function")
 
