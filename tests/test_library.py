@@ -271,11 +271,15 @@ def test_hetero_prefill_command_writes_what_mlx_lm_generate_reads(tmp_path):
 def test_the_prefill_command_refuses_what_it_cannot_do(tmp_path, capsys):
     from hetero.cli import main
 
-    assert main(["prefill", "--prompt-file", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "c")]) == 1
+    out = str(tmp_path / "c.safetensors")
+    assert main(["prefill", "--prompt-file", str(tmp_path / "missing.txt"), "--out", out]) == 1
     assert "missing.txt" in capsys.readouterr().err
     (tmp_path / "p.txt").write_text("x = 1\n")
-    assert main(["prefill", "--prompt-file", str(tmp_path / "p.txt"), "--out", str(tmp_path / "c"), "--verify"]) == 1
+    assert main(["prefill", "--prompt-file", str(tmp_path / "p.txt"), "--out", out, "--verify"]) == 1
     assert "--verify needs --ane-fraction" in capsys.readouterr().err
+    assert main(["prefill", "--prompt-file", str(tmp_path / "p.txt"), "--out", str(tmp_path / "c")]) == 1
+    assert "must end in .safetensors" in capsys.readouterr().err  # said before any prefill
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]  # nothing written
 
 
 def test_stream_generate_is_shaped_like_mlx_lms_and_decodes_the_same(case):
