@@ -14,7 +14,8 @@ than hidden); reported: aggregate decode tokens/s
 (tokens after the first, all requests, over the wall time until the last request finishes), the speedup of
 batched over round-robin and over one request alone, and each request's latency (seconds until its last token,
 and that over its tokens). Greedy outputs of the two must be identical, request by request, or the run exits
-with status 1 after writing its results. The contenders alternate within each repeat; medians over repeats.
+with status 1 after writing its results. Each contender first runs once at full length untimed (every shape it meets is
+compiled then); the contenders alternate within each repeat; medians over repeats.
 
 --part attention times the attention layouts alone (the choice hetero.batch made): per-request attention over
 each request's own KV, against one padded call over all requests' KV with a mask, with and without the copy that
@@ -100,7 +101,8 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
     for mode, depth in modes.items():
         for n in args.batch_sizes:
             prompts = prompts_for(model.args.vocab_size, n, base)
-            batched(model, prompts, min(args.tokens, 4), depth)  # warm-up: compile this batch shape
+            for warm in (batched, round_robin):  # warm-up at full length: every shape a run meets (each batch size
+                warm(model, prompts, args.tokens, depth)  # as rows finish, each verify width) is compiled before timing
             samples: dict[str, list[dict]] = {"batched": [], "round_robin": []}
             for _ in range(args.repeats):
                 for kind, fn in (("batched", batched), ("round_robin", round_robin)):
