@@ -71,6 +71,22 @@ def model_shape(config: dict) -> tuple[ModelArgs, MoE | None]:
     return args, (moe if args.moe_layers else None)
 
 
+def moe_of(args: ModelArgs) -> MoE | None:
+    """The routed experts of a parsed `ModelArgs` (None for a dense model).
+
+    Raises HeteroError when the args carry experts but not their shape (an older `ModelArgs` without
+    `num_experts_per_tok` / `moe_intermediate_size`): pass the config through `model_shape` instead.
+    """
+    if not args.moe_layers:
+        return None
+    per_token = getattr(args, "num_experts_per_tok", None)
+    inter = getattr(args, "moe_intermediate_size", None)
+    if not per_token or not inter:
+        raise HeteroError(f"{args.model_type}: the model args name {args.num_experts} experts but not their shape "
+                          f"(num_experts_per_tok, moe_intermediate_size); plan from the config instead")
+    return MoE(int(args.num_experts), int(per_token), int(inter), int(getattr(args, "shared_expert_intermediate_size", 0) or 0))
+
+
 def storage_for(config: dict, bits: int | None, group_size: int | None) -> Storage:
     """The checkpoint's own quantization when it has one, else `--bits` / `--group-size` (default bf16)."""
     q = config.get("quantization") or config.get("quantization_config") or {}
