@@ -21,24 +21,26 @@ from hetero.planner.plan import Plan, make_plan
 from hetero.planner.predict import Lanes, decode_bytes_per_token, predict_decode, predict_prefill, verify_cost
 from hetero.planner.recommend import recommend
 from hetero.planner.report import plan_lines
-from hetero.planner.shape import MoE, Storage, model_shape, read_model_config, storage_for
+from hetero.planner.shape import MoE, Storage, model_shape, moe_of, read_model_config, storage_for
 from hetero.planner.slices import (
     ALIGN,
     OFFLOADABLE,
     PROGRAM_WEIGHT_BUDGET,
+    Parameters,
     Piece,
     PieceSlice,
     ane_slices,
     ane_weight_bytes,
+    parameter_counts,
     pieces,
     program_spans,
 )
 
 __all__ = [
-    "ALIGN", "OFFLOADABLE", "PROGRAM_WEIGHT_BUDGET", "SPLIT_IN_FLIGHT", "Budget", "Lanes", "MoE", "Piece",
+    "ALIGN", "OFFLOADABLE", "PROGRAM_WEIGHT_BUDGET", "SPLIT_IN_FLIGHT", "Budget", "Lanes", "MoE", "Parameters", "Piece",
     "PieceSlice", "Plan", "Storage", "ane_slices", "ane_weight_bytes", "check_prompt_fits", "chunk_spans",
     "context_bucket", "context_buckets", "decode_bytes_per_token", "govern", "loaded_budget",
-    "make_plan", "model_shape", "physical_memory_bytes", "piece_flops", "pieces", "plan_lines", "predict_decode",
+    "make_plan", "model_shape", "moe_of", "parameter_counts", "physical_memory_bytes", "piece_flops", "pieces", "plan_lines", "predict_decode",
     "prefill_buffer_bytes",
     "predict_prefill", "program_spans", "read_model_config", "recommend", "storage_for", "verify_cost",
 ]

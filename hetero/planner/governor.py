@@ -10,17 +10,21 @@ from dataclasses import dataclass
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
-from hetero.planner.shape import gdn_state_bytes, kv_bytes_per_token
+from hetero.planner.shape import MoE, gdn_state_bytes, kv_bytes_per_token, moe_of
 
 RUNTIME_RESERVE = 1 << 30  # MLX runtime, allocator slack and decode activations: kept free by the governor
 SPLIT_IN_FLIGHT = 4  # chunks a split prefill keeps in progress: enough for both lanes to find work
 
 
-def prefill_buffer_bytes(args: ModelArgs, chunk: int) -> int:
-    """Transient buffers of one prefill chunk in fp32: residual and projections, MLP, conv, and one logits row."""
+def prefill_buffer_bytes(args: ModelArgs, chunk: int, moe: MoE | None = None) -> int:
+    """Transient buffers of one prefill chunk in fp32: residual and projections, the MLP (an MoE layer: router
+    logits, each token's top-k experts' gate/up/product rows and outputs, the shared expert), conv, one logits row."""
     conv = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
-    inter = args.intermediate_size
-    return chunk * 4 * (6 * args.hidden_size + 3 * inter + 2 * conv) + 4 * args.vocab_size
+    mlp = 3 * args.intermediate_size if args.num_hidden_layers > len(args.moe_layers) else 0
+    if moe is not None:
+        k = moe.per_token
+        mlp = max(mlp, moe.experts + k * (3 * moe.intermediate + args.hidden_size) + 3 * moe.shared_intermediate)
+    return chunk * 4 * (6 * args.hidden_size + mlp + 2 * conv) + 4 * args.vocab_size
 
 
 def physical_memory_bytes() -> int:
@@ -73,10 +77,12 @@ def govern(
     wired_fraction: float = 0.75,
     weights_label: str = "",
     in_flight: int = 1,
+    moe: MoE | None = None,
 ) -> Budget:
     """The largest context window (a multiple of `chunk`, at most the model's maximum) that fits the wirable RAM.
 
     `in_flight`: chunks prefilled at once (a split prefill's wavefront keeps several), each with its buffers.
+    `moe`: the routed experts' shape (their prefill buffers); `weight_bytes` already counts every expert.
     Raises HeteroError when the fixed costs alone do not fit (memory below the weights).
     """
     wirable = int(memory_bytes * wired_fraction)
@@ -85,7 +91,7 @@ def govern(
         ("Core ML packages (ANE share, fp16)", int(coreml_bytes)),
         ("GDN recurrent state + conv window, one sequence", gdn_state_bytes(args)),
         (f"transient prefill buffers (chunk {chunk}{f', {in_flight} in flight' if in_flight > 1 else ''})",
-         in_flight * prefill_buffer_bytes(args, chunk)),
+         in_flight * prefill_buffer_bytes(args, chunk, moe)),
         ("runtime reserve (MLX, allocator, decode)", RUNTIME_RESERVE),
     ]
     per_token = kv_bytes_per_token(args, kv_bytes)
@@ -116,7 +122,8 @@ def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_fl
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         kv_bytes = model.model.norm.weight.dtype.size  # the cache holds K/V in the model's dtype
         memory = memory_gb * 1e9 if memory_gb is not None else physical_memory_bytes()
-        budget = govern(model.args, weights, memory, chunk, kv_bytes, weights_label="as loaded", in_flight=in_flight)
+        budget = govern(model.args, weights, memory, chunk, kv_bytes, weights_label="as loaded", in_flight=in_flight,
+                        moe=moe_of(model.args))
         _WINDOWS[key] = (weakref.ref(model), budget)
     return budget
 

@@ -11,19 +11,29 @@ from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.cost import chunk_spans, piece_flops
 from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
-from hetero.planner.predict import Lanes, predict_decode, predict_prefill, verify_cost
-from hetero.planner.shape import Storage, model_shape, storage_for
+from hetero.planner.predict import (
+    Lanes,
+    decode_bytes_per_token,
+    decode_weight_bytes,
+    distinct_experts,
+    predict_decode,
+    predict_prefill,
+    verify_cost,
+)
+from hetero.planner.shape import MoE, Storage, model_shape, storage_for
 from hetero.planner.slices import (
     ALIGN,
     ANE_WEIGHT_BYTES,
     OFFLOADABLE,
     PROGRAM_WEIGHT_BUDGET,
+    Parameters,
     Piece,
     PieceSlice,
     ane_programs,
     ane_weight_bytes,
     fit_ane_memory,
     layer_slices,
+    parameter_counts,
     program_budget,
     split_for_budget,
 )
@@ -56,6 +66,8 @@ class Plan:
     offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds that take a share
     programs: dict[str, int] = field(default_factory=dict)  # piece kind -> exported ANE programs, all layers
     program_budget: int = PROGRAM_WEIGHT_BUDGET  # fp16 weight bytes per program at most
+    moe: MoE | None = None  # the routed experts (None: a dense model)
+    parameters: Parameters | None = None
 
     @property
     def effective_fraction(self) -> float:
@@ -112,6 +124,8 @@ class Plan:
             "ane_programs": {"count": sum(self.programs.values()), "weight_budget_bytes": self.program_budget},
             "layers": [asdict(s) for s in self.slices],
             "predicted": self.predicted,
+            "parameters": asdict(self.parameters) if self.parameters else None,
+            "experts": asdict(self.moe) if self.moe else None,
             "unknown": self.unknown,
             "assumptions": self.assumptions,
         }
@@ -183,6 +197,8 @@ def make_plan(
         "overlap": r(overlap, 3),
         "accepted_length": accepted_length,
         "draft_depth": draft_depth,
+        "decode_bytes_per_token": round(decode_bytes_per_token(args, moe, storage, context, kv_bytes)),
+        "decode_weight_bytes_per_token": round(decode_weight_bytes(args, moe, storage)),
     }
     budget = program_budget(profile) if budget is None else budget
     unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown if k != "ane_process_weight_limit_gb"]
@@ -197,6 +213,10 @@ def make_plan(
     if not profile.measured:
         assumptions.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their peak figures on prefill matmuls (the profile's figures; `hetero tune --devices` measures this machine)")
     assumptions.append(f"MTP decode assumes {accepted_length} tokens per verify pass at draft depth {draft_depth}")
+    if moe is not None and args.mtp_num_hidden_layers:
+        assumptions.append(f"a verify pass over {draft_depth + 1} tokens reads the experts they pick between them: "
+                           f"{distinct_experts(moe, draft_depth + 1):.1f} of {moe.experts} per layer against "
+                           f"{moe.per_token} for one token (uniform routing)")
     if profile.mtp_verify_ratio is not None and draft_depth + 1 != profile.mtp_verify_tokens:
         assumptions.append(f"a verify pass over {draft_depth + 1} tokens costs "
                            f"{verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, draft_depth + 1):.2f} plain "
@@ -204,14 +224,15 @@ def make_plan(
                            f"{profile.mtp_verify_tokens}")
     plan = Plan(name, args, storage, profile, context, chunk, prompt, fraction, sliced, ps, layer_slices(args, ps),
                 flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload),
-                programs=ane_programs(ps, budget), program_budget=budget)
+                programs=ane_programs(ps, budget), program_budget=budget, moe=moe,
+                parameters=parameter_counts(args, moe))
     if memory_gb is not None:
         if memory_gb <= 0:
             raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
         weights = sum(p.layers * storage.nbytes(p.params) for p in ps)
         plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps),
                              profile.gpu_wired_fraction, storage.label,
-                             SPLIT_IN_FLIGHT if any(p.ane_units for p in ps) else 1)
+                             SPLIT_IN_FLIGHT if any(p.ane_units for p in ps) else 1, moe=moe)
     return plan
 
 

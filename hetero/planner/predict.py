@@ -10,7 +10,7 @@ import numpy as np
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.cost import ane_pairs, ane_piece_flops, chunk_spans, piece_flops, visible_pairs
 from hetero.planner.shape import MoE, Storage, gdn_state_bytes, kv_bytes_per_token
-from hetero.planner.slices import ANE_WEIGHT_BYTES, Piece, pieces
+from hetero.planner.slices import ANE_WEIGHT_BYTES, Piece, moe_params, pieces
 from hetero.profiles import Profile
 
 
@@ -112,20 +112,20 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
 
 
 def decode_bytes_per_token(args: ModelArgs, moe: MoE | None, storage: Storage, context: int, kv_bytes: int) -> float:
-    """Bytes one decode step reads: every weight used per token (active experts only), the KV cache, GDN state."""
-    ps = pieces(args, moe, 0.0)
-    h = args.hidden_size
+    """Bytes one decode step reads: every weight used per token (MoE: the router, the top-k experts and the shared
+    expert, not the others), the KV cache, GDN state."""
+    return decode_weight_bytes(args, moe, storage) + kv_bytes_per_token(args, kv_bytes, with_mtp=False) * context + 2 * gdn_state_bytes(args)
+
+
+def decode_weight_bytes(args: ModelArgs, moe: MoE | None, storage: Storage) -> float:
+    """Weight bytes one decode step of the backbone reads (no KV, no state, no MTP head): the embedding one row."""
     weights = 0.0
-    for p in ps:
+    for p in pieces(args, moe, 0.0):
         if p.kind == "mtp":
             continue
-        params = p.params
-        if p.kind == "lm_head":
-            params = args.vocab_size * h  # the embedding table is read one row per token
-        if p.kind == "moe" and moe is not None:
-            params = h * moe.experts + 3 * h * (moe.per_token * moe.intermediate + moe.shared_intermediate)
+        params = args.vocab_size * args.hidden_size if p.kind == "lm_head" else p.token_params  # lm_head's matrix
         weights += p.layers * storage.nbytes(params)
-    return weights + kv_bytes_per_token(args, kv_bytes, with_mtp=False) * context + 2 * gdn_state_bytes(args)
+    return weights
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,12 @@ class DecodeRate:
     roofline_tps: float | None
     plain_tps: float | None
     mtp_tps: float | None
+
+
+def distinct_experts(moe: MoE, tokens: int) -> float:
+    """Experts `tokens` tokens pick between them per layer, expected under uniform routing: each token takes
+    `per_token` of `experts`."""
+    return moe.experts * (1.0 - (1.0 - moe.per_token / moe.experts) ** tokens)
 
 
 def verify_cost(ratio: float, measured_tokens: int, tokens: int) -> float:
@@ -151,7 +157,11 @@ def predict_decode(args: ModelArgs, moe: MoE | None, storage: Storage, bw: float
                    verify_tokens: int = 4) -> DecodeRate:
     """Decode rates at `context` tokens: a plain step reads every weight once (bandwidth roofline x efficiency);
     an MTP round is one verify pass over depth + 1 tokens (`verify_ratio` plain steps at `verify_tokens`) plus
-    `depth` draft steps, and yields `accepted_length` tokens. MTP is None without a head or a verify ratio."""
+    `depth` draft steps, and yields `accepted_length` tokens. MTP is None without a head or a verify ratio.
+
+    MoE: the verify pass's tokens pick different experts, so it also reads the experts they pick beyond one
+    token's top-k (`distinct_experts`, uniform routing); the profile's verify ratio, measured on a dense model,
+    prices the rest."""
     if bw is None:
         return DecodeRate(None, None, None)
     step = decode_bytes_per_token(args, moe, storage, context, kv_bytes)
@@ -159,6 +169,35 @@ def predict_decode(args: ModelArgs, moe: MoE | None, storage: Storage, bw: float
     if not args.mtp_num_hidden_layers or verify_ratio is None:
         return DecodeRate(bw / step, rate / step, None)
     mtp = next(p for p in pieces(args, moe, 0.0) if p.kind == "mtp")
-    draft = storage.nbytes(mtp.params + args.vocab_size * args.hidden_size) + kv_bytes_per_token(args, kv_bytes, True, only_mtp=True) * context
-    round_s = (verify_cost(verify_ratio, verify_tokens, depth + 1) * step + depth * draft) / rate
+    draft = storage.nbytes(mtp.token_params + args.vocab_size * args.hidden_size) + kv_bytes_per_token(args, kv_bytes, True, only_mtp=True) * context
+    extra = 0.0
+    if moe is not None:
+        expert = storage.nbytes(3 * args.hidden_size * moe.intermediate)
+        extra = len(args.moe_layers) * (distinct_experts(moe, depth + 1) - moe.per_token) * expert
+    round_s = (verify_cost(verify_ratio, verify_tokens, depth + 1) * step + extra + depth * draft) / rate
     return DecodeRate(bw / step, rate / step, accepted_length / round_s)
+
+
+@dataclass(frozen=True)
+class DenseExperts:
+    """The obvious static-shape ANE formulation of the routed experts, costed: every token through every expert
+    (a fixed-shape program per layer; the router's weights, zero for unpicked experts, applied on the GPU)."""
+
+    gpu_s: float  # the routed experts on the GPU as they run now (top-k only), the whole prompt
+    ane_s: float  # all experts dense on the ANE, the whole prompt
+    best_saving_s: float  # the most a token split between both lanes could save: gpu_s - the balanced time
+    ane_weight_bytes: int  # fp16 weights the ANE would hold for it (every layer's every expert)
+
+
+def dense_experts_on_ane(args: ModelArgs, moe: MoE, lanes: Lanes, tokens: int) -> DenseExperts | None:
+    """What the dense static formulation would cost for a `tokens`-long prefill (compute roofline on both lanes;
+    None when a lane's rate is unknown). Balanced split: a share s of the tokens on the ANE with
+    s x ane_s = (1 - s) x gpu_s."""
+    gpu_rate, ane_rate = lanes.gpu_rate("moe"), lanes.ane_rate("moe")
+    if gpu_rate is None or ane_rate is None:
+        return None
+    h, n = args.hidden_size, len(args.moe_layers)
+    gpu = n * tokens * 2.0 * moe_params(h, moe)[1] / gpu_rate
+    ane = n * tokens * 6.0 * h * moe.intermediate * moe.experts / ane_rate
+    balanced = gpu * ane / (gpu + ane)
+    return DenseExperts(gpu, ane, gpu - balanced, n * 3 * h * moe.intermediate * moe.experts * ANE_WEIGHT_BYTES)

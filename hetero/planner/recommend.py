@@ -7,7 +7,8 @@ from itertools import combinations
 
 from hetero.errors import HeteroError
 from hetero.planner.plan import Plan, make_plan
-from hetero.planner.slices import OFFLOADABLE
+from hetero.planner.shape import model_shape
+from hetero.planner.slices import OFFLOADABLE, pieces
 from hetero.profiles import Profile
 
 
@@ -17,7 +18,9 @@ def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **
     (the plan's `offload`, with that cap)."""
     best: tuple[float, float, Plan] | None = None
     seen = set()
-    subsets = [c for n in range(len(OFFLOADABLE), 0, -1) for c in combinations(OFFLOADABLE, n)]
+    present = {p.kind for p in pieces(*model_shape(config), 0.0)}
+    kinds = tuple(k for k in OFFLOADABLE if k in present)  # a dense model has no shared expert to try
+    subsets = [OFFLOADABLE] + [c for n in range(len(kinds) - 1, 0, -1) for c in combinations(kinds, n)]
     for offload in subsets:  # all kinds first: on ties the plan that offloads more wins
         for i in range(101):
             f = i / 100

@@ -12,6 +12,23 @@ def program_line(plan: Plan) -> str:
             f"fp16 weights each (the ANE loads about 2 GB per program), a larger layer share is split")
 
 
+def parameter_lines(plan: Plan) -> list[str]:
+    """Total and active parameters, the experts, and the bytes one decoded token reads."""
+    n, pr, m = plan.parameters, plan.predicted, plan.moe
+    if n is None:
+        return []
+    b = lambda x: f"{x / 1e9:.2f}B"  # noqa: E731
+    mtp = f" (MTP head {b(n.mtp_total)})" if n.mtp_total else ""
+    out = [f"parameters: {b(n.total)} total{mtp}, {b(n.active)} active per token"]
+    if m is not None:
+        shared = " + 1 shared" if m.shared_intermediate else ""
+        out.append(f"experts: {m.experts} per MoE layer ({len(plan.args.moe_layers)} layers), {m.per_token} routed{shared} "
+                   f"per token; all resident, only the active ones read per decoded token")
+    out.append(f"bytes per decoded token: {pr['decode_bytes_per_token'] / 1e9:.2f} GB at {plan.context} tokens of context "
+               f"(weights {pr['decode_weight_bytes_per_token'] / 1e9:.2f} GB, then KV cache and GDN state)")
+    return out
+
+
 def plan_lines(plan: Plan) -> list[str]:
     """The human-readable report of `hetero plan`."""
     a, pr = plan.args, plan.predicted
@@ -19,6 +36,7 @@ def plan_lines(plan: Plan) -> list[str]:
     out = [
         f"model: {plan.model} ({a.num_hidden_layers} layers: {a.layer_types.count('full_attention')} attention, "
         f"{a.layer_types.count('linear_attention')} GDN; hidden {a.hidden_size}), weights {plan.storage.label}",
+        *parameter_lines(plan),
         f"profile: {plan.profile.name} ({plan.profile.chip})",
         f"context {plan.context} tokens, chunk {plan.chunk}, prompt {plan.prompt_tokens}",
         f"ANE fraction: requested {plan.requested_fraction:.2f}, effective {plan.effective_fraction:.3f} of the prefill's FLOPs",

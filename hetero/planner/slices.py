@@ -1,9 +1,9 @@
 """Slicing: a requested ANE fraction -> the aligned share of every piece of a prefill (shared/DESIGN.md section 4).
 
 Attention layers give F of their KV-head groups (whole groups, their query heads along), MLPs F of their
-intermediate channels (multiples of 64), GDN input projections only their `z` rows (capped at
-z / (qkv + z + b + a)); the recurrent path, embeddings, lm_head and the MTP head give nothing. Each cap carries its
-reason. Also here: the per-layer slices the exporter builds and the pipeline runs, the ANE's fp16 weight bytes, the
+intermediate channels (multiples of 64), an MoE layer's shared expert F of its channels, GDN input projections only
+their `z` rows (capped at z / (qkv + z + b + a)); the routed experts, the recurrent path, embeddings, lm_head and
+the MTP head give nothing. Each cap carries its reason. Also the weight counts (total, active per token). Also here: the per-layer slices the exporter builds and the pipeline runs, the ANE's fp16 weight bytes, the
 per-program budget and the programs a share is exported as, and the fit to a measured per-process ANE limit.
 """
 
@@ -23,14 +23,14 @@ DELTA_BLOCK = 64  # the chunked delta rule's block size: its intra-block matmuls
 # Weights per exported ANE program: below the documented ~2 GB per program (a weights.bin past 2^31 bytes fails
 # to load), with room for the package's own metadata. The exporter splits a larger share into several programs.
 PROGRAM_WEIGHT_BUDGET = int(1.5 * 2**30)
-KINDS = ("attention", "mlp", "moe", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "lm_head", "mtp")
-OFFLOADABLE = ("attention", "mlp", "gdn_in_proj")  # the kinds that may give the ANE a share
+KINDS = ("attention", "mlp", "moe", "shared_expert", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "lm_head", "mtp")
+OFFLOADABLE = ("attention", "mlp", "gdn_in_proj", "shared_expert")  # the kinds that may give the ANE a share
 EXACT_PATH = {
     "gdn_recurrence": "conv and delta-rule recurrence carry state across the whole context: exact GPU path",
     "gdn_out_proj": "gated norm and out_proj follow the recurrence: exact GPU path",
     "lm_head": "embeddings, final norm and lm_head (last row only) stay on the GPU",
     "mtp": "the MTP head stays on the GPU: its KV feeds speculative decoding",
-    "moe": "mixture-of-experts: experts are routed per token; static ANE programs cannot follow the routing",
+    "moe": "routed experts stay on the GPU: each token picks its own experts, a static ANE program cannot gather them",
 }
 
 
@@ -39,7 +39,7 @@ class PieceSlice:
     """One layer's ANE share of one piece: units [start, stop).
 
     Units: attention -> KV heads (their query-head groups come along), mlp -> intermediate channels,
-    gdn_in_proj -> rows of in_proj_z (the only rows of the GDN input projections that may leave).
+    shared_expert -> the shared expert's intermediate channels, gdn_in_proj -> rows of in_proj_z (the only rows of the GDN input projections that may leave).
     """
 
     layer: int
@@ -67,6 +67,12 @@ class Piece:
     requested: float = 0.0
     cap_reason: str | None = None
     pair_scores: float = 0.0  # softmax scores per (query, visible key) pair: the attention heads
+    active_params: int | None = None  # weights one token reads per layer (MoE: its top-k experts); None = all
+
+    @property
+    def token_params(self) -> int:
+        """Weights per layer one decoded token reads."""
+        return self.params if self.active_params is None else self.active_params
 
     @property
     def ane_share(self) -> float:
@@ -104,11 +110,15 @@ def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
         cap = None if c == fraction * I else f"channels in multiples of {ALIGN}: {fraction:g} x {I} rounds to {c}"
         out.append(Piece("mlp", dense_layers, I, "channels", c, 3 * h * I, 6.0 * h * I, 0.0, 3 * h, fraction, cap))
     if moe is not None:
-        params = h * moe.experts + 3 * h * (moe.experts * moe.intermediate + moe.shared_intermediate)
-        active = 2.0 * h * moe.experts + 6.0 * h * (moe.per_token * moe.intermediate + moe.shared_intermediate)
-        out.append(Piece("moe", len(args.moe_layers), 0, "", 0, params, active, requested=fraction,
-                         cap_reason=EXACT_PATH["moe"] if fraction else None))
-
+        routed, active = moe_params(h, moe)
+        out.append(Piece("moe", len(args.moe_layers), 0, "", 0, routed, 2.0 * active, requested=fraction,
+                         cap_reason=moe_cap(h, moe) if fraction else None, active_params=active))
+        if moe.shared_intermediate:
+            I = moe.shared_intermediate
+            c = _aligned(fraction * I, ALIGN, I)
+            cap = None if c == fraction * I else f"channels in multiples of {ALIGN}: {fraction:g} x {I} rounds to {c}"
+            out.append(Piece("shared_expert", len(args.moe_layers), I, "channels", c, 3 * h * I, 6.0 * h * I, 0.0,
+                             3 * h, fraction, cap))
     if n_gdn:
         nk, nv, dk, dv = args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
         z = nv * dv
@@ -135,12 +145,54 @@ def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
     out.append(Piece("lm_head", 1, 0, "", 0, head_params, 2.0 * h * args.vocab_size, requested=fraction,
                      cap_reason=EXACT_PATH["lm_head"] if fraction else None))
     if args.mtp_num_hidden_layers:
-        I = args.intermediate_size or (moe.intermediate if moe else 0)
-        mtp_params = args.mtp_num_hidden_layers * (attn_params + 3 * h * I) + 2 * h * h
-        out.append(Piece("mtp", 1, 0, "", 0, mtp_params, 2.0 * mtp_params, 4.0 * H * D * args.mtp_num_hidden_layers,
+        n = args.mtp_num_hidden_layers
+        if moe is not None:  # the MTP layer's MLP is an MoE block like the backbone's (routed + shared expert)
+            routed, active = moe_params(h, moe)
+            mlp_all, mlp_active = routed + 3 * h * moe.shared_intermediate, active + 3 * h * moe.shared_intermediate
+        else:
+            mlp_all = mlp_active = 3 * h * args.intermediate_size
+        mtp_params = n * (attn_params + mlp_all) + 2 * h * h
+        mtp_active = n * (attn_params + mlp_active) + 2 * h * h
+        out.append(Piece("mtp", 1, 0, "", 0, mtp_params, 2.0 * mtp_active, 4.0 * H * D * n,
                          requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None,
-                         pair_scores=H * args.mtp_num_hidden_layers))
+                         pair_scores=H * n, active_params=mtp_active if moe is not None else None))
     return out
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Weight counts (matrices; norm vectors aside): all of them, and those one token uses (MoE: the router, its
+    top-k experts and the shared expert); `mtp_*` is the MTP head's part of each. The embedding and lm_head
+    matrices both count, as model cards count them."""
+
+    total: int
+    active: int
+    mtp_total: int
+    mtp_active: int
+
+
+def parameter_counts(args: ModelArgs, moe: MoE | None) -> Parameters:
+    """Total and active-per-token weights of the network `pieces` describes."""
+    ps = pieces(args, moe, 0.0)
+    mtp = next((p for p in ps if p.kind == "mtp"), None)
+    return Parameters(sum(p.layers * p.params for p in ps), sum(p.layers * p.token_params for p in ps),
+                      mtp.params if mtp else 0, mtp.token_params if mtp else 0)
+
+
+def moe_params(hidden: int, moe: MoE) -> tuple[int, int]:
+    """(all, active per token) weights of one layer's router and routed experts, with the shared expert's
+    one-output sigmoid gate; the shared expert itself is its own piece."""
+    gates = hidden * moe.experts + (hidden if moe.shared_intermediate else 0)
+    per_expert = 3 * hidden * moe.intermediate  # gate, up, down
+    return gates + moe.experts * per_expert, gates + moe.per_token * per_expert
+
+
+def moe_cap(hidden: int, moe: MoE) -> str:
+    """Why the routed experts take no ANE share, with the numbers of the static formulation that would."""
+    per_layer = 3 * hidden * moe.intermediate * moe.experts * ANE_WEIGHT_BYTES
+    return (f"{EXACT_PATH['moe']}; the static form (all {moe.experts} experts dense, unpicked ones weighted 0) "
+            f"computes {moe.experts / moe.per_token:g}x the routed FLOPs and bakes {per_layer / 1e9:.2f} GB of fp16 "
+            f"weights per layer (docs/planner.md, Mixture of experts)")
 
 
 def delta_rule_flops(nv: int, dk: int, dv: int) -> float:
@@ -170,8 +222,14 @@ def budget_spans(kind: str, units: int, per_unit: int, budget: int = PROGRAM_WEI
 
 
 def unit_bytes(args: ModelArgs, piece: str) -> int:
-    """fp16 weight bytes one unit of a piece carries (one KV head's group, one channel, one z row)."""
-    return next(p.ane_unit_params for p in pieces(args, None, 0.0) if p.kind == piece) * ANE_WEIGHT_BYTES
+    """fp16 weight bytes one unit of a piece carries (one KV head's group, one MLP or shared-expert channel,
+    one z row)."""
+    h, H, Hkv, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    per_unit = {"attention": h * (2 * H * D + 2 * Hkv * D + H * D) // Hkv, "mlp": 3 * h, "shared_expert": 3 * h,
+                "gdn_in_proj": h}
+    if piece not in per_unit:
+        raise HeteroError(f"piece {piece!r} takes no ANE share")
+    return per_unit[piece] * ANE_WEIGHT_BYTES
 
 
 def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[PieceSlice]:
@@ -237,4 +295,6 @@ def layer_slices(args: ModelArgs, ps: list[Piece]) -> list[PieceSlice]:
             out.append(PieceSlice(i, "gdn_in_proj", 0, by_kind["gdn_in_proj"].ane_units))
         if i not in moe_layers and by_kind.get("mlp") and by_kind["mlp"].ane_units:
             out.append(PieceSlice(i, "mlp", 0, by_kind["mlp"].ane_units))
+        if i in moe_layers and by_kind.get("shared_expert") and by_kind["shared_expert"].ane_units:
+            out.append(PieceSlice(i, "shared_expert", 0, by_kind["shared_expert"].ane_units))
     return out
