@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="RAM to budget: prints the budget and the largest context window (default: no budget)")
     plan.add_argument("--accepted-length", type=Bound(1), default=2.5, help="MTP tokens per verify pass for the decode estimate")
     plan.add_argument("--draft-depth", type=depth, default=3, help="MTP draft depth for the decode estimate")
+    plan.add_argument("--hosts", type=POSITIVE_INT,
+                      help="also plan a pipeline over N hosts: the layer split, memory per host, pipelined prefill and "
+                      "decode (default: one host, no pipeline section)")
+    plan.add_argument("--link-gbps", type=POSITIVE, help="with --hosts: the link's usable bandwidth in Gb/s "
+                      "(default: the profile's; unknown when it has none)")
+    plan.add_argument("--link-latency-ms", type=NONNEG, help="with --hosts: a message's fixed cost over the link in ms "
+                      "(default: the profile's; unknown when it has none)")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
     convert = sub.add_parser("convert", help="write a converted copy of a checkpoint")
@@ -324,7 +331,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = load_profile(profile_name)
     context = args.context or min(32768, model_shape(config)[0].max_position_embeddings)
     kw = dict(prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
-              accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name)
+              accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
+              link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms)
     if args.recommend:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
     else:

@@ -4,7 +4,8 @@ Modules, each one job, importing one way (shape -> slices -> cost -> predict -> 
 `shape` (a model config, its shape, weight storage, state sizes), `slices` (requested fraction -> aligned ANE
 shares with their caps, per-layer slices, programs), `cost` (FLOPs per piece and chunk, context buckets),
 `predict` (lane rates, the wavefront's prefill time, decode rates), `governor` (the memory budget and context
-window), `plan` (`make_plan`, the `Plan` object), `recommend` (`--recommend`), `report` (`hetero plan`'s text).
+window), `hosts` (`split_layers`: layers across pipeline ranks; `--hosts N`), `plan` (`make_plan`, the `Plan`
+object), `recommend` (`--recommend`), `report` (`hetero plan`'s text).
 """
 
 from hetero.planner.cost import chunk_spans, context_bucket, context_buckets, piece_flops
@@ -17,6 +18,7 @@ from hetero.planner.governor import (
     physical_memory_bytes,
     prefill_buffer_bytes,
 )
+from hetero.planner.hosts import split_layers
 from hetero.planner.plan import Plan, make_plan
 from hetero.planner.predict import Lanes, decode_bytes_per_token, predict_decode, predict_prefill, verify_cost
 from hetero.planner.recommend import recommend
@@ -42,5 +44,5 @@ __all__ = [
     "context_bucket", "context_buckets", "decode_bytes_per_token", "govern", "loaded_budget",
     "make_plan", "model_shape", "moe_of", "parameter_counts", "physical_memory_bytes", "piece_flops", "pieces", "plan_lines", "predict_decode",
     "prefill_buffer_bytes",
-    "predict_prefill", "program_spans", "read_model_config", "recommend", "storage_for", "verify_cost",
+    "predict_prefill", "program_spans", "read_model_config", "recommend", "split_layers", "storage_for", "verify_cost",
 ]

@@ -9,13 +9,18 @@ every rank, the runtime and `hetero plan --hosts` derive the same split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.cost import chunk_spans, piece_flops
-from hetero.planner.shape import MoE, moe_of
-from hetero.planner.slices import pieces
+from hetero.planner.governor import RUNTIME_RESERVE, prefill_buffer_bytes
+from hetero.planner.predict import Lanes, distinct_experts, gpu_chunk_seconds, verify_cost
+from hetero.planner.shape import MoE, Storage, gdn_state_bytes, moe_of
+from hetero.planner.slices import Piece, pieces
+from hetero.profiles import Profile
 
 SPLIT_TOKENS = 16384  # the prompt length the split balances: a long agent prompt, where pipelining pays
 SPLIT_CHUNK = 512
@@ -93,3 +98,222 @@ def balanced_ranges(costs: LayerCosts, n_ranks: int) -> list[range]:
     bounds.append(0)
     bounds.reverse()
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `hetero plan --hosts N`: memory per host and the pipelined prefill and decode
+
+ACTIVATION_BYTES = 2  # a hidden state crosses the link in the model's dtype: bf16 on a Mac
+TOKEN_MESSAGE_BYTES = 64  # sampled tokens (and an MTP round's drafts) going back to rank 0: a few int32
+MEASURE_LINK = ("measure with `iperf3 -c HOST` (bandwidth) and `ping HOST` (latency) between the hosts, "
+                "then pass --link-gbps / --link-latency-ms")
+MEASURE_LINK_SHORT = "measure with iperf3 and ping between the hosts, pass --link-gbps / --link-latency-ms"
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between consecutive ranks: usable bandwidth (Gb/s) and a message's fixed cost (ms); None = unknown."""
+
+    gbps: float | None
+    latency_ms: float | None
+
+    @property
+    def known(self) -> bool:
+        return self.gbps is not None and self.latency_ms is not None
+
+    def seconds(self, nbytes: float) -> float:
+        """One message of `nbytes` (the link must be known)."""
+        return self.latency_ms / 1e3 + nbytes * 8 / (self.gbps * 1e9)
+
+    def label(self) -> str:
+        if not self.known:
+            missing = [n for n, v in (("bandwidth", self.gbps), ("latency", self.latency_ms)) if v is None]
+            return f"{' and '.join(missing)} unknown ({MEASURE_LINK})"
+        return f"{self.gbps:g} Gb/s, {self.latency_ms:g} ms per message"
+
+
+@dataclass
+class Rank:
+    """One host's part: its backbone layers, what else it holds, its memory at the context and its busy times."""
+
+    rank: int
+    layers: range
+    attention: int
+    gdn: int
+    extras: list[str]  # "embedding", "final norm + lm_head", "MTP head"
+    weight_bytes: int
+    kv_bytes_per_token: int
+    state_bytes: int  # GDN recurrent state + conv window, one sequence
+    buffer_bytes: int  # one prefill chunk's transients, the hidden chunk it receives, the runtime reserve
+    context: int
+    prefill_s: float | None  # busy over the whole prompt
+    decode_s: float | None  # one plain decode step's part
+    window: int | None = None  # the largest context that fits this host (with a memory size)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What this host holds at the plan's context."""
+        return self.weight_bytes + self.kv_bytes_per_token * self.context + self.state_bytes + self.buffer_bytes
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "layers": [self.layers.start, self.layers.stop], "attention_layers": self.attention,
+                "gdn_layers": self.gdn, "extras": self.extras, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token, "state_bytes": self.state_bytes,
+                "buffer_bytes": self.buffer_bytes, "memory_bytes": self.memory_bytes,
+                "prefill_busy_s": None if self.prefill_s is None else round(self.prefill_s, 6),
+                "decode_step_s": None if self.decode_s is None else round(self.decode_s, 9), "context_window": self.window}
+
+
+@dataclass
+class HostPlan:
+    """The split across hosts with its predictions (None = unknown) and what is unknown or assumed."""
+
+    ranks: list[Rank]
+    link: Link
+    prompt_tokens: int
+    predicted: dict
+    unknown: list[str]
+    assumptions: list[str]
+    memory_gb: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"hosts": len(self.ranks), "link_gbps": self.link.gbps, "link_latency_ms": self.link.latency_ms,
+                "ranks": [r.to_dict() for r in self.ranks], "predicted": self.predicted, "unknown": self.unknown,
+                "assumptions": self.assumptions, "memory_gb": self.memory_gb}
+
+
+def rank_pieces(args: ModelArgs, moe: MoE | None, layers: range, last: bool) -> list[Piece]:
+    """The planner's pieces restricted to one rank: its layers' mixers and MLPs, and lm_head and the MTP head on the
+    last rank."""
+    types = [args.layer_types[i] for i in layers]
+    n_attn = types.count("full_attention")
+    n_gdn = len(types) - n_attn
+    moe_layers = set(args.moe_layers)
+    n_moe = sum(i in moe_layers for i in layers)
+    count = {"attention": n_attn, "gdn_in_proj": n_gdn, "gdn_recurrence": n_gdn, "gdn_out_proj": n_gdn,
+             "mlp": len(types) - n_moe, "moe": n_moe, "shared_expert": n_moe, "lm_head": int(last), "mtp": int(last)}
+    return [replace(p, layers=count[p.kind]) for p in pieces(args, moe, 0.0) if count[p.kind]]
+
+
+def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int, prompt_tokens: int,
+               chunk: int, link: Link, kv_bytes: int = 2, accepted_length: float = 2.5, depth: int = 3,
+               memory_gb: float | None = None) -> HostPlan:
+    """Memory per host and the pipelined prefill and decode for `split_layers(args, n_hosts)` (GPU-only per host).
+
+    Prefill, pipelined by chunk: rank r starts chunk c once it finished chunk c-1 and chunk c's hidden states have
+    arrived; the link to the next rank sends one chunk at a time ((chunk x hidden) activations per message). So the
+    wall time is about the busiest rank's share plus the pipeline's fill and drain plus the transfers nothing
+    hides, and the first token goes back to rank 0. Decode: one token passes every rank in turn (each reads its
+    own weights, KV and state) plus n - 1 hops of one hidden state and one back to rank 0 with the sampled token;
+    an MTP round is one verify pass the same way plus the draft steps on the last rank.
+    """
+    ranges = split_layers(args, n_hosts, moe=moe)
+    lanes = Lanes.of(profile)
+    h, V = args.hidden_size, args.vocab_size
+    per_layer_state = gdn_state_bytes(args) // max(1, args.layer_types.count("linear_attention"))
+    kv_layer = 2 * args.num_key_value_heads * args.head_dim * kv_bytes
+    mtp = args.mtp_num_hidden_layers
+    ranks: list[Rank] = []
+    chunks: list[np.ndarray | None] = []  # per rank: seconds per chunk
+    for r, layers in enumerate(ranges):
+        first, last = r == 0, r == n_hosts - 1
+        ps = rank_pieces(args, moe, layers, last)
+        backbone = [p for p in ps if p.kind not in ("lm_head", "mtp")]
+        matrices = {"embed_tokens"} if first else set()  # vocab x hidden matrices this rank holds
+        if last:
+            matrices.add("embed_tokens" if args.tie_word_embeddings else "lm_head")
+            if mtp:  # the MTP head embeds its draft tokens with embed_tokens: the last rank keeps a copy
+                matrices.add("embed_tokens")
+        weights = sum(p.layers * storage.nbytes(p.params) for p in backbone) + len(matrices) * storage.nbytes(V * h)
+        extras = (["embedding"] if first else []) + (["final norm + lm_head"] if last else [])
+        if last and mtp:
+            weights += storage.nbytes(next(p for p in ps if p.kind == "mtp").params)
+            extras.append("MTP head")
+        attn = sum(args.layer_types[i] == "full_attention" for i in layers)
+        gdn = len(layers) - attn
+        kv = (attn + (mtp if last else 0)) * kv_layer
+        state = gdn * per_layer_state
+        buffers = prefill_buffer_bytes(args, chunk, moe) + (0 if first else chunk * h * 4) + RUNTIME_RESERVE
+        t = gpu_chunk_seconds(ps, storage, lanes, prompt_tokens, chunk)
+        chunks.append(t)
+        decode = None
+        if lanes.gpu_bw is not None:
+            read = sum(p.layers * storage.nbytes(V * h if p.kind == "lm_head" else p.token_params) for p in backbone)
+            read += storage.nbytes(V * h) if last else 0  # lm_head's matrix; the embedding one row
+            read += attn * kv_layer * context + 2 * state
+            decode = read / (lanes.gpu_bw * profile.decode_efficiency)
+        ranks.append(Rank(r, layers, attn, gdn, extras, int(weights), kv, state, buffers, context,
+                          None if t is None else float(t.sum()), decode))
+
+    unknown, assumptions = [], []
+    if memory_gb is not None:
+        wirable = memory_gb * 1e9 * profile.gpu_wired_fraction
+        for rk in ranks:
+            room = wirable - (rk.weight_bytes + rk.state_bytes + rk.buffer_bytes)
+            window = args.max_position_embeddings if not rk.kv_bytes_per_token else int(room // rk.kv_bytes_per_token // chunk * chunk)
+            rk.window = min(window, args.max_position_embeddings) if room > 0 and window >= chunk else 0
+
+    predicted: dict = {"prefill_s": None, "busiest_rank_prefill_s": None, "one_host_prefill_s": None,
+                       "link_s_per_chunk": None, "decode_plain_tps": None, "decode_mtp_tps": None,
+                       "one_host_decode_plain_tps": None}
+    r4 = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
+    if any(t is None for t in chunks):
+        unknown.append("prefill across hosts is unknown: the profile has no GPU throughput")
+    else:
+        predicted["busiest_rank_prefill_s"] = r4(max(float(t.sum()) for t in chunks))
+        predicted["one_host_prefill_s"] = r4(float(sum(t.sum() for t in chunks)))
+    if n_hosts > 1 and not link.known:
+        unknown.append(f"link between hosts: {link.label()}; prefill and decode across hosts stay unknown")
+    steps = [rk.decode_s for rk in ranks]
+    if None not in steps:
+        predicted["one_host_decode_plain_tps"] = r4(1.0 / sum(steps), 2)
+    if link.known or n_hosts == 1:
+        hop = (lambda n: link.seconds(n)) if n_hosts > 1 else (lambda n: 0.0)  # noqa: E731
+        if not any(t is None for t in chunks):
+            _, sizes = chunk_spans(prompt_tokens, chunk)
+            sends = [hop(s * h * ACTIVATION_BYTES) for s in sizes]
+            predicted["prefill_s"] = r4(pipeline_wall(chunks, sends) + (hop(TOKEN_MESSAGE_BYTES) if n_hosts > 1 else 0.0))
+            predicted["link_s_per_chunk"] = r4(hop(chunk * h * ACTIVATION_BYTES), 6)
+        hops = (n_hosts - 1) * hop(h * ACTIVATION_BYTES) + hop(TOKEN_MESSAGE_BYTES)
+        if None not in steps:
+            predicted["decode_plain_tps"] = r4(1.0 / (sum(steps) + hops), 2)
+            if mtp and profile.mtp_verify_ratio is not None:
+                ratio = verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, depth + 1)
+                extra = 0.0
+                if moe is not None:  # the verify tokens' union of experts, beyond one token's top-k
+                    expert = storage.nbytes(3 * h * moe.intermediate)
+                    extra = len(args.moe_layers) * (distinct_experts(moe, depth + 1) - moe.per_token) * expert
+                    extra /= lanes.gpu_bw * profile.decode_efficiency
+                head = next(p for p in pieces(args, moe, 0.0) if p.kind == "mtp")
+                draft = (storage.nbytes(head.token_params + V * h) + mtp * kv_layer * context) / (
+                    lanes.gpu_bw * profile.decode_efficiency)
+                verify_hops = (n_hosts - 1) * hop((depth + 1) * h * ACTIVATION_BYTES) + hop(TOKEN_MESSAGE_BYTES)
+                predicted["decode_mtp_tps"] = r4(accepted_length / (ratio * sum(steps) + extra + depth * draft + verify_hops), 2)
+    if mtp and profile.mtp_verify_ratio is None:
+        unknown.append("decode with MTP across hosts: the profile has no MTP verify cost (mtp_verify_ratio)")
+    assumptions.append(f"layers split by prefill FLOPs of a {SPLIT_TOKENS}-token prompt (`split_layers`, as the "
+                       f"runtime splits them); each host runs its part on its GPU alone, with this profile's figures")
+    if n_hosts > 1:
+        assumptions.append(f"hidden states cross the link in {8 * ACTIVATION_BYTES}-bit floats, one message per chunk; "
+                           f"a link sends while its ranks compute")
+        if mtp:
+            assumptions.append("the last rank keeps a copy of embed_tokens for the MTP head's draft tokens")
+    return HostPlan(ranks, link, prompt_tokens, predicted, unknown, assumptions, memory_gb)
+
+
+def pipeline_wall(chunks: list, sends: list[float]) -> float:
+    """Wall time of a prefill pipelined by chunk: rank r runs chunk c after its own chunk c-1 and after chunk c's
+    hidden states arrive from rank r-1; each link carries one chunk at a time (a flow shop with the links as stages).
+
+    `chunks[r][c]`: rank r's seconds on chunk c; `sends[c]`: one link's seconds for chunk c's hidden states."""
+    n_ranks = len(chunks)
+    done = [0.0] * n_ranks  # when each rank finished its latest chunk
+    link_free = [0.0] * max(0, n_ranks - 1)  # when each link finished its latest message
+    for c, send in enumerate(sends):
+        arrived = 0.0
+        for r in range(n_ranks):
+            done[r] = max(done[r], arrived) + float(chunks[r][c])
+            if r < n_ranks - 1:
+                link_free[r] = max(link_free[r], done[r]) + send
+                arrived = link_free[r]
+    return done[-1]

@@ -11,6 +11,7 @@ from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.cost import chunk_spans, piece_flops
 from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
+from hetero.planner.hosts import HostPlan, Link, plan_hosts
 from hetero.planner.predict import (
     Lanes,
     decode_bytes_per_token,
@@ -68,6 +69,7 @@ class Plan:
     program_budget: int = PROGRAM_WEIGHT_BUDGET  # fp16 weight bytes per program at most
     moe: MoE | None = None  # the routed experts (None: a dense model)
     parameters: Parameters | None = None
+    hosts: HostPlan | None = None  # `--hosts N`: the split across hosts with its predictions
 
     @property
     def effective_fraction(self) -> float:
@@ -131,6 +133,8 @@ class Plan:
         }
         if self.memory is not None:
             d["memory"] = self.memory.to_dict()
+        if self.hosts is not None:
+            d["hosts"] = self.hosts.to_dict()
         return d
 
 
@@ -149,12 +153,17 @@ def make_plan(
     name: str = "",
     offload: tuple[str, ...] = OFFLOADABLE,
     budget: int | None = None,
+    hosts: int | None = None,
+    link_gbps: float | None = None,
+    link_latency_ms: float | None = None,
 ) -> Plan:
     """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring).
 
     `offload` names the piece kinds that take their share (`recommend` leaves out those the ANE lane of the
     profile runs too slowly to help); the others stay whole on the GPU, with the reason as their cap. `budget`:
-    fp16 weight bytes per exported ANE program (default: `program_budget` of the profile).
+    fp16 weight bytes per exported ANE program (default: `program_budget` of the profile). `hosts`: also plan a
+    pipeline over that many hosts (`hosts.plan_hosts`) over a link of `link_gbps` / `link_latency_ms` (default: the
+    profile's, unknown when it has none).
     """
     args, moe = model_shape(config)
     storage = storage_for(config, bits, group_size)
@@ -222,13 +231,22 @@ def make_plan(
                            f"{verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, draft_depth + 1):.2f} plain "
                            f"steps: linear between 1 token and the profile's {profile.mtp_verify_ratio:g} at "
                            f"{profile.mtp_verify_tokens}")
+    if memory_gb is not None and memory_gb <= 0:
+        raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
+    host_plan = None
+    if hosts is not None:
+        for flag, v in (("--link-gbps", link_gbps), ("--link-latency-ms", link_latency_ms)):
+            if v is not None and (v < 0 or (flag == "--link-gbps" and v == 0)):
+                raise HeteroError(f"{flag} {v}: must be positive")
+        link = Link(profile.link_gbps if link_gbps is None else link_gbps,
+                    profile.link_latency_ms if link_latency_ms is None else link_latency_ms)
+        host_plan = plan_hosts(args, moe, storage, profile, hosts, context, prompt, chunk, link, kv_bytes,
+                               accepted_length, draft_depth, memory_gb)
     plan = Plan(name, args, storage, profile, context, chunk, prompt, fraction, sliced, ps, layer_slices(args, ps),
                 flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload),
                 programs=ane_programs(ps, budget), program_budget=budget, moe=moe,
-                parameters=parameter_counts(args, moe))
-    if memory_gb is not None:
-        if memory_gb <= 0:
-            raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
+                parameters=parameter_counts(args, moe), hosts=host_plan)
+    if memory_gb is not None and (hosts or 1) == 1:  # across hosts, the memory size is each host's (`hosts`)
         weights = sum(p.layers * storage.nbytes(p.params) for p in ps)
         plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps),
                              profile.gpu_wired_fraction, storage.label,

@@ -201,3 +201,16 @@ def dense_experts_on_ane(args: ModelArgs, moe: MoE, lanes: Lanes, tokens: int) -
     ane = n * tokens * 6.0 * h * moe.intermediate * moe.experts / ane_rate
     balanced = gpu * ane / (gpu + ane)
     return DenseExperts(gpu, ane, gpu - balanced, n * 3 * h * moe.intermediate * moe.experts * ANE_WEIGHT_BYTES)
+
+
+def gpu_chunk_seconds(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int, chunk: int) -> np.ndarray | None:
+    """Seconds the GPU spends on each chunk of a `tokens`-long prefill running all of `ps` (no ANE share): the
+    roofline per piece, the softmax per score; the same figure `predict_prefill` sums when not split."""
+    starts, sizes = chunk_spans(tokens, chunk)
+    out = np.zeros_like(sizes)
+    for p in ps:
+        g = _seconds(piece_flops(p, starts, sizes), storage.nbytes(p.params), lanes.gpu_rate(p.kind), lanes.gpu_bw)
+        if g is None:
+            return None
+        out += p.layers * (g + p.pair_scores * visible_pairs(starts, sizes) * lanes.gpu_score_s)
+    return out

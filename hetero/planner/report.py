@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hetero.planner.hosts import MEASURE_LINK_SHORT
 from hetero.planner.plan import Plan
 
 
@@ -67,4 +68,42 @@ def plan_lines(plan: Plan) -> list[str]:
         out += ["", "assumptions:"] + [f"  {x}" for x in plan.assumptions]
     if plan.memory is not None:
         out += [""] + plan.memory.text()
+    if plan.hosts is not None:
+        out += [""] + host_lines(plan)
+    return out
+
+
+def host_lines(plan: Plan) -> list[str]:
+    """`--hosts N`: the split, memory per host, the pipelined prefill and the decode across hosts."""
+    hp, pr = plan.hosts, plan.hosts.predicted
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    unknown = "unknown" if len(hp.ranks) == 1 or hp.link.known else f"unknown ({MEASURE_LINK_SHORT})"
+    t = lambda v, unit="s": unknown if v is None else f"{v:.3f} {unit}"  # noqa: E731
+    out = [f"hosts: {len(hp.ranks)}, a pipeline of GPU-only ranks (layers balanced by prefill FLOPs; the MTP head and "
+           f"lm_head on the last rank)",
+           f"link: {hp.link.label()}" if len(hp.ranks) > 1 else "link: none (one host)",
+           f"{'rank':>4} {'layers':>8} {'attn':>4} {'GDN':>4} {'weights':>10} {f'KV@{plan.context}':>12} {'memory':>10}  "
+           f"{'window' if hp.memory_gb is not None else ''}  also"]
+    for r in hp.ranks:
+        window = "" if r.window is None else (f"{r.window}" if r.window else "does not fit")
+        out.append(f"{r.rank:>4} {f'{r.layers.start}-{r.layers.stop - 1}':>8} {r.attention:>4} {r.gdn:>4} "
+                   f"{gb(r.weight_bytes):>10} {gb(r.kv_bytes_per_token * plan.context):>12} {gb(r.memory_bytes):>10}  "
+                   f"{window:>{6 if hp.memory_gb is not None else 0}}  {', '.join(r.extras) or '-'}")
+    if hp.memory_gb is not None:
+        windows = [r.window for r in hp.ranks]
+        out.append(f"context window across hosts ({hp.memory_gb:g} GB each): "
+                   + ("a host does not fit" if 0 in windows else f"{min(windows)} tokens"))
+    out += [
+        f"predicted across {len(hp.ranks)} host{'s' if len(hp.ranks) > 1 else ''}:",
+        f"  prefill ({hp.prompt_tokens} tokens, pipelined by chunk) {t(pr['prefill_s'])}"
+        + (f"  (busiest rank {pr['busiest_rank_prefill_s']:.3f} s; one host {pr['one_host_prefill_s']:.3f} s)"
+           if pr["busiest_rank_prefill_s"] is not None else ""),
+        f"  link per chunk     {t(None if pr['link_s_per_chunk'] is None else pr['link_s_per_chunk'] * 1e3, 'ms')}",
+        f"  plain decode       {t(pr['decode_plain_tps'], 'tok/s')}"
+        + (f"  (one host {pr['one_host_decode_plain_tps']:.2f} tok/s)" if pr["one_host_decode_plain_tps"] else ""),
+        f"  decode with MTP    {t(pr['decode_mtp_tps'], 'tok/s')}",
+    ]
+    if hp.unknown:
+        out += ["  unknown:"] + [f"    {u}" for u in hp.unknown]
+    out += ["  assumptions:"] + [f"    {a}" for a in hp.assumptions]
     return out

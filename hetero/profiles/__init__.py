@@ -51,6 +51,10 @@ class Profile:
     # One MTP verify pass over `mtp_verify_tokens` tokens, in plain decode steps (None = unknown: no MTP estimate).
     mtp_verify_ratio: float | None = None
     mtp_verify_tokens: int = 4
+    # The link between hosts of a pipeline (`hetero plan --hosts N`): a property of the cable and the backend, not of
+    # the chip, so the chip profiles leave it unknown; `--link-gbps` / `--link-latency-ms` give it.
+    link_gbps: float | None = None  # usable one-way bandwidth, gigabits per second
+    link_latency_ms: float | None = None  # one message's fixed cost, milliseconds
     ane_tops: float | None = None
     ane_count: int = 1
     gpu_cores: str | None = None
