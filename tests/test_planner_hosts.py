@@ -14,7 +14,7 @@ import pytest
 from hetero.cli import main
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
-from hetero.planner import make_plan
+from hetero.planner import make_plan, recommend
 from hetero.planner.hosts import layer_costs, pipeline_wall, split_layers
 from hetero.planner.report import plan_lines
 from hetero.profiles import load_profile
@@ -205,3 +205,13 @@ def test_plan_cli_hosts_unknown_and_given_link():
         main(["plan", "--model", str(DATA / "qwen3.5-35b-a3b.json"), "--hosts", "2", "--link-gbps", "0"])
     assert e.value.code == 1
 
+
+
+def test_recommend_with_hosts_uses_each_hosts_memory():
+    """27B in bf16 fits no single 32 GB host, but three of them: the fraction search must not ask one host."""
+    with pytest.raises(HeteroError, match="no room"):
+        make_plan(Q27, PROFILE, 0.0, context=32768, memory_gb=32)
+    fraction, plan = recommend(Q27, PROFILE, 32768, hosts=3, memory_gb=32)
+    assert plan.requested_fraction == fraction and plan.memory is None
+    assert [r.layers for r in plan.hosts.ranks] == split_layers(plan.args, 3)
+    assert all(r.window > 0 for r in plan.hosts.ranks)

@@ -16,7 +16,10 @@ def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **
     """The F in [0, 1] (steps of 0.01), and the piece kinds that take it, with the shortest predicted split
     prefill: where both lanes balance. A kind the profile's ANE lane runs too slowly stays whole on the GPU
     (the plan's `offload`, with that cap)."""
-    best: tuple[float, float, Plan] | None = None
+    across = {k: kw.pop(k) for k in ("hosts", "link_gbps", "link_latency_ms") if k in kw}  # the best plan's only
+    if (across.get("hosts") or 1) > 1:  # --memory-gb is then each host's: the one-host budget plays no part
+        across["memory_gb"] = kw.pop("memory_gb", None)
+    best: tuple[float, float, Plan, tuple[str, ...]] | None = None
     seen = set()
     present = {p.kind for p in pieces(*model_shape(config), 0.0)}
     kinds = tuple(k for k in OFFLOADABLE if k in present)  # a dense model has no shared expert to try
@@ -33,5 +36,7 @@ def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **
             if t is None:
                 raise HeteroError(f"cannot recommend a fraction for {profile.chip}: {'; '.join(plan.unknown) or 'throughput unknown'}")
             if best is None or t < best[1] - 1e-12:
-                best = (f, t, plan)
+                best = (f, t, plan, offload)
+    if any(v is not None for v in across.values()):
+        return best[0], make_plan(config, profile, best[0], context, chunk, offload=best[3], **kw, **across)
     return best[0], best[2]
