@@ -195,8 +195,8 @@ def rank_pieces(args: ModelArgs, moe: MoE | None, layers: range, last: bool) -> 
     return [replace(p, layers=count[p.kind]) for p in pieces(args, moe, 0.0) if count[p.kind]]
 
 
-def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int, prompt_tokens: int,
-               chunk: int, link: Link, kv_bytes: int = 2, accepted_length: float = 2.5, depth: int = 3,
+def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int,
+               prompt_tokens: int, chunk: int, link: Link, kv_bytes: int = 2, accepted_length: float = 2.5, depth: int = 3,
                memory_gb: float | None = None) -> HostPlan:
     """Memory per host and the pipelined prefill and decode for `split_layers(args, n_hosts)` (GPU-only per host).
 
@@ -238,8 +238,8 @@ def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Prof
         chunks.append(t)
         decode = None
         if lanes.gpu_bw is not None:
-            read = sum(p.layers * storage.nbytes(V * h if p.kind == "lm_head" else p.token_params) for p in backbone)
-            read += storage.nbytes(V * h) if last else 0  # lm_head's matrix; the embedding one row
+            read = sum(p.layers * storage.nbytes(p.token_params) for p in backbone)
+            read += storage.nbytes(V * h) if last else 0  # lm_head's matrix (the embedding: one row)
             read += attn * kv_layer * context + 2 * state
             decode = read / (lanes.gpu_bw * profile.decode_efficiency)
         ranks.append(Rank(r, layers, attn, gdn, extras, int(weights), kv, state, buffers, context,
@@ -250,8 +250,9 @@ def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Prof
         wirable = memory_gb * 1e9 * profile.gpu_wired_fraction
         for rk in ranks:
             room = wirable - (rk.weight_bytes + rk.state_bytes + rk.buffer_bytes)
-            window = args.max_position_embeddings if not rk.kv_bytes_per_token else int(room // rk.kv_bytes_per_token // chunk * chunk)
-            rk.window = min(window, args.max_position_embeddings) if room > 0 and window >= chunk else 0
+            top = args.max_position_embeddings
+            window = top if not rk.kv_bytes_per_token else min(top, int(room // rk.kv_bytes_per_token // chunk * chunk))
+            rk.window = window if room > 0 and window >= chunk else 0
 
     predicted: dict = {"prefill_s": None, "busiest_rank_prefill_s": None, "one_host_prefill_s": None,
                        "link_s_per_chunk": None, "decode_plain_tps": None, "decode_mtp_tps": None,

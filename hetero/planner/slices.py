@@ -3,8 +3,9 @@
 Attention layers give F of their KV-head groups (whole groups, their query heads along), MLPs F of their
 intermediate channels (multiples of 64), an MoE layer's shared expert F of its channels, GDN input projections only
 their `z` rows (capped at z / (qkv + z + b + a)); the routed experts, the recurrent path, embeddings, lm_head and
-the MTP head give nothing. Each cap carries its reason. Also the weight counts (total, active per token). Also here: the per-layer slices the exporter builds and the pipeline runs, the ANE's fp16 weight bytes, the
-per-program budget and the programs a share is exported as, and the fit to a measured per-process ANE limit.
+the MTP head give nothing. Each cap carries its reason. Also here: the per-layer slices the exporter builds and the
+pipeline runs, the ANE's fp16 weight bytes, the per-program budget and the programs a share is exported as, the fit
+to a measured per-process ANE limit, and the weight counts (total, active per token).
 """
 
 from __future__ import annotations
