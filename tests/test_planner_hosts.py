@@ -215,3 +215,13 @@ def test_recommend_with_hosts_uses_each_hosts_memory():
     assert plan.requested_fraction == fraction and plan.memory is None
     assert [r.layers for r in plan.hosts.ranks] == split_layers(plan.args, 3)
     assert all(r.window > 0 for r in plan.hosts.ranks)
+
+
+def test_split_without_the_mtp_head_gives_the_last_rank_more():
+    """The bundled model at 16K: attention layers (3 and 7) dominate; the MTP head's pass over the prompt costs about
+    one more attention layer, so with it the last rank holds layer 7 alone, without it half the model."""
+    args = ModelArgs.from_config(json.loads(BUNDLED.read_text()))
+    assert split_layers(args, 2) == [range(0, 7), range(7, 8)]
+    assert split_layers(args, 2, mtp=False) == [range(0, 4), range(4, 8)]
+    costs, bare = layer_costs(args), layer_costs(args, mtp=False)
+    assert costs.layers == bare.layers and costs.last > 5 * bare.last

@@ -36,9 +36,11 @@ class LayerCosts:
     last: float
 
 
-def layer_costs(args: ModelArgs, moe: MoE | None = None, tokens: int = SPLIT_TOKENS, chunk: int = SPLIT_CHUNK) -> LayerCosts:
+def layer_costs(args: ModelArgs, moe: MoE | None = None, tokens: int = SPLIT_TOKENS, chunk: int = SPLIT_CHUNK,
+                mtp: bool = True) -> LayerCosts:
     """FLOPs each backbone layer spends on a `tokens`-long prefill in `chunk`-token chunks (the planner's pieces:
-    attention or GDN mixer, then a dense MLP or the MoE block with its active experts)."""
+    attention or GDN mixer, then a dense MLP or the MoE block with its active experts). `mtp`: the last rank also
+    runs the MTP head over the prompt (as a prefill for MTP decoding does), when the model has one."""
     moe = moe if moe is not None else moe_of(args)
     starts, sizes = chunk_spans(tokens, chunk)
     by_kind = {p.kind: float(piece_flops(p, starts, sizes).sum()) for p in pieces(args, moe, 0.0)}
@@ -47,23 +49,25 @@ def layer_costs(args: ModelArgs, moe: MoE | None = None, tokens: int = SPLIT_TOK
     moe_layers = set(args.moe_layers)
     per_layer = [(attention if t == "full_attention" else gdn) + (f("moe") if i in moe_layers else f("mlp"))
                  for i, t in enumerate(args.layer_types)]
-    return LayerCosts(per_layer, 0.0, f("lm_head", "mtp"))  # the embedding is a gather: no FLOPs
+    return LayerCosts(per_layer, 0.0, f("lm_head") + (f("mtp") if mtp else 0.0))  # the embedding: a gather, no FLOPs
 
 
 def split_layers(args: ModelArgs, n_ranks: int, *, moe: MoE | None = None, tokens: int = SPLIT_TOKENS,
-                 chunk: int = SPLIT_CHUNK) -> list[range]:
+                 chunk: int = SPLIT_CHUNK, mtp: bool = True) -> list[range]:
     """One `range` of backbone layer indices per rank, contiguous, in order, covering every layer once.
 
     Rank 0 also holds the embedding, the last rank the final norm, lm_head and the MTP head (their cost counts
     there). The ranges minimise the busiest rank's prefill FLOPs (`layer_costs`: a `tokens`-long prompt in
     `chunk`-token chunks), since a prefill pipelined by chunk takes about the slowest rank's share. Deterministic:
     every rank computes the same split from the same args. `moe`: the routed experts' shape, read from the args
-    when not given. Raises HeteroError unless 1 <= n_ranks <= num_hidden_layers (no rank is left empty).
+    when not given. `mtp=False` when the last rank will not run an MTP head over the prompt (a checkpoint without
+    `mtp.*` tensors, or decoding without MTP): the last rank then takes more layers. Raises HeteroError unless
+    1 <= n_ranks <= num_hidden_layers (no rank is left empty).
     """
     n_layers = args.num_hidden_layers
     if not 1 <= n_ranks <= n_layers:
         raise HeteroError(f"cannot split {n_layers} layers across {n_ranks} ranks: each rank needs at least one layer")
-    return balanced_ranges(layer_costs(args, moe, tokens, chunk), n_ranks)
+    return balanced_ranges(layer_costs(args, moe, tokens, chunk, mtp), n_ranks)
 
 
 def balanced_ranges(costs: LayerCosts, n_ranks: int) -> list[range]:
