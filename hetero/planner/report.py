@@ -79,8 +79,9 @@ def host_lines(plan: Plan) -> list[str]:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     unknown = "unknown" if len(hp.ranks) == 1 or hp.link.known else f"unknown ({MEASURE_LINK_SHORT})"
     t = lambda v, unit="s": unknown if v is None else f"{v:.3f} {unit}"  # noqa: E731
-    out = [f"hosts: {len(hp.ranks)}, a pipeline of GPU-only ranks (layers balanced by prefill FLOPs; the MTP head and "
-           f"lm_head on the last rank)",
+    head = "lm_head and the MTP head" if plan.args.mtp_num_hidden_layers else "lm_head"
+    out = [f"hosts: {len(hp.ranks)}, a pipeline of GPU-only ranks (layers balanced by prefill FLOPs; {head} on the "
+           f"last rank)",
            f"link: {hp.link.label()}" if len(hp.ranks) > 1 else "link: none (one host)",
            f"{'rank':>4} {'layers':>8} {'attn':>4} {'GDN':>4} {'weights':>10} {f'KV@{plan.context}':>12} {'memory':>10}  "
            f"{'window' if hp.memory_gb is not None else ''}  also"]
