@@ -21,6 +21,7 @@ from hetero.models import activations as act
 from hetero.models.attention import attend
 from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from hetero.models.linear import Linear, project
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 RECURRENT_MAX_TOKENS = 16  # shorter inputs run the token-by-token form; longer ones the chunked form
@@ -158,10 +159,10 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
         bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.q_proj = Linear(args.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.rope = nn.RoPE(args.rotary_dims, traditional=False, base=args.rope_theta)
@@ -197,9 +198,9 @@ class MLP(nn.Module):
 
     def __init__(self, dims: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
+        self.gate_proj = Linear(dims, hidden, bias=False)
+        self.up_proj = Linear(dims, hidden, bias=False)
+        self.down_proj = Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(act.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -216,15 +217,15 @@ class GatedDeltaNet(nn.Module):
         self.eps = args.rms_norm_eps
         key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(args.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(args.hidden_size, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(args.hidden_size, self.nv, bias=False)
-        self.in_proj_a = nn.Linear(args.hidden_size, self.nv, bias=False)
+        self.in_proj_qkv = Linear(args.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(args.hidden_size, value_dim, bias=False)
+        self.in_proj_b = Linear(args.hidden_size, self.nv, bias=False)
+        self.in_proj_a = Linear(args.hidden_size, self.nv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = mx.ones((self.nv,))
         self.A_log = mx.zeros((self.nv,))
         self.norm = RMSNorm(self.dv, args.rms_norm_eps)
-        self.out_proj = nn.Linear(value_dim, args.hidden_size, bias=False)
+        self.out_proj = Linear(value_dim, args.hidden_size, bias=False)
 
     def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
         B, S, _ = x.shape
@@ -398,7 +399,7 @@ class MTPHead(nn.Module):
         super().__init__()
         self.pre_fc_norm_embedding = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+        self.fc = Linear(2 * args.hidden_size, args.hidden_size, bias=False)
         self.layers = [DecoderLayer(args, "full_attention") for _ in range(max(1, args.mtp_num_hidden_layers))]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -418,7 +419,7 @@ class Model(nn.Module):
         self.args = args
         self.model = TextModel(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp = MTPHead(args) if with_mtp else None
 
     @property
@@ -431,8 +432,9 @@ class Model(nn.Module):
         return self.logits(hidden), hidden
 
     def logits(self, hidden: mx.array) -> mx.array:
+        embed = self.model.embed_tokens
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
+            return project(hidden, embed.weight) if isinstance(embed, nn.Embedding) else embed.as_linear(hidden)
         return self.lm_head(hidden)
 
     def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
