@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
+from hetero.constrained import Constraint
 from hetero.errors import HeteroError
 from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace, prefill
 from hetero.logprobs import LogprobRecorder
@@ -62,6 +63,7 @@ class Request:
     on_commit: CommitFn | None = None
     logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
     trace: Trace | None = None  # depth 0: what each round ran, as `generate_tokens` records it
+    constraint: Constraint | None = None  # JSON grammar: masks the row's drafts and verify rows, as solo
 
     @property
     def done(self) -> bool:
@@ -131,6 +133,7 @@ class Batch:
         on_commit: CommitFn | None = None,
         logprobs: LogprobRecorder | None = None,
         progress: ProgressFn | None = None,
+        constraint: Constraint | None = None,
     ) -> Request:
         """Prefill `prompt` alone and add the request; its first token is in `request.tokens` already.
 
@@ -140,6 +143,7 @@ class Batch:
         (as in `mtp_generate_tokens`), e.g. to checkpoint it in a prefix cache. `logprobs` records each committed
         token's raw logprobs (`generate_tokens`). `progress(done, total)` runs after every prefill chunk: with
         `lambda *_: batch.step()` the requests already decoding get a round after every chunk of the new prompt.
+        `constraint` (fresh) masks every token the request samples, as in solo constrained decoding.
         """
         self._check(depth)
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(prompt))
@@ -150,9 +154,9 @@ class Batch:
             times.first_token = times.end = time.perf_counter()
             return request
         decoder = prefilled(self.model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry,
-                            logprobs=logprobs)
+                            logprobs=logprobs, constraint=constraint)
         return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit=on_commit,
-                        logprobs=logprobs)
+                        logprobs=logprobs, constraint=constraint)
 
     def add(self, decoder: Decoder, sampler: Sampler, max_tokens: int, eos_ids: set[int], depth: int = 3,
             max_context: int | None = None, times: DecodeTimes | None = None, **hooks) -> Request:
@@ -174,17 +178,18 @@ class Batch:
         on_commit: CommitFn | None = None,
         logprobs: LogprobRecorder | None = None,
         trace: Trace | None = None,
+        constraint: Constraint | None = None,
     ) -> Request:
         """A request for a prefilled decoder whose first token, `decoder.x`, is sampled and not emitted yet; it is
         emitted now (`logprobs` holds its row already, if any), and `on_commit` sees it. Not in the batch yet
         (`admit`): a thread that prefilled it can stream its first token at once. `trace` (depth 0) gets each round's
-        token and hidden as `generate_tokens` records them."""
+        token and hidden as `generate_tokens` records them. `constraint` has consumed `decoder.x` (`prefilled`)."""
         self._check(depth, room=False)
         request = Request(decoder, sampler, depth, max_tokens, set(eos_ids),
                           max_context or self.model.args.max_position_embeddings,
                           stats=stats or (MTPStats(depth) if depth else None),
                           times=times or DecodeTimes(start=time.perf_counter()), on_commit=on_commit,
-                          logprobs=logprobs, trace=trace)
+                          logprobs=logprobs, trace=trace, constraint=constraint)
         if on_commit is not None:
             on_commit(decoder, [decoder.x])
         request.take([decoder.x])
@@ -259,6 +264,8 @@ class Batch:
         for i, (r, (k, copy_k)) in enumerate(zip(rows, plans)):
             lane = r.decoder.lane
             copied = lane.propose(copy_k) if lane is not None and copy_k > 0 else []
+            if copied and r.constraint is not None:  # cut at the first token the grammar forbids (solo's `propose`)
+                copied = copied[: r.constraint.extend(copied)]
             if copied:
                 rnd.drafts[i], rnd.copied[i] = copied, True
             elif k > 0:
@@ -289,17 +296,23 @@ class Batch:
         drafts: list[list[mx.array]] = [[] for _ in rows]
         logprobs: list[list[mx.array]] = [[] for _ in rows]
         live = list(range(len(rows)))  # rows still drafting, in z's row order
+        ended = set()  # rows whose constraint accepts nothing after their last draft (an EOS draft)
         for j in range(max(ks)):
             logits = model.logits(z)[:, -1]  # [b, V]
             for b, i in enumerate(live):
-                params = rows[i].sampler.params
+                params, constraint = rows[i].sampler.params, rows[i].constraint
+                row = logits[b] if constraint is None else constraint.apply(logits[b])
                 if params.greedy:
-                    drafts[i].append(mx.argmax(logits[b]))
+                    drafts[i].append(mx.argmax(row))
                 else:
-                    q = warp(logits[b], params)
+                    q = warp(row, params)
                     drafts[i].append(sample(q, rows[i].sampler.next_key()))
                     logprobs[i].append(q)
-            keep = [b for b, i in enumerate(live) if ks[i] > j + 1]
+                if constraint is not None:  # consumed at once: the next draft's mask depends on it
+                    constraint.advance(drafts[i][-1].item())
+                    if constraint.ended:
+                        ended.add(i)
+            keep = [b for b, i in enumerate(live) if ks[i] > j + 1 and i not in ended]
             if not keep:
                 break
             live_rows = [rows[live[b]] for b in keep]
@@ -345,6 +358,8 @@ class Batch:
         decided = []
         for i, r in enumerate(rows):
             row = target[i, : len(rnd.drafts[i]) + 1]  # [k_i+1, V]
+            if r.constraint is not None:  # position j given x and the drafts before it (the masks they were drawn under)
+                row = mx.where(r.constraint.recent_masks(len(rnd.drafts[i]) + 1), row, -mx.inf)
             d = mx.array(rnd.drafts[i], dtype=mx.int32)
             if r.depth == 0:  # plain decoding: the draw `generate_tokens` makes
                 decided.append((mx.array(0), r.sampler(row[-1])))
@@ -356,6 +371,10 @@ class Batch:
         mx.eval(decided)
         rnd.accepted = [int(n.item()) for n, _ in decided]
         rnd.next = [int(t.item()) for _, t in decided]
+        for i, r in enumerate(rows):
+            if r.constraint is not None:
+                r.constraint.rollback(len(rnd.drafts[i]) - rnd.accepted[i])
+                r.constraint.advance(rnd.next[i])
 
     def _commit(self, rows: list[Request], rnd: Round, hidden: mx.array, gdn: dict[int, GDNCache]) -> None:
         """Keep each row's x and first a_i drafts; its next token becomes its x (`Decoder.commit`, row by row)."""
@@ -414,16 +433,20 @@ def prefilled(
     marks: Sequence[int] = (),
     trace: Trace | None = None,
     mtp_prefill: bool = False,
+    constraint: Constraint | None = None,
 ) -> Decoder:
     """Prefill `prompt` into `cache` and sample the first token, as the solo decoder of `depth` does: `start`
     (depth > 0), or `generate_tokens`' prefill (depth 0: `trace` gets the last hidden; `mtp_prefill` fills the MTP
-    head's KV too). Arguments as in `start`."""
+    head's KV too). Arguments as in `start`; a `constraint` masks the first token and consumes it."""
     if depth:
-        return start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk, logprobs=logprobs,
-                     marks=marks)
+        return start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk, constraint, logprobs,
+                     marks)
     logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
                              on_chunk=on_chunk, marks=marks)  # [1, V], [1, H]
-    decoder = Decoder(model, cache, sampler(logits[-1]).item(), hidden)  # depth 0 keeps no pending pairs after this
+    x = sampler(logits[-1] if constraint is None else constraint.apply(logits[-1])).item()
+    if constraint is not None:
+        constraint.advance(x)
+    decoder = Decoder(model, cache, x, hidden)  # depth 0 keeps no pending pairs after this
     if trace is not None:
         trace.hidden.append(hidden)
     if logprobs is not None:

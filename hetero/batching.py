@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from hetero.batch import MAX_BATCH, Batch, CommitFn, Request, prefilled
 from hetero.cache import LayerCache, cache_arrays
+from hetero.constrained import Constraint
 from hetero.errors import HeteroError
 from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace
 from hetero.logprobs import LogprobRecorder
@@ -91,13 +92,16 @@ class DecodeLoop:
         mtp_prefill: bool = False,
         on_handover: Callable[[], None] | None = None,
         on_handback: Callable[[], None] | None = None,
+        constraint: Constraint | None = None,
     ) -> Iterator[int]:
         """`mtp_generate_tokens` (depth > 0) or `generate_tokens` (depth 0, `trace`, `mtp_prefill`), the same
         tokens, with the decoding done in the shared batch. The prefill runs on the caller's thread, then the first
         token is yielded; `on_handover()` runs once the rest is the loop's (the caller gives up its turn on the
         model there) and `on_handback()` once the stream ends or is closed (the caller takes a turn again: the
         loop has finished its round, and the request's state is its committed one). `on_commit`, `stats` and
-        `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are yielded."""
+        `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are yielded. A
+        `constraint` (JSON grammar) masks the request's tokens as in solo decoding; the loop's thread owns it after the
+        handover."""
         times = times if times is not None else DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
         if max_tokens <= 0:
@@ -105,9 +109,10 @@ class DecodeLoop:
             return
         cache = cache if cache is not None else model.make_cache()
         decoder = prefilled(model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
-                            logprobs, marks, trace, mtp_prefill)
+                            logprobs, marks, trace, mtp_prefill, constraint)
         request = self.batch.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, None, stats,
-                                     on_commit, logprobs, trace if not depth else None)  # its own times: this thread's
+                                     on_commit, logprobs, trace if not depth else None,
+                                     constraint)  # its own times: this thread's
 
         def emit(tokens: list[int]) -> Iterator[int]:
             for t in tokens:

@@ -185,7 +185,7 @@ class Engine:
         turn's reply after that point, resumes there. The prefill with a mark is the same at every run.
 
         `batched` (`hetero.batching.DecodeLoop.generate_tokens`, the caller's turn hooks bound) decodes in a batch
-        shared with other requests, the same tokens; a JSON-constrained request decodes on its own.
+        shared with other requests, the same tokens (JSON-constrained ones too).
         """
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
@@ -249,12 +249,12 @@ class Engine:
                 pc.capture(model, key, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
 
         marks = () if mark is None else (mark,)
-        if batched is not None and constraint is None:
+        if batched is not None:
             stream = batched(
                 model, ids, sampler, max_tokens, self.eos_ids, depth if use_mtp else 0, copy, prefill_chunk, progress,
                 times, mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry,
                 on_chunk=chunk_hook, on_commit=on_commit if use_mtp else None, logprobs=recorder, marks=marks,
-                trace=trace, mtp_prefill=pc is not None and model.has_mtp,
+                trace=trace, mtp_prefill=pc is not None and model.has_mtp, constraint=constraint,
             )
         elif use_mtp:
             stream = mtp_generate_tokens(

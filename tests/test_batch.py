@@ -453,3 +453,63 @@ def test_server_batches_concurrent_requests(engine):
         assert text == alone.text
     assert health["batch"]["max_batch"] == 3 and health["batch"]["rounds"] > 0
     assert max(health["batch"]["recent_batch_sizes"]) >= 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# JSON-constrained requests in a batch
+
+
+def test_constrained_requests_in_a_batch_equal_solo():
+    """Constrained rows (plain and MTP, greedy and seeded sampling, copy lane on) beside unconstrained ones: each
+    gets its solo constrained output token for token, and the JSON validates."""
+    import json
+
+    import jsonschema
+    from test_constrained import PERSON, SCHEMAS, constraint
+
+    engine = pytest.importorskip("hetero").load()
+    prompts = [engine.encode_prompt(f"Answer in JSON: {w}", chat=True) for w in ("a person", "a colour", "numbers",
+                                                                                  "tags", "a story")]
+    schemas = [PERSON, SCHEMAS["enum"], SCHEMAS["array"], SCHEMAS["nested"], None]  # None: unconstrained
+    depths, seeds = [3, 0, 2, 3, 0], [None, 7, 3, None, None]
+    params = [SamplingParams() if s is None else SamplingParams(temperature=1.0) for s in seeds]
+
+    def sampler(i):
+        return Sampler(params[i], seeds[i])
+
+    def grammar(i):
+        return constraint(engine, schemas[i]) if schemas[i] is not None else None
+
+    alone = []
+    for i, p in enumerate(prompts):
+        if depths[i]:
+            gen = mtp_generate_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, depth=depths[i], copy=True,
+                                      constraint=grammar(i))
+        else:
+            gen = generate_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, constraint=grammar(i))
+        alone.append(list(gen))
+    batch = Batch(engine.model, max_batch=len(prompts))
+    requests = [batch.join(p, sampler(i), 60, engine.eos_ids, depths[i], copy=True, constraint=grammar(i))
+                for i, p in enumerate(prompts)]
+    for _ in batch.drain():
+        pass
+    assert [r.tokens for r in requests] == alone
+    for i, r in enumerate(requests[:4]):
+        assert r.finish_reason == "stop", engine.tokenizer.decode(r.tokens)
+        jsonschema.validate(json.loads(engine.tokenizer.decode(r.tokens)), schemas[i])
+
+
+def test_constrained_request_through_the_decode_loop():
+    """engine.generate with a JSON schema and `batched=` decodes in the loop's batch, with the solo answer."""
+    from test_constrained import PERSON
+
+    engine = pytest.importorskip("hetero").load()
+    prompt = engine.encode_prompt("Answer in JSON: a person", chat=True)
+    alone = engine.generate(prompt, max_tokens=60, mtp=True, draft_depth=3, json_schema=PERSON)
+    loop = DecodeLoop(engine.model, max_batch=2)
+    try:
+        shared = engine.generate(prompt, max_tokens=60, mtp=True, draft_depth=3, json_schema=PERSON,
+                                 batched=loop.generate_tokens)
+    finally:
+        loop.close()
+    assert shared.tokens == alone.tokens and loop.rounds > 0

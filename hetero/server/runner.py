@@ -2,7 +2,7 @@
 turns on the model (`hetero.turns`): one prefill chunk or one decode token per turn, so a new request starts
 while others decode and none starves. With `max_batch` > 1 (`hetero serve --max-batch N`), the requests decoding at
 one moment share every decode pass instead (`hetero.batching`): each prefills in its turns, then hands its decoding
-to one loop that runs a batched round per turn; JSON-constrained requests keep decoding on their own. With a split
+to one loop that runs a batched round per turn (JSON-constrained requests too, each masked as alone). With a split
 (`hetero serve --ane-fraction F`), one prompt at a time prefills through the ANE + GPU pipeline, whose GPU lane
 lends its turn to the other requests while the ANE computes its share (prompts arriving meanwhile prefill
 GPU-only). A client that disconnects cancels its job.
