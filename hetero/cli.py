@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from hetero import __version__
+from hetero import __version__, distributed
 from hetero.errors import HeteroError, internal_error
 from hetero.validate import (
     FRACTION, MIN_P, NONNEG, PORT, POSITIVE, POSITIVE_INT, SEED, TEMPERATURE, TOP_K, TOP_P, Bound, check_config,
@@ -80,12 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ane-fraction", type=fraction_or_auto,
                      help="split prefill: share F of each offloadable piece for the ANE lane, "
                      "or 'auto' (this machine's measured profile, verified on a calibration prompt; default: GPU-only)")
-    run.add_argument("--verify", action="store_true", help="with --ane-fraction: rerun GPU-only and compare; exit 3 on mismatch")
+    run.add_argument("--verify", action="store_true", help="with --ane-fraction: rerun GPU-only and compare; under "
+                     "mlx.launch: rerun in one process on rank 0 and compare; exit 3 on mismatch")
     run.add_argument("--verify-tol", type=NONNEG, default=0.02,
                      help="largest max|logit diff| / max|GPU-only logit| at the last position that still matches")
     run.add_argument("--verify-tokens", type=POSITIVE_INT, default=32, help="greedy tokens that must be identical")
     run.add_argument("--trace", metavar="FILE",
                      help="with --ane-fraction: write a Chrome trace (one track per device; default: no trace)")
+    run.add_argument("--dist-timeout", type=POSITIVE, default=60.0, metavar="S",
+                     help="under mlx.launch (layers split across ranks): seconds without progress from the other "
+                     "ranks (or to connect) before a rank stops with an error")
 
     check = sub.add_parser("check", help="pre-flight check of a checkpoint without loading weights")
     check.set_defaults(func=cmd_check)
@@ -185,6 +189,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     import hetero
     from hetero.progress import ProgressBar
 
+    if distributed.launched():  # started by mlx.launch: the layers split across the ranks
+        from hetero.distributed.command import run_pipelined
+
+        status = run_pipelined(args)
+        if status is not None:
+            return status
     prompt = read_prompt(args.prompt)
     engine = hetero.load(args.model)
     engine.memory_gb = args.memory_gb

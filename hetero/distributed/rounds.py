@@ -1,0 +1,138 @@
+"""One request through the pipeline: every rank runs its side of it (SPMD), the last rank leads.
+
+Prefill is pipelined by chunk: each rank runs chunk c of its layers and hands the hidden states on, then goes on
+to chunk c+1 while the next rank runs chunk c; the chunk edges are those of the single-process `prefill`.
+Decoding is led by the last rank, which holds the head: it samples, drafts with the MTP head, accepts and rolls
+back with the engine's own code (`speculative.mtp_generate_tokens` over its `Stage`). Before every backbone pass
+it broadcasts the pass's tokens (VERIFY, recording GDN states, or STEP for plain decoding); after every commit it
+broadcasts the committed tokens (COMMIT), from which every other rank rolls its own caches back exactly as the
+last rank did (accepted = len(tokens) - 1 of the pass) and rank 0 emits the text; DONE ends the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from hetero.cache import GDNCache, LayerCache, cache_arrays
+from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
+from hetero.generate import ProgressFn, prefill
+from hetero.sampling import Sampler, SamplingParams
+from hetero.speculative import MTPStats, mtp_generate_tokens
+
+
+def chunk_edges(offset: int, n: int, chunk: int) -> list[int]:
+    """Where `generate.prefill` cuts n tokens after `offset` cached ones: at multiples of `chunk` from position 0."""
+    first = chunk - offset % chunk
+    return [0] + sorted(set(range(first, n, chunk))) + [n]
+
+
+def lead(stage: Stage, request: dict) -> dict:
+    """The last rank's side of a generation (prefill, then decoding); returns its stats for rank 0."""
+    link, ids, eos = stage.link, request["prompt"], set(request["eos"])
+    sampler = Sampler(SamplingParams(**request["sampling"]), request["seed"])
+    cache = stage.make_cache()
+    depth, max_tokens, chunk = request["depth"], request["max_tokens"], request["chunk"]
+    pet = lambda n, h: link.watchdog.pet()  # noqa: E731  a chunk done is progress
+
+    def announce(kind: int, tokens: list[int]) -> None:
+        link.broadcast_ints([kind, len(tokens), *tokens], link.rank, message_length())
+        link.watchdog.pet()
+
+    stats = MTPStats(depth) if depth else None
+    if depth:
+        def on_commit(decoder, new: list[int]) -> None:
+            announce(COMMIT, new)
+            stage.announce = VERIFY  # every later backbone pass is a verify pass
+
+        stream = mtp_generate_tokens(stage, ids, sampler, max_tokens, eos, depth, request["copy"], chunk, stats=stats,
+                                     cache=cache, max_context=request["max_context"], on_chunk=pet,
+                                     on_commit=on_commit)
+        try:
+            for _ in stream:
+                pass
+        finally:
+            stage.announce = None
+    else:  # plain decoding: a round with no drafts, sampled as `generate_tokens` samples
+        logits, _ = prefill(stage, ids, cache, chunk, on_chunk=pet)
+        x, emitted = sampler(logits[-1]).item(), 0
+        while True:
+            announce(COMMIT, [x])
+            emitted += 1
+            if x in eos or emitted >= max_tokens:
+                break
+            stage.announce = STEP
+            try:
+                out = stage.logits(stage.model(mx.array([[x]]), cache[: len(stage.layers)]))  # [1, 1, V]
+            finally:
+                stage.announce = None
+            x = sampler(out[0, -1]).item()
+    announce(DONE, [])
+    return {"mtp": stats.to_dict() if stats is not None else None}
+
+
+def follow(stage: Stage, request: dict, progress: ProgressFn | None = None) -> Iterator[int]:
+    """Any other rank's side of a generation: prefill its chunks, then run the passes the last rank announces and
+    roll back as it commits. Yields the committed tokens in order (rank 0 emits them)."""
+    link = stage.link
+    cache = stage.make_cache()
+    prefill_stage(stage, request["prompt"], cache, request["chunk"], progress)
+    passed = 0  # tokens of the latest recorded (verify) pass, waiting for its commit
+    while True:
+        kind, n, *rest = link.broadcast_ints(None, link.size - 1, message_length())
+        tokens = rest[:n]
+        link.watchdog.pet()
+        if kind == DONE:
+            return
+        if kind in (VERIFY, STEP):
+            if kind == VERIFY:
+                for c in cache:
+                    if isinstance(c, GDNCache):
+                        c.start_recording()
+            out = stage.model(mx.array([tokens]), cache)
+            link.eval(out, *cache_arrays(cache))
+            passed = n if kind == VERIFY else 0
+        elif kind == COMMIT:
+            if passed:
+                commit_pass(cache, passed, accepted=n - 1)
+                passed = 0
+            yield from tokens
+        else:
+            raise RuntimeError(f"unknown pipeline message kind {kind}")
+
+
+def commit_pass(cache: list[LayerCache], passed: int, accepted: int) -> None:
+    """Keep the pass's first `accepted` + 1 tokens in this rank's caches (`Decoder.commit`, backbone part)."""
+    for c in cache:
+        if isinstance(c, GDNCache):
+            c.commit(accepted + 1)
+        else:
+            c.trim_to(c.offset - passed + accepted + 1)
+    mx.eval(*cache_arrays(cache))
+
+
+def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: int,
+                  progress: ProgressFn | None = None) -> None:
+    """This (non-last) rank's layers over the prompt, chunk by chunk, each chunk handed on as soon as it is done."""
+    edges = chunk_edges(0, len(ids), chunk)
+    for start, stop in zip(edges, edges[1:]):
+        out = stage.model(mx.array(ids[start:stop])[None], cache)  # [1, S] -> the send of [1, S, H]
+        stage.link.eval(out, *cache_arrays(cache))
+        if progress is not None:
+            progress(stop, len(ids))
+
+
+def logits_lead(stage: Stage, request: dict) -> None:
+    """Last rank: every position's logits of the prompt, sent to rank 0 (`Engine.logits` across ranks)."""
+    logits, _ = prefill(stage, request["prompt"], stage.make_cache(), request["chunk"], all_logits=True,
+                        on_chunk=lambda n, h: stage.link.watchdog.pet())  # [S, V]
+    stage.link.send(logits.astype(mx.float32), 0)
+
+
+def logits_follow(stage: Stage, request: dict) -> mx.array | None:
+    """Other ranks: their layers over the prompt; rank 0 then receives the logits [S, V] fp32."""
+    prefill_stage(stage, request["prompt"], stage.make_cache(), request["chunk"])
+    if stage.link.first:
+        return stage.link.recv((len(request["prompt"]), stage.args.vocab_size), mx.float32, stage.link.size - 1)
+    return None

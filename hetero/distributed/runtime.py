@@ -1,0 +1,220 @@
+"""The pipelined engine: rank 0 takes requests (`PipelineEngine`), every other rank serves them (`serve`).
+
+Each request is one JSON message from rank 0 to all ranks; then every rank runs its side (`rounds`), and at the end
+the ranks report their peak memory and the last rank its MTP counters. Requests run one at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from hetero.distributed.group import Link
+from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead
+from hetero.distributed.shard import load_share
+from hetero.distributed.stage import Stage
+from hetero.engine import DEFAULT_DRAFT_DEPTH, GenerationResult, _eos_ids
+from hetero.errors import HeteroError
+from hetero.generate import DecodeTimes, ProgressFn
+from hetero.loader import default_dtype, preflight, read_config, resolve
+from hetero.models.qwen3_5 import ModelArgs
+from hetero.planner.hosts import split_layers
+from hetero.speculative import MAX_DEPTH
+from hetero.tokenizer import Tokenizer
+
+
+def load_stage(link: Link, model: str | os.PathLike | None, dtype: mx.Dtype | None = None) -> tuple[Stage, Path, dict]:
+    """This rank's stage of `model` (None: the bundled one), split by the planner: (stage, directory, config)."""
+    report = preflight(model, dtype)  # headers only, as the single-process load checks first
+    if not report.ok:
+        raise HeteroError(report.first_problem())
+    path = resolve(model, weights=True)
+    config = read_config(path)
+    args = ModelArgs.from_config(config)
+    split = split_layers(args, link.size)
+    dtype = dtype or default_dtype()
+    net, share, nbytes = load_share(path, args, split[link.rank], link.first, link.last, dtype)
+    return Stage(net, share, link, dtype, nbytes), path, config
+
+
+def run_request(stage: Stage, request: dict) -> dict:
+    """A non-zero rank's side of one request (rank 0's is in `PipelineEngine`); returns the end-of-request report."""
+    link = stage.link
+    with link.request():
+        mx.reset_peak_memory()
+        if request["kind"] == "logits":
+            (logits_lead if link.last else logits_follow)(stage, request)
+            return {}
+        stats = lead(stage, request) if link.last else None
+        if not link.last:
+            for _ in follow(stage, request):
+                pass
+        return report(stage, stats)
+
+
+def report(stage: Stage, stats: dict | None) -> dict:
+    """Every rank: peak memory and weight bytes per rank, and the last rank's stats, on every rank."""
+    link = stage.link
+    peaks = link.gather_ints(int(mx.get_peak_memory()))
+    weights = link.gather_ints(stage.weight_bytes)
+    out = link.broadcast_json(stats, link.size - 1)
+    return {**out, "ranks": [{"layers": None, "peak_memory_bytes": p, "weight_bytes": w}
+                             for p, w in zip(peaks, weights)]}
+
+
+def serve(stage: Stage) -> None:
+    """Every rank but 0: run the requests rank 0 broadcasts until it says stop."""
+    link = stage.link
+    while True:
+        request = link.broadcast_json(None, 0)  # waiting for rank 0 is idle time: no watchdog
+        if request["kind"] == "stop":
+            return
+        run_request(stage, request)
+
+
+class PipelineEngine:
+    """Rank 0's handle on the pipelined model: `generate` and `logits` as `Engine` has them."""
+
+    def __init__(self, stage: Stage, path: Path, config: dict, name: str):
+        self.stage, self.path, self.config, self.name = stage, path, config, name
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.eos_ids = _eos_ids(stage, self.tokenizer, path)  # reads only .args
+        self.split = [list(r) for r in split_layers(stage.args, stage.link.size)]
+        self.closed = False
+
+    @property
+    def max_context(self) -> int:
+        return self.stage.args.max_position_embeddings
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """As `Engine.encode_prompt` (the memory governor aside: each rank holds a different share)."""
+        if isinstance(prompt, str):
+            if chat:
+                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise HeteroError("the prompt is empty: give at least one token")
+        vocab = self.stage.args.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HeteroError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
+        if len(ids) >= self.max_context:
+            raise HeteroError(f"the prompt has {len(ids)} tokens but the model's context window is {self.max_context}; shorten it")
+        return ids
+
+    def logits(self, token_ids: list[int], chunk: int = 512) -> np.ndarray:
+        """float32 logits [len, vocab] for every position, computed across the ranks."""
+        request = {"kind": "logits", "prompt": self.encode_prompt(list(token_ids)), "chunk": chunk}
+        with self._request(request):
+            return np.array(logits_follow(self.stage, request))
+
+    @contextmanager
+    def _request(self, request: dict) -> Iterator[None]:
+        """Send `request` to every rank and run rank 0's side under the watchdog. A request that fails midway
+        leaves the ranks out of step: the engine is closed without a word to them (their launcher ends them)."""
+        if self.closed:
+            raise HeteroError("the pipeline is closed")
+        link = self.stage.link
+        try:
+            link.broadcast_json(request, 0)
+            with link.request():
+                yield
+        except BaseException:
+            self.closed = True
+            raise
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        chat: bool = False,
+        prefill_chunk: int = 512,
+        mtp: bool | None = None,
+        draft_depth: int | None = None,
+        copy: bool = True,
+        on_text: Callable[[str], None] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> GenerationResult:
+        """As `Engine.generate`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is
+        False) at `draft_depth` (default 3: no per-machine tuning across hosts). The result's stats add `seed`
+        (drawn here when not given, so a rerun can reproduce a sampled output) and `pipeline` (split, per-rank
+        memory). `progress` sees rank 0's prefill chunks."""
+        if prefill_chunk <= 0:
+            raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
+        ids = self.encode_prompt(prompt, chat)
+        max_tokens = min(max_tokens, self.max_context - len(ids))
+        if mtp and not self.stage.has_mtp:
+            raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
+        use_mtp = self.stage.has_mtp if mtp is None else mtp
+        depth = (draft_depth or DEFAULT_DRAFT_DEPTH) if use_mtp else 0
+        if use_mtp and not 1 <= depth <= MAX_DEPTH:
+            raise HeteroError(f"--draft-depth must be in 1..{MAX_DEPTH}, got {depth}")
+        seed = seed if seed is not None else random.getrandbits(31)
+        request = {
+            "kind": "generate", "prompt": ids, "max_tokens": max_tokens, "depth": depth, "copy": copy,
+            "chunk": prefill_chunk, "seed": seed, "eos": sorted(self.eos_ids), "max_context": self.max_context,
+            "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
+        }
+        link = self.stage.link
+        times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
+        detok = self.tokenizer.detokenizer()
+        tokens: list[int] = []
+        ended = False
+        with self._request(request):
+            mx.reset_peak_memory()
+            for tid in follow(self.stage, request, progress):  # every committed token, until the last rank says DONE
+                if ended:
+                    continue
+                if not times.first_token:
+                    times.first_token = time.perf_counter()
+                if tid in self.eos_ids:
+                    times.finish_reason, ended = "stop", True
+                    continue
+                tokens.append(tid)
+                times.generated, times.end = len(tokens), time.perf_counter()
+                piece = detok.add(tid)
+                if piece and on_text is not None:
+                    on_text(piece)
+                ended = len(tokens) >= max_tokens
+            end = report(self.stage, None)
+        tail = detok.finalize()
+        if tail and on_text is not None:
+            on_text(tail)
+        for r, rank in enumerate(end["ranks"]):
+            rank["layers"] = [self.split[r][0], self.split[r][-1]]
+        stats = {
+            "model": self.name,
+            "prompt_tokens": len(ids),
+            "cached_tokens": 0,
+            "generated_tokens": len(tokens),
+            "finish_reason": times.finish_reason,
+            "ttft_s": round(times.ttft_s, 6),
+            "prefill_tps": round(times.prefill_tps, 3),
+            "decode_tps": round(times.decode_tps, 3),
+            "peak_memory_bytes": end["ranks"][0]["peak_memory_bytes"],
+            "seed": seed,
+            "pipeline": {"ranks": link.size, "backend": "ring", "per_rank": end["ranks"]},
+        }
+        if end.get("mtp") is not None:
+            stats["mtp"] = end["mtp"]
+        return GenerationResult(detok.text, tokens, stats)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop serving (once)."""
+        if not self.closed:
+            self.closed = True
+            self.stage.link.broadcast_json({"kind": "stop"}, 0)

@@ -1,0 +1,82 @@
+"""One rank's share of the model as a pipeline stage.
+
+`Stage.model(tokens, cache)` is the rank's part of the backbone pass: rank 0 embeds the tokens, every other rank
+receives the previous rank's hidden states [B, S, H]; the rank's own layers run over its own caches; the result
+goes to the next rank, or, on the last rank, through the final norm. On the last rank a `Stage` stands in for
+`Model` where the engine's own code takes one (`generate.prefill`, `speculative.mtp_generate_tokens`): it has
+`layers`, `model`, `logits`, `mtp_hidden`, `make_cache` and `args`, so prefill, drafting, acceptance and rollback
+are the single-process code, run over the last rank's layers.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from hetero.cache import GDNCache, KVCache, LayerCache
+from hetero.distributed.group import Link
+from hetero.distributed.shard import Share
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+
+# control messages from the last rank: [kind, n, token_0 .. token_{n-1}]
+VERIFY, STEP, COMMIT, DONE = 1, 2, 3, 4
+
+
+class Stage:
+    """This rank's layers (and embedding / head) with the link to its neighbours."""
+
+    def __init__(self, net: Model, share: Share, link: Link, dtype: mx.Dtype, weight_bytes: int):
+        self.args: ModelArgs = net.args
+        self.share, self.link, self.dtype, self.weight_bytes = share, link, dtype, weight_bytes
+        self.layers: list[DecoderLayer] = [net.model.layers[i] for i in share.layers]
+        self.embed_tokens = net.model.embed_tokens if share.embedding else None
+        self.norm = net.model.norm if share.last else None
+        self.lm_head = net.lm_head if share.last and not self.args.tie_word_embeddings else None
+        self.mtp = net.mtp if share.last else None
+        self.announce: int | None = None  # last rank: the message kind that tells the others to run a pass
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.share.mtp
+
+    def model(self, tokens: mx.array, cache: list[LayerCache]) -> mx.array:
+        """tokens [B, S] (ids on rank 0; elsewhere only the shape counts) through this rank's layers.
+
+        Returns the post-norm hidden [B, S, H] on the last rank, elsewhere the (lazy) send to the next rank."""
+        if self.announce is not None:  # a decode pass: the other ranks learn its tokens (rank 0 embeds them)
+            self.link.broadcast_ints([self.announce, tokens.size, *tokens.reshape(-1).tolist()], self.link.rank,
+                                     message_length())
+        B, S = tokens.shape
+        h = self.embed_tokens(tokens) if self.link.first else self.link.recv_prev((B, S, self.args.hidden_size),
+                                                                                     self.dtype)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)  # [B, S, H]
+        return self.norm(h) if self.link.last else self.link.send_next(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """As `Model.logits` (last rank)."""
+        if self.args.tie_word_embeddings:
+            return self.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+        """As `Model.mtp_hidden` (last rank): `cache` is the MTP layers' caches or this stage's whole list."""
+        if self.mtp is None:
+            raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
+        if cache is not None and len(cache) > len(self.mtp.layers):
+            cache = cache[len(self.layers):]
+        return self.mtp(self.embed_tokens(next_tokens), hidden, cache)
+
+    def make_cache(self) -> list[LayerCache]:
+        """One cache per own layer, then (last rank) one per MTP layer."""
+        cache: list[LayerCache] = [GDNCache() if l.is_linear else KVCache() for l in self.layers]
+        if self.mtp is not None:
+            cache += [KVCache() for _ in self.mtp.layers]
+        return cache
+
+
+def message_length() -> int:
+    """Ints in a control message: kind, count, and up to a verify pass's tokens (x and MAX_DEPTH drafts)."""
+    from hetero.speculative import MAX_DEPTH
+
+    return 2 + MAX_DEPTH + 1
