@@ -1,0 +1,235 @@
+"""Pipeline parallelism across processes (hetero.distributed): 2 and 3 ranks on the loopback address, started by
+`mlx.launch` (ring backend), against one process on the bundled model and the tiny fixture; failures reported.
+
+Starting processes is the cost here, so one launch runs many checks: run as a script under mlx.launch, this file
+is the driver (every rank loads its share of each model; rank 0 runs the cases, then the same requests in one
+process on the whole model, and writes what both gave to a JSON file that the test reads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring"]
+PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+CASES = [  # (name, generate kwargs): greedy MTP with the copy lane, plain, seeded sampling under MTP
+    ("mtp_greedy", dict(max_tokens=20, draft_depth=3)),
+    ("plain_greedy", dict(max_tokens=12, mtp=False)),
+    ("mtp_sampled", dict(max_tokens=16, draft_depth=2, temperature=0.8, top_p=0.95, seed=7, copy=False)),
+]
+
+
+def _driver(models: list[str], out: str) -> None:
+    """Under mlx.launch: every case of `CASES` (chunks of 16 prompt tokens, so the prefill is pipelined) on every
+    model, pipelined and in one process; rank 0 writes the results to `out`."""
+    import numpy as np
+
+    import hetero
+    from hetero.distributed.group import connect
+    from hetero.distributed.runtime import PipelineEngine, load_stage, serve
+
+    link = connect(30)
+    results = []
+    for model in models:
+        model = None if model == "bundled" else model
+        stage, path, config = load_stage(link, model)
+        if not link.first:
+            serve(stage)
+            continue
+        engine = PipelineEngine(stage, path, config, str(model))
+        single = hetero.load(model)
+        for name, kwargs in CASES:
+            got = engine.generate(PROMPT, prefill_chunk=16, **kwargs)
+            want = single.generate(PROMPT, prefill_chunk=16, use_prefix_cache=False, **kwargs)
+            ids = engine.encode_prompt(PROMPT) + got.tokens
+            logits, ref = engine.logits(ids, 16), single.logits(ids, 16)
+            results.append({
+                "model": str(model), "case": name, "tokens": got.tokens, "ref_tokens": want.tokens,
+                "max_abs_diff": float(np.abs(logits - ref).max()), "ref_max": float(np.abs(ref).max()),
+                "mtp": got.stats.get("mtp"), "ref_mtp": want.stats.get("mtp"), "pipeline": got.stats["pipeline"],
+                "finish": [got.stats["finish_reason"], want.stats["finish_reason"]],
+            })
+        engine.close()
+    if link.first:
+        Path(out).write_text(json.dumps(results))
+    link.close()
+
+
+if __name__ == "__main__":
+    _driver(sys.argv[1].split(","), sys.argv[2])
+    sys.exit(0)
+
+import pytest  # noqa: E402
+
+from tiny_checkpoint import write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("dist") / "tiny", max_context=8192)
+
+
+def _free_port(n: int) -> int:
+    """A first port p with p..p+n-1 free on the loopback address (the ring listens on one port per rank)."""
+    for _ in range(100):
+        p = random.randrange(20000, 60000)
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+class Launch:
+    """`mlx.launch -n N` of a command, its output read as it comes (stdin a pipe left open: the launcher spins
+    on a closed one)."""
+
+    def __init__(self, n: int, command: list[str]):
+        self.out, self.err = bytearray(), bytearray()
+        self.proc = subprocess.Popen(
+            [*LAUNCH, "-n", str(n), "--starting-port", str(_free_port(n)), "--", *command], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "MKL_NUM_THREADS": "1"},
+        )
+        for stream, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=self._read, args=(stream, buf), daemon=True).start()
+
+    @staticmethod
+    def _read(stream, buf: bytearray) -> None:
+        while chunk := stream.read1(65536):
+            buf.extend(chunk)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """stderr once it holds `text` (fails after `timeout` seconds)."""
+        end = time.monotonic() + timeout
+        while text not in self.err.decode(errors="replace"):
+            assert time.monotonic() < end, f"no {text!r} after {timeout} s; stderr: {self.err.decode()[-2000:]}"
+            time.sleep(0.05)
+        return self.err.decode(errors="replace")
+
+    def finish(self, timeout: float) -> tuple[str, str]:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            self.proc.stdin.close()
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        time.sleep(0.1)  # the readers drain the pipes
+        return self.out.decode(errors="replace"), self.err.decode(errors="replace")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_pipeline_matches_one_process(ranks, fixture_dir, tmp_path):
+    """Logits equal to one process within fp32 rounding and identical tokens (greedy, and seeded sampling under
+    MTP), MTP on with the copy lane, across 2 and 3 ranks, on the bundled model and the fixture."""
+    out = tmp_path / "results.json"
+    launch = Launch(ranks, [sys.executable, __file__, f"bundled,{fixture_dir}", str(out)])
+    _, err = launch.finish(120)
+    assert out.is_file(), err[-3000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 2 * len(CASES)
+    for r in results:
+        label = f"{r['model']} {r['case']} ({ranks} ranks)"
+        assert r["tokens"] == r["ref_tokens"], label
+        assert r["finish"][0] == r["finish"][1], label
+        assert len(r["tokens"]) > 0, label
+        assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["ref_max"]), label
+        assert r["mtp"] == r["ref_mtp"], label  # the same drafts accepted in the same rounds
+        per_rank = r["pipeline"]["per_rank"]
+        assert len(per_rank) == ranks and all(p["weight_bytes"] > 0 for p in per_rank), label
+        layers = [p["layers"] for p in per_rank]
+        assert layers[0][0] == 0 and all(a[1] + 1 == b[0] for a, b in zip(layers, layers[1:])), label
+    assert any(r["mtp"] and r["mtp"]["rounds"] and r["mtp"]["mean_accepted_length"] > 1 for r in results)
+
+
+def test_cli_verify_across_ranks():
+    """`mlx.launch -n 2 -- hetero run --verify --json`: rank 0 prints the output and a matching verify block."""
+    launch = Launch(2, [sys.executable, "-m", "hetero", "run", "--prompt", "def fib(n):", "--max-tokens", "12",
+                        "--draft-depth", "2", "--verify", "--json"])
+    out, err = launch.finish(120)
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    assert len(lines) == 1, err[-3000:]  # rank 0 alone prints
+    result = json.loads(lines[0])
+    assert result["verify"]["match"] and result["verify"]["tokens_identical"], result["verify"]
+    assert result["verify"]["max_abs_logit_diff"] == 0.0
+    assert result["generated_tokens"] == 12 and result["pipeline"]["ranks"] == 2
+    assert "serving rank 0" in err
+
+
+def test_dead_rank_is_reported():
+    """A rank killed mid-prefill: rank 0 stops at once with one clear line, well within the timeout."""
+    launch = Launch(2, [sys.executable, "-m", "hetero", "run", "--prompt", "x = 1\n" * 3000, "--max-tokens", "4",
+                        "--prefill-chunk", "64", "--dist-timeout", "30"])
+    err = launch.wait_for("serving rank 0", 60)
+    pid = int(err.split("pid ")[1].split(":")[0])
+    launch.wait_for("prefill [", 60)  # rank 0 is well into the request
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    _, err = launch.finish(20)
+    assert time.monotonic() - killed < 15
+    assert "hetero: error: rank 0: the pipeline lost a rank" in err, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_hung_rank_is_reported():
+    """A rank that stops answering (SIGSTOP): rank 0's watchdog reports it after --dist-timeout seconds."""
+    launch = Launch(2, [sys.executable, "-m", "hetero", "run", "--prompt", "x = 1\n" * 3000, "--max-tokens", "4",
+                        "--prefill-chunk", "64", "--dist-timeout", "3"])
+    err = launch.wait_for("serving rank 0", 60)
+    pid = int(err.split("pid ")[1].split(":")[0])
+    launch.wait_for("prefill [", 60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        launch.wait_for("no progress from the other ranks for 3 s", 15)
+        assert time.monotonic() - stopped < 10
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the launcher may have ended it already
+            os.kill(pid, signal.SIGKILL)
+    _, err = launch.finish(20)
+    assert "Traceback" not in err
+
+
+def test_missing_rank_is_reported(tmp_path):
+    """Rank 0 started alone (its peer never connects): a clear line after the timeout, not a hang."""
+    port = _free_port(2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hetero", "run", "--prompt", "hi", "--dist-timeout", "2"], cwd=ROOT,
+                          env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)}, capture_output=True,
+                          text=True, timeout=30)
+    assert time.monotonic() - start < 15
+    assert proc.returncode != 0
+    assert "rank 0: not every rank connected within 2 s (rank 1 at 127.0.0.1:" in proc.stderr, proc.stderr
+
+
+def test_bad_launch_environment(tmp_path):
+    """MLX_RANK without a host file is refused in one line."""
+    proc = subprocess.run([sys.executable, "-m", "hetero", "run", "--prompt", "hi"], cwd=ROOT,
+                          env={**os.environ, "MLX_RANK": "0"}, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "hetero: error: a distributed run needs both MLX_RANK and MLX_HOSTFILE (got MLX_RANK='0', MLX_HOSTFILE=''): "
+        "start every rank with `mlx.launch --backend ring --hosts IP1,IP2 -- hetero run ...`"
+    ]
