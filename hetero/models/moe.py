@@ -1,0 +1,187 @@
+"""The sparse mixture-of-experts MLP of Qwen3.5-MoE and Qwen3-Next: router, routed experts, gated shared expert.
+
+    probs = softmax(gate(x))                      fp32, over all experts
+    top-k experts per token (ties: the lower expert index wins), weights = their probs (renormalised to sum 1
+    when `norm_topk_prob`)
+    y = sum_j weights_j * expert_j(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+Each expert is a SwiGLU `down(silu(gate(x)) * up(x))`. The routed experts are stored stacked, `[experts, out, in]`
+per projection, under mlx-lm's names (`switch_mlp.gate_proj.weight` ...), so mlx-community checkpoints load as they
+are; per-expert checkpoints (`experts.{e}.gate_proj.weight`, HF's) are stacked at load (`hetero.loader`). Every
+token's k experts run in one `mx.gather_mm` per projection (one matrix-vector product per (token, expert) pair,
+the expert's weights picked by index), never a Python loop over experts, so a decode step compiles to one graph.
+
+Sorting by expert (`SORT_MIN_PAIRS`): for a long prefill chunk the (token, expert) pairs can be ordered by expert
+first, so that `gather_mm(..., sorted_indices=True)` reads each expert's weights once for a run of rows. Measured
+on this project's 2-core x86 machine (MLX 0.32 CPU backend, MKL, fp32; `bench/moe_gather.py` repeats it), one
+block of Qwen3.5-35B-A3B's expert shapes (hidden 2048, expert width 512, 8 of 64 experts, the weights of 256 would
+not fit twice in RAM here): see SORT_MIN_PAIRS for the numbers.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from hetero.models import activations as act
+from hetero.models.linear import Linear
+
+# (token, expert) pairs from which the routed experts run grouped by expert (see the module docstring)
+SORT_MIN_PAIRS = 1 << 62  # set from the measurement
+PAD_LIMIT = 4  # the grouped form's padded rows may be at most this many times the pairs (else: sorted)
+
+
+def route(logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, mx.array]:
+    """Router logits [..., E] -> (expert indices [..., k] uint32, weights [..., k] fp32).
+
+    Softmax in fp32 over all experts, the k largest probabilities (equal ones: lower index first, a stable sort,
+    so the choice is deterministic; torch.topk leaves the order of ties unspecified), renormalised to sum 1 when
+    `normalize`. With k == E every expert is taken.
+    """
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)  # [..., E]
+    if k == probs.shape[-1]:
+        order = mx.broadcast_to(mx.arange(k, dtype=mx.uint32), probs.shape)  # [..., E] all experts
+    else:
+        order = mx.argsort(-probs, axis=-1)[..., :k].astype(mx.uint32)  # [..., k]; stable: ties keep index order
+    weights = mx.take_along_axis(probs, order, axis=-1)  # [..., k]
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return order, weights
+
+
+class SwitchLinear(nn.Module):
+    """The same projection of every expert, stacked: `weight` [experts, out, in]; rows pick their expert by index."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, output_dims, input_dims))
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        """x [..., 1, in] (broadcast against indices' batch shape), indices [...] -> [..., 1, out]."""
+        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchLinear":
+        """The quantized form `nn.quantize` swaps in (same names plus `scales`/`biases`, as mlx-lm writes)."""
+        q = QuantizedSwitchLinear(0, 0, 0, group_size, bits, mode)
+        q.weight, q.scales, *biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        q.biases = biases[0] if biases else None
+        return q
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """`SwitchLinear` with group-quantized weights (`weight` packed uint32 [E, out, in*bits/32], `scales`, `biases`)."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, group_size: int = 64, bits: int = 4,
+                 mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight = mx.zeros((num_experts, output_dims, input_dims * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((num_experts, output_dims, max(1, input_dims // group_size)))
+        self.biases = mx.zeros((num_experts, output_dims, max(1, input_dims // group_size)))
+        self.freeze()
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        """x [..., 1, in], indices [...] -> [..., 1, out]."""
+        return mx.gather_qmm(
+            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=sorted_indices,
+        )
+
+
+class SwitchGLU(nn.Module):
+    """The routed experts: SwiGLU `down(silu(gate(x)) * up(x))` of each token's chosen experts.
+
+    Three exact forms of the same products (module docstring: which is faster when):
+    "pairs": one matrix-vector product per (token, expert) pair, in token order (decode, verify: a few tokens);
+    "sorted": the pairs ordered by expert, `gather_mm(sorted_indices=True)`;
+    "grouped": the pairs ordered by expert and padded into `[experts, capacity]` rows, so that each expert's
+    tokens are one matrix-matrix product (M = its token count) inside a single `gather_mm`.
+    """
+
+    def __init__(self, dims: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
+        self.up_proj = SwitchLinear(dims, hidden, num_experts)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts)
+
+    def _glu(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        g = self.gate_proj(x, indices, sorted_indices)  # [..., M, hidden]
+        u = self.up_proj(x, indices, sorted_indices)  # [..., M, hidden]
+        return self.down_proj(act.silu(g) * u, indices, sorted_indices)  # [..., M, dims]
+
+    def form(self, pairs: int) -> str:
+        """The form used for `pairs` (token, expert) pairs: "pairs" below SORT_MIN_PAIRS, else "grouped"."""
+        return "pairs" if pairs < SORT_MIN_PAIRS else "grouped"
+
+    def __call__(self, x: mx.array, indices: mx.array, form: str | None = None) -> mx.array:
+        """x [..., dims], indices [..., k] -> each chosen expert's output [..., k, dims].
+
+        `form` None picks by size (`form()`); "grouped" falls back to "sorted" when routing is so uneven that
+        the padding would exceed PAD_LIMIT times the pairs.
+        """
+        *lead, k = indices.shape
+        dims = x.shape[-1]
+        form = form or self.form(indices.size)
+        if form == "pairs":
+            y = self._glu(x[..., None, None, :], indices, False)  # x [..., 1, 1, dims] -> [..., k, 1, dims]
+            return y.squeeze(-2)  # [..., k, dims]
+        flat = indices.reshape(-1)  # [P] expert of each (token, slot) pair, P = N*k
+        order = mx.argsort(flat)  # [P] pairs grouped by expert
+        experts = flat[order]  # [P] ascending
+        tokens = x.reshape(-1, dims)  # [N, dims]
+        if form == "grouped":
+            y = self._grouped(tokens, flat, order, experts, k)
+            if y is not None:
+                return y.reshape(*lead, k, dims)
+        rows = tokens[order // k][:, None]  # [P, 1, dims] each pair's token, in expert order
+        y = self._glu(rows, experts, True).squeeze(-2)  # [P, dims] in expert order
+        return y[mx.argsort(order)].reshape(*lead, k, dims)  # back in (token, slot) order
+
+    def _grouped(self, tokens: mx.array, flat: mx.array, order: mx.array, experts: mx.array, k: int) -> mx.array | None:
+        """The "grouped" form: [P, dims] in (token, slot) order, or None when the padding would be too large.
+
+        Evaluates the per-expert counts (the capacity sizes the buffer), so it never runs inside `mx.compile`.
+        """
+        E, P = self.gate_proj.num_experts, flat.size
+        counts = mx.zeros((E,), dtype=mx.int32).at[flat].add(1)  # [E] pairs per expert
+        capacity = int(counts.max().item())
+        if E * capacity > PAD_LIMIT * P:
+            return None
+        starts = mx.cumsum(counts) - counts  # [E] first sorted position of each expert
+        slot = experts.astype(mx.int32) * capacity + (mx.arange(P, dtype=mx.int32) - starts[experts])  # [P]
+        source = mx.full((E * capacity,), tokens.shape[0], dtype=mx.int32)  # [E*C] padding -> the zero row
+        source[slot] = (order // k).astype(mx.int32)
+        padded = mx.concatenate([tokens, mx.zeros((1, tokens.shape[1]), dtype=tokens.dtype)])  # [N+1, dims]
+        rows = padded[source].reshape(E, capacity, -1)  # [E, C, dims] expert e's tokens, then zero rows
+        y = self._glu(rows, mx.arange(E, dtype=mx.uint32), False).reshape(E * capacity, -1)  # [E*C, dims]
+        pair_slot = mx.zeros((P,), dtype=mx.int32)
+        pair_slot[order] = slot  # [P] where each (token, slot) pair's row is
+        return y[pair_slot]  # [P, dims]
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3.5-MoE / Qwen3-Next MoE MLP: `gate` (router), `switch_mlp` (routed experts), `shared_expert` and its
+    sigmoid `shared_expert_gate` (one logit per token). Names equal mlx-lm's, so `switch_mlp` checkpoints map."""
+
+    def __init__(self, dims: int, num_experts: int, top_k: int, expert_hidden: int, norm_topk_prob: bool,
+                 shared_expert: nn.Module):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = Linear(dims, num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(dims, expert_hidden, num_experts)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(dims, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [B, S, dims] -> [B, S, dims]."""
+        indices, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [B, S, k] each
+        routed = self.switch_mlp(x, indices)  # [B, S, k, dims]
+        routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=-2)  # [B, S, dims]
+        shared = self.shared_expert(x) * act.sigmoid(self.shared_expert_gate(x))  # [B, S, dims] * [B, S, 1]
+        return routed + shared
