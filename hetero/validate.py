@@ -164,7 +164,7 @@ CONFIG_FLOATS = {
     "rope_theta": POSITIVE,
     "partial_rotary_factor": Bound(0, 1, lo_open=True),
 }
-CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias")
+CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
 CONFIG_DICTS = ("rope_parameters", "rope_scaling", "quantization", "quantization_config")
 # A supported model's text config needs these; head_dim may be derived from hidden_size / num_attention_heads
 CONFIG_REQUIRED = (
@@ -191,7 +191,10 @@ def check_config(config, where: str = "config.json", required: bool = False) -> 
         _check_fields(fields, where, scope)
     if required:
         merged = {**config, **(text or {})}
-        missing = [k for k in CONFIG_REQUIRED if merged.get(k) is None]
+        needed = CONFIG_REQUIRED
+        if merged.get("num_experts"):  # MoE: ModelArgs checks the experts' sizes, and the dense width where a layer is dense
+            needed = tuple(k for k in CONFIG_REQUIRED if k != "intermediate_size")
+        missing = [k for k in needed if merged.get(k) is None]
         if missing:
             raise HeteroError(f"{where} lacks {', '.join(missing)}: a {config.get('model_type')} config needs them; re-download it")
         heads, kv = merged["num_attention_heads"], merged.get("num_key_value_heads") or merged["num_attention_heads"]

@@ -1,7 +1,8 @@
 """Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid models (Gated DeltaNet + gated full attention) with the MTP head.
 
-One implementation serves `qwen3_5` (nested `text_config`), `qwen3_5_text` (flat) and `qwen3_next` (fused GDN
-input projections, un-fused by `sanitize`). Attribute names equal the (canonical) checkpoint names:
+One implementation serves `qwen3_5` (nested `text_config`), `qwen3_5_text` (flat), their mixture-of-experts
+siblings `qwen3_5_moe` / `qwen3_5_moe_text`, and `qwen3_next` (fused GDN input projections, un-fused by
+`sanitize`; dense or with experts). MoE layers use `moe.SparseMoeBlock`. Attribute names equal the (canonical) checkpoint names:
 `model.*` for the backbone, `lm_head`, `mtp.*`. Norm weights are held shifted (1 + w), so every RMSNorm here
 is a plain `x * rsqrt(mean(x^2) + eps) * w`; `sanitize` applies the shift exactly once.
 """
@@ -22,8 +23,10 @@ from hetero.models.attention import attend
 from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 from hetero.models.linear import Linear, project
+from hetero.models.moe import SparseMoeBlock
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer (and the MTP layer) is mixture-of-experts
 RECURRENT_MAX_TOKENS = 16  # shorter inputs run the token-by-token form; longer ones the chunked form
 
 
@@ -53,6 +56,10 @@ class ModelArgs:
     max_position_embeddings: int = 262_144
     mtp_num_hidden_layers: int = 0
     num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     mlp_only_layers: list[int] = field(default_factory=list)
     decoder_sparse_step: int = 1
     eos_token_id: list[int] = field(default_factory=list)
@@ -60,7 +67,14 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
-        """Parse config.json; raises HeteroError for unknown or unsupported architectures."""
+        """Parse config.json; raises HeteroError for unknown or unsupported architectures.
+
+        Experts: `qwen3_5_moe(_text)` configs carry no mlp_only_layers / decoder_sparse_step / norm_topk_prob and
+        HF's modeling has none (every layer sparse, top-k always renormalised), so they default to [] / 1 / true;
+        `qwen3_next` reads them with HF's defaults ([], 1, true; mlx-lm defaults norm_topk_prob to false, HF and
+        the released config say true). intermediate_size (the dense MLP's width) is needed only when some layer is
+        dense.
+        """
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise HeteroError(
@@ -85,7 +99,7 @@ class ModelArgs:
                 model_type=model_type,
                 hidden_size=hidden,
                 num_hidden_layers=n_layers,
-                intermediate_size=int(get("intermediate_size")),
+                intermediate_size=int(get("intermediate_size") or 0),
                 num_attention_heads=heads,
                 num_key_value_heads=int(get("num_key_value_heads", heads)),
                 head_dim=int(get("head_dim") or hidden // heads),
@@ -104,6 +118,10 @@ class ModelArgs:
                 max_position_embeddings=int(get("max_position_embeddings", 262_144)),
                 mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
                 num_experts=int(get("num_experts", 0) or 0),
+                num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0),
+                moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0),
+                shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0),
+                norm_topk_prob=bool(get("norm_topk_prob", True)),
                 mlp_only_layers=list(get("mlp_only_layers") or []),
                 decoder_sparse_step=int(get("decoder_sparse_step", 1) or 1),
                 eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
@@ -115,18 +133,43 @@ class ModelArgs:
             raise HeteroError("config.json layer_types must list 'linear_attention'/'full_attention' once per layer")
         if args.linear_num_value_heads % args.linear_num_key_heads:
             raise HeteroError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if model_type in MOE_MODEL_TYPES and args.num_experts <= 0:
+            raise HeteroError(f"config.json: a {model_type} config needs num_experts >= 1")
+        if args.moe_layers or args.mtp_moe_layers:
+            if not 1 <= args.num_experts_per_tok <= args.num_experts:
+                raise HeteroError(f"config.json: num_experts_per_tok ({args.num_experts_per_tok}) must be between 1 and "
+                                  f"num_experts ({args.num_experts})")
+            if args.moe_intermediate_size <= 0:
+                raise HeteroError("config.json: a mixture-of-experts config needs moe_intermediate_size >= 1")
+        if len(args.moe_layers) < n_layers and args.intermediate_size <= 0:
+            raise HeteroError("config.json lacks intermediate_size: the dense MLP layers need it")
         return args
 
     @property
     def moe_layers(self) -> list[int]:
         """Layers whose MLP is a mixture of experts (HF's rule); empty for a dense model."""
+        return self._sparse(range(self.num_hidden_layers))
+
+    @property
+    def mtp_moe_layers(self) -> list[int]:
+        """MTP layers whose MLP is a mixture of experts.
+
+        Neither HF transformers nor mlx-lm builds the MTP head. vLLM (qwen3_next_mtp.py, qwen3_5_mtp.py) builds
+        MTP layer j as a decoder layer named `mtp.layers.{j}` and applies the backbone's rule to j, so with the
+        released configs (decoder_sparse_step 1, no mlp_only_layers) it is MoE; Qwen3.5-MoE checkpoint indexes
+        list `mtp.layers.0.mlp.gate.weight`, `mtp.layers.0.mlp.shared_expert.*` and `mtp.layers.0.mlp.experts.*`.
+        """
+        return self._sparse(range(max(1, self.mtp_num_hidden_layers)))
+
+    def _sparse(self, indices: range) -> list[int]:
         if self.num_experts <= 0:
             return []
-        return [
-            i
-            for i in range(self.num_hidden_layers)
-            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
-        ]
+        return [i for i in indices if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0]
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any backbone layer is a mixture of experts."""
+        return bool(self.moe_layers)
 
     @property
     def rotary_dims(self) -> int:
@@ -283,26 +326,36 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.astype(dtype).reshape(B, S, -1))
 
 
+def make_mlp(args: ModelArgs, moe: bool) -> nn.Module:
+    """A layer's feed-forward block: the dense SwiGLU, or the sparse MoE block with its gated shared expert."""
+    if not moe:
+        return MLP(args.hidden_size, args.intermediate_size)
+    return SparseMoeBlock(
+        args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size, args.norm_topk_prob,
+        shared_expert=MLP(args.hidden_size, args.shared_expert_intermediate_size),
+    )
+
+
 def _l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     x = x.astype(mx.float32)
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: mixer (GDN or attention), then the MLP.
+    """Pre-norm residual block: mixer (GDN or attention), then the MLP (dense, or mixture-of-experts when `moe`).
 
     A few tokens over a warm cache (decode, draft and verify steps) run as compiled functions of fixed shape
     (see `compiled.py`): everything but the attention over the cache, whose length changes every step.
     """
 
-    def __init__(self, args: ModelArgs, layer_type: str):
+    def __init__(self, args: ModelArgs, layer_type: str, moe: bool = False):
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(args)
         else:
             self.self_attn = Attention(args)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = make_mlp(args, moe)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if self.is_linear:
@@ -378,7 +431,8 @@ class TextModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        moe = set(args.moe_layers)
+        self.layers = [DecoderLayer(args, t, i in moe) for i, t in enumerate(args.layer_types)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, tokens: mx.array, cache: list[LayerCache] | None) -> mx.array:
@@ -400,7 +454,8 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.fc = Linear(2 * args.hidden_size, args.hidden_size, bias=False)
-        self.layers = [DecoderLayer(args, "full_attention") for _ in range(max(1, args.mtp_num_hidden_layers))]
+        moe = set(args.mtp_moe_layers)
+        self.layers = [DecoderLayer(args, "full_attention", j in moe) for j in range(max(1, args.mtp_num_hidden_layers))]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[KVCache] | None) -> mx.array:
@@ -500,15 +555,77 @@ def is_zero_centred_norm(name: str) -> bool:
 
 
 _FUSED = re.compile(r"(.*linear_attn)\.in_proj_(qkvz|ba)\.(weight|scales|biases)$")
+# Routed experts as HF writes them: one tensor per expert (save_pretrained, the released checkpoints) ...
+_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# ... or transformers 5's in-memory layout, all experts in one tensor: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+_EXPERTS_FUSED = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
 def unfused_names(name: str) -> list[str]:
-    """Names a (Qwen3-Next) fused projection tensor turns into; [name] for everything else."""
+    """Parameter names a checkpoint tensor (canonical name) feeds: a (Qwen3-Next) fused GDN projection feeds two,
+    an expert tensor its stacked `switch_mlp` parameter(s); [name] for everything else."""
     m = _FUSED.match(name)
-    if not m:
-        return [name]
-    parts = ("qkv", "z") if m.group(2) == "qkvz" else ("b", "a")
-    return [f"{m.group(1)}.in_proj_{p}.{m.group(3)}" for p in parts]
+    if m:
+        parts = ("qkv", "z") if m.group(2) == "qkvz" else ("b", "a")
+        return [f"{m.group(1)}.in_proj_{p}.{m.group(3)}" for p in parts]
+    m = _EXPERT.match(name)
+    if m:
+        return [f"{m.group(1)}.switch_mlp.{m.group(3)}.weight"]
+    m = _EXPERTS_FUSED.match(name)
+    if m:
+        parts = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+        return [f"{m.group(1)}.switch_mlp.{p}.weight" for p in parts]
+    return [name]
+
+
+class ExpertStacker:
+    """Stacks per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, canonical names) into `switch_mlp`
+    parameters [experts, out, in] as each projection's experts arrive, so a loader that feeds it shard by shard
+    holds at most the unfinished groups' tensors besides the stacked ones.
+    """
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.pending: dict[str, dict[int, mx.array]] = {}  # stacked name -> {expert: tensor}
+
+    def add(self, name: str, value: mx.array) -> tuple[str, mx.array] | None:
+        """Take one expert tensor; returns (stacked name, [E, out, in]) once its group is complete, else None."""
+        m = _EXPERT.match(name)
+        if m is None:
+            raise ValueError(f"{name} is not a per-expert tensor")
+        target, expert = unfused_names(name)[0], int(m.group(2))
+        if expert >= self.num_experts:
+            raise HeteroError(f"tensor {name}: expert {expert} but config.json says num_experts {self.num_experts}")
+        group = self.pending.setdefault(target, {})
+        group[expert] = value
+        if len(group) < self.num_experts:
+            return None
+        del self.pending[target]
+        return target, mx.stack([group[e] for e in range(self.num_experts)])  # [E, out, in]
+
+    def check_complete(self) -> None:
+        """Raise if a projection still misses experts (an incomplete checkpoint)."""
+        for target, group in self.pending.items():
+            absent = sorted(set(range(self.num_experts)) - set(group))
+            more = f" (and {len(absent) - 3} more)" if len(absent) > 3 else ""
+            raise HeteroError(f"{target}: the checkpoint has no tensor for expert(s) {absent[:3]}{more} of "
+                              f"{self.num_experts}: it is incomplete")
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether a (canonical) name is one expert's projection, which `ExpertStacker` stacks."""
+    return _EXPERT.match(name) is not None
+
+
+def _split_fused_experts(out: dict[str, mx.array]) -> None:
+    """experts.gate_up_proj [E, 2I, H] -> switch_mlp gate/up [E, I, H] each; experts.down_proj [E, H, I] as is."""
+    for name in [n for n in out if _EXPERTS_FUSED.match(n)]:
+        value, targets = out.pop(name), unfused_names(name)
+        if len(targets) == 2:
+            half = value.shape[1] // 2
+            out[targets[0]], out[targets[1]] = value[:, :half], value[:, half:]
+        else:
+            out[targets[0]] = value
 
 
 def _unfuse(args: ModelArgs, kind: str, w: mx.array) -> tuple[mx.array, mx.array]:
@@ -526,7 +643,11 @@ def _unfuse(args: ModelArgs, kind: str, w: mx.array) -> tuple[mx.array, mx.array
 
 
 def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Checkpoint tensors -> this model's parameters: rename, skip vision, un-fuse, conv layout, norm shift.
+    """Checkpoint tensors -> this model's parameters: rename, skip vision, un-fuse, stack experts, conv layout,
+    norm shift.
+
+    Routed experts come per expert (stacked here, lazily; `hetero.loader` stacks them shard by shard before),
+    fused (`experts.gate_up_proj`, split here) or already stacked under mlx-lm's `switch_mlp` names.
 
     Original HF checkpoints store conv1d as [C, 1, K] and zero-centred norms; converted (MLX) ones store
     [C, K, 1] with the +1 already applied. The conv layout tells which, so the shift happens exactly once.
@@ -544,6 +665,15 @@ def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.arra
         if m:
             first, second = unfused_names(name)
             out[first], out[second] = _unfuse(args, m.group(2), out.pop(name))
+    experts = [n for n in out if is_expert_tensor(n)]
+    if experts:
+        stacker = ExpertStacker(args.num_experts)
+        for name in experts:
+            done = stacker.add(name, out.pop(name))
+            if done is not None:
+                out[done[0]] = done[1]
+        stacker.check_complete()
+    _split_fused_experts(out)
     for name, value in out.items():
         if name.endswith("conv1d.weight") and value.shape[-1] != 1:
             out[name] = value.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
