@@ -20,10 +20,12 @@ from mlx.utils import tree_flatten
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import (
     SUPPORTED_MODEL_TYPES,
+    ExpertStacker,
     Model,
     ModelArgs,
     canonical_name,
     checkpoint_has_mtp,
+    is_expert_tensor,
     sanitize,
     unfused_names,
 )
@@ -191,6 +193,11 @@ class Preflight:
     has_mtp: bool = False
     quantization: dict | None = None
     shapes_checked: bool = False
+    experts: int = 0  # routed experts per MoE layer (0: dense model)
+    experts_per_token: int = 0
+    shared_experts: int = 0  # per MoE layer (a gated shared expert: 1)
+    moe_layers: int = 0  # backbone layers with a mixture-of-experts MLP
+    layers: int = 0
 
     @property
     def ok(self) -> bool:
@@ -222,6 +229,10 @@ class Preflight:
         if self.peak_memory_bytes:
             out.append(f"estimated peak memory: {gb(self.peak_memory_bytes)}")
         out.append(f"MTP head: {'present' if self.has_mtp else 'absent (speculative decoding unavailable)'}")
+        if self.experts:
+            shared = f" + {self.shared_experts} shared" if self.shared_experts else ""
+            out.append(f"experts: {self.experts} routed{shared}, {self.experts_per_token} active per token, "
+                       f"mixture-of-experts MLP in {self.moe_layers} of {self.layers} layers")
         out += [f"error: {e}" for e in self.errors]
         out += [f"unmapped tensor: {n}" for n in self.unmapped]
         out += [f"missing parameter: {n}" for n in self.missing]
@@ -301,11 +312,10 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
         args = ModelArgs.from_config(config)
         check_generation_config(path)
         report.quantization = args.quantization
+        report.layers = args.num_hidden_layers
         if args.moe_layers:
-            raise HeteroError(
-                f"{args.model_type} with {args.num_experts} experts in {len(args.moe_layers)} layers is a mixture-of-experts model; "
-                f"hetero supports dense-MLP checkpoints for now (MoE support is planned)"
-            )
+            report.experts, report.experts_per_token = args.num_experts, args.num_experts_per_tok
+            report.shared_experts, report.moe_layers = 1, len(args.moe_layers)
         report.supported = True
         tensors, absent = checkpoint_tensors(path)
     except HeteroError as e:
@@ -336,8 +346,11 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
         placeholders = {n: mx.zeros(t.shape, dtype=ST_DTYPES.get(t.dtype, mx.float32)) for n, t in tensors.items()}
         try:
             mapped = {k: tuple(v.shape) for k, v in sanitize(args, placeholders).items()}
-        except ValueError as e:  # a fused projection whose shape cannot be split as the config says
-            report.shape_mismatches.append(f"a fused GDN projection does not match the config's head sizes ({e})")
+        except HeteroError as e:  # experts missing or beyond num_experts
+            report.errors.append(str(e))
+            return report
+        except ValueError as e:  # a fused projection whose shape cannot be split, experts of different shapes
+            report.shape_mismatches.append(f"fused GDN projections or stacked experts do not match the config's sizes ({e})")
             return report
     else:
         mapped = {}
@@ -371,7 +384,8 @@ def estimate_peak_memory(args: ModelArgs, params: dict[str, mx.array], dtype: mx
     kv = n_attn * 2 * args.num_key_value_heads * args.head_dim * context * dtype.size
     gdn = args.layer_types.count("linear_attention") * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
     conv = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
-    transient = chunk * 4 * (6 * args.hidden_size + 3 * args.intermediate_size + 2 * conv + args.vocab_size)
+    mlp = max(args.intermediate_size, args.num_experts_per_tok * args.moe_intermediate_size + args.shared_expert_intermediate_size)
+    transient = chunk * 4 * (6 * args.hidden_size + 3 * mlp + 2 * conv + args.vocab_size)
     return int(weights + kv + gdn + transient)
 
 
@@ -379,18 +393,38 @@ def estimate_peak_memory(args: ModelArgs, params: dict[str, mx.array], dtype: mx
 # Loading
 
 
-def load_weights(path: Path) -> dict[str, mx.array]:
-    """All tensors of a checkpoint (after the pre-flight check vouched for the files)."""
+def load_weights(path: Path, args: ModelArgs | None = None) -> dict[str, mx.array]:
+    """All tensors of a checkpoint (after the pre-flight check vouched for the files), under canonical names,
+    skipped ones (vision) left out.
+
+    `mx.load` maps tensors lazily. Per-expert tensors (`...mlp.experts.{e}.*`, with `args`) are stacked into
+    their `switch_mlp` parameter and evaluated as soon as a projection's experts have all been read, shard by
+    shard, so the peak holds the stacked experts plus one projection's worth of single ones, never the whole
+    model twice.
+    """
     index = path / "model.safetensors.index.json"
     shards = sorted(set(_weight_map(index).values())) if index.is_file() else sorted(
         p.name for p in path.glob("*.safetensors")
     )
+    stacker = ExpertStacker(args.num_experts) if args is not None and args.num_experts else None
     weights: dict[str, mx.array] = {}
     for shard in shards:
         try:
-            weights.update(mx.load(str(path / shard)))
+            tensors = mx.load(str(path / shard))
         except (RuntimeError, ValueError) as e:
             raise HeteroError(f"cannot read {path / shard}: {e}; re-download it") from None
+        for key in list(tensors):
+            value = tensors.pop(key)  # the shard's dict must not keep a stacked expert's single tensors alive
+            name = canonical_name(key)
+            if name is None:
+                continue
+            if stacker is None or not is_expert_tensor(name):
+                weights[name] = value
+            elif (done := stacker.add(name, value)) is not None:
+                mx.eval(done[1])  # reads this projection's experts now; their single tensors are dropped
+                weights[done[0]] = done[1]
+    if stacker is not None:
+        stacker.check_complete()
     return weights
 
 
@@ -402,7 +436,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = 
     path = resolve(model, weights=True)
     config = read_config(path)
     args = ModelArgs.from_config(config)
-    weights = sanitize(args, load_weights(path))
+    weights = sanitize(args, load_weights(path, args))
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, checkpoint_has_mtp(weights), quantized)
     net.load_weights(list(weights.items()), strict=True)

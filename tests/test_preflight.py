@@ -132,12 +132,14 @@ def test_shape_mismatch_against_config(ckpt):
     assert any(m.startswith("model.layers.0.mlp.up_proj.weight: checkpoint [128, 64], config expects [96, 64]") for m in report.shape_mismatches)
 
 
-def test_moe_config_is_refused(ckpt):
+def test_moe_config_over_dense_weights_is_refused(ckpt):
+    """Experts in config.json, dense MLP tensors in the checkpoint: every expert parameter is reported missing."""
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     (ckpt / "config.json").write_text(json.dumps(cfg))
     report = preflight(ckpt)
-    assert not report.ok and "mixture-of-experts" in report.errors[0]
+    assert not report.ok and "model.layers.0.mlp.switch_mlp.gate_proj.weight" in report.missing
+    assert "model.layers.0.mlp.gate_proj.weight" in report.unmapped
 
 
 def test_experts_config_with_every_layer_dense_is_accepted(ckpt):
