@@ -53,38 +53,17 @@ def read_model_config(model: str | None) -> tuple[dict, str]:
 
 
 def model_shape(config: dict) -> tuple[ModelArgs, MoE | None]:
-    """The network's shape from a config: `ModelArgs` plus the routed experts of MoE models (planning only)."""
-    text = config.get("text_config") or config
-    base = {"qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_text"}.get(config.get("model_type"))
-    moe = None
-    if text.get("num_experts"):
-        moe = MoE(int(text["num_experts"]), int(text.get("num_experts_per_tok", 1)),
-                  int(text.get("moe_intermediate_size") or 0), int(text.get("shared_expert_intermediate_size") or 0))
-    if base or text.get("intermediate_size") is None:
-        patched_text = dict(text, intermediate_size=text.get("intermediate_size") or (moe.intermediate if moe else None))
-        config = dict(config, model_type=base or config.get("model_type"))
-        if "text_config" in config:
-            config["text_config"] = dict(patched_text, model_type=base or text.get("model_type"))
-        else:
-            config.update(patched_text, model_type=base or config.get("model_type"))
+    """The network's shape from a config: `ModelArgs` plus the routed experts of MoE models."""
     args = ModelArgs.from_config(config)
-    return args, (moe if args.moe_layers else None)
+    return args, moe_of(args)
 
 
 def moe_of(args: ModelArgs) -> MoE | None:
-    """The routed experts of a parsed `ModelArgs` (None for a dense model).
-
-    Raises HeteroError when the args carry experts but not their shape (an older `ModelArgs` without
-    `num_experts_per_tok` / `moe_intermediate_size`): pass the config through `model_shape` instead.
-    """
+    """The routed experts of a parsed `ModelArgs` (None for a dense model)."""
     if not args.moe_layers:
         return None
-    per_token = getattr(args, "num_experts_per_tok", None)
-    inter = getattr(args, "moe_intermediate_size", None)
-    if not per_token or not inter:
-        raise HeteroError(f"{args.model_type}: the model args name {args.num_experts} experts but not their shape "
-                          f"(num_experts_per_tok, moe_intermediate_size); plan from the config instead")
-    return MoE(int(args.num_experts), int(per_token), int(inter), int(getattr(args, "shared_expert_intermediate_size", 0) or 0))
+    return MoE(args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+               args.shared_expert_intermediate_size)
 
 
 def storage_for(config: dict, bits: int | None, group_size: int | None) -> Storage:

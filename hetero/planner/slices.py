@@ -147,13 +147,15 @@ def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
                      cap_reason=EXACT_PATH["lm_head"] if fraction else None))
     if args.mtp_num_hidden_layers:
         n = args.mtp_num_hidden_layers
-        if moe is not None:  # the MTP layer's MLP is an MoE block like the backbone's (routed + shared expert)
-            routed, active = moe_params(h, moe)
-            mlp_all, mlp_active = routed + 3 * h * moe.shared_intermediate, active + 3 * h * moe.shared_intermediate
-        else:
-            mlp_all = mlp_active = 3 * h * args.intermediate_size
-        mtp_params = n * (attn_params + mlp_all) + 2 * h * h
-        mtp_active = n * (attn_params + mlp_active) + 2 * h * h
+        mtp_params = mtp_active = n * attn_params + 2 * h * h  # + fc
+        for j in range(n):  # an MTP layer's MLP is an MoE block where the backbone's rule says so (vLLM's layout)
+            if moe is not None and j in args.mtp_moe_layers:
+                routed, active = moe_params(h, moe)
+                mtp_params += routed + 3 * h * moe.shared_intermediate
+                mtp_active += active + 3 * h * moe.shared_intermediate
+            else:
+                mtp_params += 3 * h * args.intermediate_size
+                mtp_active += 3 * h * args.intermediate_size
         out.append(Piece("mtp", 1, 0, "", 0, mtp_params, 2.0 * mtp_active, 4.0 * H * D * n,
                          requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None,
                          pair_scores=H * n, active_params=mtp_active if moe is not None else None))
