@@ -178,3 +178,48 @@ def test_plan_cli_shows_total_active_and_bytes_per_token(capsys):
     assert main(["plan", "--model", str(DATA / "qwen3.5-35b-a3b.json"), "--profile", "m4-max", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["parameters"]["total"] == want["total"] and d["experts"]["experts"] == 256
+
+
+def tiny_moe_model(experts: int = 8, per_token: int = 2):
+    """A small qwen3_5_moe_text network built in memory (random weights: only its shapes are read here)."""
+    from hetero.models.qwen3_5 import Model, ModelArgs
+
+    t = dict(A3B["text_config"], hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16, vocab_size=512, num_experts=experts, num_experts_per_tok=per_token,
+             moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=4096)
+    t["layer_types"] = t["layer_types"][:4]
+    config = dict(A3B, text_config=t)
+    return config, Model(ModelArgs.from_config(config), with_mtp=True)
+
+
+def test_planner_counts_match_a_built_moe_network():
+    """The planner's totals against an MoE network as the model code builds it: every weight matrix and conv kernel
+    (norm weights, A_log and dt_bias aside) is counted once, the experts all of them."""
+    from mlx.utils import tree_flatten
+
+    config, model = tiny_moe_model()
+    sizes = {k: v.size for k, v in tree_flatten(model.parameters())}
+    vectors = sum(n for k, n in sizes.items() if k.endswith(("norm.weight", "A_log", "dt_bias")) or ".pre_fc_norm_" in k)
+    n = make_plan(config, PROFILE, 0.0, context=1024).parameters
+    assert n.total == sum(sizes.values()) - vectors
+    expert_params = sum(n for k, n in sizes.items() if ".switch_mlp." in k)
+    assert expert_params == 5 * 8 * 3 * 64 * 32  # four backbone layers and the MTP layer, 8 experts each
+    assert n.total - n.active == expert_params * (8 - 2) // 8  # only the unpicked experts are inactive
+
+
+def test_loaded_budget_and_split_of_a_built_moe_network():
+    """The governor of a loaded MoE model counts every expert's bytes and the MoE prefill buffers; the runtime's
+    `split_layers(model.args, n)` works on its args."""
+    from mlx.utils import tree_flatten
+
+    from hetero.planner import loaded_budget, split_layers
+
+    config, model = tiny_moe_model()
+    budget = loaded_budget(model, memory_gb=4.0)
+    lines = dict(budget.lines)
+    assert lines["weights (as loaded)"] == sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    args, moe = model_shape(config)
+    assert moe.per_token == 2 and lines["transient prefill buffers (chunk 512)"] == prefill_buffer_bytes(args, 512, moe)
+    ranges = split_layers(model.args, 2)
+    assert [i for r in ranges for i in r] == [0, 1, 2, 3] and all(ranges)
