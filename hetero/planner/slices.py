@@ -40,7 +40,8 @@ class PieceSlice:
     """One layer's ANE share of one piece: units [start, stop).
 
     Units: attention -> KV heads (their query-head groups come along), mlp -> intermediate channels,
-    shared_expert -> the shared expert's intermediate channels, gdn_in_proj -> rows of in_proj_z (the only rows of the GDN input projections that may leave).
+    shared_expert -> the shared expert's intermediate channels, gdn_in_proj -> rows of in_proj_z (the only rows of
+    the GDN input projections that may leave).
     """
 
     layer: int
