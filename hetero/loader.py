@@ -292,11 +292,12 @@ def build_lazy_model(args: ModelArgs, with_mtp: bool, quantized_names: set[str] 
     q = args.quantization
     if q:
         names = quantized_names or set()
+        layers = {canonical_name(k): v for k, v in q.items() if isinstance(v, dict)}  # per-layer (mlx-lm: 8-bit routers)
         nn.quantize(
             model,
             group_size=q.get("group_size", 64),
             bits=q.get("bits", 4),
-            class_predicate=lambda p, m: p in names,
+            class_predicate=lambda p, m: p in names and layers.get(p, True),
         )
     return model
 
