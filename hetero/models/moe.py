@@ -84,6 +84,8 @@ class QuantizedSwitchLinear(nn.Module):
         self.biases = mx.zeros((num_experts, output_dims, max(1, input_dims // group_size)))
         self.freeze()
 
+    num_experts = SwitchLinear.num_experts  # weight.shape[0]: the packed weight keeps the experts axis
+
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         """x [..., 1, in], indices [...] -> [..., 1, out]."""
         return mx.gather_qmm(
