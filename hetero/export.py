@@ -4,9 +4,11 @@
 the ANE (shared/DESIGN.md section 4), each as the programs the plan cuts it into (none carrying more than the
 plan's `program_budget` bytes of weights), written next to a manifest that records the model's identity and
 weight hashes, the plan's slices, every program's shapes, the chunk size, the context buckets and the coremltools
-version. The pipeline exports its split's plan on first use (`hetero.pipeline.programs.ensure_export`);
-`hetero convert --coreml` plans a fraction for a checkpoint (`export_coreml`), exports it into a directory and
-lints it. A re-run reuses every package whose key (weights hash + shape + builder version) is unchanged.
+version. An MoE layer's `shared_expert` slice is the MLP program over the shared expert's weights (the router and
+the routed experts never leave the GPU). The pipeline exports its split's plan on first use
+(`hetero.pipeline.programs.ensure_export`); `hetero convert --coreml` plans a fraction for a checkpoint
+(`export_coreml`), exports it into a directory and lints it. A re-run reuses every package whose key (weights
+hash + shape + builder version) is unchanged.
 """
 
 from __future__ import annotations
@@ -73,16 +75,18 @@ def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
     )
 
 
-def mlp_weights(layer: DecoderLayer, channels: range):
-    """The MLP slice for intermediate `channels` of a decoder layer."""
+def mlp_weights(layer: DecoderLayer, channels: range, mlp: nn.Module | None = None):
+    """The MLP slice for intermediate `channels` of a decoder layer: of its dense `mlp`, or of the SwiGLU `mlp`
+    given (an MoE layer's shared expert), on the layer's post-attention norm either way."""
     from coreml_graphs.mlp import MLPWeights
 
+    mlp = layer.mlp if mlp is None else mlp
     rows = slice(channels.start, channels.stop)
     return MLPWeights(
         norm=_vec(layer.post_attention_layernorm.weight),
-        gate=linear_weight(layer.mlp.gate_proj)[rows],
-        up=linear_weight(layer.mlp.up_proj)[rows],
-        down=linear_weight(layer.mlp.down_proj)[:, rows],
+        gate=linear_weight(mlp.gate_proj)[rows],
+        up=linear_weight(mlp.up_proj)[rows],
+        down=linear_weight(mlp.down_proj)[:, rows],
     )
 
 
@@ -108,8 +112,11 @@ def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, contex
             rotary_dims=args.rotary_dims, chunk=chunk, cache_slots=context - chunk, eps=eps,
         )
         return shape, attention_weights(args, layer, units), build_attention
-    if s.piece == "mlp":
-        return MLPShape(args.hidden_size, len(units), chunk, eps), mlp_weights(layer, units), build_mlp
+    if s.piece in ("mlp", "shared_expert"):  # the shared expert: a dense SwiGLU on the same normed input
+        mlp = layer.mlp.shared_expert if s.piece == "shared_expert" else layer.mlp
+        return MLPShape(args.hidden_size, len(units), chunk, eps), mlp_weights(layer, units, mlp), build_mlp
+    if s.piece != "gdn_in_proj":
+        raise HeteroError(f"layer {s.layer}: no ANE program for piece {s.piece!r}")
     return GDNInProjShape(args.hidden_size, len(units), chunk, eps), gdn_in_proj_weights(layer, units), build_gdn_in_proj
 
 
@@ -219,8 +226,6 @@ def export_plan(
     except HeteroError:
         previous = {}
 
-    if args.num_experts:
-        raise HeteroError("Core ML export covers dense-MLP models only; this checkpoint has mixture-of-experts layers")
     jobs = []  # (slice, part index, part slice, context or None)
     for s in plan.slices:
         for part, piece in enumerate(plan.program_parts(s)):
