@@ -11,6 +11,8 @@ two jobs whose `merge` (GPU lane) combines them exactly where the math allows (s
 - attention: the ANE's KV-head groups and the GPU's rest each give a partial o_proj sum; their new K/V are
   concatenated by head and written into the GPU cache (the single source of truth);
 - MLP: each side's channels give a partial down_proj sum;
+- MoE MLP: the ANE takes channels of the shared expert only (the MLP program), merged as the MLP's partial sums;
+  the router, the routed experts and the shared expert's sigmoid gate (applied after the merge) stay on the GPU;
 - GDN: the ANE computes z rows, the GPU everything that feeds the recurrence (and the rest of z); the gated
   norm and out_proj follow the merge on the GPU.
 
@@ -33,13 +35,13 @@ from hetero.pipeline.run import (
     split_for,
     verify,
 )
-from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest
+from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, GpuMoERest
 from hetero.pipeline.split import SplitPrefill, SplitResult
 from hetero.planner import context_bucket
 
 __all__ = [
     "DEFAULT_CHUNK", "DEFAULT_VERIFY_TOKENS", "DEFAULT_VERIFY_TOL", "DecodeQueue", "GpuAttentionRest", "GpuGDNRest",
-    "GpuMLPRest", "Job", "Lane", "PipelineRun", "Programs", "SplitPrefill", "SplitResult", "Trace", "ane_backend",
-    "auto_fraction", "configure", "context_bucket", "ensure_export", "export_root", "greedy_continuation",
-    "load_programs", "run_jobs", "split_for", "verify",
+    "GpuMLPRest", "GpuMoERest", "Job", "Lane", "PipelineRun", "Programs", "SplitPrefill", "SplitResult", "Trace",
+    "ane_backend", "auto_fraction", "configure", "context_bucket", "ensure_export", "export_root",
+    "greedy_continuation", "load_programs", "run_jobs", "split_for", "verify",
 ]

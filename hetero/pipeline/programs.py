@@ -55,11 +55,13 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int) -> Path:
 
 @dataclass
 class Programs:
-    """Loaded programs per layer: attention parts (run, shape, KV heads), MLP parts (run, channels), z parts."""
+    """Loaded programs per layer: attention parts (run, shape, KV heads), MLP parts (run, channels), MoE shared-expert
+    parts (run, channels: the same MLP program), z parts."""
 
     chunk: int
     attention: dict[int, list] = field(default_factory=dict)
     mlp: dict[int, list] = field(default_factory=dict)
+    shared_expert: dict[int, list] = field(default_factory=dict)
     gdn_in_proj: dict[int, list] = field(default_factory=dict)
 
     def attention_at(self, layer: int, start: int) -> list:

@@ -14,6 +14,7 @@ from hetero.errors import HeteroError
 from hetero.fp16 import fp16_values
 from hetero.models import activations as act
 from hetero.models.attention import attend
+from hetero.models.moe import route
 from hetero.models.qwen3_5 import DecoderLayer
 
 
@@ -79,18 +80,57 @@ class GpuAttentionRest:
 
 
 class GpuMLPRest:
-    """The GPU's channels [c, I) of an MLP: a partial down_proj sum."""
+    """The GPU's channels [c, I) of a SwiGLU MLP (the layer's dense `mlp`, or the SwiGLU `mlp` given: an MoE
+    layer's shared expert): a partial down_proj sum."""
 
-    def __init__(self, layer: DecoderLayer, c: int):
-        mlp, I = layer.mlp, layer.mlp.gate_proj.weight.shape[0]
+    def __init__(self, layer: DecoderLayer, c: int, mlp: nn.Module | None = None):
+        mlp = layer.mlp if mlp is None else mlp
+        I = mlp.gate_proj.weight.shape[0]
         self.layer = layer
         self.gate, self.up, self.down = _rows(mlp.gate_proj, c, I), _rows(mlp.up_proj, c, I), _cols(mlp.down_proj, c, I)
 
+    def partial(self, x: mx.array) -> mx.array:
+        """The partial sum of channels [c, I) on the normed input x [1, S, hidden] (lazy)."""
+        return self.down(act.silu(self.gate(x)) * self.up(x))  # [1, S, hidden]
+
     def __call__(self, h: mx.array) -> mx.array:
-        x = self.layer.post_attention_layernorm(h)  # [1, S, hidden]
-        out = self.down(act.silu(self.gate(x)) * self.up(x))  # [1, S, hidden]
+        out = self.partial(self.layer.post_attention_layernorm(h))  # [1, S, hidden]
         mx.eval(out)
         return out
+
+
+class GpuMoERest:
+    """Everything of an MoE layer's MLP but the ANE's shared-expert channels [0, c): the router, the routed
+    experts, the shared expert's channels [c, I) (a partial down_proj sum; none when the ANE has them all) and
+    the shared expert's sigmoid gate, which `finish` applies once the ANE's partial sum is merged in.
+
+    The routed sum is the model's own (`route`, `switch_mlp`, weights in fp32 cast to the activations' dtype),
+    as `SparseMoeBlock.__call__` computes it, so only the shared expert's merge differs from the GPU-only run.
+    """
+
+    def __init__(self, layer: DecoderLayer, c: int):
+        moe = layer.mlp
+        self.layer, self.moe = layer, moe
+        I = moe.shared_expert.gate_proj.weight.shape[0]
+        self.shared = GpuMLPRest(layer, c, moe.shared_expert) if c < I else None
+
+    def __call__(self, h: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
+        """h [1, S, hidden] -> (routed [1, S, hidden], shared channels [c, I) [1, S, hidden] or None,
+        gate logit [1, S, 1]), evaluated."""
+        moe = self.moe
+        x = self.layer.post_attention_layernorm(h)  # [1, S, hidden]
+        indices, weights = route(moe.gate(x), moe.top_k, moe.norm_topk_prob)  # [1, S, k] each
+        routed = moe.switch_mlp(x, indices)  # [1, S, k, hidden]
+        routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=-2)  # [1, S, hidden]
+        shared = self.shared.partial(x) if self.shared is not None else None  # [1, S, hidden]
+        gate = moe.shared_expert_gate(x)  # [1, S, 1]
+        mx.eval(routed, gate, *([shared] if shared is not None else []))
+        return routed, shared, gate
+
+    @staticmethod
+    def finish(routed: mx.array, shared: mx.array, gate: mx.array) -> mx.array:
+        """The MoE output from the merged shared expert [1, S, hidden]: routed + sigmoid(gate) * shared."""
+        return routed + shared * act.sigmoid(gate)
 
 
 class GpuGDNRest:

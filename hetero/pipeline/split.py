@@ -20,7 +20,7 @@ from hetero.cache import LayerCache, cache_arrays
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
 from hetero.pipeline.programs import Programs
-from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, from_bc1s, host, to_bc1s
+from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, GpuMoERest, from_bc1s, host, to_bc1s
 from hetero.planner import SPLIT_IN_FLIGHT
 
 
@@ -70,6 +70,7 @@ class SplitPrefill:
         self.attn_rest: dict[int, GpuAttentionRest] = {}
         self.mlp_rest: dict[int, GpuMLPRest] = {}
         self.gdn_rest: dict[int, GpuGDNRest] = {}
+        self.moe_rest: dict[int, GpuMoERest] = {}  # MoE layers whose shared expert the ANE takes a share of
         self._tables: dict = {}  # chunk start -> {program shape: RoPE tables and masks} (filled on the ANE lane)
         args = model.args
         for i, layer in enumerate(model.layers):
@@ -80,6 +81,8 @@ class SplitPrefill:
                 self.mlp_rest[i] = GpuMLPRest(layer, c)
             if layer.is_linear and zr:
                 self.gdn_rest[i] = GpuGDNRest(layer, zr)
+            if programs.share("shared_expert", i):  # the router and the routed experts always stay: a rest to run
+                self.moe_rest[i] = GpuMoERest(layer, programs.share("shared_expert", i))
 
     def jobs(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
              logits: bool) -> list[Job]:
@@ -217,6 +220,8 @@ class SplitPrefill:
         progs, size = self.programs, self.programs.chunk
         label = f"L{i} mlp @{ch.start}"
         rank = lambda step: (ch.index, i, step)  # noqa: E731
+        if i in self.moe_rest:
+            return self._moe(i, ch, h_job)
         if i not in progs.mlp:
             def whole() -> None:
                 ch.h = ch.h + layer.mlp(layer.post_attention_layernorm(ch.h))
@@ -240,6 +245,33 @@ class SplitPrefill:
         shares = [Job(f"{label} channels", "ane", ane, (h_job,), rank(2))]
         if rest is not None:
             shares.append(Job(label, "gpu", gpu, (h_job,), rank(2)))
+        return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
+
+    def _moe(self, i: int, ch: Chunk, h_job: Job) -> list[Job]:
+        """Jobs of MoE layer i's MLP for chunk `ch` after `h_job`: the ANE's shared-expert channels as the MLP
+        program, the rest (router, routed experts, the other shared channels, the gate logit) on the GPU, merged
+        as the dense MLP's partial sums are, then gated; the last job leaves the layer's output in `ch.h`."""
+        size, parts, rest = self.programs.chunk, self.programs.shared_expert[i], self.moe_rest[i]
+        label = f"L{i} moe @{ch.start}"
+        rank = lambda step: (ch.index, i, step)  # noqa: E731
+
+        def ane() -> None:
+            x = to_bc1s(ch.h, size)
+            ch.parts[i, "shared ane"] = sum(from_bc1s(run({"x": x})["out"], ch.s) for run, _ in parts)  # [s, hidden]
+
+        def gpu() -> None:
+            ch.parts[i, "moe gpu"] = rest(ch.h)
+
+        def merge() -> None:
+            routed, shared_rest, gate = ch.parts.pop((i, "moe gpu"))
+            shared = mx.array(ch.parts.pop((i, "shared ane")))[None].astype(ch.h.dtype)  # [1, s, hidden]
+            if shared_rest is not None:
+                shared = shared + shared_rest  # the shared expert's partial down_proj sums add up
+            ch.h = ch.h + rest.finish(routed, shared, gate)
+            mx.eval(ch.h)
+
+        shares = [Job(f"{label} shared channels", "ane", ane, (h_job,), rank(2)),
+                  Job(label, "gpu", gpu, (h_job,), rank(2))]
         return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
 
     def run(self, tokens: list[int], cache: list[LayerCache], mtp: bool = False, carry: mx.array | None = None,
