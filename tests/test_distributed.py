@@ -30,8 +30,8 @@ CASES = [  # (name, generate kwargs): greedy MTP with the copy lane, plain, seed
 ]
 
 
-def _driver(models: list[str], out: str) -> None:
-    """Under mlx.launch: every case of `CASES` (chunks of 16 prompt tokens, so the prefill is pipelined) on every
+def _driver(models: list[str], cases: list[str], out: str) -> None:
+    """Under mlx.launch: the named `CASES` (chunks of 16 prompt tokens, so the prefill is pipelined) on every
     model, pipelined and in one process; rank 0 writes the results to `out`."""
     import numpy as np
 
@@ -50,6 +50,8 @@ def _driver(models: list[str], out: str) -> None:
         engine = PipelineEngine(stage, path, config, str(model))
         single = hetero.load(model)
         for name, kwargs in CASES:
+            if name not in cases:
+                continue
             got = engine.generate(PROMPT, prefill_chunk=16, **kwargs)
             want = single.generate(PROMPT, prefill_chunk=16, use_prefix_cache=False, **kwargs)
             ids = engine.encode_prompt(PROMPT) + got.tokens
@@ -67,7 +69,7 @@ def _driver(models: list[str], out: str) -> None:
 
 
 if __name__ == "__main__":
-    _driver(sys.argv[1].split(","), sys.argv[2])
+    _driver(sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3])
     sys.exit(0)
 
 import pytest  # noqa: E402
@@ -138,16 +140,17 @@ class Launch:
         return self.out.decode(errors="replace"), self.err.decode(errors="replace")
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_pipeline_matches_one_process(ranks, fixture_dir, tmp_path):
+@pytest.mark.parametrize("ranks,cases", [(2, [c for c, _ in CASES]), (3, ["mtp_greedy", "plain_greedy"])])
+def test_pipeline_matches_one_process(ranks, cases, fixture_dir, tmp_path):
     """Logits equal to one process within fp32 rounding and identical tokens (greedy, and seeded sampling under
-    MTP), MTP on with the copy lane, across 2 and 3 ranks, on the bundled model and the fixture."""
+    MTP), MTP on with the copy lane, across 2 and 3 ranks (3 processes share 2 cores here: fewer cases), on the
+    bundled model and the fixture (3 layers: one per rank at 3 ranks, one rank with no GDN layer)."""
     out = tmp_path / "results.json"
-    launch = Launch(ranks, [sys.executable, __file__, f"bundled,{fixture_dir}", str(out)])
+    launch = Launch(ranks, [sys.executable, __file__, f"bundled,{fixture_dir}", ",".join(cases), str(out)])
     _, err = launch.finish(120)
     assert out.is_file(), err[-3000:]
     results = json.loads(out.read_text())
-    assert len(results) == 2 * len(CASES)
+    assert len(results) == 2 * len(cases)
     for r in results:
         label = f"{r['model']} {r['case']} ({ranks} ranks)"
         assert r["tokens"] == r["ref_tokens"], label
@@ -187,7 +190,10 @@ def test_dead_rank_is_reported():
     os.kill(pid, signal.SIGKILL)
     _, err = launch.finish(20)
     assert time.monotonic() - killed < 15
-    assert "hetero: error: rank 0: the pipeline lost a rank" in err, err[-2000:]
+    # whichever comes first: MLX's "connection lost" error, or mlx.launch's SIGTERM (it stops the others at once)
+    lines = [l for l in err.splitlines() if l.startswith("hetero: error: rank 0: ")]
+    assert len(lines) == 1, err[-2000:]
+    assert "the pipeline lost a rank" in lines[0] or "another rank failed or was killed" in lines[0], lines[0]
     assert "Traceback" not in err
 
 
