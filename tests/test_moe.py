@@ -475,3 +475,23 @@ def test_batch_of_two_equals_solo_on_moe(mtp_moe):
         else:
             solo = list(generate_tokens(mtp_moe, prompt, Sampler(GREEDY), n, set()))
         assert r.tokens == solo
+
+
+def test_quantized_experts_run_gather_qmm():
+    """nn.quantize swaps the stacked experts for QuantizedSwitchLinear (mlx-lm's switch_mlp names + scales/biases);
+    its products equal the block's run on the dequantized weights, in every form."""
+    import mlx.nn as nn
+
+    block, _ = random_block(3, 6, 2, True, dims=64, hidden=32)
+    nn.quantize(block, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, moe.SwitchLinear))
+    assert isinstance(block.switch_mlp.gate_proj, moe.QuantizedSwitchLinear)
+    assert set(dict(tree_flatten(block.switch_mlp.gate_proj.parameters()))) == {"weight", "scales", "biases"}
+    reference, _ = random_block(3, 6, 2, True, dims=64, hidden=32)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        q = getattr(block.switch_mlp, name)
+        getattr(reference.switch_mlp, name).weight = mx.dequantize(q.weight, q.scales, q.biases, 32, 4)
+    x = mx.array(np.random.default_rng(2).standard_normal((1, 40, 64)).astype(np.float32))
+    expected = np.array(reference(x))
+    for form in ("pairs", "sorted", "grouped"):
+        block.switch_mlp.form = lambda tokens, pairs, f=form: f
+        np.testing.assert_allclose(np.array(block(x)), expected, rtol=1e-4, atol=1e-4, err_msg=form)

@@ -11,11 +11,26 @@ are; per-expert checkpoints (`experts.{e}.gate_proj.weight`, HF's) are stacked a
 token's k experts run in one `mx.gather_mm` per projection (one matrix-vector product per (token, expert) pair,
 the expert's weights picked by index), never a Python loop over experts, so a decode step compiles to one graph.
 
-Sorting by expert (`SORT_MIN_PAIRS`): for a long prefill chunk the (token, expert) pairs can be ordered by expert
-first, so that `gather_mm(..., sorted_indices=True)` reads each expert's weights once for a run of rows. Measured
-on this project's 2-core x86 machine (MLX 0.32 CPU backend, MKL, fp32; `bench/moe_gather.py` repeats it), one
-block of Qwen3.5-35B-A3B's expert shapes (hidden 2048, expert width 512, 8 of 64 experts, the weights of 256 would
-not fit twice in RAM here): see SORT_MIN_PAIRS for the numbers.
+Three exact forms of the routed experts (`SwitchGLU`), picked by size:
+- "pairs": one matrix-vector product per (token, expert) pair in token order; decode and verify steps.
+- "sorted": the pairs ordered by expert first, `gather_mm(..., sorted_indices=True)`: runs of rows share an
+  expert's weights while they are in cache. From SORT_MIN_PAIRS pairs.
+- "grouped" (CPU backend only): the pairs ordered by expert and padded into `[experts, capacity, dims]`, so one
+  `gather_mm` multiplies each expert's tokens as a matrix (M = its token count, a real GEMM). It reads the
+  per-expert counts mid-graph (so never inside a compiled step) and pads to the largest count, so it needs long
+  chunks: from GROUPED_MIN_ROWS pairs per expert on average, and it falls back to "sorted" when uneven routing
+  would pad beyond PAD_LIMIT times the pairs.
+Measured on this project's 2-core x86 machine (MLX 0.32.4 CPU backend, MKL 2026.2 sequential, fp32; one routed-expert
+block at Qwen3.5-35B-A3B's shapes: hidden 2048, expert width 512, top-8, random router; the three forms alternated,
+medians of 3-9 runs on a machine shared with other jobs, so the spread is wide; time ratios, lower is faster):
+    256 experts   tokens:      1     4    16    64   256  1024  2048
+      sorted / pairs         0.97  0.65  0.79  0.46  0.35     -     -
+      grouped / sorted       1.10  1.67  1.09  3.27  1.79  0.80  0.78   (0.65-0.66 by the fastest runs)
+    64 experts    tokens:     16    64   256
+      sorted / pairs         0.57  0.42  0.46
+      grouped / sorted       2.02  1.30  0.84                           (0.67 by the fastest runs)
+Sorting wins from a few tokens on; grouping wins once experts average about 32 rows (8 rows: 1.3-1.8x slower).
+Metal keeps "pairs"/"sorted" (mlx-lm's choice there; its sorted kernel is not measured here).
 """
 
 from __future__ import annotations
@@ -26,8 +41,10 @@ import mlx.nn as nn
 from hetero.models import activations as act
 from hetero.models.linear import Linear
 
-# (token, expert) pairs from which the routed experts run grouped by expert (see the module docstring)
-SORT_MIN_PAIRS = 1 << 62  # set from the measurement
+# Which form of the routed experts runs (`SwitchGLU.form`; the measurements are in the module docstring)
+SORT_MIN_PAIRS = 64  # (token, expert) pairs from which they run sorted by expert (32: even, 128: 0.6-0.9x)
+GROUPED_MIN_ROWS = 32  # mean pairs per expert from which they run grouped (CPU only; 8: 1.3-1.8x slower, 32: 0.65-0.84x)
+GROUPED_MIN_TOKENS = 17  # the grouped form evaluates mid-graph: never for a compiled step (<= 16 tokens per sequence)
 PAD_LIMIT = 4  # the grouped form's padded rows may be at most this many times the pairs (else: sorted)
 
 
@@ -115,9 +132,18 @@ class SwitchGLU(nn.Module):
         u = self.up_proj(x, indices, sorted_indices)  # [..., M, hidden]
         return self.down_proj(act.silu(g) * u, indices, sorted_indices)  # [..., M, dims]
 
-    def form(self, pairs: int) -> str:
-        """The form used for `pairs` (token, expert) pairs: "pairs" below SORT_MIN_PAIRS, else "grouped"."""
-        return "pairs" if pairs < SORT_MIN_PAIRS else "grouped"
+    def form(self, tokens: int, pairs: int) -> str:
+        """The form for `pairs` (token, expert) pairs from sequences of `tokens` tokens (module docstring).
+
+        "grouped" evaluates mid-graph, so it never serves a compiled decode step: those run at most 16 tokens per
+        sequence, below GROUPED_MIN_TOKENS. It is measured on the CPU backend only, where it alone is used.
+        """
+        if pairs < SORT_MIN_PAIRS:
+            return "pairs"
+        grouped_ok = tokens >= GROUPED_MIN_TOKENS and mx.default_device() == mx.cpu
+        if grouped_ok and pairs >= GROUPED_MIN_ROWS * self.gate_proj.num_experts:
+            return "grouped"
+        return "sorted"
 
     def __call__(self, x: mx.array, indices: mx.array, form: str | None = None) -> mx.array:
         """x [..., dims], indices [..., k] -> each chosen expert's output [..., k, dims].
@@ -127,7 +153,7 @@ class SwitchGLU(nn.Module):
         """
         *lead, k = indices.shape
         dims = x.shape[-1]
-        form = form or self.form(indices.size)
+        form = form or self.form(lead[-1] if lead else 1, indices.size)
         if form == "pairs":
             y = self._glu(x[..., None, None, :], indices, False)  # x [..., 1, 1, dims] -> [..., k, 1, dims]
             return y.squeeze(-2)  # [..., k, dims]
