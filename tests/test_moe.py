@@ -495,3 +495,20 @@ def test_quantized_experts_run_gather_qmm():
     for form in ("pairs", "sorted", "grouped"):
         block.switch_mlp.form = lambda tokens, pairs, f=form: f
         np.testing.assert_allclose(np.array(block(x)), expected, rtol=1e-4, atol=1e-4, err_msg=form)
+
+
+def test_compiled_steps_never_take_the_grouped_form():
+    """A compiled attention step of 4 rows x 16 tokens, top-1 of 2 experts (32 pairs per expert, enough to group):
+    it must run (the grouped form's mid-graph read would fail inside mx.compile) and equal the plain path."""
+    from hetero.cache import KVCache
+    from hetero.models.qwen3_5 import DecoderLayer
+
+    args = ModelArgs.from_config(dict(moe_args().__dict__, num_experts=2, num_experts_per_tok=1, model_type="qwen3_5_moe_text"))
+    layer = DecoderLayer(args, "full_attention", moe=True)
+    rng = np.random.default_rng(0)
+    layer.update(tree_unflatten([(n, mx.array((rng.standard_normal(p.shape) / math.sqrt(p.shape[-1])).astype(np.float32)))
+                                 for n, p in tree_flatten(layer.parameters())]))
+    x = mx.array(rng.standard_normal((4, 16, args.hidden_size)).astype(np.float32))
+    assert layer.mlp.switch_mlp.form(4 * 16, 4 * 16) == "grouped"  # as one long sequence it would group
+    compiled = layer(x, KVCache())  # S <= 16 over a cache: the compiled path
+    np.testing.assert_allclose(np.array(compiled), np.array(layer(x, None)), rtol=1e-5, atol=1e-5)
