@@ -62,6 +62,21 @@ def _driver(models: list[str], cases: list[str], out: str) -> None:
                 "mtp": got.stats.get("mtp"), "ref_mtp": want.stats.get("mtp"), "pipeline": got.stats["pipeline"],
                 "finish": [got.stats["finish_reason"], want.stats["finish_reason"]],
             })
+        if "prefix" in cases:  # a second turn resumes from the first one's checkpoints, on every rank
+            from hetero.prefix_cache import PrefixCache
+
+            engine.prefix_cache, single.prefix_cache = 1 << 30, PrefixCache()
+            for turn in range(2):
+                prompt = PROMPT if turn == 0 else PROMPT + first.text + "\n    def norm(self):\n        return"
+                got = engine.generate(prompt, prefill_chunk=16, max_tokens=10, draft_depth=3)
+                want = single.generate(prompt, prefill_chunk=16, max_tokens=10, draft_depth=3)
+                first = want if turn == 0 else first
+                results.append({
+                    "model": str(model), "case": f"prefix turn {turn}", "tokens": got.tokens, "ref_tokens": want.tokens,
+                    "cached": [got.stats["cached_tokens"], want.stats["cached_tokens"]], "mtp": got.stats.get("mtp"),
+                    "ref_mtp": want.stats.get("mtp"), "pipeline": got.stats["pipeline"],
+                    "finish": [got.stats["finish_reason"], want.stats["finish_reason"]],
+                })
         engine.close()
     if link.first:
         Path(out).write_text(json.dumps(results))
@@ -140,23 +155,27 @@ class Launch:
         return self.out.decode(errors="replace"), self.err.decode(errors="replace")
 
 
-@pytest.mark.parametrize("ranks,cases", [(2, [c for c, _ in CASES]), (3, ["mtp_greedy", "plain_greedy"])])
+@pytest.mark.parametrize("ranks,cases", [(2, [c for c, _ in CASES] + ["prefix"]), (3, ["mtp_greedy", "plain_greedy"])])
 def test_pipeline_matches_one_process(ranks, cases, fixture_dir, tmp_path):
     """Logits equal to one process within fp32 rounding and identical tokens (greedy, and seeded sampling under
-    MTP), MTP on with the copy lane, across 2 and 3 ranks (3 processes share 2 cores here: fewer cases), on the
+    MTP), MTP on with the copy lane, a second turn restored from each rank's prefix cache, across 2 and 3 ranks (3 processes share 2 cores here: fewer cases), on the
     bundled model and the fixture (3 layers: one per rank at 3 ranks, one rank with no GDN layer)."""
     out = tmp_path / "results.json"
     launch = Launch(ranks, [sys.executable, __file__, f"bundled,{fixture_dir}", ",".join(cases), str(out)])
     _, err = launch.finish(120)
     assert out.is_file(), err[-3000:]
     results = json.loads(out.read_text())
-    assert len(results) == 2 * len(cases)
+    assert len(results) == 2 * (len(cases) + ("prefix" in cases))
     for r in results:
         label = f"{r['model']} {r['case']} ({ranks} ranks)"
         assert r["tokens"] == r["ref_tokens"], label
         assert r["finish"][0] == r["finish"][1], label
         assert len(r["tokens"]) > 0, label
-        assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["ref_max"]), label
+        if "cached" in r:  # the same prefix restored as in one process: none on the first turn, most on the second
+            assert r["cached"][0] == r["cached"][1], label
+            assert (r["cached"][0] > 0) == r["case"].endswith("1"), label
+        else:
+            assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["ref_max"]), label
         assert r["mtp"] == r["ref_mtp"], label  # the same drafts accepted in the same rounds
         per_rank = r["pipeline"]["per_rank"]
         assert len(per_rank) == ranks and all(p["weight_bytes"] > 0 for p in per_rank), label

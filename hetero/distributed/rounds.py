@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from hetero.cache import GDNCache, LayerCache, cache_arrays
 from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
-from hetero.generate import ProgressFn, prefill
+from hetero.generate import ChunkFn, ProgressFn, prefill
+from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
 from hetero.speculative import MTPStats, mtp_generate_tokens
 
@@ -28,13 +29,48 @@ def chunk_edges(offset: int, n: int, chunk: int) -> list[int]:
     return [0] + sorted(set(range(first, n, chunk))) + [n]
 
 
-def lead(stage: Stage, request: dict) -> dict:
-    """The last rank's side of a generation (prefill, then decoding); returns its stats for rank 0."""
+PREFIX_KEY = "pipeline"  # one model per pipeline: each rank's prefix cache holds only its own layers' states
+
+
+def restore(stage: Stage, request: dict) -> tuple[list[LayerCache], int, mx.array | None]:
+    """Every rank: (cache, tokens already in it, post-norm hidden of the last one) for this request.
+
+    With the request's prefix cache on, each rank keeps a `PrefixCache` of its own layers' states, captured at the
+    same points on every rank (prefill chunk edges, the end of an MTP turn). The ranks restore only a prefix that
+    all of them hold a checkpoint for, exactly there; otherwise they all start cold."""
+    if not request.get("prefix_cache"):
+        return stage.make_cache(), 0, None
+    if stage.prefix is None:
+        stage.prefix = PrefixCache(request["prefix_cache"])
+    pc, ids, link = stage.prefix, request["prompt"], stage.link
+    node = pc.lookup(PREFIX_KEY, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
+    target = min(link.gather_ints(node.end if node is not None else 0))
+    held = pc.lookup(PREFIX_KEY, ids, limit=target) if target else None
+    if not all(link.gather_ints(int(held is not None and held.end == target))):
+        return stage.make_cache(), 0, None
+    restored = pc.restore(stage, PREFIX_KEY, ids, limit=target)
+    return restored.cache, restored.n, restored.hidden
+
+
+def capture(stage: Stage, tokens: list[int], cache: list[LayerCache], hidden: mx.array) -> None:
+    """Checkpoint this rank's caches after `tokens` (`hidden` [m, H]: what the MTP head has not consumed, on the
+    last rank; elsewhere the stage's own last output, which no restore reads)."""
+    if stage.prefix is not None:
+        stage.prefix.capture(stage, PREFIX_KEY, tokens, cache, hidden)
+
+
+def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, carry: mx.array | None = None) -> dict:
+    """The last rank's side of a generation (prefill, then decoding) over `cache`, which holds prompt[:skip]
+    (`carry`: its last hidden); returns its stats for rank 0."""
     link, ids, eos = stage.link, request["prompt"], set(request["eos"])
     sampler = Sampler(SamplingParams(**request["sampling"]), request["seed"])
-    cache = stage.make_cache()
     depth, max_tokens, chunk = request["depth"], request["max_tokens"], request["chunk"]
-    pet = lambda n, h: link.watchdog.pet()  # noqa: E731  a chunk done is progress
+    pc = request.get("prefix_cache")
+
+    def on_chunk(n: int, hidden: mx.array) -> None:
+        link.watchdog.pet()  # a chunk done is progress
+        if pc:
+            capture(stage, ids[:n], cache, hidden)
 
     def announce(kind: int, tokens: list[int]) -> None:
         link.broadcast_ints([kind, len(tokens), *tokens], link.rank, message_length())
@@ -42,20 +78,28 @@ def lead(stage: Stage, request: dict) -> dict:
 
     stats = MTPStats(depth) if depth else None
     if depth:
+        committed, state = list(ids), []
+
         def on_commit(decoder, new: list[int]) -> None:
             announce(COMMIT, new)
+            committed.extend(new)
+            state[:] = [decoder]
             stage.announce = VERIFY  # every later backbone pass is a verify pass
 
         stream = mtp_generate_tokens(stage, ids, sampler, max_tokens, eos, depth, request["copy"], chunk, stats=stats,
-                                     cache=cache, max_context=request["max_context"], on_chunk=pet,
-                                     on_commit=on_commit)
+                                     cache=cache, max_context=request["max_context"], skip=skip, carry=carry,
+                                     on_chunk=on_chunk, on_commit=on_commit)
         try:
             for _ in stream:
                 pass
         finally:
             stage.announce = None
+        if pc and state:  # the committed end state of the turn (x is committed but not yet run)
+            decoder = state[0]
+            capture(stage, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
     else:  # plain decoding: a round with no drafts, sampled as `generate_tokens` samples
-        logits, _ = prefill(stage, ids, cache, chunk, on_chunk=pet)
+        logits, _ = prefill(stage, ids[skip:], cache, chunk, mtp=bool(pc) and stage.has_mtp, carry=carry,
+                            on_chunk=on_chunk)
         x, emitted = sampler(logits[-1]).item(), 0
         while True:
             announce(COMMIT, [x])
@@ -72,19 +116,23 @@ def lead(stage: Stage, request: dict) -> dict:
     return {"mtp": stats.to_dict() if stats is not None else None}
 
 
-def follow(stage: Stage, request: dict, progress: ProgressFn | None = None) -> Iterator[int]:
-    """Any other rank's side of a generation: prefill its chunks, then run the passes the last rank announces and
-    roll back as it commits. Yields the committed tokens in order (rank 0 emits them)."""
-    link = stage.link
-    cache = stage.make_cache()
-    prefill_stage(stage, request["prompt"], cache, request["chunk"], progress)
+def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
+           progress: ProgressFn | None = None) -> Iterator[int]:
+    """Any other rank's side of a generation: prefill its chunks after `skip` cached tokens, then run the passes
+    the last rank announces and roll back as it commits. Yields the committed tokens in order (rank 0 emits them)."""
+    link, ids = stage.link, request["prompt"]
+    pc = request.get("prefix_cache")
+    on_chunk = (lambda n, h: capture(stage, ids[:n], cache, h)) if pc else None
+    prefill_stage(stage, ids, cache, request["chunk"], progress, skip, on_chunk)
+    committed = list(ids)
     passed = 0  # tokens of the latest recorded (verify) pass, waiting for its commit
+    last = None  # this stage's output of the latest pass [1, H]
     while True:
         kind, n, *rest = link.broadcast_ints(None, link.size - 1, message_length())
         tokens = rest[:n]
         link.watchdog.pet()
         if kind == DONE:
-            return
+            break
         if kind in (VERIFY, STEP):
             if kind == VERIFY:
                 for c in cache:
@@ -93,13 +141,17 @@ def follow(stage: Stage, request: dict, progress: ProgressFn | None = None) -> I
             out = stage.model(mx.array([tokens]), cache)
             link.eval(out, *cache_arrays(cache))
             passed = n if kind == VERIFY else 0
+            last = out[0, -1:]
         elif kind == COMMIT:
             if passed:
                 commit_pass(cache, passed, accepted=n - 1)
                 passed = 0
+            committed += tokens
             yield from tokens
         else:
             raise RuntimeError(f"unknown pipeline message kind {kind}")
+    if pc and request["depth"] and last is not None:  # the end of an MTP turn, as the last rank captures it
+        capture(stage, committed[: cache[0].offset], cache, last)
 
 
 def commit_pass(cache: list[LayerCache], passed: int, accepted: int) -> None:
@@ -113,14 +165,17 @@ def commit_pass(cache: list[LayerCache], passed: int, accepted: int) -> None:
 
 
 def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: int,
-                  progress: ProgressFn | None = None) -> None:
-    """This (non-last) rank's layers over the prompt, chunk by chunk, each chunk handed on as soon as it is done."""
-    edges = chunk_edges(0, len(ids), chunk)
+                  progress: ProgressFn | None = None, skip: int = 0, on_chunk: ChunkFn | None = None) -> None:
+    """This (non-last) rank's layers over ids[skip:] (the cache holds ids[:skip]), chunk by chunk at the edges of
+    `generate.prefill`, each chunk handed on as soon as it is done; `on_chunk(n, last output [1, H])` after each."""
+    edges = chunk_edges(skip, len(ids) - skip, chunk)
     for start, stop in zip(edges, edges[1:]):
-        out = stage.model(mx.array(ids[start:stop])[None], cache)  # [1, S] -> the send of [1, S, H]
+        out = stage.model(mx.array(ids[skip + start : skip + stop])[None], cache)  # [1, S] -> the send of [1, S, H]
         stage.link.eval(out, *cache_arrays(cache))
+        if on_chunk is not None:
+            on_chunk(skip + stop, out[0, -1:])
         if progress is not None:
-            progress(stop, len(ids))
+            progress(stop, len(ids) - skip)
 
 
 def logits_lead(stage: Stage, request: dict) -> None:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.distributed.group import Link
-from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead
+from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead, restore
 from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
 from hetero.engine import DEFAULT_DRAFT_DEPTH, GenerationResult, _eos_ids
@@ -52,9 +52,10 @@ def run_request(stage: Stage, request: dict) -> dict:
         if request["kind"] == "logits":
             (logits_lead if link.last else logits_follow)(stage, request)
             return {}
-        stats = lead(stage, request) if link.last else None
+        cache, skip, carry = restore(stage, request)
+        stats = lead(stage, request, cache, skip, carry) if link.last else None
         if not link.last:
-            for _ in follow(stage, request):
+            for _ in follow(stage, request, cache, skip):
                 pass
         return report(stage, stats)
 
@@ -80,7 +81,10 @@ def serve(stage: Stage) -> None:
 
 
 class PipelineEngine:
-    """Rank 0's handle on the pipelined model: `generate` and `logits` as `Engine` has them."""
+    """Rank 0's handle on the pipelined model: `generate` and `logits` as `Engine` has them.
+
+    Set `prefix_cache` to a byte budget and every rank keeps a prefix cache of its own layers' states (captured at
+    prefill chunk edges and at the end of each MTP turn); a prompt resumes from the longest prefix all ranks hold."""
 
     def __init__(self, stage: Stage, path: Path, config: dict, name: str):
         self.stage, self.path, self.config, self.name = stage, path, config, name
@@ -88,6 +92,7 @@ class PipelineEngine:
         self.eos_ids = _eos_ids(stage, self.tokenizer, path)  # reads only .args
         self.split = [list(r) for r in split_layers(stage.args, stage.link.size)]
         self.closed = False
+        self.prefix_cache: int | None = None  # bytes of checkpoints each rank may keep (None: no prefix cache)
 
     @property
     def max_context(self) -> int:
@@ -148,6 +153,7 @@ class PipelineEngine:
         copy: bool = True,
         on_text: Callable[[str], None] | None = None,
         progress: ProgressFn | None = None,
+        use_prefix_cache: bool = True,
     ) -> GenerationResult:
         """As `Engine.generate`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is
         False) at `draft_depth` (default 3: no per-machine tuning across hosts). The result's stats add `seed`
@@ -168,6 +174,7 @@ class PipelineEngine:
             "kind": "generate", "prompt": ids, "max_tokens": max_tokens, "depth": depth, "copy": copy,
             "chunk": prefill_chunk, "seed": seed, "eos": sorted(self.eos_ids), "max_context": self.max_context,
             "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
+            "prefix_cache": self.prefix_cache if use_prefix_cache else None,
         }
         link = self.stage.link
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
@@ -176,7 +183,8 @@ class PipelineEngine:
         ended = False
         with self._request(request):
             mx.reset_peak_memory()
-            for tid in follow(self.stage, request, progress):  # every committed token, until the last rank says DONE
+            cache, skip, _ = restore(self.stage, request)
+            for tid in follow(self.stage, request, cache, skip, progress):  # every committed token, until the last rank says DONE
                 if ended:
                     continue
                 if not times.first_token:
@@ -199,7 +207,7 @@ class PipelineEngine:
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": skip,
             "generated_tokens": len(tokens),
             "finish_reason": times.finish_reason,
             "ttft_s": round(times.ttft_s, 6),

@@ -34,6 +34,7 @@ class Stage:
         self.lm_head = net.lm_head if share.last and not self.args.tie_word_embeddings else None
         self.mtp = net.mtp if share.last else None
         self.announce: int | None = None  # last rank: the message kind that tells the others to run a pass
+        self.prefix = None  # this rank's PrefixCache, made by the first request that asks for one
 
     @property
     def has_mtp(self) -> bool:
