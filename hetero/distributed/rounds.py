@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, LayerCache, cache_arrays
+from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
 from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
 from hetero.generate import ChunkFn, ProgressFn, prefill
 from hetero.prefix_cache import PrefixCache
@@ -55,8 +55,9 @@ def restore(stage: Stage, request: dict) -> tuple[list[LayerCache], int, mx.arra
 def capture(stage: Stage, tokens: list[int], cache: list[LayerCache], hidden: mx.array) -> None:
     """Checkpoint this rank's caches after `tokens` (`hidden` [m, H]: what the MTP head has not consumed, on the
     last rank; elsewhere the stage's own last output, which no restore reads)."""
-    if stage.prefix is not None:
-        stage.prefix.capture(stage, PREFIX_KEY, tokens, cache, hidden)
+    if stage.prefix is None or any(isinstance(c, KVCache) and c.keys is None for c in cache):
+        return  # (an MTP layer with no pair yet, after a 1-token prompt: nothing worth a checkpoint)
+    stage.prefix.capture(stage, PREFIX_KEY, tokens, cache, hidden)
 
 
 def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, carry: mx.array | None = None) -> dict:
