@@ -24,7 +24,12 @@ def run_pipelined(args: argparse.Namespace) -> int | None:
     if link is None:
         return None
     try:
-        stage, path, config = load_stage(link, args.model)
+        try:
+            stage, path, config = load_stage(link, args.model)
+        except HeteroError as e:
+            if link.first:
+                raise
+            raise HeteroError(f"rank {link.rank}: {e}") from None  # every rank says it; rank 0's line comes unprefixed
         span = f"layers {stage.share.layers.start}..{stage.share.layers.stop - 1}"
         if not link.first:
             print(f"[hetero rank {link.rank}/{link.size} pid {os.getpid()}: {span}, serving rank 0]", file=sys.stderr,
