@@ -65,9 +65,10 @@ def report(stage: Stage, stats: dict | None) -> dict:
     link = stage.link
     peaks = link.gather_ints(int(mx.get_peak_memory()))
     weights = link.gather_ints(stage.weight_bytes)
+    starts, stops = link.gather_ints(stage.share.layers.start), link.gather_ints(stage.share.layers.stop)
     out = link.broadcast_json(stats, link.size - 1)
-    return {**out, "ranks": [{"layers": None, "peak_memory_bytes": p, "weight_bytes": w}
-                             for p, w in zip(peaks, weights)]}
+    return {**out, "ranks": [{"layers": [a, b - 1], "peak_memory_bytes": p, "weight_bytes": w}
+                             for a, b, p, w in zip(starts, stops, peaks, weights)]}
 
 
 def serve(stage: Stage) -> None:
@@ -90,7 +91,6 @@ class PipelineEngine:
         self.stage, self.path, self.config, self.name = stage, path, config, name
         self.tokenizer = Tokenizer.from_dir(path)
         self.eos_ids = _eos_ids(stage, self.tokenizer, path)  # reads only .args
-        self.split = [list(r) for r in split_layers(stage.args, stage.link.size)]
         self.closed = False
         self.prefix_cache: int | None = None  # bytes of checkpoints each rank may keep (None: no prefix cache)
 
@@ -202,8 +202,6 @@ class PipelineEngine:
         tail = detok.finalize()
         if tail and on_text is not None:
             on_text(tail)
-        for r, rank in enumerate(end["ranks"]):
-            rank["layers"] = [self.split[r][0], self.split[r][-1]]
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
