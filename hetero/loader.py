@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,7 +364,7 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     for n in tensors:
         c = canonical_name(n)
         for u in unfused_names(c) if c else []:
-            reverse[u] = n
+            reverse[u] = re.sub(r"\.experts\.\d+\.", ".experts.*.", n) if is_expert_tensor(c) else n  # stacked: all experts
     report.unmapped = sorted(reverse.get(k, k) for k in mapped if k not in expected_shapes)
     report.missing = sorted(k for k in expected_shapes if k not in mapped)
     for k, shape in mapped.items():

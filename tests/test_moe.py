@@ -512,3 +512,18 @@ def test_compiled_steps_never_take_the_grouped_form():
     assert layer.mlp.switch_mlp.form(4 * 16, 4 * 16) == "grouped"  # as one long sequence it would group
     compiled = layer(x, KVCache())  # S <= 16 over a cache: the compiled path
     np.testing.assert_allclose(np.array(compiled), np.array(layer(x, None)), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_config_mismatches_are_reported(layouts, tmp_path):
+    """Experts of another width, or more experts than config.json says: one line naming the tensors."""
+    ckpt = shutil.copytree(layouts / "per_expert", tmp_path / "wide")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"]["moe_intermediate_size"] = 40
+    (ckpt / "config.json").write_text(json.dumps(config))
+    report = preflight(ckpt)
+    assert ("model.language_model.layers.0.mlp.experts.*.gate_proj.weight: checkpoint [8, 32, 64], config expects "
+            "[8, 40, 64]") in report.shape_mismatches
+    config["text_config"].update(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    report = preflight(ckpt)
+    assert not report.ok and "expert 6 but config.json says num_experts 6" in report.errors[0]
