@@ -3,8 +3,8 @@
 `mlx.launch` (ring backend) sets MLX_RANK and MLX_HOSTFILE (a JSON list of "ip:port" lists, one per rank) in each
 process. `connect` joins the ring under a watchdog (init blocks while a peer is missing) and returns a `Link`:
 hidden states go to the next rank with send/recv; the small control messages (a request as JSON, the tokens of a
-decode round) go to every rank with `all_sum` from one root (the others add zeros), which the ring backend offers
-between any ranks. A closed connection (a rank died) surfaces as one HeteroError line on every survivor.
+decode round) go to every rank: requests with `all_sum` from one root (the others add zeros), the decode rounds'
+messages from the last rank down the ring, hop by hop. A closed connection (a rank died) surfaces as one HeteroError line on every survivor.
 """
 
 from __future__ import annotations
@@ -113,6 +113,18 @@ class Link:
             out = mx.distributed.all_sum(mx.array(buf, dtype=mx.int32), group=self.group)
             mx.eval(out)
         return out.tolist()
+
+    def from_last(self, values: list[int] | None, length: int) -> list[int]:
+        """`values` (on the last rank, at most `length` ints) on every rank, zero-padded: down the ring, the last
+        rank to rank 0, then rank to rank (one message per hop, cheaper than an all_sum; the decode rounds' path)."""
+        if self.last:
+            buf = mx.array(values + [0] * (length - len(values)), dtype=mx.int32)
+            self.send(buf, 0)
+            return buf.tolist()
+        buf = self.recv((length,), mx.int32, self.rank - 1 if self.rank else self.size - 1)
+        if self.rank < self.size - 2:
+            self.send(buf, self.rank + 1)
+        return buf.tolist()
 
     def broadcast_json(self, obj: object, root: int) -> object:
         """A JSON-able object from `root` on every rank (its length first, then its UTF-8 bytes)."""

@@ -74,7 +74,7 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
             capture(stage, ids[:n], cache, hidden)
 
     def announce(kind: int, tokens: list[int]) -> None:
-        link.broadcast_ints([kind, len(tokens), *tokens], link.rank, message_length())
+        link.from_last([kind, len(tokens), *tokens], message_length())
         link.watchdog.pet()
 
     stats = MTPStats(depth) if depth else None
@@ -129,7 +129,7 @@ def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
     passed = 0  # tokens of the latest recorded (verify) pass, waiting for its commit
     last = None  # this stage's output of the latest pass [1, H]
     while True:
-        kind, n, *rest = link.broadcast_ints(None, link.size - 1, message_length())
+        kind, n, *rest = link.from_last(None, message_length())
         tokens = rest[:n]
         link.watchdog.pet()
         if kind == DONE:

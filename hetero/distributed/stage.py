@@ -45,8 +45,7 @@ class Stage:
 
         Returns the post-norm hidden [B, S, H] on the last rank, elsewhere the (lazy) send to the next rank."""
         if self.announce is not None:  # a decode pass: the other ranks learn its tokens (rank 0 embeds them)
-            self.link.broadcast_ints([self.announce, tokens.size, *tokens.reshape(-1).tolist()], self.link.rank,
-                                     message_length())
+            self.link.from_last([self.announce, tokens.size, *tokens.reshape(-1).tolist()], message_length())
         B, S = tokens.shape
         h = self.embed_tokens(tokens) if self.link.first else self.link.recv_prev((B, S, self.args.hidden_size),
                                                                                      self.dtype)
