@@ -97,6 +97,14 @@ def fixture_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("dist") / "tiny", max_context=8192)
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    """A random qwen3_5_moe checkpoint in HF layout (zero-centred norms, per-expert tensors) with an MTP head."""
+    from test_pipeline_moe import write_moe_checkpoint
+
+    return write_moe_checkpoint(tmp_path_factory.mktemp("dist-moe") / "moe")
+
+
 def _free_port(n: int) -> int:
     """A first port p with p..p+n-1 free on the loopback address (the ring listens on one port per rank)."""
     for _ in range(100):
@@ -156,16 +164,18 @@ class Launch:
 
 
 @pytest.mark.parametrize("ranks,cases", [(2, [c for c, _ in CASES] + ["prefix"]), (3, ["mtp_greedy", "plain_greedy"])])
-def test_pipeline_matches_one_process(ranks, cases, fixture_dir, tmp_path):
+def test_pipeline_matches_one_process(ranks, cases, fixture_dir, moe_dir, tmp_path):
     """Logits equal to one process within fp32 rounding and identical tokens (greedy, and seeded sampling under
-    MTP), MTP on with the copy lane, a second turn restored from each rank's prefix cache, across 2 and 3 ranks (3 processes share 2 cores here: fewer cases), on the
-    bundled model and the fixture (3 layers: one per rank at 3 ranks, one rank with no GDN layer)."""
+    MTP), MTP on with the copy lane, a second turn restored from each rank's prefix cache, across 2 and 3 ranks
+    (3 processes share 2 cores here: fewer cases), on the bundled model, the fixture (3 layers: one per rank at 3
+    ranks, one rank with no GDN layer) and, at 2 ranks, an HF-layout MoE checkpoint (zero-centred norms)."""
     out = tmp_path / "results.json"
-    launch = Launch(ranks, [sys.executable, __file__, f"bundled,{fixture_dir}", ",".join(cases), str(out)])
+    models = ["bundled", str(fixture_dir)] + ([str(moe_dir)] if ranks == 2 else [])
+    launch = Launch(ranks, [sys.executable, __file__, ",".join(models), ",".join(cases), str(out)])
     _, err = launch.finish(120)
     assert out.is_file(), err[-3000:]
     results = json.loads(out.read_text())
-    assert len(results) == 2 * (len(cases) + ("prefix" in cases))
+    assert len(results) == len(models) * (len(cases) + ("prefix" in cases))
     for r in results:
         label = f"{r['model']} {r['case']} ({ranks} ranks)"
         assert r["tokens"] == r["ref_tokens"], label

@@ -83,6 +83,7 @@ def load_share(path: Path, args: ModelArgs, layers: range, first: bool, last: bo
             net.layers[i].linear_attn.A_log = weights[f"model.layers.{i}.linear_attn.A_log"].astype(mx.float32)
     params = [v for k, v in tree_flatten(net.parameters()) if share.owns(k)]
     mx.eval(params)
+    net.eval()
     return net, share, sum(p.nbytes for p in params)
 
 
