@@ -1,4 +1,5 @@
-"""Checkpoints the benchmarks share: the bundled model and a larger random one of the same architecture."""
+"""Checkpoints the benchmarks share: the bundled model, a larger random one of the same architecture, and a random
+mixture-of-experts one shaped like Qwen3.5-35B-A3B scaled down."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 
 from converters.hf_export import hf_config, save_hf_checkpoint
 from hetero.loader import BUNDLED_MODEL
@@ -18,6 +20,19 @@ LARGE = dict(
     num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
     linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=8192, full_attention_interval=4,
     tie_word_embeddings=True, max_position_embeddings=65536, mtp_num_hidden_layers=1,
+)
+
+
+# Qwen3.5-35B-A3B halved in width and depth, a quarter of its experts (still top-8), a small vocabulary: about
+# 1.18B parameters (2.4 GB as bf16 on disk, 4.7 GB per engine in fp32), about 233M of them active per token (MTP
+# head not counted), so a decode step reads 8 of 64 experts per layer and a prefill chunk sends 8 (token, expert)
+# pairs per token through the experts.
+MOE = dict(
+    model_type="qwen3_5_moe_text", hidden_size=1024, num_hidden_layers=20, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
+    linear_value_head_dim=64, vocab_size=8192, full_attention_interval=4, tie_word_embeddings=False,
+    max_position_embeddings=65536, mtp_num_hidden_layers=1, num_experts=64, num_experts_per_tok=8,
+    moe_intermediate_size=256, shared_expert_intermediate_size=256,
 )
 
 
@@ -36,5 +51,29 @@ def large_checkpoint(workdir: Path) -> Path:
     return out
 
 
+def moe_checkpoint(workdir: Path) -> Path:
+    """Write (once) a random MOE-shaped `qwen3_5_moe` checkpoint with an MTP head (its own MoE block), the experts
+    fused as transformers 5 holds them (`experts.gate_up_proj`, the layout mlx-lm's qwen3_5_moe reads), borrowing
+    the bundled tokenizer."""
+    out = Path(workdir) / "moe"
+    if (out / "model.safetensors").is_file():
+        return out
+    mx.random.seed(0)
+    args = ModelArgs.from_config(MOE)
+    model = Model(args, with_mtp=True)
+    experts = [(n, p) for n, p in tree_flatten(model.parameters()) if ".switch_mlp." in n]
+    # SwitchLinear starts at zero; draw the experts as nn.Linear draws its weights, U(-1/sqrt(in), 1/sqrt(in))
+    scale = lambda p: p.shape[-1] ** -0.5  # noqa: E731
+    model.update(tree_unflatten([(n, mx.random.uniform(-scale(p), scale(p), p.shape)) for n, p in experts]))
+    mx.eval(model.parameters())
+    save_hf_checkpoint(model, hf_config(args, eos_token_id=[]), out, dtype=mx.bfloat16, experts="fused")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_MODEL / name, out / name)
+    return out
+
+
+CHECKPOINTS = {"bundled": lambda workdir: BUNDLED_MODEL, "large": large_checkpoint, "moe": moe_checkpoint}
+
+
 def checkpoint(name: str, workdir: Path) -> Path:
-    return BUNDLED_MODEL if name == "bundled" else large_checkpoint(workdir)
+    return CHECKPOINTS[name](workdir)

@@ -1,7 +1,8 @@
 """Prefill and plain-decode throughput: hetero against mlx-lm's `stream_generate`, same checkpoint, same run.
 
-    python bench/prefill_decode.py                      # bundled model + a ~540 MB random one, 512 / 4K / 16K
+    python bench/prefill_decode.py                      # bundled, a ~540 MB random one and a random MoE, 512 / 4K / 16K
     python bench/prefill_decode.py --lengths 512 4096 --models bundled --repeats 3
+    python bench/prefill_decode.py --models moe         # the MoE one only (bench/checkpoints.py MOE: 64 experts, top-8)
 
 Both engines load the same files, run in fp32 (the CPU's fast dtype), get the same prompts (random token ids),
 the same threads and BLAS, a warm-up, and alternate A B A B. Greedy decoding, no EOS stop. Prints the ratios
@@ -25,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
-from bench.checkpoints import checkpoint  # noqa: E402
+from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
 from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
@@ -66,7 +67,7 @@ def load_mlx_lm(path: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["bundled", "large"], choices=["bundled", "large"])
+    ap.add_argument("--models", nargs="+", default=["bundled", "large", "moe"], choices=list(CHECKPOINTS))
     ap.add_argument("--lengths", nargs="+", type=int, default=[512, 4096, 16384])
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="measured runs per contender (after one warm-up)")
