@@ -4,7 +4,8 @@
 process. `connect` joins the ring under a watchdog (init blocks while a peer is missing) and returns a `Link`:
 hidden states go to the next rank with send/recv; the small control messages (a request as JSON, the tokens of a
 decode round) go to every rank: requests with `all_sum` from one root (the others add zeros), the decode rounds'
-messages from the last rank down the ring, hop by hop. A closed connection (a rank died) surfaces as one HeteroError line on every survivor.
+messages from the last rank down the ring, hop by hop. A closed connection (a rank died) surfaces as one
+HeteroError line on every survivor.
 """
 
 from __future__ import annotations

@@ -184,8 +184,8 @@ class PipelineEngine:
         with self._request(request):
             mx.reset_peak_memory()
             cache, skip, _ = restore(self.stage, request)
-            for tid in follow(self.stage, request, cache, skip, progress):  # every committed token, until the last rank says DONE
-                if ended:
+            for tid in follow(self.stage, request, cache, skip, progress):  # every committed token, until DONE
+                if ended:  # (past EOS or max_tokens: the last rank's round may have committed a few more)
                     continue
                 if not times.first_token:
                     times.first_token = time.perf_counter()
