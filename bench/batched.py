@@ -20,6 +20,9 @@ compiled then); the contenders alternate within each repeat; medians over repeat
 --part attention times the attention layouts alone (the choice hetero.batch made): per-request attention over
 each request's own KV, against one padded call over all requests' KV with a mask, with and without the copy that
 gathering per-request caches into the padded layout costs every step.
+
+--part linear times the large model's weight products with n rows both ways: x @ W.T (MLX's form, sgemm with
+M = n) against (W @ x.T).T (M = output channels), the choice hetero.models.linear makes for few rows on the CPU.
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.checkpoints import checkpoint  # noqa: E402
+from bench.checkpoints import LARGE, checkpoint  # noqa: E402
 from hetero.batch import Batch  # noqa: E402
 from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.engine import load  # noqa: E402
 from hetero.generate import generate_tokens  # noqa: E402
 from hetero.measure import median_seconds  # noqa: E402
+from hetero.models.qwen3_5 import Model, ModelArgs  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
 from hetero.speculative import mtp_generate_tokens  # noqa: E402
 
@@ -166,10 +171,37 @@ def attention_part(args: argparse.Namespace) -> dict:
     return out
 
 
+def linear_part(args: argparse.Namespace) -> dict:
+    """Every weight shape of the large model times n rows both ways (hetero.models.linear's choice): x @ W.T, what
+    MLX does, against (W @ x.T).T; the products of one decode step, each layer's matrices once."""
+    from hetero.models import linear
+
+    args_large = ModelArgs.from_config(LARGE)
+    model = Model(args_large, with_mtp=False)
+    weights = [w for name, w in tree_flatten(model.parameters()) if w.ndim == 2 and "embed" not in name]
+    weights.append(model.model.embed_tokens.weight)  # the tied lm_head
+    mx.eval(weights)
+    out = {}
+    for n in args.batch_sizes + [3, 5, 6]:
+        x = {w.shape[1]: mx.random.normal((n, w.shape[1])) for w in weights}
+        mx.eval(list(x.values()))
+        plain = median_seconds(lambda: mx.eval([x[w.shape[1]] @ w.T for w in weights]), args.repeats * 5)
+        transposed = median_seconds(lambda: mx.eval([(w @ x[w.shape[1]].T).T for w in weights]), args.repeats * 5)
+        chosen = "transposed" if n in linear.FEW_ROWS else "plain"
+        out[n] = {"plain_ms": plain * 1e3, "transposed_ms": transposed * 1e3, "hetero_uses": chosen}
+    one = out[1]["plain_ms"]
+    for n, row in sorted(out.items()):
+        row["plain_vs_one_row"], row["transposed_vs_one_row"] = row["plain_ms"] / one, row["transposed_ms"] / one
+        print(f"linear n={n}: x @ W.T {row['plain_ms']:.1f} ms ({row['plain_vs_one_row']:.2f}x one row), "
+              f"(W @ x.T).T {row['transposed_ms']:.1f} ms ({row['transposed_vs_one_row']:.2f}x); hetero uses "
+              f"{row['hetero_uses']}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=["bundled", "large"], default=["bundled", "large"])
-    ap.add_argument("--part", choices=["decode", "attention", "both"], default="both")
+    ap.add_argument("--part", choices=["decode", "attention", "linear", "all"], default="all")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="the shortest prompt; request i adds 37 i")
@@ -183,11 +215,13 @@ def main() -> None:
         ap.error("--tokens must be at least 2 (the first token comes from the prefill)")
     reexec_with_fast_blas()
     result: dict = {"environment": environment(), "args": vars(args)}
-    if args.part in ("decode", "both"):
+    if args.part in ("decode", "all"):
         for name in args.models:
             result[name] = model_part(name, args)
-    if args.part in ("attention", "both"):
+    if args.part in ("attention", "all"):
         result["attention"] = attention_part(args)
+    if args.part in ("linear", "all"):
+        result["linear"] = linear_part(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -100,6 +100,21 @@ class Round:
     def mtp_ran(self, i: int) -> bool:
         return bool(self.drafts[i]) and not self.copied[i]
 
+    @classmethod
+    def plain(cls, n: int) -> "Round":
+        """A round of n rows without drafts."""
+        return cls([[] for _ in range(n)], [None] * n, [False] * n)
+
+
+@dataclass
+class Ahead:
+    """A plain round's backbone pass queued over the tokens the previous round drew, before they were read."""
+
+    rows: list[Request]
+    target: mx.array  # [B, 1, V]
+    hidden: mx.array  # [B, 1, H]
+    gdn: dict[int, GDNCache]
+
 
 class Batch:
     """Requests decoding together, one round at a time (`step`); `join` and `leave` between rounds."""
@@ -112,6 +127,7 @@ class Batch:
         self.rounds = 0
         self._stacked_for: list[Request] = []  # the rows (in order) that `_stacked` holds
         self._stacked: dict[int, tuple[mx.array, mx.array]] = {}  # GDN layer -> (conv [B, K-1, C], state [B, ...])
+        self._ahead: Ahead | None = None  # the next plain round's pass, already computing
 
     @property
     def full(self) -> bool:
@@ -212,9 +228,12 @@ class Batch:
 
     def leave(self, request: Request) -> None:
         """Drop a request (cancelled or done) before the next round; its caches hold its committed state."""
+        self._drop_ahead()
         if request in self.requests:
             self.requests.remove(request)
         self._stacked, self._stacked_for = {}, []  # rebuilt from the remaining rows' own caches
+        if request.decoder is not None:
+            mx.eval(cache_arrays(request.decoder.cache))  # its caches may move to another thread
 
     def drain(self) -> Iterator[dict[Request, list[int]]]:
         """Rounds until every request is done (`step`'s results)."""
@@ -226,14 +245,21 @@ class Batch:
         rows = list(self.requests)
         if not rows:
             return {}
-        plans = [self._plan(r) for r in rows]
-        rnd = self._propose(rows, plans)
-        target, hidden, gdn = self._verify(rows, rnd)  # [B, S, V], [B, S, H]
-        self._accept(rows, rnd, target)
+        if self._ahead is not None and self._ahead.rows != rows:  # a request joined or left since it was queued
+            self._drop_ahead()
+        if all(self._overlaps(r) for r in rows):
+            rnd, target, hidden = self._plain_round(rows)
+        else:
+            self._drop_ahead()
+            plans = [self._plan(r) for r in rows]
+            rnd = self._propose(rows, plans)
+            target, hidden, gdn = self._verify(rows, rnd)  # [B, S, V], [B, S, H]
+            self._accept(rows, rnd, target)
+            self._commit_states(rows, rnd, gdn)
         for i, r in enumerate(rows):
             if r.logprobs is not None:  # the raw target rows of the kept drafts and the new token
                 r.logprobs.add(target[i, : rnd.accepted[i] + 1], rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
-        self._commit(rows, rnd, hidden, gdn)
+        self._commit_rows(rows, rnd, hidden)
         self.rounds += 1
         emitted = {}
         for i, r in enumerate(rows):
@@ -246,11 +272,46 @@ class Batch:
             if r.stats is not None:
                 r.stats.emitted += len(emitted[r])
         self.requests = [r for r in self.requests if not r.done]
+        if len(self.requests) < len(rows):  # the queued pass ran a finished row one token too far
+            self._drop_ahead()
+            mx.eval([cache_arrays(r.decoder.cache) for r in rows if r.done])  # its caches go to another thread
         if not self.requests:
             self._stacked, self._stacked_for = {}, []
         return emitted
 
     # ------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _overlaps(r: Request) -> bool:
+        """Whether the row's next pass may be queued before its token is read: plain decoding, where every round
+        keeps its one token whatever it is (a grammar's mask and a commit hook need the value first)."""
+        return r.depth == 0 and r.constraint is None and r.on_commit is None
+
+    def _plain_round(self, rows: list[Request]) -> tuple[Round, mx.array, mx.array]:
+        """A round of plain rows, overlapped as `generate_tokens` overlaps its steps: this round's pass (queued by
+        the last round, or run now), each row's draw, and the next round's pass over those draws queued before the
+        draws are read, so the host prepares and reads while the model computes. Returns (round, logits [B, 1, V],
+        hidden [B, 1, H])."""
+        rnd = Round.plain(len(rows))
+        ahead, self._ahead = self._ahead, None
+        target, hidden, gdn = (ahead.target, ahead.hidden, ahead.gdn) if ahead is not None else self._verify(rows, rnd)
+        drawn = mx.stack([r.sampler(target[i, 0]) for i, r in enumerate(rows)]).reshape(-1, 1)  # [B, 1]
+        self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
+        self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
+        mx.async_eval(drawn, self._ahead.target, self._ahead.hidden)
+        rnd.next = [int(t) for t in drawn[:, 0].tolist()]
+        rnd.accepted = [0] * len(rows)
+        return rnd, target, hidden
+
+    def _drop_ahead(self) -> None:
+        """Forget the queued pass: the KV position it wrote into each of its rows' caches."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        for l, layer in enumerate(self.model.layers):
+            if not layer.is_linear:
+                for r in ahead.rows:
+                    r.decoder.cache[l].trim_to(r.decoder.cache[l].offset - 1)
 
     @staticmethod
     def _plan(r: Request) -> tuple[int, int]:
@@ -333,11 +394,14 @@ class Batch:
         caches = [r.decoder.cache[layer] for r in rows]
         return mx.concatenate([c.conv for c in caches]), mx.concatenate([c.recurrent for c in caches])
 
-    def _verify(self, rows: list[Request], rnd: Round) -> tuple[mx.array, mx.array, dict[int, GDNCache]]:
-        """One backbone pass over every row's [x, drafts]: (logits [B, S, V], hiddens [B, S, H], GDN caches)."""
+    def _verify(self, rows: list[Request], rnd: Round,
+                tokens: mx.array | None = None) -> tuple[mx.array, mx.array, dict[int, GDNCache]]:
+        """One backbone pass over every row's [x, drafts] (or `tokens` [B, 1], rows without drafts): (logits
+        [B, S, V], hiddens [B, S, H], GDN caches)."""
         lengths = [len(d) + 1 for d in rnd.drafts]
         S = max(lengths)
-        tokens = mx.array([[r.decoder.x] + d + [0] * (S - n) for r, d, n in zip(rows, rnd.drafts, lengths)])  # [B, S]
+        if tokens is None:
+            tokens = mx.array([[r.decoder.x] + d + [0] * (S - n) for r, d, n in zip(rows, rnd.drafts, lengths)])
         caches: list[GDNCache | RaggedKV] = []
         gdn: dict[int, GDNCache] = {}
         for l, layer in enumerate(self.model.layers):
@@ -376,9 +440,10 @@ class Batch:
                 r.constraint.rollback(len(rnd.drafts[i]) - rnd.accepted[i])
                 r.constraint.advance(rnd.next[i])
 
-    def _commit(self, rows: list[Request], rnd: Round, hidden: mx.array, gdn: dict[int, GDNCache]) -> None:
-        """Keep each row's x and first a_i drafts; its next token becomes its x (`Decoder.commit`, row by row)."""
-        kept = [a + 1 for a in rnd.accepted]  # tokens each row keeps of its pass
+    def _commit_states(self, rows: list[Request], rnd: Round, gdn: dict[int, GDNCache]) -> None:
+        """Keep each row's x and first a_i drafts in its backbone caches (`Decoder.commit`, row by row); a round
+        without drafts keeps each row's one token before `rnd.accepted` is known."""
+        kept = [a + 1 for a in rnd.accepted] if rnd.accepted else [1] * len(rows)  # tokens each row keeps of its pass
         self._stacked = {}
         for l, c in gdn.items():
             if c.recording:  # row i's state after its own token kept[i]; the conv window ending there
@@ -398,6 +463,9 @@ class Batch:
                 for i, r in enumerate(rows):
                     own = r.decoder.cache[l]  # the pass wrote len(drafts) + 1 positions
                     own.trim_to(own.offset - len(rnd.drafts[i]) - 1 + kept[i])
+
+    def _commit_rows(self, rows: list[Request], rnd: Round, hidden: mx.array) -> None:
+        """The rest of each row's commit: MTP caches, pending pairs, copy lane, trace; its next token becomes x."""
         for i, r in enumerate(rows):
             d, drafts, a = r.decoder, rnd.drafts[i], rnd.accepted[i]
             for c in d.mtp_cache:  # drop the draft chain's speculative positions, keep the catch-up
@@ -413,6 +481,9 @@ class Batch:
             if d.lane is not None:
                 d.lane.extend(drafts[:a] + [rnd.next[i]])
             d.x = rnd.next[i]
+        if self._ahead is not None:  # the caches feed the queued pass: evaluated there, or when their row leaves
+            mx.eval([r.trace.hidden[-1] for r in rows if r.trace is not None])  # read on the request's thread
+            return
         mx.eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows],
                 [r.trace.hidden[-1] for r in rows if r.trace is not None])  # a row's arrays may move to another thread
 

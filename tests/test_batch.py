@@ -22,7 +22,7 @@ from test_speculative import (
 
 from hetero.batch import Batch, Request, batch_generate
 from hetero.batching import DecodeLoop
-from hetero.cache import KVCache, RaggedKV
+from hetero.cache import GDNCache, KVCache, RaggedKV
 from hetero.errors import HeteroError
 from hetero.generate import DecodeTimes, Trace, generate_tokens, prefill
 from hetero.logprobs import LogprobRecorder
@@ -129,6 +129,48 @@ def test_join_and_leave_between_rounds(models):
     assert c.tokens == solo(model, PROMPTS[3], 33, 4)
     assert d.tokens == solo(model, long_prompt, 20, 2)
     assert not batch.requests and all(r.done for r in (b, c, d))
+
+
+def test_overlapped_plain_rounds_under_churn(models):
+    """All-plain batches queue each round's pass before reading its tokens (`Batch._plain_round`): through joins,
+    a cancel, an EOS and a length limit every row still equals its solo run (greedy and seeded sampling), and a row
+    that leaves holds exactly its committed tokens, not the queued pass's extra position."""
+    model = models["rejecting"]
+    sampled = SamplingParams(temperature=0.9, top_p=0.95)
+    eos = {solo(model, PROMPTS[5], 40, 0)[11]}  # row e (only) stops at an EOS halfway
+    batch = Batch(model, max_batch=4)
+    a = batch.join(PROMPTS[0], Sampler(GREEDY), 40, set(), depth=0)
+    b = batch.join(PROMPTS[1], Sampler(sampled, 5), 30, set(), depth=0)
+    for _ in range(4):
+        batch.step()
+    assert batch._ahead is not None  # the next pass is queued
+    c = batch.join(PROMPTS[2], Sampler(GREEDY), 7, set(), depth=0)  # joins while a pass is queued for a and b
+    for _ in range(3):
+        batch.step()
+    batch.leave(a)  # cancelled with a queued pass that wrote one more KV position
+    assert a.tokens == solo(model, PROMPTS[0], 40, 0)[: len(a.tokens)] and not a.done
+    assert_backbone_matches(model, a.decoder, PROMPTS[0] + a.tokens)
+    e = batch.join(PROMPTS[5], Sampler(GREEDY), 40, eos, depth=0)
+    for _ in batch.drain():
+        pass
+    assert b.tokens == solo(model, PROMPTS[1], 30, 0, Sampler(sampled, 5))
+    assert c.tokens == solo(model, PROMPTS[2], 7, 0) and c.finish_reason == "length"
+    assert e.tokens == solo(model, PROMPTS[5], 40, 0, eos=eos) and e.finish_reason == "stop"
+    for r, p in ((b, PROMPTS[1]), (c, PROMPTS[2])):  # finished rows: caches end at their last committed token
+        assert_backbone_matches(model, r.decoder, p + r.tokens)
+    assert batch._ahead is None
+
+
+def assert_backbone_matches(model: Model, decoder, committed: list[int]) -> None:
+    """A plain row's backbone caches hold exactly committed[:-1] (decoder.x last), as a fresh prefill of them."""
+    assert decoder.x == committed[-1]
+    L, ref = len(committed) - 1, model.make_cache()
+    prefill(model, committed[:-1], ref)
+    for i, (c, r) in enumerate(zip(decoder.backbone, ref)):
+        assert c.offset == r.offset == L, f"layer {i} offset"
+        pairs = [(c.recurrent, r.recurrent), (c.conv, r.conv)] if isinstance(c, GDNCache) else \
+            [(c.keys[:, :, :L], r.keys[:, :, :L]), (c.values[:, :, :L], r.values[:, :, :L])]
+        assert all(rel_err(x, y) <= TOL for x, y in pairs), f"layer {i}"
 
 
 def test_restored_prefix_and_prefilled_decoder_join(models):

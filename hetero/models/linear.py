@@ -1,11 +1,17 @@
 """Linear layers whose few-row products take the CPU BLAS's fast path.
 
-A verify pass (MTP) or a batched decode round multiplies a few rows (2-6) by each weight matrix. On MLX's CPU
-backend `x @ W.T` goes to sgemm with M = rows, and MKL handles that shape badly: on the large bench model's
-shapes 4 rows cost 1.5-3.0x one row, though the product is bound by reading W once. Computed the other way round,
-`(W @ x.T).T` (M = output channels, N = rows), the same 4 rows cost 1.2-1.8x one row (measured with MKL 2025 on
-this project's 2-core x86 machines: (8192 x 1024) 25.0 ms against 13.4 ms for 16 matrices; `bench/batched.py
---part linear` measures it again). One row and many rows keep `x @ W.T`, which is as fast or faster there.
+A verify pass (MTP) or a batched decode round multiplies a few rows (2-5) by each weight matrix. On MLX's CPU
+backend `x @ W.T` goes to sgemm with M = rows, and MKL handles that shape badly. Computed the other way round,
+`(W @ x.T).T` (M = output channels, N = rows), the same products cost less. Measured on this project's 2-core x86
+machines with MKL 2025 over every weight matrix of the large bench model (`python bench/batched.py --part linear`,
+results in bench/results/batched.json), the cost against one row:
+
+    rows            2      3      4      5      6      8
+    x @ W.T       1.60   2.64   2.52   2.36   2.23   2.61
+    (W @ x.T).T   1.36   1.59   1.85   2.01   2.39   3.04
+
+and a whole forward pass over 4 tokens fell from 2.27-2.39 to 1.89-1.94 one-token passes. One row and six or more
+keep `x @ W.T`, which is as fast or faster there.
 
 Only the CPU backend takes the transposed form: Metal's kernels are not measured here, so the GPU path is MLX's own.
 """
@@ -15,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-FEW_ROWS = range(2, 7)  # row counts that run as (W @ x.T).T on the CPU
+FEW_ROWS = range(2, 6)  # row counts that run as (W @ x.T).T on the CPU
 
 
 def project(x: mx.array, weight: mx.array) -> mx.array:
