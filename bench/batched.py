@@ -100,7 +100,8 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
     path = None if name == "bundled" else str(checkpoint(name, Path(args.workdir)))
     engine = load(path, dtype=mx.float32)  # as bench/mtp.py: fp32 runs fastest on the CPU backend
     model = engine.model
-    modes = {"plain": 0, f"mtp depth {args.depth}": args.depth}
+    kinds = {"plain": ("plain", 0), "mtp": (f"mtp depth {args.depth}", args.depth)}
+    modes = dict(kinds[k] for k in args.modes)
     base = args.prompt_tokens
     rows, identical = {}, True
     for mode, depth in modes.items():
@@ -206,6 +207,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="the shortest prompt; request i adds 37 i")
     ap.add_argument("--depth", type=int, default=3, help="MTP draft depth")
+    ap.add_argument("--modes", nargs="+", choices=["plain", "mtp"], default=["plain", "mtp"],
+                    help="decode modes to time (MTP on the random large model accepts almost nothing)")
     ap.add_argument("--context", type=int, default=4096, help="longest context of the attention part")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))

@@ -296,9 +296,10 @@ class Batch:
         ahead, self._ahead = self._ahead, None
         target, hidden, gdn = (ahead.target, ahead.hidden, ahead.gdn) if ahead is not None else self._verify(rows, rnd)
         drawn = mx.stack([r.sampler(target[i, 0]) for i, r in enumerate(rows)]).reshape(-1, 1)  # [B, 1]
+        mx.async_eval(drawn)  # its own evaluation: reading it must not wait for the pass queued next
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
         self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
-        mx.async_eval(drawn, self._ahead.target, self._ahead.hidden)
+        mx.async_eval(self._ahead.target, self._ahead.hidden)
         rnd.next = [int(t) for t in drawn[:, 0].tolist()]
         rnd.accepted = [0] * len(rows)
         return rnd, target, hidden
