@@ -22,14 +22,19 @@ Three exact forms of the routed experts (`SwitchGLU`), picked by size:
   would pad beyond PAD_LIMIT times the pairs.
 Measured on this project's 2-core x86 machine (MLX 0.32.4 CPU backend, MKL 2026.2 sequential, fp32; one routed-expert
 block at Qwen3.5-35B-A3B's shapes: hidden 2048, expert width 512, top-8, random router; the three forms alternated,
-medians of 3-9 runs on a machine shared with other jobs, so the spread is wide; time ratios, lower is faster):
-    256 experts   tokens:      1     4    16    64   256  1024  2048
-      sorted / pairs         0.97  0.65  0.79  0.46  0.35     -     -
-      grouped / sorted       1.10  1.67  1.09  3.27  1.79  0.80  0.78   (0.65-0.66 by the fastest runs)
-    64 experts    tokens:     16    64   256
-      sorted / pairs         0.57  0.42  0.46
-      grouped / sorted       2.02  1.30  0.84                           (0.67 by the fastest runs)
-Sorting wins from a few tokens on; grouping wins once experts average about 32 rows (8 rows: 1.3-1.8x slower).
+medians of 3-9 runs, two runs an hour apart on a machine shared with other jobs (load 3-8), so the spread is wide;
+time ratios, lower is faster, "run 1 / run 2"):
+    256 experts, tokens      16           64           256          512          1024         2048
+      pairs per expert       0.5          2            8            16           32           64
+      sorted / pairs         0.79 / 0.90  0.46 / 0.75  0.35 / 0.34  - / 0.43     -            -
+      grouped / sorted       1.09 / 0.96  3.27 / 2.63  1.79 / 2.08  - / 1.39     0.80 / 0.89  0.78 / -
+    64 experts, tokens       16           64           256          1024
+      pairs per expert       2            8            32           128
+      sorted / pairs         0.57 / -     0.42 / 0.43  0.46 / 0.32  -
+      grouped / sorted       2.02 / -     1.30 / 1.25  0.84 / 0.56  - / 0.69
+(4 tokens, 32 pairs: 0.65 / 1.49 sorted / pairs, within the noise of a 30-60 ms step.) Sorting wins from a few
+tokens on; grouping wins once experts average about 32 rows, and loses below (8-16 rows: 1.3-2.1x slower). With
+the default 512-token prefill chunk, Qwen3.5-35B-A3B (256 experts, top-8) gets 16 rows per expert: sorted.
 Metal keeps "pairs"/"sorted" (mlx-lm's choice there; its sorted kernel is not measured here).
 """
 
@@ -43,7 +48,7 @@ from hetero.models.linear import Linear
 
 # Which form of the routed experts runs (`SwitchGLU.form`; the measurements are in the module docstring)
 SORT_MIN_PAIRS = 64  # (token, expert) pairs from which they run sorted by expert (32: even, 128: 0.6-0.9x)
-GROUPED_MIN_ROWS = 32  # mean pairs per expert from which they run grouped (CPU only; 8: 1.3-1.8x slower, 32: 0.65-0.84x)
+GROUPED_MIN_ROWS = 32  # mean pairs per expert from which they run grouped (CPU only; 16: 1.4x slower, 32: 0.56-0.89x)
 GROUPED_MIN_TOKENS = 17  # the grouped form evaluates mid-graph: never for a compiled step (<= 16 tokens per sequence)
 PAD_LIMIT = 4  # the grouped form's padded rows may be at most this many times the pairs (else: sorted)
 
