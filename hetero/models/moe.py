@@ -211,10 +211,14 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(dims, 1, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """x [B, S, dims] -> [B, S, dims]."""
+    def routed(self, x: mx.array) -> mx.array:
+        """The router and the routed experts' weighted sum: x [B, S, dims] -> [B, S, dims] (the split prefill runs
+        it on the GPU lane while the ANE lane takes shared-expert channels)."""
         indices, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [B, S, k] each
         routed = self.switch_mlp(x, indices)  # [B, S, k, dims]
-        routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=-2)  # [B, S, dims]
+        return (routed * weights[..., None].astype(routed.dtype)).sum(axis=-2)  # [B, S, dims]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [B, S, dims] -> [B, S, dims]."""
         shared = self.shared_expert(x) * act.sigmoid(self.shared_expert_gate(x))  # [B, S, dims] * [B, S, 1]
-        return routed + shared
+        return self.routed(x) + shared

@@ -14,7 +14,6 @@ from hetero.errors import HeteroError
 from hetero.fp16 import fp16_values
 from hetero.models import activations as act
 from hetero.models.attention import attend
-from hetero.models.moe import route
 from hetero.models.qwen3_5 import DecoderLayer
 
 
@@ -104,8 +103,8 @@ class GpuMoERest:
     experts, the shared expert's channels [c, I) (a partial down_proj sum; none when the ANE has them all) and
     the shared expert's sigmoid gate, which `finish` applies once the ANE's partial sum is merged in.
 
-    The routed sum is the model's own (`route`, `switch_mlp`, weights in fp32 cast to the activations' dtype),
-    as `SparseMoeBlock.__call__` computes it, so only the shared expert's merge differs from the GPU-only run.
+    The routed sum is the model's own (`SparseMoeBlock.routed`), so only the shared expert's merge differs from
+    the GPU-only run.
     """
 
     def __init__(self, layer: DecoderLayer, c: int):
@@ -119,9 +118,7 @@ class GpuMoERest:
         gate logit [1, S, 1]), evaluated."""
         moe = self.moe
         x = self.layer.post_attention_layernorm(h)  # [1, S, hidden]
-        indices, weights = route(moe.gate(x), moe.top_k, moe.norm_topk_prob)  # [1, S, k] each
-        routed = moe.switch_mlp(x, indices)  # [1, S, k, hidden]
-        routed = (routed * weights[..., None].astype(routed.dtype)).sum(axis=-2)  # [1, S, hidden]
+        routed = moe.routed(x)  # [1, S, hidden]
         shared = self.shared.partial(x) if self.shared is not None else None  # [1, S, hidden]
         gate = moe.shared_expert_gate(x)  # [1, S, 1]
         mx.eval(routed, gate, *([shared] if shared is not None else []))
