@@ -11,7 +11,7 @@ from hetero import __version__, distributed
 from hetero.errors import HeteroError, internal_error
 from hetero.validate import (
     FRACTION, MIN_P, NONNEG, PORT, POSITIVE, POSITIVE_INT, SEED, TEMPERATURE, TOP_K, TOP_P, Bound, check_config,
-    check_text, decode_utf8, fraction_or_auto,
+    check_text, decode_utf8, fraction_or_auto, read_prompt,
 )
 
 
@@ -258,14 +258,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",
                   file=sys.stderr)
     return status
-
-
-def read_prompt(prompt: str) -> str:
-    """The prompt text (from stdin for '-'), refused in one line when it is not valid UTF-8."""
-    if prompt == "-":
-        return decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
-    # argv bytes that are not UTF-8 arrive as lone surrogates (Python's surrogateescape)
-    return check_text(prompt, "--prompt")
 
 
 def _split_run(engine, args: argparse.Namespace):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 
 from hetero.errors import HeteroError
@@ -263,3 +264,11 @@ def _json_type(value) -> str:
         if isinstance(value, t):
             return n
     return type(value).__name__
+
+
+def read_prompt(prompt: str) -> str:
+    """The prompt text (from stdin for '-'), refused in one line when it is not valid UTF-8."""
+    if prompt == "-":
+        return decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+    # argv bytes that are not UTF-8 arrive as lone surrogates (Python's surrogateescape)
+    return check_text(prompt, "--prompt")

@@ -12,6 +12,7 @@ import numpy as np
 from hetero.distributed.group import connect
 from hetero.distributed.runtime import PipelineEngine, load_stage, serve
 from hetero.errors import HeteroError
+from hetero.validate import read_prompt
 
 VERIFY_RTOL = 1e-4  # pipelined logits against one process: fp32 rounding at most (the same ops run on each rank)
 
@@ -46,7 +47,6 @@ def run_pipelined(args: argparse.Namespace) -> int | None:
 
 
 def _run(engine: PipelineEngine, args: argparse.Namespace) -> int:
-    from hetero.cli import read_prompt
     from hetero.progress import ProgressBar
 
     prompt = read_prompt(args.prompt)
