@@ -8,6 +8,9 @@ Contenders, alternated (A B A B ...), each in fresh processes with one BLAS thre
   1 rank    `hetero.load` + `Engine.generate` in one process on core 0;
   2 ranks   `mlx.launch -n 2 --backend ring` on the loopback address, rank r on core r, `PipelineEngine.generate`
             (layers split by hetero.planner.hosts.split_layers).
+  direct    the same two ranks started by hand with the environment mlx.launch gives them (MLX_RANK, MLX_HOSTFILE):
+            mlx.launch's I/O loop selects on each child's always-writable stdin and so spins a whole core, which
+            on a 2-core machine is one of the ranks' cores.
 Each process first runs a short warm-up request (compiles the decode steps), then the timed one: a prompt of
 --tokens tokens cut from held-out standard-library source, greedy, MTP at depth 3, --decode new tokens. Reported:
 prefill time (TTFT) and its ratio 2 ranks / 1 rank (target <= 0.6), prefill and decode tok/s, peak MLX memory per
@@ -143,6 +146,8 @@ def run_contender(kind: str, args: argparse.Namespace, prompt_file: Path) -> dic
     env = {**os.environ, "MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     if kind == "single":
         command = [*me, "--worker", "single"]
+    elif kind == "direct":
+        return _run_direct(me, env, args, result_file, start_load=load_before)
     else:
         launch = str(Path(sys.executable).parent / "mlx.launch")
         command = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port(2)), "--",
@@ -166,6 +171,34 @@ def run_contender(kind: str, args: argparse.Namespace, prompt_file: Path) -> dic
     return result
 
 
+def _run_direct(me: list[str], env: dict, args: argparse.Namespace, result_file: Path, start_load: float) -> dict:
+    """The two ranks started by hand with the environment mlx.launch gives them (MLX_RANK, MLX_HOSTFILE), without
+    the launcher: its I/O loop selects on each child's stdin, which is always writable, so it spins a core."""
+    port = _free_port(2)
+    hostfile = Path(tempfile.mkstemp(suffix=".json")[1])
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    start = time.perf_counter()
+    procs = [subprocess.Popen([*me, "--worker", "pipeline"], cwd=ROOT, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}) for rank in (0, 1)]
+    errors = []
+    for p in procs:
+        try:
+            errors.append(p.communicate(timeout=args.timeout)[1])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            errors.append(p.communicate()[1])
+    hostfile.unlink()
+    text = result_file.read_text() if result_file.stat().st_size else ""
+    result_file.unlink()
+    if not text:
+        raise SystemExit(f"direct: no result (exits {[p.returncode for p in procs]}); stderr:\n{errors[0][-3000:]}")
+    result = json.loads(text)
+    result["wall_s"] = round(time.perf_counter() - start, 3)
+    result["load_average_1min"] = {"before": round(start_load, 2), "after": round(os.getloadavg()[0], 2)}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -183,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the held-out corpus has only {len(ids)} tokens; ask for fewer")
     prompt_file = Path(tempfile.mkstemp(suffix=".json")[1])
     prompt_file.write_text(json.dumps(ids[: args.tokens]))
-    runs: dict[str, list[dict]] = {"single": [], "pipeline": []}
+    runs: dict[str, list[dict]] = {"single": [], "pipeline": [], "direct": []}
     for i in range(args.repeats):
-        for kind in ("single", "pipeline"):  # A B A B
+        for kind in runs:  # A B C A B C
             r = run_contender(kind, args, prompt_file)
             runs[kind].append(r)
             print(f"[{i + 1}/{args.repeats}] {kind}: TTFT {r['ttft_s']:.2f}s, decode {r['decode_tps']:.1f} tok/s, peak "
@@ -213,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_tps": {k: med(k, "prefill_tps") for k in runs},
         "decode_tps": {k: {"median": med(k, "decode_tps"), "spread": spread(k, "decode_tps")} for k in runs},
         "prefill_time_ratio": round(prefill_ratio, 4),
+        "prefill_time_ratio_direct": round(med("direct", "ttft_s") / med("single", "ttft_s"), 4),
         "prefill_target": TARGET_PREFILL_RATIO,
         "prefill_target_met": prefill_ratio <= TARGET_PREFILL_RATIO,
         "peak_memory_bytes": {"single": single_peak, "per_rank": rank_peaks},
