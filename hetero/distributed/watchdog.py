@@ -99,9 +99,11 @@ class Watchdog:
         self.armed = False
 
     def close(self) -> None:
+        """Stop guarding. A SIGTERM from here on is ignored, not fatal: the rank is finishing, and the one that
+        closes on a failure must still print its error line (mlx.launch's SIGTERM raced it and killed it silently)."""
         if self._relaying:
             signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self._relaying = False
         if self._proc.stdin and not self._proc.stdin.closed:
             self._proc.stdin.close()
