@@ -145,57 +145,36 @@ def run_contender(kind: str, args: argparse.Namespace, prompt_file: Path) -> dic
         me += ["--model", args.model]
     env = {**os.environ, "MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     if kind == "single":
-        command = [*me, "--worker", "single"]
-    elif kind == "direct":
-        return _run_direct(me, env, args, result_file, start_load=load_before)
+        processes = [([*me, "--worker", "single"], env)]
+    elif kind == "direct":  # without the launcher: its I/O loop selects on each rank's always-writable stdin pipe,
+        port = _free_port(2)  # so it spins a core; the ranks get the environment it would give them
+        hostfile = Path(tempfile.mkstemp(suffix=".json")[1])
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+        processes = [([*me, "--worker", "pipeline"], {**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+                     for rank in (0, 1)]
     else:
         launch = str(Path(sys.executable).parent / "mlx.launch")
-        command = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port(2)), "--",
-                   *me, "--worker", "pipeline"]
+        processes = [([launch, "--backend", "ring", "-n", "2", "--starting-port", str(_free_port(2)), "--",
+                       *me, "--worker", "pipeline"], env)]
     start = time.perf_counter()
-    # stdin a pipe left open: mlx.launch polls stdin and spins on a closed one
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
+    procs = [subprocess.Popen(command, cwd=ROOT, env=penv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for command, penv in processes]
+    errors = []
+    for proc in procs:
+        try:
+            errors.append(proc.communicate(timeout=args.timeout)[1])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            errors.append(proc.communicate()[1])
+    if kind == "direct":
+        hostfile.unlink()
     text = result_file.read_text() if result_file.stat().st_size else ""
     result_file.unlink()
     if not text:
-        raise SystemExit(f"{kind}: no result (exit {proc.returncode}); stderr:\n{err[-3000:]}")
+        raise SystemExit(f"{kind}: no result (exits {[p.returncode for p in procs]}); stderr:\n{errors[0][-3000:]}")
     result = json.loads(text)
     result["wall_s"] = round(time.perf_counter() - start, 3)
     result["load_average_1min"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
-    return result
-
-
-def _run_direct(me: list[str], env: dict, args: argparse.Namespace, result_file: Path, start_load: float) -> dict:
-    """The two ranks started by hand with the environment mlx.launch gives them (MLX_RANK, MLX_HOSTFILE), without
-    the launcher: its I/O loop selects on each child's stdin, which is always writable, so it spins a core."""
-    port = _free_port(2)
-    hostfile = Path(tempfile.mkstemp(suffix=".json")[1])
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    start = time.perf_counter()
-    procs = [subprocess.Popen([*me, "--worker", "pipeline"], cwd=ROOT, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}) for rank in (0, 1)]
-    errors = []
-    for p in procs:
-        try:
-            errors.append(p.communicate(timeout=args.timeout)[1])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            errors.append(p.communicate()[1])
-    hostfile.unlink()
-    text = result_file.read_text() if result_file.stat().st_size else ""
-    result_file.unlink()
-    if not text:
-        raise SystemExit(f"direct: no result (exits {[p.returncode for p in procs]}); stderr:\n{errors[0][-3000:]}")
-    result = json.loads(text)
-    result["wall_s"] = round(time.perf_counter() - start, 3)
-    result["load_average_1min"] = {"before": round(start_load, 2), "after": round(os.getloadavg()[0], 2)}
     return result
 
 
