@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
+from test_speculative import agreeing_model
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -409,37 +410,9 @@ def moe_args(vocab: int = 64) -> ModelArgs:
 
 
 def agreeing_moe_model(seed: int, alpha: float = 0.2) -> Model:
-    """Random MoE model whose MTP head mostly predicts the backbone (as test_speculative.agreeing_model): block
-    outputs scaled by alpha (routed and shared experts' down_proj included), the MTP layer's outputs zero and its fc
-    passing the normalised embedding."""
-    model = Model(moe_args(), with_mtp=True)
-    rng = np.random.default_rng(seed)
-    hidden = model.args.hidden_size
-    params = []
-    for name, p in tree_flatten(model.parameters()):
-        if name.endswith("linear_attn.norm.weight"):
-            v = 0.5 + rng.random(p.shape)
-        elif name.endswith("norm.weight"):
-            v = 1.0 + 0.3 * rng.standard_normal(p.shape)
-        elif name.endswith("A_log"):
-            v = rng.uniform(math.log(0.05), math.log(5.0), p.shape)
-        elif name.endswith(("dt_bias", "embed_tokens.weight")):
-            v = rng.standard_normal(p.shape)
-        elif name == "lm_head.weight":
-            v = 2.0 * rng.standard_normal(p.shape) / math.sqrt(p.shape[1])
-        else:
-            v = rng.standard_normal(p.shape) / math.sqrt(p.shape[-1])
-        if name.startswith("model.layers.") and name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
-            v = alpha * v
-        elif name in ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight"):
-            v = np.ones(p.shape)
-        elif name == "mtp.fc.weight":
-            v = np.concatenate([np.eye(hidden), np.zeros((hidden, hidden))], axis=1)
-        elif name.startswith("mtp.layers.0.") and name.endswith(("o_proj.weight", "down_proj.weight")):
-            v = np.zeros(p.shape)
-        params.append((name, mx.array(v.astype(np.float32))))
-    model.update(tree_unflatten(params))
-    return model
+    """Random MoE model whose MTP head mostly predicts the backbone (test_speculative.agreeing_model; the experts'
+    down_proj scaled by alpha too)."""
+    return agreeing_model(seed, 0, alpha, moe_args())
 
 
 @pytest.fixture(scope="module")

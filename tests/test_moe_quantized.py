@@ -12,14 +12,14 @@ exactly what the op-by-op graph and plain decoding give.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+
+from test_speculative import agreeing_model
 
 import hetero  # noqa: F401  (MKL under MLX before any model runs)
 from converters.hf_export import hf_config, save_hf_checkpoint
@@ -48,37 +48,9 @@ CONFIG = dict(
 )
 
 
-def agreeing_model(seed: int, alpha: float = 0.3) -> Model:
-    """Random MoE model whose MTP head mostly predicts the backbone: block outputs scaled by alpha, the MTP layer's
-    outputs zero and its fc passing the normalised embedding (as test_speculative.agreeing_model)."""
-    model = Model(ModelArgs.from_config(CONFIG), with_mtp=True)
-    rng = np.random.default_rng(seed)
-    hidden = model.args.hidden_size
-    params = []
-    for name, p in tree_flatten(model.parameters()):
-        if name.endswith("linear_attn.norm.weight"):
-            v = 0.5 + rng.random(p.shape)
-        elif name.endswith("norm.weight"):
-            v = 1.0 + 0.3 * rng.standard_normal(p.shape)
-        elif name.endswith("A_log"):
-            v = rng.uniform(math.log(0.05), math.log(5.0), p.shape)
-        elif name.endswith(("dt_bias", "embed_tokens.weight")):
-            v = rng.standard_normal(p.shape)
-        elif name == "lm_head.weight":
-            v = 2.0 * rng.standard_normal(p.shape) / math.sqrt(p.shape[1])
-        else:
-            v = rng.standard_normal(p.shape) / math.sqrt(p.shape[-1])
-        if name.startswith("model.layers.") and name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
-            v = alpha * v
-        elif name in ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight"):
-            v = np.ones(p.shape)
-        elif name == "mtp.fc.weight":
-            v = np.concatenate([np.eye(hidden), np.zeros((hidden, hidden))], axis=1)
-        elif name.startswith("mtp.layers.0.") and name.endswith(("o_proj.weight", "down_proj.weight")):
-            v = np.zeros(p.shape)
-        params.append((name, mx.array(v.astype(np.float32))))
-    model.update(tree_unflatten(params))
-    return model
+def agreeing_moe_model(seed: int, alpha: float = 0.3) -> Model:
+    """Random MoE model whose MTP head mostly predicts the backbone (test_speculative.agreeing_model)."""
+    return agreeing_model(seed, 0, alpha, ModelArgs.from_config(CONFIG))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +60,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from mlx_lm.convert import convert
 
     root = tmp_path_factory.mktemp("moe-q")
-    model = agreeing_model(3)
+    model = agreeing_moe_model(3)
     hf = root / "hf"
     save_hf_checkpoint(model, hf_config(model.args, eos_token_id=[], full_attention_interval=2), hf,
                        dtype=mx.float32, experts="fused")

@@ -48,9 +48,10 @@ def tiny_args(vocab: int) -> ModelArgs:
     )
 
 
-def random_model(seed: int, vocab: int) -> Model:
-    """Every parameter random (as tests/helpers.randomize_ does for HF models); norms held as effective scales."""
-    model = Model(tiny_args(vocab), with_mtp=True)
+def random_model(seed: int, vocab: int, args: ModelArgs | None = None) -> Model:
+    """Every parameter random (as tests/helpers.randomize_ does for HF models); norms held as effective scales.
+    `args`: another shape (e.g. with experts) instead of `tiny_args(vocab)`."""
+    model = Model(args or tiny_args(vocab), with_mtp=True)
     rng = np.random.default_rng(seed)
     params = []
     for name, p in tree_flatten(model.parameters()):
@@ -77,7 +78,7 @@ def random_model(seed: int, vocab: int) -> Model:
     return model
 
 
-def agreeing_model(seed: int, vocab: int, alpha: float) -> Model:
+def agreeing_model(seed: int, vocab: int, alpha: float, args: ModelArgs | None = None) -> Model:
     """A model whose MTP head mostly predicts what the backbone will say.
 
     Backbone: mixers and MLPs scaled by `alpha`, so its next token is mostly f(current token) with
@@ -85,7 +86,7 @@ def agreeing_model(seed: int, vocab: int, alpha: float) -> Model:
     normalised embedding half), its layer's o_proj and down_proj zero, norms 1: the draft from (t_{p+1}, h_p) is
     f(t_{p+1}), the backbone's context-free prediction at p+1.
     """
-    model = random_model(seed, vocab)
+    model = random_model(seed, vocab, args)
     hidden = model.args.hidden_size
     new = []
     for name, p in tree_flatten(model.parameters()):
