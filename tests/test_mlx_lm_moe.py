@@ -94,10 +94,17 @@ def _mlx_lm_moe(**changes):
     return qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(dict(CONFIG, full_attention_interval=2, **changes)))
 
 
+def test_a_flat_config_maps_too():
+    """`qwen3_5_moe_text` at the top level (the fixture's config is nested), on mlx-lm's own random init."""
+    lm = _mlx_lm_moe()
+    assert "text_config" not in CONFIG and lm.args.model_type == "qwen3_5_moe_text"
+    ids = prompt(24, 7)
+    assert_close(hetero_logits(wrap(lm).model, ids), mlx_lm_logits(lm, ids))
+
+
 def test_moe_layouts_mlx_lm_gets_wrong_are_refused_by_name():
     from mlx_lm.models import qwen3_next
 
-    wrap(_mlx_lm_moe())  # the fixture's config maps
     with pytest.raises(hetero.HeteroError, match=r"its mixture-of-experts layers are \[0, 1, 2, 3\], config.json "
                                                  r".* makes them \[1, 2, 3\]"):
         wrap(_mlx_lm_moe(mlp_only_layers=[0], intermediate_size=64))  # mlx-lm makes every layer sparse
