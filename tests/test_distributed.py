@@ -65,7 +65,7 @@ def _driver(models: list[str], cases: list[str], out: str) -> None:
         if "prefix" in cases:  # a second turn resumes from the first one's checkpoints, on every rank
             from hetero.prefix_cache import PrefixCache
 
-            engine.prefix_cache, single.prefix_cache = 1 << 30, PrefixCache()
+            engine.prefix_cache, single.prefix_cache = PrefixCache(1 << 30), PrefixCache()
             for turn in range(2):
                 prompt = PROMPT if turn == 0 else PROMPT + first.text + "\n    def norm(self):\n        return"
                 got = engine.generate(prompt, prefill_chunk=16, max_tokens=10, draft_depth=3)

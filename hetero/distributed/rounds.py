@@ -7,6 +7,8 @@ back with the engine's own code (`speculative.mtp_generate_tokens` over its `Sta
 it broadcasts the pass's tokens (VERIFY, recording GDN states, or STEP for plain decoding); after every commit it
 broadcasts the committed tokens (COMMIT), from which every other rank rolls its own caches back exactly as the
 last rank did (accepted = len(tokens) - 1 of the pass) and rank 0 emits the text; DONE ends the request.
+A JSON constraint and logprobs run on the last rank too, with the single-process decoders' own code; the logprobs
+of each COMMIT's tokens follow it to rank 0 (`outputs`).
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
+from hetero.distributed.outputs import last_rank_options, recv_logprobs, send_logprobs
 from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
 from hetero.generate import ChunkFn, ProgressFn, prefill
+from hetero.logprobs import TokenLogprob
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
 from hetero.speculative import MTPStats, mtp_generate_tokens
 
 
-def chunk_edges(offset: int, n: int, chunk: int) -> list[int]:
-    """Where `generate.prefill` cuts n tokens after `offset` cached ones: at multiples of `chunk` from position 0."""
+def chunk_edges(offset: int, n: int, chunk: int, marks: list[int] = ()) -> list[int]:
+    """Where `generate.prefill` cuts n tokens after `offset` cached ones: at multiples of `chunk` from position 0,
+    and at `marks` (absolute positions)."""
     first = chunk - offset % chunk
-    return [0] + sorted(set(range(first, n, chunk))) + [n]
+    cuts = set(range(first, n, chunk)) | {m - offset for m in marks if offset < m < offset + n}
+    return [0] + sorted(cuts) + [n]
 
 
 PREFIX_KEY = "pipeline"  # one model per pipeline: each rank's prefix cache holds only its own layers' states
@@ -66,7 +72,8 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
     link, ids, eos = stage.link, request["prompt"], set(request["eos"])
     sampler = Sampler(SamplingParams(**request["sampling"]), request["seed"])
     depth, max_tokens, chunk = request["depth"], request["max_tokens"], request["chunk"]
-    pc = request.get("prefix_cache")
+    pc, marks = request.get("prefix_cache"), request.get("marks", [])
+    constraint, recorder = last_rank_options(stage, request)
 
     def on_chunk(n: int, hidden: mx.array) -> None:
         link.watchdog.pet()  # a chunk done is progress
@@ -77,19 +84,26 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
         link.from_last([kind, len(tokens), *tokens], message_length())
         link.watchdog.pet()
 
+    def commit(tokens: list[int]) -> None:
+        """The committed tokens to every rank, then (when asked for) their logprobs to rank 0."""
+        announce(COMMIT, tokens)
+        if recorder is not None:  # the recorder holds one item per committed token: these are its newest
+            send_logprobs(stage, recorder.items[len(recorder.items) - len(tokens):], recorder.top)
+
     stats = MTPStats(depth) if depth else None
     if depth:
         committed, state = list(ids), []
 
         def on_commit(decoder, new: list[int]) -> None:
-            announce(COMMIT, new)
+            commit(new)
             committed.extend(new)
             state[:] = [decoder]
             stage.announce = VERIFY  # every later backbone pass is a verify pass
 
         stream = mtp_generate_tokens(stage, ids, sampler, max_tokens, eos, depth, request["copy"], chunk, stats=stats,
                                      cache=cache, max_context=request["max_context"], skip=skip, carry=carry,
-                                     on_chunk=on_chunk, on_commit=on_commit)
+                                     on_chunk=on_chunk, on_commit=on_commit, constraint=constraint,
+                                     logprobs=recorder, marks=marks)
         try:
             for _ in stream:
                 pass
@@ -98,33 +112,39 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
         if pc and state:  # the committed end state of the turn (x is committed but not yet run)
             decoder = state[0]
             capture(stage, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
-    else:  # plain decoding: a round with no drafts, sampled as `generate_tokens` samples
+    else:  # plain decoding: a round with no drafts, sampled (masked, recorded) as `generate_tokens` does
         logits, _ = prefill(stage, ids[skip:], cache, chunk, mtp=bool(pc) and stage.has_mtp, carry=carry,
-                            on_chunk=on_chunk)
-        x, emitted = sampler(logits[-1]).item(), 0
+                            on_chunk=on_chunk, marks=marks)
+        row, emitted = logits[-1], 0  # [V] the raw logits the next token is drawn from
         while True:
-            announce(COMMIT, [x])
+            x = sampler(row if constraint is None else constraint.apply(row)).item()
+            if recorder is not None:
+                recorder.add(row[None], [x])
+            commit([x])
             emitted += 1
             if x in eos or emitted >= max_tokens:
                 break
+            if constraint is not None:
+                constraint.advance(x)
             stage.announce = STEP
             try:
                 out = stage.logits(stage.model(mx.array([[x]]), cache[: len(stage.layers)]))  # [1, 1, V]
             finally:
                 stage.announce = None
-            x = sampler(out[0, -1]).item()
+            row = out[0, -1]
     announce(DONE, [])
     return {"mtp": stats.to_dict() if stats is not None else None}
 
 
 def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
-           progress: ProgressFn | None = None) -> Iterator[int]:
+           progress: ProgressFn | None = None, logprobs: list[TokenLogprob] | None = None) -> Iterator[int]:
     """Any other rank's side of a generation: prefill its chunks after `skip` cached tokens, then run the passes
-    the last rank announces and roll back as it commits. Yields the committed tokens in order (rank 0 emits them)."""
+    the last rank announces and roll back as it commits. Yields the committed tokens in order (rank 0 emits them);
+    on rank 0, a request with logprobs appends each committed token's to `logprobs` before yielding it."""
     link, ids = stage.link, request["prompt"]
-    pc = request.get("prefix_cache")
+    pc, top = request.get("prefix_cache"), request.get("logprobs")
     on_chunk = (lambda n, h: capture(stage, ids[:n], cache, h)) if pc else None
-    prefill_stage(stage, ids, cache, request["chunk"], progress, skip, on_chunk)
+    prefill_stage(stage, ids, cache, request["chunk"], progress, skip, on_chunk, request.get("marks", []))
     committed = list(ids)
     passed = 0  # tokens of the latest recorded (verify) pass, waiting for its commit
     last = None  # this stage's output of the latest pass [1, H]
@@ -147,6 +167,10 @@ def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
             if passed:
                 commit_pass(cache, passed, accepted=n - 1)
                 passed = 0
+            if link.first and top is not None:
+                rows = recv_logprobs(stage, tokens, top)
+                if logprobs is not None:
+                    logprobs.extend(rows)
             committed += tokens
             yield from tokens
         else:
@@ -166,10 +190,12 @@ def commit_pass(cache: list[LayerCache], passed: int, accepted: int) -> None:
 
 
 def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: int,
-                  progress: ProgressFn | None = None, skip: int = 0, on_chunk: ChunkFn | None = None) -> None:
+                  progress: ProgressFn | None = None, skip: int = 0, on_chunk: ChunkFn | None = None,
+                  marks: list[int] = ()) -> None:
     """This (non-last) rank's layers over ids[skip:] (the cache holds ids[:skip]), chunk by chunk at the edges of
-    `generate.prefill`, each chunk handed on as soon as it is done; `on_chunk(n, last output [1, H])` after each."""
-    edges = chunk_edges(skip, len(ids) - skip, chunk)
+    `generate.prefill` (`marks` too), each chunk handed on as soon as it is done; `on_chunk(n, last output [1, H])`
+    after each."""
+    edges = chunk_edges(skip, len(ids) - skip, chunk, marks)
     for start, stop in zip(edges, edges[1:]):
         out = stage.model(mx.array(ids[skip + start : skip + stop])[None], cache)  # [1, S] -> the send of [1, S, H]
         stage.link.eval(out, *cache_arrays(cache))

@@ -1,13 +1,17 @@
 """The pipelined engine: rank 0 takes requests (`PipelineEngine`), every other rank serves them (`serve`).
 
 Each request is one JSON message from rank 0 to all ranks; then every rank runs its side (`rounds`), and at the end
-the ranks report their peak memory and the last rank its MTP counters. Requests run one at a time.
+the ranks report their peak memory and the last rank its MTP counters. Requests run one at a time (a lock), and a
+request always runs to its DONE on every rank: rank 0's callbacks (text, logprobs, progress, should_stop) may end
+its output early or raise, but rank 0 keeps following the last rank until DONE, so the ranks stay in step for the
+next request, and re-raises the callback's exception after.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,12 +24,14 @@ from hetero.distributed.group import Link
 from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead, restore
 from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
-from hetero.engine import DEFAULT_DRAFT_DEPTH, GenerationResult, _eos_ids
+from hetero.engine import DEFAULT_DRAFT_DEPTH, Engine, GenerationResult, _eos_ids
 from hetero.errors import HeteroError
 from hetero.generate import DecodeTimes, ProgressFn
+from hetero.logprobs import TokenLogprob, check_top
 from hetero.loader import default_dtype, preflight, read_config, resolve
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.hosts import split_layers
+from hetero.prefix_cache import PrefixCache
 from hetero.speculative import MAX_DEPTH
 from hetero.tokenizer import Tokenizer
 
@@ -41,7 +47,7 @@ def load_stage(link: Link, model: str | os.PathLike | None, dtype: mx.Dtype | No
     split = split_layers(args, link.size)
     dtype = dtype or default_dtype()
     net, share, nbytes = load_share(path, args, split[link.rank], link.first, link.last, dtype)
-    return Stage(net, share, link, dtype, nbytes), path, config
+    return Stage(net, share, link, dtype, nbytes, path), path, config
 
 
 def run_request(stage: Stage, request: dict) -> dict:
@@ -82,21 +88,39 @@ def serve(stage: Stage) -> None:
 
 
 class PipelineEngine:
-    """Rank 0's handle on the pipelined model: `generate` and `logits` as `Engine` has them.
+    """Rank 0's handle on the pipelined model: what `Engine` offers a caller (`hetero run`, the HTTP server):
+    `generate` (JSON constraints and logprobs included), `logits`, `encode_prompt`, `json_grammar`, `token_bytes`.
 
-    Set `prefix_cache` to a byte budget and every rank keeps a prefix cache of its own layers' states (captured at
-    prefill chunk edges and at the end of each MTP turn); a prompt resumes from the longest prefix all ranks hold."""
+    Set `prefix_cache` to a `PrefixCache` (rank 0's own; its `max_bytes` is every rank's budget) and every rank
+    keeps a prefix cache of its own layers' states (captured at prefill chunk edges and at the end of each MTP
+    turn); a prompt resumes from the longest prefix all ranks hold."""
+
+    # Engine's own: they read path, eos_ids, model.args and the lazily built llguidance tokenizer
+    json_grammar = Engine.json_grammar
+    token_bytes = Engine.token_bytes
+    _grammar_tok = Engine._grammar_tok
 
     def __init__(self, stage: Stage, path: Path, config: dict, name: str):
         self.stage, self.path, self.config, self.name = stage, path, config, name
         self.tokenizer = Tokenizer.from_dir(path)
         self.eos_ids = _eos_ids(stage, self.tokenizer, path)  # reads only .args
         self.closed = False
-        self.prefix_cache: int | None = None  # bytes of checkpoints each rank may keep (None: no prefix cache)
+        self.prefix_cache: PrefixCache | None = None
+        self._grammar_tokenizer = None
+        self._lock = threading.Lock()  # one request at a time goes down the pipeline
+
+    @property
+    def model(self) -> Stage:
+        """Rank 0's stage, where a caller of `Engine` reads `engine.model` (`has_mtp`, `args`)."""
+        return self.stage
 
     @property
     def max_context(self) -> int:
         return self.stage.args.max_position_embeddings
+
+    def default_depth(self) -> int | None:
+        """The draft depth `generate` uses when not told (no per-machine tuning across hosts); None without MTP."""
+        return DEFAULT_DRAFT_DEPTH if self.stage.has_mtp else None
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         """As `Engine.encode_prompt` (the memory governor aside: each rank holds a different share)."""
@@ -126,16 +150,17 @@ class PipelineEngine:
     def _request(self, request: dict) -> Iterator[None]:
         """Send `request` to every rank and run rank 0's side under the watchdog. A request that fails midway
         leaves the ranks out of step: the engine is closed without a word to them (their launcher ends them)."""
-        if self.closed:
-            raise HeteroError("the pipeline is closed")
-        link = self.stage.link
-        try:
-            link.broadcast_json(request, 0)
-            with link.request():
-                yield
-        except BaseException:
-            self.closed = True
-            raise
+        with self._lock:
+            if self.closed:
+                raise HeteroError("the pipeline is closed (an earlier request failed midway); restart the ranks")
+            link = self.stage.link
+            try:
+                link.broadcast_json(request, 0)
+                with link.request():
+                    yield
+            except BaseException:
+                self.closed = True
+                raise
 
     def generate(
         self,
@@ -154,11 +179,28 @@ class PipelineEngine:
         on_text: Callable[[str], None] | None = None,
         progress: ProgressFn | None = None,
         use_prefix_cache: bool = True,
+        should_stop: Callable[[], bool] | None = None,
+        logprobs: int | None = None,
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
+        json_schema: dict | None = None,
+        json_object: bool = False,
+        mark: int | None = None,
+        prefill_with: Callable | None = None,
+        batched: Callable | None = None,
     ) -> GenerationResult:
         """As `Engine.generate`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is
         False) at `draft_depth` (default 3: no per-machine tuning across hosts). The result's stats add `seed`
         (drawn here when not given, so a rerun can reproduce a sampled output) and `pipeline` (split, per-rank
-        memory). `progress` sees rank 0's prefill chunks."""
+        memory). `progress` sees rank 0's prefill chunks.
+
+        `json_schema` / `json_object` and `logprobs` / `on_logprob` as in `Engine.generate`: the constraint masks
+        and the logprobs are computed on the last rank, which samples. `should_stop` (polled after every token)
+        ends the output, not the pipeline's work: the ranks finish the request (up to EOS or `max_tokens`) while
+        rank 0 drops what follows; an exception from a callback is raised once they have. `prefill_with` (the
+        ANE + GPU split) and `batched` (a shared decode loop) have no pipelined form and are refused."""
+        if prefill_with is not None or batched is not None:
+            raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction) or batched decoding "
+                              "(--max-batch); leave them out")
         if prefill_chunk <= 0:
             raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
         ids = self.encode_prompt(prompt, chat)
@@ -169,39 +211,49 @@ class PipelineEngine:
         depth = (draft_depth or DEFAULT_DRAFT_DEPTH) if use_mtp else 0
         if use_mtp and not 1 <= depth <= MAX_DEPTH:
             raise HeteroError(f"--draft-depth must be in 1..{MAX_DEPTH}, got {depth}")
+        if logprobs is not None:
+            check_top(logprobs)
+        grammar = self.json_grammar(json_schema) if json_schema is not None or json_object else None
         seed = seed if seed is not None else random.getrandbits(31)
+        pc = self.prefix_cache if use_prefix_cache else None
         request = {
             "kind": "generate", "prompt": ids, "max_tokens": max_tokens, "depth": depth, "copy": copy,
             "chunk": prefill_chunk, "seed": seed, "eos": sorted(self.eos_ids), "max_context": self.max_context,
             "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
-            "prefix_cache": self.prefix_cache if use_prefix_cache else None,
+            "prefix_cache": pc.max_bytes if pc is not None else None, "marks": [] if mark is None else [mark],
+            "grammar": grammar, "logprobs": logprobs,
         }
         link = self.stage.link
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
-        ended = False
+        rows: list[TokenLogprob] = []  # every committed token's logprobs, when asked for
+        out = Output(on_text, on_logprob, progress, should_stop)
         with self._request(request):
             mx.reset_peak_memory()
+            if pc is not None:
+                self.stage.prefix = pc
             cache, skip, _ = restore(self.stage, request)
-            for tid in follow(self.stage, request, cache, skip, progress):  # every committed token, until DONE
-                if ended:  # (past EOS or max_tokens: the last rank's round may have committed a few more)
+            for tid in follow(self.stage, request, cache, skip, out.progress, rows if logprobs is not None else None):
+                if out.ended:  # (past EOS, max_tokens or a stop: the ranks run the request to its DONE)
                     continue
                 if not times.first_token:
                     times.first_token = time.perf_counter()
                 if tid in self.eos_ids:
-                    times.finish_reason, ended = "stop", True
+                    times.finish_reason, out.ended = "stop", True
                     continue
                 tokens.append(tid)
                 times.generated, times.end = len(tokens), time.perf_counter()
-                piece = detok.add(tid)
-                if piece and on_text is not None:
-                    on_text(piece)
-                ended = len(tokens) >= max_tokens
+                if logprobs is not None:
+                    out.logprob(rows[len(tokens) - 1])
+                out.text(detok.add(tid))
+                if out.stop():
+                    times.finish_reason, out.ended = "stop", True
+                elif len(tokens) >= max_tokens:
+                    out.ended = True
             end = report(self.stage, None)
-        tail = detok.finalize()
-        if tail and on_text is not None:
-            on_text(tail)
+        out.text(detok.finalize(), tail=True)
+        out.raise_held()
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
@@ -217,10 +269,47 @@ class PipelineEngine:
         }
         if end.get("mtp") is not None:
             stats["mtp"] = end["mtp"]
-        return GenerationResult(detok.text, tokens, stats)
+        return GenerationResult(detok.text, tokens, stats, rows[: len(tokens)] if logprobs is not None else None)
 
     def close(self) -> None:
         """Tell the other ranks to stop serving (once)."""
         if not self.closed:
             self.closed = True
             self.stage.link.broadcast_json({"kind": "stop"}, 0)
+
+
+class Output:
+    """Rank 0's callbacks for one request. The first exception one raises is held (and `ended` set) instead of
+    leaving the ranks mid-request; `raise_held` raises it once the request is done everywhere."""
+
+    def __init__(self, on_text: Callable[[str], None] | None, on_logprob: Callable[[TokenLogprob], None] | None,
+                 progress: ProgressFn | None, should_stop: Callable[[], bool] | None):
+        self.on_text, self.on_logprob, self.on_progress, self.should_stop = on_text, on_logprob, progress, should_stop
+        self.ended = False  # nothing more reaches the caller
+        self.held: BaseException | None = None
+
+    def _call(self, fn: Callable | None, *args) -> object:
+        if fn is None or self.held is not None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # (a client gone: the server's Cancelled) held until the ranks are back in step
+            self.held, self.ended = e, True
+            return None
+
+    def progress(self, done: int, total: int) -> None:
+        self._call(self.on_progress, done, total)
+
+    def text(self, piece: str, tail: bool = False) -> None:
+        if piece and (tail or not self.ended):
+            self._call(self.on_text, piece)
+
+    def logprob(self, item: TokenLogprob) -> None:
+        self._call(self.on_logprob, item)
+
+    def stop(self) -> bool:
+        return bool(self._call(self.should_stop)) or self.held is not None
+
+    def raise_held(self) -> None:
+        if self.held is not None:
+            raise self.held

@@ -10,6 +10,8 @@ are the single-process code, run over the last rank's layers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 
 from hetero.cache import GDNCache, KVCache, LayerCache
@@ -18,16 +20,18 @@ from hetero.distributed.shard import Share
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
 
-# control messages from the last rank: [kind, n, token_0 .. token_{n-1}]
+# control messages from the last rank: [kind, n, token_0 .. token_{n-1}]; a request that asked for logprobs has
+# every COMMIT followed by their rows, from the last rank to rank 0 (`outputs.send_logprobs`)
 VERIFY, STEP, COMMIT, DONE = 1, 2, 3, 4
 
 
 class Stage:
     """This rank's layers (and embedding / head) with the link to its neighbours."""
 
-    def __init__(self, net: Model, share: Share, link: Link, dtype: mx.Dtype, weight_bytes: int):
+    def __init__(self, net: Model, share: Share, link: Link, dtype: mx.Dtype, weight_bytes: int, path: Path):
         self.args: ModelArgs = net.args
         self.share, self.link, self.dtype, self.weight_bytes = share, link, dtype, weight_bytes
+        self.path = path  # the checkpoint directory on this host
         self.layers: list[DecoderLayer] = [net.model.layers[i] for i in share.layers]
         self.embed_tokens = net.model.embed_tokens if share.embedding else None
         self.norm = net.model.norm if share.last else None
@@ -35,6 +39,7 @@ class Stage:
         self.mtp = net.mtp if share.last else None
         self.announce: int | None = None  # last rank: the message kind that tells the others to run a pass
         self.prefix = None  # this rank's PrefixCache, made by the first request that asks for one
+        self.grammar_tokenizer = None  # last rank: llguidance's vocabulary, built by the first constrained request
 
     @property
     def has_mtp(self) -> bool:
