@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(0: chunk for chunk, round-robin)")
     serve.add_argument("--max-batch", type=POSITIVE_INT, default=1,
                        help="decoding requests that share each decode pass (1: each decodes in its own turns)")
+    serve.add_argument("--dist-timeout", type=POSITIVE, default=60.0, metavar="S",
+                       help="under mlx.launch (layers split across ranks, rank 0 serving HTTP): seconds without "
+                       "progress from the other ranks during a request (or to connect) before a rank stops with an error")
 
     plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
     plan.set_defaults(func=cmd_plan)
@@ -315,6 +318,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.served_model_name is not None:  # sent back in every response: it must be valid text
         check_text(args.served_model_name, "--served-model-name")
+    if distributed.launched():  # started by mlx.launch: rank 0 serves HTTP, the other ranks serve rank 0
+        from hetero.distributed.serve_command import serve_pipelined
+
+        status = serve_pipelined(args)
+        if status is not None:
+            return status
 
     serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
           args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name, args.ane_fraction,

@@ -1,4 +1,5 @@
-"""`hetero run` when `mlx.launch` started it on more than one rank: rank 0 prints the output, the others serve."""
+"""`hetero run` when `mlx.launch` started it on more than one rank: rank 0 prints the output, the others serve;
+`pipelined`, the start every pipelined command shares (join, load the rank's share, serve or lead)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,6 +23,12 @@ def run_pipelined(args: argparse.Namespace) -> int | None:
     """Run `hetero run` across the ranks; None when the group has one rank (the caller runs in-process)."""
     if args.ane_fraction is not None or args.trace:
         raise HeteroError("--ane-fraction and --trace are not available in a pipelined (mlx.launch) run")
+    return pipelined(args, lambda engine: _run(engine, args))
+
+
+def pipelined(args: argparse.Namespace, lead: Callable[[PipelineEngine], int]) -> int | None:
+    """Join the ranks and load this rank's share of `args.model`; rank 0 runs `lead(engine)` on the pipelined
+    engine, then stops the others, which serve it meanwhile. None when the group has one rank."""
     link = connect(args.dist_timeout)
     if link is None:
         return None
@@ -39,7 +47,7 @@ def run_pipelined(args: argparse.Namespace) -> int | None:
             return 0
         engine = PipelineEngine(stage, path, config, "bundled" if args.model is None else str(args.model))
         try:
-            return _run(engine, args)
+            return lead(engine)
         finally:
             engine.close()
     finally:

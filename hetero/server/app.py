@@ -136,16 +136,10 @@ def serve(
     Requests and their times are logged to stderr (`hetero.access`); an address other than loopback without
     `api_key` gets a warning there.
     """
-    import uvicorn
-
     import hetero
     from hetero.prefix_cache import PrefixCache
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    sock = bind(host, port)  # before the model loads: a port in use fails at once, not after a minute of loading
-    if api_key is None and not loopback(sock):
-        log.warning("listening on %s:%d without --api-key: anyone who can reach this address can use the model; "
-                    "pass --api-key KEY (or set HETERO_API_KEY)", host, sock.getsockname()[1])
+    sock = listen(host, port, api_key)  # before the model loads: a port in use fails at once, not after a minute
     try:
         store = None if no_session_cache else open_session_store(session_cache, session_cache_max_gb)
         engine = hetero.load(model)
@@ -164,7 +158,26 @@ def serve(
         sock.close()
         raise
     where = f"session cache {store.root} ({len(store.entries)} entries)" if store else "no session cache"
-    print(f"hetero: serving {sorted(names)} on http://{host}:{port} ({where})", flush=True)
+    run_app(app, sock, f"serving {sorted(names)} on http://{host}:{port} ({where})")
+
+
+def listen(host: str, port: int, api_key: str | None) -> socket.socket:
+    """Set up the log and bind (host, port) (`bind`); an address other than loopback without `api_key` gets a
+    warning."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sock = bind(host, port)
+    if api_key is None and not loopback(sock):
+        log.warning("listening on %s:%d without --api-key: anyone who can reach this address can use the model; "
+                    "pass --api-key KEY (or set HETERO_API_KEY)", host, sock.getsockname()[1])
+    return sock
+
+
+def run_app(app: Starlette, sock: socket.socket, banner: str) -> None:
+    """Print `hetero: <banner>` and serve `app` on `sock` until interrupted."""
+    import uvicorn
+
+    print(f"hetero: {banner}", flush=True)
+    host, port = sock.getsockname()[:2]
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
 
 
