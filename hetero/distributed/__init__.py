@@ -7,8 +7,10 @@ planner (`hetero.planner.hosts.split_layers`), each rank loading only its own te
     shard.py     which tensors a rank owns; loading only those, shard by shard
     stage.py     a rank's share as a pipeline stage (on the last rank, a stand-in for `Model`)
     rounds.py    one request: pipelined prefill, the last rank leading decoding, the others following
+    outputs.py   a request's JSON constraint and logprobs on the last rank, the logprob rows sent to rank 0
     runtime.py   `PipelineEngine` on rank 0, `serve` on the others
-    command.py   `hetero run` under mlx.launch
+    command.py   `hetero run` under mlx.launch (and the start every pipelined command shares)
+    serve_command.py  `hetero serve` under mlx.launch: rank 0 serves HTTP on the pipelined engine
 """
 
 from hetero.distributed.group import DEFAULT_TIMEOUT_S, Link, PeerLost, connect, launched

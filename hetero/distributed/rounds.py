@@ -8,12 +8,14 @@ it broadcasts the pass's tokens (VERIFY, recording GDN states, or STEP for plain
 broadcasts the committed tokens (COMMIT), from which every other rank rolls its own caches back exactly as the
 last rank did (accepted = len(tokens) - 1 of the pass) and rank 0 emits the text; DONE ends the request.
 A JSON constraint and logprobs run on the last rank too, with the single-process decoders' own code; the logprobs
-of each COMMIT's tokens follow it to rank 0 (`outputs`).
+of each COMMIT's tokens follow it to rank 0 (`outputs`). In a `stoppable` request (a server's), rank 0 answers
+every COMMIT with GO_ON or STOP (its output ended: a stop string, a client gone) once it has handled the tokens, and
+the last rank ends the request there (DONE), so a request nobody reads does not keep the pipeline busy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
@@ -25,6 +27,9 @@ from hetero.logprobs import TokenLogprob
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
 from hetero.speculative import MTPStats, mtp_generate_tokens
+
+
+GO_ON, STOP = 1, 0  # rank 0's answer to a COMMIT in a stoppable request
 
 
 def chunk_edges(offset: int, n: int, chunk: int, marks: list[int] = ()) -> list[int]:
@@ -84,11 +89,16 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
         link.from_last([kind, len(tokens), *tokens], message_length())
         link.watchdog.pet()
 
+    stopped = []  # rank 0 answered STOP
+
     def commit(tokens: list[int]) -> None:
-        """The committed tokens to every rank, then (when asked for) their logprobs to rank 0."""
+        """The committed tokens to every rank, then (when asked for) their logprobs to rank 0; in a stoppable
+        request, rank 0's answer."""
         announce(COMMIT, tokens)
         if recorder is not None:  # the recorder holds one item per committed token: these are its newest
             send_logprobs(stage, recorder.items[len(recorder.items) - len(tokens):], recorder.top)
+        if request.get("stoppable") and link.recv((1,), mx.int32, 0).item() == STOP:
+            stopped.append(True)
 
     stats = MTPStats(depth) if depth else None
     if depth:
@@ -106,7 +116,8 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
                                      logprobs=recorder, marks=marks)
         try:
             for _ in stream:
-                pass
+                if stopped:  # (at the first token of the round rank 0 stopped at: nothing after it runs)
+                    break
         finally:
             stage.announce = None
         if pc and state:  # the committed end state of the turn (x is committed but not yet run)
@@ -122,7 +133,7 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
                 recorder.add(row[None], [x])
             commit([x])
             emitted += 1
-            if x in eos or emitted >= max_tokens:
+            if x in eos or emitted >= max_tokens or stopped:
                 break
             if constraint is not None:
                 constraint.advance(x)
@@ -137,10 +148,12 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
 
 
 def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
-           progress: ProgressFn | None = None, logprobs: list[TokenLogprob] | None = None) -> Iterator[int]:
+           progress: ProgressFn | None = None, logprobs: list[TokenLogprob] | None = None,
+           go_on: Callable[[], bool] | None = None) -> Iterator[int]:
     """Any other rank's side of a generation: prefill its chunks after `skip` cached tokens, then run the passes
     the last rank announces and roll back as it commits. Yields the committed tokens in order (rank 0 emits them);
-    on rank 0, a request with logprobs appends each committed token's to `logprobs` before yielding it."""
+    on rank 0, a request with logprobs appends each committed token's to `logprobs` before yielding it, and a
+    stoppable one answers each COMMIT, once its tokens are handled, with `go_on()` (GO_ON or STOP)."""
     link, ids = stage.link, request["prompt"]
     pc, top = request.get("prefix_cache"), request.get("logprobs")
     on_chunk = (lambda n, h: capture(stage, ids[:n], cache, h)) if pc else None
@@ -173,6 +186,8 @@ def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
                     logprobs.extend(rows)
             committed += tokens
             yield from tokens
+            if link.first and request.get("stoppable"):
+                link.send(mx.array([GO_ON if go_on is None or go_on() else STOP], dtype=mx.int32), link.size - 1)
         else:
             raise RuntimeError(f"unknown pipeline message kind {kind}")
     if pc and request["depth"] and last is not None:  # the end of an MTP turn, as the last rank captures it

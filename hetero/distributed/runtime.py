@@ -4,7 +4,8 @@ Each request is one JSON message from rank 0 to all ranks; then every rank runs 
 the ranks report their peak memory and the last rank its MTP counters. Requests run one at a time (a lock), and a
 request always runs to its DONE on every rank: rank 0's callbacks (text, logprobs, progress, should_stop) may end
 its output early or raise, but rank 0 keeps following the last rank until DONE, so the ranks stay in step for the
-next request, and re-raises the callback's exception after.
+next request, and re-raises the callback's exception after. With `should_stop` the request is stoppable: rank 0
+tells the last rank after each commit whether to go on, and an ended output ends the request there.
 """
 
 from __future__ import annotations
@@ -195,9 +196,12 @@ class PipelineEngine:
 
         `json_schema` / `json_object` and `logprobs` / `on_logprob` as in `Engine.generate`: the constraint masks
         and the logprobs are computed on the last rank, which samples. `should_stop` (polled after every token)
-        ends the output, not the pipeline's work: the ranks finish the request (up to EOS or `max_tokens`) while
-        rank 0 drops what follows; an exception from a callback is raised once they have. `prefill_with` (the
-        ANE + GPU split) and `batched` (a shared decode loop) have no pipelined form and are refused."""
+        makes the request stoppable: once the output has ended (`should_stop`, or a callback raised), rank 0 tells
+        the last rank at its next commit and the ranks end the request there (tokens committed meanwhile are
+        dropped); an exception from a callback is raised once they have. Without it the ranks run to EOS or
+        `max_tokens` and rank 0 drops what follows its end (no answer per commit: decoding as fast as before).
+        `prefill_with` (the ANE + GPU split) and `batched` (a shared decode loop) have no pipelined form and are
+        refused."""
         if prefill_with is not None or batched is not None:
             raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction) or batched decoding "
                               "(--max-batch); leave them out")
@@ -221,7 +225,7 @@ class PipelineEngine:
             "chunk": prefill_chunk, "seed": seed, "eos": sorted(self.eos_ids), "max_context": self.max_context,
             "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
             "prefix_cache": pc.max_bytes if pc is not None else None, "marks": [] if mark is None else [mark],
-            "grammar": grammar, "logprobs": logprobs,
+            "grammar": grammar, "logprobs": logprobs, "stoppable": should_stop is not None,
         }
         link = self.stage.link
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
@@ -234,7 +238,8 @@ class PipelineEngine:
             if pc is not None:
                 self.stage.prefix = pc
             cache, skip, _ = restore(self.stage, request)
-            for tid in follow(self.stage, request, cache, skip, out.progress, rows if logprobs is not None else None):
+            for tid in follow(self.stage, request, cache, skip, out.progress, rows if logprobs is not None else None,
+                              lambda: not out.cut):
                 if out.ended:  # (past EOS, max_tokens or a stop: the ranks run the request to its DONE)
                     continue
                 if not times.first_token:
@@ -286,6 +291,7 @@ class Output:
                  progress: ProgressFn | None, should_stop: Callable[[], bool] | None):
         self.on_text, self.on_logprob, self.on_progress, self.should_stop = on_text, on_logprob, progress, should_stop
         self.ended = False  # nothing more reaches the caller
+        self.cut = False  # ended before EOS or max_tokens (should_stop, a callback raised): the ranks may stop
         self.held: BaseException | None = None
 
     def _call(self, fn: Callable | None, *args) -> object:
@@ -294,7 +300,7 @@ class Output:
         try:
             return fn(*args)
         except Exception as e:  # (a client gone: the server's Cancelled) held until the ranks are back in step
-            self.held, self.ended = e, True
+            self.held, self.ended, self.cut = e, True, True
             return None
 
     def progress(self, done: int, total: int) -> None:
@@ -308,7 +314,9 @@ class Output:
         self._call(self.on_logprob, item)
 
     def stop(self) -> bool:
-        return bool(self._call(self.should_stop)) or self.held is not None
+        if self._call(self.should_stop):
+            self.cut = True
+        return self.cut
 
     def raise_held(self) -> None:
         if self.held is not None:

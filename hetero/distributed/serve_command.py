@@ -1,10 +1,10 @@
 """`hetero serve` when `mlx.launch` started it on more than one rank: rank 0 serves HTTP (OpenAI and Anthropic
 APIs, `hetero.server`) on a `PipelineEngine`, the other ranks serve rank 0.
 
-The pipeline takes one request at a time: the server runs with one worker (requests wait in line), and a request
-whose client leaves, or that a stop string ends, still runs to its end on the ranks (rank 0 drops the rest), so the
-ranks stay in step. What has no pipelined form is refused at startup: the ANE split, batched decoding and the disk
-session cache (each rank's prefix cache lives in RAM).
+The pipeline takes one request at a time: the server runs with one worker (requests wait in line). A request whose
+client leaves, or that a stop string ends, ends on every rank at the next commit (`PipelineEngine.generate`'s
+`should_stop`), with the ranks in step for the next one. What has no pipelined form is refused at startup: the ANE
+split, batched decoding and the disk session cache (each rank's prefix cache lives in RAM).
 """
 
 from __future__ import annotations

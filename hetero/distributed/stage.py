@@ -21,7 +21,8 @@ from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
 
 # control messages from the last rank: [kind, n, token_0 .. token_{n-1}]; a request that asked for logprobs has
-# every COMMIT followed by their rows, from the last rank to rank 0 (`outputs.send_logprobs`)
+# every COMMIT followed by their rows, from the last rank to rank 0 (`outputs.send_logprobs`), and a stoppable one
+# by rank 0's answer to the last rank (`rounds.GO_ON` / `rounds.STOP`)
 VERIFY, STEP, COMMIT, DONE = 1, 2, 3, 4
 
 
