@@ -158,6 +158,18 @@ def test_a_cancelled_stream_ends_on_every_rank_and_leaves_them_in_step(served):
     assert served.health()["requests"]["cancelled"] == before + 1
 
 
+def test_a_client_gone_during_prefill_is_held_until_the_ranks_are_done(served):
+    """The server's cancellation raised inside rank 0's prefill is held (the ranks finish the prefill and stop at
+    the first token), then counted as cancelled; the next request is answered as one process answers it."""
+    before = served.health()["requests"]["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):  # nothing comes back within 0.5 s: the prompt is still prefilling
+        httpx.post(served.url + "/v1/completions", timeout=httpx.Timeout(60, read=0.5), json={
+            "model": "bundled", "prompt": "x = 1\n" * 300, "max_tokens": 2000, "stream": True})
+    r = served.openai().completions.create(model="bundled", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert r.choices[0].text == served.greedy.text
+    assert served.health()["requests"]["cancelled"] == before + 1
+
+
 def test_a_stop_string_ends_the_request_on_every_rank(served):
     stop = served.greedy.text[12:18]
     t0 = time.monotonic()
