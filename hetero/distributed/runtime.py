@@ -149,8 +149,9 @@ class PipelineEngine:
 
     @contextmanager
     def _request(self, request: dict) -> Iterator[None]:
-        """Send `request` to every rank and run rank 0's side under the watchdog. A request that fails midway
-        leaves the ranks out of step: the engine is closed without a word to them (their launcher ends them)."""
+        """Send `request` to every rank and run rank 0's side under the watchdog, one request at a time. A request
+        that fails midway leaves the ranks out of step: the engine is closed without a word to them (their launcher
+        ends them)."""
         with self._lock:
             if self.closed:
                 raise HeteroError("the pipeline is closed (an earlier request failed midway); restart the ranks")
@@ -277,10 +278,17 @@ class PipelineEngine:
         return GenerationResult(detok.text, tokens, stats, rows[: len(tokens)] if logprobs is not None else None)
 
     def close(self) -> None:
-        """Tell the other ranks to stop serving (once)."""
-        if not self.closed:
+        """Tell the other ranks to stop serving (once), after the request in flight, if any (a server's worker
+        thread); one still running after --dist-timeout leaves them to their launcher."""
+        if not self._lock.acquire(timeout=self.stage.link.timeout):
             self.closed = True
-            self.stage.link.broadcast_json({"kind": "stop"}, 0)
+            return
+        try:
+            if not self.closed:
+                self.closed = True
+                self.stage.link.broadcast_json({"kind": "stop"}, 0)
+        finally:
+            self._lock.release()
 
 
 class Output:
