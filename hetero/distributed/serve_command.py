@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from hetero.distributed.command import pipelined
@@ -27,6 +28,8 @@ def serve_pipelined(args: argparse.Namespace) -> int | None:
     if refused:
         raise HeteroError(f"{', '.join(refused)}: not available when serving across ranks (mlx.launch); leave "
                           f"{'it' if len(refused) == 1 else 'them'} out (each rank keeps its prefix cache in RAM)")
+    if os.environ.get("MLX_RANK", "0") != "0":  # Ctrl-C in the launching terminal: rank 0 stops, then tells us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return pipelined(args, lambda engine: _serve(engine, args))
 
 
