@@ -7,6 +7,7 @@ chunks of 16 tokens so the prompts' prefill is pipelined and the prefix cache ha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,6 +43,14 @@ class Served:
         self.launch = Launch(2, [sys.executable, "-m", "hetero", "serve", "--port", str(self.port), "--prefill-chunk",
                                  str(CHUNK), "--dist-timeout", "30"])
         self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            self._start()
+        except BaseException:
+            kill_all(self.launch)
+            raise
+
+    def _start(self) -> None:
+        """Compute the references, then wait for rank 0's server."""
         self.single = single = hetero.load()  # the whole model in this process, while the ranks load their shares
         run = dict(prefill_chunk=CHUNK, draft_depth=3, use_prefix_cache=False)
         self.greedy = single.generate(PROMPT, max_tokens=24, **run)
@@ -49,7 +58,8 @@ class Served:
         self.logprobs = single.generate(ASK, chat=True, max_tokens=12, logprobs=3, **run)
         self.plain = single.generate(ASK, chat=True, max_tokens=40, json_schema=PERSON, logprobs=2, mtp=False,
                                      prefill_chunk=CHUNK, use_prefix_cache=False)
-        err = self.launch.wait_for("serving HTTP]", 60)
+        self.launch.wait_for("serving HTTP]", 60)
+        err = self.launch.wait_for("serving rank 0]", 60)
         self.rank0 = int(err.split("[hetero rank 0/2 pid ")[1].split(":")[0])
         self.rank1 = int(err.split("[hetero rank 1/2 pid ")[1].split(":")[0])
         end = time.monotonic() + 30
@@ -72,9 +82,19 @@ class Served:
 def served():
     s = Served()
     yield s
-    if s.launch.proc.poll() is None:
-        s.launch.proc.kill()
+    if s.launch.proc.poll() is None:  # (the last test did not run)
+        kill_all(s.launch)
     s.launch.finish(10)
+
+
+def kill_all(launch: Launch) -> None:
+    """SIGKILL the launcher's ranks, then the launcher (killed first, it would leave them running)."""
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == launch.proc.pid:
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(launch.proc.pid, signal.SIGKILL)
 
 
 def chat(served: Served, **kw):
