@@ -11,6 +11,8 @@ MTP head (written by converters.hf_export: HF cannot build the MTP head).
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import math
 import re
@@ -372,7 +374,7 @@ def test_block_matches_numpy(num_experts, k, normalize):
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5, err_msg=form)
 
 
-def test_forms_agree_and_skewed_routing_falls_back_to_sorted():
+def test_forms_agree_and_skewed_routing_stays_grouped_in_its_own_bucket():
     glu = moe.SwitchGLU(16, 12, 32)
     rng = np.random.default_rng(0)
     glu.update(tree_unflatten([(n, mx.array(rng.standard_normal(p.shape).astype(np.float32)))
@@ -385,12 +387,27 @@ def test_forms_agree_and_skewed_routing_falls_back_to_sorted():
         assert pairs.shape == (*indices.shape, 16)
         for form in ("sorted", "grouped"):
             np.testing.assert_allclose(np.array(glu(x, indices, form)), np.array(pairs), rtol=1e-5, atol=1e-4)
-    flat = skewed.reshape(-1)
-    order = mx.argsort(flat)
-    # every token's first expert is 0: a capacity of 100 rows for 32 experts is 3200 padded rows for 200 pairs
-    assert glu._grouped(x.reshape(-1, 16), flat, order, flat[order], 2) is None
-    assert glu._grouped(x.reshape(-1, 16), spread.reshape(-1), mx.argsort(spread.reshape(-1)),
-                        spread.reshape(-1)[mx.argsort(spread.reshape(-1))], 4) is not None
+    # every token's first expert is 0: one capacity for all 32 experts would be 3200 rows for 200 pairs; expert 0
+    # takes a bucket of its own, and the other 31 (about 3 pairs each) pad to their own largest counts
+    layout = moe.Buckets.of(np.array(skewed).reshape(-1), 32, 2)
+    assert layout.buckets[0][1].tolist() == [0] and layout.buckets[0][2] == 100
+    assert layout.rows <= 1.5 * skewed.size
+    assert sorted(layout.pair_row.tolist()) == sorted(set(layout.pair_row.tolist()))  # one row per pair
+
+
+def test_bucket_cuts_pad_the_fewest_rows():
+    """The dynamic programme's cuts against every way of cutting sorted counts into at most B runs."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        counts = np.sort(rng.integers(1, 50, rng.integers(1, 9)))[::-1]
+        runs = int(rng.integers(1, 5))
+        cuts = moe._cuts(counts, runs)
+        assert cuts[0] == 0 and cuts[-1] == len(counts) and len(cuts) - 1 <= runs
+        assert all(a < b for a, b in zip(cuts, cuts[1:]))
+        padded = lambda edges: sum((b - a) * counts[a] for a, b in zip(edges, edges[1:]))  # noqa: E731
+        fewest = min(padded([0, *inner, len(counts)]) for r in range(runs)
+                     for inner in itertools.combinations(range(1, len(counts)), r))
+        assert padded(cuts) == fewest
 
 
 # ----------------------------------------------------------------------------------------------------------

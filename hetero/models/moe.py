@@ -15,26 +15,24 @@ Three exact forms of the routed experts (`SwitchGLU`), picked by size:
 - "pairs": one matrix-vector product per (token, expert) pair in token order; decode and verify steps.
 - "sorted": the pairs ordered by expert first, `gather_mm(..., sorted_indices=True)`: runs of rows share an
   expert's weights while they are in cache. From SORT_MIN_PAIRS pairs.
-- "grouped" (CPU backend only): the pairs ordered by expert and padded into `[experts, capacity, dims]`, so one
-  `gather_mm` multiplies each expert's tokens as a matrix (M = its token count, a real GEMM). It reads the
-  per-expert counts mid-graph (so never inside a compiled step) and pads to the largest count, so it needs long
-  chunks: from GROUPED_MIN_ROWS pairs per expert on average, and it falls back to "sorted" when uneven routing
-  would pad beyond PAD_LIMIT times the pairs.
+- "grouped" (CPU backend only): the pairs ordered by expert and laid out in `Buckets`: experts of similar pair
+  counts share a bucket `[experts, capacity, dims]`, padded to the bucket's largest count, so one `gather_mm` per
+  projection multiplies each expert's tokens as a matrix (M = its token count, a real GEMM). It reads the routing on
+  the host mid-graph (so never inside a compiled step): from GROUPED_MIN_ROWS pairs per expert on average and
+  GROUPED_MIN_TOKENS tokens, falling back to "sorted" if the padding ever exceeded PAD_LIMIT times the pairs.
 Measured on this project's 2-core x86 machine (MLX 0.32.4 CPU backend, MKL 2026.2 sequential, fp32; one routed-expert
-block at Qwen3.5-35B-A3B's shapes: hidden 2048, expert width 512, top-8, random router; the three forms alternated,
-medians of 3-9 runs, two runs an hour apart on a machine shared with other jobs (load 3-8), so the spread is wide;
-time ratios, lower is faster, "run 1 / run 2"):
-    256 experts, tokens      16           64           256          512          1024         2048
-      pairs per expert       0.5          2            8            16           32           64
-      sorted / pairs         0.79 / 0.90  0.46 / 0.75  0.35 / 0.34  - / 0.43     -            -
-      grouped / sorted       1.09 / 0.96  3.27 / 2.63  1.79 / 2.08  - / 1.39     0.80 / 0.89  0.78 / -
-    64 experts, tokens       16           64           256          1024
-      pairs per expert       2            8            32           128
-      sorted / pairs         0.57 / -     0.42 / 0.43  0.46 / 0.32  -
-      grouped / sorted       2.02 / -     1.30 / 1.25  0.84 / 0.56  - / 0.69
-(4 tokens, 32 pairs: 0.65 / 1.49 sorted / pairs, within the noise of a 30-60 ms step.) Sorting wins from a few
-tokens on; grouping wins once experts average about 32 rows, and loses below (8-16 rows: 1.3-2.1x slower). With
-the default 512-token prefill chunk, Qwen3.5-35B-A3B (256 experts, top-8) gets 16 rows per expert: sorted.
+block, random router, top-8; the forms alternated, the fastest of 5 runs each; time ratios, lower is faster):
+    256 experts (Qwen3.5-35B-A3B: hidden 2048, expert width 512)
+      tokens (pairs per expert)   32 (1)   64 (2)   128 (4)   512 (16)
+      grouped / sorted             0.99     0.91     0.93      0.49
+      buckets / one capacity       0.98     0.67     0.89      0.80
+    64 experts (bench MoE: hidden 1024, expert width 256)
+      tokens (pairs per expert)   64 (8)   128 (16)   256 (32)   512 (64)   1024 (128)
+      grouped / sorted             0.80     0.69       0.48       0.42       0.34
+      buckets / one capacity       0.86     0.95       0.92       0.95       1.05
+One capacity for every expert (the largest count) ran 1.27x the pairs at 64 experts x 64 rows and 1.75x at
+256 x 16; four buckets run 1.04x and 1.12x (bench/moe_prefill.py measures both). Sorting wins over pairs from a few tokens on (0.35-0.8x at
+16-256 tokens, an earlier run), grouping over sorting from about 2 pairs per expert.
 Metal keeps "pairs"/"sorted" (mlx-lm's choice there; its sorted kernel is not measured here).
 """
 
@@ -42,16 +40,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from hetero.models import activations as act
 from hetero.models.linear import Linear
 
 # Which form of the routed experts runs (`SwitchGLU.form`; the measurements are in the module docstring)
 SORT_MIN_PAIRS = 64  # (token, expert) pairs from which they run sorted by expert (32: even, 128: 0.6-0.9x)
-GROUPED_MIN_ROWS = 32  # mean pairs per expert from which they run grouped (CPU only; 16: 1.4x slower, 32: 0.56-0.89x)
+GROUPED_MIN_ROWS = 2  # mean pairs per expert from which they run grouped (CPU only; 1: even, 2: 0.91x, 16: 0.49x)
 GROUPED_MIN_TOKENS = 17  # the grouped form evaluates mid-graph: never for a compiled step (<= 16 tokens per sequence)
 QUANTIZED_GROUPED_MIN_TOKENS = 64  # quantized experts on the CPU: grouped (dequantized) from this many tokens
 PAD_LIMIT = 4  # the grouped form's padded rows may be at most this many times the pairs (else: sorted)
+MAX_BUCKETS = 4  # runs of experts of similar counts in the grouped form, each padded to its own largest count
 
 
 def route(logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, mx.array]:
@@ -171,44 +171,111 @@ class SwitchGLU(nn.Module):
             y = self._glu(x[..., None, None, :], indices, False)  # x [..., 1, 1, dims] -> [..., k, 1, dims]
             return y.squeeze(-2)  # [..., k, dims]
         flat = indices.reshape(-1)  # [P] expert of each (token, slot) pair, P = N*k
-        order = mx.argsort(flat)  # [P] pairs grouped by expert
-        experts = flat[order]  # [P] ascending
         tokens = x.reshape(-1, dims)  # [N, dims]
         if form == "grouped":
-            y = self._grouped(tokens, flat, order, experts, k)
+            y = self._grouped(tokens, flat, k)
             if y is not None:
                 return y.reshape(*lead, k, dims)
+        order = mx.argsort(flat)  # [P] pairs grouped by expert
         rows = tokens[order // k][:, None]  # [P, 1, dims] each pair's token, in expert order
-        y = self._glu(rows, experts, True).squeeze(-2)  # [P, dims] in expert order
+        y = self._glu(rows, flat[order], True).squeeze(-2)  # [P, dims] in expert order
         return y[mx.argsort(order)].reshape(*lead, k, dims)  # back in (token, slot) order
 
-    def _grouped(self, tokens: mx.array, flat: mx.array, order: mx.array, experts: mx.array, k: int) -> mx.array | None:
+    def _grouped(self, tokens: mx.array, flat: mx.array, k: int, max_buckets: int = MAX_BUCKETS) -> mx.array | None:
         """The "grouped" form: [P, dims] in (token, slot) order, or None when the padding would be too large.
 
-        Evaluates the per-expert counts (the capacity sizes the buffer), so it never runs inside `mx.compile`.
+        Reads the routing on the host (so it never runs inside `mx.compile`) and lays the pairs out as `Buckets`:
+        experts of similar counts share a bucket, padded to its largest count, one `gather_mm` per projection each.
         """
-        E, P = self.gate_proj.num_experts, flat.size
-        counts = mx.zeros((E,), dtype=mx.int32).at[flat].add(1)  # [E] pairs per expert
-        capacity = int(counts.max().item())
-        if E * capacity > PAD_LIMIT * P:
+        P = flat.size
+        layout = Buckets.of(np.array(flat), self.gate_proj.num_experts, k, max_buckets)
+        if layout.rows > PAD_LIMIT * P:
             return None
-        starts = mx.cumsum(counts) - counts  # [E] first sorted position of each expert
-        slot = experts.astype(mx.int32) * capacity + (mx.arange(P, dtype=mx.int32) - starts[experts])  # [P]
-        source = mx.full((E * capacity,), tokens.shape[0], dtype=mx.int32)  # [E*C] padding -> the zero row
-        source[slot] = (order // k).astype(mx.int32)
         padded = mx.concatenate([tokens, mx.zeros((1, tokens.shape[1]), dtype=tokens.dtype)])  # [N+1, dims]
-        rows = padded[source].reshape(E, capacity, -1)  # [E, C, dims] expert e's tokens, then zero rows
+        rows = padded[mx.array(layout.source)]  # [R, dims] each bucket's experts' tokens, then zero rows
         if isinstance(self.gate_proj, QuantizedSwitchLinear):
             # MLX's CPU gather_qmm runs its own kernel (~2 GFLOP/s here): dequantized once per chunk, the grouped rows
             # are MKL sgemms (4-bit, bench MoE shape, 512 tokens: 368 ms against 2,837 ms; even near 64 tokens)
-            g, u, d = (dequantized(p).astype(rows.dtype).swapaxes(-1, -2) for p in
-                       (self.gate_proj, self.up_proj, self.down_proj))  # [E, in, out] each
-            y = ((act.silu(rows @ g) * (rows @ u)) @ d).reshape(E * capacity, -1)  # [E*C, dims]
+            weights = [dequantized(p).astype(rows.dtype).swapaxes(-1, -2) for p in
+                       (self.gate_proj, self.up_proj, self.down_proj)]  # [E, in, out] each
         else:
-            y = self._glu(rows, mx.arange(E, dtype=mx.uint32), False).reshape(E * capacity, -1)  # [E*C, dims]
-        pair_slot = mx.zeros((P,), dtype=mx.int32)
-        pair_slot[order] = slot  # [P] where each (token, slot) pair's row is
-        return y[pair_slot]  # [P, dims]
+            weights = [p["weight"].swapaxes(-1, -2) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        g, u, d = weights
+        outs = []
+        for start, experts, cap in layout.buckets:
+            xb = rows[start : start + len(experts) * cap].reshape(len(experts), cap, -1)  # [n, cap, dims]
+            ids = mx.array(experts)  # [n] each batch's expert
+            h = act.silu(mx.gather_mm(xb, g, rhs_indices=ids)) * mx.gather_mm(xb, u, rhs_indices=ids)  # [n, cap, hid]
+            outs.append(mx.gather_mm(h, d, rhs_indices=ids).reshape(len(experts) * cap, -1))  # [n*cap, dims]
+        y = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [R, dims]
+        return y[mx.array(layout.pair_row)]  # [P, dims]
+
+
+class Buckets:
+    """Where the "grouped" form puts each (token, expert) pair: experts sorted by pair count and cut into at most
+    MAX_BUCKETS runs (`buckets`: (first row, expert ids, capacity)), each expert's pairs padded to its run's largest
+    count. The cuts minimise the padded rows (an exact dynamic programme over the sorted counts); experts with no
+    pair take no row (one run, `max_buckets=1`, is one capacity for every expert).
+    """
+
+    def __init__(self, buckets: list[tuple[int, np.ndarray, int]], source: np.ndarray, pair_row: np.ndarray):
+        self.buckets, self.source, self.pair_row = buckets, source, pair_row
+
+    @property
+    def rows(self) -> int:
+        """Rows the products run over, padding included."""
+        return len(self.source)
+
+    @classmethod
+    def of(cls, flat: np.ndarray, num_experts: int, k: int, max_buckets: int = MAX_BUCKETS) -> "Buckets":
+        """The layout for `flat` [P] (the expert of each (token, slot) pair, token-major with k slots each)."""
+        counts = np.bincount(flat, minlength=num_experts)  # [E]
+        by_count = np.argsort(-counts, kind="stable")  # [E] experts, most pairs first
+        used = by_count[counts[by_count] > 0]  # [U]
+        cuts = _cuts(counts[used], max_buckets)
+        order = np.argsort(flat, kind="stable")  # [P] pairs grouped by expert, then in token order
+        rank = np.arange(flat.size) - (np.cumsum(counts) - counts)[flat[order]]  # [P] place within its expert
+        first_row = np.zeros(num_experts, dtype=np.int64)  # [E] row of each expert's first pair
+        buckets, start = [], 0
+        for a, b in zip(cuts, cuts[1:]):
+            experts, cap = used[a:b], int(counts[used[a]])
+            first_row[experts] = start + cap * np.arange(b - a)
+            buckets.append((start, experts.astype(np.uint32), cap))
+            start += (b - a) * cap
+        row = first_row[flat[order]] + rank  # [P] the row of each sorted pair
+        source = np.full(start, flat.size // k, dtype=np.int32)  # [R] padding reads the zero row
+        source[row] = order // k
+        pair_row = np.empty(flat.size, dtype=np.int32)
+        pair_row[order] = row
+        return cls(buckets, source, pair_row)
+
+
+def _cuts(counts: np.ndarray, max_buckets: int) -> list[int]:
+    """Boundaries [0, ..., U] of at most `max_buckets` runs of `counts` (sorted descending), each run padded to its
+    first count, with the fewest padded rows: best[b][j] = min_i best[b-1][i] + (j - i) * counts[i]."""
+    n = len(counts)
+    if n == 0:
+        return [0]
+    idx = np.arange(n + 1)
+    span = (idx[None, :] - idx[:n, None]) * counts[:, None].astype(np.int64)  # [i, j] rows of run [i, j)
+    span = np.where(idx[None, :] > idx[:n, None], span, np.iinfo(np.int64).max // 4)  # only j > i
+    best = span[0].copy()  # [j] the fewest rows for [0, j) in one run
+    best[0] = 0
+    back = []  # per extra run: the start of the last run for each j
+    for _ in range(1, max_buckets):
+        total = best[:n, None] + span  # [i, j]: [0, i) in the runs so far, then [i, j); i == 0: one run
+        choice = total.argmin(axis=0)  # [j]
+        best = total[choice, idx]
+        best[0] = 0
+        back.append(choice)
+    cuts, j = [n], n
+    for choice in reversed(back):
+        i = int(choice[j])
+        if i == 0:
+            break
+        cuts.append(i)
+        j = i
+    return [0] + cuts[::-1]
 
 
 class SparseMoeBlock(nn.Module):
