@@ -22,13 +22,19 @@ class KVCache:
         self.keys: mx.array | None = None  # [B, Hkv, capacity, D]
         self.values: mx.array | None = None  # [B, Hkv, capacity, D]
         self.offset = 0
+        self.expected = 0  # positions the next allocation makes room for (`expect`)
+
+    def expect(self, n: int) -> None:
+        """Make the next allocation hold n positions (a prefill about to write them): one buffer for the whole
+        prompt instead of a regrowth per step, each of which copied the cache and briefly held it twice."""
+        self.expected = max(self.expected, n)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write `keys`/`values` [B, Hkv, S, D] at positions offset..offset+S and return the whole valid cache."""
         B, H, S, D = keys.shape
         end = self.offset + S
         if self.keys is None or end > self.keys.shape[2]:
-            capacity = ((end + self.step - 1) // self.step) * self.step
+            capacity = ((max(end, self.expected) + self.step - 1) // self.step) * self.step
             new_k = mx.zeros((B, H, capacity, D), keys.dtype)
             new_v = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
             if self.keys is not None and self.offset > 0:
@@ -125,3 +131,11 @@ LayerCache = KVCache | GDNCache
 def cache_arrays(cache: list[LayerCache]) -> list[mx.array]:
     """Every array the caches hold, e.g. to `mx.eval` them after a step."""
     return [a for c in cache for a in c.state]
+
+
+def expect_positions(cache: list[LayerCache], n: int) -> None:
+    """Before a prefill that fills the caches up to n positions: every attention cache allocates room for them
+    once, plus one step for the first decoded tokens (`KVCache.expect`)."""
+    for c in cache:
+        if isinstance(c, KVCache):
+            c.expect(n + KVCache.step)

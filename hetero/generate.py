@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.cache import LayerCache, cache_arrays
+from hetero.cache import LayerCache, cache_arrays, expect_positions
 from hetero.constrained import Constraint
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
@@ -16,6 +16,14 @@ from hetero.sampling import Sampler
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 ChunkFn = Callable[[int, mx.array], None]  # (tokens in the cache, post-norm hidden [1, H] of the last one)
+
+
+def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> list[int]:
+    """Where `prefill` cuts n tokens after `offset` cached ones: at multiples of `chunk` counted from position 0, and
+    at `marks` (absolute positions); [0, ..., n], strictly increasing."""
+    first = chunk - offset % chunk  # tokens up to the next absolute chunk edge
+    cuts = set(range(first, n, chunk)) | {m - offset for m in marks if offset < m < offset + n}
+    return [0] + sorted(cuts) + [n]
 
 
 def prefill(
@@ -47,12 +55,9 @@ def prefill(
         raise ValueError("prefill needs at least one token")
     logits, hidden = [], []
     offset = cache[0].offset if cache else 0
-    first = chunk - offset % chunk  # tokens up to the next absolute chunk edge
-    cuts = set(range(first, len(tokens), chunk)) | {m - offset for m in marks if offset < m < offset + len(tokens)}
-    edges = [0] + sorted(cuts) + [len(tokens)]
+    expect_positions(cache, offset + len(tokens))
+    edges = chunk_edges(offset, len(tokens), chunk, marks)
     for start, stop in zip(edges, edges[1:]):
-        if start == stop:
-            continue
         piece = mx.array(tokens[start:stop])[None]  # [1, S]
         h = model.model(piece, cache[: len(model.layers)])  # [1, S, hidden]
         last = stop >= len(tokens)

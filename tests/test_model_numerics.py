@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import helpers  # noqa: E402
-from hetero.cache import GDNCache  # noqa: E402
+from hetero.cache import GDNCache, KVCache  # noqa: E402
 from hetero.generate import prefill  # noqa: E402
 from hetero.loader import load_model, preflight  # noqa: E402
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta  # noqa: E402
@@ -151,6 +151,22 @@ def test_step_by_step_decode_and_chunked_prefill_equal_one_prefill(chaotic):
     chunked, hidden = prefill(model, tokens, model.make_cache(), chunk=64, all_logits=True)  # 64+64+64+8
     assert chunked.shape == (200, helpers.VOCAB) and hidden.shape == (200, helpers.HIDDEN)
     assert rel_err(chunked, full) <= 1e-5
+
+
+def test_a_prefill_allocates_each_attention_cache_once(chaotic):
+    """A long prompt's KV is allocated at its first chunk for the whole prompt plus a step of decoding: no regrowth
+    (each copied the cache and held it twice at once), and the decoded tokens that follow still fit."""
+    model, _, _ = load_model(chaotic, dtype=mx.float32)
+    cache = model.make_cache()
+    attention = [c for c in cache[: len(model.layers)] if isinstance(c, KVCache)]
+    assert attention
+    held = []  # each chunk's buffers, kept alive so that a new buffer can never reuse an old one's identity
+    prefill(model, helpers.random_tokens(600, seed=4), cache, chunk=64,
+            on_chunk=lambda n, h: held.append([c.keys for c in attention]))
+    assert len(held) == 10 and all(all(a is b for a, b in zip(bufs, held[0])) for bufs in held)
+    for t in helpers.random_tokens(KVCache.step, seed=5):
+        mx.eval(model(mx.array([[t]]), cache)[0])
+    assert all(c.keys is k for c, k in zip(attention, held[0])) and attention[0].offset == 600 + KVCache.step
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
+from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays, expect_positions
 from hetero.distributed.outputs import last_rank_options, recv_logprobs, send_logprobs
 from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
-from hetero.generate import ChunkFn, ProgressFn, prefill
+from hetero.generate import ChunkFn, ProgressFn, chunk_edges, prefill
 from hetero.logprobs import TokenLogprob
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
@@ -30,14 +30,6 @@ from hetero.speculative import MTPStats, mtp_generate_tokens
 
 
 GO_ON, STOP = 1, 0  # rank 0's answer to a COMMIT in a stoppable request
-
-
-def chunk_edges(offset: int, n: int, chunk: int, marks: list[int] = ()) -> list[int]:
-    """Where `generate.prefill` cuts n tokens after `offset` cached ones: at multiples of `chunk` from position 0,
-    and at `marks` (absolute positions)."""
-    first = chunk - offset % chunk
-    cuts = set(range(first, n, chunk)) | {m - offset for m in marks if offset < m < offset + n}
-    return [0] + sorted(cuts) + [n]
 
 
 PREFIX_KEY = "pipeline"  # one model per pipeline: each rank's prefix cache holds only its own layers' states
@@ -211,6 +203,7 @@ def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: 
     `generate.prefill` (`marks` too), each chunk handed on as soon as it is done; `on_chunk(n, last output [1, H])`
     after each."""
     edges = chunk_edges(skip, len(ids) - skip, chunk, marks)
+    expect_positions(cache, len(ids))
     for start, stop in zip(edges, edges[1:]):
         out = stage.model(mx.array(ids[skip + start : skip + stop])[None], cache)  # [1, S] -> the send of [1, S, H]
         stage.link.eval(out, *cache_arrays(cache))
