@@ -20,19 +20,21 @@ Three exact forms of the routed experts (`SwitchGLU`), picked by size:
   projection multiplies each expert's tokens as a matrix (M = its token count, a real GEMM). It reads the routing on
   the host mid-graph (so never inside a compiled step): from GROUPED_MIN_ROWS pairs per expert on average and
   GROUPED_MIN_TOKENS tokens, falling back to "sorted" if the padding ever exceeded PAD_LIMIT times the pairs.
-Measured on this project's 2-core x86 machine (MLX 0.32.4 CPU backend, MKL 2026.2 sequential, fp32; one routed-expert
-block, random router, top-8; the forms alternated, the fastest of 5 runs each; time ratios, lower is faster):
+Measured on this project's 2-core x86 machine (`bench/moe_prefill.py --parts forms`, bench/results/moe_prefill.json:
+MLX 0.32.4 CPU backend, MKL 2026.2 sequential, fp32; one routed-expert block, random router, top-8; the forms
+alternated, the fastest of 5 runs each; time ratios, lower is faster):
     256 experts (Qwen3.5-35B-A3B: hidden 2048, expert width 512)
-      tokens (pairs per expert)   32 (1)   64 (2)   128 (4)   512 (16)
-      grouped / sorted             0.99     0.91     0.93      0.49
-      buckets / one capacity       0.98     0.67     0.89      0.80
+      tokens (pairs per expert)   64 (2)   128 (4)   512 (16)
+      grouped / sorted             1.00     0.91      0.40
+      buckets / one capacity       0.80     0.86      0.87
     64 experts (bench MoE: hidden 1024, expert width 256)
-      tokens (pairs per expert)   64 (8)   128 (16)   256 (32)   512 (64)   1024 (128)
-      grouped / sorted             0.80     0.69       0.48       0.42       0.34
-      buckets / one capacity       0.86     0.95       0.92       0.95       1.05
-One capacity for every expert (the largest count) ran 1.27x the pairs at 64 experts x 64 rows and 1.75x at
-256 x 16; four buckets run 1.04x and 1.12x (bench/moe_prefill.py measures both). Sorting wins over pairs from a few tokens on (0.35-0.8x at
-16-256 tokens, an earlier run), grouping over sorting from about 2 pairs per expert.
+      tokens (pairs per expert)   128 (16)   512 (64)   1024 (128)
+      grouped / sorted             0.51       0.43       0.28
+      buckets / one capacity       0.93       0.97       0.96
+One capacity for every expert (the largest count) ran 1.23x the pairs in rows at 64 experts x 64 rows, 1.69x at
+256 x 16 and 3.5x at 256 x 2; four buckets run 1.05x, 1.10x and 1.11x. Sorting wins over pairs from a few tokens on (0.35-0.8x at 16-256
+tokens, an earlier run), grouping over sorting from about 2 pairs per expert (an A/B run of the same code: 0.91x at
+2, 0.80x at 64 experts x 8).
 Metal keeps "pairs"/"sorted" (mlx-lm's choice there; its sorted kernel is not measured here).
 """
 
@@ -47,7 +49,7 @@ from hetero.models.linear import Linear
 
 # Which form of the routed experts runs (`SwitchGLU.form`; the measurements are in the module docstring)
 SORT_MIN_PAIRS = 64  # (token, expert) pairs from which they run sorted by expert (32: even, 128: 0.6-0.9x)
-GROUPED_MIN_ROWS = 2  # mean pairs per expert from which they run grouped (CPU only; 1: even, 2: 0.91x, 16: 0.49x)
+GROUPED_MIN_ROWS = 2  # mean pairs per expert from which they run grouped (CPU only; 1: even, 2: 0.91-1.00x, 16: 0.40x)
 GROUPED_MIN_TOKENS = 17  # the grouped form evaluates mid-graph: never for a compiled step (<= 16 tokens per sequence)
 QUANTIZED_GROUPED_MIN_TOKENS = 64  # quantized experts on the CPU: grouped (dequantized) from this many tokens
 PAD_LIMIT = 4  # the grouped form's padded rows may be at most this many times the pairs (else: sorted)
