@@ -71,10 +71,10 @@ def prefill(
     `ArraysCache` per GDN layer), so `mlx_lm.stream_generate(model, tokenizer, next_tokens, prompt_cache=cache)`
     continues exactly where the prompt ended.
 
-    `model` is a hetero `Engine` or a model from `mlx_lm.load` (qwen3_5; run on its own weight arrays, not
-    copies). `prompt` is token ids or text (text with an mlx-lm model needs `tokenizer`). With `cache` (an mlx-lm
-    prompt cache, e.g. the previous turn's) the prompt is appended: its objects are updated in place and
-    returned. `ane_fraction` F in (0, 1] or "auto" prefills through the ANE + GPU split (as
+    `model` is a hetero `Engine` or a model from `mlx_lm.load` (qwen3_5 or qwen3_5_moe, float or quantized; run on
+    its own weight arrays, not copies). `prompt` is token ids or text (text with an mlx-lm model needs `tokenizer`).
+    With `cache` (an mlx-lm prompt cache, e.g. the previous turn's) the prompt is appended: its objects are updated
+    in place and returned. `ane_fraction` F in (0, 1] or "auto" prefills through the ANE + GPU split (as
     `hetero run --ane-fraction`); `verify` then checks that split against the GPU-only prefill of the prompt and
     raises HeteroError when it does not match. `chunk` is the prefill chunk (default 512; 256 for the split).
     """
