@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=32, help="new tokens per timed request (default: 32)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per contender, alternated (default: 2)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default: 512)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, or a bench checkpoint's name (large, moe: bench/checkpoints.py "
+                   "writes it once under the temp folder) (default: the bundled model)")
     p.add_argument("--timeout", type=float, default=900, help="seconds a contender's run may take (default: 900)")
     p.add_argument("--wait-idle", type=float, default=120,
                    help="before each run, wait up to this many seconds for the 1-minute load average to fall below "
@@ -184,12 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     sys.path.insert(0, str(ROOT))
+    from bench.checkpoints import CHECKPOINTS, checkpoint
     from converters.tokenizer_train import load_corpus
     from hetero.loader import resolve
     from hetero.tokenizer import Tokenizer
 
     if (os.cpu_count() or 1) < 2:
         print("warning: fewer than 2 cores: the two ranks share one", file=sys.stderr)
+    if args.model in CHECKPOINTS:
+        args.model = str(checkpoint(args.model, Path(tempfile.gettempdir()) / "hetero-bench"))
     ids = Tokenizer.from_dir(resolve(args.model)).encode(load_corpus()[1])
     if len(ids) < args.tokens:
         raise SystemExit(f"the held-out corpus has only {len(ids)} tokens; ask for fewer")
