@@ -137,7 +137,7 @@ def _train(model, batch: mx.array, mask: mx.array, steps: int, lr: float) -> flo
     return loss.item()
 
 
-def write_tool_model(path: Path, steps: int = 120, lr: float = 5e-3, seed: int = 0) -> Path:
+def write_tool_model(path: Path, steps: int = 200, lr: float = 5e-3, seed: int = 0) -> Path:
     """Train the tool model and write its checkpoint to `path`; returns `path`."""
     path = Path(path)
     pairs = training_pairs()
