@@ -77,7 +77,8 @@ def forms(repeats: int) -> list[dict]:
             rows.append(row)
             print(f"forms {shape:9s} {n:5d} tokens ({row['pairs_per_expert']:5.1f}/expert): sorted {ms['sorted']:7.1f} "
                   f"one capacity {ms['one_capacity']:7.1f} buckets {ms['buckets']:7.1f} ms -> buckets/sorted "
-                  f"{row['buckets_vs_sorted']:.2f}, buckets/one capacity {row['buckets_vs_one_capacity']:.2f}", flush=True)
+                  f"{row['buckets_vs_sorted']:.2f}, buckets/one capacity {row['buckets_vs_one_capacity']:.2f}",
+                  flush=True)
     return rows
 
 
@@ -121,8 +122,8 @@ def fused(repeats: int) -> list[dict]:
 def conv(repeats: int) -> list[dict]:
     rows = []
     models = {"bundled": ModelArgs.from_config(read_config(BUNDLED_MODEL)), "moe": ModelArgs.from_config(MOE)}
-    channels_of = {n: 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * a.linear_value_head_dim
-                   for n, a in models.items()}
+    channels_of = {n: 2 * a.linear_num_key_heads * a.linear_key_head_dim
+                   + a.linear_num_value_heads * a.linear_value_head_dim for n, a in models.items()}
     channels_of["35b-a3b"] = 2 * 16 * 128 + 32 * 128  # Qwen3.5-35B-A3B: 16 key heads, 32 value heads of 128
     for name, channels in channels_of.items():
         layer = nn.Conv1d(channels, channels, 4, groups=channels, bias=False)
@@ -133,7 +134,8 @@ def conv(repeats: int) -> list[dict]:
                          "shifted_adds": lambda: mx.eval(causal_depthwise_conv(x, layer.weight))}, repeats)
         rows.append({"model": name, "channels": channels, "tokens": 512, "ms": ms, "max_abs_diff": diff,
                      "ratio": round(ms["shifted_adds"] / ms["conv1d"], 3)})
-        print(f"conv {name:8s} {channels:5d} channels: conv1d {ms['conv1d']:6.1f} ms, shifted adds {ms['shifted_adds']:6.1f} ms "
+        print(f"conv {name:8s} {channels:5d} channels: conv1d {ms['conv1d']:6.1f} ms, shifted adds "
+              f"{ms['shifted_adds']:6.1f} ms "
               f"(max |diff| {diff:.1e})", flush=True)
     return rows
 

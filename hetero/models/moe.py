@@ -32,9 +32,9 @@ alternated, the fastest of 5 runs each; time ratios, lower is faster):
       grouped / sorted             0.51       0.43       0.28
       buckets / one capacity       0.93       0.97       0.96
 One capacity for every expert (the largest count) ran 1.23x the pairs in rows at 64 experts x 64 rows, 1.69x at
-256 x 16 and 3.5x at 256 x 2; four buckets run 1.05x, 1.10x and 1.11x. Sorting wins over pairs from a few tokens on (0.35-0.8x at 16-256
-tokens, an earlier run), grouping over sorting from about 2 pairs per expert (an A/B run of the same code: 0.91x at
-2, 0.80x at 64 experts x 8).
+256 x 16 and 3.5x at 256 x 2; four buckets run 1.05x, 1.10x and 1.11x. Sorting wins over pairs from a few tokens
+on (0.35-0.8x at 16-256 tokens, an earlier run), grouping over sorting from about 2 pairs per expert (an A/B run of
+the same code: 0.91x at 2, 0.80x at 64 experts x 8).
 Metal keeps "pairs"/"sorted" (mlx-lm's choice there; its sorted kernel is not measured here).
 """
 
