@@ -153,12 +153,11 @@ class SwitchGLU(nn.Module):
         """
         if pairs < SORT_MIN_PAIRS:
             return "pairs"
-        grouped_ok = tokens >= GROUPED_MIN_TOKENS and mx.default_device() == mx.cpu
-        if grouped_ok and pairs >= GROUPED_MIN_ROWS * self.gate_proj.num_experts:
-            return "grouped"
-        if grouped_ok and isinstance(self.gate_proj, QuantizedSwitchLinear) and tokens >= QUANTIZED_GROUPED_MIN_TOKENS:
-            return "grouped"
-        return "sorted"
+        if tokens < GROUPED_MIN_TOKENS or mx.default_device() != mx.cpu:
+            return "sorted"
+        if isinstance(self.gate_proj, QuantizedSwitchLinear):  # grouped dequantizes every expert: worth it from here
+            return "grouped" if tokens >= QUANTIZED_GROUPED_MIN_TOKENS else "sorted"
+        return "grouped" if pairs >= GROUPED_MIN_ROWS * self.gate_proj.num_experts else "sorted"
 
     def __call__(self, x: mx.array, indices: mx.array, form: str | None = None) -> mx.array:
         """x [..., dims], indices [..., k] -> each chosen expert's output [..., k, dims].
