@@ -9,8 +9,8 @@ evaluated on its own: rank 0 the embedding and its layers, the last rank its lay
 From the per-chunk times t[r][c]:
   - one process: the sum over every rank and chunk;
   - free-running pipeline: the busiest rank's total plus the others' share of one chunk (fill and drain);
-  - lock step (each chunk handed on only when the next rank is ready): the sum over chunks of the slowest rank's
-    time at that chunk, plus the fill.
+  - lock step (each step waits for every rank: at step s rank r runs chunk s - r): the sum over steps of the
+    slowest rank's time at that step.
 The ratios to one process are what `bench/distributed.py` can at best measure with one core per rank; the
 difference is the hand-offs' cost. Writes bench/results/pipeline_bound.json.
 """
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
 from hetero.cache import cache_arrays, expect_positions  # noqa: E402
-from hetero.generate import chunk_edges  # noqa: E402
+from hetero.generate import chunk_edges, mtp_pairs  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 from hetero.planner.hosts import split_layers  # noqa: E402
 
@@ -57,11 +57,8 @@ def share_times(model, ids: list[int], ranks: list[range], chunk: int) -> list[l
             if r == len(ranks) - 1:
                 h = model.model.norm(h)
                 if model.mtp is not None:
-                    pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
-                    pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
-                    outs.append(model.mtp_hidden(pairs_t[None], pairs_h[None], cache))
+                    carry = mtp_pairs(model, piece, h, carry, cache)
                     outs += cache_arrays(cache[len(model.layers):])
-                    carry = h[0, -1:]
                 outs[0] = h
             mx.eval(*outs)
             times[r].append(time.perf_counter() - t0)
@@ -75,9 +72,11 @@ def bounds(times: list[list[float]]) -> dict:
     busiest = int(totals.argmax())
     fill = float(sum(t[r, 0] for r in range(busiest)) + sum(t[r, -1] for r in range(busiest + 1, len(t))))
     free = float(totals.max()) + fill
-    lock = float(t.max(axis=0).sum()) + float(t[:-1, 0].sum())
+    ranks, chunks = t.shape
+    lock = sum(max(t[r, step - r] for r in range(ranks) if 0 <= step - r < chunks)  # step s: rank r runs chunk s - r
+               for step in range(chunks + ranks - 1))
     return {"one_process_s": round(single, 3), "rank_totals_s": [round(float(x), 3) for x in totals],
-            "free_running_s": round(free, 3), "lock_step_s": round(lock, 3),
+            "free_running_s": round(free, 3), "lock_step_s": round(float(lock), 3),
             "free_running_ratio": round(free / single, 4), "lock_step_ratio": round(lock / single, 4)}
 
 

@@ -26,6 +26,17 @@ def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> l
     return [0] + sorted(cuts) + [n]
 
 
+def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None, cache: list[LayerCache]) -> mx.array:
+    """Fill the MTP head's KV for one prefill chunk: position p gets (t_{p+1}, h_p). piece [1, S] tokens, h [1, S, H]
+    their post-norm hiddens, `carry` [1, H] the previous chunk's last hidden (None at the prompt's start); returns
+    this chunk's last hidden [1, H], which waits for the next chunk's first token."""
+    pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
+    pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
+    if pairs_t.size:
+        model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
+    return h[0, -1:]
+
+
 def prefill(
     model: Model,
     tokens: list[int],
@@ -62,11 +73,7 @@ def prefill(
         h = model.model(piece, cache[: len(model.layers)])  # [1, S, hidden]
         last = stop >= len(tokens)
         if mtp:
-            pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
-            pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
-            if pairs_t.size:
-                model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
-            carry = h[0, -1:]  # [1, H] waits for the next chunk's first token
+            carry = mtp_pairs(model, piece, h, carry, cache)
         if all_logits:
             logits.append(model.logits(h)[0])
             hidden.append(h[0])

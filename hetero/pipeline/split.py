@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.cache import LayerCache, cache_arrays
+from hetero.generate import mtp_pairs
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
 from hetero.pipeline.programs import Programs
@@ -117,12 +118,8 @@ class SplitPrefill:
 
             def finish(ch=ch, last=last) -> None:
                 h, piece = model.model.norm(ch.h), ch.piece  # [1, s, hidden], [1, s]
-                if mtp and model.has_mtp:  # the MTP head's KV: (t_{p+1}, h_p) pairs, as `generate.prefill` does
-                    prev = st["carry"]
-                    pairs_h = h[0, :-1] if prev is None else mx.concatenate([prev, h[0, :-1]])  # [m, H]
-                    pairs_t = piece[0, 1:] if prev is None else piece[0]
-                    if pairs_t.size:
-                        model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
+                if mtp and model.has_mtp:  # the MTP head's KV: (t_{p+1}, h_p) pairs, as `generate.prefill` fills it
+                    mtp_pairs(model, piece, h, st["carry"], cache)
                 out["hidden"] = st["carry"] = h[0, -1:]  # evaluated below: the next job may run on another thread
                 out["logits"] = model.logits(h[:, -1:])[0] if (logits and last) else None
                 mx.eval(out["hidden"], *([out["logits"]] if out["logits"] is not None else []), *cache_arrays(cache))
