@@ -255,4 +255,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hetero.errors import HeteroError
+
+    try:
+        sys.exit(main())
+    except HeteroError as e:  # a bad --model, a missing checkpoint: one line, no traceback
+        sys.exit(f"error: {e}")

@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "hetero-bench"))
     ap.add_argument("--out", default="bench/results/moe_prefill.json")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     reexec_with_fast_blas()
     mx.random.seed(0)
     out = {"environment": environment(), "args": vars(args)}

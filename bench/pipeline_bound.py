@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
 from hetero.cache import cache_arrays, expect_positions  # noqa: E402
+from hetero.errors import HeteroError  # noqa: E402
 from hetero.generate import chunk_edges, mtp_pairs  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 from hetero.planner.hosts import split_layers  # noqa: E402
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--out", default="bench/results/pipeline_bound.json")
     args = ap.parse_args()
+    for name in ("tokens", "ranks", "chunk"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     reexec_with_fast_blas()
     path = args.model
     if path in CHECKPOINTS:
@@ -108,4 +112,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except HeteroError as e:  # a bad --model: one line, no traceback
+        sys.exit(f"error: {e}")
