@@ -8,7 +8,8 @@ Errors (the ANE rejects the program or Core ML silently moves it to the CPU/GPU)
     pow         the `pow` op
     rsqrt-norm  a norm built as reduce -> (add eps) -> rsqrt/sqrt: overflows in fp16; use layer_norm(concat[x, -x])
     inf         an infinite or NaN constant (masks must use large finite negatives)
-    weights     more weight bytes than the per-program budget
+    weights     more weight bytes than the per-program budget (the functions of a multifunction package share
+                equal constants: each is counted once)
     seq         a (1, C, 1, S) input or output whose S is not a multiple of 64
 Warnings (runs, but slower or partly off the ANE):
     align       an input or output whose last axis is not a multiple of 64 bytes
@@ -17,6 +18,7 @@ Warnings (runs, but slower or partly off the ANE):
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +75,8 @@ def lint_program(prog: Program, name: str = "program", weight_budget: int = WEIG
     """Check every function of a MIL program against the ANE rules (see the module docstring)."""
     report = LintReport(name)
     add = lambda sev, rule, msg, where="": report.findings.append(Finding(sev, rule, msg, where))  # noqa: E731
-    weight_bytes = 0
+    weight_bytes, stored = 0, set()  # stored: the constants already counted (functions share equal ones)
+    shared = len(prog.functions) > 1
     for fname, func in prog.functions.items():
         boundary = [(f"input {n}", v) for n, v in func.inputs.items()] + [(f"output {v.name}", v) for v in func.outputs]
         for where, var in boundary:
@@ -90,7 +93,12 @@ def lint_program(prog: Program, name: str = "program", weight_budget: int = WEIG
             if op.op_type == "const":
                 val = op.outputs[0].val
                 if isinstance(val, np.ndarray) and np.issubdtype(val.dtype, np.floating):
-                    weight_bytes += val.nbytes
+                    if shared:  # a multifunction package stores each distinct constant once
+                        digest = (val.dtype.str, val.shape, hashlib.sha1(np.ascontiguousarray(val)).digest())
+                        weight_bytes += 0 if digest in stored else val.nbytes
+                        stored.add(digest)
+                    else:
+                        weight_bytes += val.nbytes
                     if not np.isfinite(val).all():
                         kind = "-inf" if np.isneginf(val).any() else ("inf" if np.isinf(val).any() else "NaN")
                         add("error", "inf", f"constant holds {kind}: masks need large finite negatives", where)
@@ -176,5 +184,6 @@ def export_packages(directory: str | os.PathLike) -> list[Path]:
         return [directory]
     manifest = directory / "manifest.json"
     if manifest.is_file():
-        return [directory / p["file"] for p in json.loads(manifest.read_text())["programs"]]
+        files = [p["file"] for p in json.loads(manifest.read_text())["programs"]]
+        return [directory / f for f in dict.fromkeys(files)]  # a multifunction package is listed once per function
     return sorted(directory.glob("*.mlpackage"))

@@ -1,10 +1,13 @@
-"""Saving a MIL program as an .mlpackage, and reading a saved package's MIL program back (any OS)."""
+"""Saving MIL programs as .mlpackage files (one function, or several sharing their weights), and reading a saved
+package's MIL program back (any OS)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import coremltools as ct
@@ -29,8 +32,26 @@ def save_program(prog: Program, path: str | os.PathLike) -> Path:
     return path
 
 
+def save_functions(progs: dict[str, Program], path: str | os.PathLike) -> Path:
+    """Write the single-function programs `progs` (function name -> program) as one multifunction .mlpackage at
+    `path` whose equal constants are stored once (`coremltools.utils.save_multifunction` deduplicates them across
+    functions); the first name is the default function. A multifunction package needs macOS 15 / iOS 18."""
+    if not progs:
+        raise ValueError("save_functions needs at least one program")
+    path = Path(path)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}.") as tmp:  # same disk: no copy across
+        desc = ct.utils.MultiFunctionDescriptor()
+        for name, prog in progs.items():
+            desc.add_function(str(save_program(prog, Path(tmp) / f"{name}.mlpackage")), "main", name)
+        desc.default_function_name = next(iter(progs))
+        with contextlib.redirect_stderr(io.StringIO()):
+            ct.utils.save_multifunction(desc, str(path))
+    return path
+
+
 def load_program(path: str | os.PathLike) -> Program:
-    """The MIL program stored in a saved .mlpackage, with its weights read from the package's weight file."""
+    """The MIL program stored in a saved .mlpackage (every function; `default_function_name` as the package
+    declares it), with its weights read from the package's weight file."""
     path = Path(path)
     if not (path / "Manifest.json").is_file():
         raise FileNotFoundError(f"{path} is not an .mlpackage (no Manifest.json)")
@@ -38,4 +59,12 @@ def load_program(path: str | os.PathLike) -> Program:
     spec = model.get_spec()
     if spec.WhichOneof("Type") != "mlProgram":
         raise ValueError(f"{path} holds a {spec.WhichOneof('Type')} model, not an ML Program")
-    return _load_milproto(spec, spec.specificationVersion, file_weights_dir=model.weights_dir)
+    prog = _load_milproto(spec, spec.specificationVersion, file_weights_dir=model.weights_dir)
+    if spec.description.defaultFunctionName:  # the loader leaves "main", which a multifunction package may not have
+        prog.default_function_name = spec.description.defaultFunctionName
+    return prog
+
+
+def remove_package(path: str | os.PathLike) -> None:
+    """Delete a package directory if it is there (a package is a folder; a half-written one too)."""
+    shutil.rmtree(path, ignore_errors=True)

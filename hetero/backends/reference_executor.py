@@ -44,17 +44,22 @@ class _Value:
 
 
 class ReferenceExecutor:
-    """Loads one .mlpackage and runs its `main` function with numpy (fp32 compute, fp16 at op boundaries)."""
+    """Loads one .mlpackage and runs one of its functions with numpy (fp32 compute, fp16 at op boundaries): the
+    function named `function`, else the package's default one (`main` in a single-function package)."""
 
-    def __init__(self, path: str | os.PathLike):
-        from coreml_graphs.package import load_program
+    def __init__(self, path: str | os.PathLike, function: str | None = None):
+        from coreml_graphs.package import load_program  # imports coremltools (seconds): only once a program loads
 
         self.path = Path(path)
         try:
             program = load_program(self.path)
         except (FileNotFoundError, ValueError) as e:
             raise HeteroError(f"cannot load Core ML program: {e}") from None
-        self.function = program.functions["main"]
+        self.function_name = program.default_function_name if function is None else function
+        if self.function_name not in program.functions:
+            raise HeteroError(f"{self.path.name} has no function {self.function_name!r} "
+                              f"(it has {', '.join(sorted(program.functions))})")
+        self.function = program.functions[self.function_name]
         self.ops = list(self.function.operations)
         unknown = sorted({op.op_type for op in self.ops} - SUPPORTED_OPS)
         if unknown:
