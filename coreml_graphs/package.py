@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import coremltools as ct
@@ -32,18 +32,20 @@ def save_program(prog: Program, path: str | os.PathLike) -> Path:
     return path
 
 
-def save_functions(progs: dict[str, Program], path: str | os.PathLike) -> Path:
-    """Write the single-function programs `progs` (function name -> program) as one multifunction .mlpackage at
-    `path` whose equal constants are stored once (`coremltools.utils.save_multifunction` deduplicates them across
-    functions); the first name is the default function. A multifunction package needs macOS 15 / iOS 18."""
-    if not progs:
-        raise ValueError("save_functions needs at least one program")
+def save_functions(progs: Iterable[tuple[str, Program]], path: str | os.PathLike) -> Path:
+    """Write the single-function programs `progs` ((function name, program) pairs, each saved and let go before
+    the next is taken) as one multifunction .mlpackage at `path` whose equal constants are stored once
+    (`coremltools.utils.save_multifunction` deduplicates them across functions); the first name is the default
+    function. A multifunction package needs macOS 15 / iOS 18."""
     path = Path(path)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}.") as tmp:  # same disk: no copy across
-        desc = ct.utils.MultiFunctionDescriptor()
-        for name, prog in progs.items():
+        desc, names = ct.utils.MultiFunctionDescriptor(), []
+        for name, prog in progs:
             desc.add_function(str(save_program(prog, Path(tmp) / f"{name}.mlpackage")), "main", name)
-        desc.default_function_name = next(iter(progs))
+            names.append(name)
+        if not names:
+            raise ValueError("save_functions needs at least one program")
+        desc.default_function_name = names[0]
         with contextlib.redirect_stderr(io.StringIO()):
             ct.utils.save_multifunction(desc, str(path))
     return path
@@ -63,8 +65,3 @@ def load_program(path: str | os.PathLike) -> Program:
     if spec.description.defaultFunctionName:  # the loader leaves "main", which a multifunction package may not have
         prog.default_function_name = spec.description.defaultFunctionName
     return prog
-
-
-def remove_package(path: str | os.PathLike) -> None:
-    """Delete a package directory if it is there (a package is a folder; a half-written one too)."""
-    shutil.rmtree(path, ignore_errors=True)
