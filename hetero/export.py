@@ -25,13 +25,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from hetero.backends.coreml_macos import compiled_owner, remove_compiled
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
 from hetero.planner import OFFLOADABLE, PieceSlice, Plan, make_plan
 from hetero.profiles import default_profile_name, load_profile
 
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 2  # 2: the GDN piece is named gdn_in_proj (format 1 exports are re-exported, not misread)
+MANIFEST_FORMAT = 3  # 3: buckets as functions of one package; 2: GDN piece gdn_in_proj (older: re-exported)
 BUILDER_VERSION = 1  # bump when a builder's graph changes: invalidates reuse of packages built before
 DEFAULT_CHUNK = 256
 DEFAULT_CONTEXT = 4096
@@ -156,6 +157,35 @@ def model_identity(path: Path, config: dict, args: ModelArgs) -> dict:
     }
 
 
+def function_name(context: int) -> str:
+    """The function of an attention package that serves context bucket `context`."""
+    return f"ctx{context}"
+
+
+def remove_export(package: Path) -> None:
+    """Delete an exported package together with every folder Core ML compiled from it (and half-made ones)."""
+    shutil.rmtree(package, ignore_errors=True)
+    remove_compiled(package)
+
+
+def remove_orphans(out: Path, packages: set[str]) -> None:
+    """Delete compiled folders in `out` whose package is not among `packages` (file names): left by an export
+    that removed its package before compiled folders were cleaned up with it."""
+    stems = {Path(p).stem for p in packages}
+    for entry in out.iterdir():
+        owner = compiled_owner(entry.name)
+        if owner is not None and owner not in stems:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _listed_files(out: Path) -> list[str]:
+    """The package files any readable manifest in `out` lists, whatever its format."""
+    try:
+        return [p["file"] for p in json.loads((out / MANIFEST).read_text())["programs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def read_manifest(out: str | os.PathLike) -> dict:
     """The manifest of an export directory; HeteroError when there is none or it is damaged."""
     file = Path(out) / MANIFEST
@@ -209,7 +239,7 @@ def export_plan(
     memory. Packages whose key matches the existing manifest's entry are reused; packages no longer in the plan
     are removed.
     """
-    from coreml_graphs.package import save_program  # first: quiets coremltools' import warnings off macOS
+    from coreml_graphs.package import save_functions, save_program  # first: quiets coremltools' import warnings
 
     import coremltools as ct
 
@@ -223,48 +253,60 @@ def export_plan(
     out.mkdir(parents=True, exist_ok=True)
     try:
         previous = {p["file"]: p for p in read_manifest(out)["programs"]}
-    except HeteroError:
-        previous = {}
+    except HeteroError:  # none, damaged or another format: nothing reused, but its packages are still removed
+        previous = {f: {} for f in _listed_files(out)}
 
-    jobs = []  # (slice, part index, part slice, context or None)
+    groups = []  # (slice, part index, part slice, its contexts: every bucket for attention, else [None])
     for s in plan.slices:
         for part, piece in enumerate(plan.program_parts(s)):
-            for ctx in contexts if s.piece == "attention" else [None]:
-                jobs.append((s, part, piece, ctx))
-    programs = []
-    for n, (s, part, piece, ctx) in enumerate(jobs):
-        shape, weights, build = build_piece(args, net, piece, plan.chunk, ctx or plan.chunk)
+            groups.append((s, part, piece, contexts if s.piece == "attention" else [None]))
+    total, programs = sum(len(g[-1]) for g in groups), []
+    for s, part, piece, ctxs in groups:
+        shape, weights, build = build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk)
+        shapes = {ctxs[0]: shape}  # every bucket embeds the same weights: only the shapes differ
+        shapes.update({c: build_piece(args, net, piece, plan.chunk, c)[0] for c in ctxs[1:]})
         digest = weights_sha256(weights)
-        key = hashlib.sha256(
-            json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(shape), digest]).encode()
-        ).hexdigest()
-        suffix = f"_ctx{ctx}" if ctx else ""
+        keys = [hashlib.sha256(json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(sh), digest])
+                               .encode()).hexdigest() for sh in shapes.values()]
+        key = keys[0] if len(keys) == 1 else hashlib.sha256(json.dumps(keys).encode()).hexdigest()
+        multi = len(ctxs) > 1  # one package, one function per bucket, the weights stored once
+        suffix = f"_ctx{ctxs[0]}" if ctxs[0] and not multi else ""
         file = f"layer{s.layer:02d}_{s.piece}_part{part}{suffix}.mlpackage"
         reused = previous.get(file, {}).get("key") == key and (out / file / "Manifest.json").is_file()
         if not reused:
-            shutil.rmtree(out / file, ignore_errors=True)
-            save_program(build(shape, weights), out / file)
-        programs.append(
-            {
-                "file": file,
-                "layer": s.layer,
-                "piece": s.piece,
-                "slice": [s.start, s.stop],
-                "part": [piece.start, piece.stop],
-                "context": ctx,
-                "shape": asdict(shape),
-                "inputs": {k: list(v) for k, v in shape.inputs().items()},
-                "outputs": {k: list(v) for k, v in shape.outputs().items()},
-                "weights_sha256": digest,
-                "weight_bytes": int(sum(np.asarray(a).size for a in asdict(weights).values()) * 2),
-                "key": key,
-                "reused": reused,
-            }
-        )
-        if progress is not None:
-            progress(n + 1, len(jobs))
-    for stale in set(previous) - {p["file"] for p in programs}:
-        shutil.rmtree(out / stale, ignore_errors=True)
+            remove_export(out / file)
+            if multi:  # built one at a time as the save consumes them
+                save_functions(((function_name(c), build(sh, weights)) for c, sh in shapes.items()), out / file)
+            else:
+                save_program(build(shape, weights), out / file)
+        weight_bytes = int(sum(np.asarray(a).size for a in asdict(weights).values()) * 2)
+        for i, (ctx, shape) in enumerate(shapes.items()):
+            programs.append(
+                {
+                    "file": file,
+                    **({"function": function_name(ctx)} if multi else {}),
+                    "layer": s.layer,
+                    "piece": s.piece,
+                    "slice": [s.start, s.stop],
+                    "part": [piece.start, piece.stop],
+                    "context": ctx,
+                    "shape": asdict(shape),
+                    "inputs": {k: list(v) for k, v in shape.inputs().items()},
+                    "outputs": {k: list(v) for k, v in shape.outputs().items()},
+                    "weights_sha256": digest,
+                    # the bytes this entry adds: a package's later functions share its first one's weights
+                    "weight_bytes": 0 if i else weight_bytes,
+                    "key": key,
+                    "reused": reused,
+                }
+            )
+            if progress is not None:
+                progress(len(programs), total)
+        del weights  # one slice's fp32 weights at a time
+    current = {p["file"] for p in programs}
+    for stale in set(previous) - current:
+        remove_export(out / stale)
+    remove_orphans(out, current)
     manifest = {
         "format": MANIFEST_FORMAT,
         "model": model_identity(path, config, args),
