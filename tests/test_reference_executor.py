@@ -15,11 +15,14 @@ from coremltools.converters.mil.mil import types
 
 from hetero.export import (
     PieceSlice,
+    build_piece,
     export_coreml,
     read_manifest,
 )
+from coreml_graphs.attention import AttentionShape, attention_masks, cache_inputs, rope_tables
 from coreml_graphs.ops import DEPLOYMENT_TARGET
-from coreml_graphs.package import save_program
+from coreml_graphs.package import save_functions, save_program
+from hetero.backends import coreml_macos
 from hetero.backends.accuracy import compare
 from hetero.backends.reference_executor import ReferenceExecutor
 from hetero.backends.reference_prefill import prefill_with_attention_programs
@@ -116,6 +119,32 @@ def test_not_a_package_is_a_one_line_error(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------------
 # Interim plan and budget split
+
+
+def test_a_multifunction_function_runs_bit_identically_to_its_single_function_program(tmp_path):
+    """Each context bucket's function of a weight-sharing package (`save_functions`, coremltools'
+    save_multifunction) gives exactly the outputs of the single-function program it was made from."""
+    model = tiny_model(8)
+    args, rng = model.args, np.random.default_rng(4)
+    progs, singles = {}, {}
+    for ctx in (128, 256):
+        shape, w, build = build_piece(args, model, PieceSlice(1, "attention", 0, 2), chunk=64, context=ctx)
+        progs[f"ctx{ctx}"] = build(shape, w)
+        singles[ctx] = (shape, save_program(build(shape, w), tmp_path / f"single{ctx}.mlpackage"))
+    multi = save_functions(progs.items(), tmp_path / "multi.mlpackage")
+    for ctx, (shape, single) in singles.items():
+        start = shape.cache_slots - 32  # a chunk whose cache is mostly full
+        keys, values = (rng.standard_normal((1, 2, start, args.head_dim)).astype(np.float16) for _ in range(2))
+        x = rng.standard_normal((1, args.hidden_size, 1, 64)).astype(np.float16)
+        inputs = {"x": x, **rope_tables(start, shape, args.rope_theta), **attention_masks(start, shape),
+                  **cache_inputs(keys, values, shape)}
+        ours, ref = ReferenceExecutor(multi, f"ctx{ctx}")(inputs), ReferenceExecutor(single)(inputs)
+        assert ours.keys() == ref.keys() and all(np.array_equal(ours[k], ref[k]) for k in ref), ctx
+    assert ReferenceExecutor(multi).function_name == "ctx128"  # the first function is the default
+    with pytest.raises(HeteroError, match="no function 'ctx512'.*ctx128, ctx256"):
+        ReferenceExecutor(multi, "ctx512")
+    with pytest.raises(HeteroError, match="no function 'ctx128'"):
+        ReferenceExecutor(singles[128][1], "ctx128")
 
 
 def test_export_slices_come_from_the_planner():
@@ -231,6 +260,22 @@ def test_coreml_runtime_matches_the_reference_executor(export_full):
     ours = load(out / p["file"])(x)["out"]
     ref = ReferenceExecutor(out / p["file"])(x)["out"]
     assert compare(ours, ref)["cosine"] >= 0.9999
+
+
+@macos
+def test_coreml_runs_each_bucket_function_like_the_reference_executor(checkpoint, tmp_path):
+    """A multifunction attention package on the real Core ML (CompiledMLModel with function_name)."""
+    manifest = export_coreml(checkpoint, tmp_path / "mf", 0.5, chunk=64, contexts=[64, 128])
+    rng = np.random.default_rng(1)
+    for p in (p for p in manifest["programs"] if p["piece"] == "attention"):
+        shape = AttentionShape(**p["shape"])
+        start = shape.cache_slots
+        kv = (rng.standard_normal((1, shape.kv_heads, start, shape.head_dim)).astype(np.float16) for _ in range(2))
+        inputs = {"x": rng.standard_normal(p["inputs"]["x"]).astype(np.float16), **rope_tables(start, shape, 1e7),
+                  **attention_masks(start, shape), **cache_inputs(*kv, shape)}
+        ours = coreml_macos.load(tmp_path / "mf" / p["file"], p["function"], report=False)(inputs)
+        ref = ReferenceExecutor(tmp_path / "mf" / p["file"], p["function"])(inputs)
+        assert all(ours[k].dtype == np.float32 and compare(ours[k], ref[k])["cosine"] >= 0.9999 for k in ref)
 
 
 @macos
