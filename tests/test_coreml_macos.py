@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import sys
+import tempfile
 import weakref
 from pathlib import Path
 
@@ -144,9 +146,6 @@ class CompilerStandIn:
         self.calls, self.fail_after = [], fail_after
 
     def __call__(self, src: str, dst: str) -> str:
-        import shutil
-        import tempfile
-
         self.calls.append((src, dst))
         build = Path(tempfile.mkdtemp()) / "compiled.mlmodelc"
         build.mkdir()
@@ -177,8 +176,6 @@ def test_a_reexported_package_never_loads_the_old_build(tmp_path):
     legacy = tmp_path / "p.mlmodelc"  # what an older hetero compiled beside the package
     legacy.mkdir()
     old = compile_package(pkg, CompilerStandIn())
-    import shutil
-
     shutil.rmtree(pkg)
     fake_package(pkg, b"new weights")
     new = compile_package(pkg, CompilerStandIn())
@@ -223,8 +220,13 @@ def test_the_digest_follows_every_file_of_the_package(tmp_path):
     a = fake_package(tmp_path / "a.mlpackage")
     b = fake_package(tmp_path / "b.mlpackage")
     assert package_digest(a) == package_digest(b)
-    (b / "Data/com.apple.CoreML/weights/weight.bin").write_bytes(b"w" * 63 + b"x")
-    assert package_digest(a) != package_digest(b)
+    assert package_digest(fake_package(tmp_path / "c.mlpackage", b"w" * 63 + b"x")) != package_digest(a)
+    first = package_digest(b)
+    shutil.rmtree(b)  # as an export rewrites a package: removed, then saved anew
+    fake_package(b, b"w" * 63)  # another size: same-size rewrites within a clock tick are the memo's blind spot
+    assert package_digest(b) != first
+    (b / "Data/com.apple.CoreML/extra.bin").write_bytes(b"")  # a new file, even an empty one, counts
+    assert package_digest(b) != first and package_digest(a) == first
 
 
 def test_compiled_folder_names_map_back_to_their_package():

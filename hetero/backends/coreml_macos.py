@@ -42,6 +42,7 @@ import numpy as np
 from hetero.errors import HeteroError
 
 _LOADED: dict[tuple[Path, str | None], "CoreMLProgram"] = {}
+_DIGESTS: dict[tuple, str] = {}  # (package, its files' inode / size / mtime) -> content hash, for this process
 DIGEST_CHARS = 16  # hex digits of the content hash in a compiled folder's name
 _COMPILED = re.compile(rf"^(?P<stem>.+)\.[0-9a-f]{{{DIGEST_CHARS}}}\.mlmodelc$")
 _TEMP_PREFIX = ".compiling-"
@@ -126,17 +127,25 @@ class ProgramRunner:
 
 
 def package_digest(package: Path) -> str:
-    """sha256 over the package's files (relative paths and contents, in sorted order)."""
+    """sha256 over the package's files (relative paths and contents, in sorted order). Hashed once per process
+    while its files keep their inode, size and mtime (a package's functions load one by one): a package saved
+    anew (the export removes, then writes it) rehashes; an in-place rewrite of a file to the same size within one
+    filesystem clock tick (milliseconds) of the hash would not, in the same process."""
     if not (package / "Manifest.json").is_file():
         raise HeteroError(f"{package} is not an .mlpackage (no Manifest.json); re-run hetero convert --coreml")
-    h = hashlib.sha256()
-    for f in sorted(p for p in package.rglob("*") if p.is_file()):
-        h.update(str(f.relative_to(package)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 24), b""):
-                h.update(block)
-        h.update(b"\0")
-    return h.hexdigest()
+    files = sorted(p for p in package.rglob("*") if p.is_file())
+    stats = [(st.st_ino, st.st_size, st.st_mtime_ns) for st in (f.stat() for f in files)]
+    memo = (package.resolve(), tuple(zip(map(str, files), stats)))
+    if memo not in _DIGESTS:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(str(f.relative_to(package)).encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+            h.update(b"\0")
+        _DIGESTS[memo] = h.hexdigest()
+    return _DIGESTS[memo]
 
 
 def compiled_path(package: Path, digest: str) -> Path:
