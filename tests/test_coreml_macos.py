@@ -345,3 +345,28 @@ def test_device_kinds_from_coremltools_device_classes():
              (cd.MLNeuralEngineComputeDevice, cd.MLGPUComputeDevice, cd.MLCPUComputeDevice)}
     assert kinds == {"MLNeuralEngineComputeDevice": "ane", "MLGPUComputeDevice": "gpu", "MLCPUComputeDevice": "cpu"}
     assert device_kind(None) is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On a Mac only: the real binding releases what the hold keeps
+
+macos = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML predictions need macOS")
+
+
+@macos
+def test_core_ml_releases_its_inputs_so_the_hold_drains(checkpoint, tmp_path):
+    """The real `CompiledMLModel.predict`: after a burst of calls and Core ML's ~1 s linger, one more call frees
+    every earlier call's inputs (the hold keeps at most the calls Core ML still has bound)."""
+    import time
+
+    from hetero.backends.coreml_macos import load
+
+    manifest = export_coreml(checkpoint, tmp_path / "e", 0.5, chunk=64, contexts=[128])
+    p = next(p for p in manifest["programs"] if p["piece"] == "mlp")
+    program = load(tmp_path / "e" / p["file"], report=False)
+    x = {"x": np.random.default_rng(0).standard_normal(p["inputs"]["x"]).astype(np.float16)}
+    for _ in range(20):
+        assert program(x)["out"].dtype == np.float32
+    time.sleep(3)
+    program(x)
+    assert len(program.run.hold.calls) <= 2, program.run.hold.nbytes
