@@ -7,8 +7,10 @@ weight hashes, the plan's slices, every program's shapes, the chunk size, the co
 version. An MoE layer's `shared_expert` slice is the MLP program over the shared expert's weights (the router and
 the routed experts never leave the GPU). The pipeline exports its split's plan on first use
 (`hetero.pipeline.programs.ensure_export`); `hetero convert --coreml` plans a fraction for a checkpoint
-(`export_coreml`), exports it into a directory and lints it. A re-run reuses every package whose key (weights
-hash + shape + builder version) is unchanged.
+(`export_coreml`), exports it into a directory and lints it. With several context buckets, an attention slice's
+buckets are the functions of one package (`ctx<T>`, weights stored once; the manifest entries name their
+`function`). A re-run reuses every package whose key (weights hash + shape + builder version) is unchanged and
+removes the others together with the folders Core ML compiled from them.
 """
 
 from __future__ import annotations
