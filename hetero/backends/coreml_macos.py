@@ -76,22 +76,23 @@ class InputHold:
     `keep` must get arrays nothing else references (fresh copies) before they are handed over; `sweep` drops the
     calls whose arrays are each back to one reference (the hold's own list), read from the object headers."""
 
-    calls: list[tuple[list[np.ndarray], list[int]]] = field(default_factory=list)
+    calls: list[tuple[list[np.ndarray], list[int], int]] = field(default_factory=list)  # arrays, addresses, bytes
 
     def keep(self, arrays: list[np.ndarray]) -> None:
-        self.calls.append((arrays, [id(a) for a in arrays]))  # id(): the object's address in CPython
+        """Hold one call's arrays; from here on only their addresses are read (id(): the address in CPython)."""
+        self.calls.append((arrays, [id(a) for a in arrays], sum(a.nbytes for a in arrays)))
 
     def sweep(self) -> int:
         """Drop (and so free, on this thread) every call whose arrays Core ML has released; returns how many."""
-        done = [i for i, (_, addresses) in enumerate(self.calls) if all(_refcount(a) == 1 for a in addresses)]
+        done = [i for i, (_, addresses, _) in enumerate(self.calls) if all(_refcount(a) == 1 for a in addresses)]
         for i in reversed(done):
             del self.calls[i]
         return len(done)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of input arrays still held."""
-        return sum(a.nbytes for arrays, _ in self.calls for a in arrays)
+        """Bytes of input arrays still held (counted at `keep`: reading the arrays would take references)."""
+        return sum(n for _, _, n in self.calls)
 
 
 class ProgramRunner:
