@@ -52,7 +52,27 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
 
+def dtype_arg(text: str):
+    """argparse type for --dtype: a dtype name -> mx.Dtype (a bad name: one line naming the choices)."""
+    from hetero.loader import parse_dtype
+
+    try:
+        return parse_dtype(text)
+    except HeteroError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_dtype(p: argparse.ArgumentParser) -> None:
+    """--dtype, the one parser of it for every command that loads a model to compute with."""
+    from hetero.loader import DTYPES, dtype_name, platform_dtype
+
+    p.add_argument("--dtype", type=dtype_arg, default=dtype_name(platform_dtype()), metavar="{" + ",".join(DTYPES) + "}",
+                   help="compute dtype the model loads in (the platform's: float32 on a CPU, bfloat16 on a GPU; "
+                   "the ANE lane computes fp16 whatever it is)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from hetero.pipeline.tolerance import tolerance_table
     from hetero.speculative import MAX_DEPTH
 
     depth = Bound(1, MAX_DEPTH, integer=True)
@@ -63,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text for a prompt")
     run.set_defaults(func=cmd_run)
     _add_model(run)
+    _add_dtype(run)
     run.add_argument("--prompt", required=True, help="prompt text, or - to read it from stdin")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--max-tokens", type=POSITIVE_INT, default=256, help="most tokens to generate")
@@ -82,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "or 'auto' (this machine's measured profile, verified on a calibration prompt; default: GPU-only)")
     run.add_argument("--verify", action="store_true", help="with --ane-fraction: rerun GPU-only and compare; under "
                      "mlx.launch: rerun in one process on rank 0 and compare; exit 3 on mismatch")
-    run.add_argument("--verify-tol", type=NONNEG, default=0.02,
-                     help="largest max|logit diff| / max|GPU-only logit| at the last position that still matches")
+    run.add_argument("--verify-tol", type=NONNEG, default=None,
+                     help="largest max|split - GPU-only| / max|GPU-only| over the last logits and every cache array "
+                     "that still matches (default: the dtype's, measured against float64: "
+                     + ", ".join(f"{k} {v:g}" for k, v in tolerance_table().items()) + ")")
     run.add_argument("--verify-tokens", type=POSITIVE_INT, default=32, help="greedy tokens that must be identical")
     run.add_argument("--trace", metavar="FILE",
                      help="with --ane-fraction: write a Chrome trace (one track per device; default: no trace)")
@@ -100,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="measure plain decoding and MTP draft depths here; save the fastest")
     tune.set_defaults(func=cmd_tune)
     _add_model(tune)
+    _add_dtype(tune)
     tune.add_argument("--tokens", type=POSITIVE_INT, default=256, help="tokens decoded per prompt and setting")
     tune.add_argument("--devices", action="store_true",
                       help="measure the GPU lane (MLX) and the ANE lane (with --model: at its shapes); save them as "
@@ -108,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a prefix cache")
     serve.set_defaults(func=cmd_serve)
     _add_model(serve)
+    _add_dtype(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=PORT, default=8080, help="TCP port to listen on")
     serve.add_argument("--api-key", default=os.environ.get("HETERO_API_KEY"),
@@ -180,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("prefill", help="prefill a prompt and write mlx-lm's prompt-cache file (mlx_lm.generate --prompt-cache-file)")
     pre.set_defaults(func=cmd_prefill)
     _add_model(pre)
+    _add_dtype(pre)
     pre.add_argument("--prompt-file", required=True, help="the prompt: a UTF-8 text file, or - for stdin")
     pre.add_argument("--out", required=True, help="the .safetensors prompt-cache file to write")
     pre.add_argument("--prefill-chunk", type=POSITIVE_INT, default=None, help="prompt tokens per prefill step (default: 512; 256 split)")
@@ -199,7 +225,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if status is not None:
             return status
     prompt = read_prompt(args.prompt)
-    engine = hetero.load(args.model)
+    engine = hetero.load(args.model, args.dtype)
     engine.memory_gb = args.memory_gb
     split = _split_run(engine, args)
     if split is not None:
@@ -306,7 +332,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 0
     from hetero.tune import tune
 
-    engine = hetero.load(args.model)
+    engine = hetero.load(args.model, args.dtype)
     if not engine.model.has_mtp:
         raise HeteroError(f"{engine.name} has no MTP head: there is no draft depth to tune")
     tune(engine, tokens=args.tokens)
@@ -325,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if status is not None:
             return status
 
+    # the server loads its model itself: in args.dtype, which main's `using_dtype` makes the default
     serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
           args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name, args.ane_fraction,
           args.prefill_chunk, args.max_concurrent, args.default_max_tokens, args.max_body_mb, args.decode_share,
@@ -401,7 +428,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         except OSError as e:
             raise HeteroError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
     start = time.perf_counter()
-    engine = hetero.load(args.model)
+    engine = hetero.load(args.model, args.dtype)
     meta = {"model": str(args.model or BUNDLED_MODEL), "tokenizer_config": "{}"}
     n = prefill_to_file(engine, text, args.out, ane_fraction=args.ane_fraction, chunk=args.prefill_chunk,
                         verify=args.verify, metadata=meta)
@@ -447,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return args.func(args)
+        from hetero.loader import using_dtype
+
+        with using_dtype(getattr(args, "dtype", None)):  # also the loads that take no dtype (server, ranks)
+            return args.func(args)
     except HeteroError as e:
         if args.debug:
             raise
