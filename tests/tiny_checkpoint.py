@@ -38,7 +38,15 @@ def write_tiny_model(path: Path, seed: int = 0, max_context: int = 4096) -> Path
         mtp_num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=max_context,
         eos_token_id=2, rms_norm_eps=1e-6,
     )
-    model = Model(ModelArgs.from_config(config), with_mtp=True)
+    weights = random_weights(Model(ModelArgs.from_config(config), with_mtp=True), seed)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def random_weights(model: Model, seed: int) -> dict[str, mx.array]:
+    """fp32 weights for every parameter of `model`: fan-in scaled normals, zero-centred norms, decays from weak to
+    strong, logits spread over a few units (clear greedy choices)."""
     rng = np.random.default_rng(seed)
     weights = {}
     for name, p in tree_flatten(model.parameters()):
@@ -53,6 +61,32 @@ def write_tiny_model(path: Path, seed: int = 0, max_context: int = 4096) -> Path
         else:
             v = rng.standard_normal(p.shape) / math.sqrt(p.shape[-1])
         weights[name] = mx.array(v.astype(np.float32))
+    return weights
+
+
+# Qwen3.5-9B's layer shapes at an eighth of its width: head_dim 256, GDN key and value heads of 128, hidden =
+# query heads x head_dim = value heads x 128 = 2 x key heads x 128, intermediate = 3 x hidden, partial RoPE 0.25 at
+# theta 1e7, one attention layer in four. Only the width (and GQA 2 instead of 4, so a half split takes whole KV
+# groups) is scaled down.
+REAL_SHAPES = dict(
+    model_type="qwen3_5_text", hidden_size=512, num_hidden_layers=4, intermediate_size=1536,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=256, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    full_attention_interval=4, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                "partial_rotary_factor": 0.25},
+    mtp_num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=4096, eos_token_id=2,
+    rms_norm_eps=1e-6,
+)
+
+
+def write_real_shape_model(path: Path, seed: int = 0, layers: int = 4) -> Path:
+    """Write a random checkpoint with Qwen3.5's real layer shapes (`REAL_SHAPES`, `layers` deep) and the tiny
+    model's tokenizer to `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer([TEXT] * 4, vocab_size=320)
+    save_tokenizer(tok, path)
+    config = dict(REAL_SHAPES, num_hidden_layers=layers, vocab_size=64 * math.ceil(tok.get_vocab_size() / 64))
+    weights = random_weights(Model(ModelArgs.from_config(config), with_mtp=True), seed)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path

@@ -1,0 +1,201 @@
+"""A float64 numpy oracle of a dense Qwen3.5 prefill, and each path's measured error against it.
+
+The oracle runs the weights a model holds (its own dtype's values, widened exactly to float64), so what it measures
+is the arithmetic of a path, not the rounding of its weights: the split and the GPU-only run share those weights,
+and `--verify` compares the two. It follows shared/DESIGN.md section 2 with the GDN recurrence token by token.
+
+    python tests/oracle64.py        # the table of docs/planner.md "Verify tolerance per dtype"
+"""
+
+from __future__ import annotations
+
+import hetero  # noqa: F401  first: it puts the fast BLAS under MLX before mlx.core loads
+import mlx.core as mx
+import numpy as np
+
+from hetero.cache import KVCache
+
+
+def f64(a: mx.array) -> np.ndarray:
+    """An MLX array widened exactly to float64 numpy (bf16 and fp16 go through fp32, which holds them exactly)."""
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _rope(x: np.ndarray, dims: int, theta: float) -> np.ndarray:
+    """NeoX rotate_half on the first `dims` of x [H, S, D] at positions 0..S-1."""
+    half = dims // 2
+    inv = theta ** (-np.arange(half, dtype=np.float64) * 2 / dims)  # [half]
+    ang = np.arange(x.shape[1], dtype=np.float64)[:, None] * inv  # [S, half]
+    cos, sin = np.cos(ang), np.sin(ang)
+    a, b = x[..., :half], x[..., half:dims]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin, x[..., dims:]], -1)
+
+
+def _attention(attn, args, x: np.ndarray) -> tuple[np.ndarray, dict]:
+    """x [S, hidden] -> (out [S, hidden], {"keys", "values": [Hkv, S, D]})."""
+    S, H, Hkv, D = x.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
+    eps, rot = args.rms_norm_eps, args.rotary_dims
+    qg = (x @ f64(attn.q_proj.weight).T).reshape(S, H, 2 * D)  # [S, H, 2D]: query, then gate
+    q, gate = qg[..., :D], qg[..., D:]
+    k = (x @ f64(attn.k_proj.weight).T).reshape(S, Hkv, D)
+    v = (x @ f64(attn.v_proj.weight).T).reshape(S, Hkv, D).transpose(1, 0, 2)  # [Hkv, S, D]
+    q = _rope(_rms(q, f64(attn.q_norm.weight), eps).transpose(1, 0, 2), rot, args.rope_theta)  # [H, S, D]
+    k = _rope(_rms(k, f64(attn.k_norm.weight), eps).transpose(1, 0, 2), rot, args.rope_theta)  # [Hkv, S, D]
+    kv = np.repeat(np.arange(Hkv), H // Hkv)  # query head h reads KV head h // (H / Hkv)
+    scores = q @ k[kv].transpose(0, 2, 1) * D**-0.5  # [H, S, S]
+    scores = np.where(np.tril(np.ones((S, S), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    out = (p / p.sum(-1, keepdims=True)) @ v[kv]  # [H, S, D]
+    out = out.transpose(1, 0, 2) * _sigmoid(gate)  # [S, H, D]
+    return out.reshape(S, H * D) @ f64(attn.o_proj.weight).T, {"keys": k, "values": v}
+
+
+def _gdn(gdn, args, x: np.ndarray) -> tuple[np.ndarray, dict]:
+    """x [S, hidden] -> (out [S, hidden], {"conv window": [K-1, C], "recurrent state": [Hv, Dk, Dv]})."""
+    S, nk, nv, dk, dv, K = x.shape[0], gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.kernel
+    qkv = x @ f64(gdn.in_proj_qkv.weight).T  # [S, C]
+    z = (x @ f64(gdn.in_proj_z.weight).T).reshape(S, nv, dv)
+    b, a = x @ f64(gdn.in_proj_b.weight).T, x @ f64(gdn.in_proj_a.weight).T  # [S, Hv]
+    conv_in = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv])  # [K-1+S, C]
+    w = f64(gdn.conv1d.weight)[:, :, 0]  # [C, K]
+    conv = _silu(sum(conv_in[j : j + S] * w[:, j] for j in range(K)))  # [S, C]
+    q, k = conv[:, : nk * dk].reshape(S, nk, dk), conv[:, nk * dk : 2 * nk * dk].reshape(S, nk, dk)
+    v = conv[:, 2 * nk * dk :].reshape(S, nv, dv)
+    l2 = lambda t: t / np.sqrt((t * t).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    q, k = np.repeat(l2(q), nv // nk, 1) * dk**-0.5, np.repeat(l2(k), nv // nk, 1)  # [S, Hv, Dk]
+    beta = _sigmoid(b)
+    g = -np.exp(f64(gdn.A_log)) * np.logaddexp(a + f64(gdn.dt_bias), 0.0)  # [S, Hv]
+    state, outs = np.zeros((nv, dk, dv)), []
+    for t in range(S):  # S = alpha S; u = beta (v - S^T k); S += k u^T; o = S^T q
+        state = state * np.exp(g[t])[:, None, None]
+        u = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", state, k[t]))  # [Hv, Dv]
+        state = state + k[t][:, :, None] * u[:, None, :]
+        outs.append(np.einsum("hkv,hk->hv", state, q[t]))
+    core = np.stack(outs)  # [S, Hv, Dv]
+    out = _rms(core, f64(gdn.norm.weight), args.rms_norm_eps) * _silu(z)
+    return out.reshape(S, nv * dv) @ f64(gdn.out_proj.weight).T, {"conv window": conv_in[-(K - 1):],
+                                                                  "recurrent state": state}
+
+
+def prefill64(model, ids: list[int]) -> tuple[np.ndarray, list[dict]]:
+    """The float64 prefill of `ids` from the weights `model` holds: (last position's logits [V], per layer the
+    arrays its cache holds, named as `hetero.pipeline.run.cache_difference` names them)."""
+    args, inner = model.args, model.model
+    eps = args.rms_norm_eps
+    h = f64(inner.embed_tokens.weight)[np.array(ids)]  # [S, hidden]
+    caches = []
+    for layer in model.layers:
+        if not hasattr(layer.mlp, "gate_proj"):
+            raise NotImplementedError("the oracle covers dense MLPs, not mixtures of experts")
+        x = _rms(h, f64(layer.input_layernorm.weight), eps)
+        mix, cache = (_gdn(layer.linear_attn, args, x) if layer.is_linear else _attention(layer.self_attn, args, x))
+        h = h + mix
+        x = _rms(h, f64(layer.post_attention_layernorm.weight), eps)
+        m = layer.mlp
+        h = h + (_silu(x @ f64(m.gate_proj.weight).T) * (x @ f64(m.up_proj.weight).T)) @ f64(m.down_proj.weight).T
+        caches.append(cache)
+    last = _rms(h[-1], f64(inner.norm.weight), eps)
+    head = inner.embed_tokens.weight if args.tie_word_embeddings else model.lm_head.weight
+    return f64(head) @ last, caches
+
+
+def greedy64(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after `ids` by the float64 oracle (the whole sequence again for each: small models only)."""
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(prefill64(model, ids + out)[0])))
+    return out
+
+
+def cache_arrays(cache: list) -> list[dict]:
+    """A filled hetero cache as the oracle names its arrays (K/V [Hkv, n, D]; conv [K-1, C]; state [Hv, Dk, Dv])."""
+    out = []
+    for c in cache:
+        if isinstance(c, KVCache):
+            out.append({"keys": f64(c.keys[0, :, : c.offset]), "values": f64(c.values[0, :, : c.offset])})
+        else:
+            out.append({"conv window": f64(c.conv[0]), "recurrent state": f64(c.recurrent[0])})
+    return out
+
+
+def rel(x: np.ndarray, truth: np.ndarray) -> float:
+    """max |x - truth| / max |truth|: the measure `verify` applies to split against GPU-only."""
+    return float(np.abs(x - truth).max() / max(np.abs(truth).max(), 1e-300))
+
+
+def errors(logits: np.ndarray, cache: list[dict], truth: tuple[np.ndarray, list[dict]]) -> dict:
+    """A path's error against the oracle: {"logits", "cache" (the worst array), "worst"}."""
+    t_logits, t_cache = truth
+    worst, where = 0.0, ""
+    for i, (ours, theirs) in enumerate(zip(cache, t_cache, strict=True)):
+        for name in theirs:
+            e = rel(ours[name], theirs[name])
+            if e > worst:
+                worst, where = e, f"layer {i} {name}"
+    return {"logits": rel(logits, t_logits), "cache": worst, "worst": where}
+
+
+def measure(engine, ids: list[int], fraction: float, chunk: int = 64) -> dict:
+    """Errors against the float64 oracle of the GPU-only prefill and of the split at `fraction`, and the two
+    paths' difference as `verify` measures it (max of logits and caches)."""
+    from hetero.generate import prefill
+    from hetero.pipeline import configure
+
+    model = engine.model
+    truth = prefill64(model, ids)
+    gpu_cache = model.make_cache()
+    ref, _ = prefill(model, ids, gpu_cache, chunk)
+    run = configure(engine, fraction, chunk)
+    split_cache = model.make_cache()
+    res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True)
+    n = len(model.layers)
+    gpu = errors(f64(ref[-1]), cache_arrays(gpu_cache[:n]), truth)
+    split = errors(f64(res.logits[-1]), cache_arrays(split_cache[:n]), truth)
+    g_logits, g_cache = f64(ref[-1]), cache_arrays(gpu_cache[:n])
+    between = errors(f64(res.logits[-1]), cache_arrays(split_cache[:n]), (g_logits, g_cache))
+    return {"gpu": gpu, "split": split, "split_vs_gpu": between}
+
+
+def main() -> None:
+    """Print the measurements behind `hetero/pipeline/tolerance.py` (docs/planner.md): each checkpoint, prompt
+    length and dtype, GPU-only and split (fraction 0.5) against float64, and the split against GPU-only."""
+    import tempfile
+    from pathlib import Path
+
+    import hetero
+    from tiny_checkpoint import write_real_shape_model, write_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="oracle64-"))
+    text = "".join(open(Path(__file__).parent / name).read() for name in ("test_pipeline.py", "test_cli.py"))
+    short = "def add(a, b):\n    return a + b\n" * 12
+    models = {"bundled": None, "real-shape seed 0": write_real_shape_model(root / "r0", 0),
+              "real-shape seed 1": write_real_shape_model(root / "r1", 1), "tiny": write_tiny_model(root / "t")}
+    for label, path in models.items():
+        for n in (None, 1024):
+            if n is not None and label in ("tiny", "real-shape seed 1"):
+                continue
+            for name, dtype in (("float32", mx.float32), ("bfloat16", mx.bfloat16), ("float16", mx.float16)):
+                engine = hetero.load(path, dtype)
+                ids = engine.encode_prompt(short, False)[:-1] if n is None else engine.tokenizer.encode(text)[:n]
+                if label == "bundled" and n is None:
+                    ids = engine.tokenizer.encode(open(Path(__file__).parent / "test_pipeline.py").read())[:149]
+                m = measure(engine, ids, 0.5)
+                cells = " | ".join(f"{max(m[k]['logits'], m[k]['cache']):.2e} ({m[k]['worst'] or '-'})"
+                                   for k in ("gpu", "split", "split_vs_gpu"))
+                print(f"| {label} | {len(ids)} | {name} | {cells} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The Mac's dtypes in CI: the split prefill and `--verify` in bf16 and fp16 as well as fp32, on a random checkpoint
+with Qwen3.5's real layer shapes, checked against a float64 oracle (`oracle64.py`); `--dtype` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import hetero
+import hetero.pipeline.run as run_module
+from hetero.cli import main
+from hetero.loader import default_dtype, platform_dtype
+from hetero.pipeline import configure, verify
+from hetero.pipeline.tolerance import ANE_DTYPE, K, REFERENCE_ERROR, verify_tolerance
+from oracle64 import f64, measure, prefill64
+from tiny_checkpoint import write_real_shape_model
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+PROMPT = "def add(a, b):\n    return a + b\n" * 12  # 167 tokens: three 64-token chunks, the last padded
+
+
+@pytest.fixture(scope="module")
+def real_shapes(tmp_path_factory):
+    return write_real_shape_model(tmp_path_factory.mktemp("real") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def engines(real_shapes):
+    return {name: hetero.load(real_shapes, d) for name, d in DTYPES.items()}
+
+
+def _ids(engine) -> list[int]:
+    return engine.encode_prompt(PROMPT, False)[:-1]
+
+
+def test_the_oracle_is_the_fp32_path_within_fp32_rounding(engines):
+    """The oracle is right where nothing may differ but rounding: the fp32 GPU-only prefill within 1e-5 of it (head
+    dim 256, 128-wide GDN heads, three chunks through the chunked delta rule, one attention layer over the cache)."""
+    from hetero.generate import prefill
+
+    engine = engines["float32"]
+    ids = _ids(engine)
+    logits, caches = prefill64(engine.model, ids)
+    cache = engine.model.make_cache()
+    ref, _ = prefill(engine.model, ids, cache, 64)
+    assert np.abs(f64(ref[-1]) - logits).max() <= 1e-5 * np.abs(logits).max()
+    assert np.abs(f64(cache[3].keys[0, :, : len(ids)]) - caches[3]["keys"]).max() <= 1e-5 * np.abs(caches[3]["keys"]).max()
+    assert np.abs(f64(cache[0].recurrent[0]) - caches[0]["recurrent state"]).max() <= 1e-5 * np.abs(
+        caches[0]["recurrent state"]).max()
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float32"])
+def test_split_verifies_and_is_as_close_to_float64_as_gpu_only(engines, name):
+    """In each dtype the split passes `verify` at the dtype's default tolerance, and it is no farther from the float64
+    oracle than twice the larger of GPU-only's error and fp16's reference error: the premise of the tolerance
+    (hetero/pipeline/tolerance.py). The split computes in the model's dtype on the GPU lane and fp16 on the ANE's."""
+    engine = engines[name]
+    ids = _ids(engine)
+    assert engine.model.model.norm.weight.dtype == DTYPES[name]
+    m = measure(engine, ids, 0.5)
+    floor = max(m["gpu"]["logits"], m["gpu"]["cache"], REFERENCE_ERROR[ANE_DTYPE])
+    assert max(m["split"]["logits"], m["split"]["cache"]) <= 2 * floor, m
+    assert max(m["gpu"]["logits"], m["gpu"]["cache"]) <= REFERENCE_ERROR[name] * 1.5, m  # the table still holds
+    run = configure(engine, 0.5, 64)
+    check = verify(run, ids, n_tokens=8)
+    assert check["tolerance"] == verify_tolerance(DTYPES[name]) and check["match"], check
+    if check["greedy_match_tokens"] < 8:  # parted only where the GPU-only run's own choice was a near-tie
+        assert check["greedy_tie_at"] == check["greedy_match_tokens"] and check["greedy_gap"] <= 2 * check["tolerance"]
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_half_precision_tolerance_still_catches_a_defective_program(engines, name):
+    """A GDN z program whose rows come back zero (it moves this checkpoint's arrays 6%) fails both half-precision
+    tolerances; an MLP program losing half its output (2.3% here) fails fp16's and is below what bf16's resolves
+    (hetero/pipeline/tolerance.py says why)."""
+    engine = engines[name]
+    ids = _ids(engine)
+    run = configure(engine, 0.5, 64)
+    progs = run.splitter(len(ids)).programs
+    layer = sorted(progs.gdn_in_proj)[0]
+    program, units = progs.gdn_in_proj[layer][0]
+    progs.gdn_in_proj[layer][0] = (lambda feed, p=program: {k: v * 0 for k, v in p(feed).items()}, units)
+    check = verify(run, ids, n_tokens=4)
+    assert not check["match"], check  # z feeds only the layer's output: the layers above carry the error
+    progs.gdn_in_proj[layer][0] = (program, units)
+    if name == "float16":
+        layer = sorted(progs.mlp)[0]
+        program, units = progs.mlp[layer][0]
+        progs.mlp[layer][0] = (lambda feed, p=program: {k: v * 0.5 for k, v in p(feed).items()}, units)
+        check = verify(run, ids, n_tokens=4)
+        assert not check["match"], check
+
+
+@pytest.mark.parametrize("pick", [-2, 0])
+def test_greedy_continuations_may_part_only_at_a_near_tie(engines, monkeypatch, pick):
+    """A split whose first greedy token is the GPU-only run's runner-up (pick -2) or its least likely token (pick 0):
+    verify accepts the parting exactly when the GPU-only logits lead by at most 2 tol x max |logit| there."""
+    engine = engines["bfloat16"]
+    ids = _ids(engine)
+    real, calls = run_module.greedy_continuation, []
+
+    def continuation(model, cache, logits, n):
+        tokens = real(model, cache, logits, n)
+        calls.append(tokens)
+        if len(calls) == 1:  # verify asks for the split's continuation first
+            order = np.argsort(np.array(logits[-1].astype(mx.float32)))
+            tokens = [int(order[pick])] + tokens[1:]
+        return tokens
+
+    monkeypatch.setattr(run_module, "greedy_continuation", continuation)
+    check = verify(configure(engine, 0.5, 64), ids, n_tokens=4)
+    assert check["greedy_match_tokens"] == 0 and check["greedy_gap"] > 0, check
+    tie = check["greedy_gap"] <= 2 * check["tolerance"]
+    assert check["match"] == tie and check["greedy_tie_at"] == (0 if tie else None), check
+    if pick == 0:
+        assert not check["match"]
+
+
+def test_tolerance_table_follows_its_derivation():
+    """K x the larger of the dtype's and fp16's measured reference error (the ANE lane computes fp16 always)."""
+    for name, d in DTYPES.items():
+        assert verify_tolerance(d) == pytest.approx(K * max(REFERENCE_ERROR[name], REFERENCE_ERROR[ANE_DTYPE]))
+    assert verify_tolerance(mx.float32) == verify_tolerance(mx.float16) < verify_tolerance(mx.bfloat16)
+    with pytest.raises(ValueError):
+        verify_tolerance(mx.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --dtype on the command line
+
+
+def test_run_split_verify_in_bf16_on_the_bundled_model(capsys):
+    """`hetero run --dtype bfloat16 --ane-fraction 0.5 --verify`: the model loads in bf16 and the split passes at
+    bf16's tolerance."""
+    argv = ["run", "--dtype", "bfloat16", "--ane-fraction", "0.5", "--verify", "--prompt", PROMPT, "--max-tokens", "4",
+            "--verify-tokens", "16", "--prefill-chunk", "64", "--no-mtp", "--json"]
+    assert main(argv) == 0
+    v = json.loads(capsys.readouterr().out)["verify"]
+    assert v["match"] and v["tolerance"] == verify_tolerance(mx.bfloat16), v
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "prefill", "tune"])
+def test_dtype_flag_help_default_and_bad_value(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    name = {mx.float32: "float32", mx.bfloat16: "bfloat16"}[platform_dtype()]
+    assert "--dtype {float32,bfloat16,float16}" in text and f"(default: {name})" in text
+    try:
+        code = main([command, "--dtype", "fp8"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "float32, bfloat16, float16" in err, err
+
+
+def test_prefill_writes_the_cache_in_the_dtype(tmp_path, capsys):
+    from hetero.library import load_prompt_cache
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT)
+    out = tmp_path / "c.safetensors"
+    assert main(["prefill", "--dtype", "float16", "--prompt-file", str(prompt), "--out", str(out)]) == 0
+    cache = load_prompt_cache(str(out))
+    assert cache[3].keys.dtype == mx.float16  # the bundled model's first attention layer
+
+
+def test_serve_and_tune_load_in_the_dtype(monkeypatch):
+    """The server and the tuner load the model themselves: `--dtype` reaches them as the load default."""
+    import hetero.server
+    import hetero.tune
+
+    seen = {}
+    monkeypatch.setattr(hetero.server, "serve", lambda *a, **k: seen.setdefault("serve", hetero.load().model))
+    monkeypatch.setattr(hetero.tune, "tune", lambda engine, **k: seen.setdefault("tune", engine.model))
+    assert main(["serve", "--dtype", "bfloat16", "--no-session-cache"]) == 0
+    assert main(["tune", "--dtype", "float16", "--tokens", "1"]) == 0
+    assert seen["serve"].model.norm.weight.dtype == mx.bfloat16
+    assert seen["tune"].model.norm.weight.dtype == mx.float16
+    assert default_dtype() == platform_dtype()  # the command's dtype ends with it
