@@ -152,13 +152,17 @@ class GenerationResponse:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-def _engine(model) -> Engine:
+def _engine(model, dtype: mx.Dtype | None = None) -> Engine:
+    """An Engine as it is; a checkpoint path (or None: the bundled model) loaded in `dtype` (None: the default)."""
     if isinstance(model, Engine):
+        if dtype is not None and model.model.model.norm.weight.dtype != dtype:
+            raise HeteroError(f"dtype={dtype} for an engine already loaded in {model.model.model.norm.weight.dtype}: "
+                              "pass a checkpoint path, or hetero.load(path, dtype)")
         return model
     if model is None or isinstance(model, (str, os.PathLike)):
         from hetero.engine import load
 
-        return load(model)
+        return load(model, dtype)
     raise HeteroError(f"hetero.generate needs a hetero Engine (hetero.load) or a checkpoint path, not "
                       f"{type(model).__name__}; an mlx-lm model can still prefill with hetero.prefill")
 
@@ -176,12 +180,13 @@ def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tok
                     **kwargs) -> Iterator[GenerationResponse]:
     """Like `mlx_lm.stream_generate`: yields a `GenerationResponse` per generated token.
 
-    `model` is a hetero Engine (or a checkpoint path); `tokenizer` is ignored (the engine's is used: the argument
+    `model` is a hetero Engine (or a checkpoint path, loaded in `dtype`: an mx.Dtype, default the platform's);
+    `tokenizer` is ignored (the engine's is used: the argument
     is there so mlx-lm call sites keep their shape). Keyword arguments: `temp`, `top_p`, `top_k`, `min_p`, `seed`,
     `prompt_cache` (an mlx-lm cache holding the tokens before `prompt`), `mtp`, `draft_depth`, `logprobs` (N top
     alternatives), `chat`, and any other `Engine.generate` argument. MTP decoding is on when the model has a head.
     """
-    engine = _engine(model)
+    engine = _engine(model, kwargs.pop("dtype", None))
     args = _generate_kwargs(kwargs)
     args.setdefault("logprobs", 0)
     if args.get("prompt_cache") is not None:  # evaluated here: the worker thread has its own MLX stream
@@ -237,8 +242,9 @@ def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tok
 
 def generate(model, tokenizer=None, prompt: str | list[int] = "", verbose: bool = False, max_tokens: int = 256,
              **kwargs) -> str:
-    """Like `mlx_lm.generate`: the generated text (with `verbose`, streamed to stdout with a summary)."""
-    engine = _engine(model)
+    """Like `mlx_lm.generate`: the generated text (with `verbose`, streamed to stdout with a summary); a checkpoint
+    path loads in `dtype` (an mx.Dtype keyword, default the platform's)."""
+    engine = _engine(model, kwargs.pop("dtype", None))
     args = _generate_kwargs(kwargs)
     if verbose:
         args["on_text"] = lambda t: print(t, end="", flush=True)

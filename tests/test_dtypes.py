@@ -181,3 +181,17 @@ def test_serve_and_tune_load_in_the_dtype(monkeypatch):
     assert seen["serve"].model.norm.weight.dtype == mx.bfloat16
     assert seen["tune"].model.norm.weight.dtype == mx.float16
     assert default_dtype() == platform_dtype()  # the command's dtype ends with it
+
+
+def test_library_generate_loads_a_path_in_the_dtype():
+    """hetero.generate(path, dtype=...) loads the checkpoint in that dtype; an engine loaded in another is refused."""
+    from hetero.errors import HeteroError
+    from hetero.library import _engine
+    from hetero.loader import BUNDLED_MODEL
+
+    text = hetero.generate(str(BUNDLED_MODEL), prompt="def f():", max_tokens=2, dtype=mx.float16, mtp=False)
+    assert isinstance(text, str)
+    engine = _engine(str(BUNDLED_MODEL), mx.float16)
+    assert engine.model.model.norm.weight.dtype == mx.float16
+    with pytest.raises(HeteroError, match="already loaded"):
+        _engine(engine, mx.bfloat16)
