@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -145,6 +146,18 @@ def test_a_multifunction_function_runs_bit_identically_to_its_single_function_pr
         ReferenceExecutor(multi, "ctx512")
     with pytest.raises(HeteroError, match="no function 'ctx128'"):
         ReferenceExecutor(singles[128][1], "ctx128")
+
+
+def test_a_package_saved_again_at_the_same_path_is_read_again(tmp_path):
+    """The executor reads a package once for consecutive loads of its functions, never a stale one."""
+    path = save_program(program(lambda x: mb.add(x=x, y=np.float16(1))), tmp_path / "p.mlpackage")
+    x = {"x": np.zeros(BC1S, np.float16)}
+    ex = ReferenceExecutor(path)
+    assert ex(x)[ex.output_names[0]].max() == 1
+    shutil.rmtree(path)
+    save_program(program(lambda x: mb.add(x=x, y=np.float16(2))), path)
+    ex = ReferenceExecutor(path)
+    assert ex(x)[ex.output_names[0]].max() == 2
 
 
 def test_export_slices_come_from_the_planner():

@@ -42,7 +42,7 @@ import numpy as np
 from hetero.errors import HeteroError
 
 _LOADED: dict[tuple[Path, str | None], "CoreMLProgram"] = {}
-_DIGESTS: dict[tuple, str] = {}  # (package, its files' inode / size / mtime) -> content hash, for this process
+_DIGESTS: dict[tuple, str] = {}  # package_signature -> content hash, for this process
 DIGEST_CHARS = 16  # hex digits of the content hash in a compiled folder's name
 _COMPILED = re.compile(rf"^(?P<stem>.+)\.[0-9a-f]{{{DIGEST_CHARS}}}\.mlmodelc$")
 _TEMP_PREFIX = ".compiling-"
@@ -127,16 +127,26 @@ class ProgramRunner:
 # Compilation keyed by the package's content
 
 
+def package_signature(package: Path) -> tuple:
+    """What tells, without reading the weights, that a package is unchanged: each file's inode, size and mtime,
+    but Manifest.json by its (tiny) content, as coremltools rewrites it unchanged whenever it opens the package."""
+    sig = []
+    for f in sorted(p for p in package.rglob("*") if p.is_file()):
+        st = f.stat()
+        sig.append((str(f.relative_to(package)), f.read_bytes() if f.name == "Manifest.json" else
+                    (st.st_ino, st.st_size, st.st_mtime_ns)))
+    return package.resolve(), tuple(sig)
+
+
 def package_digest(package: Path) -> str:
     """sha256 over the package's files (relative paths and contents, in sorted order). Hashed once per process
-    while its files keep their inode, size and mtime (a package's functions load one by one): a package saved
+    while its `package_signature` holds (a package's functions load one by one): a package saved
     anew (the export removes, then writes it) rehashes; an in-place rewrite of a file to the same size within one
     filesystem clock tick (milliseconds) of the hash would not, in the same process."""
     if not (package / "Manifest.json").is_file():
         raise HeteroError(f"{package} is not an .mlpackage (no Manifest.json); re-run hetero convert --coreml")
     files = sorted(p for p in package.rglob("*") if p.is_file())
-    stats = [(st.st_ino, st.st_size, st.st_mtime_ns) for st in (f.stat() for f in files)]
-    memo = (package.resolve(), tuple(zip(map(str, files), stats)))
+    memo = package_signature(package)
     if memo not in _DIGESTS:
         h = hashlib.sha256()
         for f in files:

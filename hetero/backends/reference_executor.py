@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from hetero.backends.coreml_macos import package_signature
 from hetero.errors import HeteroError
 from hetero.fp16 import fp16_values
 
@@ -48,13 +49,8 @@ class ReferenceExecutor:
     function named `function`, else the package's default one (`main` in a single-function package)."""
 
     def __init__(self, path: str | os.PathLike, function: str | None = None):
-        from coreml_graphs.package import load_program  # imports coremltools (seconds): only once a program loads
-
         self.path = Path(path)
-        try:
-            program = load_program(self.path)
-        except (FileNotFoundError, ValueError) as e:
-            raise HeteroError(f"cannot load Core ML program: {e}") from None
+        program = _read(self.path)
         self.function_name = program.default_function_name if function is None else function
         if self.function_name not in program.functions:
             raise HeteroError(f"{self.path.name} has no function {self.function_name!r} "
@@ -95,6 +91,25 @@ class ReferenceExecutor:
             for name in self._last_use.get(i, ()):  # free what no later op reads: attention makes big temporaries
                 env.pop(name, None)
         return {name: env[name] for name in self.output_names}
+
+
+_LAST_READ: list = []  # [(package key, Program)]: the functions of one package are loaded one after another
+
+
+def _read(path: Path) -> Any:
+    """The package's MIL program (every function), read once for consecutive loads of the same unchanged
+    package: reading parses all its functions, so loading its 7 buckets one by one would parse 49."""
+    from coreml_graphs.package import load_program  # imports coremltools (seconds): only once a program loads
+
+    key = package_signature(path) if path.is_dir() else None
+    if key is not None and _LAST_READ and _LAST_READ[0][0] == key:
+        return _LAST_READ[0][1]
+    try:
+        program = load_program(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise HeteroError(f"cannot load Core ML program: {e}") from None
+    _LAST_READ[:] = [(key, program)]
+    return program
 
 
 def _fetch(env: dict[str, np.ndarray], var: Any) -> Any:
