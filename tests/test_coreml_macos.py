@@ -26,6 +26,7 @@ from hetero.backends.coreml_macos import (
     compiled_owner,
     compiled_path,
     declared_inputs,
+    default_function,
     device_kind,
     package_digest,
     placement_report,
@@ -262,6 +263,8 @@ def test_context_buckets_share_one_package_and_its_weights(checkpoint, tmp_path)
         declared_inputs(tmp_path / "three" / attn[0]["file"], "ctx512")
     mlp = next(p["file"] for p in multi["programs"] if p["piece"] == "mlp")
     assert declared_inputs(tmp_path / "three" / mlp) == {"x": (1, 64, 1, 64)}
+    assert default_function(tmp_path / "three" / attn[0]["file"]) == "ctx64"
+    assert default_function(tmp_path / "three" / mlp) is None
     reports = lint_export(tmp_path / "three")
     assert len(reports) == len({p["file"] for p in multi["programs"]}) and not any(r.errors for r in reports)
 

@@ -307,6 +307,14 @@ def check_placement(placed: Placement | None, name: str) -> Placement | None:
 # The package's declared inputs (any OS), and the thin Core ML calls (macOS)
 
 
+def default_function(package: Path) -> str | None:
+    """The default function of a multifunction package; None for a single-function one."""
+    import coremltools as ct
+
+    desc = ct.models.utils.load_spec(str(package)).description
+    return desc.defaultFunctionName if desc.functions else None
+
+
 def declared_inputs(package: Path, function: str | None = None) -> dict[str, tuple[int, ...]]:
     """Input name -> shape of a package's function (`function` None: its default one), read from its spec."""
     import coremltools as ct
@@ -335,12 +343,13 @@ class CoreMLProgram:
             raise HeteroError(why)
         import coremltools as ct
 
-        self.package, self.function = Path(package), function
-        name = self.package.name + (f":{function}" if function else "")
+        self.package = Path(package)
+        self.function = function or default_function(self.package)  # None: a single-function package
+        name = self.package.name + (f":{self.function}" if self.function else "")
         self.compiled = compile_package(self.package, ct.models.utils.compile_model)
         model = ct.models.CompiledMLModel(str(self.compiled), compute_units=ct.ComputeUnit.CPU_AND_NE,
-                                          function_name=function)
-        self.run = ProgramRunner(name, model.predict, declared_inputs(self.package, function))
+                                          function_name=self.function)
+        self.run = ProgramRunner(name, model.predict, declared_inputs(self.package, self.function))
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One prediction: inputs by name (any float dtype, copied to fp32), fp32 outputs by name."""
@@ -363,7 +372,7 @@ def _compute_plan_ops(compiled: Path, function: str | None) -> list[OpDevice] | 
         functions = plan.model_structure.program.functions
     except Exception:  # older macOS or coremltools without the proxy: no plan to read
         return None
-    block = functions[function or next(iter(functions))].block  # a single-function package has only main
+    block = functions[function or "main"].block  # `function` None: a single-function package, whose one is main
     out, stack = [], list(block.operations)
     while stack:
         op = stack.pop(0)
