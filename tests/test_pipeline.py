@@ -273,7 +273,8 @@ def test_run_with_split_verify_and_trace(tiny_checkpoint, tmp_path, capsys):
     assert {"gpu_busy_s", "ane_busy_s", "wall_s", "overlap"} <= set(out["pipeline"])
     assert out["pipeline"]["ane_busy_s"] > 0 and out["pipeline"]["gpu_busy_s"] > 0
     assert out["verify"]["match"] and out["verify"]["greedy_compared_tokens"] == 8
-    assert {e["tid"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"} == {1, 2}
+    assert out["pipeline"]["lane"] == "process" and out["pipeline"]["ipc_s"] > 0  # the ANE lane's worker process
+    assert {e["tid"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"} == {1, 2, 3}
     assert main(["run", "--model", str(tiny_checkpoint), "--prompt", PROMPT, "--max-tokens", "4", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["tokens"][:4] == out["tokens"][:4]  # the split run generates what the GPU-only run does

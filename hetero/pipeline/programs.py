@@ -80,13 +80,16 @@ class Programs:
         return max((p[-1].stop for p in parts), default=0)
 
 
-def load_programs(export_dir: Path, loader: Callable[[Path], Callable]) -> Programs:
+def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs:
+    """Every program of an export, loaded by `loader` (path[, function]) -> callable: the platform's backend in
+    this process, or `AneProcess.load` into the ANE lane's worker."""
     from coreml_graphs.attention import AttentionShape
 
     manifest = read_manifest(export_dir)
     progs = Programs(manifest["chunk_size"])
     for p in manifest["programs"]:
-        run, units = loader(export_dir / p["file"]), range(*p["part"])
+        path, function = export_dir / p["file"], p.get("function")  # a multifunction package names its function
+        run, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
         if p["piece"] == "attention":
             progs.attention.setdefault(p["layer"], []).append((run, AttentionShape(**p["shape"]), units))
         else:

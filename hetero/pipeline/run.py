@@ -13,6 +13,7 @@ import numpy as np
 from hetero.cache import KVCache, LayerCache
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
+from hetero.pipeline.ane_process import JOB_TIMEOUT_S, AneLaneLost, shared_worker
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.fingerprint import weights_fingerprint
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
@@ -36,6 +37,11 @@ class PipelineRun:
     effective_fraction: float  # the ANE's share of the FLOPs: at the plan's context, then of the prompt prepared
     trace: Trace | None = None
     last: SplitResult | None = None
+    lane: str = "process"  # "process": the ANE's programs run in a worker process; "thread": in this one
+    lane_failures: int = 0  # prompts whose worker was lost and which were prefilled GPU-only instead
+    last_failure: str | None = None  # what happened to the last worker lost
+    ane_loader: str | None = None  # "module:callable" the worker loads programs with instead of the platform's
+    ane_timeout_s: float = JOB_TIMEOUT_S  # a worker job that takes longer is a hung worker
     _splits: dict = field(default_factory=dict)
 
     @property
@@ -64,13 +70,17 @@ class PipelineRun:
     def splitter(self, n_tokens: int) -> SplitPrefill:
         """The split prefill for a prompt of `n_tokens` (programs exported for its context bucket on first use)."""
         bucket = context_bucket(n_tokens, self.chunk)
+        if any(s.worker is not None and not s.worker.alive for s in self._splits.values()):
+            self._splits.clear()  # their worker is gone: load the programs into a fresh one
         if bucket not in self._splits:
             e = self.engine
             # the weights as loaded (an Engine records them at load) are what is exported, not the files now
             key = f"{e.identity}-{getattr(e, 'weights_fingerprint', None) or weights_fingerprint(e.path)}"
             out = ensure_export((e.model, e.path, e.config), key, self.plan, bucket)
             name, loader = ane_backend()
-            self._splits[bucket] = SplitPrefill(e.model, load_programs(out, loader), name)
+            worker = shared_worker(self.ane_loader, self.ane_timeout_s) if self.lane == "process" else None
+            programs = load_programs(out, worker.load if worker is not None else loader)
+            self._splits[bucket] = SplitPrefill(e.model, programs, name, worker=worker)
         return self._splits[bucket]
 
     def prepare(self, ids: list[int]) -> None:
@@ -94,19 +104,28 @@ class PipelineRun:
         cache = model.make_cache()
         if len(ids) < 2:
             return cache, 0, None
-        split = self.splitter(len(ids) - 1)
-        check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight)
-        self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode)
+        try:
+            split = self.splitter(len(ids) - 1)
+            worker_bytes = split.worker.resident_bytes() if split.worker is not None else 0
+            check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
+                              worker_bytes)
+            self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode)
+        except AneLaneLost as e:  # nothing of the split is kept: the engine prefills from scratch, GPU-only
+            self.lane_failures, self.last_failure, self.last = self.lane_failures + 1, str(e), None
+            print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker",
+                  file=sys.stderr)
+            return model.make_cache(), 0, None
         return cache, len(ids) - 1, self.last.hidden
 
     def ane_block(self) -> dict:
-        return {"backend": self.backend, "requested_fraction": self.requested_fraction,
-                "effective_fraction": round(self.effective_fraction, 6), "caps": self.caps}
+        return {"backend": self.backend, "lane": self.lane, "requested_fraction": self.requested_fraction,
+                "effective_fraction": round(self.effective_fraction, 6), "caps": self.caps,
+                "lane_failures": self.lane_failures, "last_failure": self.last_failure}
 
 
 def configure(
     engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None,
-    offload: tuple[str, ...] = OFFLOADABLE, profile: Profile | None = None,
+    offload: tuple[str, ...] = OFFLOADABLE, profile: Profile | None = None, lane: str = "process",
 ) -> PipelineRun:
     """A PipelineRun for `fraction` of the piece kinds in `offload`: the one place a split's `Plan` is made, by the
     planner for `profile` (default: this machine's measured profile, else the planner's default chip). Only a
@@ -121,7 +140,9 @@ def configure(
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
     plan = make_plan(engine.config, profile, fraction, context, chunk, offload=offload)
-    return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace)
+    if lane not in ("process", "thread"):
+        raise HeteroError(f"the ANE lane runs in a 'process' or a 'thread', not {lane!r}")
+    return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane)
 
 
 def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:

@@ -19,6 +19,7 @@ import numpy as np
 from hetero.cache import LayerCache, cache_arrays
 from hetero.generate import mtp_pairs
 from hetero.models.qwen3_5 import DecoderLayer, Model
+from hetero.pipeline.ane_process import AneProcess, LaneStats
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
 from hetero.pipeline.programs import Programs
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, GpuMoERest, from_bc1s, host, to_bc1s
@@ -34,6 +35,9 @@ class SplitResult:
     gpu_busy_s: float
     ane_busy_s: float
     wall_s: float
+    ipc_s: float = 0.0  # of the ANE lane's busy time, what crossing to its worker process cost (0 in-thread)
+    worker_s: float = 0.0  # the worker's own compute time
+    lane: str = "thread"  # where the ANE lane's programs ran: "process" (the worker) or "thread" (in-process)
 
     @property
     def overlap(self) -> float:
@@ -43,7 +47,8 @@ class SplitResult:
 
     def to_dict(self) -> dict:
         return {"gpu_busy_s": round(self.gpu_busy_s, 6), "ane_busy_s": round(self.ane_busy_s, 6),
-                "wall_s": round(self.wall_s, 6), "overlap": round(self.overlap, 4)}
+                "wall_s": round(self.wall_s, 6), "overlap": round(self.overlap, 4), "lane": self.lane,
+                "ipc_s": round(self.ipc_s, 6), "worker_s": round(self.worker_s, 6)}
 
 
 @dataclass(eq=False)
@@ -66,8 +71,9 @@ class SplitPrefill:
     """Prefill through both lanes with a set of loaded programs; `GPU rest` slices are built once per model."""
 
     def __init__(self, model: Model, programs: Programs, backend: str = "reference executor",
-                 in_flight: int = SPLIT_IN_FLIGHT):
+                 in_flight: int = SPLIT_IN_FLIGHT, worker: AneProcess | None = None):
         self.model, self.programs, self.backend, self.in_flight = model, programs, backend, in_flight
+        self.worker = worker  # the process the programs run in (None: in this process, on the ANE lane's thread)
         self.attn_rest: dict[int, GpuAttentionRest] = {}
         self.mlp_rest: dict[int, GpuMLPRest] = {}
         self.gdn_rest: dict[int, GpuGDNRest] = {}
@@ -169,7 +175,9 @@ class SplitPrefill:
                 from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables
 
                 x = to_bc1s(ch.h, size)
-                total, ks, vs = None, [], []
+                D = parts[0][1].head_dim
+                k_all = np.empty((1, sum(len(kv) for *_, kv in parts), ch.s, D), np.float32)  # [1, Kp, s, D]
+                v_all, total, h0 = np.empty_like(k_all), None, 0
                 for run, shape, kv in parts:
                     keys, vals = _cached_heads(c, kv, ch.start, shape.head_dim)
                     key = (ch.start, shape)  # every attention layer of a chunk shares its RoPE tables and masks
@@ -179,9 +187,11 @@ class SplitPrefill:
                     r = run({"x": x, **tables[key], **cache_inputs(keys, vals, shape)})
                     part = from_bc1s(r["out"], ch.s)  # [s, hidden]
                     total = part if total is None else total + part  # partial o_proj sums add up
-                    ks.append(r["k_new"][:, :, : ch.s])  # (1, Kp, s, D)
-                    vs.append(r["v_new"][:, :, : ch.s])
-                ch.parts[i, "ane"] = total, np.concatenate(ks, 1), np.concatenate(vs, 1)
+                    # copied out before the next program runs: a worker's outputs are views of a reused buffer
+                    k_all[:, h0 : h0 + len(kv)] = r["k_new"][:, :, : ch.s]  # (1, heads of this part, s, D)
+                    v_all[:, h0 : h0 + len(kv)] = r["v_new"][:, :, : ch.s]
+                    h0 += len(kv)
+                ch.parts[i, "ane"] = total, k_all, v_all
 
             def gpu() -> None:
                 ch.parts[i, "gpu"] = rest(ch.h, c)
@@ -279,15 +289,25 @@ class SplitPrefill:
         """
         if not tokens:
             raise ValueError("prefill needs at least one token")
-        gpu, ane = Lane("GPU (MLX)", 1, trace, dedicated=True), Lane(f"ANE ({self.backend})", 2, trace)
+        where = "worker process" if self.worker is not None else "in-thread"
+        gpu, ane = Lane("GPU (MLX)", 1, trace, dedicated=True), Lane(f"ANE ({self.backend}, {where})", 2, trace)
         out: dict = {}
+        before = self.worker.stats.since(LaneStats()) if self.worker is not None else None
+        if self.worker is not None:
+            self.worker.trace = trace
         start = time.perf_counter()
         try:
             anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits), gpu, ane, decode)
         finally:
             gpu.close()
+            if self.worker is not None:
+                self.worker.trace = None
         wall = time.perf_counter() - start
-        return SplitResult(out.get("logits"), out["hidden"], gpu.busy_s, ane.busy_s, wall)
+        res = SplitResult(out.get("logits"), out["hidden"], gpu.busy_s, ane.busy_s, wall)
+        if before is not None:
+            spent = self.worker.stats.since(before)
+            res.ipc_s, res.worker_s, res.lane = spent.ipc_s, spent.compute_s, "process"
+        return res
 
 
 def _cached_heads(c: LayerCache, kv: range, start: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -78,6 +78,7 @@ def govern(
     weights_label: str = "",
     in_flight: int = 1,
     moe: MoE | None = None,
+    coreml_label: str = "Core ML packages (ANE share, fp16)",
 ) -> Budget:
     """The largest context window (a multiple of `chunk`, at most the model's maximum) that fits the wirable RAM.
 
@@ -88,7 +89,7 @@ def govern(
     wirable = int(memory_bytes * wired_fraction)
     fixed = [
         (f"weights{f' ({weights_label})' if weights_label else ''}", int(weight_bytes)),
-        ("Core ML packages (ANE share, fp16)", int(coreml_bytes)),
+        (coreml_label, int(coreml_bytes)),
         ("GDN recurrent state + conv window, one sequence", gdn_state_bytes(args)),
         (f"transient prefill buffers (chunk {chunk}{f', {in_flight} in flight' if in_flight > 1 else ''})",
          in_flight * prefill_buffer_bytes(args, chunk, moe)),
@@ -111,27 +112,33 @@ def govern(
 _WINDOWS: dict[tuple[int, float | None], tuple[weakref.ref, Budget]] = {}
 
 
-def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_flight: int = 1) -> Budget:
+def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_flight: int = 1,
+                  ane_worker_bytes: int = 0) -> Budget:
     """The governor's budget for a loaded model: its actual weight bytes and cache dtype, this machine's RAM
-    (or `memory_gb`), `in_flight` chunks of prefill buffers. Cached per model, memory size and chunks in flight."""
+    (or `memory_gb`), `in_flight` chunks of prefill buffers, and what the ANE lane's worker process holds (its
+    programs, buffers and interpreter, as it reports them). Cached per model, memory size, chunks in flight and
+    worker bytes (in MiB)."""
     from mlx.utils import tree_flatten
 
-    key = (id(model), memory_gb, in_flight)
+    ane_worker_bytes = ane_worker_bytes >> 20 << 20  # MiB steps: a worker's few pages more need no new budget
+    key = (id(model), memory_gb, in_flight, ane_worker_bytes)
     ref, budget = _WINDOWS.get(key, (None, None))
     if ref is None or ref() is not model:  # an id can be reused once a model is freed
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         kv_bytes = model.model.norm.weight.dtype.size  # the cache holds K/V in the model's dtype
         memory = memory_gb * 1e9 if memory_gb is not None else physical_memory_bytes()
-        budget = govern(model.args, weights, memory, chunk, kv_bytes, weights_label="as loaded", in_flight=in_flight,
-                        moe=moe_of(model.args))
+        budget = govern(model.args, weights, memory, chunk, kv_bytes, coreml_bytes=ane_worker_bytes,
+                        weights_label="as loaded", in_flight=in_flight, moe=moe_of(model.args),
+                        coreml_label="ANE lane's worker process (programs, buffers, interpreter)")
         _WINDOWS[key] = (weakref.ref(model), budget)
     return budget
 
 
-def check_prompt_fits(model, n_tokens: int, memory_gb: float | None = None, in_flight: int = 1) -> None:
+def check_prompt_fits(model, n_tokens: int, memory_gb: float | None = None, in_flight: int = 1,
+                      ane_worker_bytes: int = 0) -> None:
     """HeteroError when a prompt of `n_tokens` exceeds the memory governor's context window (with `in_flight`
-    chunks prefilled at once)."""
-    budget = loaded_budget(model, memory_gb, in_flight=in_flight)
+    chunks prefilled at once, beside an ANE lane worker holding `ane_worker_bytes`)."""
+    budget = loaded_budget(model, memory_gb, in_flight=in_flight, ane_worker_bytes=ane_worker_bytes)
     if n_tokens >= budget.context_window:
         raise HeteroError(
             f"the prompt has {n_tokens} tokens but the memory governor's context window is {budget.context_window} "

@@ -1,0 +1,181 @@
+"""The ANE lane's worker process: it loads exported programs with the platform's backend and runs jobs whose arrays
+travel through shared memory.
+
+Why a process: Core ML's Python binding (`CompiledMLModel.predict`, apple/coremltools `CoreMLPython.mm`) keeps the
+GIL for the whole prediction, so in the engine's process the GPU lane's Python would wait for every ANE call. Here
+the engine's ANE lane thread only waits on a socket (which releases the GIL) while this process computes.
+
+Protocol (`multiprocessing.connection` messages over a socket inherited as a file descriptor; every reply is a
+tuple whose first item says what it is):
+    ("load", path, function)          -> ("loaded", program id, seconds)
+    ("arena", "in" | "out", name)     -> ("ok",)             attach a shared-memory arena the engine created
+    ("run", id, layout)               -> ("done", layout, compute seconds, copy seconds)  outputs in the out arena
+                                      or ("grow", bytes) when they do not fit: the engine sends a larger "out"
+                                         arena, then this process copies the held outputs and answers "done"
+    ("stat",)                         -> ("stat", resident bytes)
+    ("stop",)                         -> (no reply; the process exits)
+A failure answers ("error", one line). A layout is a list of (name, dtype, shape, byte offset) into an arena.
+
+Both arenas belong to the engine: it creates, grows and unlinks them, so a worker that dies leaks nothing, and the
+input arrays Core ML reads stay mapped for this process's whole life however late Core ML releases them.
+
+Run as `python -m hetero.backends.ane_worker FD [MODULE:LOADER]`; the optional loader (a callable
+`(path, function) -> program`) replaces the platform's, which is how tests stand in for Core ML's `predict`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+
+ALIGN = 64  # bytes: every array in an arena starts on a cache line
+
+# Packages coremltools imports for converters this process never runs (torch alone is ~300 MB and 2 s to import).
+UNUSED_BY_THE_WORKER = ("torch", "torchvision", "tensorflow", "transformers", "sklearn", "xgboost", "libsvm")
+
+
+def packed_bytes(arrays: dict[str, np.ndarray]) -> int:
+    """Bytes an arena needs to hold `arrays` side by side, each aligned."""
+    return sum(-(-a.nbytes // ALIGN) * ALIGN for a in arrays.values())
+
+
+def pack(arrays: dict[str, np.ndarray], buf: memoryview) -> list[tuple]:
+    """Copy `arrays` into `buf` (one copy each); returns their layout."""
+    layout, offset = [], 0
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        np.copyto(np.ndarray(a.shape, a.dtype, buf, offset), a)
+        layout.append((name, a.dtype.str, a.shape, offset))
+        offset += -(-a.nbytes // ALIGN) * ALIGN
+    return layout
+
+
+def views(layout: list[tuple], buf: memoryview, writable: bool = False) -> dict[str, np.ndarray]:
+    """The arrays a layout places in `buf`, as views (no copy)."""
+    out = {}
+    for name, dtype, shape, offset in layout:
+        a = np.ndarray(tuple(shape), np.dtype(dtype), buf, offset)
+        a.flags.writeable = writable
+        out[name] = a
+    return out
+
+
+def attach(name: str) -> SharedMemory:
+    """An engine-owned segment, attached without registering it with this process's resource tracker (which
+    would unlink it, or warn of a leak, when this process exits: the engine unlinks its own)."""
+    try:
+        return SharedMemory(name, track=False)  # Python 3.13+
+    except TypeError:
+        from multiprocessing import resource_tracker
+
+        shm = SharedMemory(name)
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001  (3.11/3.12 have no track=False)
+        return shm
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux), or its peak (macOS, where getrusage counts bytes)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def platform_loader():
+    """(path, function) -> program: Core ML (CPU_AND_NE) on macOS, the portable reference executor elsewhere."""
+    from hetero.backends import coreml_macos
+
+    if coreml_macos.available()[0]:
+        return coreml_macos.load
+    from hetero.backends.reference_executor import ReferenceExecutor
+
+    return ReferenceExecutor
+
+
+def _call(loader, path: Path, function: str | None):
+    """A loader that names no function takes the path alone (single-function packages)."""
+    return loader(path) if function is None else loader(path, function)
+
+
+def _replace(arenas: dict[str, SharedMemory], retired: list[SharedMemory], role: str, name: str) -> None:
+    """Attach the new arena for `role`; the old one is closed, or kept mapped while views of it live (a backend
+    that holds its inputs past the call: Core ML may release them late)."""
+    old, arenas[role] = arenas.get(role), attach(name)
+    if old is not None:
+        retired.append(old)
+    for shm in list(retired):
+        try:
+            shm.close()
+            retired.remove(shm)
+        except BufferError:  # exported views remain
+            pass
+
+
+def serve(conn: Connection, loader) -> None:
+    """Answer the engine's messages until it says stop or goes away."""
+    programs: list = []
+    arenas: dict[str, SharedMemory] = {}
+    retired: list[SharedMemory] = []  # replaced arenas a program may still hold views of
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the engine is gone
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        try:
+            if kind == "load":
+                start = time.perf_counter()
+                programs.append(_call(loader, Path(msg[1]), msg[2]))
+                conn.send(("loaded", len(programs) - 1, time.perf_counter() - start))
+            elif kind == "arena":
+                _replace(arenas, retired, msg[1], msg[2])
+                conn.send(("ok",))
+            elif kind == "run":
+                start = time.perf_counter()
+                out = programs[msg[1]](views(msg[2], arenas["in"].buf))
+                computed = time.perf_counter()
+                need = packed_bytes(out)
+                if "out" not in arenas or arenas["out"].size < need:
+                    conn.send(("grow", need))
+                    _, role, name = conn.recv()  # ("arena", "out", name)
+                    _replace(arenas, retired, role, name)
+                layout = pack(out, arenas["out"].buf)
+                conn.send(("done", layout, computed - start, time.perf_counter() - computed))
+            elif kind == "stat":
+                conn.send(("stat", resident_bytes()))
+            else:
+                conn.send(("error", f"unknown message {kind!r}"))
+        except (EOFError, OSError):
+            return
+        except Exception as e:  # noqa: BLE001  (the engine decides what a failed job means; this process goes on)
+            text = str(e).strip().splitlines()
+            conn.send(("error", f"{type(e).__name__}: {text[0] if text else ''}"))
+
+
+def main(argv: list[str]) -> None:
+    for name in UNUSED_BY_THE_WORKER:
+        sys.modules.setdefault(name, None)  # an import of these fails fast: coremltools then skips its converters
+    conn = Connection(int(argv[0]))
+    if len(argv) > 1:
+        module, _, attr = argv[1].partition(":")
+        loader = getattr(importlib.import_module(module), attr)
+    else:
+        loader = platform_loader()
+    conn.send(("ready", os.getpid()))
+    serve(conn, loader)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

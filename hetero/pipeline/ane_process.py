@@ -1,0 +1,246 @@
+"""The engine's side of the ANE lane's worker process (`hetero.backends.ane_worker`, whose docstring has the
+protocol): it starts the worker (a fresh interpreter, never a fork of this one), loads programs into it and runs
+them, with the arrays in two shared-memory arenas this side owns.
+
+A job costs one copy in (the inputs packed into the input arena) and none out (the outputs are views of the output
+arena). While the worker computes, the ANE lane's thread here waits on a socket, which releases the GIL, so the GPU
+lane's Python runs meanwhile. A worker that dies, answers nothing within its timeout or returns non-finite values is
+killed and `AneLaneLost` raised; the engine then prefills that request GPU-only and the next one gets a new worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+
+from hetero.backends.ane_worker import pack, packed_bytes, views
+from hetero.errors import HeteroError
+from hetero.pipeline.lanes import Trace
+
+JOB_TIMEOUT_S = 120.0  # one program call; the slowest seen here is well under a second
+LOAD_TIMEOUT_S = 900.0  # loading (on a Mac: compiling) one program
+START_TIMEOUT_S = 120.0  # the interpreter, numpy and coremltools
+ARENA_STEP = 1 << 20  # arenas grow in whole MiB, by at least a quarter, so a few jobs settle their size
+
+
+class AneLaneLost(HeteroError):
+    """The ANE lane's worker died, hung past its timeout or returned garbage; it has been killed."""
+
+
+@dataclass
+class LaneStats:
+    """Totals over a worker's jobs: `ipc_s` is what crossing the process boundary cost (packing the inputs, then
+    the round trip less the worker's compute)."""
+
+    calls: int = 0
+    copy_in_s: float = 0.0
+    round_trip_s: float = 0.0
+    compute_s: float = 0.0
+
+    @property
+    def ipc_s(self) -> float:
+        return self.copy_in_s + self.round_trip_s - self.compute_s
+
+    def since(self, before: "LaneStats") -> "LaneStats":
+        return LaneStats(self.calls - before.calls, self.copy_in_s - before.copy_in_s,
+                         self.round_trip_s - before.round_trip_s, self.compute_s - before.compute_s)
+
+
+class AneProcess:
+    """One worker process and its arenas. Thread-safe; jobs run one at a time.
+
+    `loader` ("module:callable", taking (path, function)) replaces the platform's backend in the worker: tests use
+    it to stand in for Core ML. `timeout_s` bounds every job.
+    """
+
+    def __init__(self, loader: str | None = None, timeout_s: float = JOB_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self.lost: str | None = None
+        self.stats = LaneStats()
+        self.trace: Trace | None = None  # set for a traced prefill: one event per job on its own track
+        self._lock = threading.Lock()
+        self._ids: dict[tuple[str, str | None], int] = {}
+        self._arenas: dict[str, SharedMemory] = {}
+        self._retired: list[SharedMemory] = []  # replaced output arenas whose views are still held
+        ours, theirs = socket.socketpair()
+        root = str(Path(__file__).resolve().parents[2])  # the worker imports this checkout's hetero
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # one lane is one core's worth of work
+        cmd = [sys.executable, "-m", "hetero.backends.ane_worker", str(theirs.fileno()), *([loader] if loader else [])]
+        self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self.pid = self._reply(START_TIMEOUT_S, "starting")[1]
+        _LIVE.add(self)
+
+    # -- programs and jobs --------------------------------------------------------------------------------------
+
+    def load(self, path: str | os.PathLike, function: str | None = None) -> "Program":
+        """A program loaded in the worker (once per path and function), called like an in-process one."""
+        key = (str(Path(path).resolve()), function)
+        with self._lock:
+            self._check()
+            if key not in self._ids:
+                self._conn.send(("load", *key))
+                self._ids[key] = self._reply(LOAD_TIMEOUT_S, f"loading {Path(path).name}")[1]
+        return Program(self, key)
+
+    def run(self, key: tuple[str, str | None], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One job: the outputs as read-only views of the output arena, valid until the worker's next job."""
+        name = Path(key[0]).name
+        with self._lock:
+            self._check()
+            start = time.perf_counter()
+            self._ensure("in", packed_bytes(inputs))
+            layout = pack(inputs, self._arenas["in"].buf)
+            sent = time.perf_counter()
+            self._conn.send(("run", self._ids[key], layout))
+            msg = self._reply(self.timeout_s, f"a job of {name}")
+            if msg[0] == "grow":  # the worker holds the outputs until it has a large enough arena
+                self._ensure("out", msg[1], tell=False)
+                self._conn.send(("arena", "out", self._arenas["out"].name))
+                msg = self._reply(self.timeout_s, f"a job of {name}")
+            _, out_layout, compute_s, copy_s = msg
+            outputs = views(out_layout, self._arenas["out"].buf)
+            done = time.perf_counter()
+            for out_name, a in outputs.items():
+                if a.dtype.kind == "f" and not np.isfinite(a).all():
+                    self._lose(f"returned non-finite values in {out_name!r} of {name}")
+            s = self.stats
+            s.calls, s.copy_in_s = s.calls + 1, s.copy_in_s + (sent - start)
+            s.round_trip_s, s.compute_s = s.round_trip_s + (done - sent), s.compute_s + compute_s
+            if self.trace is not None:
+                self.trace.tracks.setdefault(TRACK, f"ANE worker (pid {self.pid})")
+                ipc = (sent - start) + (done - sent) - compute_s
+                self.trace.add("ANE worker", TRACK, name, sent, done,
+                               {"compute_ms": round(compute_s * 1e3, 3), "ipc_ms": round(ipc * 1e3, 3),
+                                "copy_in_ms": round((sent - start) * 1e3, 3), "copy_out_ms": round(copy_s * 1e3, 3)})
+            return outputs
+
+    def resident_bytes(self) -> int:
+        """The worker's resident memory: its interpreter, programs and the arenas' pages it touched."""
+        with self._lock:
+            self._check()
+            self._conn.send(("stat",))
+            return int(self._reply(self.timeout_s, "a memory query")[1])
+
+    # -- arenas, replies, failure -------------------------------------------------------------------------------
+
+    def _ensure(self, role: str, need: int, tell: bool = True) -> None:
+        """An arena for `role` of at least `need` bytes; a new one replaces (and unlinks) the old."""
+        old = self._arenas.get(role)
+        if old is not None and old.size >= need:
+            return
+        size = max(need + need // 4, ARENA_STEP)
+        self._arenas[role] = SharedMemory(create=True, size=-(-size // ARENA_STEP) * ARENA_STEP)
+        if tell:
+            self._conn.send(("arena", role, self._arenas[role].name))
+            self._reply(self.timeout_s, "attaching an arena")
+        if old is not None:
+            self._retire(old)
+
+    def _retire(self, shm: SharedMemory) -> None:
+        shm.unlink()  # the name goes now; the pages once nothing maps them
+        self._retired.append(shm)
+        for s in list(self._retired):
+            try:
+                s.close()
+                self._retired.remove(s)
+            except BufferError:  # a caller still holds views of an old output arena
+                pass
+
+    def _reply(self, timeout: float, what: str) -> tuple:
+        try:
+            if not self._conn.poll(timeout):
+                self._lose(f"answered nothing within {timeout:g} s while {what}")
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            self.proc.wait()
+            self._lose(f"exited (status {self.proc.returncode}) while {what}")
+        if msg[0] == "error":
+            self._lose(f"failed while {what}: {msg[1]}")
+        return msg
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise AneLaneLost(f"the ANE lane's worker (pid {self.pid}) {self.lost}")
+
+    def _lose(self, reason: str) -> None:
+        self.lost = reason
+        self._shut(kill=True)
+        raise AneLaneLost(f"the ANE lane's worker (pid {getattr(self, 'pid', self.proc.pid)}) {reason}")
+
+    def _shut(self, kill: bool) -> None:
+        _LIVE.discard(self)
+        if self.proc.poll() is None:
+            if not kill:
+                try:
+                    self._conn.send(("stop",))
+                    self.proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._conn.close()
+        for shm in list(self._arenas.values()):
+            self._retire(shm)
+        self._arenas.clear()
+
+    def close(self) -> None:
+        """Stop the worker and free the arenas (views still held keep their pages until they go)."""
+        with self._lock:
+            if self.lost is None:
+                self.lost = "was closed"
+                self._shut(kill=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None and self.proc.poll() is None
+
+
+class Program:
+    """A program in the worker: `program(inputs)` -> outputs (read-only views valid until the worker's next job:
+    copy what is kept)."""
+
+    def __init__(self, lane: AneProcess, key: tuple[str, str | None]):
+        self.lane, self.key = lane, key
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.lane.run(self.key, inputs)
+
+
+TRACK = 3  # the worker's track in a trace, beside the GPU (1) and ANE (2) lanes
+_LIVE: set[AneProcess] = set()
+_SHARED: dict[str | None, AneProcess] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_worker(loader: str | None = None, timeout_s: float = JOB_TIMEOUT_S) -> AneProcess:
+    """This process's worker for `loader` (None: the platform's backend), started anew when there is none or the
+    last one was lost; engines share it, and a program loaded once serves them all. Its jobs time out after
+    `timeout_s` from now on."""
+    with _SHARED_LOCK:
+        current = _SHARED.get(loader)
+        if current is None or not current.alive:
+            _SHARED[loader] = current = AneProcess(loader, timeout_s)
+        current.timeout_s = timeout_s
+        return current
+
+
+@atexit.register
+def stop_workers() -> None:
+    """Stop every worker this process started (at exit; an embedding application may call it sooner)."""
+    for lane in list(_LIVE):
+        lane.close()
