@@ -291,7 +291,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _split_run(engine, args: argparse.Namespace):
     """The configured ANE + GPU split for `--ane-fraction`, or None for a GPU-only run."""
-    if args.ane_fraction is None:
+    if args.ane_fraction in (None, 0.0):  # 0: the GPU-only run
         for flag in ("verify", "trace"):
             if getattr(args, flag):
                 raise HeteroError(f"--{flag} needs --ane-fraction F (the split to check or trace)")

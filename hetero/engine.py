@@ -170,8 +170,10 @@ class Engine:
         With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached
         prefix; the output is the cold run's. `should_stop` is polled after every token: True ends the
         generation there (finish_reason "stop"), e.g. on a stop string or a client that went away.
-        `prefill_with(ids)` (e.g. the ANE + GPU pipeline) may fill the cache instead of the plain prefill:
-        it returns (cache, tokens in it, post-norm hidden of the last one) and the rest runs as after a restore.
+        `prefill_with(ids, on_chunk=...)` (e.g. the ANE + GPU pipeline) may fill the cache instead of the plain
+        prefill: it returns (cache, tokens in it, post-norm hidden of the last one) and the rest runs as after a
+        restore; with the prefix cache on, `on_chunk(n, cache at n, hidden)` checkpoints its chunk edges. Its
+        tokens are prefilled, not cached: `cached_tokens` counts only restored ones.
 
         `logprobs=N` (0..20) returns each token's logprob and the N most likely alternatives in `result.logprobs`
         and hands each to `on_logprob` just before its text reaches `on_text`. They are the raw model distribution
@@ -228,8 +230,13 @@ class Engine:
             restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
             if restored is not None:
                 cache, skip, carry = restored.cache, restored.n, restored.hidden
+        restored = skip  # what `cached_tokens` reports: only tokens read from a cache, never ones prefilled here
+
+        def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a split prefill's chunk edge
+            pc.capture(model, key, ids[:n], at, hidden)
+
         if prefill_with is not None and skip == 0 and prompt_cache is None:
-            cache, skip, carry = prefill_with(ids)
+            cache, skip, carry = prefill_with(ids, on_chunk=on_edge if pc is not None else None)
 
         def on_chunk(n: int, hidden: mx.array) -> None:
             pc.capture(model, key, ids[:n], cache, hidden)
@@ -288,7 +295,7 @@ class Engine:
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
-            "cached_tokens": skip + held,
+            "cached_tokens": restored + held,
             "generated_tokens": len(tokens),
             "finish_reason": times.finish_reason,
             "ttft_s": round(times.ttft_s, 6),

@@ -358,6 +358,39 @@ def test_split_server_prefills_through_the_pipeline_and_lends_its_turns(model_di
         server.stop()
 
 
+def test_split_server_keeps_the_cache_promises(model_dir):
+    """With the split on: a cold prompt reports no cached tokens (its tokens were prefilled, not restored), the
+    split checkpoints its chunk edges, so the same prompt again is restored from the prefix cache instead of split
+    again, and answers the same."""
+    from hetero.pipeline import configure
+
+    engine = cached_engine(model_dir, None)
+    server = LiveServer(engine, split=configure(engine, 0.5, 64))
+    try:
+        prompt = SHORT_PROMPT * 2
+        n = len(engine.tokenizer.encode(prompt))
+        assert n > 3 * 64  # several chunks
+        client, name = server.openai(), model_name(server)
+        cold = client.completions.create(model=name, prompt=prompt, max_tokens=8)
+        assert cold.usage.prompt_tokens == n and cold.usage.prompt_tokens_details.cached_tokens == 0
+        assert httpx.get(server.url + "/health").json()["requests"]["split_prefills"] == 1
+        again = client.completions.create(model=name, prompt=prompt, max_tokens=8)
+        # the split prefilled all but the last token and checkpointed where it stopped: only that token runs again
+        assert again.usage.prompt_tokens_details.cached_tokens == n - 1
+        assert httpx.get(server.url + "/health").json()["requests"]["split_prefills"] == 1  # restored, not split
+        assert again.choices[0].text == cold.choices[0].text
+    finally:
+        server.stop()
+
+
+def test_ane_fraction_zero_serves_without_a_split(model_dir):
+    from hetero.server.app import server_split
+
+    engine = hetero.load(model_dir)
+    assert server_split(engine, 0, 64) is None and server_split(engine, None, 64) is None
+    assert server_split(engine, 0.5, 64).requested_fraction == 0.5
+
+
 WORKER_THREAD_RUN = """
 import threading, hetero
 engine = hetero.load()

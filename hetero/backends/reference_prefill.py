@@ -36,7 +36,8 @@ def attention_programs(export_dir: str | os.PathLike, model: Model, length: int)
     for p in manifest["programs"]:
         if p["piece"] == "attention" and p["context"] == min(fits):
             shape = AttentionShape(**p["shape"])
-            layers.setdefault(p["layer"], []).append((ReferenceExecutor(Path(export_dir) / p["file"]), shape, range(*p["part"])))
+            executor = ReferenceExecutor(Path(export_dir) / p["file"], p.get("function"))  # one function per bucket
+            layers.setdefault(p["layer"], []).append((executor, shape, range(*p["part"])))
     n_kv = model.args.num_key_value_heads
     for i, layer in enumerate(model.layers):
         covered = sorted(h for _, _, kv in layers.get(i, []) for h in kv)

@@ -17,7 +17,7 @@ from hetero.pipeline.ane_process import JOB_TIMEOUT_S, AneLaneLost, shared_worke
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.fingerprint import weights_fingerprint
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
-from hetero.pipeline.split import SplitPrefill, SplitResult
+from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
 from hetero.planner import OFFLOADABLE, Plan, context_bucket
 from hetero.profiles import Profile
 
@@ -91,12 +91,13 @@ class PipelineRun:
             self.effective_fraction = self.plan.effective_fraction_at(len(ids) - 1)
 
     def prefill_with(
-        self, ids: list[int], decode: DecodeQueue | None = None
+        self, ids: list[int], decode: DecodeQueue | None = None, on_chunk: EdgeFn | None = None
     ) -> tuple[list[LayerCache], int, mx.array | None]:
         """Split-prefill all but the last prompt token (which the decode path runs, giving the first logits).
 
         Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.generate`. With
-        `decode`, the GPU lane interleaves other requests' work while the ANE computes its share.
+        `decode`, the GPU lane interleaves other requests' work while the ANE computes its share; `on_chunk(n,
+        cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them).
         """
         from hetero.planner import check_prompt_fits
 
@@ -109,7 +110,8 @@ class PipelineRun:
             worker_bytes = split.worker.resident_bytes() if split.worker is not None else 0
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
                               worker_bytes)
-            self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode)
+            self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
+                                  on_chunk=on_chunk)
         except AneLaneLost as e:  # nothing of the split is kept: the engine prefills from scratch, GPU-only
             self.lane_failures, self.last_failure, self.last = self.lane_failures + 1, str(e), None
             print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker",

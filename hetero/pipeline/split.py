@@ -10,13 +10,14 @@ chunk. At most `in_flight` chunks are in progress at once (each holds its hidden
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import LayerCache, cache_arrays
+from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
 from hetero.generate import mtp_pairs
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.ane_process import AneProcess, LaneStats
@@ -61,6 +62,7 @@ class Chunk:
     h: mx.array | None = None  # [1, s, hidden]
     piece: mx.array | None = None  # [1, s] token ids
     parts: dict = field(default_factory=dict)  # (layer, piece) -> a share's output, until its merge
+    gdn: dict = field(default_factory=dict)  # GDN layer -> (conv, recurrent) as this chunk left them (edge hooks)
 
     @property
     def s(self) -> int:
@@ -92,8 +94,13 @@ class SplitPrefill:
                 self.moe_rest[i] = GpuMoERest(layer, programs.share("shared_expert", i))
 
     def jobs(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
-             logits: bool) -> list[Job]:
-        """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`."""
+             logits: bool, on_chunk: EdgeFn | None = None) -> list[Job]:
+        """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`.
+
+        `on_chunk(n, cache_at_n, hidden)` sees the state at every chunk edge n, as `generate.prefill`'s hook does
+        (the prefix cache checkpoints it), on the GPU lane once the chunk is done: layers below may already hold
+        later chunks, so it gets a view of the cache as it stood at n (attention KV read up to n, each GDN layer's
+        state as its chunk left it, the MTP head's KV at n - 1)."""
         model, size = self.model, self.programs.chunk
         base = cache[0].offset
         st = {"carry": carry}
@@ -117,6 +124,8 @@ class SplitPrefill:
                 h_job = new[-1]
                 # a split GDN's state advances in its recurrence job (the first); the output merge only reads it
                 state[i] = new[0] if (layer.is_linear and i in self.gdn_rest) else new[-1]
+                if on_chunk is not None and layer.is_linear:
+                    state[i].fn = _then_keep_state(state[i].fn, ch, i, cache[i])
                 new = self._mlp(i, layer, ch, h_job)
                 jobs += new
                 h_job = new[-1]
@@ -129,8 +138,11 @@ class SplitPrefill:
                 out["hidden"] = st["carry"] = h[0, -1:]  # evaluated below: the next job may run on another thread
                 out["logits"] = model.logits(h[:, -1:])[0] if (logits and last) else None
                 mx.eval(out["hidden"], *([out["logits"]] if out["logits"] is not None else []), *cache_arrays(cache))
+                if on_chunk is not None:
+                    on_chunk(ch.start + ch.s, _view_at(cache, len(model.layers), ch), out["hidden"])
                 ch.h = ch.piece = None  # the chunk's buffers go now
                 ch.parts.clear()
+                ch.gdn.clear()
                 self._tables.pop(ch.start, None)
 
             after = (h_job, finished[-1]) if finished else (h_job,)  # the MTP KV and the carry go chunk by chunk
@@ -282,10 +294,12 @@ class SplitPrefill:
         return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
 
     def run(self, tokens: list[int], cache: list[LayerCache], mtp: bool = False, carry: mx.array | None = None,
-            logits: bool = True, trace: Trace | None = None, decode: DecodeQueue | None = None) -> SplitResult:
+            logits: bool = True, trace: Trace | None = None, decode: DecodeQueue | None = None,
+            on_chunk: EdgeFn | None = None) -> SplitResult:
         """Prefill `tokens` into `cache` with both lanes; returns the last position's logits and hidden.
 
-        With `decode`, the GPU lane interleaves decode rounds of other requests (see `DecodeQueue`).
+        With `decode`, the GPU lane interleaves decode rounds of other requests (see `DecodeQueue`); `on_chunk`
+        sees the cache at every chunk edge (see `jobs`).
         """
         if not tokens:
             raise ValueError("prefill needs at least one token")
@@ -297,7 +311,7 @@ class SplitPrefill:
             self.worker.trace = trace
         start = time.perf_counter()
         try:
-            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits), gpu, ane, decode)
+            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits, on_chunk), gpu, ane, decode)
         finally:
             gpu.close()
             if self.worker is not None:
@@ -308,6 +322,37 @@ class SplitPrefill:
             spent = self.worker.stats.since(before)
             res.ipc_s, res.worker_s, res.lane = spent.ipc_s, spent.compute_s, "process"
         return res
+
+
+EdgeFn = Callable[[int, list, mx.array], None]  # (n, the cache as it stood at n, post-norm hidden h_{n-1} [1, H])
+
+
+def _then_keep_state(fn: Callable[[], None], ch: Chunk, i: int, c: GDNCache) -> Callable[[], None]:
+    """`fn` (the job that advances GDN layer i for chunk `ch`), then a reference to the state it left: the
+    arrays are replaced, never written in place, so holding them is the snapshot."""
+
+    def job() -> None:
+        fn()
+        ch.gdn[i] = (c.conv, c.recurrent)
+
+    return job
+
+
+def _view_at(cache: list[LayerCache], n_layers: int, ch: Chunk) -> list[LayerCache]:
+    """The cache as it stood at chunk `ch`'s end n: backbone caches at offset n (attention K/V are only appended
+    to, so the live buffers read up to n; GDN layers from the chunk's snapshots) and the live MTP caches (their
+    edge is this chunk's, as their pairs are filled chunk by chunk)."""
+    n, view = ch.start + ch.s, []
+    for i, c in enumerate(cache[:n_layers]):
+        if isinstance(c, GDNCache):
+            at = GDNCache()
+            at.conv, at.recurrent = ch.gdn[i]
+        else:
+            at = KVCache()
+            at.keys, at.values = c.keys, c.values
+        at.offset = n
+        view.append(at)
+    return view + list(cache[n_layers:])
 
 
 def _cached_heads(c: LayerCache, kv: range, start: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:

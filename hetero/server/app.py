@@ -31,6 +31,17 @@ access = logging.getLogger("hetero.access")
 DEFAULT_MAX_BODY_MB = 32.0  # a 256K-token transcript is ~1 MB of text; 32 MB leaves room for token-id prompts
 
 
+def server_split(engine: Engine, ane_fraction, chunk: int):
+    """The configured split of `--ane-fraction` (a fraction or "auto"), or None: not given, or 0 (GPU-only)."""
+    if ane_fraction is None:
+        return None
+    from hetero.pipeline import split_for
+    from hetero.validate import check_fraction_or_auto
+
+    fraction = check_fraction_or_auto(ane_fraction)
+    return None if fraction == 0.0 else split_for(engine, fraction, chunk)
+
+
 def create_app(
     engine: Engine, api_key: str | None = None, model_names: set[str] | None = None, split=None, max_concurrent: int = 4,
     prefill_chunk: int = 512, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_body_mb: float = DEFAULT_MAX_BODY_MB,
@@ -146,12 +157,7 @@ def serve(
         engine.default_depth()  # a model never measured here is calibrated now, not inside the first request
         engine.prefix_cache = PrefixCache(int(prefix_cache_max_gb * 1024**3), store=store)
         names = {engine.name} | ({served_name} if served_name else set())
-        split = None
-        if ane_fraction is not None:
-            from hetero.pipeline import split_for
-            from hetero.validate import check_fraction_or_auto
-
-            split = split_for(engine, check_fraction_or_auto(ane_fraction), prefill_chunk)
+        split = server_split(engine, ane_fraction, prefill_chunk)
         app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk, default_max_tokens, max_body_mb,
                          decode_share, max_batch)
     except BaseException:

@@ -110,13 +110,13 @@ class Runner:
         if self.split is None or job.ane_fraction == 0.0:
             return None
 
-        def split_prefill(ids: list[int]):
+        def split_prefill(ids: list[int], on_chunk=None):
             if not self._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
                 return self.engine.model.make_cache(), 0, None
             try:
                 self.split.prepare(ids)
-                out = self.split.prefill_with(ids, decode=LentTurns(self.turns, ticket))
-                self.split_prefills += 1
+                out = self.split.prefill_with(ids, decode=LentTurns(self.turns, ticket), on_chunk=on_chunk)
+                self.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
                 return out
             finally:
                 self._split_free.release()
