@@ -27,6 +27,7 @@ from hetero.sampling import Sampler, SamplingParams
 from hetero.settings import PLAIN, tuned_depth
 from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, mtp_generate_tokens
 from hetero.tokenizer import Tokenizer
+from hetero.wired import wire_working_set
 
 DEFAULT_DRAFT_DEPTH = 3
 
@@ -345,7 +346,9 @@ def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:
 
 
 def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None) -> Engine:
-    """Load a checkpoint directory or hub id (None: the bundled model) after the pre-flight check."""
+    """Load a checkpoint directory or hub id (None: the bundled model) after the pre-flight check; on Metal the
+    model may stay wired up to the GPU's recommended working set."""
+    wire_working_set()
     net, path, config = load_model(model, dtype)
     tokenizer = Tokenizer.from_dir(path)
     name = "bundled" if model is None else str(model)
