@@ -202,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--out",
                          help="output directory (--quantize: must not exist or be empty; --coreml: reused; default: none, required)")
 
+    doc = sub.add_parser("doctor", help="check the split prefill end to end here: backend, placement, lane rates, "
+                                        "overlap, verify, memory")
+    doc.set_defaults(func=cmd_doctor)
+    _add_model(doc)
+    _add_dtype(doc)
+    doc.add_argument("--tokens", type=POSITIVE_INT, default=1024, help="prompt tokens of the split prefill measured")
+    doc.add_argument("--ane-fraction", type=FRACTION, default=0.5, help="the split's ANE share")
+    doc.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+
     pre = sub.add_parser("prefill", help="prefill a prompt and write mlx-lm's prompt-cache file (mlx_lm.generate --prompt-cache-file)")
     pre.set_defaults(func=cmd_prefill)
     _add_model(pre)
@@ -304,6 +313,20 @@ def _split_run(engine, args: argparse.Namespace):
     if args.verify and not 1 <= args.verify_tokens:
         raise HeteroError(f"--verify-tokens {args.verify_tokens}: must be at least 1")
     return split
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """`hetero doctor`: exit 0 when every check that could run here passed, 3 when one failed."""
+    import hetero
+    from hetero.doctor import doctor, print_report
+
+    if args.ane_fraction == 0.0:
+        raise HeteroError("hetero doctor checks a split: give --ane-fraction above 0")
+    engine = hetero.load(args.model, args.dtype)
+    found = doctor(engine, args.tokens, args.ane_fraction, report=print_report)
+    if args.json:
+        print(json.dumps(found))
+    return 0 if found["ok"] else 3
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -266,13 +266,15 @@ def _split_attention_time(rest: dict, head_dim: int, flops_rate: float, scores: 
 
 
 def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats: int = 3,
-             timer: Timer = timed) -> tuple[str, float, float]:
-    """(backend, FLOP/s of an MLP program, seconds of fixed cost per call) on the pipeline's ANE backend."""
+             timer: Timer = timed, loader: Callable[[Path], Callable] | None = None) -> tuple[str, float, float]:
+    """(backend, FLOP/s of an MLP program, seconds of fixed cost per call) on the pipeline's ANE backend, loaded
+    by `loader` (default: the backend's own, in this process; `AneProcess.load`: through the lane's worker)."""
     from coreml_graphs.mlp import MLPShape, MLPWeights, build_mlp
     from coreml_graphs.package import save_program
     from hetero.pipeline import ane_backend
 
-    name, loader = ane_backend()
+    name, own = ane_backend()
+    loader = loader or own
     rng = np.random.default_rng(0)
 
     def program(h: int, c: int, s: int, folder: Path) -> tuple[Callable, dict]:
