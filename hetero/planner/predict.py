@@ -30,15 +30,26 @@ class Lanes:
     ane_score_s: float = 0.0  # the ANE's, over its static programs' scores
 
     @classmethod
-    def of(cls, profile: Profile) -> "Lanes":
+    def of(cls, profile: Profile, ane_instances: int = 1) -> "Lanes":
+        """The lanes of `profile` with the ANE lane driving `ane_instances` of the chip's ANEs at once.
+
+        A profile's `ane_fp16_tflops` is the chip's figure, summed over its `ane_count` ANEs (an Ultra's two dies
+        each carry one), and one program runs on one ANE: the driver does not stripe it across both. The runtime's
+        ANE lane runs one program at a time, so it gets one ANE's rate (the default); a runtime that pins one
+        program per ANE and runs them together (oMLX's dual-ANE path) gets `ane_instances` of them.
+        """
         mul = lambda v, k: None if v is None else v * k  # noqa: E731
+        ane_count = max(1, profile.ane_count)
+        if not 1 <= ane_instances <= ane_count:
+            raise ValueError(f"ane_instances {ane_instances}: {profile.chip} has {ane_count} ANE(s)")
+        ane = mul(profile.ane_fp16_tflops, ane_instances / ane_count)  # TFLOPS the lane's programs run at, peak
         return cls(
             mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency), mul(profile.memory_bandwidth_gbs, 1e9),
-            mul(profile.ane_fp16_tflops, 1e12 * profile.ane_efficiency), mul(profile.ane_bandwidth_gbs, 1e9),
+            mul(ane, 1e12 * profile.ane_efficiency), mul(profile.ane_bandwidth_gbs, ane_instances * 1e9),
             profile.ane_dispatch_s or 0.0,
             mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency * profile.gpu_recurrence_efficiency),
             mul(profile.gpu_fp32_tflops, 1e12 * profile.gpu_efficiency * profile.gpu_attention_efficiency),
-            mul(profile.ane_fp16_tflops, 1e12 * profile.ane_efficiency * profile.ane_attention_efficiency),
+            mul(ane, 1e12 * profile.ane_efficiency * profile.ane_attention_efficiency),
             profile.gpu_attention_score_s,
             profile.ane_attention_score_s,
         )
