@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "default: this-machine when `hetero tune --devices` has measured it, else m4-pro)")
     plan.add_argument("--ane-fraction", type=FRACTION, default=0.5, help="requested ANE share of each offloadable piece")
     plan.add_argument("--recommend", action="store_true", help="pick the fraction that balances both devices")
+    plan.add_argument("--pieces", metavar="KINDS",
+                      help="comma-separated piece kinds that take the ANE share (attention, mlp, gdn_in_proj or z, "
+                           "shared_expert; default: all); the others stay whole on the GPU")
     plan.add_argument("--context", type=POSITIVE_INT, help="context length in tokens (default: min(32768, model maximum))")
     plan.add_argument("--chunk", type=POSITIVE_INT, default=512, help="prefill chunk in tokens (multiple of 64)")
     plan.add_argument("--prompt-tokens", type=POSITIVE_INT, help="prompt length for the TTFT prediction (default: the context)")
@@ -384,6 +387,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetero.planner import make_plan, model_shape, plan_lines, read_model_config, recommend
+    from hetero.planner.plan import parse_pieces
     from hetero.profiles import default_profile_name, load_profile
 
     config, name = read_model_config(args.model)
@@ -394,6 +398,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kw = dict(prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
               accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
               link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms)
+    if args.pieces is not None:
+        if args.recommend:
+            raise HeteroError("--pieces with --recommend: --recommend chooses the piece kinds itself; pass one of them")
+        kw["offload"] = parse_pieces(args.pieces)
     if args.recommend:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
     else:

@@ -40,6 +40,7 @@ from hetero.planner.slices import (
 )
 from hetero.profiles import Profile
 
+PIECE_ALIASES = {"z": "gdn_in_proj"}  # `--pieces mlp,z`: the GDN input projections give only their z rows
 DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
 DEFAULT_DRAFT_DEPTH = 3
 
@@ -156,6 +157,7 @@ def make_plan(
     hosts: int | None = None,
     link_gbps: float | None = None,
     link_latency_ms: float | None = None,
+    ane_instances: int = 1,
 ) -> Plan:
     """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring).
 
@@ -163,7 +165,8 @@ def make_plan(
     profile runs too slowly to help); the others stay whole on the GPU, with the reason as their cap. `budget`:
     fp16 weight bytes per exported ANE program (default: `program_budget` of the profile). `hosts`: also plan a
     pipeline over that many hosts (`hosts.plan_hosts`) over a link of `link_gbps` / `link_latency_ms` (default: the
-    profile's, unknown when it has none).
+    profile's, unknown when it has none). `ane_instances`: ANEs the ANE lane drives at once (`Lanes.of`; the
+    runtime's lane runs one program at a time: one).
     """
     args, moe = model_shape(config)
     storage = storage_for(config, bits, group_size)
@@ -178,7 +181,7 @@ def make_plan(
         raise HeteroError(f"--accepted-length {accepted_length}: a verify pass yields at least one token")
     limit = profile.ane_process_weight_limit_gb * 1e9 if profile.ane_process_weight_limit_gb else None
     ps, sliced = fit_ane_memory(args, moe, fraction, limit)
-    lanes = Lanes.of(profile)
+    lanes = Lanes.of(profile, ane_instances)
     ps = [p if p.kind in offload or not p.ane_units else
           Piece(**{**asdict(p), "ane_units": 0, "cap_reason": kept_on_gpu(p.kind, lanes)}) for p in ps]
     flops = prefill_flops(ps, context, chunk)
@@ -252,6 +255,18 @@ def make_plan(
                              profile.gpu_wired_fraction, storage.label,
                              SPLIT_IN_FLIGHT if any(p.ane_units for p in ps) else 1, moe=moe)
     return plan
+
+
+def parse_pieces(text: str) -> tuple[str, ...]:
+    """`--pieces KINDS`: comma-separated piece kinds that take the ANE share (`z` names `gdn_in_proj`), as
+    `make_plan`'s `offload`; a kind that cannot take a share is a one-line error naming those that can."""
+    kinds = [PIECE_ALIASES.get(k.strip(), k.strip()) for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in OFFLOADABLE]
+    if bad or not kinds:
+        what = f"{', '.join(bad)} cannot take an ANE share" if bad else "no piece kind given"
+        raise HeteroError(f"--pieces {text!r}: {what}; choose from {', '.join(OFFLOADABLE)} (z = gdn_in_proj), "
+                          f"comma-separated")
+    return tuple(k for k in OFFLOADABLE if k in kinds)
 
 
 def ane_limit_unknowns(profile: Profile, ps: list[Piece], budget: int) -> list[str]:
