@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from hetero.errors import HeteroError
 from hetero.logprobs import TokenLogprob
 from hetero.mlx_lm_cache import cache_leaves, from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
 from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
+from hetero.pipeline.ane_process import AneLaneLost
 from hetero.validate import check_fraction_or_auto
 
 DEFAULT_CHUNK = 512
@@ -120,7 +122,21 @@ def _split_prefill(held, ids: list[int], hcache: list, fraction: float | str, ch
     if key not in runs:  # configured once per model: "auto" recommends and verifies on a calibration prompt
         runs[key] = split_for(held, fraction, chunk or SPLIT_CHUNK)
     run = runs[key]
-    run.splitter(hcache[0].offset + len(ids)).run(ids, hcache, mtp=False, logits=False)
+    before = [(c, c.offset, list(vars(c).items())) for c in hcache]  # GDN states are replaced, never written in place
+    try:
+        # chunks start at the prefix's end, so the last one reaches the prompt's end rounded up to a whole chunk
+        reach = hcache[0].offset + -(-len(ids) // run.chunk) * run.chunk
+        run.splitter(reach).run(ids, hcache, mtp=False, logits=False)
+    except AneLaneLost as e:  # the caches are the caller's: back to the prefix they held, then prefill GPU-only
+        for c, offset, fields in before:
+            vars(c).update(fields)
+            c.offset = offset
+        run.lane_failures, run.last_failure = run.lane_failures + 1, str(e)
+        print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker", file=sys.stderr)
+        from hetero.generate import prefill as gpu_prefill
+
+        gpu_prefill(held.model, ids, hcache, chunk or DEFAULT_CHUNK)
+        return
     if verify:
         check = verify_split(run, ids)
         if not check["match"]:

@@ -175,3 +175,24 @@ def test_the_governor_counts_the_worker(tiny_engine):
     room = lambda b: sum(n for name, n in b.lines if name.startswith(("KV cache", "unused")))  # noqa: E731
     assert room(free) - room(held) == worker
     assert sum(n for _, n in held.lines) == held.wirable_bytes
+
+
+def test_the_library_prefill_survives_a_lost_worker(fault_env):
+    """`hetero.prefill` appending a turn through the split: the worker dies mid-prompt, the caller's cache goes
+    back to the prefix it held and the turn is prefilled GPU-only, so the cache equals the GPU-only one exactly."""
+    import hetero
+    from hetero.mlx_lm_cache import cache_leaves
+
+    engine = hetero.load()
+    first, second = engine.encode_prompt(DOCTOR_TEXT * 3), engine.encode_prompt(DOCTOR_TEXT * 6)[:300]
+    run = configure(engine, 0.5, 64)
+    run.ane_loader = "ane_faults:dies"
+    engine.split_runs = {(0.5, 64): run}  # the library's configured split for (fraction, chunk)
+    ours = hetero.prefill(engine, second, ane_fraction=0.5, chunk=64, cache=hetero.prefill(engine, first, chunk=64))
+    gpu = hetero.prefill(engine, second, chunk=64, cache=hetero.prefill(engine, first, chunk=64))
+    assert run.lane_failures == 1
+    for a, b in zip(cache_leaves(ours), cache_leaves(gpu), strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+DOCTOR_TEXT = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip()\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetero.backends.ane_worker import pack, packed_bytes, views
+from hetero.backends.arena import pack, packed_bytes, views
 from hetero.errors import HeteroError
 from hetero.pipeline.lanes import Trace
 
