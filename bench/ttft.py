@@ -71,7 +71,9 @@ def build_engine(work: Path):
     return types.SimpleNamespace(model=net, config=config, path=path, name=str(path), identity="bench-ttft@shape")
 
 
-TARGET = 0.70  # recommended split TTFT / GPU-only at 8K and 16K
+TARGET = 0.80  # recommended split TTFT / GPU-only at 8K (issue 25: in the worker process lane)
+PROCESS_LANE_COST = 0.05  # the worker process lane's split TTFT at most 5% above the in-thread lane's, 8K and 16K
+IN_THREAD = " in-thread"  # a contender name ending so runs the ANE lane's programs in this process
 PREDICTION_TOLERANCE = 0.15  # the planner's split TTFT within 15% of the measured one at 8K and 16K
 
 
@@ -87,7 +89,8 @@ def contenders(engine, fractions: dict[str, tuple[float, tuple[str, ...]]], n: i
     ids = prompt_ids(n)
     out = {"gpu-only": lambda: (prefill(engine.model, ids, engine.model.make_cache(), CHUNK), None)[1]}
     for name, (f, offload) in fractions.items():
-        split = configure(engine, f, CHUNK, offload=offload).splitter(n)  # exported and loaded here, untimed
+        lane = "thread" if name.endswith(IN_THREAD) else "process"
+        split = configure(engine, f, CHUNK, offload=offload, lane=lane).splitter(n)  # exported and loaded, untimed
         out[name] = lambda split=split: split.run(ids, engine.model.make_cache(), logits=True)
     mx.eval(engine.model.parameters())
     return out
@@ -105,7 +108,8 @@ def predicted_s(engine, profile: dict, fraction: float, offload: tuple[str, ...]
 def measure_size(engine, profile: dict, fractions: dict[str, tuple[float, tuple[str, ...]]], n: int,
                  repeats: int) -> dict:
     runs = contenders(engine, fractions, n)
-    stats = {k: {"ttft_s": [], "gpu_busy_s": [], "ane_busy_s": [], "overlap": []} for k in runs}
+    metrics = ("gpu_busy_s", "ane_busy_s", "overlap", "ipc_s", "worker_s")
+    stats = {k: {"ttft_s": [], **{m: [] for m in metrics}} for k in runs}
     for k, fn in runs.items():  # warm-up
         fn()
     for _ in range(repeats):
@@ -114,9 +118,8 @@ def measure_size(engine, profile: dict, fractions: dict[str, tuple[float, tuple[
             res = fn()
             stats[k]["ttft_s"].append(time.perf_counter() - t)
             if res is not None:
-                stats[k]["gpu_busy_s"].append(res.gpu_busy_s)
-                stats[k]["ane_busy_s"].append(res.ane_busy_s)
-                stats[k]["overlap"].append(res.overlap)
+                for m in metrics:
+                    stats[k][m].append(getattr(res, m))
     out = {}
     for k, s in stats.items():
         med = statistics.median(s["ttft_s"])
@@ -125,8 +128,10 @@ def measure_size(engine, profile: dict, fractions: dict[str, tuple[float, tuple[
             "fraction": fraction, "offload": list(offload),
             "ttft_s": med, "ttft_min_s": min(s["ttft_s"]), "ttft_max_s": max(s["ttft_s"]), "runs": len(s["ttft_s"]),
             "prefill_tps": n / med, "predicted_s": predicted_s(engine, profile, fraction, offload, n),
-            **({m: statistics.median(s[m]) for m in ("gpu_busy_s", "ane_busy_s", "overlap")} if s["overlap"] else {}),
+            **({m: statistics.median(s[m]) for m in metrics} if s["overlap"] else {}),
         }
+        if s["overlap"]:  # what crossing to the worker process cost, as a share of the ANE lane's busy time
+            out[k]["ipc_share_of_ane_lane"] = out[k]["ipc_s"] / out[k]["ane_busy_s"]
     base = out["gpu-only"]["ttft_s"]
     for k in out:
         out[k]["vs_gpu_only"] = out[k]["ttft_s"] / base
@@ -158,10 +163,10 @@ def timeline(engine, fraction: float, offload: tuple[str, ...], n: int, png: Pat
     trace = Trace()
     res = split.run(prompt_ids(n), engine.model.make_cache(), trace=trace)
     fig, ax = plt.subplots(figsize=(12, 2.6))
-    colors = {1: "tab:blue", 2: "tab:orange"}
+    colors = {1: "tab:blue", 2: "tab:orange", 3: "tab:green"}  # GPU lane, ANE lane, the ANE lane's worker process
     for e in trace.events:
         ax.barh(e["tid"], e["dur"] / 1e6, left=e["ts"] / 1e6, height=0.6, color=colors[e["tid"]], linewidth=0)
-    ax.set_yticks([1, 2], [trace.tracks[1], trace.tracks[2]])
+    ax.set_yticks(sorted(trace.tracks), [trace.tracks[t] for t in sorted(trace.tracks)])
     ax.set_xlabel("seconds")
     ax.set_title(f"split prefill, {n} tokens, ANE fraction {fraction:.2f}: overlap {res.overlap:.2f}")
     fig.tight_layout()
@@ -238,8 +243,8 @@ def main() -> None:
     for cap in plan.caps():
         print(f"  {cap}", flush=True)
     recommended = f"split@{rec:.2f} {'+'.join(plan.offload)} (recommended)"
-    fractions = {recommended: (rec, plan.offload), "split@1.00 mlp+gdn_in_proj": (1.0, ("mlp", "gdn_in_proj")),
-                 "split@0.50 all kinds": (0.5, OFFLOADABLE)}
+    fractions = {recommended: (rec, plan.offload), recommended + IN_THREAD: (rec, plan.offload),
+                 "split@1.00 mlp+gdn_in_proj": (1.0, ("mlp", "gdn_in_proj")), "split@0.50 all kinds": (0.5, OFFLOADABLE)}
     same = make_plan(engine.config, Profile.from_dict(profile), 1.0, 8192, CHUNK, offload=("mlp", "gdn_in_proj"))
     if [p.ane_units for p in same.pieces] == [p.ane_units for p in plan.pieces]:  # the same slices: run it once
         del fractions["split@1.00 mlp+gdn_in_proj"]
@@ -247,7 +252,8 @@ def main() -> None:
     for n in [int(s) for s in a.sizes.split(",")]:
         results[n] = measure_size(engine, profile, fractions, n, a.repeats)
         for k, r in results[n].items():
-            extra = f"  GPU busy {r['gpu_busy_s']:.2f}s  ANE busy {r['ane_busy_s']:.2f}s  overlap {r['overlap']:.2f}" if "overlap" in r else ""
+            extra = (f"  GPU busy {r['gpu_busy_s']:.2f}s  ANE busy {r['ane_busy_s']:.2f}s  overlap {r['overlap']:.2f}"
+                     f"  IPC {r['ipc_s']:.3f}s ({r['ipc_share_of_ane_lane']:.1%} of the ANE lane)") if "overlap" in r else ""
             print(f"{n:>6} {k:<40} TTFT {r['ttft_s']:7.2f}s ({r['ttft_min_s']:.2f}-{r['ttft_max_s']:.2f})  "
                   f"predicted {r['predicted_s']:7.2f}s ({r['prediction_error']:+.0%})  {r['prefill_tps']:6.0f} tok/s  "
                   f"{r['vs_gpu_only']:.2f}x{extra}", flush=True)
@@ -264,7 +270,8 @@ def main() -> None:
               f"GPU-only {pr['gpu_only_prefill_s']} s, split {pr['split_prefill_s']} s, decode {pr['decode_roofline_tps']} tok/s, "
               f"MTP {pr['decode_mtp_tps']} tok/s")
     long = [n for n in results if n >= 8192]
-    ratio = {n: results[n][recommended]["vs_gpu_only"] for n in long}
+    ratio = {n: results[n][recommended]["vs_gpu_only"] for n in long if n <= 8192}
+    lane_cost = {n: results[n][recommended]["ttft_s"] / results[n][recommended + IN_THREAD]["ttft_s"] - 1 for n in long}
     error = {n: results[n][recommended]["prediction_error"] for n in long}
     # the schedule's bound in this run: the wall time cannot drop below the GPU lane's own busy time
     bound = {n: results[n][recommended]["gpu_busy_s"] / results[n]["gpu-only"]["ttft_s"] for n in long}
@@ -277,9 +284,13 @@ def main() -> None:
                       "greedy_identical": all(c["match"] for c in checks.values()),
                       "gpu_lane_bound": bound},
            "prediction": {"within": PREDICTION_TOLERANCE, "error": error,
-                          "met": all(abs(e) <= PREDICTION_TOLERANCE for e in error.values()) if error else None}}
+                          "met": all(abs(e) <= PREDICTION_TOLERANCE for e in error.values()) if error else None},
+           "process_lane": {"cost_at_most": PROCESS_LANE_COST, "measured": lane_cost,
+                            "met": all(c <= PROCESS_LANE_COST for c in lane_cost.values()) if lane_cost else None}}
     (out_dir / "ttft.json").write_text(json.dumps(doc, indent=1))
-    print(f"\ntarget (recommended split <= {TARGET}x GPU-only at 8K and 16K, verified): {doc['target']}")
+    print(f"\ntarget (recommended split <= {TARGET}x GPU-only at 8K, verified): {doc['target']}")
+    print(f"process lane (its split TTFT at most {PROCESS_LANE_COST:.0%} above the in-thread lane's): "
+          f"{doc['process_lane']}")
     print("bound: the recommended split's GPU-lane busy time / GPU-only TTFT (no schedule can beat it): "
           + ", ".join(f"{n}: {b:.2f}x" for n, b in bound.items()))
     print(f"planner (recommended split's predicted TTFT within {PREDICTION_TOLERANCE:.0%}): {doc['prediction']}")
