@@ -206,7 +206,7 @@ def apple_predictions(context: int) -> list[dict]:
         prof = load_profile(name)
         inputs = {k: getattr(prof, k) for k in ("memory_bandwidth_gbs", "gpu_fp32_tflops", "ane_fp16_tflops",
                                                 "ane_bandwidth_gbs", "gpu_efficiency", "ane_efficiency",
-                                                "ane_process_weight_limit_gb")}
+                                                "ane_process_weight_limit_gb", "ane_count")}
         try:
             f, plan = recommend(config, prof, context, CHUNK, bits=4)
             pred = dict(plan.predicted, recommended_fraction=f, effective_fraction=round(plan.effective_fraction, 4))
@@ -266,7 +266,7 @@ def main() -> None:
     for row in apple:
         i, pr = row["inputs"], row["predicted"]
         print(f"  {row['profile']:<9} bw {i['memory_bandwidth_gbs']} GB/s, GPU {i['gpu_fp32_tflops']} TFLOPS x{i['gpu_efficiency']}, "
-              f"ANE {i['ane_fp16_tflops']} TFLOPS x{i['ane_efficiency']} ({i['ane_bandwidth_gbs']} GB/s) -> F {pr.get('recommended_fraction')}, "
+              f"ANE {i['ane_fp16_tflops']} TFLOPS ({i['ane_count']} ANE(s), the lane runs on one) x{i['ane_efficiency']} ({i['ane_bandwidth_gbs']} GB/s) -> F {pr.get('recommended_fraction')}, "
               f"GPU-only {pr['gpu_only_prefill_s']} s, split {pr['split_prefill_s']} s, decode {pr['decode_roofline_tps']} tok/s, "
               f"MTP {pr['decode_mtp_tps']} tok/s")
     long = [n for n in results if n >= 8192]
