@@ -168,33 +168,55 @@ def measure(engine, ids: list[int], fraction: float, chunk: int = 64) -> dict:
     return {"gpu": gpu, "split": split, "split_vs_gpu": between}
 
 
+# A fixed prompt (code, as the engine's users send), so the measurements do not move with the repository's files.
+CODE = "".join(f"def step_{i}(x, y):\n    return x * {i % 13} + y - {i % 7}\n\n" for i in range(400))
+
+
 def main() -> None:
     """Print the measurements behind `hetero/pipeline/tolerance.py` (docs/planner.md): each checkpoint, prompt
     length and dtype, GPU-only and split (fraction 0.5) against float64, and the split against GPU-only."""
     import tempfile
     from pathlib import Path
 
-    import hetero
     from tiny_checkpoint import write_real_shape_model, write_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="oracle64-"))
-    text = "".join(open(Path(__file__).parent / name).read() for name in ("test_pipeline.py", "test_cli.py"))
-    short = "def add(a, b):\n    return a + b\n" * 12
     models = {"bundled": None, "real-shape seed 0": write_real_shape_model(root / "r0", 0),
               "real-shape seed 1": write_real_shape_model(root / "r1", 1), "tiny": write_tiny_model(root / "t")}
     for label, path in models.items():
-        for n in (None, 1024):
-            if n is not None and label in ("tiny", "real-shape seed 1"):
+        for prompt, n in (("code", 160), ("code", 1024), ("random", 160), ("random", 1024)):
+            if n > 160 and label in ("tiny", "real-shape seed 1"):
                 continue
             for name, dtype in (("float32", mx.float32), ("bfloat16", mx.bfloat16), ("float16", mx.float16)):
                 engine = hetero.load(path, dtype)
-                ids = engine.encode_prompt(short, False)[:-1] if n is None else engine.tokenizer.encode(text)[:n]
-                if label == "bundled" and n is None:
-                    ids = engine.tokenizer.encode(open(Path(__file__).parent / "test_pipeline.py").read())[:149]
-                m = measure(engine, ids, 0.5)
-                cells = " | ".join(f"{max(m[k]['logits'], m[k]['cache']):.2e} ({m[k]['worst'] or '-'})"
-                                   for k in ("gpu", "split", "split_vs_gpu"))
-                print(f"| {label} | {len(ids)} | {name} | {cells} |", flush=True)
+                vocab = engine.model.args.vocab_size
+                ids = (engine.tokenizer.encode(CODE)[:n] if prompt == "code"
+                       else np.random.default_rng(n).integers(3, vocab, n).tolist())  # not the special ids 0-2
+                _row(f"{label}, {prompt}", engine, ids, name)
+    pipe_rows(root)
+
+
+def _row(label: str, engine, ids: list[int], name: str) -> None:
+    m = measure(engine, ids, 0.5)
+    cells = " | ".join(f"{max(m[k]['logits'], m[k]['cache']):.2e} ({m[k]['worst'] or '-'})"
+                       for k in ("gpu", "split", "split_vs_gpu"))
+    print(f"| {label} | {len(ids)} | {name} | {cells} |", flush=True)
+
+
+def pipe_rows(root) -> None:
+    """The same rows for tests/test_pipeline.py's tiny model (issue 25's failing bf16 case), 150 random tokens."""
+    import types
+
+    from hetero.loader import load_model
+    from test_coreml_graphs import TINY, save_checkpoint, tiny_model
+
+    pipe = dict(TINY, linear_value_head_dim=32)
+    path = save_checkpoint(tiny_model(3, pipe), root / "pipe", pipe)
+    ids = np.random.default_rng(0).integers(0, pipe["vocab_size"], 150).tolist()
+    for name, dtype in (("float32", mx.float32), ("bfloat16", mx.bfloat16), ("float16", mx.float16)):
+        model, where, config = load_model(path, dtype)
+        engine = types.SimpleNamespace(model=model, config=config, path=where, name=str(where), identity=f"pipe@{name}")
+        _row("test_pipeline tiny", engine, ids, name)
 
 
 if __name__ == "__main__":
