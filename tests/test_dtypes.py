@@ -82,14 +82,14 @@ def test_half_precision_tolerance_still_catches_a_defective_program(engines, nam
     layer = sorted(progs.gdn_in_proj)[0]
     program, units = progs.gdn_in_proj[layer][0]
     progs.gdn_in_proj[layer][0] = (lambda feed, p=program: {k: v * 0 for k, v in p(feed).items()}, units)
-    check = verify(run, ids, n_tokens=4)
+    check = verify(run, ids, n_tokens=1)  # the arrays decide here, not greedy
     assert not check["match"], check  # z feeds only the layer's output: the layers above carry the error
     progs.gdn_in_proj[layer][0] = (program, units)
     if name == "float16":
         layer = sorted(progs.mlp)[0]
         program, units = progs.mlp[layer][0]
         progs.mlp[layer][0] = (lambda feed, p=program: {k: v * 0.5 for k, v in p(feed).items()}, units)
-        check = verify(run, ids, n_tokens=4)
+        check = verify(run, ids, n_tokens=1)  # the arrays decide here, not greedy
         assert not check["match"], check
 
 
