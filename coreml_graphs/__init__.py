@@ -7,6 +7,7 @@ Everything here is built directly with coremltools' MIL builder (no tracing), in
 - `attention`  the attention-layer prefill graph for a slice of whole KV-head groups
 - `mlp`        the MLP slice graph (a share of intermediate channels, partial sum)
 - `gdn`        the GDN input-projection graph (`gdn_in_proj`: z rows only)
+- `palette`    MLX's affine-quantized weights as per-group lookup tables (exact; `constexpr_lut_to_dense`)
 - `package`    save a program as an .mlpackage and read its MIL back
 - `lint`       static check of a saved program against the ANE's rules
 

@@ -25,6 +25,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Program, Var
 
 from coreml_graphs.ops import MASK_NEG, MAX_AXIS, blocks, build_program, conv1x1, fp16, rms_norm
+from coreml_graphs.palette import Palettized
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,13 @@ class AttentionWeights:
     """The slice's weights as numpy arrays; norm weights are effective scales (already 1 + w)."""
 
     input_norm: np.ndarray  # [hidden]
-    q: np.ndarray  # [heads*D, hidden]  query rows of q_proj
-    gate: np.ndarray  # [heads*D, hidden]  gate rows of q_proj
-    k: np.ndarray  # [kv_heads*D, hidden]
-    v: np.ndarray  # [kv_heads*D, hidden]
+    q: np.ndarray | Palettized  # [heads*D, hidden]  query rows of q_proj
+    gate: np.ndarray | Palettized  # [heads*D, hidden]  gate rows of q_proj
+    k: np.ndarray | Palettized  # [kv_heads*D, hidden]
+    v: np.ndarray | Palettized  # [kv_heads*D, hidden]
     q_norm: np.ndarray  # [D]
     k_norm: np.ndarray  # [D]
-    o: np.ndarray  # [hidden, heads*D]  the slice's o_proj columns
+    o: np.ndarray | Palettized  # [hidden, heads*D]  the slice's o_proj columns
 
 
 def build_attention(shape: AttentionShape, w: AttentionWeights) -> Program:
@@ -114,7 +115,7 @@ def build_attention(shape: AttentionShape, w: AttentionWeights) -> Program:
         out = conv1x1(gated, w.o, "o_proj")  # (1, hidden, 1, S)
         return {"out": out, "k_new": k_new, "v_new": v_new}
 
-    return build_program(shape.inputs(), body)
+    return build_program(shape.inputs(), body, w)
 
 
 def _head(t: Var, i: int, name: str) -> Var:

@@ -15,6 +15,7 @@ import numpy as np
 from coremltools.converters.mil.mil import Program, Var
 
 from coreml_graphs.ops import build_program, conv1x1, rms_norm
+from coreml_graphs.palette import Palettized
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class GDNInProjWeights:
     """input_layernorm's effective scale and the slice's in_proj_z rows."""
 
     norm: np.ndarray  # [hidden]
-    z: np.ndarray  # [rows, hidden]
+    z: np.ndarray | Palettized  # [rows, hidden]
 
 
 def build_gdn_in_proj(shape: GDNInProjShape, w: GDNInProjWeights) -> Program:
@@ -48,4 +49,4 @@ def build_gdn_in_proj(shape: GDNInProjShape, w: GDNInProjWeights) -> Program:
         x = rms_norm(inp["x"], w.norm, shape.eps, axis=1, name="input_norm")  # (1, hidden, 1, S)
         return {"z": conv1x1(x, w.z, "z_proj")}  # (1, rows, 1, S)
 
-    return build_program(shape.inputs(), body)
+    return build_program(shape.inputs(), body, w)

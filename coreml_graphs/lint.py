@@ -9,7 +9,7 @@ Errors (the ANE rejects the program or Core ML silently moves it to the CPU/GPU)
     rsqrt-norm  a norm built as reduce -> (add eps) -> rsqrt/sqrt: overflows in fp16; use layer_norm(concat[x, -x])
     inf         an infinite or NaN constant (masks must use large finite negatives)
     weights     more weight bytes than the per-program budget (the functions of a multifunction package share
-                equal constants: each is counted once)
+                equal constants: each is counted once; a lookup table's indices count at their bit width)
     seq         a (1, C, 1, S) input or output whose S is not a multiple of 64
 Warnings (runs, but slower or partly off the ANE):
     align       an input or output whose last axis is not a multiple of 64 bytes
@@ -92,13 +92,16 @@ def lint_program(prog: Program, name: str = "program", weight_budget: int = WEIG
             where = f"{op.op_type} {op.name}"
             if op.op_type == "const":
                 val = op.outputs[0].val
-                if isinstance(val, np.ndarray) and np.issubdtype(val.dtype, np.floating):
+                floating = isinstance(val, np.ndarray) and np.issubdtype(val.dtype, np.floating)
+                if floating or _compressed_part(op):
+                    size = _stored_bytes(op.outputs[0])
                     if shared:  # a multifunction package stores each distinct constant once
                         digest = (val.dtype.str, val.shape, hashlib.sha1(np.ascontiguousarray(val)).digest())
-                        weight_bytes += 0 if digest in stored else val.nbytes
+                        weight_bytes += 0 if digest in stored else size
                         stored.add(digest)
                     else:
-                        weight_bytes += val.nbytes
+                        weight_bytes += size
+                if floating:
                     if not np.isfinite(val).all():
                         kind = "-inf" if np.isneginf(val).any() else ("inf" if np.isinf(val).any() else "NaN")
                         add("error", "inf", f"constant holds {kind}: masks need large finite negatives", where)
@@ -133,6 +136,18 @@ def lint_package(path: str | os.PathLike, weight_budget: int = WEIGHT_BUDGET) ->
         if inp.type.WhichOneof("Type") == "multiArrayType" and inp.type.multiArrayType.WhichOneof("ShapeFlexibility"):
             report.findings.append(Finding("error", "dynamic", f"input {inp.name} has a flexible shape", f"input {inp.name}"))
     return report
+
+
+def _compressed_part(op) -> bool:
+    """Whether a const feeds a constexpr op (indices or tables of compressed weights)."""
+    return any(child.op_type.startswith("constexpr_") for child in op.outputs[0].child_ops)
+
+
+def _stored_bytes(var) -> int:
+    """Bytes a constant takes in the weight file: sub-byte types (uint4 indices) packed at their bit width."""
+    val = np.asarray(var.val)
+    bits = var.dtype.get_bitwidth() if types.is_sub_byte(var.dtype) else val.dtype.itemsize * 8
+    return -(-val.size * bits // 8)
 
 
 def _static(shape: tuple) -> bool:

@@ -15,6 +15,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Program, Var
 
 from coreml_graphs.ops import MAX_AXIS, blocks, build_program, conv1x1, rms_norm
+from coreml_graphs.palette import Palettized
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ class MLPWeights:
     """The slice's weights; `norm` is post_attention_layernorm's effective scale."""
 
     norm: np.ndarray  # [hidden]
-    gate: np.ndarray  # [channels, hidden]
-    up: np.ndarray  # [channels, hidden]
-    down: np.ndarray  # [hidden, channels]
+    gate: np.ndarray | Palettized  # [channels, hidden]
+    up: np.ndarray | Palettized  # [channels, hidden]
+    down: np.ndarray | Palettized  # [hidden, channels]
 
 
 def build_mlp(shape: MLPShape, w: MLPWeights) -> Program:
@@ -60,4 +61,4 @@ def build_mlp(shape: MLPShape, w: MLPWeights) -> Program:
             start += size
         return {"out": out}
 
-    return build_program(shape.inputs(), body)
+    return build_program(shape.inputs(), body, w)

@@ -8,22 +8,29 @@ import coremltools as ct
 import numpy as np
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Function, Program, Var, types
+from coremltools.converters.mil.mil.types.type_mapping import string_to_nptype
+
+from coreml_graphs.palette import Palettized
 
 # Oldest OS whose Core ML runs every op the builders emit on the ANE and offers MLComputePlan (14.4+).
 DEPLOYMENT_TARGET = ct.target.macOS14
+# Per-group lookup tables (`constexpr_lut_to_dense` with tables per block) are iOS 18 / macOS 15 ops.
+PALETTIZED_TARGET = ct.target.macOS15
 MAX_AXIS = 16384  # the ANE rejects (or falls off) tensors with any axis above this
 SEQ_MULTIPLE = 64  # chunk sizes (the S axis) are multiples of this
 MASK_NEG = -30000.0  # "minus infinity" for fp16 masks: finite, and MASK_NEG + MASK_NEG still fits fp16 (max 65504)
 
 
-def build_program(inputs: dict[str, tuple[int, ...]], body: Callable[[dict[str, Var]], dict[str, Var]]) -> Program:
+def build_program(inputs: dict[str, tuple[int, ...]], body: Callable[[dict[str, Var]], dict[str, Var]],
+                  weights: object = None) -> Program:
     """A one-function MIL program with fp16 `inputs` (name -> static shape) whose outputs are `body`'s dict.
 
     Same as `@mb.program`, but with named inputs known only at run time (that decorator reads them from the
-    Python function's signature). Outputs are renamed to the dict's keys.
+    Python function's signature). Outputs are renamed to the dict's keys. `weights` (a builder's weights
+    dataclass) sets the opset: macOS 15 where any of them is `Palettized`, else macOS 14.
     """
     specs = {name: mb.TensorSpec(shape=shape, dtype=types.fp16) for name, shape in inputs.items()}
-    with Function(specs, opset_version=DEPLOYMENT_TARGET) as func:
+    with Function(specs, opset_version=target_for(weights)) as func:
         outputs = body(dict(func.inputs))
         func.set_outputs([mb.identity(x=var, name=name) for name, var in outputs.items()])
     prog = Program()
@@ -31,15 +38,35 @@ def build_program(inputs: dict[str, tuple[int, ...]], body: Callable[[dict[str, 
     return prog
 
 
+def target_for(weights: object) -> ct.target:
+    """The opset a builder's weights need: lookup tables per group exist from macOS 15 on."""
+    fields = vars(weights).values() if weights is not None and hasattr(weights, "__dict__") else ()
+    return PALETTIZED_TARGET if any(isinstance(v, Palettized) for v in fields) else DEPLOYMENT_TARGET
+
+
 def fp16(a: np.ndarray) -> np.ndarray:
     """Weights are embedded as fp16 constants: the whole program computes in fp16."""
     return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(np.float16))
 
 
-def conv1x1(x: Var, weight: np.ndarray, name: str) -> Var:
-    """A projection in BC1S layout: x (1, Cin, 1, S), weight [Cout, Cin] -> (1, Cout, 1, S)."""
+def conv1x1(x: Var, weight: np.ndarray | Palettized, name: str) -> Var:
+    """A projection in BC1S layout: x (1, Cin, 1, S), weight [Cout, Cin] -> (1, Cout, 1, S).
+
+    A `Palettized` weight is embedded as its indices and per-group tables (`constexpr_lut_to_dense`): Core ML
+    expands it to the same fp16 weight, which the conv then reads."""
     cout, cin = weight.shape
+    if isinstance(weight, Palettized):
+        return mb.conv(x=x, weight=lut_weight(weight, f"{name}_weight"), name=name)  # (1, Cout, 1, S)
     return mb.conv(x=x, weight=fp16(weight).reshape(cout, cin, 1, 1), name=name)  # (1, Cout, 1, S)
+
+
+def lut_weight(w: Palettized, name: str) -> Var:
+    """The conv weight (Cout, Cin, 1, 1) fp16 of a `Palettized` matrix: tables (Cout, Cin / block, 1, 1, 2^bits, 1)
+    indexed by `bits`-wide indices, one table per row and block of input channels."""
+    cout, cin = w.shape
+    indices = w.indices.reshape(cout, cin, 1, 1).astype(string_to_nptype(f"uint{w.bits}"))  # sub-byte in the blob
+    lut = np.ascontiguousarray(w.lut, dtype=np.float16).reshape(cout, cin // w.block, 1, 1, 2**w.bits, 1)
+    return mb.constexpr_lut_to_dense(indices=indices, lut=lut, name=name)  # (Cout, Cin, 1, 1)
 
 
 def rms_norm(x: Var, weight: np.ndarray | None, eps: float, axis: int, name: str) -> Var:

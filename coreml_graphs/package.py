@@ -18,13 +18,15 @@ from coreml_graphs.ops import DEPLOYMENT_TARGET
 
 
 def save_program(prog: Program, path: str | os.PathLike) -> Path:
-    """Convert `prog` to an fp16 ML Program and write it to `path` (.mlpackage); needs no Core ML runtime."""
+    """Convert `prog` to an fp16 ML Program and write it to `path` (.mlpackage); needs no Core ML runtime. The
+    package's minimum OS is the newest opset among its functions (macOS 15 for lookup-table weights)."""
+    target = max((f.opset_version or DEPLOYMENT_TARGET for f in prog.functions.values()), default=DEPLOYMENT_TARGET)
     with contextlib.redirect_stderr(io.StringIO()):  # coremltools' per-pass tqdm bars; the export draws its own
         model = ct.convert(
             prog,
             convert_to="mlprogram",
             compute_precision=ct.precision.FLOAT16,
-            minimum_deployment_target=DEPLOYMENT_TARGET,
+            minimum_deployment_target=target,
             skip_model_load=True,  # compiling needs macOS; the package is complete without it
         )
     path = Path(path)

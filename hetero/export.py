@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,13 +45,44 @@ DEFAULT_CONTEXT = 4096
 # Weights of a slice, as numpy (fp32), from the MLX model
 
 
-def linear_weight(layer: nn.Module) -> np.ndarray:
-    """A Linear's weight [out, in] as fp32 numpy (quantized layers are dequantized)."""
+def linear_weight(layer: nn.Module, rows: slice | np.ndarray = slice(None), cols: slice = slice(None)):
+    """Rows `rows` (a range or an index array) and columns `cols` of a Linear's weight [out, in] as the ANE gets
+    them: a quantized layer of at most 4 bits as its own per-group lookup tables (`coreml_graphs.palette.Palettized`:
+    each weight exactly MLX's, rounded once to fp16), other layers as fp32 numpy (quantized ones of more bits
+    dequantized: a table per group would outweigh fp16). Only the slice is unpacked or widened."""
+    from coreml_graphs.palette import LUT_BITS
+
+    pick = mx.array(rows) if isinstance(rows, np.ndarray) else rows
+    if isinstance(layer, nn.QuantizedLinear) and getattr(layer, "mode", "affine") == "affine" and layer.bits in LUT_BITS:
+        g, per_word = layer.group_size, 32 // math.gcd(32, layer.bits)  # columns per whole word run
+        c0, c1, _ = cols.indices(layer.scales.shape[1] * g)
+        step = math.lcm(g, per_word)
+        a, b = c0 // step * step, -(-c1 // step) * step  # whole groups and words around the columns
+        words = slice(a * layer.bits // 32, b * layer.bits // 32)
+        p = palettize(layer.weight[pick][:, words], layer.scales[pick][:, a // g : b // g],
+                      layer.biases[pick][:, a // g : b // g], layer.bits, g)
+        return p if (a, b) == (c0, c1) else p[:, c0 - a : c1 - a]
     if isinstance(layer, nn.QuantizedLinear):
-        w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+        w = mx.dequantize(layer.weight[pick], layer.scales[pick], layer.biases[pick], layer.group_size, layer.bits)
     else:
-        w = layer.weight
-    return np.array(w.astype(mx.float32))
+        w = layer.weight[pick]
+    return np.array(w[:, cols].astype(mx.float32))
+
+
+def palettize(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int):
+    """MLX's affine-quantized matrix as per-group tables: lut[r, g, k] = MLX's dequantized value of index k in
+    group g of row r, in fp32 (bf16 and fp16 scales widen exactly; MLX's quantized matmul applies them in fp32),
+    rounded once to fp16. Computed by `mx.dequantize` itself, so every entry is MLX's arithmetic, signed zeros
+    included."""
+    from coreml_graphs.palette import Palettized, pack, table_indices, unpack
+
+    rows, groups = scales.shape
+    one = pack(table_indices(bits, group), bits)  # [1, group * bits / 32]: 0..2^bits-1 in one group
+    table = mx.array(np.tile(one, (rows, groups)))  # [rows, groups * group * bits / 32]
+    s, b = scales.astype(mx.float32), biases.astype(mx.float32)
+    lut = mx.dequantize(table, s, b, group_size=group, bits=bits).reshape(rows, groups, group)[:, :, : 2**bits]
+    lut = np.array(lut).astype(np.float16)  # [rows, groups, 2^bits]
+    return Palettized(unpack(np.array(packed), bits, groups * group), lut, bits)
 
 
 def _vec(a: mx.array) -> np.ndarray:
@@ -64,17 +96,17 @@ def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
     attn, D, h = layer.self_attn, args.head_dim, args.hidden_size
     group = args.num_attention_heads // args.num_key_value_heads
     heads = range(kv.start * group, kv.stop * group)
-    qg = linear_weight(attn.q_proj).reshape(args.num_attention_heads, 2 * D, h)[heads.start : heads.stop]  # [Hs, 2D, h]
+    base = (np.arange(heads.start, heads.stop) * 2 * D)[:, None]  # [Hs, 1]: q_proj has D query, D gate rows per head
     kv_rows = slice(kv.start * D, kv.stop * D)
     return AttentionWeights(
         input_norm=_vec(layer.input_layernorm.weight),
-        q=qg[:, :D].reshape(-1, h),
-        gate=qg[:, D:].reshape(-1, h),
-        k=linear_weight(attn.k_proj)[kv_rows],
-        v=linear_weight(attn.v_proj)[kv_rows],
+        q=linear_weight(attn.q_proj, (base + np.arange(D)).reshape(-1)),  # [Hs * D, h]
+        gate=linear_weight(attn.q_proj, (base + D + np.arange(D)).reshape(-1)),  # [Hs * D, h]
+        k=linear_weight(attn.k_proj, kv_rows),
+        v=linear_weight(attn.v_proj, kv_rows),
         q_norm=_vec(attn.q_norm.weight),
         k_norm=_vec(attn.k_norm.weight),
-        o=linear_weight(attn.o_proj)[:, heads.start * D : heads.stop * D],
+        o=linear_weight(attn.o_proj, cols=slice(heads.start * D, heads.stop * D)),
     )
 
 
@@ -87,9 +119,9 @@ def mlp_weights(layer: DecoderLayer, channels: range, mlp: nn.Module | None = No
     rows = slice(channels.start, channels.stop)
     return MLPWeights(
         norm=_vec(layer.post_attention_layernorm.weight),
-        gate=linear_weight(mlp.gate_proj)[rows],
-        up=linear_weight(mlp.up_proj)[rows],
-        down=linear_weight(mlp.down_proj)[:, rows],
+        gate=linear_weight(mlp.gate_proj, rows),
+        up=linear_weight(mlp.up_proj, rows),
+        down=linear_weight(mlp.down_proj, cols=rows),
     )
 
 
@@ -97,7 +129,7 @@ def gdn_in_proj_weights(layer: DecoderLayer, rows: range):
     """The z-projection slice for `rows` of in_proj_z of a GDN decoder layer."""
     from coreml_graphs.gdn import GDNInProjWeights
 
-    return GDNInProjWeights(norm=_vec(layer.input_layernorm.weight), z=linear_weight(layer.linear_attn.in_proj_z)[rows.start : rows.stop])
+    return GDNInProjWeights(norm=_vec(layer.input_layernorm.weight), z=linear_weight(layer.linear_attn.in_proj_z, slice(rows.start, rows.stop)))
 
 
 def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int):
@@ -123,15 +155,33 @@ def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, contex
     return GDNInProjShape(args.hidden_size, len(units), chunk, eps), gdn_in_proj_weights(layer, units), build_gdn_in_proj
 
 
+def _fields(weights) -> dict:
+    """A weights dataclass's fields as they are (`asdict` would turn a `Palettized` into a dict)."""
+    return {f.name: getattr(weights, f.name) for f in fields(weights)}
+
+
 def weights_sha256(weights) -> str:
-    """Hash of a slice's weights exactly as embedded (fp16), field by field."""
+    """Hash of a slice's weights exactly as embedded (fp16, or indices and tables), field by field."""
     from coreml_graphs.ops import fp16
+    from coreml_graphs.palette import Palettized
 
     h = hashlib.sha256()
-    for name, a in asdict(weights).items():
+    for name, a in _fields(weights).items():
         h.update(name.encode())
-        h.update(fp16(a).tobytes())
+        if isinstance(a, Palettized):
+            h.update(f"lut{a.bits}:{a.shape}".encode())
+            h.update(np.ascontiguousarray(a.indices).tobytes())
+            h.update(np.ascontiguousarray(a.lut, dtype=np.float16).tobytes())
+        else:
+            h.update(fp16(a).tobytes())
     return h.hexdigest()
+
+
+def weights_nbytes(weights) -> int:
+    """Bytes a slice's weights take in its package: fp16, or packed indices plus fp16 tables."""
+    from coreml_graphs.palette import Palettized
+
+    return sum(a.nbytes if isinstance(a, Palettized) else np.asarray(a).size * 2 for a in _fields(weights).values())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -281,7 +331,7 @@ def export_plan(
                 save_functions(((function_name(c), build(sh, weights)) for c, sh in shapes.items()), out / file)
             else:
                 save_program(build(shape, weights), out / file)
-        weight_bytes = int(sum(np.asarray(a).size for a in asdict(weights).values()) * 2)
+        weight_bytes = weights_nbytes(weights)
         for i, (ctx, shape) in enumerate(shapes.items()):
             programs.append(
                 {

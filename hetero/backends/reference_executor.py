@@ -11,6 +11,10 @@ Numpy semantics come from coremltools where they fit: the elementwise-binary and
 reshape, silu and layer_norm are written here (layer_norm's result is tested equal to coremltools' own; it
 is here because coremltools' numpy version took a seventh of an MLP program's time). Data-movement ops move
 the values as they are: no rounding, the same values.
+
+Compressed weights: `constexpr_lut_to_dense` (per-block lookup tables, the form `coreml_graphs.palette` exports
+MLX's quantized weights in) is expanded once at load, as Core ML does before the weights are used: a gather, so
+the fp16 weights are the table entries themselves (`weights()` returns them).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ DATA_MOVEMENT_OPS = frozenset({"identity", "concat", "slice_by_index", "transpos
 OPERATOR_OPS = frozenset({"add", "sub", "mul", "real_div", "maximum", "minimum"})
 REDUCE_OPS = frozenset({"reduce_max", "reduce_sum"})
 OWN_OPS = frozenset({"const", "conv", "reshape", "silu", "layer_norm"})
-SUPPORTED_OPS = VALUE_INFERENCE_OPS | OPERATOR_OPS | REDUCE_OPS | OWN_OPS
+CONSTEXPR_OPS = frozenset({"constexpr_lut_to_dense"})  # expanded once at load (Core ML: at load or just in time)
+SUPPORTED_OPS = VALUE_INFERENCE_OPS | OPERATOR_OPS | REDUCE_OPS | OWN_OPS | CONSTEXPR_OPS
 
 
 class _Value:
@@ -68,6 +73,17 @@ class ReferenceExecutor:
         self._last_use = _last_uses(self.ops, self.output_names)
         # Constants widened to fp32 once (exact: every fp16 value is an fp32 value), not at every call.
         self._consts = {op.outputs[0].name: _f32(op.outputs[0].val) for op in self.ops if op.op_type == "const"}
+        self._expanded = {}  # constexpr output name -> its fp16 weight (held in fp32, as every value here)
+        for op in self.ops:
+            if op.op_type in CONSTEXPR_OPS:
+                self._expanded[op.outputs[0].name] = _f32(lut_to_dense(op.indices.val, op.lut.val, op.name))
+                for var in (op.indices, op.lut):  # the tables and indices are read by nothing else
+                    self._consts.pop(var.name, None)
+        self._consts.update(self._expanded)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The fp16 weights the program's compressed constants expand to (constexpr output name -> array)."""
+        return {name: a.astype(np.float16) for name, a in self._expanded.items()}
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the program on `inputs` (name -> array of the declared shape; any float dtype, rounded to fp16 as
@@ -83,8 +99,9 @@ class ReferenceExecutor:
             env[name] = _round(a)  # fp16 values (held in fp32, as every value in `env`)
         for i, op in enumerate(self.ops):
             out = op.outputs[0]
-            if op.op_type == "const":
-                env[out.name] = self._consts[out.name]
+            if op.op_type == "const" or op.op_type in CONSTEXPR_OPS:
+                if out.name in self._consts:  # a table or index array only its constexpr read is not kept
+                    env[out.name] = self._consts[out.name]
                 continue
             result = _run(op, {k: _fetch(env, v) for k, v in op.inputs.items()})
             env[out.name] = result if op.op_type in DATA_MOVEMENT_OPS else _round(result)  # moved values stay fp16
@@ -178,6 +195,27 @@ def _run(op: Any, args: dict[str, Any]) -> np.ndarray:
     if kind == "layer_norm":
         return _layer_norm(args)
     raise HeteroError(f"op {kind!r} is not implemented by the reference executor")  # unreachable: checked at load
+
+
+def lut_to_dense(indices: np.ndarray, lut: np.ndarray, name: str = "constexpr_lut_to_dense") -> np.ndarray:
+    """`constexpr_lut_to_dense` without vectors: out[i] = lut[i // block, indices[i]] per axis, where block[a] =
+    indices.shape[a] / lut.shape[a] and lut is [*blocks, 2^bits, 1]. A gather: the result is the table's dtype."""
+    if lut.shape[-1] != 1:
+        raise HeteroError(f"{name}: vector lookup tables (VECTOR_SIZE {lut.shape[-1]}) are not implemented")
+    table = lut[..., 0]  # [*blocks, P]
+    blocks = table.shape[:-1]
+    if len(blocks) != indices.ndim or any(n % b for n, b in zip(indices.shape, blocks)):
+        raise HeteroError(f"{name}: tables {lut.shape} do not tile indices {indices.shape}")
+    per = [n // b for n, b in zip(indices.shape, blocks)]
+    split = [d for b, r in zip(blocks, per) for d in (b, r)]  # each axis as (block, within block)
+    grid = table.reshape([d for b in blocks for d in (b, 1)] + [table.shape[-1]])  # broadcasts within a block
+    idx = np.asarray(indices).reshape(split)
+    out = np.empty(split, table.dtype)
+    step = max(1, (1 << 22) // max(1, idx[0].size))  # first-axis blocks per gather: bounded index temporaries
+    for a in range(0, blocks[0], step):
+        part = idx[a : a + step, ..., None].astype(np.intp)
+        out[a : a + step] = np.take_along_axis(grid[a : a + step], part, axis=-1)[..., 0]
+    return out.reshape(indices.shape)
 
 
 def _layer_norm(args: dict[str, Any]) -> np.ndarray:
