@@ -27,6 +27,8 @@ from hetero.planner import (
     recommend,
     verify_cost,
 )
+from hetero.planner.shape import Storage
+from hetero.planner.slices import ane_bytes_per_weight, largest_program_bytes, unit_bytes
 from hetero.profiles import THIS_MACHINE, load_profile, profile_names
 
 DATA = Path(__file__).parent / "data"
@@ -223,11 +225,11 @@ def test_no_profile_claims_a_per_process_ane_limit(name):
 
 
 def test_a_layer_share_above_the_program_budget_is_exported_as_several_programs():
-    """A (made-up) 27B with 200704 intermediate channels: half of one layer's MLP is 100352 channels x 3 x 5120
+    """A (made-up) bf16 27B with 200704 intermediate channels: half of one layer's MLP is 100352 channels x 3 x 5120
     fp16 weights = 3.08 GB, above the ~2 GB one program holds: 2 programs per layer, each within the budget."""
     big = json.loads(json.dumps(Q27))
     big["text_config"]["intermediate_size"] = 200704
-    plan = make_plan(big, load_profile("m3-ultra"), 0.5, context=2048, bits=4)
+    plan = make_plan(big, load_profile("m3-ultra"), 0.5, context=2048)
     mlp = by_kind(plan)["mlp"]
     per_program = PROGRAM_WEIGHT_BUDGET // (3 * 5120 * 2) // ALIGN * ALIGN  # channels one program may carry
     assert mlp.ane_units == 100352 and -(-100352 // per_program) == 2
@@ -237,15 +239,17 @@ def test_a_layer_share_above_the_program_budget_is_exported_as_several_programs(
     for a, b in spans:
         assert (b - a) * 3 * 5120 * 2 <= PROGRAM_WEIGHT_BUDGET < 2**31
     assert plan.to_dict()["ane_programs"]["count"] == sum(plan.programs.values())
-    small = make_plan(Q27, load_profile("m3-ultra"), 0.5, context=2048, bits=4)  # 0.27 GB per layer: one each
+    small = make_plan(Q27, load_profile("m3-ultra"), 0.5, context=2048, bits=4)  # 0.13 GB per layer: one each
     assert small.programs == {"attention": 16, "mlp": 64, "gdn_in_proj": 48}
 
 
 def test_a_lower_per_program_limit_in_a_profile_means_more_programs():
     prof = dataclasses.replace(load_profile("m3-ultra"), ane_program_weight_limit_gb=0.1)
-    plan = make_plan(Q27, prof, 0.5, context=2048, bits=4)
+    plan = make_plan(Q27, prof, 0.5, context=2048)  # bf16: fp16 on the ANE
     assert plan.program_budget == int(0.1e9)
     assert plan.programs["mlp"] == 64 * 3  # 8704 channels x 30720 bytes = 0.27 GB per layer: three 0.1 GB programs
+    at4 = make_plan(Q27, prof, 0.5, context=2048, bits=4)  # 4-bit tables: 15360 bytes per channel, 0.13 GB
+    assert at4.programs["mlp"] == 64 * 2
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -329,7 +333,8 @@ def test_budget_lines_add_up_and_the_window_is_the_largest_aligned_fit(gb):
     if m.context_window < 262144:  # one more chunk of KV would not fit
         assert 0 <= unused < plan.chunk * m.kv_bytes_per_token
     lines = dict(m.lines)
-    assert lines["Core ML packages (ANE share, fp16)"] == ane_weight_bytes(plan.pieces) > 0
+    coreml = "Core ML programs (ANE share, 4-bit lookup tables per group of 64, exact)"
+    assert lines[coreml] == ane_weight_bytes(plan.pieces, plan.storage) > 0
 
 
 def test_kv_counts_only_attention_layers_and_the_mtp_layer():
@@ -450,3 +455,65 @@ def test_the_gpu_softmax_costs_its_measured_seconds_per_score():
     pairs = float(visible_pairs(*chunk_spans(8192, 512)).sum())
     layers = args.layer_types.count("full_attention") + args.mtp_num_hidden_layers
     assert more - base == pytest.approx(layers * args.num_attention_heads * pairs * 1e-9, abs=2e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The ANE's weights cost what the exporter writes: a quantized checkpoint's own quantization, as lookup tables
+
+
+def test_the_ane_share_costs_its_lookup_tables_not_fp16():
+    """Per weight: the index plus 2^bits fp16 entries per group (1.0 byte at 4 bits, group 64); fp16 (2 bytes) for
+    float checkpoints and for 8 bits, whose 256-entry tables would outweigh fp16."""
+    assert ane_bytes_per_weight(Storage(4, 64)) == 1.0 and ane_bytes_per_weight(Storage(4, 128)) == 0.75
+    assert ane_bytes_per_weight(Storage(2, 64)) == 0.375 and ane_bytes_per_weight(Storage(3, 32)) == 0.875
+    assert ane_bytes_per_weight(Storage(8, 64)) == ane_bytes_per_weight(Storage(16)) == ane_bytes_per_weight() == 2.0
+    at4 = make_plan(Q27, load_profile("m3-ultra"), 0.5, context=4096, bits=4)
+    bf16 = make_plan(Q27, load_profile("m3-ultra"), 0.5, context=4096)
+    assert ane_weight_bytes(at4.pieces, at4.storage) * 2 == ane_weight_bytes(bf16.pieces, bf16.storage)
+    assert sum(p["ane_weight_bytes"] for p in at4.to_dict()["pieces"].values()) == pytest.approx(10.91e9, rel=1e-3)
+
+
+def test_plan_27b_4bit_at_half_fits_48_gb_with_the_split_cost_beside_its_window(tmp_path, capsys):
+    """Refused before (21.8 GB of fp16 ANE weights on top of the GPU's 15.4 GB left no room for one chunk of KV);
+    with the share at its 4-bit tables (10.9 GB) the split plans, and the plan says what it costs against GPU-only."""
+    model = tmp_path / "qwen3.5-27b"
+    model.mkdir()
+    (model / "config.json").write_text((DATA / "qwen3.5-27b.json").read_text())
+    argv = ["plan", "--model", str(model), "--bits", "4", "--ane-fraction", "0.5", "--memory-gb", "48",
+            "--profile", "m3-ultra"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "10.91 GB  Core ML programs (ANE share, 4-bit lookup tables per group of 64, exact)" in out
+    assert "context window: 109568 tokens" in out
+    assert "the split costs 11.54 GB (10.91 GB of Core ML programs" in out and "262144 GPU-only" in out
+    assert main(argv + ["--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["context_window"] == 109568 and memory["without_split"]["context_window"] == 262144
+
+
+def test_a_measured_instance_window_bounds_every_program_and_an_unknown_one_is_said():
+    prof = load_profile("m3-ultra")
+    assert prof.ane_instance_weight_window_gb is None and "ane_instance_weight_window_gb" in prof.unknown
+    plan = make_plan(Q27, prof, 0.5, context=2048, bits=4)
+    said = [u for u in plan.unknown if u.startswith("ane_instance_weight_window_gb")]
+    assert said and "about 4 GiB" in said[0] and "0.13 GB" in said[0]  # 8704 MLP channels x 15360 bytes
+    narrow = dataclasses.replace(prof, ane_instance_weight_window_gb=0.05, unknown=[])
+    plan = make_plan(Q27, narrow, 0.5, context=2048, bits=4)
+    assert plan.program_budget == int(0.05e9) and plan.programs["mlp"] == 64 * 3
+    assert largest_program_bytes(plan.pieces, plan.program_budget, plan.storage) <= 0.05e9
+    assert not any(u.startswith("ane_instance_weight_window_gb") for u in plan.unknown)
+    for s in plan.slices:  # the exporter's cut (Plan.program_parts) keeps to the window too
+        for part in plan.program_parts(s):
+            assert (part.stop - part.start) * unit_bytes(plan.args, s.piece, plan.storage) <= 0.05e9
+
+
+def test_recommend_keeps_the_window_the_context_needs():
+    """At 48 GB and a 128K context the fastest split (more ANE weights) would leave too short a window: the
+    recommendation is the fastest split that still fits the context, and its assumptions say so."""
+    prof = load_profile("m3-ultra")
+    free, _ = recommend(Q27, prof, 131072, 512, bits=4)
+    f, plan = recommend(Q27, prof, 131072, 512, bits=4, memory_gb=48)
+    assert f < free and plan.memory.context_window >= 131072
+    assert any(a.startswith("memory: a faster split") for a in plan.assumptions)
+    roomy, _ = recommend(Q27, prof, 131072, 512, bits=4, memory_gb=512)
+    assert roomy == free

@@ -78,12 +78,14 @@ def govern(
     weights_label: str = "",
     in_flight: int = 1,
     moe: MoE | None = None,
-    coreml_label: str = "Core ML packages (ANE share, fp16)",
+    coreml_label: str = "Core ML programs (ANE share)",
 ) -> Budget:
     """The largest context window (a multiple of `chunk`, at most the model's maximum) that fits the wirable RAM.
 
     `in_flight`: chunks prefilled at once (a split prefill's wavefront keeps several), each with its buffers.
     `moe`: the routed experts' shape (their prefill buffers); `weight_bytes` already counts every expert.
+    `coreml_bytes`: what the ANE's share holds (its programs as exported: fp16, or a quantized checkpoint's lookup
+    tables; a loaded engine: its ANE worker process), counted inside the wirable share as the conservative case.
     Raises HeteroError when the fixed costs alone do not fit (memory below the weights).
     """
     wirable = int(memory_bytes * wired_fraction)

@@ -24,7 +24,6 @@ from hetero.planner.predict import (
 from hetero.planner.shape import MoE, Storage, model_shape, storage_for
 from hetero.planner.slices import (
     ALIGN,
-    ANE_WEIGHT_BYTES,
     OFFLOADABLE,
     PROGRAM_WEIGHT_BUDGET,
     Parameters,
@@ -32,7 +31,9 @@ from hetero.planner.slices import (
     PieceSlice,
     ane_programs,
     ane_weight_bytes,
+    ane_weights_label,
     fit_ane_memory,
+    largest_program_bytes,
     layer_slices,
     parameter_counts,
     program_budget,
@@ -65,9 +66,10 @@ class Plan:
     unknown: list[str]
     assumptions: list[str]
     memory: Budget | None = None
+    gpu_only_memory: Budget | None = None  # the same memory without the split: what the split costs
     offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds that take a share
     programs: dict[str, int] = field(default_factory=dict)  # piece kind -> exported ANE programs, all layers
-    program_budget: int = PROGRAM_WEIGHT_BUDGET  # fp16 weight bytes per program at most
+    program_budget: int = PROGRAM_WEIGHT_BUDGET  # weight bytes (as exported) per program at most
     moe: MoE | None = None  # the routed experts (None: a dense model)
     parameters: Parameters | None = None
     hosts: HostPlan | None = None  # `--hosts N`: the split across hosts with its predictions
@@ -83,8 +85,8 @@ class Plan:
 
     def program_parts(self, s: PieceSlice) -> list[PieceSlice]:
         """One of the plan's per-layer slices cut into the programs it is exported as (at most `program_budget`
-        fp16 weight bytes each)."""
-        return split_for_budget(self.args, s, self.program_budget)
+        weight bytes each, as exported)."""
+        return split_for_budget(self.args, s, self.program_budget, self.storage)
 
     def caps(self) -> list[str]:
         out = []
@@ -118,7 +120,7 @@ class Plan:
                     "ane_flops": self.flops[p.kind][1],
                     "flop_share": round(self.flops[p.kind][0] / total, 6) if total else 0.0,
                     "weight_bytes": int(p.layers * self.storage.nbytes(p.params)),
-                    "ane_weight_bytes": int(p.layers * p.ane_units * p.ane_unit_params * ANE_WEIGHT_BYTES),
+                    "ane_weight_bytes": ane_weight_bytes([p], self.storage),
                     "programs": self.programs.get(p.kind, 0),
                 }
                 for p in self.pieces
@@ -134,6 +136,8 @@ class Plan:
         }
         if self.memory is not None:
             d["memory"] = self.memory.to_dict()
+            if self.gpu_only_memory is not None:
+                d["memory"]["without_split"] = self.gpu_only_memory.to_dict()
         if self.hosts is not None:
             d["hosts"] = self.hosts.to_dict()
         return d
@@ -180,7 +184,7 @@ def make_plan(
     if accepted_length < 1:
         raise HeteroError(f"--accepted-length {accepted_length}: a verify pass yields at least one token")
     limit = profile.ane_process_weight_limit_gb * 1e9 if profile.ane_process_weight_limit_gb else None
-    ps, sliced = fit_ane_memory(args, moe, fraction, limit)
+    ps, sliced = fit_ane_memory(args, moe, fraction, limit, storage)
     lanes = Lanes.of(profile, ane_instances)
     ps = [p if p.kind in offload or not p.ane_units else
           Piece(**{**asdict(p), "ane_units": 0, "cap_reason": kept_on_gpu(p.kind, lanes)}) for p in ps]
@@ -213,8 +217,8 @@ def make_plan(
         "decode_weight_bytes_per_token": round(decode_weight_bytes(args, moe, storage)),
     }
     budget = program_budget(profile) if budget is None else budget
-    unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown if k != "ane_process_weight_limit_gb"]
-    unknown += ane_limit_unknowns(profile, ps, budget) + decode_unknowns(profile, args, lanes)
+    unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown if k not in ANE_MEMORY_UNKNOWNS]
+    unknown += ane_limit_unknowns(profile, ps, budget, storage) + decode_unknowns(profile, args, lanes)
     if lanes.gpu_flops is None:
         unknown.append("prefill times are unknown: the profile has no GPU throughput")
     elif lanes.ane_flops is None and any(p.ane_units for p in ps):
@@ -247,13 +251,17 @@ def make_plan(
                                accepted_length, draft_depth, memory_gb)
     plan = Plan(name, args, storage, profile, context, chunk, prompt, fraction, sliced, ps, layer_slices(args, ps),
                 flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload),
-                programs=ane_programs(ps, budget), program_budget=budget, moe=moe,
+                programs=ane_programs(ps, budget, storage), program_budget=budget, moe=moe,
                 parameters=parameter_counts(args, moe), hosts=host_plan)
     if memory_gb is not None and (hosts or 1) == 1:  # across hosts, the memory size is each host's (`hosts`)
         weights = sum(p.layers * storage.nbytes(p.params) for p in ps)
-        plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps),
-                             profile.gpu_wired_fraction, storage.label,
-                             SPLIT_IN_FLIGHT if any(p.ane_units for p in ps) else 1, moe=moe)
+        split = any(p.ane_units for p in ps)
+        plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps, storage),
+                             profile.gpu_wired_fraction, storage.label, SPLIT_IN_FLIGHT if split else 1, moe=moe,
+                             coreml_label=f"Core ML programs (ANE share, {ane_weights_label(storage)})")
+        if split:  # the window the same memory leaves GPU-only: the split's cost, shown next to its own
+            plan.gpu_only_memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, 0,
+                                          profile.gpu_wired_fraction, storage.label, 1, moe=moe)
     return plan
 
 
@@ -269,13 +277,25 @@ def parse_pieces(text: str) -> tuple[str, ...]:
     return tuple(k for k in OFFLOADABLE if k in kinds)
 
 
-def ane_limit_unknowns(profile: Profile, ps: list[Piece], budget: int) -> list[str]:
-    """What the plan cannot know about the ANE's memory: a per-process limit no one has documented."""
-    if profile.ane_process_weight_limit_gb is not None or not any(p.ane_units for p in ps):
+ANE_MEMORY_UNKNOWNS = ("ane_process_weight_limit_gb", "ane_instance_weight_window_gb")  # said by ane_limit_unknowns
+
+
+def ane_limit_unknowns(profile: Profile, ps: list[Piece], budget: int, storage: Storage | None = None) -> list[str]:
+    """What the plan cannot know about the ANE's memory: a per-process limit no one has documented, and the
+    per-instance weight window no one has measured on this chip."""
+    if not any(p.ane_units for p in ps):
         return []
-    return [f"ane_process_weight_limit_gb: no per-process limit on the ANE's weights is documented or measured; "
-            f"the plan assumes none ({ane_weight_bytes(ps) / 1e9:.1f} GB of fp16 weights in "
-            f"{sum(ane_programs(ps, budget).values())} programs of at most {budget / 1e9:.2f} GB)"]
+    out = []
+    if profile.ane_process_weight_limit_gb is None:
+        out.append(f"ane_process_weight_limit_gb: no per-process limit on the ANE's weights is documented or measured; "
+                   f"the plan assumes none ({ane_weight_bytes(ps, storage) / 1e9:.1f} GB of weights "
+                   f"({ane_weights_label(storage)}) in {sum(ane_programs(ps, budget, storage).values())} programs of at "
+                   f"most {budget / 1e9:.2f} GB)")
+    if profile.ane_instance_weight_window_gb is None:
+        out.append(f"ane_instance_weight_window_gb: the device window one ANE instance maps a program's weights into is "
+                   f"not measured for {profile.chip} (oMLX's private path: about 4 GiB, a larger blob fails to load); "
+                   f"the largest program here holds {largest_program_bytes(ps, budget, storage) / 1e9:.2f} GB")
+    return out
 
 
 def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str]:

@@ -1,5 +1,6 @@
 """`hetero plan --recommend` and `--ane-fraction auto`: the fraction, and the piece kinds that take it, with the
-shortest predicted split prefill."""
+shortest predicted split prefill that, given a memory size, still leaves a context window for the planned context
+(the ANE's copy of its share and the wavefront's chunks in flight cost memory the KV cache then lacks)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from hetero.profiles import Profile
 def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **kw) -> tuple[float, Plan]:
     """The F in [0, 1] (steps of 0.01), and the piece kinds that take it, with the shortest predicted split
     prefill: where both lanes balance. A kind the profile's ANE lane runs too slowly stays whole on the GPU
-    (the plan's `offload`, with that cap)."""
+    (the plan's `offload`, with that cap). With `memory_gb` (one host), a split whose memory leaves a context
+    window below `context` is not a candidate; the plan's assumptions say when that passed over a faster one."""
     across = {k: kw.pop(k) for k in ("hosts", "link_gbps", "link_latency_ms") if k in kw}  # the best plan's only
     if (across.get("hosts") or 1) > 1:  # --memory-gb is then each host's: the one-host budget plays no part
         across["memory_gb"] = kw.pop("memory_gb", None)
     best: tuple[float, float, Plan, tuple[str, ...]] | None = None
+    short: tuple[float, float, int] | None = None  # the fastest split passed over for memory: (F, time, window)
     seen = set()
     present = {p.kind for p in pieces(*model_shape(config), 0.0)}
     kinds = tuple(k for k in OFFLOADABLE if k in present)  # a dense model has no shared expert to try
@@ -27,7 +30,12 @@ def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **
     for offload in subsets:  # all kinds first: on ties the plan that offloads more wins
         for i in range(101):
             f = i / 100
-            plan = make_plan(config, profile, f, context, chunk, offload=offload, **kw)
+            try:
+                plan = make_plan(config, profile, f, context, chunk, offload=offload, **kw)
+            except HeteroError:
+                if f == 0 or kw.get("memory_gb") is None:
+                    raise
+                continue  # this split's fixed memory leaves no room for KV at all
             key = tuple(p.ane_units for p in plan.pieces)
             if key in seen:  # same aligned slices as a smaller F or another subset: same plan
                 continue
@@ -35,8 +43,17 @@ def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **
             t = plan.predicted["split_prefill_s"]
             if t is None:
                 raise HeteroError(f"cannot recommend a fraction for {profile.chip}: {'; '.join(plan.unknown) or 'throughput unknown'}")
+            window = plan.memory.context_window if plan.memory is not None else None
+            if f and window is not None and window < context:  # the prompt it is planned for would not fit
+                if short is None or t < short[1]:
+                    short = (f, t, window)
+                continue
             if best is None or t < best[1] - 1e-12:
                 best = (f, t, plan, offload)
     if any(v is not None for v in across.values()):
         return best[0], make_plan(config, profile, best[0], context, chunk, offload=best[3], **kw, **across)
+    if short is not None and short[1] < best[1]:
+        best[2].assumptions.append(
+            f"memory: a faster split (F {short[0]:.2f}, {short[1]:.1f} s) would leave a {short[2]}-token context window "
+            f"at {kw['memory_gb']:g} GB, below the {context}-token context; recommended the fastest that leaves room")
     return best[0], best[2]

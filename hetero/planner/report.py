@@ -4,13 +4,28 @@ from __future__ import annotations
 
 from hetero.planner.hosts import MEASURE_LINK_SHORT
 from hetero.planner.plan import Plan
+from hetero.planner.slices import ane_weight_bytes, ane_weights_label
 
 
 def program_line(plan: Plan) -> str:
     """How many programs the ANE's share is exported as, and why a layer's share may need several."""
     per_kind = ", ".join(f"{k} {n}" for k, n in plan.programs.items())
     return (f"ANE programs: {sum(plan.programs.values())} ({per_kind}); at most {plan.program_budget / 1e9:.2f} GB of "
-            f"fp16 weights each (the ANE loads about 2 GB per program), a larger layer share is split")
+            f"weights each ({ane_weights_label(plan.storage)}; the ANE loads about 2 GB per program), a larger layer "
+            f"share is split")
+
+
+def split_cost_line(plan: Plan) -> str | None:
+    """What the split costs in memory and the window it leaves, against the same memory GPU-only."""
+    m, alone = plan.memory, plan.gpu_only_memory
+    if m is None or alone is None:
+        return None
+    coreml = ane_weight_bytes(plan.pieces, plan.storage)
+    transient = lambda b: next(v for n, v in b.lines if n.startswith("transient"))  # noqa: E731
+    extra = transient(m) - transient(alone)  # the wavefront's further chunks in flight
+    return (f"the split costs {(coreml + extra) / 1e9:.2f} GB ({coreml / 1e9:.2f} GB of Core ML programs, "
+            f"{ane_weights_label(plan.storage)}; {extra / 1e9:.2f} GB of buffers for the chunks in flight): context "
+            f"window {m.context_window} tokens with it, {alone.context_window} GPU-only")
 
 
 def parameter_lines(plan: Plan) -> list[str]:
@@ -68,6 +83,8 @@ def plan_lines(plan: Plan) -> list[str]:
         out += ["", "assumptions:"] + [f"  {x}" for x in plan.assumptions]
     if plan.memory is not None:
         out += [""] + plan.memory.text()
+        if split_cost_line(plan):
+            out.append(split_cost_line(plan))
     if plan.hosts is not None:
         out += [""] + host_lines(plan)
     return out

@@ -4,8 +4,9 @@ Attention layers give F of their KV-head groups (whole groups, their query heads
 intermediate channels (multiples of 64), an MoE layer's shared expert F of its channels, GDN input projections only
 their `z` rows (capped at z / (qkv + z + b + a)); the routed experts, the recurrent path, embeddings, lm_head and
 the MTP head give nothing. Each cap carries its reason. Also here: the per-layer slices the exporter builds and the
-pipeline runs, the ANE's fp16 weight bytes, the per-program budget and the programs a share is exported as, the fit
-to a measured per-process ANE limit, and the weight counts (total, active per token).
+pipeline runs, the ANE's weight bytes as exported (fp16, or a quantized checkpoint's per-group lookup tables), the
+per-program budget and the programs a share is exported as, the fit to a measured per-process ANE limit, and the
+weight counts (total, active per token).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from dataclasses import asdict, dataclass
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
-from hetero.planner.shape import MoE
+from coreml_graphs.palette import LUT_BITS, lut_bytes_per_weight
+from hetero.planner.shape import MoE, Storage
 from hetero.profiles import Profile
 
 ALIGN = 64  # channel and row slices come in multiples of 64 (the exporter's BC1S channel tile)
-ANE_WEIGHT_BYTES = 2  # the exporter embeds fp16 weights
+ANE_WEIGHT_BYTES = 2  # the exporter embeds fp16 weights (a float checkpoint's, or one quantized to more than 4 bits)
 DELTA_BLOCK = 64  # the chunked delta rule's block size: its intra-block matmuls scale with it
 # Weights per exported ANE program: below the documented ~2 GB per program (a weights.bin past 2^31 bytes fails
 # to load), with room for the package's own metadata. The exporter splits a larger share into several programs.
@@ -205,15 +207,37 @@ def delta_rule_flops(nv: int, dk: int, dv: int) -> float:
     return nv * 2.0 * (2 * DELTA_BLOCK * dk + DELTA_BLOCK * dv + 3 * dk * dv)
 
 
-def ane_weight_bytes(ps: list[Piece]) -> int:
-    """fp16 bytes of every weight the ANE's share carries (what Core ML keeps resident)."""
-    return sum(p.layers * p.ane_units * p.ane_unit_params * ANE_WEIGHT_BYTES for p in ps)
+def ane_bytes_per_weight(storage: Storage | None = None) -> float:
+    """Bytes one weight of the ANE's share costs as the exporter writes it: a checkpoint quantized to at most 4 bits
+    keeps its own quantization as per-group lookup tables (the index, plus 2^bits fp16 entries per group: 1.0 byte at
+    4 bits, group 64, against the checkpoint's 0.5625); anything else is fp16 (2 bytes). None: fp16."""
+    if storage is not None and storage.bits in LUT_BITS and 2**storage.bits <= storage.group_size:
+        return lut_bytes_per_weight(storage.bits, storage.group_size)
+    return float(ANE_WEIGHT_BYTES)
+
+
+def ane_weights_label(storage: Storage | None = None) -> str:
+    """How the ANE's share is stored, for the plan's lines."""
+    if ane_bytes_per_weight(storage) == ANE_WEIGHT_BYTES:
+        return "fp16"
+    return f"{storage.bits}-bit lookup tables per group of {storage.group_size}, exact"
+
+
+def ane_weight_bytes(ps: list[Piece], storage: Storage | None = None) -> int:
+    """Bytes of every weight the ANE's share carries as exported (what Core ML keeps resident); `storage` is the
+    checkpoint's (None: fp16)."""
+    per = ane_bytes_per_weight(storage)
+    return int(sum(p.layers * p.ane_units * p.ane_unit_params * per for p in ps))
 
 
 def program_budget(profile: Profile) -> int:
-    """Weight bytes per exported ANE program: the exporter's budget, or the profile's per-program limit if lower."""
-    limit = profile.ane_program_weight_limit_gb
-    return PROGRAM_WEIGHT_BUDGET if limit is None else min(PROGRAM_WEIGHT_BUDGET, int(limit * 1e9))
+    """Weight bytes per exported ANE program: the exporter's budget, or the profile's per-program limit or its
+    per-instance weight window (the device window one ANE instance maps a program's weights into) if lower."""
+    limits = [PROGRAM_WEIGHT_BUDGET]
+    for gb in (profile.ane_program_weight_limit_gb, profile.ane_instance_weight_window_gb):
+        if gb is not None:
+            limits.append(int(gb * 1e9))
+    return min(limits)
 
 
 def budget_spans(kind: str, units: int, per_unit: int, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
@@ -225,50 +249,60 @@ def budget_spans(kind: str, units: int, per_unit: int, budget: int = PROGRAM_WEI
     return [(a, min(a + per_part, units)) for a in range(0, units, per_part)]
 
 
-def unit_bytes(args: ModelArgs, piece: str) -> int:
-    """fp16 weight bytes one unit of a piece carries (one KV head's group, one MLP or shared-expert channel,
-    one z row)."""
+def unit_bytes(args: ModelArgs, piece: str, storage: Storage | None = None) -> int:
+    """Weight bytes as exported (`ane_bytes_per_weight`; None: fp16) one unit of a piece carries (one KV head's
+    group, one MLP or shared-expert channel, one z row)."""
     h, H, Hkv, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
     per_unit = {"attention": h * (2 * H * D + 2 * Hkv * D + H * D) // Hkv, "mlp": 3 * h, "shared_expert": 3 * h,
                 "gdn_in_proj": h}
     if piece not in per_unit:
         raise HeteroError(f"piece {piece!r} takes no ANE share")
-    return per_unit[piece] * ANE_WEIGHT_BYTES
+    return math.ceil(per_unit[piece] * ane_bytes_per_weight(storage))
 
 
-def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[PieceSlice]:
-    """A slice cut into the programs it is exported as: consecutive parts of at most `budget` weight bytes
-    (channel and row parts in multiples of 64)."""
-    spans = budget_spans(s.piece, s.stop - s.start, unit_bytes(args, s.piece), budget)
+def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET,
+                     storage: Storage | None = None) -> list[PieceSlice]:
+    """A slice cut into the programs it is exported as: consecutive parts of at most `budget` weight bytes as
+    exported (channel and row parts in multiples of 64)."""
+    spans = budget_spans(s.piece, s.stop - s.start, unit_bytes(args, s.piece, storage), budget)
     return [PieceSlice(s.layer, s.piece, s.start + a, s.start + b) for a, b in spans]
 
 
-def program_spans(p: Piece, budget: int = PROGRAM_WEIGHT_BUDGET) -> list[tuple[int, int]]:
-    """One layer's ANE share of `p` cut into programs of at most `budget` fp16 weight bytes."""
-    return budget_spans(p.kind, p.ane_units, p.ane_unit_params * ANE_WEIGHT_BYTES, budget)
+def program_spans(p: Piece, budget: int = PROGRAM_WEIGHT_BUDGET, storage: Storage | None = None) -> list[tuple[int, int]]:
+    """One layer's ANE share of `p` cut into programs of at most `budget` weight bytes as exported."""
+    return budget_spans(p.kind, p.ane_units, math.ceil(p.ane_unit_params * ane_bytes_per_weight(storage)), budget)
 
 
-def ane_programs(ps: list[Piece], budget: int = PROGRAM_WEIGHT_BUDGET) -> dict[str, int]:
+def ane_programs(ps: list[Piece], budget: int = PROGRAM_WEIGHT_BUDGET, storage: Storage | None = None) -> dict[str, int]:
     """How many ANE programs each piece kind is exported as, over all its layers."""
-    return {p.kind: p.layers * len(program_spans(p, budget)) for p in ps if p.ane_units}
+    return {p.kind: p.layers * len(program_spans(p, budget, storage)) for p in ps if p.ane_units}
 
 
-def fit_ane_memory(args: ModelArgs, moe: MoE | None, fraction: float, limit_bytes: float | None) -> tuple[list[Piece], float]:
-    """Pieces for `fraction`, scaled down to the largest fraction whose ANE weights fit `limit_bytes` (a
-    per-process limit a profile measured; None = none known).
+def largest_program_bytes(ps: list[Piece], budget: int = PROGRAM_WEIGHT_BUDGET, storage: Storage | None = None) -> int:
+    """The weight bytes of the largest program the share is exported as (what one ANE instance must map)."""
+    per = ane_bytes_per_weight(storage)
+    return max((math.ceil((b - a) * p.ane_unit_params * per) for p in ps if p.ane_units
+                for a, b in program_spans(p, budget, storage)), default=0)
+
+
+def fit_ane_memory(args: ModelArgs, moe: MoE | None, fraction: float, limit_bytes: float | None,
+                   storage: Storage | None = None) -> tuple[list[Piece], float]:
+    """Pieces for `fraction`, scaled down to the largest fraction whose ANE weights (as exported for `storage`)
+    fit `limit_bytes` (a per-process limit a profile measured; None = none known).
 
     Returns (pieces, the fraction actually sliced); caps name the limit on every piece they shrink.
     """
     ps = pieces(args, moe, fraction)
-    need = ane_weight_bytes(ps)
+    need = ane_weight_bytes(ps, storage)
     if limit_bytes is None or need <= limit_bytes:
         return ps, fraction
     lo, hi = 0.0, fraction
     for _ in range(30):  # bisection: ANE bytes grow monotonically with the fraction
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ane_weight_bytes(pieces(args, moe, mid)) <= limit_bytes else (lo, mid)
+        lo, hi = (mid, hi) if ane_weight_bytes(pieces(args, moe, mid), storage) <= limit_bytes else (lo, mid)
     fitted = pieces(args, moe, lo)
-    why = (f"ANE memory: at {fraction:g} the ANE share needs {need / 1e9:.1f} GB of fp16 weights, above the "
+    why = (f"ANE memory: at {fraction:g} the ANE share needs {need / 1e9:.1f} GB of weights "
+           f"({ane_weights_label(storage)}), above the "
            f"{limit_bytes / 1e9:.1f} GB per process this profile measured on the ANE; sliced at {lo:.3f} instead")
     out = []
     for p, q in zip(ps, fitted):

@@ -39,6 +39,9 @@ class Profile:
     ane_program_weight_limit_gb: float | None = 2.0
     # No per-process limit on the ANE's weights is documented: None unless a profile measured one.
     ane_process_weight_limit_gb: float | None = None
+    # The device window one ANE instance maps a program's whole weight blob into (oMLX's private path: about 4 GiB,
+    # a larger blob fails to load). Unknown (None) unless measured; when known no exported program exceeds it.
+    ane_instance_weight_window_gb: float | None = None
     ane_dispatch_s: float | None = None  # fixed cost per ANE call
     gpu_recurrence_efficiency: float = 1.0  # the GDN recurrence's rate relative to the GPU's matmul rate
     # Attention's rate relative to each lane's matmul rate: its softmax and masks are elementwise work that the
