@@ -292,7 +292,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             p = extra["pipeline"]
             print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
                   f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
-                  f"overlap {p['overlap']:.2f}]", file=sys.stderr)
+                  f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
         if "verify" in extra:
             v = extra["verify"]
             print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; max |logit diff| {v['max_abs_logit_diff']}, cosine "
