@@ -204,3 +204,20 @@ def test_split_prefill_of_a_4bit_bundled_model_runs_its_lookup_table_programs_an
     mlp = next(p for p in programs if p["piece"] == "mlp")
     channels = mlp["part"][1] - mlp["part"][0]
     assert mlp["weight_bytes"] == 3 * h * channels * lut_bytes_per_weight(4, 64) + 2 * h  # tables + the norm's fp16
+
+
+@pytest.mark.skipif(__import__("platform").system() != "Darwin", reason="Core ML predictions need macOS (15+ here)")
+def test_coreml_runs_the_lookup_table_programs_like_the_reference_executor(tmp_path):
+    """On a Mac: every program of a 4-bit export loads in Core ML (macOS 15: constexpr_lut_to_dense with a table per
+    row and group) and matches the reference executor, which expands the same tables."""
+    from hetero.backends.coreml_macos import load
+
+    q4 = _quantized_tiny(tmp_path)
+    manifest = export_coreml(str(q4), tmp_path / "out", 0.5, chunk=64, contexts=[128])
+    rng = np.random.default_rng(3)
+    for p in manifest["programs"]:
+        inputs = {name: rng.standard_normal(shape).astype(np.float16) * (0 if name.startswith("mask") else 1)
+                  for name, shape in p["inputs"].items()}
+        ours = load(tmp_path / "out" / p["file"], p.get("function"), report=False)(inputs)
+        ref = ReferenceExecutor(tmp_path / "out" / p["file"], p.get("function"))(inputs)
+        assert all(compare(ours[k], ref[k])["cosine"] >= 0.9999 for k in ref), p["file"]
