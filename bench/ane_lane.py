@@ -10,6 +10,9 @@ machine might do to it, against `hetero run` and `hetero serve` started as comma
 2. `hetero serve --ane-fraction 0.5`: a 16K completion whose worker is killed mid-prefill must answer what the
    same prompt answers GPU-only (`"ane_fraction": 0`), `/health` must count the failure, and the next new prompt
    must be split by a fresh worker (another pid).
+3. The same 16K prompt twice against a split server and a GPU-only one: the split's cold request reports 0 cached
+   tokens, its repeat is restored from the checkpoints the split left (no second split), answers as the GPU-only
+   server does, and takes about as long as the GPU-only server's repeat (`repeat_vs_gpu_only`).
 The model is bench/ttft.py's (the bundled model's layer pattern, wider, random weights, a 32K window) with the
 bundled tokenizer. JSON to bench/results/ane_lane.json.
 """
@@ -120,25 +123,69 @@ def run_case(model: Path, prompt: str) -> dict:
             and s["ane"]["lane_failures"] == 1 and len(warnings) == 1}
 
 
-def serve_case(model: Path, prompt: str, second: str) -> dict:
-    """`hetero serve`: a completion whose worker is killed mid-prefill, then the next split on a fresh worker."""
+def start_server(model: Path, *flags: str):
+    """`hetero serve` on a free loopback port; returns (process, base URL, served model name) once it answers."""
     import httpx
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen(hetero("serve", "--model", str(model), "--port", str(port), "--ane-fraction", "0.5",
-                                     "--prefill-chunk", "512", "--no-session-cache"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(hetero("serve", "--model", str(model), "--port", str(port), "--prefill-chunk", "512",
+                                     "--no-session-cache", *flags), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
     url = f"http://127.0.0.1:{port}"
+    for _ in range(2400):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    server.kill()
+    raise SystemExit("hetero serve did not start")
+
+
+def stop_server(server) -> None:
+    server.send_signal(signal.SIGINT)
     try:
-        for _ in range(1200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
-        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def cache_case(model: Path, prompt: str) -> dict:
+    """The same prompt twice against a split server and a GPU-only one: the cold request reports 0 cached tokens,
+    the repeat restores from the checkpoints the split left, and takes what the GPU-only server's repeat takes."""
+    import httpx
+
+    out = {}
+    for name, flags in (("split", ("--ane-fraction", "0.5")), ("gpu_only", ())):
+        server, url, model_name = start_server(model, *flags)
+        try:
+            rows = []
+            for _ in range(2):
+                t = time.perf_counter()
+                r = httpx.post(url + "/v1/completions", timeout=900,
+                               json={"model": model_name, "prompt": prompt, "max_tokens": 1}).json()
+                rows.append({"s": round(time.perf_counter() - t, 3), "text": r["choices"][0]["text"],
+                             "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"],
+                             "prompt_tokens": r["usage"]["prompt_tokens"]})
+            out[name] = {"cold": rows[0], "repeat": rows[1],
+                         "split_prefills": httpx.get(url + "/health").json()["requests"]["split_prefills"]}
+        finally:
+            stop_server(server)
+    split, gpu = out["split"], out["gpu_only"]
+    out["repeat_vs_gpu_only"] = round(split["repeat"]["s"] / gpu["repeat"]["s"], 3)
+    out["ok"] = (split["cold"]["cached_tokens"] == 0 and split["repeat"]["cached_tokens"] > 0
+                 and split["split_prefills"] == 1 and split["repeat"]["text"] == gpu["repeat"]["text"])
+    return out
+
+
+def serve_case(model: Path, prompt: str, second: str) -> dict:
+    """`hetero serve`: a completion whose worker is killed mid-prefill, then the next split on a fresh worker."""
+    import httpx
+
+    server, url, name = start_server(model, "--ane-fraction", "0.5")
+    try:
         ask = lambda text, **kw: httpx.post(url + "/v1/completions", timeout=900, json={  # noqa: E731
             "model": name, "prompt": text, "max_tokens": 8, **kw}).json()
         import threading
@@ -155,11 +202,7 @@ def serve_case(model: Path, prompt: str, second: str) -> dict:
         fresh = workers_of(server.pid)
         after = httpx.get(url + "/health").json()
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
     text = answer["choices"][0]["text"]
     return {"answer_s": round(killed_s, 2), "killed_worker": killed, "fresh_workers": fresh,
             "same_text_as_gpu_only": text == exact["choices"][0]["text"],
@@ -183,11 +226,13 @@ def main() -> None:
     print(f"hetero run: {result['run']}", flush=True)
     result["serve"] = serve_case(model, prompt, prompt_text(model, 2048).replace("key", "name"))
     print(f"hetero serve: {result['serve']}", flush=True)
+    result["cache"] = cache_case(model, prompt.replace("value", "rest"))  # a prompt no server has seen
+    print(f"the same prompt twice: {result['cache']}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ane_lane.json").write_text(json.dumps(result, indent=1))
-    if not (result["run"]["ok"] and result["serve"]["ok"]):
-        sys.exit("a killed ANE worker lost a request or changed its answer (see above)")
+    if not (result["run"]["ok"] and result["serve"]["ok"] and result["cache"]["ok"]):
+        sys.exit("a killed ANE worker lost a request or changed its answer, or the split broke the cache (see above)")
 
 
 if __name__ == "__main__":
