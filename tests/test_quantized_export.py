@@ -64,6 +64,24 @@ def test_tables_are_mlx_dequantize_bit_for_bit(bits, group, store):
     assert p.nbytes == 96 * 512 * bits // 8 + 96 * (512 // group) * 2**bits * 2
 
 
+@pytest.mark.parametrize("bits,group", [(3, 32), (4, 128), (2, 64)])
+def test_the_export_unpacks_only_the_slice_it_needs(bits, group):
+    """`linear_weight` slices the packed rows and whole groups (and words) before making tables: the same weights as
+    slicing MLX's whole dequantized matrix, for row index arrays and column ranges that cut groups."""
+    from hetero.export import linear_weight
+
+    rng = np.random.default_rng(bits)
+    layer = nn.QuantizedLinear(512, 80, bias=False, group_size=group, bits=bits)
+    layer.weight, layer.scales, layer.biases = mx.quantize(mx.array(rng.normal(0, 0.02, (80, 512)).astype(np.float32)),
+                                                           group_size=group, bits=bits)
+    want = mlx_fp16(layer)
+    rows = np.array([3, 1, 40, 41, 79])
+    assert same_bits(linear_weight(layer, rows).dense(), want[rows])
+    for a, b in [(0, 512), (64, 192), (32, 480), (96, 160)]:
+        got = linear_weight(layer, slice(10, 30), slice(a, b))
+        assert same_bits(got.dense(), want[10:30, a:b]), (a, b)
+
+
 def test_a_table_costs_less_than_fp16_only_up_to_four_bits():
     assert lut_bytes_per_weight(4, 64) == 1.0 and lut_bytes_per_weight(2, 64) == 0.375
     assert lut_bytes_per_weight(8, 64) > 2  # so an 8-bit checkpoint's share is exported as fp16 (exact too)
