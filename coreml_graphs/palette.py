@@ -4,9 +4,9 @@ exactly.
 MLX stores a quantized matrix per group of `group` input channels as w = scale * q + bias with q in [0, 2^bits).
 A group's 2^bits possible weights are therefore a table: lut[row, group, k] = fp16(scale * k + bias), and the
 matrix is `lut[row, col // group, q[row, col]]`. The exporter has MLX compute the entries (hetero/export.py:
-`mx.dequantize` of `table_indices` with the matrix's scales and biases), so they are MLX's values bit for bit. Core ML's LUT op is a gather, so the ANE's fp16 weights are those
-table entries whatever arithmetic its decompression uses: each equals MLX's dequantized weight rounded once to
-fp16. Blockwise shift-scale (`scale * (q - offset)`) would need offset = -bias / scale in fp16, which holds for
+`mx.dequantize` of `table_indices` with the matrix's scales and biases), so they are MLX's values bit for bit.
+Core ML's LUT op is a gather, so the ANE's fp16 weights are those table entries whatever arithmetic its
+decompression uses: each equals MLX's dequantized weight rounded once to fp16. Blockwise shift-scale (`scale * (q - offset)`) would need offset = -bias / scale in fp16, which holds for
 only about 72% of 4-bit groups and 6% of 8-bit ones (docs/coreml.md, measured), so it is not used.
 
 A table costs 2^bits fp16 entries per group beside the packed indices: fewer bytes than fp16 weights only for
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LUT_BITS = (1, 2, 3, 4)  # index widths for which a table per group is smaller than fp16 weights (and Core ML has)
+LUT_BITS = (1, 2, 3, 4)  # index widths Core ML has whose per-group table (group >= 32) costs less than fp16
 
 
 def lut_bytes_per_weight(bits: int, group: int) -> float:
