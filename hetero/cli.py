@@ -388,6 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hetero.planner import make_plan, model_shape, plan_lines, read_model_config, recommend
     from hetero.planner.plan import parse_pieces
+    from hetero.planner.recommend import fastest_kinds
     from hetero.profiles import default_profile_name, load_profile
 
     config, name = read_model_config(args.model)
@@ -406,6 +407,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
     else:
         plan = make_plan(config, profile, args.ane_fraction, context, args.chunk, **kw)
+        if args.pieces is None and args.ane_fraction > 0 and (args.hosts or 1) == 1:
+            note_faster_kinds(plan, fastest_kinds(config, profile, args.ane_fraction, context, args.chunk, **kw))
     if args.json:
         out = plan.to_dict()
         if args.recommend:
@@ -418,6 +421,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"(profile {profile_name}: default; pass --profile, or run `hetero tune --devices` to measure this machine)")
     print("\n".join(plan_lines(plan)))
     return 0
+
+
+def note_faster_kinds(plan, best) -> None:
+    """When offloading fewer piece kinds at the same fraction is faster, say which (and the window it leaves)."""
+    if best is None or best.offload == plan.offload:
+        return
+    t, t_all = best.predicted["split_prefill_s"], plan.predicted["split_prefill_s"]
+    if t_all is None or t >= 0.99 * t_all:
+        return
+    gpu = best.predicted["gpu_only_prefill_s"]
+    window = f", context window {best.memory.context_window} tokens" if best.memory is not None else ""
+    kinds = ",".join("z" if k == "gdn_in_proj" else k for k in best.offload)
+    plan.assumptions.append(
+        f"faster at this fraction: offload only {', '.join(best.offload)} (--pieces {kinds}): split prefill "
+        f"{t:.1f} s ({gpu / t:.2f}x GPU-only) against {t_all:.1f} s offloading every kind{window}")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -491,6 +491,25 @@ def test_plan_27b_4bit_at_half_fits_48_gb_with_the_split_cost_beside_its_window(
     assert memory["context_window"] == 109568 and memory["without_split"]["context_window"] == 262144
 
 
+def test_plan_names_the_faster_mix_at_the_fraction_and_it_leaves_128k_at_48_gb(tmp_path, capsys):
+    """On the calibrated m3-ultra, offloading every kind at 0.5 is slower than GPU-only; the plan says that only
+    the MLP's share pays, and that plan (--pieces mlp) leaves a window above 128K tokens at 48 GB."""
+    model = tmp_path / "qwen3.5-27b"
+    model.mkdir()
+    (model / "config.json").write_text((DATA / "qwen3.5-27b.json").read_text())
+    argv = ["plan", "--model", str(model), "--bits", "4", "--ane-fraction", "0.5", "--memory-gb", "48",
+            "--profile", "m3-ultra", "--context", "16384"]
+    assert main(argv) == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if "faster at this fraction" in line]
+    assert len(note) == 1 and "--pieces mlp)" in note[0] and "context window 143360 tokens" in note[0]
+    assert main(argv + ["--pieces", "mlp", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["memory"]["context_window"] >= 131072 and plan["offload"] == ["mlp"]
+    assert plan["predicted"]["split_prefill_s"] < plan["predicted"]["gpu_only_prefill_s"]
+    assert main(argv + ["--pieces", "mlp"]) == 0
+    assert "faster at this fraction" not in capsys.readouterr().out  # a mix the user chose is not second-guessed
+
+
 def test_a_measured_instance_window_bounds_every_program_and_an_unknown_one_is_said():
     prof = load_profile("m3-ultra")
     assert prof.ane_instance_weight_window_gb is None and "ane_instance_weight_window_gb" in prof.unknown

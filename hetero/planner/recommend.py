@@ -13,6 +13,31 @@ from hetero.planner.slices import OFFLOADABLE, pieces
 from hetero.profiles import Profile
 
 
+def kind_subsets(config: dict) -> list[tuple[str, ...]]:
+    """Every set of piece kinds a split of this model may offload: all of them first, then smaller sets."""
+    present = {p.kind for p in pieces(*model_shape(config), 0.0)}
+    kinds = tuple(k for k in OFFLOADABLE if k in present)  # a dense model has no shared expert to try
+    return [OFFLOADABLE] + [c for n in range(len(kinds) - 1, 0, -1) for c in combinations(kinds, n)]
+
+
+def fastest_kinds(config: dict, profile: Profile, fraction: float, context: int, chunk: int = 512,
+                  **kw) -> Plan | None:
+    """At a given fraction, the plan of the piece kinds with the shortest predicted split prefill (None when a
+    time is unknown): what `hetero plan --ane-fraction F` names when offloading every kind is slower."""
+    best = None
+    for offload in kind_subsets(config):
+        try:
+            plan = make_plan(config, profile, fraction, context, chunk, offload=offload, **kw)
+        except HeteroError:  # this mix's memory leaves no room for KV
+            continue
+        t = plan.predicted["split_prefill_s"]
+        if t is None:
+            return None
+        if best is None or t < best.predicted["split_prefill_s"] - 1e-12:
+            best = plan
+    return best
+
+
 def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **kw) -> tuple[float, Plan]:
     """The F in [0, 1] (steps of 0.01), and the piece kinds that take it, with the shortest predicted split
     prefill: where both lanes balance. A kind the profile's ANE lane runs too slowly stays whole on the GPU
@@ -24,10 +49,7 @@ def recommend(config: dict, profile: Profile, context: int, chunk: int = 512, **
     best: tuple[float, float, Plan, tuple[str, ...]] | None = None
     short: tuple[float, float, int] | None = None  # the fastest split passed over for memory: (F, time, window)
     seen = set()
-    present = {p.kind for p in pieces(*model_shape(config), 0.0)}
-    kinds = tuple(k for k in OFFLOADABLE if k in present)  # a dense model has no shared expert to try
-    subsets = [OFFLOADABLE] + [c for n in range(len(kinds) - 1, 0, -1) for c in combinations(kinds, n)]
-    for offload in subsets:  # all kinds first: on ties the plan that offloads more wins
+    for offload in kind_subsets(config):  # all kinds first: on ties the plan that offloads more wins
         for i in range(101):
             f = i / 100
             try:
