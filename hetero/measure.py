@@ -351,7 +351,7 @@ def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_
         "ane_program_weight_limit_gb": 2.0 if on_ane else None,
         "ane_process_weight_limit_gb": None,  # not documented, and not measured here
         "gpu_wired_fraction": 0.75,
-        "unknown": ["ane_bandwidth_gbs", "ane_process_weight_limit_gb"],
+        "unknown": ["ane_bandwidth_gbs", "ane_process_weight_limit_gb", "ane_instance_weight_window_gb"],
         "notes": [
             f"GPU lane: MLX matmul throughput at prefill shapes and a reduction's bandwidth, MLX's or numpy's, the faster ({env['blas']})",
             "decode: a decoder MLP's matmuls at one token (weight bytes per second over that bandwidth) and at k+1 "

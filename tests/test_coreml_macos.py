@@ -315,6 +315,13 @@ def test_a_program_wholly_on_the_neural_engine():
     assert (placed.neural_engine, placed.total, placed.verdict) == (2, 2, "full")  # const ops are never placed
 
 
+def test_weight_expansion_ops_are_not_counted_as_a_fallback():
+    """A quantized export's `constexpr_lut_to_dense` weights: Core ML expands them at load (MLComputePlan may list
+    them on the CPU), so they say nothing about where the program's compute runs."""
+    placed = placement_report("p", ops(("constexpr_lut_to_dense", "cpu"), ("conv", "ane", ("ane",), 1.0)))
+    assert (placed.neural_engine, placed.total, placed.verdict) == (1, 1, "full")
+
+
 def test_partial_cpu_fallback_is_flagged_with_the_ops_and_their_cost(capsys):
     """What `MLComputePlan.get_compute_device_usage_for_mlprogram_operation` (preferred and supported devices)
     and `get_estimated_cost_for_mlprogram_operation` would give for a program whose gather fell off the ANE."""

@@ -269,13 +269,13 @@ def device_kind(device: object) -> str | None:
 def placement_report(program: str, ops: Iterable[OpDevice]) -> Placement:
     """The placement of a program from its per-op devices (what `MLComputePlan.
     get_compute_device_usage_for_mlprogram_operation` and `get_estimated_cost_for_mlprogram_operation` give for
-    each op; `const` ops are never placed and are skipped)."""
+    each op; `const` and `constexpr_*` ops are weights, never placed, and are skipped)."""
     counts = {"ane": 0, "gpu": 0, "cpu": 0, None: 0}
     off: dict[str, int] = {}
     cost_all = cost_off = 0.0
     costed, could = True, 0
     for op in ops:
-        if op.op == "const":
+        if op.op == "const" or op.op.startswith("constexpr_"):  # weights (a LUT expands at load), never placed
             continue
         if op.preferred not in counts:
             raise HeteroError(f"{program}: op {op.op} on unknown device {op.preferred!r}")

@@ -18,7 +18,7 @@ from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.fingerprint import weights_fingerprint
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
-from hetero.planner import OFFLOADABLE, Plan, context_bucket
+from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.profiles import Profile
 
 DEFAULT_CHUNK = 256
@@ -242,7 +242,9 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
     report = report or (lambda line: print(line, file=sys.stderr))
     profile = load_profile(THIS_MACHINE)
     args = engine.model.args
-    fraction, best = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk)
+    memory_gb = getattr(engine, "memory_gb", None) or physical_memory_bytes() / 1e9  # the split's copy costs memory
+    fraction, best = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk,
+                               memory_gb=memory_gb)
     ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
     while fraction > 0:
         run = configure(engine, fraction, chunk, offload=best.offload, profile=profile)
