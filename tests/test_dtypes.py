@@ -14,7 +14,7 @@ import hetero.pipeline.run as run_module
 from hetero.cli import main
 from hetero.loader import default_dtype, platform_dtype
 from hetero.pipeline import configure, verify
-from hetero.pipeline.tolerance import ANE_DTYPE, K, MEASURED_ERROR, reference_error, verify_tolerance
+from hetero.pipeline.tolerance import ANE_DTYPE, ANE_SHARE_ERROR, K, MEASURED_ERROR, reference_error, verify_tolerance
 from oracle64 import cache_arrays, f64, measure, prefill64, rel
 from tiny_checkpoint import write_real_shape_model
 
@@ -120,11 +120,12 @@ def test_greedy_continuations_may_part_only_at_a_near_tie(engines, monkeypatch, 
 
 
 def test_tolerance_table_follows_its_derivation():
-    """K = 2 (the triangle inequality) x the larger of the dtype's and fp16's measured error (the ANE lane computes
-    fp16 always)."""
+    """K = 2 (the triangle inequality) x the larger of the dtype's and the ANE share's measured error (the ANE lane
+    computes fp16 always)."""
     assert K == 2
     for name, d in DTYPES.items():
-        assert verify_tolerance(d) == pytest.approx(K * max(MEASURED_ERROR[name], MEASURED_ERROR[ANE_DTYPE]))
+        assert verify_tolerance(d) == pytest.approx(K * max(MEASURED_ERROR[name], ANE_SHARE_ERROR))
+    assert ANE_SHARE_ERROR == max(MEASURED_ERROR[ANE_DTYPE], MEASURED_ERROR["float32"])  # fp32's worst is a split
     assert verify_tolerance(mx.float32) == verify_tolerance(mx.float16) < verify_tolerance(mx.bfloat16)
     with pytest.raises(ValueError):
         verify_tolerance(mx.int32)
