@@ -72,7 +72,7 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hetero.pipeline.tolerance import tolerance_table
+    from hetero.verify_tolerance import tolerance_table
     from hetero.speculative import MAX_DEPTH
 
     depth = Bound(1, MAX_DEPTH, integer=True)

@@ -9,6 +9,11 @@ class HeteroError(Exception):
     """A user-facing error: its message is one line saying what is wrong and what to do."""
 
 
+class AneLaneLost(HeteroError):
+    """The ANE lane's worker process died, hung past its timeout or returned garbage; it has been killed (the
+    prompt it was splitting is prefilled GPU-only)."""
+
+
 def internal_error(e: BaseException) -> str:
     """'Type: first line of the message' for an unexpected exception (one line for the user)."""
     text = str(e).strip().splitlines()

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from hetero.engine import Engine
-from hetero.errors import HeteroError
+from hetero.errors import AneLaneLost, HeteroError
 from hetero.logprobs import TokenLogprob
 from hetero.mlx_lm_cache import cache_leaves, from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
 from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
-from hetero.pipeline.ane_process import AneLaneLost
 from hetero.validate import check_fraction_or_auto
 
 DEFAULT_CHUNK = 512

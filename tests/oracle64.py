@@ -173,7 +173,7 @@ CODE = "".join(f"def step_{i}(x, y):\n    return x * {i % 13} + y - {i % 7}\n\n"
 
 
 def main() -> None:
-    """Print the measurements behind `hetero/pipeline/tolerance.py` (docs/planner.md): each checkpoint, prompt
+    """Print the measurements behind `hetero/verify_tolerance.py` (docs/planner.md): each checkpoint, prompt
     length and dtype, GPU-only and split (fraction 0.5) against float64, and the split against GPU-only."""
     import tempfile
     from pathlib import Path

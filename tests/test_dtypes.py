@@ -14,7 +14,7 @@ import hetero.pipeline.run as run_module
 from hetero.cli import main
 from hetero.loader import default_dtype, platform_dtype
 from hetero.pipeline import configure, verify
-from hetero.pipeline.tolerance import ANE_DTYPE, ANE_SHARE_ERROR, K, MEASURED_ERROR, reference_error, verify_tolerance
+from hetero.verify_tolerance import ANE_DTYPE, ANE_SHARE_ERROR, K, MEASURED_ERROR, reference_error, verify_tolerance
 from oracle64 import cache_arrays, f64, measure, prefill64, rel
 from tiny_checkpoint import write_real_shape_model
 
@@ -56,7 +56,7 @@ def test_the_oracle_is_the_fp32_path_within_fp32_rounding(engines):
 @pytest.mark.parametrize("name", ["bfloat16", "float16", "float32"])
 def test_split_verifies_and_is_as_close_to_float64_as_gpu_only(engines, name):
     """In each dtype both paths stay within the dtype's reference error of the float64 oracle, the premise of the
-    tolerance (hetero/pipeline/tolerance.py), and the split passes `verify` at the dtype's default tolerance. The
+    tolerance (hetero/verify_tolerance.py), and the split passes `verify` at the dtype's default tolerance. The
     split computes in the model's dtype on the GPU lane and in fp16 on the ANE's."""
     engine = engines[name]
     ids = _ids(engine)
@@ -75,7 +75,7 @@ def test_split_verifies_and_is_as_close_to_float64_as_gpu_only(engines, name):
 def test_half_precision_tolerance_still_catches_a_defective_program(engines, name):
     """A GDN z program whose rows come back zero (it moves this checkpoint's arrays 6%) fails both half-precision
     tolerances; an MLP program losing half its output (2.3% here) fails fp16's and is below what bf16's resolves
-    (hetero/pipeline/tolerance.py says why)."""
+    (hetero/verify_tolerance.py says why)."""
     engine = engines[name]
     ids = _ids(engine)
     run = configure(engine, 0.5, 64)

@@ -17,7 +17,7 @@ from hetero.errors import HeteroError
 from hetero.generate import prefill
 from hetero.loader import BUNDLED_MODEL, load_model
 from hetero.pipeline import Job, Lane, Trace, ane_backend, configure, run_jobs, verify
-from hetero.pipeline.tolerance import verify_tolerance
+from hetero.verify_tolerance import verify_tolerance
 from test_coreml_graphs import TINY, save_checkpoint, tiny_model
 from tiny_checkpoint import write_tiny_model
 

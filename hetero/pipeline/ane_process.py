@@ -25,17 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from hetero.backends.arena import pack, packed_bytes, views
-from hetero.errors import HeteroError
+from hetero.errors import AneLaneLost
 from hetero.pipeline.lanes import Trace
 
 JOB_TIMEOUT_S = 120.0  # one program call; the slowest seen here is well under a second
 LOAD_TIMEOUT_S = 900.0  # loading (on a Mac: compiling) one program
 START_TIMEOUT_S = 120.0  # the interpreter, numpy and coremltools
 ARENA_STEP = 1 << 20  # arenas grow in whole MiB, by at least a quarter, so a few jobs settle their size
-
-
-class AneLaneLost(HeteroError):
-    """The ANE lane's worker died, hung past its timeout or returned garbage; it has been killed."""
 
 
 @dataclass

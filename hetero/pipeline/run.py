@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.cache import KVCache, LayerCache
-from hetero.errors import HeteroError
+from hetero.errors import AneLaneLost, HeteroError
 from hetero.models.qwen3_5 import Model
-from hetero.pipeline.ane_process import JOB_TIMEOUT_S, AneLaneLost, shared_worker
+from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.fingerprint import weights_fingerprint
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
@@ -22,7 +22,7 @@ from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_by
 from hetero.profiles import Profile
 
 DEFAULT_CHUNK = 256
-DEFAULT_VERIFY_TOL: float | None = None  # None: the model dtype's (hetero.pipeline.tolerance.verify_tolerance)
+DEFAULT_VERIFY_TOL: float | None = None  # None: the model dtype's (hetero.verify_tolerance.verify_tolerance)
 DEFAULT_VERIFY_TOKENS = 32
 
 
@@ -167,14 +167,14 @@ def verify(run: PipelineRun, ids: list[int], tol: float | None = DEFAULT_VERIFY_
     array (each layer's K and V over the prompt, GDN conv window and recurrent state), and the greedy continuation
     of `n_tokens` tokens is identical up to a near-tie. The caches are what the next chunk, turn or decode step
     reads: a defect there (a head written in the wrong slot) can hide at the last position of a short prompt.
-    `tol` None is the model dtype's tolerance (`hetero.pipeline.tolerance`, measured against a float64 oracle).
+    `tol` None is the model dtype's tolerance (`hetero.verify_tolerance`, measured against a float64 oracle).
 
     A near-tie: where the continuations first part, the GPU-only run's token leads the split's by at most
     2 tol x max |logit|. Two runs whose logits are each within tol x max of the other's may order such a pair either
     way (bf16 does, on the bundled and random models alike), so the comparison stops there (`greedy_tie_at`).
     """
     from hetero.generate import prefill
-    from hetero.pipeline.tolerance import verify_tolerance
+    from hetero.verify_tolerance import verify_tolerance
 
     model = run.engine.model
     if tol is None:
