@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -130,8 +129,7 @@ def _split_prefill(held, ids: list[int], hcache: list, fraction: float | str, ch
         for c, offset, fields in before:
             vars(c).update(fields)
             c.offset = offset
-        run.lane_failures, run.last_failure = run.lane_failures + 1, str(e)
-        print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker", file=sys.stderr)
+        run.lost(e)
         from hetero.generate import prefill as gpu_prefill
 
         gpu_prefill(held.model, ids, hcache, chunk or DEFAULT_CHUNK)

@@ -3,4 +3,17 @@
 - `reference_executor`  runs a saved Core ML program with numpy, on any OS (the reference, not the ANE)
 - `reference_prefill`   a serial prefill in which exported attention programs replace MLX's attention layers
 - `coreml_macos`        runs the same packages through Core ML on macOS (CPU + Neural Engine), with placement report
+- `ane_worker`          the ANE lane's worker process, which runs them (`arena`: its shared-memory buffers)
 """
+
+
+def platform_backend():
+    """(name, loader): Core ML (CPU_AND_NE) on macOS, the portable reference executor elsewhere; a loader takes
+    (path[, function]) and returns a callable program."""
+    from hetero.backends import coreml_macos
+
+    if coreml_macos.available()[0]:
+        return "Core ML", coreml_macos.load
+    from hetero.backends.reference_executor import ReferenceExecutor
+
+    return "reference executor", ReferenceExecutor

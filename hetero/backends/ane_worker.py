@@ -33,21 +33,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
+from hetero.backends import platform_backend
 from hetero.backends.arena import attach, pack, packed_bytes, resident_bytes, views
 
 # Packages coremltools imports for converters this process never runs (torch alone is ~300 MB and 2 s to import).
 UNUSED_BY_THE_WORKER = ("torch", "torchvision", "tensorflow", "transformers", "sklearn", "xgboost", "libsvm")
-
-
-def platform_loader():
-    """(path, function) -> program: Core ML (CPU_AND_NE) on macOS, the portable reference executor elsewhere."""
-    from hetero.backends import coreml_macos
-
-    if coreml_macos.available()[0]:
-        return coreml_macos.load
-    from hetero.backends.reference_executor import ReferenceExecutor
-
-    return ReferenceExecutor
 
 
 def _call(loader, path: Path, function: str | None):
@@ -120,7 +110,7 @@ def main(argv: list[str]) -> None:
         module, _, attr = argv[1].partition(":")
         loader = getattr(importlib.import_module(module), attr)
     else:
-        loader = platform_loader()
+        loader = platform_backend()[1]
     conn.send(("ready", os.getpid()))
     serve(conn, loader)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetero.backends import platform_backend
 from hetero.errors import HeteroError
 from hetero.export import export_plan, read_manifest
 from hetero.planner import OFFLOADABLE, Plan, context_buckets
@@ -15,14 +16,7 @@ from hetero.planner import OFFLOADABLE, Plan, context_buckets
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
     """(name, loader): Core ML (CPU_AND_NE) on macOS, the portable reference executor elsewhere."""
-    from hetero.backends import coreml_macos
-
-    ok, _ = coreml_macos.available()
-    if ok:
-        return "Core ML", coreml_macos.load
-    from hetero.backends.reference_executor import ReferenceExecutor
-
-    return "reference executor", ReferenceExecutor
+    return platform_backend()
 
 
 def export_root() -> Path:

@@ -113,11 +113,14 @@ class PipelineRun:
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
                                   on_chunk=on_chunk)
         except AneLaneLost as e:  # nothing of the split is kept: the engine prefills from scratch, GPU-only
-            self.lane_failures, self.last_failure, self.last = self.lane_failures + 1, str(e), None
-            print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker",
-                  file=sys.stderr)
+            self.lost(e)
             return model.make_cache(), 0, None
         return cache, len(ids) - 1, self.last.hidden
+
+    def lost(self, e: AneLaneLost) -> None:
+        """Count a lost worker and say, once, that its prompt goes GPU-only."""
+        self.lane_failures, self.last_failure, self.last = self.lane_failures + 1, str(e), None
+        print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker", file=sys.stderr)
 
     def ane_block(self) -> dict:
         return {"backend": self.backend, "lane": self.lane, "requested_fraction": self.requested_fraction,
