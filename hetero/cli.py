@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--recommend", action="store_true", help="pick the fraction that balances both devices")
     plan.add_argument("--pieces", metavar="KINDS",
                       help="comma-separated piece kinds that take the ANE share (attention, mlp, gdn_in_proj or z, "
-                           "shared_expert; default: all); the others stay whole on the GPU")
+                           "shared_expert; all: every kind; default: those whose share shortens the predicted prefill); "
+                           "the others stay whole on the GPU")
     plan.add_argument("--context", type=POSITIVE_INT, help="context length in tokens (default: min(32768, model maximum))")
     plan.add_argument("--chunk", type=POSITIVE_INT, default=512, help="prefill chunk in tokens (multiple of 64)")
     plan.add_argument("--prompt-tokens", type=POSITIVE_INT, help="prompt length for the TTFT prediction (default: the context)")
@@ -386,9 +387,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hetero.planner import make_plan, model_shape, plan_lines, read_model_config, recommend
+    from hetero.planner import model_shape, plan_lines, read_model_config, recommend
     from hetero.planner.plan import parse_pieces
-    from hetero.planner.recommend import fastest_kinds
+    from hetero.planner.recommend import split_plan
     from hetero.profiles import default_profile_name, load_profile
 
     config, name = read_model_config(args.model)
@@ -406,9 +407,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.recommend:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
     else:
-        plan = make_plan(config, profile, args.ane_fraction, context, args.chunk, **kw)
-        if args.pieces is None and args.ane_fraction > 0 and (args.hosts or 1) == 1:
-            note_faster_kinds(plan, fastest_kinds(config, profile, args.ane_fraction, context, args.chunk, **kw))
+        plan = split_plan(config, profile, args.ane_fraction, context, args.chunk, **kw)
     if args.json:
         out = plan.to_dict()
         if args.recommend:
@@ -421,21 +420,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"(profile {profile_name}: default; pass --profile, or run `hetero tune --devices` to measure this machine)")
     print("\n".join(plan_lines(plan)))
     return 0
-
-
-def note_faster_kinds(plan, best) -> None:
-    """When offloading fewer piece kinds at the same fraction is faster, say which (and the window it leaves)."""
-    if best is None or best.offload == plan.offload:
-        return
-    t, t_all = best.predicted["split_prefill_s"], plan.predicted["split_prefill_s"]
-    if t_all is None or t >= 0.99 * t_all:
-        return
-    gpu = best.predicted["gpu_only_prefill_s"]
-    window = f", context window {best.memory.context_window} tokens" if best.memory is not None else ""
-    kinds = ",".join("z" if k == "gdn_in_proj" else k for k in best.offload)
-    plan.assumptions.append(
-        f"faster at this fraction: offload only {', '.join(best.offload)} (--pieces {kinds}): split prefill "
-        f"{t:.1f} s ({gpu / t:.2f}x GPU-only) against {t_all:.1f} s offloading every kind{window}")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -31,7 +31,8 @@ import numpy as np
 from hetero.backends.coreml_macos import compiled_owner, remove_compiled
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
-from hetero.planner import OFFLOADABLE, PieceSlice, Plan, make_plan
+from hetero.planner import OFFLOADABLE, PieceSlice, Plan
+from hetero.planner.recommend import split_plan
 from hetero.profiles import default_profile_name, load_profile
 
 MANIFEST = "manifest.json"
@@ -260,11 +261,12 @@ def export_coreml(
     contexts: list[int] | None = None,
     budget: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-    kinds: tuple[str, ...] = OFFLOADABLE,
+    kinds: tuple[str, ...] | None = None,
 ) -> dict:
-    """`hetero convert --coreml`: load `model`, plan `fraction` of the piece kinds in `kinds` for prefill chunks of
-    `chunk` tokens (with the profile a split is planned with; `budget` overrides its weight bytes per program) and
-    export that plan into `out` (`export_plan`); returns the manifest."""
+    """`hetero convert --coreml`: load `model`, plan `fraction` of the piece kinds in `kinds` (default: those whose
+    share shortens the predicted prefill, as the runtime's split offloads) for prefill chunks of `chunk` tokens
+    (with the profile a split is planned with; `budget` overrides its weight bytes per program) and export that
+    plan into `out` (`export_plan`); returns the manifest."""
     from hetero.loader import load_model
 
     contexts = sorted(set(contexts or [DEFAULT_CONTEXT]))
@@ -272,8 +274,8 @@ def export_coreml(
     loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     net, _, config = loaded
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
-    plan = make_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
-                     budget=budget)
+    plan = split_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
+                      budget=budget)
     return export_plan(plan, loaded, out, contexts, progress)
 
 

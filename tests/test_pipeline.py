@@ -17,6 +17,7 @@ from hetero.errors import HeteroError
 from hetero.generate import prefill
 from hetero.loader import BUNDLED_MODEL, load_model
 from hetero.pipeline import Job, Lane, Trace, ane_backend, configure, run_jobs, verify
+from hetero.planner import OFFLOADABLE
 from hetero.verify_tolerance import verify_tolerance
 from test_coreml_graphs import TINY, save_checkpoint, tiny_model
 from tiny_checkpoint import write_tiny_model
@@ -150,6 +151,21 @@ def test_kinds_left_out_of_the_split_run_whole_on_the_gpu(tiny_engine):
     assert any(c.startswith("attention") and "kept on the GPU" in c for c in run.caps)
     check = verify(run, _prompt(150, seed=5), n_tokens=16)
     assert check["match"] and check["greedy_match_tokens"] == 16
+
+
+def test_the_runtime_split_offloads_the_kinds_that_shorten_the_prefill_unless_told(bundled_engine):
+    """`--ane-fraction F` plans like `hetero plan`: on the calibrated m3-ultra the bundled model's GDN and shared
+    pieces lengthen the predicted prefill at 0.5, so its split offloads attention and the MLPs only; on the
+    default chip every kind pays; `offload` given is kept as given."""
+    from hetero.profiles import DEFAULT_PROFILE, load_profile
+
+    ultra = load_profile("m3-ultra")
+    run = configure(bundled_engine, 0.5, 64, profile=ultra)
+    assert run.offload == ("attention", "mlp")
+    every = configure(bundled_engine, 0.5, 64, profile=ultra, offload=OFFLOADABLE)
+    assert run.plan.predicted["split_prefill_s"] < every.plan.predicted["split_prefill_s"]
+    assert any("offloads only attention, mlp" in a for a in run.plan.assumptions)
+    assert configure(bundled_engine, 0.5, 64, profile=load_profile(DEFAULT_PROFILE)).offload == OFFLOADABLE
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])

@@ -10,6 +10,7 @@ tuple whose first item says what it is):
     ("load", path, function)          -> ("loaded", program id, seconds)
     ("arena", "in" | "out", name)     -> ("ok",)             attach a shared-memory arena the engine created
     ("run", id, layout)               -> ("done", layout, compute seconds, copy seconds)  outputs in the out arena
+                                      or ("garbage", output name) when an output holds NaN or inf
                                       or ("grow", bytes) when they do not fit: the engine sends a larger "out"
                                          arena, then this process copies the held outputs and answers "done"
     ("stat",)                         -> ("stat", resident bytes)
@@ -32,6 +33,8 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
+
+import numpy as np
 
 from hetero.backends import platform_backend
 from hetero.backends.arena import attach, pack, packed_bytes, resident_bytes, views
@@ -84,6 +87,10 @@ def serve(conn: Connection, loader) -> None:
                 start = time.perf_counter()
                 out = programs[msg[1]](views(msg[2], arenas["in"].buf))
                 computed = time.perf_counter()
+                bad = next((k for k, a in out.items() if a.dtype.kind == "f" and not np.isfinite(a).all()), None)
+                if bad is not None:  # checked here, on the lane's own core: the engine's process never scans them
+                    conn.send(("garbage", bad))
+                    continue
                 need = packed_bytes(out)
                 if "out" not in arenas or arenas["out"].size < need:
                     conn.send(("grow", need))

@@ -130,12 +130,13 @@ class PipelineRun:
 
 def configure(
     engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None,
-    offload: tuple[str, ...] = OFFLOADABLE, profile: Profile | None = None, lane: str = "process",
+    offload: tuple[str, ...] | None = None, profile: Profile | None = None, lane: str = "process",
 ) -> PipelineRun:
-    """A PipelineRun for `fraction` of the piece kinds in `offload`: the one place a split's `Plan` is made, by the
+    """A PipelineRun for `fraction` of the piece kinds in `offload` (default: those whose share shortens the
+    predicted prefill, `hetero.planner.recommend.split_plan`): the one place a split's `Plan` is made, by the
     planner for `profile` (default: this machine's measured profile, else the planner's default chip). Only a
     per-process ANE weight limit that a profile measured shrinks the slices; none is documented."""
-    from hetero.planner import make_plan
+    from hetero.planner.recommend import split_plan
     from hetero.profiles import default_profile_name, load_profile
 
     if chunk <= 0 or chunk % 64:
@@ -144,7 +145,7 @@ def configure(
         raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
-    plan = make_plan(engine.config, profile, fraction, context, chunk, offload=offload)
+    plan = split_plan(engine.config, profile, fraction, context, chunk, offload=offload)
     if lane not in ("process", "thread"):
         raise HeteroError(f"the ANE lane runs in a 'process' or a 'thread', not {lane!r}")
     return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane)

@@ -266,14 +266,16 @@ def make_plan(
 
 
 def parse_pieces(text: str) -> tuple[str, ...]:
-    """`--pieces KINDS`: comma-separated piece kinds that take the ANE share (`z` names `gdn_in_proj`), as
-    `make_plan`'s `offload`; a kind that cannot take a share is a one-line error naming those that can."""
+    """`--pieces KINDS`: comma-separated piece kinds that take the ANE share (`z` names `gdn_in_proj`, `all` every
+    kind), as `make_plan`'s `offload`; a kind that cannot take a share is a one-line error naming those that can."""
+    if text.strip() == "all":
+        return OFFLOADABLE
     kinds = [PIECE_ALIASES.get(k.strip(), k.strip()) for k in text.split(",") if k.strip()]
     bad = [k for k in kinds if k not in OFFLOADABLE]
     if bad or not kinds:
         what = f"{', '.join(bad)} cannot take an ANE share" if bad else "no piece kind given"
         raise HeteroError(f"--pieces {text!r}: {what}; choose from {', '.join(OFFLOADABLE)} (z = gdn_in_proj), "
-                          f"comma-separated")
+                          f"comma-separated, or all")
     return tuple(k for k in OFFLOADABLE if k in kinds)
 
 

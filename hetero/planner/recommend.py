@@ -23,7 +23,7 @@ def kind_subsets(config: dict) -> list[tuple[str, ...]]:
 def fastest_kinds(config: dict, profile: Profile, fraction: float, context: int, chunk: int = 512,
                   **kw) -> Plan | None:
     """At a given fraction, the plan of the piece kinds with the shortest predicted split prefill (None when a
-    time is unknown): what `hetero plan --ane-fraction F` names when offloading every kind is slower."""
+    time is unknown); on ties the plan that offloads more wins."""
     best = None
     for offload in kind_subsets(config):
         try:
@@ -35,6 +35,32 @@ def fastest_kinds(config: dict, profile: Profile, fraction: float, context: int,
             return None
         if best is None or t < best.predicted["split_prefill_s"] - 1e-12:
             best = plan
+    return best
+
+
+def split_plan(config: dict, profile: Profile, fraction: float, context: int, chunk: int = 512,
+               offload: tuple[str, ...] | None = None, **kw) -> Plan:
+    """The plan of a split at `fraction`: of the piece kinds in `offload`, or by default of those whose share
+    shortens the predicted prefill (`fastest_kinds`; every kind when the profile cannot predict a time, and across
+    hosts). What `hetero plan --ane-fraction F`, `hetero convert --coreml` and the runtime's split all offload.
+
+    A plan that leaves kinds out says so in its assumptions, with what offloading every kind would predict."""
+    if offload is not None or not fraction or (kw.get("hosts") or 1) > 1:
+        return make_plan(config, profile, fraction, context, chunk, offload=offload or OFFLOADABLE, **kw)
+    best = fastest_kinds(config, profile, fraction, context, chunk, **kw)
+    if best is None or best.offload == OFFLOADABLE:
+        return best or make_plan(config, profile, fraction, context, chunk, **kw)
+    try:
+        every = make_plan(config, profile, fraction, context, chunk, **kw)
+        window = f", a {every.memory.context_window}-token window" if every.memory is not None else ""
+        instead = f"{every.predicted['split_prefill_s']:.1f} s{window}"
+    except HeteroError:  # every kind's copy leaves no room for KV
+        instead = "no room for the KV cache"
+    kinds = ",".join("z" if k == "gdn_in_proj" else k for k in best.offload)
+    best.assumptions.append(
+        f"offloads only {', '.join(best.offload)} (--pieces {kinds}): the piece kinds whose share shortens the "
+        f"predicted prefill at this fraction ({best.predicted['split_prefill_s']:.1f} s; every kind: {instead}; "
+        f"--pieces all offloads every kind)")
     return best
 
 
