@@ -44,3 +44,15 @@ def _nan(real, inputs):
 
 
 dies, hangs, garbage = _faulty(_die), _faulty(_hang), _faulty(_nan)
+
+
+def temporaries(path, function=None):
+    """A program that allocates as the reference executor does: each op's output afresh, temporaries of 1-6 MB
+    that grow and shrink along the program (here 512 x 512 to 512 x 3072 fp32), none kept past the next op."""
+    def run(inputs: dict) -> dict:
+        a = inputs["x"]  # [512, 512]
+        for width in (1024, 3072, 1536, 512):
+            a = np.ones((a.shape[0], width), np.float32) * a[:, :1]
+        return {"y": a}
+
+    return run

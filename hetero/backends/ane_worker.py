@@ -26,6 +26,7 @@ Run as `python -m hetero.backends.ane_worker FD [MODULE:LOADER]`; the optional l
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import sys
@@ -109,7 +110,30 @@ def serve(conn: Connection, loader) -> None:
             conn.send(("error", f"{type(e).__name__}: {text[0] if text else ''}"))
 
 
+# glibc's mallopt parameters (malloc.h): keep freed memory for the next job instead of returning it to the kernel
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep the memory a job frees for the next job (False where there is no glibc).
+
+    The reference executor allocates every op's output afresh. A fresh process's malloc maps each temporary above
+    128 KB anew and returns it when freed, so every job touched fresh pages again: 3,552 minor page faults per call
+    of bench/ttft.py's MLP program, 71 ms against 58 ms without them (bench/lane_job.py). The engine's own process
+    had long since raised glibc's adaptive thresholds, which is why the in-thread lane did not pay this. Up to
+    32 MB a temporary now comes from the heap, and the heap keeps what is freed (the worker's resident memory then
+    holds its largest job's temporaries, which `resident_bytes` counts)."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # macOS has no mallopt: Core ML allocates its own buffers there
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))  # C int: 2 GB
+
+
 def main(argv: list[str]) -> None:
+    keep_freed_memory()
     for name in UNUSED_BY_THE_WORKER:
         sys.modules.setdefault(name, None)  # an import of these fails fast: coremltools then skips its converters
     conn = Connection(int(argv[0]))
