@@ -9,11 +9,15 @@ and `--verify` compares the two. It follows shared/DESIGN.md section 2 with the 
 
 from __future__ import annotations
 
+import math
+
 import hetero  # noqa: F401  first: it puts the fast BLAS under MLX before mlx.core loads
 import mlx.core as mx
 import numpy as np
 
 from hetero.cache import KVCache
+from hetero.models.gated_delta import CHUNK
+from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS
 
 
 def f64(a: mx.array) -> np.ndarray:
@@ -62,8 +66,14 @@ def _attention(attn, args, x: np.ndarray) -> tuple[np.ndarray, dict]:
     return out.reshape(S, H * D) @ f64(attn.o_proj.weight).T, {"keys": k, "values": v}
 
 
-def _gdn(gdn, args, x: np.ndarray) -> tuple[np.ndarray, dict]:
-    """x [S, hidden] -> (out [S, hidden], {"conv window": [K-1, C], "recurrent state": [Hv, Dk, Dv]})."""
+def _gdn(gdn, args, x: np.ndarray, stats: dict | None = None) -> tuple[np.ndarray, dict]:
+    """x [S, hidden] -> (out [S, hidden], {"conv window": [K-1, C], "recurrent state": [Hv, Dk, Dv]}).
+
+    `stats["amplification"]` (multiplied over the layers): how much the gated RMSNorm magnifies the rounding of its
+    input o = S^T q, max over tokens and heads of rms(|S|^T |q|) / sqrt(mean(o^2) + eps), at least 1. A dot product's
+    rounding scales with its summands' magnitudes |S|^T |q|, the norm divides by o's own size: where the terms
+    cancel, or o is small enough for eps to dominate (a sequence's first token, o = (k.q) b v), that ratio is large.
+    """
     S, nk, nv, dk, dv, K = x.shape[0], gdn.nk, gdn.nv, gdn.dk, gdn.dv, gdn.kernel
     qkv = x @ f64(gdn.in_proj_qkv.weight).T  # [S, C]
     z = (x @ f64(gdn.in_proj_z.weight).T).reshape(S, nv, dv)
@@ -77,21 +87,25 @@ def _gdn(gdn, args, x: np.ndarray) -> tuple[np.ndarray, dict]:
     q, k = np.repeat(l2(q), nv // nk, 1) * dk**-0.5, np.repeat(l2(k), nv // nk, 1)  # [S, Hv, Dk]
     beta = _sigmoid(b)
     g = -np.exp(f64(gdn.A_log)) * np.logaddexp(a + f64(gdn.dt_bias), 0.0)  # [S, Hv]
-    state, outs = np.zeros((nv, dk, dv)), []
+    state, outs, sizes = np.zeros((nv, dk, dv)), [], []
     for t in range(S):  # S = alpha S; u = beta (v - S^T k); S += k u^T; o = S^T q
         state = state * np.exp(g[t])[:, None, None]
         u = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", state, k[t]))  # [Hv, Dv]
         state = state + k[t][:, :, None] * u[:, None, :]
         outs.append(np.einsum("hkv,hk->hv", state, q[t]))
+        sizes.append(np.einsum("hkv,hk->hv", np.abs(state), np.abs(q[t])))  # the summands' magnitudes
     core = np.stack(outs)  # [S, Hv, Dv]
+    if stats is not None:
+        ratio = np.sqrt((np.stack(sizes) ** 2).mean(-1)) / np.sqrt((core * core).mean(-1) + args.rms_norm_eps)
+        stats["amplification"] = stats.get("amplification", 1.0) * max(1.0, float(ratio.max()))
     out = _rms(core, f64(gdn.norm.weight), args.rms_norm_eps) * _silu(z)
     return out.reshape(S, nv * dv) @ f64(gdn.out_proj.weight).T, {"conv window": conv_in[-(K - 1):],
                                                                   "recurrent state": state}
 
 
-def prefill64(model, ids: list[int]) -> tuple[np.ndarray, list[dict]]:
-    """The float64 prefill of `ids` from the weights `model` holds: (last position's logits [V], per layer the
-    arrays its cache holds, named as `hetero.pipeline.run.cache_difference` names them)."""
+def forward64(model, ids: list[int], stats: dict | None = None) -> tuple[np.ndarray, list[dict]]:
+    """The float64 backbone over `ids`: (post-norm hidden of every position [S, hidden], per layer the arrays its
+    cache holds, named as `hetero.pipeline.run.cache_difference` names them). `stats`: see `_gdn`."""
     args, inner = model.args, model.model
     eps = args.rms_norm_eps
     h = f64(inner.embed_tokens.weight)[np.array(ids)]  # [S, hidden]
@@ -100,15 +114,78 @@ def prefill64(model, ids: list[int]) -> tuple[np.ndarray, list[dict]]:
         if not hasattr(layer.mlp, "gate_proj"):
             raise NotImplementedError("the oracle covers dense MLPs, not mixtures of experts")
         x = _rms(h, f64(layer.input_layernorm.weight), eps)
-        mix, cache = (_gdn(layer.linear_attn, args, x) if layer.is_linear else _attention(layer.self_attn, args, x))
+        mix, cache = (_gdn(layer.linear_attn, args, x, stats) if layer.is_linear
+                      else _attention(layer.self_attn, args, x))
         h = h + mix
         x = _rms(h, f64(layer.post_attention_layernorm.weight), eps)
         m = layer.mlp
         h = h + (_silu(x @ f64(m.gate_proj.weight).T) * (x @ f64(m.up_proj.weight).T)) @ f64(m.down_proj.weight).T
         caches.append(cache)
-    last = _rms(h[-1], f64(inner.norm.weight), eps)
-    head = inner.embed_tokens.weight if args.tie_word_embeddings else model.lm_head.weight
-    return f64(head) @ last, caches
+    return _rms(h, f64(inner.norm.weight), eps), caches
+
+
+def prefill64(model, ids: list[int]) -> tuple[np.ndarray, list[dict]]:
+    """The float64 prefill of `ids` from the weights `model` holds: (last position's logits [V], per layer the
+    arrays its cache holds, named as `hetero.pipeline.run.cache_difference` names them)."""
+    hidden, caches = forward64(model, ids)
+    head = model.model.embed_tokens.weight if model.args.tie_word_embeddings else model.lm_head.weight
+    return f64(head) @ hidden[-1], caches
+
+
+def mtp_kv64(model, next_tokens: list[int], hidden: np.ndarray) -> dict:
+    """The MTP layer's K/V [Hkv, m, D] for the pairs (t_{p+1}, h_p) at positions p = 0..m-1 (DESIGN.md section 2):
+    z = fc(cat[N(embed t_{p+1}), N(h_p)]), then the layer's input norm and K/V projections. `hidden` [m, hidden] the
+    backbone's post-norm h_0..h_{m-1}; one MTP layer (depth 1 fills only its KV)."""
+    mtp, args = model.mtp, model.args
+    eps = args.rms_norm_eps
+    e = f64(model.model.embed_tokens.weight)[np.array(next_tokens, dtype=np.int64)]  # [m, hidden]
+    z = np.concatenate([_rms(e, f64(mtp.pre_fc_norm_embedding.weight), eps),
+                        _rms(hidden, f64(mtp.pre_fc_norm_hidden.weight), eps)], -1) @ f64(mtp.fc.weight).T  # [m, H]
+    (layer,) = mtp.layers
+    _, kv = _attention(layer.self_attn, args, _rms(z, f64(layer.input_layernorm.weight), eps))
+    return kv
+
+
+U32 = 2.0**-24  # fp32 unit roundoff
+ELEMENTWISE = 32  # per layer: its elementwise ops (norms' rsqrt, silu, sigmoid, softplus, RoPE, the decay's exp)
+LAMBDA = 6.55  # 2 exp(-LAMBDA^2 / 2) = 1e-9: the chance that one array's rounding exceeds the bound
+
+
+def fp32_bound(args, n: int, longest_pass: int = RECURRENT_MAX_TOKENS, mtp: bool = True,
+               amplification: float = 1.0) -> float:
+    """A bound on max |fp32 - float64| / max |float64| of any array (cache, hidden) of an fp32 run of `n` tokens
+    through this architecture (`args` a ModelArgs), when no pass took more than `longest_pass` tokens;
+    `amplification` is the input's own, as `forward64(..., stats)` measures it.
+
+    Probabilistic rounding-error analysis (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019): each fp32 operation
+    rounds its exact result by a factor (1 + d), |d| <= u = 2^-24, the d independent and of mean zero; to first order
+    an output's error is the sum of those d, each weighted by the output's sensitivity to it, so for N roundings of
+    sensitivity at most A, Hoeffding's inequality gives |error| <= LAMBDA sqrt(N) A u except with probability
+    2 exp(-LAMBDA^2 / 2). N here: the summed reduction lengths along the longest chain an array depends on (the last
+    layer's, through every layer below and every earlier token of the recurrences), plus ELEMENTWISE per layer. A:
+    every stage but one passes a relative perturbation of its input on at most unchanged (projections read RMS-
+    normalised inputs, the residual stream adds, softmax weights average, the GDN update S <- a (I - b k k^T) S +
+    b k v^T with a <= 1, 0 < b < 1, |k| = 1 is non-expansive); the exception is each GDN layer's gated RMSNorm of
+    o = S^T q, which magnifies o's rounding by rms(|S|^T |q|) / sqrt(mean(o^2) + eps) (large where the terms cancel
+    or o is small enough for eps to dominate, as at a sequence's first token): A is the product of those, measured by
+    the oracle. Passes of up to RECURRENT_MAX_TOKENS run the token-by-token delta rule; longer ones its chunked form
+    (CHUNK-token chunks: the unit-lower inverse's log2(CHUNK) doublings, then the chunk's matmuls), counted alike.
+    """
+    H, I, D = args.hidden_size, args.intermediate_size, args.head_dim
+    dk, dv, nv, K = args.linear_key_head_dim, args.linear_value_head_dim, args.linear_num_value_heads, \
+        args.linear_conv_kernel_dim
+    recurrence = n * (dk + 4)  # per token: S^T k (dk), then the subtraction, beta, the outer product, the decay
+    if longest_pass > RECURRENT_MAX_TOKENS:  # and the chunks in turn, each: k.k (dk), the inverse, t_inv @ v and
+        per_chunk = dk + 2 * (CHUNK - 1) + 2 * CHUNK + 2 * dk + 2 * CHUNK  # @ kb, w @ S and q @ S, intra @ v, k^T v
+        recurrence += -(-n // CHUNK) * per_chunk
+    mlp = H + 2 * H + I  # post-attention norm, gate/up, down
+    gdn = H + H + K + dk + recurrence + dk + dv + nv * dv + mlp  # norm, in_proj, conv, l2norm, ..., S^T q, norm, out
+    attention = H + H + D + D + 2 * n + args.num_attention_heads * D + mlp  # norm, proj, q/k norm, q.k, softmax, p.v, o
+    chain = sum(gdn if t == "linear_attention" else attention for t in args.layer_types) + H  # + the final norm
+    chain += ELEMENTWISE * len(args.layer_types)
+    if mtp:  # the MTP head's K/V: pre-fc norms, fc over [e; h], the layer's input norm, k/v projections, k norm
+        chain += H + 2 * H + H + H + D + ELEMENTWISE
+    return LAMBDA * math.sqrt(chain) * max(1.0, amplification) * U32
 
 
 def greedy64(model, ids: list[int], n: int) -> list[int]:
