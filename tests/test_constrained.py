@@ -76,10 +76,16 @@ def test_greedy_output_validates_and_mtp_equals_plain(engine, name):
 def test_sampled_outputs_validate_under_mtp(engine, name):
     schema = SCHEMAS[name]
     prompt = ask(engine, name)
-    for seed in range(4):
+    finished = 0
+    for seed in range(4):  # seeded: each run is the same every time
         r = engine.generate(prompt, max_tokens=120, mtp=True, json_schema=schema, temperature=1.0, seed=seed)
-        if r.stats["finish_reason"] == "stop":  # a sampled string may run to max_tokens: then it is only a prefix
+        assert constraint(engine, schema).extend(r.tokens) == len(r.tokens), seed  # the grammar allowed every token
+        if r.stats["finish_reason"] == "stop":
             jsonschema.validate(json.loads(r.text), schema)
+            finished += 1
+        else:  # a sampled string may run to max_tokens: then it is a prefix of a valid value (above), cut at the limit
+            assert r.stats["finish_reason"] == "length" and len(r.tokens) == 120, seed
+    assert finished, "no seed closed its JSON: the check above validated prefixes only"
 
 
 def test_json_object_gives_an_object(engine):
