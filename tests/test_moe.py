@@ -12,11 +12,11 @@ MTP head (written by converters.hf_export: HF cannot build the MTP head).
 from __future__ import annotations
 
 import itertools
-
 import json
 import math
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,22 +25,23 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from test_speculative import agreeing_model
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch
+import transformers  # noqa: F401  (a test dependency: missing, the module fails rather than skips)
+from mlx_lm import convert
+from mlx_lm import utils as mlx_lm_utils
 
-import torch  # noqa: E402
-
-import helpers  # noqa: E402
-from converters.hf_export import hf_config, save_hf_checkpoint  # noqa: E402
-from hetero import cli  # noqa: E402
-from hetero.batch import batch_generate  # noqa: E402
-from hetero.errors import HeteroError  # noqa: E402
-from hetero.generate import generate_tokens  # noqa: E402
-from hetero.loader import load_model, load_weights, preflight  # noqa: E402
-from hetero.models import moe  # noqa: E402
-from hetero.models.qwen3_5 import Model, ModelArgs  # noqa: E402
-from hetero.sampling import Sampler, SamplingParams  # noqa: E402
-from hetero.speculative import MTPStats, mtp_generate_tokens  # noqa: E402
+import helpers
+from converters.hf_export import hf_config, save_hf_checkpoint
+from hetero import cli
+from hetero.batch import batch_generate
+from hetero.errors import HeteroError
+from hetero.generate import generate_tokens
+from hetero.loader import load_model, load_weights, preflight
+from hetero.models import moe
+from hetero.models.compiled import PerThread
+from hetero.models.qwen3_5 import Model, ModelArgs
+from hetero.sampling import Sampler, SamplingParams
+from hetero.speculative import MTPStats, mtp_generate_tokens
 
 PROMPT_LEN = 300  # > 4 GDN chunks of 64; 300 * top-k pairs take the grouped expert form
 NEW_TOKENS = 24
@@ -141,6 +142,34 @@ def _logits(path: Path, prompt: list[int]) -> np.ndarray:
     return np.array(model(mx.array(prompt)[None])[0][0])
 
 
+@pytest.fixture
+def forms_run(monkeypatch) -> Counter:
+    """Counts the routed-expert forms that ran (the real functions, wrapped): "pairs" and "sorted" per `_glu` call
+    (sorted_indices False / True), "grouped" per `_grouped` call that built the buckets; a grouped call that fell back
+    to sorted (padding over PAD_LIMIT) counts "grouped fell back", then "sorted". Under mx.compile a function runs
+    (and counts) when it is traced."""
+    ran = Counter()
+    glu, grouped = moe.SwitchGLU._glu, moe.SwitchGLU._grouped
+
+    def counted_glu(self, x, indices, sorted_indices):
+        ran["sorted" if sorted_indices else "pairs"] += 1
+        return glu(self, x, indices, sorted_indices)
+
+    def counted_grouped(self, *args, **kwargs):
+        out = grouped(self, *args, **kwargs)
+        ran["grouped" if out is not None else "grouped fell back"] += 1
+        return out
+
+    monkeypatch.setattr(moe.SwitchGLU, "_glu", counted_glu)
+    monkeypatch.setattr(moe.SwitchGLU, "_grouped", counted_grouped)
+    return ran
+
+
+def only(ran: Counter, form: str) -> bool:
+    """The forced `form` ran, and no other."""
+    return set(ran) == {form}
+
+
 def test_checkpoint_layout_is_what_the_case_claims(case):
     """Guards the fixtures: per-expert tensors as save_pretrained writes them, the config form named."""
     from safetensors import safe_open
@@ -160,12 +189,13 @@ def test_checkpoint_layout_is_what_the_case_claims(case):
         assert "model.layers.2.mlp.gate_proj.weight" in names  # the dense layer
 
 
-def test_logits_match_transformers(case):
+def test_logits_match_transformers(case, forms_run):
     layout, path, _, prompt, ref = case
     _assert_close(_logits(path, prompt), ref, f"{layout} prompt logits vs transformers")
+    assert only(forms_run, "grouped"), forms_run  # the module docstring's claim: a 300-token prompt groups
 
 
-def test_greedy_continuation_matches_transformers(case):
+def test_greedy_continuation_matches_transformers(case, forms_run):
     layout, path, hf, prompt, _ = case
     with torch.no_grad():
         out = hf.generate(
@@ -174,9 +204,12 @@ def test_greedy_continuation_matches_transformers(case):
         )
     expected = out[0, len(prompt):].tolist()
     model, _, _ = load_model(path, dtype=mx.float32)
+    forms_run.clear()
     ours = list(generate_tokens(model, prompt, Sampler(GREEDY), max_tokens=NEW_TOKENS, eos_ids=set()))
     assert ours == expected
     assert len(set(ours)) > 3, "a degenerate continuation would not test much"
+    # the prompt grouped (300 tokens), the decode steps ran the per-pair form (traced once per compiled step)
+    assert set(forms_run) == {"grouped", "pairs"}, forms_run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,7 +242,6 @@ def write_fused(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """The nested checkpoint in three conventions: per-expert (HF), fused (transformers), switch_mlp (mlx_lm.convert)."""
-    convert = pytest.importorskip("mlx_lm").convert
     root = tmp_path_factory.mktemp("layouts")
     save_moe_nested(root / "per_expert")
     write_fused(root / "per_expert", root / "fused")
@@ -217,7 +249,7 @@ def layouts(tmp_path_factory):
     return root
 
 
-def test_expert_layouts_load_to_identical_logits(layouts):
+def test_expert_layouts_load_to_identical_logits(layouts, forms_run):
     from safetensors import safe_open
 
     with safe_open(str(layouts / "switch_mlp" / "model.safetensors"), "np") as f:
@@ -232,12 +264,13 @@ def test_expert_layouts_load_to_identical_logits(layouts):
         model, _, _ = load_model(layouts / "switch_mlp", dtype=mx.float32)
         for layer in model.layers:
             layer.mlp.switch_mlp.form = lambda tokens, pairs, f=form: f
+        forms_run.clear()
         _assert_close(np.array(model(mx.array(prompt)[None])[0][0]), per_expert, f"{form} form")
+        assert only(forms_run, form) and forms_run[form] == len(model.layers), forms_run
 
 
 def test_mlx_lm_agrees_on_the_switch_mlp_checkpoint(layouts):
     """Oracle sanity: mlx-lm's own model of the converted checkpoint gives the same logits."""
-    mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
     prompt = helpers.random_tokens(80, seed=3)
     theirs, _ = mlx_lm_utils.load_model(layouts / "switch_mlp")
     _assert_close(_logits(layouts / "switch_mlp", prompt), np.array(theirs(mx.array(prompt)[None])[0]), "vs mlx-lm")
@@ -364,17 +397,19 @@ def np_block(w: dict, x: np.ndarray, k: int, normalize: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize("num_experts,k,normalize", [(6, 2, True), (6, 2, False), (4, 4, True), (4, 4, False), (5, 1, False)])
-def test_block_matches_numpy(num_experts, k, normalize):
+def test_block_matches_numpy(num_experts, k, normalize, forms_run):
     block, w = random_block(num_experts * 10 + k, num_experts, k, normalize)
     x = np.random.default_rng(1).standard_normal((1, 40, 16)).astype(np.float32)
     ref = np_block(w, x[0].astype(np.float64), k, normalize)
     for form in ("pairs", "sorted", "grouped"):
         block.switch_mlp.form = lambda tokens, pairs, f=form: f
+        forms_run.clear()
         ours = np.array(block(mx.array(x)))[0]
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5, err_msg=form)
+        assert only(forms_run, form), forms_run
 
 
-def test_forms_agree_and_skewed_routing_stays_grouped_in_its_own_bucket():
+def test_forms_agree_and_skewed_routing_stays_grouped_in_its_own_bucket(forms_run):
     glu = moe.SwitchGLU(16, 12, 32)
     rng = np.random.default_rng(0)
     glu.update(tree_unflatten([(n, mx.array(rng.standard_normal(p.shape).astype(np.float32)))
@@ -386,7 +421,9 @@ def test_forms_agree_and_skewed_routing_stays_grouped_in_its_own_bucket():
         pairs = glu(x, indices, "pairs")  # [2, 50, k, 16]
         assert pairs.shape == (*indices.shape, 16)
         for form in ("sorted", "grouped"):
+            forms_run.clear()
             np.testing.assert_allclose(np.array(glu(x, indices, form)), np.array(pairs), rtol=1e-5, atol=1e-4)
+            assert only(forms_run, form), forms_run  # skewed routing too: grouped, not its sorted fallback
     # every token's first expert is 0: one capacity for all 32 experts would be 3200 rows for 200 pairs; expert 0
     # takes a bucket of its own, and the other 31 (about 3 pairs each) pad to their own largest counts
     layout = moe.Buckets.of(np.array(skewed).reshape(-1), 32, 2)
@@ -467,7 +504,7 @@ def test_batch_of_two_equals_solo_on_moe(mtp_moe):
         assert r.tokens == solo
 
 
-def test_quantized_experts_run_gather_qmm():
+def test_quantized_experts_run_gather_qmm(forms_run):
     """nn.quantize swaps the stacked experts for QuantizedSwitchLinear (mlx-lm's switch_mlp names + scales/biases);
     its products equal the block's run on the dequantized weights, in every form."""
     import mlx.nn as nn
@@ -484,10 +521,12 @@ def test_quantized_experts_run_gather_qmm():
     expected = np.array(reference(x))
     for form in ("pairs", "sorted", "grouped"):
         block.switch_mlp.form = lambda tokens, pairs, f=form: f
+        forms_run.clear()
         np.testing.assert_allclose(np.array(block(x)), expected, rtol=1e-4, atol=1e-4, err_msg=form)
+        assert only(forms_run, form), forms_run
 
 
-def test_compiled_steps_never_take_the_grouped_form():
+def test_compiled_steps_never_take_the_grouped_form(forms_run, monkeypatch):
     """A compiled attention step of 4 rows x 16 tokens, top-1 of 2 experts (32 pairs per expert, enough to group):
     it must run (the grouped form's mid-graph read would fail inside mx.compile) and equal the plain path."""
     from hetero.cache import KVCache
@@ -500,7 +539,11 @@ def test_compiled_steps_never_take_the_grouped_form():
                                  for n, p in tree_flatten(layer.parameters())]))
     x = mx.array(rng.standard_normal((4, 16, args.hidden_size)).astype(np.float32))
     assert layer.mlp.switch_mlp.form(4 * 16, 4 * 16) == "grouped"  # as one long sequence it would group
+    steps, call = [], PerThread.__call__
+    monkeypatch.setattr(PerThread, "__call__", lambda self, *a: steps.append(self) or call(self, *a))
     compiled = layer(x, KVCache())  # S <= 16 over a cache: the compiled path
+    assert steps == [layer._attention_in, layer._attention_out]  # it ran: projections, then the MLP after attention
+    assert only(forms_run, "sorted"), forms_run  # traced inside mx.compile: sorted, never grouped
     np.testing.assert_allclose(np.array(compiled), np.array(layer(x, None)), rtol=1e-5, atol=1e-5)
 
 
