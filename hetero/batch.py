@@ -40,7 +40,8 @@ from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
-from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, start
+from hetero.settings import DEFAULT_DRAFT_DEPTH
+from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, check_depth, start
 
 MAX_BATCH = 8
 CommitFn = Callable[[Decoder, list[int]], None]  # (the committed state, the tokens it newly committed; last = x)
@@ -139,7 +140,7 @@ class Batch:
         sampler: Sampler,
         max_tokens: int,
         eos_ids: set[int],
-        depth: int = 3,
+        depth: int = DEFAULT_DRAFT_DEPTH,
         copy: bool = False,
         cache: list[LayerCache] | None = None,
         skip: int = 0,
@@ -174,8 +175,9 @@ class Batch:
         return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit=on_commit,
                         logprobs=logprobs, constraint=constraint)
 
-    def add(self, decoder: Decoder, sampler: Sampler, max_tokens: int, eos_ids: set[int], depth: int = 3,
-            max_context: int | None = None, times: DecodeTimes | None = None, **hooks) -> Request:
+    def add(self, decoder: Decoder, sampler: Sampler, max_tokens: int, eos_ids: set[int],
+            depth: int = DEFAULT_DRAFT_DEPTH, max_context: int | None = None, times: DecodeTimes | None = None,
+            **hooks) -> Request:
         """Add a request prefilled elsewhere (`speculative.start`, or a plain prefill for depth 0): `request` then
         `admit`. The batch owns the decoder's caches until the request leaves."""
         self._check(depth)
@@ -187,7 +189,7 @@ class Batch:
         sampler: Sampler,
         max_tokens: int,
         eos_ids: set[int],
-        depth: int = 3,
+        depth: int = DEFAULT_DRAFT_DEPTH,
         max_context: int | None = None,
         times: DecodeTimes | None = None,
         stats: MTPStats | None = None,
@@ -223,8 +225,8 @@ class Batch:
             raise HeteroError(f"the batch is full ({self.max_batch} requests)")
         if depth and not self.model.has_mtp:
             raise HeteroError("this checkpoint has no MTP head: join with depth 0 (plain decoding)")
-        if not 0 <= depth <= MAX_DEPTH:
-            raise HeteroError(f"draft depth must be in 0..{MAX_DEPTH}, got {depth}")
+        if depth != 0:  # 0: plain decoding, no draft depth
+            check_depth(depth, "draft depth")
 
     def leave(self, request: Request) -> None:
         """Drop a request (cancelled or done) before the next round; its caches hold its committed state."""

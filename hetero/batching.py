@@ -27,6 +27,7 @@ from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
+from hetero.settings import DEFAULT_DRAFT_DEPTH
 from hetero.speculative import MTPStats
 from hetero.turns import Turns
 
@@ -74,7 +75,7 @@ class DecodeLoop:
         sampler: Sampler,
         max_tokens: int,
         eos_ids: set[int],
-        depth: int = 3,
+        depth: int = DEFAULT_DRAFT_DEPTH,
         copy: bool = True,
         chunk: int = 512,
         progress: ProgressFn | None = None,

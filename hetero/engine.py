@@ -24,12 +24,11 @@ from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.models.qwen3_5 import Model
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
-from hetero.settings import PLAIN, tuned_depth
-from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, mtp_generate_tokens
+from hetero.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
+from hetero.speculative import Decoder, MTPStats, decode_depth, mtp_generate_tokens
 from hetero.tokenizer import Tokenizer
 from hetero.wired import wire_working_set
 
-DEFAULT_DRAFT_DEPTH = 3
 
 
 @dataclass
@@ -165,7 +164,8 @@ class Engine:
 
         `mtp` (default: whenever the checkpoint has an MTP head, except where `hetero tune` saved "off" for this
         model and machine and no `draft_depth` is given) decodes speculatively with the model's own MTP head at
-        `draft_depth` (default: the depth `hetero tune` saved, else 3), with the copy lane unless `copy=False`.
+        `draft_depth` (default: the depth `hetero tune` or the first-use calibration saved, else DEFAULT_DRAFT_DEPTH;
+        the policy is `speculative.decode_depth`), with the copy lane unless `copy=False`.
         The output distribution is the same either way.
 
         With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached
@@ -207,13 +207,10 @@ class Engine:
         if mtp and not self.model.has_mtp:
             raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
         tuned = None  # what was measured here: a depth, PLAIN, or None
-        if draft_depth is None:  # mtp left to the default: calibrate on first use; mtp=True: a saved depth if any
+        if draft_depth is None and mtp is not False:  # mtp None: calibrate on first use; True: a saved depth if any
             tuned = self.default_depth() if mtp is None else tuned_depth(self.identity)
-        # a saved "off" (plain decoding won `hetero tune` here) decides only when the caller left MTP to the default
-        use_mtp = (self.model.has_mtp and tuned != PLAIN) if mtp is None else mtp
-        depth = draft_depth if draft_depth is not None else tuned if isinstance(tuned, int) else DEFAULT_DRAFT_DEPTH
-        if use_mtp and not 1 <= depth <= MAX_DEPTH:
-            raise HeteroError(f"--draft-depth must be in 1..{MAX_DEPTH}, got {depth}")
+        depth = decode_depth(self.model.has_mtp, mtp, draft_depth, tuned)  # 0: plain decoding
+        use_mtp = depth > 0
         times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hetero.profiles import THIS_MACHINE
+from hetero.settings import DEFAULT_DRAFT_DEPTH
 
 # (what is timed, the call, repeats) -> seconds one call takes; `what` names the measurement
 Timer = Callable[[str, Callable[[], object], int], float]
@@ -58,7 +59,7 @@ class Sizes:
     attention: dict = field(default_factory=lambda: dict(ATTENTION_SHAPE))
     decode_hidden: int = 4096
     decode_intermediate: int = 12288
-    draft_depth: int = 3  # the verify pass covers draft_depth + 1 tokens
+    draft_depth: int = DEFAULT_DRAFT_DEPTH  # the verify pass covers draft_depth + 1 tokens
 
     @classmethod
     def for_model(cls, config: dict, chunk: int = 512) -> "Sizes":

@@ -43,6 +43,7 @@ def _write(data: dict) -> None:
 
 
 PLAIN = "off"  # the saved draft depth when plain decoding beat every depth: decode without MTP
+DEFAULT_DRAFT_DEPTH = 3  # the MTP draft depth where nothing was tuned, calibrated or given (the one default)
 
 
 def tuned_depth(model_id: str) -> int | str | None:

@@ -25,9 +25,35 @@ from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
+from hetero.settings import DEFAULT_DRAFT_DEPTH, PLAIN
+from hetero.validate import Bound
 
 MAX_DEPTH = RECURRENT_MAX_TOKENS - 1  # a verify pass (k+1 tokens) must take the recorded recurrent path
+DEPTH = Bound(1, MAX_DEPTH, integer=True)  # a draft depth: `--draft-depth`'s argparse type and `check_depth`
 COPY_NGRAM = 3
+
+
+def check_depth(depth, name: str = "--draft-depth") -> int:
+    """`depth` when it is a draft depth (an integer in 1..MAX_DEPTH), else a one-line HeteroError naming `name`:
+    the one check of a depth, made where one enters (`decode_depth`, a batch join, `mtp_generate_tokens`)."""
+    return DEPTH.check(depth, name)
+
+
+def decode_depth(has_mtp: bool, mtp: bool | None, given: int | None, tuned: int | str | None = None) -> int:
+    """The depth policy: the draft depth a generation decodes at, 0 for plain decoding.
+
+    `given` (the caller's `--draft-depth`, checked here) wins; else `tuned` (what `hetero tune` or the first-use
+    calibration saved: a depth, or PLAIN); else DEFAULT_DRAFT_DEPTH. `mtp` False decodes plainly, True with MTP,
+    None as the model can: MTP when it has a head, unless `tuned` is PLAIN and no depth is given. A saved depth
+    outside 1..MAX_DEPTH (a hand-edited settings file) is ignored, never trusted."""
+    if given is not None:
+        check_depth(given)
+    use_mtp = (has_mtp and (given is not None or tuned != PLAIN)) if mtp is None else mtp
+    if not use_mtp:
+        return 0
+    if given is not None:
+        return given
+    return tuned if isinstance(tuned, int) and DEPTH.problem(tuned) is None else DEFAULT_DRAFT_DEPTH
 
 
 @dataclass
@@ -210,7 +236,7 @@ def mtp_generate_tokens(
     sampler: Sampler,
     max_tokens: int,
     eos_ids: set[int],
-    depth: int = 3,
+    depth: int = DEFAULT_DRAFT_DEPTH,
     copy: bool = True,
     chunk: int = 512,
     progress: ProgressFn | None = None,
@@ -233,8 +259,7 @@ def mtp_generate_tokens(
     `constraint` and `logprobs` as in `generate_tokens`; `logprobs` may record a few tokens past the last one
     yielded (those a round committed after an EOS or max_tokens): its i-th item is the i-th token yielded.
     """
-    if not 1 <= depth <= MAX_DEPTH:
-        raise ValueError(f"draft depth must be in 1..{MAX_DEPTH}, got {depth}")
+    check_depth(depth, "draft depth")  # past MAX_DEPTH a verify pass would not record the states it rolls back to
     times = times if times is not None else DecodeTimes()
     stats = stats if stats is not None else MTPStats(depth)
     times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)  # a caller may start earlier

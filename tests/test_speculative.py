@@ -591,9 +591,9 @@ def test_copy_lane_proposes_the_continuation_of_the_latest_match():
 
 
 def test_draft_depth_is_validated(rejecting):
-    with pytest.raises(ValueError):
+    with pytest.raises(HeteroError, match="draft depth must be an integer"):  # speculative.check_depth's one line
         mtp(rejecting, PROMPT, 4, depth=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(HeteroError, match="draft depth must be an integer"):
         mtp(rejecting, PROMPT, 4, depth=speculative.MAX_DEPTH + 1)
 
 

@@ -21,6 +21,7 @@ from hetero.planner.predict import Lanes, distinct_experts, gpu_chunk_seconds, v
 from hetero.planner.shape import MoE, Storage, gdn_state_bytes, moe_of
 from hetero.planner.slices import Piece, pieces
 from hetero.profiles import Profile
+from hetero.settings import DEFAULT_DRAFT_DEPTH
 
 SPLIT_TOKENS = 16384  # the prompt length the split balances: a long agent prompt, where pipelining pays
 SPLIT_CHUNK = 512
@@ -200,8 +201,8 @@ def rank_pieces(args: ModelArgs, moe: MoE | None, layers: range, last: bool) -> 
 
 
 def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int,
-               prompt_tokens: int, chunk: int, link: Link, kv_bytes: int = 2, accepted_length: float = 2.5, depth: int = 3,
-               memory_gb: float | None = None) -> HostPlan:
+               prompt_tokens: int, chunk: int, link: Link, kv_bytes: int = 2, accepted_length: float = 2.5,
+               depth: int = DEFAULT_DRAFT_DEPTH, memory_gb: float | None = None) -> HostPlan:
     """Memory per host and the pipelined prefill and decode for `split_layers(args, n_hosts)` (GPU-only per host).
 
     Prefill, pipelined by chunk: rank r starts chunk c once it finished chunk c-1 and chunk c's hidden states have

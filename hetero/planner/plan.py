@@ -40,10 +40,10 @@ from hetero.planner.slices import (
     split_for_budget,
 )
 from hetero.profiles import Profile
+from hetero.settings import DEFAULT_DRAFT_DEPTH
 
 PIECE_ALIASES = {"z": "gdn_in_proj"}  # `--pieces mlp,z`: the GDN input projections give only their z rows
 DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
-DEFAULT_DRAFT_DEPTH = 3
 
 
 @dataclass
