@@ -6,6 +6,7 @@ planner (`hetero.planner.hosts.split_layers`), each rank loading only its own te
     watchdog.py  a deadline kept by a separate process: a hung peer or a missing one ends the rank in one line
     shard.py     which tensors a rank owns; loading only those, shard by shard
     stage.py     a rank's share as a pipeline stage (on the last rank, a stand-in for `Model`)
+    request.py   `Request`, one request as rank 0 broadcasts it to every rank (JSON on the wire)
     rounds.py    one request: pipelined prefill, the last rank leading decoding, the others following
     outputs.py   a request's JSON constraint and logprobs on the last rank, the logprob rows sent to rank 0
     runtime.py   `PipelineEngine` on rank 0, `serve` on the others

@@ -13,19 +13,20 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.constrained import Constraint, grammar_tokenizer
+from hetero.distributed.request import Request
 from hetero.distributed.stage import Stage
 from hetero.logprobs import LogprobRecorder, TokenLogprob
 
 
-def last_rank_options(stage: Stage, request: dict) -> tuple[Constraint | None, LogprobRecorder | None]:
+def last_rank_options(stage: Stage, request: Request) -> tuple[Constraint | None, LogprobRecorder | None]:
     """Last rank: the request's constraint (None without a grammar) and logprob recorder (None without logprobs)."""
     constraint = None
-    if request.get("grammar") is not None:
+    if request.grammar is not None:
         if stage.grammar_tokenizer is None:  # llguidance's vocabulary, built on the first constrained request
             stage.grammar_tokenizer = grammar_tokenizer(stage.path / "tokenizer.json", stage.args.vocab_size,
-                                                        set(request["eos"]))
-        constraint = Constraint(stage.grammar_tokenizer, request["grammar"], set(request["eos"]))
-    top = request.get("logprobs")
+                                                        set(request.eos))
+        constraint = Constraint(stage.grammar_tokenizer, request.grammar, set(request.eos))
+    top = request.logprobs
     return constraint, (LogprobRecorder(top) if top is not None else None)
 
 

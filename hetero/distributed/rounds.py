@@ -21,11 +21,12 @@ import mlx.core as mx
 
 from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays, expect_positions
 from hetero.distributed.outputs import last_rank_options, recv_logprobs, send_logprobs
+from hetero.distributed.request import Request
 from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
 from hetero.generate import ChunkFn, ProgressFn, chunk_edges, prefill
 from hetero.logprobs import TokenLogprob
 from hetero.prefix_cache import PrefixCache
-from hetero.sampling import Sampler, SamplingParams
+from hetero.sampling import Sampler
 from hetero.speculative import MTPStats, mtp_generate_tokens
 
 
@@ -35,17 +36,17 @@ GO_ON, STOP = 1, 0  # rank 0's answer to a COMMIT in a stoppable request
 PREFIX_KEY = "pipeline"  # one model per pipeline: each rank's prefix cache holds only its own layers' states
 
 
-def restore(stage: Stage, request: dict) -> tuple[list[LayerCache], int, mx.array | None]:
+def restore(stage: Stage, request: Request) -> tuple[list[LayerCache], int, mx.array | None]:
     """Every rank: (cache, tokens already in it, post-norm hidden of the last one) for this request.
 
     With the request's prefix cache on, each rank keeps a `PrefixCache` of its own layers' states, captured at the
     same points on every rank (prefill chunk edges, the end of an MTP turn). The ranks restore only a prefix that
     all of them hold a checkpoint for, exactly there; otherwise they all start cold."""
-    if not request.get("prefix_cache"):
+    if not request.prefix_cache:
         return stage.make_cache(), 0, None
     if stage.prefix is None:
-        stage.prefix = PrefixCache(request["prefix_cache"])
-    pc, ids, link = stage.prefix, request["prompt"], stage.link
+        stage.prefix = PrefixCache(request.prefix_cache)
+    pc, ids, link = stage.prefix, request.prompt, stage.link
     node = pc.lookup(PREFIX_KEY, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
     target = min(link.gather_ints(node.end if node is not None else 0))
     held = pc.lookup(PREFIX_KEY, ids, limit=target) if target else None
@@ -63,13 +64,13 @@ def capture(stage: Stage, tokens: list[int], cache: list[LayerCache], hidden: mx
     stage.prefix.capture(stage, PREFIX_KEY, tokens, cache, hidden)
 
 
-def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, carry: mx.array | None = None) -> dict:
+def lead(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 0, carry: mx.array | None = None) -> dict:
     """The last rank's side of a generation (prefill, then decoding) over `cache`, which holds prompt[:skip]
     (`carry`: its last hidden); returns its stats for rank 0."""
-    link, ids, eos = stage.link, request["prompt"], set(request["eos"])
-    sampler = Sampler(SamplingParams(**request["sampling"]), request["seed"])
-    depth, max_tokens, chunk = request["depth"], request["max_tokens"], request["chunk"]
-    pc, marks = request.get("prefix_cache"), request.get("marks", [])
+    link, ids, eos = stage.link, request.prompt, set(request.eos)
+    sampler = Sampler(request.sampling, request.seed)
+    depth, max_tokens, chunk = request.depth, request.max_tokens, request.chunk
+    pc, marks = request.prefix_cache, request.marks
     constraint, recorder = last_rank_options(stage, request)
 
     def on_chunk(n: int, hidden: mx.array) -> None:
@@ -89,7 +90,7 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
         announce(COMMIT, tokens)
         if recorder is not None:  # the recorder holds one item per committed token: these are its newest
             send_logprobs(stage, recorder.items[len(recorder.items) - len(tokens):], recorder.top)
-        if request.get("stoppable") and link.recv((1,), mx.int32, 0).item() == STOP:
+        if request.stoppable and link.recv((1,), mx.int32, 0).item() == STOP:
             stopped.append(True)
 
     stats = MTPStats(depth) if depth else None
@@ -102,8 +103,8 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
             state[:] = [decoder]
             stage.announce = VERIFY  # every later backbone pass is a verify pass
 
-        stream = mtp_generate_tokens(stage, ids, sampler, max_tokens, eos, depth, request["copy"], chunk, stats=stats,
-                                     cache=cache, max_context=request["max_context"], skip=skip, carry=carry,
+        stream = mtp_generate_tokens(stage, ids, sampler, max_tokens, eos, depth, request.copy, chunk, stats=stats,
+                                     cache=cache, max_context=request.max_context, skip=skip, carry=carry,
                                      on_chunk=on_chunk, on_commit=on_commit, constraint=constraint,
                                      logprobs=recorder, marks=marks)
         try:
@@ -139,17 +140,17 @@ def lead(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0, ca
     return {"mtp": stats.to_dict() if stats is not None else None}
 
 
-def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
+def follow(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 0,
            progress: ProgressFn | None = None, logprobs: list[TokenLogprob] | None = None,
            go_on: Callable[[], bool] | None = None) -> Iterator[int]:
     """Any other rank's side of a generation: prefill its chunks after `skip` cached tokens, then run the passes
     the last rank announces and roll back as it commits. Yields the committed tokens in order (rank 0 emits them);
     on rank 0, a request with logprobs appends each committed token's to `logprobs` before yielding it, and a
     stoppable one answers each COMMIT, once its tokens are handled, with `go_on()` (GO_ON or STOP)."""
-    link, ids = stage.link, request["prompt"]
-    pc, top = request.get("prefix_cache"), request.get("logprobs")
+    link, ids = stage.link, request.prompt
+    pc, top = request.prefix_cache, request.logprobs
     on_chunk = (lambda n, h: capture(stage, ids[:n], cache, h)) if pc else None
-    prefill_stage(stage, ids, cache, request["chunk"], progress, skip, on_chunk, request.get("marks", []))
+    prefill_stage(stage, ids, cache, request.chunk, progress, skip, on_chunk, request.marks)
     committed = list(ids)
     passed = 0  # tokens of the latest recorded (verify) pass, waiting for its commit
     last = None  # this stage's output of the latest pass [1, H]
@@ -178,11 +179,11 @@ def follow(stage: Stage, request: dict, cache: list[LayerCache], skip: int = 0,
                     logprobs.extend(rows)
             committed += tokens
             yield from tokens
-            if link.first and request.get("stoppable"):
+            if link.first and request.stoppable:
                 link.send(mx.array([GO_ON if go_on is None or go_on() else STOP], dtype=mx.int32), link.size - 1)
         else:
             raise RuntimeError(f"unknown pipeline message kind {kind}")
-    if pc and request["depth"] and last is not None:  # the end of an MTP turn, as the last rank captures it
+    if pc and request.depth and last is not None:  # the end of an MTP turn, as the last rank captures it
         capture(stage, committed[: cache[0].offset], cache, last)
 
 
@@ -213,16 +214,16 @@ def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: 
             progress(stop, len(ids) - skip)
 
 
-def logits_lead(stage: Stage, request: dict) -> None:
+def logits_lead(stage: Stage, request: Request) -> None:
     """Last rank: every position's logits of the prompt, sent to rank 0 (`Engine.logits` across ranks)."""
-    logits, _ = prefill(stage, request["prompt"], stage.make_cache(), request["chunk"], all_logits=True,
+    logits, _ = prefill(stage, request.prompt, stage.make_cache(), request.chunk, all_logits=True,
                         on_chunk=lambda n, h: stage.link.watchdog.pet())  # [S, V]
     stage.link.send(logits.astype(mx.float32), 0)
 
 
-def logits_follow(stage: Stage, request: dict) -> mx.array | None:
+def logits_follow(stage: Stage, request: Request) -> mx.array | None:
     """Other ranks: their layers over the prompt; rank 0 then receives the logits [S, V] fp32."""
-    prefill_stage(stage, request["prompt"], stage.make_cache(), request["chunk"])
+    prefill_stage(stage, request.prompt, stage.make_cache(), request.chunk)
     if stage.link.first:
-        return stage.link.recv((len(request["prompt"]), stage.args.vocab_size), mx.float32, stage.link.size - 1)
+        return stage.link.recv((len(request.prompt), stage.args.vocab_size), mx.float32, stage.link.size - 1)
     return None

@@ -1,10 +1,10 @@
 """The pipelined engine: rank 0 takes requests (`PipelineEngine`), every other rank serves them (`serve`).
 
-Each request is one JSON message from rank 0 to all ranks; then every rank runs its side (`rounds`), and at the end
-the ranks report their peak memory and the last rank its MTP counters. Requests run one at a time (a lock), and a
-request always runs to its DONE on every rank: rank 0's callbacks (text, logprobs, progress, should_stop) may end
-its output early or raise, but rank 0 keeps following the last rank until DONE, so the ranks stay in step for the
-next request, and re-raises the callback's exception after. With `should_stop` the request is stoppable: rank 0
+Each request is one `Request` (`request.py`), sent as JSON from rank 0 to all ranks; then every rank runs its side
+(`rounds`), and at the end the ranks report their peak memory and the last rank its MTP counters. Requests run one
+at a time (a lock), and a request always runs to its DONE on every rank: rank 0's callbacks (text, logprobs,
+progress, should_stop) may end its output early or raise, but rank 0 keeps following the last rank until DONE, so
+the ranks stay in step for the next request, and re-raises the callback's exception after. With `should_stop` the request is stoppable: rank 0
 tells the last rank after each commit whether to go on, and an ended output ends the request there.
 """
 
@@ -22,10 +22,11 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.distributed.group import Link
+from hetero.distributed.request import Request
 from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead, restore
 from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
-from hetero.engine import DEFAULT_DRAFT_DEPTH, Engine, GenerationResult, _eos_ids
+from hetero.engine import Engine, GenerationResult, _eos_ids
 from hetero.errors import HeteroError
 from hetero.generate import DecodeTimes, ProgressFn
 from hetero.logprobs import TokenLogprob, check_top
@@ -33,7 +34,9 @@ from hetero.loader import default_dtype, preflight, read_config, resolve
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.hosts import split_layers
 from hetero.prefix_cache import PrefixCache
-from hetero.speculative import MAX_DEPTH
+from hetero.sampling import SamplingParams
+from hetero.settings import DEFAULT_DRAFT_DEPTH
+from hetero.speculative import decode_depth
 from hetero.tokenizer import Tokenizer
 
 
@@ -51,12 +54,12 @@ def load_stage(link: Link, model: str | os.PathLike | None, dtype: mx.Dtype | No
     return Stage(net, share, link, dtype, nbytes, path), path, config
 
 
-def run_request(stage: Stage, request: dict) -> dict:
+def run_request(stage: Stage, request: Request) -> dict:
     """A non-zero rank's side of one request (rank 0's is in `PipelineEngine`); returns the end-of-request report."""
     link = stage.link
     with link.request():
         mx.reset_peak_memory()
-        if request["kind"] == "logits":
+        if request.kind == "logits":
             (logits_lead if link.last else logits_follow)(stage, request)
             return {}
         cache, skip, carry = restore(stage, request)
@@ -82,8 +85,8 @@ def serve(stage: Stage) -> None:
     """Every rank but 0: run the requests rank 0 broadcasts until it says stop."""
     link = stage.link
     while True:
-        request = link.broadcast_json(None, 0)  # waiting for rank 0 is idle time: no watchdog
-        if request["kind"] == "stop":
+        request = Request.from_json(link.broadcast_json(None, 0))  # waiting for rank 0 is idle time: no watchdog
+        if request.kind == "stop":
             return
         run_request(stage, request)
 
@@ -143,12 +146,12 @@ class PipelineEngine:
 
     def logits(self, token_ids: list[int], chunk: int = 512) -> np.ndarray:
         """float32 logits [len, vocab] for every position, computed across the ranks."""
-        request = {"kind": "logits", "prompt": self.encode_prompt(list(token_ids)), "chunk": chunk}
+        request = Request("logits", self.encode_prompt(list(token_ids)), chunk=chunk)
         with self._request(request):
             return np.array(logits_follow(self.stage, request))
 
     @contextmanager
-    def _request(self, request: dict) -> Iterator[None]:
+    def _request(self, request: Request) -> Iterator[None]:
         """Send `request` to every rank and run rank 0's side under the watchdog, one request at a time. A request
         that fails midway leaves the ranks out of step: the engine is closed without a word to them (their launcher
         ends them)."""
@@ -157,7 +160,7 @@ class PipelineEngine:
                 raise HeteroError("the pipeline is closed (an earlier request failed midway); restart the ranks")
             link = self.stage.link
             try:
-                link.broadcast_json(request, 0)
+                link.broadcast_json(request.to_json(), 0)
                 with link.request():
                     yield
             except BaseException:
@@ -191,7 +194,8 @@ class PipelineEngine:
         batched: Callable | None = None,
     ) -> GenerationResult:
         """As `Engine.generate`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is
-        False) at `draft_depth` (default 3: no per-machine tuning across hosts). The result's stats add `seed`
+        False) at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the policy and its
+        check are one process's, `speculative.decode_depth`, so 0 is refused as there). The result's stats add `seed`
         (drawn here when not given, so a rerun can reproduce a sampled output) and `pipeline` (split, per-rank
         memory). `progress` sees rank 0's prefill chunks.
 
@@ -212,22 +216,19 @@ class PipelineEngine:
         max_tokens = min(max_tokens, self.max_context - len(ids))
         if mtp and not self.stage.has_mtp:
             raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
-        use_mtp = self.stage.has_mtp if mtp is None else mtp
-        depth = (draft_depth or DEFAULT_DRAFT_DEPTH) if use_mtp else 0
-        if use_mtp and not 1 <= depth <= MAX_DEPTH:
-            raise HeteroError(f"--draft-depth must be in 1..{MAX_DEPTH}, got {depth}")
+        depth = decode_depth(self.stage.has_mtp, mtp, draft_depth)  # 0: plain decoding
         if logprobs is not None:
             check_top(logprobs)
         grammar = self.json_grammar(json_schema) if json_schema is not None or json_object else None
         seed = seed if seed is not None else random.getrandbits(31)
         pc = self.prefix_cache if use_prefix_cache else None
-        request = {
-            "kind": "generate", "prompt": ids, "max_tokens": max_tokens, "depth": depth, "copy": copy,
-            "chunk": prefill_chunk, "seed": seed, "eos": sorted(self.eos_ids), "max_context": self.max_context,
-            "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
-            "prefix_cache": pc.max_bytes if pc is not None else None, "marks": [] if mark is None else [mark],
-            "grammar": grammar, "logprobs": logprobs, "stoppable": should_stop is not None,
-        }
+        request = Request(
+            "generate", ids, chunk=prefill_chunk, max_tokens=max_tokens, depth=depth, copy=copy, seed=seed,
+            eos=sorted(self.eos_ids), max_context=self.max_context,
+            sampling=SamplingParams(temperature, top_k, top_p, min_p),
+            prefix_cache=pc.max_bytes if pc is not None else None, marks=[] if mark is None else [mark],
+            grammar=grammar, logprobs=logprobs, stoppable=should_stop is not None,
+        )
         link = self.stage.link
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
         detok = self.tokenizer.detokenizer()
@@ -286,7 +287,7 @@ class PipelineEngine:
         try:
             if not self.closed:
                 self.closed = True
-                self.stage.link.broadcast_json({"kind": "stop"}, 0)
+                self.stage.link.broadcast_json(Request("stop").to_json(), 0)
         finally:
             self._lock.release()
 
