@@ -9,10 +9,14 @@ import sys
 
 from hetero import __version__, distributed
 from hetero.errors import HeteroError, internal_error
+from hetero.settings import DEFAULT_DRAFT_DEPTH
+from hetero.speculative import DEPTH
 from hetero.validate import (
-    FRACTION, MIN_P, NONNEG, PORT, POSITIVE, POSITIVE_INT, SEED, TEMPERATURE, TOP_K, TOP_P, Bound, check_config,
-    check_text, decode_utf8, fraction_or_auto, read_prompt,
+    GPU_ONLY, MIN_P, NONNEG, PORT, POSITIVE, POSITIVE_INT, SEED, TEMPERATURE, TOP_K, TOP_P, AneSplit, Bound,
+    ane_split_arg, check_config, decode_utf8, read_prompt,
 )
+
+HALF = AneSplit(0.5)  # the split `hetero plan` and `hetero doctor` take when none is given
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,9 +77,7 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from hetero.verify_tolerance import tolerance_table
-    from hetero.speculative import MAX_DEPTH
 
-    depth = Bound(1, MAX_DEPTH, integer=True)
     parser = Parser(prog="hetero", description="Fast hybrid-LLM inference on Apple Silicon.")
     parser.add_argument("--version", action="version", version=f"hetero {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -94,13 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=SEED, default=None, help="random seed for sampling (default: a fresh random seed)")
     run.add_argument("--prefill-chunk", type=POSITIVE_INT, default=512, help="prompt tokens per prefill step")
     run.add_argument("--no-mtp", action="store_true", help="plain decoding (no speculative MTP drafts)")
-    run.add_argument("--draft-depth", type=depth, default=None, help="MTP draft tokens per step (default: tuned, else 3)")
+    run.add_argument("--draft-depth", type=DEPTH, default=None,
+                     help=f"MTP draft tokens per step (default: tuned, else calibrated, else {DEFAULT_DRAFT_DEPTH})")
     run.add_argument("--no-copy", action="store_true", help="no copy-lane drafts from n-grams of the context")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
     run.add_argument("--memory-gb", type=POSITIVE, help="RAM the memory governor budgets (default: this machine's)")
-    run.add_argument("--ane-fraction", type=fraction_or_auto,
+    run.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                      help="split prefill: share F of each offloadable piece for the ANE lane, "
-                     "or 'auto' (this machine's measured profile, verified on a calibration prompt; default: GPU-only)")
+                     "or 'auto' (this machine's measured profile, verified on a calibration prompt); 0 or default: GPU-only")
     run.add_argument("--verify", action="store_true", help="with --ane-fraction: rerun GPU-only and compare; under "
                      "mlx.launch: rerun in one process on rank 0 and compare; exit 3 on mismatch")
     run.add_argument("--verify-tol", type=NONNEG, default=None,
@@ -142,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-cache", metavar="DIR", help="on-disk session cache (default: ~/.cache/hetero/sessions)")
     serve.add_argument("--session-cache-max-gb", type=NONNEG, default=16.0, help="disk for the session cache")
     serve.add_argument("--no-session-cache", action="store_true", help="keep checkpoints in RAM only")
-    serve.add_argument("--ane-fraction", type=fraction_or_auto,
-                       help="split each prompt's prefill: share F for the ANE lane, or 'auto' (default: GPU-only)")
+    serve.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
+                       help="split each prompt's prefill: share F for the ANE lane, or 'auto' (0 or default: GPU-only)")
+    serve.add_argument("--draft-depth", type=DEPTH, default=None,
+                       help="every MTP request's draft tokens per step (default: tuned, else calibrated at start-up)")
     serve.add_argument("--prefill-chunk", type=POSITIVE_INT, default=512, help="prompt tokens per prefill step (and per turn)")
     serve.add_argument("--max-concurrent", type=POSITIVE_INT, default=4,
                        help="requests generating at once, taking turns on the model (more wait in line)")
@@ -165,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(plan)
     plan.add_argument("--profile", help="hardware profile (m4-pro, m3-ultra, m5-max, ..., this-machine; "
                       "default: this-machine when `hetero tune --devices` has measured it, else m4-pro)")
-    plan.add_argument("--ane-fraction", type=FRACTION, default=0.5, help="requested ANE share of each offloadable piece")
+    plan.add_argument("--ane-fraction", type=ane_split_arg, default=HALF,
+                      help="requested ANE share of each offloadable piece (0: GPU-only)")
     plan.add_argument("--recommend", action="store_true", help="pick the fraction that balances both devices")
     plan.add_argument("--pieces", metavar="KINDS",
                       help="comma-separated piece kinds that take the ANE share (attention, mlp, gdn_in_proj or z, "
@@ -180,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-gb", type=POSITIVE,
                       help="RAM to budget: prints the budget and the largest context window (default: no budget)")
     plan.add_argument("--accepted-length", type=Bound(1), default=2.5, help="MTP tokens per verify pass for the decode estimate")
-    plan.add_argument("--draft-depth", type=depth, default=3, help="MTP draft depth for the decode estimate")
+    plan.add_argument("--draft-depth", type=DEPTH, default=DEFAULT_DRAFT_DEPTH, help="MTP draft depth for the decode estimate")
     plan.add_argument("--hosts", type=POSITIVE_INT,
                       help="also plan a pipeline over N hosts: the layer split, memory per host, pipelined prefill and "
                       "decode (default: one host, no pipeline section)")
@@ -199,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--lint", metavar="DIR",
                       help="check exported Core ML packages against the ANE rules (exit 1 on errors; default: no lint)")
     convert.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="with --quantize: group size")
-    convert.add_argument("--ane-fraction", type=Bound(0, 1, lo_open=True),
+    convert.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                          help="with --coreml: share of each offloadable piece for the ANE (required there; default: none)")
     convert.add_argument("--chunk-size", type=POSITIVE_INT, default=256, help="with --coreml: prefill chunk (multiple of 64)")
     convert.add_argument("--context", type=token_counts, default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
@@ -212,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(doc)
     _add_dtype(doc)
     doc.add_argument("--tokens", type=POSITIVE_INT, default=1024, help="prompt tokens of the split prefill measured")
-    doc.add_argument("--ane-fraction", type=FRACTION, default=0.5, help="the split's ANE share")
+    doc.add_argument("--ane-fraction", type=ane_split_arg, default=HALF, help="the split's ANE share (0 < F <= 1)")
     doc.add_argument("--json", action="store_true", help="print the findings as one JSON object")
 
     pre = sub.add_parser("prefill", help="prefill a prompt and write mlx-lm's prompt-cache file (mlx_lm.generate --prompt-cache-file)")
@@ -222,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--prompt-file", required=True, help="the prompt: a UTF-8 text file, or - for stdin")
     pre.add_argument("--out", required=True, help="the .safetensors prompt-cache file to write")
     pre.add_argument("--prefill-chunk", type=POSITIVE_INT, default=None, help="prompt tokens per prefill step (default: 512; 256 split)")
-    pre.add_argument("--ane-fraction", type=fraction_or_auto, help="split prefill as in `hetero run` (default: GPU-only)")
+    pre.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
+                     help="split prefill as in `hetero run` (0 or default: GPU-only)")
     pre.add_argument("--verify", action="store_true", help="with --ane-fraction: check the split against GPU-only; exit 1 on mismatch")
     return parser
 
@@ -238,9 +245,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         if status is not None:
             return status
     prompt = read_prompt(args.prompt)
+    if args.ane_fraction.gpu_only:  # before the model loads
+        for flag in ("verify", "trace"):
+            if getattr(args, flag):
+                raise HeteroError(f"--{flag} needs --ane-fraction F (the split to check or trace)")
     engine = hetero.load(args.model, args.dtype)
     engine.memory_gb = args.memory_gb
-    split = _split_run(engine, args)
+    split = None if args.ane_fraction.gpu_only else _split_run(engine, args)
     if split is not None:
         split.prepare(engine.encode_prompt(prompt, args.chat))  # export on first use, before the clock starts
 
@@ -303,12 +314,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _split_run(engine, args: argparse.Namespace):
-    """The configured ANE + GPU split for `--ane-fraction`, or None for a GPU-only run."""
-    if args.ane_fraction in (None, 0.0):  # 0: the GPU-only run
-        for flag in ("verify", "trace"):
-            if getattr(args, flag):
-                raise HeteroError(f"--{flag} needs --ane-fraction F (the split to check or trace)")
-        return None
+    """The configured ANE + GPU split of `--ane-fraction` (not GPU-only)."""
     from hetero.pipeline import Trace, split_for
 
     split = split_for(engine, args.ane_fraction, args.prefill_chunk)
@@ -324,10 +330,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import hetero
     from hetero.doctor import doctor, print_report
 
-    if args.ane_fraction == 0.0:
-        raise HeteroError("hetero doctor checks a split: give --ane-fraction above 0")
+    fraction = args.ane_fraction.fixed("hetero doctor")  # before the model loads
     engine = hetero.load(args.model, args.dtype)
-    found = doctor(engine, args.tokens, args.ane_fraction, report=print_report)
+    found = doctor(engine, args.tokens, fraction, report=print_report)
     if args.json:
         print(json.dumps(found))
     return 0 if found["ok"] else 3
@@ -367,22 +372,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hetero.server import serve
+    from hetero.server import ServerSettings, serve
 
-    if args.served_model_name is not None:  # sent back in every response: it must be valid text
-        check_text(args.served_model_name, "--served-model-name")
+    settings = ServerSettings.from_args(args)  # the one place the flags become the server's settings
     if distributed.launched():  # started by mlx.launch: rank 0 serves HTTP, the other ranks serve rank 0
         from hetero.distributed.serve_command import serve_pipelined
 
-        status = serve_pipelined(args)
+        status = serve_pipelined(settings)
         if status is not None:
             return status
 
     # the server loads its model itself: in args.dtype, which main's `using_dtype` makes the default
-    serve(args.model, args.host, args.port, args.api_key, args.session_cache, args.session_cache_max_gb,
-          args.no_session_cache, args.prefix_cache_max_gb, args.served_model_name, args.ane_fraction,
-          args.prefill_chunk, args.max_concurrent, args.default_max_tokens, args.max_body_mb, args.decode_share,
-          args.max_batch)
+    serve(settings)
     return 0
 
 
@@ -407,7 +408,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.recommend:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
     else:
-        plan = split_plan(config, profile, args.ane_fraction, context, args.chunk, **kw)
+        if args.ane_fraction.auto:
+            raise HeteroError("hetero plan --ane-fraction auto: plan a given F in [0, 1], or pass --recommend for the "
+                              "fraction the profile recommends")
+        plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
     if args.json:
         out = plan.to_dict()
         if args.recommend:
@@ -448,7 +452,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from hetero.library import prefill_to_file
     from hetero.loader import BUNDLED_MODEL
 
-    if args.verify and args.ane_fraction is None:
+    if args.verify and args.ane_fraction.gpu_only:
         raise HeteroError("--verify needs --ane-fraction F (the split to check)")
     if not args.out.endswith(".safetensors"):  # before the prefill, not after it
         raise HeteroError(f"--out {args.out}: the name must end in .safetensors (mlx-lm reads prompt caches by that)")
@@ -470,13 +474,12 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
-def convert_coreml(model: str | None, out: str, fraction: float | None, chunk: int, context: str) -> int:
+def convert_coreml(model: str | None, out: str, ane: AneSplit, chunk: int, context: str) -> int:
     """`hetero convert --coreml`: export, then lint; exit status 1 when the lint finds errors."""
+    fraction = ane.fixed("hetero convert --coreml")  # before the Core ML tooling loads
     from hetero.export import export_coreml, lint_export
     from hetero.progress import ProgressBar
 
-    if fraction is None or not 0.0 < fraction <= 1.0:
-        raise HeteroError("hetero convert --coreml needs --ane-fraction F with 0 < F <= 1 (the ANE's share of each piece)")
     try:
         contexts = [int(c) for c in context.split(",") if c.strip()]
     except ValueError:

@@ -18,10 +18,11 @@ import mlx.core as mx
 
 from hetero.engine import Engine
 from hetero.errors import AneLaneLost, HeteroError
+from hetero.generate import prefill as gpu_prefill
 from hetero.logprobs import TokenLogprob
 from hetero.mlx_lm_cache import cache_leaves, from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
 from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
-from hetero.validate import check_fraction_or_auto
+from hetero.validate import AneSplit
 
 DEFAULT_CHUNK = 512
 
@@ -61,7 +62,7 @@ def prefill(
     model,
     prompt: str | list[int],
     *,
-    ane_fraction: float | str = 0.0,
+    ane_fraction: AneSplit | float | str = 0.0,
     cache: list | None = None,
     chunk: int | None = None,
     tokenizer=None,
@@ -74,9 +75,10 @@ def prefill(
     `model` is a hetero `Engine` or a model from `mlx_lm.load` (qwen3_5 or qwen3_5_moe, float or quantized; run on
     its own weight arrays, not copies). `prompt` is token ids or text (text with an mlx-lm model needs `tokenizer`).
     With `cache` (an mlx-lm prompt cache, e.g. the previous turn's) the prompt is appended: its objects are updated
-    in place and returned. `ane_fraction` F in (0, 1] or "auto" prefills through the ANE + GPU split (as
-    `hetero run --ane-fraction`); `verify` then checks that split against the GPU-only prefill of the prompt and
-    raises HeteroError when it does not match. `chunk` is the prefill chunk (default 512; 256 for the split).
+    in place and returned. `ane_fraction` F in (0, 1] or "auto" (or an `AneSplit`; 0: GPU-only) prefills
+    through the ANE + GPU split (as `hetero run --ane-fraction`, parsed by the same `AneSplit.parse`); `verify`
+    then checks that split against the GPU-only prefill of the prompt and raises HeteroError when it does not match.
+    `chunk` is the prefill chunk (default 512; 256 for the split).
     """
     held = _held(model, tokenizer)
     kinds = [layer.is_linear for layer in held.model.layers]
@@ -85,8 +87,9 @@ def prefill(
     return to_mlx_lm(hcache, len(kinds), into=cache)
 
 
-def prefill_to_file(model, prompt: str | list[int], out: str | os.PathLike, *, ane_fraction: float | str = 0.0,
-                    chunk: int | None = None, verify: bool = False, metadata: dict[str, str] | None = None) -> int:
+def prefill_to_file(model, prompt: str | list[int], out: str | os.PathLike, *,
+                    ane_fraction: AneSplit | float | str = 0.0, chunk: int | None = None, verify: bool = False,
+                    metadata: dict[str, str] | None = None) -> int:
     """Prefill `prompt` and write the cache to `out` in mlx-lm's prompt-cache format (`hetero prefill`; needs no
     mlx-lm). Returns the number of tokens the cache holds."""
     held = _held(model)
@@ -98,27 +101,25 @@ def prefill_to_file(model, prompt: str | list[int], out: str | os.PathLike, *, a
 
 def _prefill_into(held, prompt, hcache: list, ane_fraction, chunk: int | None, verify: bool) -> None:
     """Prefill `prompt` into hetero's backbone caches `hcache` (which may hold a prefix)."""
+    ane = AneSplit.parse(ane_fraction, "ane_fraction")  # before the prompt is tokenized
     ids = _ids(held, prompt, hcache[0].offset)
-    fraction = None if ane_fraction is None else check_fraction_or_auto(ane_fraction, "ane_fraction")
-    if not fraction:  # None or 0: the GPU-only prefill
-        from hetero.generate import prefill as gpu_prefill
-
+    if ane.gpu_only:
         gpu_prefill(held.model, ids, hcache, chunk or DEFAULT_CHUNK)
     else:
-        _split_prefill(held, ids, hcache, fraction, chunk, verify)
+        _split_prefill(held, ids, hcache, ane, chunk, verify)
 
 
-def _split_prefill(held, ids: list[int], hcache: list, fraction: float | str, chunk: int | None, verify: bool) -> None:
+def _split_prefill(held, ids: list[int], hcache: list, ane: AneSplit, chunk: int | None, verify: bool) -> None:
     from hetero.pipeline import DEFAULT_CHUNK as SPLIT_CHUNK
     from hetero.pipeline import split_for
     from hetero.pipeline import verify as verify_split
 
-    if fraction == "auto" and getattr(held, "tokenizer", None) is None:
+    if ane.auto and getattr(held, "tokenizer", None) is None:
         raise HeteroError('ane_fraction="auto" with an mlx-lm model needs its tokenizer: prefill(..., tokenizer=tok)')
     runs = vars(held).setdefault("split_runs", {})  # lives as long as the engine / the wrapped mlx-lm model
-    key = (fraction, chunk or SPLIT_CHUNK)
+    key = (ane, chunk or SPLIT_CHUNK)
     if key not in runs:  # configured once per model: "auto" recommends and verifies on a calibration prompt
-        runs[key] = split_for(held, fraction, chunk or SPLIT_CHUNK)
+        runs[key] = split_for(held, ane, chunk or SPLIT_CHUNK)
     run = runs[key]
     before = [(c, c.offset, list(vars(c).items())) for c in hcache]  # GDN states are replaced, never written in place
     try:
@@ -130,14 +131,12 @@ def _split_prefill(held, ids: list[int], hcache: list, fraction: float | str, ch
             vars(c).update(fields)
             c.offset = offset
         run.lost(e)
-        from hetero.generate import prefill as gpu_prefill
-
         gpu_prefill(held.model, ids, hcache, chunk or DEFAULT_CHUNK)
         return
     if verify:
         check = verify_split(run, ids)
         if not check["match"]:
-            raise HeteroError(f"the split prefill at ane_fraction {fraction} does not match the GPU-only one: {check}")
+            raise HeteroError(f"the split prefill at ane_fraction {ane} does not match the GPU-only one: {check}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 the checks on a checkpoint's config.json.
 
 A `Bound` is a numeric interval. The CLI uses it as an argparse `type` (`--seed`, `--temp`, ...), the server
-and the library call `Bound.check`; both say what is wrong and what is allowed in one line. `check_config`
+and the library call `Bound.check`; both say what is wrong and what is allowed in one line. `AneSplit` is the
+ANE split (`--ane-fraction F|auto`), parsed by one parser wherever it enters. `check_config`
 validates the JSON types and ranges of config.json before any field is used, so a bad file is one clear
 error, not a traceback deep in the model code.
 """
@@ -98,26 +99,67 @@ TOP_P = Bound(0, 1, lo_open=True)
 MIN_P = Bound(0, 1, hi_open=True)
 
 
-def fraction_or_auto(text) -> float | str:
-    """`--ane-fraction F|auto` parsed, the one parser of it: 'auto' as is, else the number in [0, 1] it spells.
-    An argparse `type=` (the CLI); the server calls `check_fraction_or_auto`. Both say the same thing."""
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        value = math.nan
-    if FRACTION.problem(value) is not None:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number in [0, 1] or 'auto'")
-    return value
+@dataclass(frozen=True)
+class AneSplit:
+    """The ANE + GPU split of prefill, parsed once where it enters (`--ane-fraction F|auto` of every subcommand,
+    `ServerSettings`, `hetero.prefill`): GPU-only (`fraction` 0, the default), the ANE's share F in (0, 1] of each
+    offloadable piece, or `auto` (the fraction this machine's measured profile recommends, verified on a
+    calibration prompt when the split is configured)."""
+
+    fraction: float = 0.0
+    auto: bool = False
+
+    @classmethod
+    def parse(cls, value, name: str = "--ane-fraction") -> AneSplit:
+        """The one parser: an AneSplit as it is; None or 0: GPU-only; "auto"; a number in [0, 1] or the text of
+        one. Anything else: a one-line HeteroError naming `name`."""
+        if isinstance(value, AneSplit):
+            return value
+        if value is None:
+            return GPU_ONLY
+        if value == "auto":
+            return cls(auto=True)
+        number = math.nan
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            number = float(value)
+        if FRACTION.problem(number) is not None:
+            raise HeteroError(f"{name} {value!r}: give a number in [0, 1] (0: GPU-only) or 'auto'")
+        return cls(number)
+
+    @property
+    def gpu_only(self) -> bool:
+        """No split: every prefill runs on the GPU."""
+        return not self.auto and self.fraction == 0.0
+
+    def fixed(self, command: str) -> float:
+        """The fraction for `command`, which needs one given split (`hetero doctor`, `convert --coreml`); a
+        one-line HeteroError for GPU-only or auto."""
+        if self.auto:
+            raise HeteroError(f"{command} needs a given --ane-fraction F with 0 < F <= 1, not 'auto' (auto picks "
+                              "one per machine when a prompt runs: hetero run/serve/prefill)")
+        if self.fraction == 0.0:
+            raise HeteroError(f"{command} needs --ane-fraction F with 0 < F <= 1 (the ANE's share of each piece; "
+                              "0 is GPU-only, with no split)")
+        return self.fraction
+
+    def __str__(self) -> str:
+        return "auto" if self.auto else f"{self.fraction:g}"
 
 
-def check_fraction_or_auto(value, name: str = "--ane-fraction") -> float | str:
-    """`fraction_or_auto` for the server and the library: a HeteroError naming `name`."""
+GPU_ONLY = AneSplit()
+
+
+def ane_split_arg(text: str) -> AneSplit:
+    """argparse `type=` for `--ane-fraction` in every subcommand: `AneSplit.parse`, its error as argparse's."""
     try:
-        return fraction_or_auto(value)
-    except argparse.ArgumentTypeError as e:
-        raise HeteroError(f"{name} {e}") from None
+        return AneSplit.parse(text, "")
+    except HeteroError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
 
 
 def check_seed(seed: int | None) -> int | None:

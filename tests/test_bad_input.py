@@ -185,7 +185,10 @@ def test_seed_out_of_range_is_one_line(capsys, seed):
     ["serve", "--max-concurrent", "0"],
     ["serve", "--prefix-cache-max-gb", "-1"],
     ["serve", "--session-cache-max-gb", "inf"],
-    ["convert", "--coreml", "--out", "x", "--ane-fraction", "0"],
+    ["convert", "--coreml", "--out", "x", "--ane-fraction", "1.5"],  # (0 parses: GPU-only, which --coreml refuses)
+    ["serve", "--draft-depth", "0"],
+    ["prefill", "--prompt-file", "p", "--out", "c.safetensors", "--ane-fraction", "2"],
+    ["doctor", "--ane-fraction", "-1"],
     ["convert", "--coreml", "--out", "x", "--chunk-size", "0"],
     ["convert", "--coreml", "--out", "x", "--context", "4096,-1"],
     ["convert", "--coreml", "--out", "x", "--context", ","],

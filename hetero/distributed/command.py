@@ -21,20 +21,21 @@ VERIFY_RTOL = 1e-4  # pipelined logits against one process: fp32 rounding at mos
 
 def run_pipelined(args: argparse.Namespace) -> int | None:
     """Run `hetero run` across the ranks; None when the group has one rank (the caller runs in-process)."""
-    if args.ane_fraction is not None or args.trace:
+    if not args.ane_fraction.gpu_only or args.trace:
         raise HeteroError("--ane-fraction and --trace are not available in a pipelined (mlx.launch) run")
-    return pipelined(args, lambda engine: _run(engine, args))
+    return pipelined(args.model, args.dist_timeout, lambda engine: _run(engine, args))
 
 
-def pipelined(args: argparse.Namespace, lead: Callable[[PipelineEngine], int]) -> int | None:
-    """Join the ranks and load this rank's share of `args.model`; rank 0 runs `lead(engine)` on the pipelined
-    engine, then stops the others, which serve it meanwhile. None when the group has one rank."""
-    link = connect(args.dist_timeout)
+def pipelined(model: str | None, dist_timeout: float, lead: Callable[[PipelineEngine], int]) -> int | None:
+    """Join the ranks (`dist_timeout`: `--dist-timeout`) and load this rank's share of `model`; rank 0 runs
+    `lead(engine)` on the pipelined engine, then stops the others, which serve it meanwhile. None when the group
+    has one rank."""
+    link = connect(dist_timeout)
     if link is None:
         return None
     try:
         try:
-            stage, path, config = load_stage(link, args.model)
+            stage, path, config = load_stage(link, model)
         except HeteroError as e:
             if link.first:
                 raise
@@ -45,7 +46,7 @@ def pipelined(args: argparse.Namespace, lead: Callable[[PipelineEngine], int]) -
                   flush=True)
             serve(stage)
             return 0
-        engine = PipelineEngine(stage, path, config, "bundled" if args.model is None else str(args.model))
+        engine = PipelineEngine(stage, path, config, "bundled" if model is None else str(model))
         try:
             return lead(engine)
         finally:

@@ -20,6 +20,7 @@ from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.profiles import Profile
+from hetero.validate import AneSplit
 
 DEFAULT_CHUNK = 256
 DEFAULT_VERIFY_TOL: float | None = None  # None: the model dtype's (hetero.verify_tolerance.verify_tolerance)
@@ -229,9 +230,11 @@ def cache_difference(ours: list[LayerCache], theirs: list[LayerCache]) -> tuple[
 CALIBRATION = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n" * 4
 
 
-def split_for(engine, fraction: float | str, chunk: int = DEFAULT_CHUNK) -> PipelineRun:
-    """The split of `--ane-fraction F|auto` (as `hetero.validate.fraction_or_auto` parses it) for `engine`."""
-    return auto_fraction(engine, chunk) if fraction == "auto" else configure(engine, fraction, chunk)
+def split_for(engine, ane: AneSplit | float | str, chunk: int = DEFAULT_CHUNK) -> PipelineRun:
+    """The split of `--ane-fraction F|auto` for `engine`: an `AneSplit` (a bare fraction or "auto" is parsed by
+    `AneSplit.parse`, the one parser)."""
+    ane = AneSplit.parse(ane)
+    return auto_fraction(engine, chunk) if ane.auto else configure(engine, ane.fraction, chunk)
 
 
 def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], None] | None = None,

@@ -6,7 +6,7 @@ Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details
 names the field.
 
 Modules, in the order a request meets them:
-  app.py        create_app (routes, access log), serve, bind, open_session_store
+  app.py        ServerSettings, create_app (routes, access log), serve, bind, open_session_store
   common.py     the key check, the body limit, one path from Job to response (JSON or SSE) and for errors
   requests.py   body JSON and field checks, the Parser (template + tokenizer), the Job
   openai.py     OpenAI chat / completions: parse_chat, parse_completion, ChatOutput, CompletionOutput
@@ -15,10 +15,10 @@ Modules, in the order a request meets them:
   stops.py      exact stop strings over streamed text
 """
 
-from hetero.server.app import bind, create_app, open_session_store, serve
+from hetero.server.app import ServerSettings, bind, create_app, open_session_store, serve
 from hetero.server.requests import DEFAULT_MAX_TOKENS, Job, Parser, RequestError, parse_body
 from hetero.server.runner import Cancelled, Outcome, Runner, Started
 from hetero.server.stops import StopMatcher
 
-__all__ = ["DEFAULT_MAX_TOKENS", "Cancelled", "Job", "Outcome", "Parser", "RequestError", "Runner", "Started",
-           "StopMatcher", "bind", "create_app", "open_session_store", "parse_body", "serve"]
+__all__ = ["DEFAULT_MAX_TOKENS", "Cancelled", "Job", "Outcome", "Parser", "RequestError", "Runner", "ServerSettings",
+           "Started", "StopMatcher", "bind", "create_app", "open_session_store", "parse_body", "serve"]

@@ -1,4 +1,4 @@
-"""The ASGI app (routes, the access log) and `hetero serve` (bind, load, serve)."""
+"""The ASGI app (routes, the access log), the server's settings and `hetero serve` (bind, load, serve)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 import uuid
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -23,7 +24,9 @@ from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure
 from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser, RequestError
 from hetero.server.runner import Runner
+from hetero.speculative import check_depth
 from hetero.turns import DECODE_SHARE
+from hetero.validate import GPU_ONLY, NONNEG, PORT, POSITIVE, POSITIVE_INT, AneSplit, Bound, check_text
 
 log = logging.getLogger("hetero.server")
 access = logging.getLogger("hetero.access")
@@ -31,36 +34,93 @@ access = logging.getLogger("hetero.access")
 DEFAULT_MAX_BODY_MB = 32.0  # a 256K-token transcript is ~1 MB of text; 32 MB leaves room for token-id prompts
 
 
-def server_split(engine: Engine, ane_fraction, chunk: int):
-    """The configured split of `--ane-fraction` (a fraction or "auto"), or None: not given, or 0 (GPU-only)."""
-    if ane_fraction is None:
+@dataclass(frozen=True)
+class ServerSettings:
+    """`hetero serve`'s settings, built once (`from_args` from the command line, or by keyword from Python) and
+    checked when built: a bad value is one HeteroError line naming its flag. The defaults are the CLI's."""
+
+    model: str | None = None  # checkpoint directory or hub id (None: the bundled model)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None  # /v1 routes need `Authorization: Bearer KEY` (or `x-api-key`)
+    served_name: str | None = None  # another name clients may send in `model`
+    prefix_cache_max_gb: float = 2.0
+    session_cache: str | None = None  # the on-disk session cache's directory (None: the default place)
+    session_cache_max_gb: float = 16.0
+    no_session_cache: bool = False
+    ane: AneSplit = GPU_ONLY  # the prefill split (a number or "auto" is parsed by `AneSplit.parse`)
+    draft_depth: int | None = None  # every request's MTP draft depth (None: the tuned or calibrated one)
+    prefill_chunk: int = 512
+    max_concurrent: int = 4  # requests generating at once, taking turns on the model
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # an OpenAI request without max_tokens
+    max_body_mb: float = DEFAULT_MAX_BODY_MB  # a larger body gets a 413
+    decode_share: float = DECODE_SHARE  # decoding's share of the model's time while a prompt prefills
+    max_batch: int = 1  # decoding requests that share each decode pass
+    dist_timeout: float = 60.0  # under mlx.launch: seconds without progress from the other ranks
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ane", AneSplit.parse(self.ane))
+        PORT.check(self.port, "--port")
+        for name in ("prefill_chunk", "max_concurrent", "default_max_tokens", "max_batch"):
+            POSITIVE_INT.check(getattr(self, name), _flag(name))
+        for name in ("max_body_mb", "dist_timeout"):
+            POSITIVE.check(getattr(self, name), _flag(name))
+        for name in ("prefix_cache_max_gb", "session_cache_max_gb"):
+            NONNEG.check(getattr(self, name), _flag(name))
+        Bound(0, 1, hi_open=True).check(self.decode_share, "--decode-share")
+        if self.draft_depth is not None:
+            check_depth(self.draft_depth)
+        if self.served_name is not None:  # sent back in every response: it must be valid text
+            check_text(self.served_name, "--served-model-name")
+
+    @classmethod
+    def from_args(cls, args) -> ServerSettings:
+        """The settings of `hetero serve`'s parsed arguments (`--served-model-name` is `served_name`,
+        `--ane-fraction` is `ane`)."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**given, served_name=args.served_model_name, ane=args.ane_fraction)
+
+    @property
+    def model_names(self) -> set[str]:
+        """The names clients may use in `model` besides the model's own (`--served-model-name`)."""
+        return {self.served_name} if self.served_name else set()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def server_split(engine: Engine, ane: AneSplit | float | str | None, chunk: int):
+    """The configured split of `--ane-fraction` (a fraction or auto), or None for GPU-only (not given, or 0)."""
+    ane = AneSplit.parse(ane)
+    if ane.gpu_only:
         return None
-    from hetero.pipeline import split_for
-    from hetero.validate import check_fraction_or_auto
+    from hetero.pipeline import split_for  # the pipeline (and its Core ML exporter) only for a split
 
-    fraction = check_fraction_or_auto(ane_fraction)
-    return None if fraction == 0.0 else split_for(engine, fraction, chunk)
+    return split_for(engine, ane, chunk)
 
 
-def create_app(
-    engine: Engine, api_key: str | None = None, model_names: set[str] | None = None, split=None, max_concurrent: int = 4,
-    prefill_chunk: int = 512, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-    decode_share: float = DECODE_SHARE, max_batch: int = 1,
-) -> Starlette:
-    """The ASGI app serving `engine`; with `api_key`, /v1 routes need `Authorization: Bearer KEY` or `x-api-key`.
+def create_app(engine: Engine, settings: ServerSettings | None = None, split=None, **options) -> Starlette:
+    """The ASGI app serving `engine` with `settings` (default: `ServerSettings(**options)`, e.g.
+    `create_app(engine, api_key="k", max_batch=4)`); with an `api_key`, /v1 routes need `Authorization: Bearer KEY`
+    or `x-api-key`.
 
     `split` (a `hetero.pipeline.PipelineRun`) prefills prompts through the ANE + GPU pipeline; up to
     `max_concurrent` requests generate at once, taking turns on the model. An OpenAI request without
     `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413. While some requests decode,
     a prompt prefills in `1 - decode_share` of the model's time (`hetero.turns`). With `max_batch` > 1, up to that
-    many decoding requests share each decode pass (`hetero.batching`).
+    many decoding requests share each decode pass (`hetero.batching`). A `draft_depth` is every MTP request's.
     """
-    if not max_body_mb > 0:
-        raise HeteroError(f"--max-body-mb must be positive, got {max_body_mb}")
-    names = model_names or {engine.name}
-    runner = Runner(engine, split, max_concurrent, prefill_chunk, decode_share, max_batch)
-    parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, default_max_tokens)
-    state = State(engine, runner, parser, names, api_key, int(max_body_mb * 2**20))
+    if settings is not None and options:
+        raise TypeError("create_app takes settings or keyword options, not both")
+    s = settings if settings is not None else ServerSettings(**options)
+    if s.draft_depth is not None and not engine.model.has_mtp:
+        raise HeteroError(f"--draft-depth {s.draft_depth}: {engine.name} has no MTP head (no mtp.* tensors) to "
+                          "draft with; leave it out")
+    names = {engine.name} | s.model_names
+    runner = Runner(engine, split, s.max_concurrent, s.prefill_chunk, s.decode_share, s.max_batch, s.draft_depth)
+    parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, s.default_max_tokens)
+    state = State(engine, runner, parser, names, s.api_key, int(s.max_body_mb * 2**20))
 
     async def models(request: Request) -> Response:
         try:
@@ -77,6 +137,7 @@ def create_app(
                              "requests": {"finished": runner.finished, "cancelled": runner.cancelled,
                                           "split_prefills": runner.split_prefills, "turn_handovers": runner.turns.handovers},
                              "batch": runner.loop.health() if runner.loop is not None else None,
+                             "draft_depth": s.draft_depth,  # --draft-depth (None: the tuned or calibrated one)
                              "ane": runner.split.ane_block() if runner.split is not None else None})
 
     return Starlette(routes=[
@@ -123,48 +184,33 @@ class AccessLog:
                         prompt, completion, time.perf_counter() - t0)
 
 
-def serve(
-    model: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    api_key: str | None = None,
-    session_cache: str | None = None,
-    session_cache_max_gb: float = 16.0,
-    no_session_cache: bool = False,
-    prefix_cache_max_gb: float = 2.0,
-    served_name: str | None = None,
-    ane_fraction: float | str | None = None,
-    prefill_chunk: int = 512,
-    max_concurrent: int = 4,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    max_body_mb: float = DEFAULT_MAX_BODY_MB,
-    decode_share: float = DECODE_SHARE,
-    max_batch: int = 1,
-) -> None:
+def serve(settings: ServerSettings | None = None) -> None:
     """Load the model, attach the RAM prefix cache (and the disk session cache), and serve until interrupted.
 
-    `ane_fraction` (a number in [0, 1] or "auto") prefills through the ANE + GPU split, as `hetero run` does.
-    Requests and their times are logged to stderr (`hetero.access`); an address other than loopback without
+    `settings.ane` prefills through the ANE + GPU split, as `hetero run --ane-fraction` does; `settings.draft_depth`
+    is every MTP request's draft depth (else the tuned one, calibrated now for a model never measured here).
+    Requests and their times are logged to stderr (`hetero.access`); an address other than loopback without an
     `api_key` gets a warning there.
     """
     import hetero
     from hetero.prefix_cache import PrefixCache
 
-    sock = listen(host, port, api_key)  # before the model loads: a port in use fails at once, not after a minute
+    s = settings if settings is not None else ServerSettings()
+    sock = listen(s.host, s.port, s.api_key)  # before the model loads: a port in use fails at once, not after a minute
     try:
-        store = None if no_session_cache else open_session_store(session_cache, session_cache_max_gb)
-        engine = hetero.load(model)
-        engine.default_depth()  # a model never measured here is calibrated now, not inside the first request
-        engine.prefix_cache = PrefixCache(int(prefix_cache_max_gb * 1024**3), store=store)
-        names = {engine.name} | ({served_name} if served_name else set())
-        split = server_split(engine, ane_fraction, prefill_chunk)
-        app = create_app(engine, api_key, names, split, max_concurrent, prefill_chunk, default_max_tokens, max_body_mb,
-                         decode_share, max_batch)
+        store = None if s.no_session_cache else open_session_store(s.session_cache, s.session_cache_max_gb)
+        engine = hetero.load(s.model)
+        if s.draft_depth is None:
+            engine.default_depth()  # a model never measured here is calibrated now, not inside the first request
+        engine.prefix_cache = PrefixCache(int(s.prefix_cache_max_gb * 1024**3), store=store)
+        split = server_split(engine, s.ane, s.prefill_chunk)
+        app = create_app(engine, s, split)
     except BaseException:
         sock.close()
         raise
+    names = {engine.name} | s.model_names
     where = f"session cache {store.root} ({len(store.entries)} entries)" if store else "no session cache"
-    run_app(app, sock, f"serving {sorted(names)} on http://{host}:{port} ({where})")
+    run_app(app, sock, f"serving {sorted(names)} on http://{s.host}:{s.port} ({where})")
 
 
 def listen(host: str, port: int, api_key: str | None) -> socket.socket:

@@ -71,16 +71,18 @@ class Outcome:
 
 class Runner:
     """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking turns on the model; while some
-    decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.turns`)."""
+    decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.turns`). MTP jobs draft at
+    `draft_depth` (`hetero serve --draft-depth`; None: the engine's tuned or calibrated depth)."""
 
     def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512,
-                 decode_share: float = DECODE_SHARE, max_batch: int = 1):
+                 decode_share: float = DECODE_SHARE, max_batch: int = 1, draft_depth: int | None = None):
         if max_concurrent < 1:
             raise HeteroError(f"--max-concurrent must be at least 1, got {max_concurrent}")
         if max_batch < 1:
             raise HeteroError(f"--max-batch must be at least 1, got {max_batch}")
         self.engine, self.split = engine, split  # split: a configured `hetero.pipeline.PipelineRun` or None
         self.prefill_chunk = prefill_chunk
+        self.draft_depth = draft_depth
         workers = max(max_concurrent, max_batch)  # a batch of N needs N jobs generating at once
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hetero-gen")
         self.turns = Turns(decode_share)
@@ -160,7 +162,8 @@ class Runner:
                               on_handback=lambda: self.turns.enter(ticket))
         result = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
-            min_p=job.min_p, seed=job.seed, mtp=job.mtp, prefill_chunk=self.prefill_chunk, on_text=on_text, progress=progress,
+            min_p=job.min_p, seed=job.seed, mtp=job.mtp, draft_depth=self.draft_depth, prefill_chunk=self.prefill_chunk,
+            on_text=on_text, progress=progress,
             should_stop=should_stop, prefill_with=self._prefill_with(job, ticket),
             mark=job.reply.mark if job.reply is not None else None, batched=batched,
             **self._output_options(job, emit, logprobs),
