@@ -1,14 +1,44 @@
-"""Test-session environment: no network, and per-machine settings in a private folder (never ~/.config)."""
+"""Test-session environment: no network, per-machine settings in a private folder (never ~/.config), and the
+first-use MTP decision pinned.
+
+A model with an MTP head that this machine never measured calibrates on first use (`hetero.calibrate`: plain
+against speculative decode speed, a timing race on a busy 2-core machine), and that decision is whether every
+later request that leaves `mtp` to the default decodes speculatively. Tests must not depend on a race, so here
+the decision is fixed before any engine loads: MTP at the depth the engine asks to calibrate (the documented
+default where nothing was measured). A test that means MTP (or plain decoding) still says so in its request;
+tests/test_tune.py measures the real calibration in its own settings home.
+"""
 
 import os
 import tempfile
+import types
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("HETERO_HOME", tempfile.mkdtemp(prefix="hetero-test-home-"))
+# always a fresh home: a session reads no settings (tuned depths, device profiles) that it did not write itself
+os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-test-home-")
 
-import hetero  # noqa: E402,F401  (before any test imports MLX: the fast BLAS is under it whatever the test order)
-
+import hetero  # noqa: E402  (before any test imports MLX: the fast BLAS is under it whatever the test order)
+import hetero.engine  # noqa: E402
 import pytest  # noqa: E402
+from hetero.loader import BUNDLED_MODEL, read_config  # noqa: E402
+from hetero.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
+
+PINNED = "pinned by tests/conftest.py"  # the `calibrated` field of a pinned decision
+
+
+def pinned_calibration(engine, depth: int, report=print) -> int:
+    """In place of `hetero.calibrate.calibrate` in this process: saves MTP at `depth` for `engine` as first use
+    would, without measuring anything."""
+    save_tuning(engine.identity, {"draft_depth": depth, "calibrated": PINNED})
+    return depth
+
+
+hetero.engine.calibrate = pinned_calibration  # every engine of this process (test_tune.py puts the real one back)
+# Subprocesses (`hetero run` / `hetero serve` on the bundled model) read the decision from the shared settings home:
+# the bundled model's identity is fixed, so its entry is written now (Engine.identity's own code, without weights).
+BUNDLED_IDENTITY = hetero.engine.Engine.identity.fget(types.SimpleNamespace(name="bundled",
+                                                                            config=read_config(BUNDLED_MODEL)))
+save_tuning(BUNDLED_IDENTITY, {"draft_depth": DEFAULT_DRAFT_DEPTH, "calibrated": PINNED})
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import types
 import pytest
 
 import hetero
+import hetero.engine
 from hetero.cli import main
 from hetero.settings import PLAIN, save_tuning, settings_path, tuned_depth
 from hetero.calibrate import calibrate
@@ -18,8 +19,10 @@ from tiny_checkpoint import write_tiny_model
 
 @pytest.fixture(autouse=True)
 def private_settings(tmp_path, monkeypatch):
-    """Each test reads and writes its own settings file."""
+    """Each test reads and writes its own settings file, and first use runs the real calibration (the session's
+    is pinned in conftest.py)."""
     monkeypatch.setenv("HETERO_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(hetero.engine, "calibrate", calibrate)
 
 
 class FakeEngine:
