@@ -17,19 +17,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx_lm")
-
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm import load as lm_load  # noqa: E402
-from mlx_lm import stream_generate as lm_stream_generate  # noqa: E402
-from mlx_lm.models.cache import (  # noqa: E402
+from mlx.utils import tree_flatten
+from mlx_lm import load as lm_load
+from mlx_lm import stream_generate as lm_stream_generate
+from mlx_lm.models.cache import (
     ArraysCache, KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache,
 )
 
-import hetero  # noqa: E402
-from hetero.loader import BUNDLED_MODEL  # noqa: E402
-from hetero.models.qwen3_5 import is_zero_centred_norm  # noqa: E402
-from tiny_checkpoint import write_tiny_model  # noqa: E402
+import hetero
+from hetero.loader import BUNDLED_MODEL
+from hetero.models.qwen3_5 import is_zero_centred_norm
+from tiny_checkpoint import write_tiny_model
 
 NEW_TOKENS = 16
 

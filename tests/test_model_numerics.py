@@ -11,14 +11,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-import helpers  # noqa: E402
-from hetero.cache import GDNCache, KVCache  # noqa: E402
-from hetero.generate import prefill  # noqa: E402
-from hetero.loader import load_model, preflight  # noqa: E402
-from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta  # noqa: E402
+import helpers
+from hetero.cache import GDNCache, KVCache
+from hetero.generate import prefill
+from hetero.loader import load_model, preflight
+from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 
 
 def rel_err(ours, ref) -> float:
