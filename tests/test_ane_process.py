@@ -27,6 +27,7 @@ from hetero.loader import load_model
 from hetero.pipeline import Trace, configure
 from hetero.pipeline.ane_process import TRACK, AneProcess, stop_workers
 from hetero.planner import loaded_budget
+from hetero.validate import AneSplit
 from test_coreml_graphs import save_checkpoint, tiny_model
 from test_pipeline import PIPE
 
@@ -211,7 +212,7 @@ def test_the_library_prefill_survives_a_lost_worker(fault_env):
     first, second = engine.encode_prompt(DOCTOR_TEXT * 3), engine.encode_prompt(DOCTOR_TEXT * 6)[:300]
     run = configure(engine, 0.5, 256)  # the export of the generation test above (one context bucket)
     run.ane_loader = "ane_faults:dies"
-    engine.split_runs = {(0.5, 256): run}  # the library's configured split for (fraction, chunk)
+    engine.split_runs = {(AneSplit(0.5), 256): run}  # the library's configured split for (split, chunk)
     ours = hetero.prefill(engine, second, ane_fraction=0.5, chunk=256, cache=hetero.prefill(engine, first, chunk=256))
     gpu = hetero.prefill(engine, second, chunk=256, cache=hetero.prefill(engine, first, chunk=256))
     assert run.lane_failures == 1
