@@ -5,6 +5,7 @@ and the memory governor's refusal of a prompt beyond its window."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import types
 
@@ -203,16 +204,25 @@ def _sleepy_graph(chunks: int, layers: int, gpu_s: float, ane_s: float) -> list[
 def test_wavefront_keeps_both_lanes_busy_across_chunks():
     """Each layer's mixer (GPU) and MLP (ANE) depend on each other within a chunk, so lock-step stages would leave
     one lane idle at every step; with chunks in flight the GPU runs the next chunk's mixers while the ANE runs
-    this chunk's MLPs (the trace shows jobs of different chunks at the same time, most of the run)."""
+    this chunk's MLPs. Checked by events, not by measured overlaps: chunk c's first MLP and chunk c+1's first mixer
+    (ready together, once chunk c's first mixer is done) meet at a barrier inside both jobs, which they pass only by
+    running at the same time; a lock-step schedule never starts the mixer while the MLP runs, and times out."""
     import anyio
 
     chunks, layers = 6, 4
+    meet = [threading.Barrier(2, timeout=60) for _ in range(chunks - 1)]  # 60 s: a hang guard only
+    jobs = _sleepy_graph(chunks, layers, 0.0, 0.0)
+    for j in jobs:
+        chunk, layer, _ = j.rank
+        if layer == 0 and j.lane == "ane" and chunk < chunks - 1:
+            j.fn = meet[chunk].wait
+        elif layer == 0 and j.lane == "gpu" and chunk > 0:
+            j.fn = meet[chunk - 1].wait
     trace = Trace()
-    anyio.run(run_jobs, _sleepy_graph(chunks, layers, 0.02, 0.02), Lane("GPU", 1, trace), Lane("ANE", 2, trace))
+    anyio.run(run_jobs, jobs, Lane("GPU", 1, trace), Lane("ANE", 2, trace))
+    assert not any(b.broken for b in meet) and all(b.n_waiting == 0 for b in meet)  # every pair met
     spans = {tid: [(e["ts"], e["ts"] + e["dur"], int(e["name"].split("@")[1])) for e in trace.events if e["tid"] == tid]
              for tid in (1, 2)}
-    across = [(g, a) for g in spans[1] for a in spans[2] if g[2] != a[2] and min(g[1], a[1]) - max(g[0], a[0]) > 10_000]
-    assert len(across) >= (chunks - 1) * layers // 2  # > 10 ms together on jobs of two different chunks
     first_gpu_of = {c: min(g[0] for g in spans[1] if g[2] == c) for c in range(chunks)}
     last_ane_of = {c: max(a[1] for a in spans[2] if a[2] == c) for c in range(chunks)}
     assert all(first_gpu_of[c + 1] < last_ane_of[c] for c in range(chunks - 1))  # chunk c+1 starts before c ends
@@ -339,30 +349,45 @@ def test_prompt_beyond_the_governors_window_is_refused(tiny_checkpoint, capsys):
 
 def test_decode_rounds_fill_the_gpu_lane_while_the_ane_works():
     """Simulated devices: two generating requests' rounds run during a third request's prefill, alternately
-    (neither starves), while the ANE lane works on the prefill's shares."""
+    (neither starves), while the ANE lane works on the prefill's shares. By events, not durations: each ANE job but
+    the last (after it the GPU lane has no prefill work left, and the lanes are done) ends only once two decode
+    rounds ran after it began (the GPU lane, waiting on it, has nothing else to do), so a lane that left its idle
+    time unfilled would time out."""
     import anyio
 
     from hetero.pipeline import DecodeQueue
 
-    chunks, layers, g, a = 1, 8, 0.01, 0.05  # one chunk: the GPU lane waits 40 ms for each ANE job
+    chunks, layers = 1, 8  # one chunk: the GPU lane waits for each ANE job
     done = {"a": 0, "b": 0}
+    moved = threading.Condition()
 
     def stream(name):
         def round_() -> bool:
-            time.sleep(0.008)
-            done[name] += 1
+            with moved:
+                done[name] += 1
+                moved.notify_all()
             return True
 
         return round_
 
+    during = []
+
+    def ane_job(layer: int) -> None:
+        if layer == layers - 1:
+            return
+        with moved:
+            start = sum(done.values())
+            assert moved.wait_for(lambda: sum(done.values()) >= start + 2, timeout=60), "no decode round ran"
+            during.append(sum(done.values()) - start)
+
     queue = DecodeQueue([stream("a"), stream("b")])
-    trace = Trace()
-    anyio.run(run_jobs, _sleepy_graph(chunks, layers, g, a), Lane("GPU", 1, trace), Lane("ANE", 2, trace), queue)
-    assert queue.rounds >= 2 * layers and abs(done["a"] - done["b"]) <= 1  # round-robin: fair
-    ane = [(e["ts"], e["ts"] + e["dur"]) for e in trace.events if e["tid"] == 2]
-    rounds = [(e["ts"], e["ts"] + e["dur"]) for e in trace.events if e["name"] == "decode round"]
-    during = [r for r in rounds if any(a0 <= r[0] < a1 for a0, a1 in ane)]
-    assert len(during) >= 2 * layers  # the rounds run while the ANE works, not after the prefill
+    jobs = _sleepy_graph(chunks, layers, 0.0, 0.0)
+    for j in jobs:
+        if j.lane == "ane":
+            j.fn = lambda layer=j.rank[1]: ane_job(layer)
+    anyio.run(run_jobs, jobs, Lane("GPU", 1), Lane("ANE", 2), queue)
+    assert len(during) == layers - 1 and all(n >= 2 for n in during)  # the rounds ran while the ANE worked
+    assert queue.rounds >= 2 * (layers - 1) and abs(done["a"] - done["b"]) <= 1  # round-robin: fair
 
 
 def test_decode_never_starves_behind_a_gpu_only_prefill():
