@@ -215,11 +215,10 @@ def test_dead_rank_is_reported():
     err = launch.wait_for("serving rank 0", 60)
     pid = int(err.split("pid ")[1].split(":")[0])
     launch.wait_for("prefill [", 60)  # rank 0 is well into the request
-    killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    _, err = launch.finish(20)
-    assert time.monotonic() - killed < 15
-    # whichever comes first: MLX's "connection lost" error, or mlx.launch's SIGTERM (it stops the others at once)
+    _, err = launch.finish(60)  # only a hang fails here: how fast rank 0 stops is shown by which line it printed
+    # whichever comes first: MLX's "connection lost" error, or mlx.launch's SIGTERM (it stops the others at once);
+    # never the watchdog's "no progress ... for 30 s", the only way a lost rank is reported without either
     lines = [l for l in err.splitlines() if l.startswith("hetero: error: rank 0: ")]
     assert len(lines) == 1, err[-2000:]
     assert "the pipeline lost a rank" in lines[0] or "another rank failed or was killed" in lines[0], lines[0]
@@ -233,11 +232,11 @@ def test_hung_rank_is_reported():
     err = launch.wait_for("serving rank 0", 60)
     pid = int(err.split("pid ")[1].split(":")[0])
     launch.wait_for("prefill [", 60)
+    assert "no progress from the other ranks" not in launch.err.decode(errors="replace")  # not before the stop
     os.kill(pid, signal.SIGSTOP)
     try:
-        stopped = time.monotonic()
-        launch.wait_for("no progress from the other ranks for 3 s", 15)
-        assert time.monotonic() - stopped < 10
+        # the line names the 3 s it waited (the watchdog's own clock); 60 s only guards against a hang
+        launch.wait_for("no progress from the other ranks for 3 s", 60)
     finally:
         with contextlib.suppress(ProcessLookupError):  # the launcher may have ended it already
             os.kill(pid, signal.SIGKILL)
@@ -250,11 +249,10 @@ def test_missing_rank_is_reported(tmp_path):
     port = _free_port(2)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    start = time.monotonic()
+    # timeout=60 only guards against a hang; the line below says it gave up after its own 2 s
     proc = subprocess.run([sys.executable, "-m", "hetero", "run", "--prompt", "hi", "--dist-timeout", "2"], cwd=ROOT,
                           env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)}, capture_output=True,
-                          text=True, timeout=30)
-    assert time.monotonic() - start < 15
+                          text=True, timeout=60)
     assert proc.returncode != 0
     assert "rank 0: not every rank connected within 2 s (rank 1 at 127.0.0.1:" in proc.stderr, proc.stderr
 
