@@ -441,7 +441,7 @@ def assert_decoder_matches_reference(model: Model, decoder: Decoder, committed: 
     the decoder's verify passes and commits sum in another order than any one-shot prefill, so the check is against
     the exact result, not another fp32 run. `longest_pass`: the most tokens one pass ran (the prompt's prefill
     chunk; verify blocks are shorter). A stale or misplaced position moves its array by O(1) (a stale attention key:
-    1.1); the bound is about 1e-3 for most inputs and was at most 0.07 over 800 random ones."""
+    1.1); the bound is about 1e-3 for most inputs, below 0.08 in 2,100 random checks."""
     tokens, L = committed[:-1], len(committed) - 1
     assert decoder.x == committed[-1]
     stats = {}
