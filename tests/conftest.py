@@ -10,6 +10,7 @@ tests/test_tune.py measures the real calibration in its own settings home.
 """
 
 import os
+import random
 import tempfile
 import types
 
@@ -47,3 +48,20 @@ def tool_model_dir(tmp_path_factory):
     from tool_model import write_tool_model
 
     return write_tool_model(tmp_path_factory.mktemp("tool-model"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before hypothesis's own pytest_configure reads --hypothesis-seed
+def pytest_configure(config):
+    """Every session runs its hypothesis tests from one seed, printed in the header and the summary, so that a
+    failure found by a random draw can be rerun exactly (`--hypothesis-seed N`); a seed given is kept."""
+    if config.getoption("hypothesis_seed") is None:
+        config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+
+
+def pytest_report_header(config):  # shown without -q
+    return f"hypothesis seed {config.option.hypothesis_seed} (rerun: pytest --hypothesis-seed={config.option.hypothesis_seed})"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    terminalreporter.write_line(f"hypothesis seed {config.option.hypothesis_seed} "
+                                f"(rerun: pytest --hypothesis-seed={config.option.hypothesis_seed})")
