@@ -58,10 +58,14 @@ def pytest_configure(config):
         config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
 
 
+def rerun_line(config) -> str:
+    seed = config.option.hypothesis_seed
+    return f"hypothesis seed {seed} (rerun: pytest --hypothesis-seed={seed})"
+
+
 def pytest_report_header(config):  # shown without -q
-    return f"hypothesis seed {config.option.hypothesis_seed} (rerun: pytest --hypothesis-seed={config.option.hypothesis_seed})"
+    return rerun_line(config)
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    terminalreporter.write_line(f"hypothesis seed {config.option.hypothesis_seed} "
-                                f"(rerun: pytest --hypothesis-seed={config.option.hypothesis_seed})")
+    terminalreporter.write_line(rerun_line(config))
