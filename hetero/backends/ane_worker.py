@@ -129,7 +129,8 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # macOS has no mallopt: Core ML allocates its own buffers there
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))  # C int: 2 GB
+    trim = 2**31 - 1  # mallopt takes a C int: 2 GB, never reached
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, trim))
 
 
 def main(argv: list[str]) -> None:

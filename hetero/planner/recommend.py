@@ -7,7 +7,7 @@ from __future__ import annotations
 from itertools import combinations
 
 from hetero.errors import HeteroError
-from hetero.planner.plan import Plan, make_plan
+from hetero.planner.plan import PIECE_ALIASES, Plan, make_plan
 from hetero.planner.shape import model_shape
 from hetero.planner.slices import OFFLOADABLE, pieces
 from hetero.profiles import Profile
@@ -20,47 +20,39 @@ def kind_subsets(config: dict) -> list[tuple[str, ...]]:
     return [OFFLOADABLE] + [c for n in range(len(kinds) - 1, 0, -1) for c in combinations(kinds, n)]
 
 
-def fastest_kinds(config: dict, profile: Profile, fraction: float, context: int, chunk: int = 512,
-                  **kw) -> Plan | None:
-    """At a given fraction, the plan of the piece kinds with the shortest predicted split prefill (None when a
-    time is unknown); on ties the plan that offloads more wins."""
-    best = None
-    for offload in kind_subsets(config):
-        try:
-            plan = make_plan(config, profile, fraction, context, chunk, offload=offload, **kw)
-        except HeteroError:  # this mix's memory leaves no room for KV
-            continue
-        t = plan.predicted["split_prefill_s"]
-        if t is None:
-            return None
-        if best is None or t < best.predicted["split_prefill_s"] - 1e-12:
-            best = plan
-    return best
-
-
 def split_plan(config: dict, profile: Profile, fraction: float, context: int, chunk: int = 512,
                offload: tuple[str, ...] | None = None, **kw) -> Plan:
     """The plan of a split at `fraction`: of the piece kinds in `offload`, or by default of those whose share
-    shortens the predicted prefill (`fastest_kinds`; every kind when the profile cannot predict a time, and across
-    hosts). What `hetero plan --ane-fraction F`, `hetero convert --coreml` and the runtime's split all offload.
+    shortens the predicted prefill (the fastest of `kind_subsets`, the one that offloads more on ties; every kind
+    when the profile cannot predict a time, and across hosts). What `hetero plan --ane-fraction F`, `hetero convert
+    --coreml` and the runtime's split all offload.
 
     A plan that leaves kinds out says so in its assumptions, with what offloading every kind would predict."""
     if offload is not None or not fraction or (kw.get("hosts") or 1) > 1:
         return make_plan(config, profile, fraction, context, chunk, offload=offload or OFFLOADABLE, **kw)
-    best = fastest_kinds(config, profile, fraction, context, chunk, **kw)
-    if best is None or best.offload == OFFLOADABLE:
-        return best or make_plan(config, profile, fraction, context, chunk, **kw)
-    try:
-        every = make_plan(config, profile, fraction, context, chunk, **kw)
+    every = best = None
+    for kinds in kind_subsets(config):  # every kind first
+        try:
+            plan = make_plan(config, profile, fraction, context, chunk, offload=kinds, **kw)
+        except HeteroError:  # this mix's memory leaves no room for KV
+            continue
+        t = plan.predicted["split_prefill_s"]
+        if t is None:  # no time to compare: every kind, as asked
+            return make_plan(config, profile, fraction, context, chunk, **kw)
+        every = plan if kinds == OFFLOADABLE else every
+        if best is None or t < best.predicted["split_prefill_s"] - 1e-12:
+            best = plan
+    if best is None or best is every:  # none fits: every kind's plan raises the memory error
+        return every or make_plan(config, profile, fraction, context, chunk, **kw)
+    instead = "no room for the KV cache"
+    if every is not None:
         window = f", a {every.memory.context_window}-token window" if every.memory is not None else ""
         instead = f"{every.predicted['split_prefill_s']:.1f} s{window}"
-    except HeteroError:  # every kind's copy leaves no room for KV
-        instead = "no room for the KV cache"
-    kinds = ",".join("z" if k == "gdn_in_proj" else k for k in best.offload)
+    short = {v: k for k, v in PIECE_ALIASES.items()}
     best.assumptions.append(
-        f"offloads only {', '.join(best.offload)} (--pieces {kinds}): the piece kinds whose share shortens the "
-        f"predicted prefill at this fraction ({best.predicted['split_prefill_s']:.1f} s; every kind: {instead}; "
-        f"--pieces all offloads every kind)")
+        f"offloads only {', '.join(best.offload)} (--pieces {','.join(short.get(k, k) for k in best.offload)}): "
+        f"the piece kinds whose share shortens the predicted prefill at this fraction "
+        f"({best.predicted['split_prefill_s']:.1f} s; every kind: {instead}; --pieces all offloads every kind)")
     return best
 
 
