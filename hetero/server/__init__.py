@@ -1,6 +1,8 @@
 """OpenAI- and Anthropic-compatible HTTP server (Starlette on uvicorn) over one `Engine`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic), GET /v1/models, GET /health.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (OpenAI Responses), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic), GET /v1/models (in the shape of the API the request speaks), GET /health; any
+other route or method is a 404 / 405 in that API's error shape.
 Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details.cached_tokens`, Anthropic
 `usage.cache_read_input_tokens`) and engine stats in a `hetero` field; a bad request gets a 4xx JSON error that
 names the field.
@@ -8,9 +10,13 @@ names the field.
 Modules, in the order a request meets them:
   app.py        ServerSettings, create_app (routes, access log), serve, bind, open_session_store
   common.py     the key check, the body limit, one path from Job to response (JSON or SSE) and for errors
-  requests.py   body JSON and field checks, the Parser (template + tokenizer), the Job
+  requests.py   body JSON and field checks, the Parser (template + tokenizer, model aliases), the Job
+  defaults.py   sampling defaults from generation_config.json; fields not implemented yet, refused by name
   openai.py     OpenAI chat / completions: parse_chat, parse_completion, ChatOutput, CompletionOutput
-  anthropic.py  Anthropic messages: parse_messages, MessagesOutput
+  responses.py  OpenAI Responses, request side: input items -> chat messages, the ResponseStore
+  responses_output.py  OpenAI Responses, output side: the response object and its event stream
+  anthropic.py  Anthropic messages: parse_messages, MessagesOutput, count_tokens, the models page
+  toolcalls.py  messages, tools and tool_choice through the chat template; the reply parsed into text / reasoning / calls
   runner.py     the Runner: jobs on worker threads taking turns on the model (Started, text, Outcome)
   stops.py      exact stop strings over streamed text
 """

@@ -1,19 +1,30 @@
-"""The Anthropic API: POST /v1/messages.
+"""The Anthropic API: POST /v1/messages (also `?beta=true`, as Claude Code sends it) and /v1/messages/count_tokens.
 
 `parse_messages` reads a request into a Job (a new request option goes there, onto a Job field);
 `MessagesOutput` shapes its generation into a message, or into the stream of events the Anthropic SDK expects
 (message_start, ping, then per block content_block_start, content_block_delta..., content_block_stop, then
-message_delta, message_stop).
+message_delta, message_stop; a `ping` whenever the stream is silent, e.g. during a long prefill).
+
+Accepted without effect, as the engine has nothing to do with them: `metadata` (a user id for the provider's abuse
+tracking), `context_management` (server-side clearing of old tool results: this server renders the conversation
+the client sends, whole), `output_config.effort` (the template has no effort switch; `thinking` is the switch),
+`cache_control` on blocks (the prefix cache needs no hints) and the `anthropic-beta` headers.
+`output_config.format` with a JSON schema constrains the output as OpenAI's `response_format` does.
 """
 
 from __future__ import annotations
 
-from hetero.server.common import Output, sse
-from hetero.server.requests import ANTHROPIC_TEMPERATURE, Job, Parser, RequestError, number, stops
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from hetero.server.common import Output, State, check_key, read_body, sse
+from hetero.server.openai import parse_response_format
+from hetero.server.requests import ANTHROPIC_TEMPERATURE, Job, Parser, RequestError, number, parse_body, stops
 from hetero.server.runner import Outcome, Started
 from hetero.server.toolcalls import AnthropicBlocks, anthropic_chat, anthropic_content
 
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}  # others: invalid_request_error
 
 
 def error_body(e: RequestError) -> dict:
@@ -29,9 +40,60 @@ def parse_messages(parser: Parser, body: dict) -> Job:
     ids, reply = anthropic_chat(parser, body)
     job = parser.job(body, ids, "max_tokens", required_max=True)
     job.reply = reply
-    job.temperature = number(body, "temperature", 0.0, ANTHROPIC_TEMPERATURE)
+    job.temperature = number(body, "temperature", parser.defaults["temperature"], ANTHROPIC_TEMPERATURE)
     job.stops = stops(body, "stop_sequences")
+    output_config(parser, body, job)
     return job
+
+
+def output_config(parser: Parser, body: dict, job: Job) -> None:
+    """`output_config`: `effort` accepted (no effect: the template's switch is `thinking`), `format`
+    `{"type": "json_schema", "schema": {...}}` constrains the output to that schema."""
+    config = body.get("output_config")
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise RequestError(400, "'output_config' must be an object (effort, format)", "output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise RequestError(400, "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                           "output_config.format")
+    spec = {"name": "output", "schema": fmt.get("schema")}
+    try:
+        parse_response_format(parser, {"response_format": {"type": "json_schema", "json_schema": spec}}, job)
+    except RequestError as e:
+        raise RequestError(400, e.message.replace("response_format.json_schema.schema", "output_config.format.schema"),
+                           "output_config.format.schema") from None
+
+
+def count_tokens(state: State):
+    """POST /v1/messages/count_tokens: the prompt's real token count, `{"input_tokens": N}`: the request rendered
+    exactly as /v1/messages renders it (max_tokens not needed), so N is the prompt tokens that route then reports."""
+
+    async def handle(request: Request) -> Response:
+        try:
+            check_key(state, request)
+            body = parse_body(await read_body(request, state.max_body))
+
+            def count() -> int:
+                state.parser.model(body)
+                return len(anthropic_chat(state.parser, body)[0])
+
+            n = await anyio.to_thread.run_sync(count)
+        except RequestError as e:
+            return MessagesOutput.error(e)
+        return JSONResponse({"input_tokens": n})
+
+    return handle
+
+
+def models_page(names: list[str]) -> dict:
+    """GET /v1/models in Anthropic's shape (one page holding every served name)."""
+    data = [{"type": "model", "id": n, "display_name": n, "created_at": "1970-01-01T00:00:00Z"} for n in names]
+    return {"data": data, "has_more": False, "first_id": names[0] if names else None,
+            "last_id": names[-1] if names else None}
 
 
 def usage(o: Outcome) -> dict:
@@ -73,6 +135,9 @@ class MessagesOutput(Output):
                "cache_creation_input_tokens": 0}
         return [sse({"type": "message_start", "message": self.message([], None, None, use)}, "message_start"),
                 sse({"type": "ping"}, "ping")]
+
+    def keepalive(self) -> list[str]:
+        return [sse({"type": "ping"}, "ping")]
 
     def text(self, piece: str) -> list[str]:
         return [sse(e, e["type"]) for e in self.blocks.events(self.replies.feed(piece))]

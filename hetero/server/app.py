@@ -21,10 +21,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server import anthropic, openai
-from hetero.server.common import USAGE, State, check_key, endpoint, failure
+from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
 from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser, RequestError
+from hetero.server.responses import ResponseStore, parse_responses
+from hetero.server.responses_output import ResponsesOutput
 from hetero.server.runner import Runner
-from hetero.speculative import check_depth
+from hetero.decode.depth import check_depth
 from hetero.turns import DECODE_SHARE
 from hetero.validate import GPU_ONLY, NONNEG, PORT, POSITIVE, POSITIVE_INT, AneSplit, Bound, check_text
 
@@ -57,6 +59,8 @@ class ServerSettings:
     decode_share: float = DECODE_SHARE  # decoding's share of the model's time while a prompt prefills
     max_batch: int = 1  # decoding requests that share each decode pass
     dist_timeout: float = 60.0  # under mlx.launch: seconds without progress from the other ranks
+    model_alias: tuple[str, ...] = ()  # `--model-alias PATTERN=NAME`: request names matching PATTERN get NAME
+    reject_images: bool = False  # an image in a text-only model's conversation is a 400 (default: a placeholder)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ane", AneSplit.parse(self.ane))
@@ -72,6 +76,21 @@ class ServerSettings:
             check_depth(self.draft_depth)
         if self.served_name is not None:  # sent back in every response: it must be valid text
             check_text(self.served_name, "--served-model-name")
+        object.__setattr__(self, "model_alias", tuple(self.model_alias or ()))
+        self.aliases  # a malformed alias fails here, when the settings are built
+
+    @property
+    def aliases(self) -> tuple[tuple[str, str], ...]:
+        """(fnmatch pattern, served name) pairs of `--model-alias PATTERN=NAME`."""
+        out = []
+        for given in self.model_alias:
+            pattern, eq, name = given.partition("=") if isinstance(given, str) else ("", "", "")
+            if not eq or not pattern.strip() or not name.strip():
+                raise HeteroError(f"--model-alias {given!r} must be PATTERN=NAME, e.g. 'claude-*=my-model' (PATTERN "
+                                  "in shell wildcards, NAME the served model's name)")
+            check_text(pattern, "--model-alias")
+            out.append((pattern.strip(), name.strip()))
+        return tuple(out)
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -109,7 +128,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
     `max_concurrent` requests generate at once, taking turns on the model. An OpenAI request without
     `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413. While some requests decode,
     a prompt prefills in `1 - decode_share` of the model's time (`hetero.turns`). With `max_batch` > 1, up to that
-    many decoding requests share each decode pass (`hetero.batching`). A `draft_depth` is every MTP request's.
+    many decoding requests share each decode pass (`hetero.decode.loop`). A `draft_depth` is every MTP request's.
     """
     if settings is not None and options:
         raise TypeError("create_app takes settings or keyword options, not both")
@@ -118,17 +137,40 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
         raise HeteroError(f"--draft-depth {s.draft_depth}: {engine.name} has no MTP head (no mtp.* tensors) to "
                           "draft with; leave it out")
     names = {engine.name} | s.model_names
+    for pattern, name in s.aliases:
+        if name not in names:
+            raise HeteroError(f"--model-alias {pattern}={name}: {name!r} is not served here; use one of {sorted(names)}")
     runner = Runner(engine, split, s.max_concurrent, s.prefill_chunk, s.decode_share, s.max_batch, s.draft_depth)
-    parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, s.default_max_tokens)
+    parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, s.default_max_tokens,
+                    s.aliases, s.reject_images)
     state = State(engine, runner, parser, names, s.api_key, int(s.max_body_mb * 2**20))
+    store = ResponseStore()
 
     async def models(request: Request) -> Response:
+        """The served names, in Anthropic's shape when the request carries Anthropic headers, else OpenAI's."""
+        api = anthropic.MessagesOutput if wants_anthropic(request) else openai.ChatOutput
         try:
             check_key(state, request)
         except RequestError as e:
-            return openai.ChatOutput.error(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "created": 0, "owned_by": "hetero"} for n in sorted(names)]})
+            return api.error(e)
+        if api is anthropic.MessagesOutput:
+            return JSONResponse(anthropic.models_page(sorted(names)))
+        return JSONResponse({"object": "list", "data": [openai_model(n) for n in sorted(names)]})
+
+    async def model(request: Request) -> Response:
+        """One served name (GET /v1/models/{id}), in the API's shape; 404 for another."""
+        api = anthropic.MessagesOutput if wants_anthropic(request) else openai.ChatOutput
+        name = request.path_params["model_id"]
+        try:
+            check_key(state, request)
+            if name not in names:
+                raise RequestError(404, f"model {name!r} is not served here; GET /v1/models lists {sorted(names)}",
+                                   "model", "model_not_found")
+        except RequestError as e:
+            return api.error(e)
+        if api is anthropic.MessagesOutput:
+            return JSONResponse(anthropic.models_page([name])["data"][0])
+        return JSONResponse(openai_model(name))
 
     async def health(request: Request) -> Response:
         pc = engine.prefix_cache
@@ -144,16 +186,40 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
         Route("/v1/chat/completions", endpoint(state, openai.parse_chat, openai.ChatOutput), methods=["POST"]),
         Route("/v1/completions", endpoint(state, openai.parse_completion, openai.CompletionOutput), methods=["POST"]),
         Route("/v1/messages", endpoint(state, anthropic.parse_messages, anthropic.MessagesOutput), methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens(state), methods=["POST"]),
+        Route("/v1/responses", endpoint(state, parse_responses(store), ResponsesOutput), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ], exception_handlers={Exception: _unhandled}, middleware=[Middleware(AccessLog)])
+    ], exception_handlers={Exception: _unhandled, 404: _no_route, 405: _no_route},
+        middleware=[Middleware(AccessLog)])
+
+
+def openai_model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "hetero"}
 
 
 async def _unhandled(request: Request, e: Exception) -> Response:
     """Starlette's last resort: a JSON 500 in the API's own error shape, naming a request id for the log."""
     error = failure(e, "req_" + uuid.uuid4().hex[:24])
-    api = anthropic.MessagesOutput if request.url.path.startswith("/v1/messages") else openai.ChatOutput
+    api = anthropic.MessagesOutput if wants_anthropic(request) else openai.ChatOutput
     return api.error(error)
+
+
+async def _no_route(request: Request, e: Exception) -> Response:
+    """An unknown route (404) or method (405), in the error shape of the API the request speaks."""
+    api = anthropic.MessagesOutput if wants_anthropic(request) else openai.ChatOutput
+    status = getattr(e, "status_code", 404)
+    path, method = request.url.path, request.method
+    if status == 405:
+        allowed = getattr(e, "headers", None) or {}
+        message = f"{method} is not allowed on {path}; use {allowed.get('Allow', 'another method')}"
+    else:
+        message = f"there is no route {method} {path} on this server; the API routes are under /v1 (see GET /v1/models)"
+    response = api.error(RequestError(status, message, None, "not_found" if status == 404 else "method_not_allowed"))
+    if status == 405 and getattr(e, "headers", None):
+        response.headers["allow"] = e.headers.get("Allow", "")
+    return response
 
 
 class AccessLog:

@@ -7,6 +7,7 @@ thread), and `Output` is that API's per-request output shaper, fed by `respond`.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -26,6 +27,8 @@ from hetero.server.runner import Cancelled, Outcome, Runner, Started, TokenLogpr
 log = logging.getLogger("hetero.server")
 
 USAGE = "hetero.usage"  # the ASGI scope key where a finished request leaves (prompt, completion) tokens for the access log
+KEEPALIVE_S = 5.0  # a stream silent this long (a long prefill, a call being parsed) gets a keep-alive event
+WARNING_HEADER = "x-hetero-warning"  # what the server changed in a request (an image replaced by a placeholder)
 
 
 @dataclass
@@ -87,6 +90,22 @@ class Output:
     def finish(self, o: Outcome) -> list[str]:
         raise NotImplementedError
 
+    def keepalive(self) -> list[str]:
+        """What a silent stream sends every KEEPALIVE_S seconds: an SSE comment, which clients skip."""
+        return [": keep-alive\n\n"]
+
+    def stream_error(self, e: RequestError) -> list[str]:
+        """The events that carry an error once a stream has begun (the SDKs raise on them)."""
+        return [sse(self.error_body(e), self.error_event)]
+
+
+def wants_anthropic(request: Request) -> bool:
+    """Whether a request speaks Anthropic's API: a /v1/messages path, an `anthropic-version` header, or an
+    `x-api-key` without an OpenAI `Authorization: Bearer`."""
+    h = request.headers
+    bearer = h.get("authorization", "").lower().startswith("bearer ")
+    return request.url.path.startswith("/v1/messages") or "anthropic-version" in h or ("x-api-key" in h and not bearer)
+
 
 def sse(data: dict | str, event: str | None = None) -> str:
     """One server-sent event (`data` a JSON object, or raw text such as OpenAI's `[DONE]`)."""
@@ -147,14 +166,16 @@ def endpoint(state: State, parse: Callable[[Parser, dict], Job], output: type[Ou
             job = await anyio.to_thread.run_sync(lambda: parse(state.parser, parse_body(raw)))
         except RequestError as e:
             return output.error(e)
-        return await respond(state.runner, request, job, output(state.model, job))
+        return await respond(state.runner, request, job, output(job.model or state.model, job))
 
     return handle
 
 
 async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Response:
     """Run `job` and answer through `out`: one JSON body, or a stream that starts once the job has (a failure
-    before that is a 4xx/5xx, not a 200 that breaks off); 499 when the client went away first."""
+    before that is a 4xx/5xx, not a 200 that breaks off); 499 when the client went away first. What the server
+    changed in the request (`job.warnings`, images replaced) is logged once and sent in the x-hetero-warning header."""
+    headers = warn(job, out.id)
     if not job.stream:
         try:
             o = await runner.complete(job, request)
@@ -163,7 +184,7 @@ async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Re
         except Exception as e:
             return out.error(failure(e, out.id))
         request.scope[USAGE] = o.usage
-        return JSONResponse(out.body(o))
+        return JSONResponse(out.body(o), headers=headers)
     try:
         items = await runner.stream_started(job, request)
     except Exception as e:
@@ -173,8 +194,10 @@ async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Re
 
     async def events() -> AsyncIterator[str]:
         try:
-            async for item in items:
-                if isinstance(item, Started):
+            async for item in paced(items):
+                if item is None:
+                    sent = out.keepalive()
+                elif isinstance(item, Started):
                     sent = out.start(item)
                 elif isinstance(item, str):
                     sent = out.text(item)
@@ -186,6 +209,47 @@ async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Re
                 for event in sent:
                     yield event
         except Exception as e:  # headers are sent: the error travels as an event (the SDKs raise on it)
-            yield sse(out.error_body(failure(e, out.id)), out.error_event)
+            for event in out.stream_error(failure(e, out.id)):
+                yield event
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def warn(job: Job, rid: str) -> dict[str, str]:
+    """Log what the server changed in `job`'s request (once) and return the response headers that say it."""
+    notes = list(job.warnings)
+    images = job.reply.images if job.reply is not None else []
+    if images:
+        notes.append(f"{len(images)} image(s) omitted ({', '.join(images[:3])}{', ...' if len(images) > 3 else ''}): "
+                     "this model reads text only; a text placeholder stands in their place")
+    if not notes:
+        return {}
+    for note in notes:
+        log.warning("request %s: %s", rid, note)
+    return {WARNING_HEADER: "; ".join(notes).encode("ascii", "replace").decode("ascii")}
+
+
+async def paced(items: AsyncIterator) -> AsyncIterator:
+    """`items`, with None in between whenever KEEPALIVE_S seconds (read at each wait, so tests can lower it)
+    pass without one. Closing this iterator closes `items` (which cancels the job)."""
+    it = items.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait([pending], timeout=KEEPALIVE_S)
+            if not done:
+                yield None
+                continue
+            head, pending = pending, None
+            try:
+                item = head.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()  # runs the stream's own cleanup inside it
+            await asyncio.wait([pending])
+        await it.aclose()

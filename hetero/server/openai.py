@@ -21,11 +21,13 @@ from hetero.tools import Event, Reply
 from hetero.validate import Bound
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")  # a 400 unless neutral
 
 
 def error_body(e: RequestError) -> dict:
     """OpenAI's error object: message, type, param, code."""
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+    kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}.get(
+        e.status, "invalid_request_error")
     kind = "server_error" if e.status >= 500 else kind
     return {"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}}
 
@@ -33,7 +35,8 @@ def error_body(e: RequestError) -> dict:
 def parse_chat(parser: Parser, body: dict) -> Job:
     """A chat completions request -> its Job (the messages through the chat template)."""
     parser.model(body)
-    messages(body, CHAT_ROLES)  # roles and content checked; the template gets toolcalls' conversion of them
+    messages(body, CHAT_ROLES, parser.image_places())  # roles and content checked; the template gets toolcalls' conversion
+    parser.refuse(body, *PENALTIES)
     one_choice(body)
     ids, reply = openai_chat(parser, body)
     job = parser.job(body, ids, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
@@ -55,6 +58,7 @@ def parse_completion(parser: Parser, body: dict) -> Job:
         raise RequestError(400, "'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
     if not isinstance(prompt, (str, list)):
         raise RequestError(400, "'prompt' is required: a string or a list of token ids", "prompt")
+    parser.refuse(body, *PENALTIES, "suffix", "echo")
     one_choice(body)
     job = parser.job(body, parser.encode(prompt, "prompt"), "max_tokens")
     job.stops = stops(body, "stop")

@@ -9,12 +9,15 @@ Parsing runs on a worker thread (the chat template and the tokenizer are slow on
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from hetero.engine import Engine
 from hetero.errors import HeteroError
+from hetero.server.defaults import refuse_unimplemented, sampling_defaults
+from hetero.tools.messages import IMAGE_PARTS, IMAGE_PLACEHOLDER
 from hetero.validate import FRACTION, MIN_P, NONNEG_INT, POSITIVE_INT, SEED, TOP_K, TOP_P, Bound
 
 MAX_STOPS = 16
@@ -52,6 +55,9 @@ class Job:
     json_schema: dict | None = None  # constrain the output to JSON matching this schema
     json_object: bool = False  # constrain the output to a JSON object
     reply: Any = None  # chat routes: a `hetero.server.toolcalls.ChatReply`, how the output splits into reasoning / text / calls
+    model: str | None = None  # the model name the request asked for (replies report it; an alias stays itself)
+    warnings: list[str] = field(default_factory=list)  # sent back in the x-hetero-warning header, and logged
+    context: Any = None  # what one API's output shaper needs from its request (Responses: the input items, the store)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -100,8 +106,9 @@ def stops(body: dict, name: str) -> list[str]:
     return v
 
 
-def content_text(content, where: str) -> str:
-    """Message content (a string, or a list of text parts) -> plain text."""
+def content_text(content, where: str, images: list[str] | None = None) -> str:
+    """Message content (a string, or a list of text parts) -> plain text; image parts become the placeholder
+    (their places appended to `images`), or are refused when `images` is None."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -117,8 +124,12 @@ def content_text(content, where: str) -> str:
             if not isinstance(part.get("text"), str):
                 raise RequestError(400, f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
             out.append(part["text"])
+        elif kind in IMAGE_PARTS and images is not None:
+            images.append(f"{where}[{i}]")
+            out.append(IMAGE_PLACEHOLDER)
         else:
-            raise RequestError(400, f"'{where}[{i}].type' {kind!r} is not supported (text only)", f"{where}[{i}].type")
+            why = "this model reads text only" if kind in IMAGE_PARTS else "text only"
+            raise RequestError(400, f"'{where}[{i}].type' {kind!r} is not supported ({why})", f"{where}[{i}].type")
     return "".join(out)
 
 
@@ -136,9 +147,9 @@ def message_list(body: dict, roles: set[str]) -> list[dict]:
     return msgs
 
 
-def messages(body: dict, roles: set[str]) -> list[dict]:
-    """The `messages` list as {role, content text} dicts, each role one of `roles`."""
-    return [{"role": m["role"], "content": content_text(m.get("content"), f"messages[{i}].content")}
+def messages(body: dict, roles: set[str], images: list[str] | None = None) -> list[dict]:
+    """The `messages` list as {role, content text} dicts, each role one of `roles` (images: see content_text)."""
+    return [{"role": m["role"], "content": content_text(m.get("content"), f"messages[{i}].content", images)}
             for i, m in enumerate(message_list(body, roles))]
 
 
@@ -216,22 +227,40 @@ class Parser:
     """Turns request bodies into Jobs for one engine (its name, tokenizer and context window)."""
 
     def __init__(self, engine: Engine, model_names: set[str], split_fraction: float = 0.0,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, aliases: tuple[tuple[str, str], ...] = (),
+                 reject_images: bool = False):
         if default_max_tokens < 1:
             raise HeteroError(f"--default-max-tokens must be at least 1, got {default_max_tokens}")
         self.engine = engine
         self.model_names = model_names
         self.split_fraction = split_fraction  # the server's --ane-fraction (0: GPU-only)
         self.default_max_tokens = default_max_tokens
+        self.aliases = aliases  # (fnmatch pattern, served name): `hetero serve --model-alias PATTERN=NAME`
+        self.reject_images = reject_images  # `--reject-images`: an image part is a 400, not a placeholder
+        self.defaults = sampling_defaults(engine.path)  # what a request that omits a sampling field gets
 
-    def model(self, body: dict) -> None:
-        """`model` must name the served model (404 otherwise)."""
+    def model(self, body: dict) -> str:
+        """The `model` the request names: a served name or one an alias pattern matches (404 otherwise)."""
         name = body.get("model")
         if not isinstance(name, str):
             raise RequestError(400, "'model' is required and must be a string", "model")
-        if name not in self.model_names:
-            raise RequestError(404, f"model {name!r} is not served here; GET /v1/models lists {sorted(self.model_names)}",
+        if name not in self.model_names and not any(fnmatch.fnmatchcase(name, p) for p, _ in self.aliases):
+            aliases = f" or a name matching {[p for p, _ in self.aliases]}" if self.aliases else ""
+            raise RequestError(404, f"model {name!r} is not served here; GET /v1/models lists {sorted(self.model_names)}"
+                               f"{aliases}; send one of those or start the server with --model-alias PATTERN=NAME",
                                "model", "model_not_found")
+        return name
+
+    def image_places(self) -> list[str] | None:
+        """A list that message conversion fills with the places of image parts it replaced by a placeholder, or
+        None under --reject-images (an image part is then refused)."""
+        return None if self.reject_images else []
+
+    def refuse(self, body: dict, *names: str) -> None:
+        """A 400 naming the first of `names` the body sets to a value the engine does not implement yet."""
+        refused = refuse_unimplemented(body, names)
+        if refused is not None:
+            raise RequestError(400, refused[1], refused[0], "unsupported_parameter")
 
     def encode(self, prompt: str | list[int], param: str) -> list[int]:
         """Prompt text or token ids -> token ids that fit the context window (a 400 naming `param` if not)."""
@@ -260,9 +289,12 @@ class Parser:
         mtp = boolean(body, "mtp", None)
         if mtp and not self.engine.model.has_mtp:
             raise RequestError(400, "'mtp': this model has no MTP head", "mtp")
+        d = self.defaults
         return Job(
-            ids=ids, max_tokens=min(max_tokens, room), temperature=number(body, "temperature", 0.0, OPENAI_TEMPERATURE),
-            top_p=number(body, "top_p", 1.0, TOP_P), top_k=integer(body, "top_k", 0, TOP_K),
-            min_p=number(body, "min_p", 0.0, MIN_P), seed=integer(body, "seed", None, SEED),
+            ids=ids, max_tokens=min(max_tokens, room),
+            temperature=number(body, "temperature", d["temperature"], OPENAI_TEMPERATURE),
+            top_p=number(body, "top_p", d["top_p"], TOP_P), top_k=integer(body, "top_k", d["top_k"], TOP_K),
+            min_p=number(body, "min_p", d["min_p"], MIN_P), seed=integer(body, "seed", None, SEED),
             stream=bool(boolean(body, "stream", False)), mtp=mtp, ane_fraction=fraction,
+            model=body.get("model") if isinstance(body.get("model"), str) else None,
         )

@@ -9,7 +9,8 @@ piece for a stream. Without a think block or calls in the output, the reply is t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import logging
 from typing import Any
 
 from hetero.errors import HeteroError
@@ -18,6 +19,8 @@ from hetero.tools import (
     CallArgs, CallEnd, CallStart, Event, Reasoning, Reply, ReplyParser, Text, anthropic_messages, anthropic_tools,
     forced_prefix, normalize_choice, openai_messages, openai_tools,
 )
+
+log = logging.getLogger("hetero.server")
 
 
 @dataclass
@@ -30,6 +33,7 @@ class ChatReply:
     parallel: bool = True  # False: only the first call is kept, and the generation ends with it
     mark: int | None = None  # prompt tokens before the generation prompt (`transcript_end`)
     only: str | None = None  # the function a tool_choice names: a call to another is returned as text
+    images: list[str] = field(default_factory=list)  # where image parts were replaced by a placeholder
 
     def parser(self) -> "ReplyStream":
         return ReplyStream(self)
@@ -76,8 +80,10 @@ def _tools_or_400(convert, tools: Any) -> list[dict] | None:
 
 
 def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: Any, template_kwargs: dict,
-           parallel: bool) -> tuple[list[int], ChatReply]:
-    """Template messages and tools -> the prompt's token ids and how to parse the reply."""
+           parallel: bool, continue_final: bool = False) -> tuple[list[int], ChatReply]:
+    """Template messages and tools -> the prompt's token ids and how to parse the reply. With `continue_final`
+    (a conversation ending with an assistant message that has text) the prompt ends inside that message, so the
+    reply continues its text instead of opening a new turn."""
     tokenizer = parser.engine.tokenizer
     try:
         mode = normalize_choice(choice, tools)
@@ -85,14 +91,54 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
         raise RequestError(400, str(e), "tool_choice") from None
     shown = tools if mode not in (None, "none") else None
     try:
-        prompt = tokenizer.apply_chat_template(msgs, tools=shown, add_generation_prompt=True, **template_kwargs)
+        msgs = renderable(tokenizer, msgs, shown, template_kwargs)
+        prompt = continued(tokenizer, msgs, shown, template_kwargs) if continue_final else \
+            tokenizer.apply_chat_template(msgs, tools=shown, add_generation_prompt=True, **template_kwargs)
     except HeteroError as e:
         raise RequestError(400, str(e), "messages") from None
     forced = forced_prefix(mode, prompt, tokenizer.chat_template)
     ids = parser.encode(prompt + forced, "messages")
-    mark = transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids)
+    mark = None if continue_final else transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids)
     only = mode if mode not in (None, "auto", "none", "required") else None
     return ids, ChatReply(prompt, shown, forced, parallel, mark, only)
+
+
+SYSTEM_AS_USER = "[system message]\n"  # heads a later system message the template refuses to place mid-conversation
+
+
+def renderable(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kwargs: dict) -> list[dict]:
+    """`msgs` as the template accepts them. System messages after the first turn (Claude Code sends them; Codex's
+    developer items follow its instructions) stay where they stand when the template renders them there; a template
+    that refuses them (Qwen: "System message must be at the beginning") gets the leading run of system messages
+    joined into one, and each later one as a user turn headed SYSTEM_AS_USER."""
+    if not any(m.get("role") == "system" for m in msgs[1:]):
+        return msgs
+    try:
+        tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, **template_kwargs)
+        return msgs
+    except HeteroError:
+        pass
+    lead = 0
+    while lead < len(msgs) and msgs[lead].get("role") == "system":
+        lead += 1
+    head = [{"role": "system", "content": "\n\n".join(m["content"] for m in msgs[:lead])}] if lead else []
+    rest = [{"role": "user", "content": SYSTEM_AS_USER + m["content"]} if m.get("role") == "system" else m
+            for m in msgs[lead:]]
+    log.info("the chat template refuses system messages after the first turn: %d sent as user turns",
+             sum(m.get("role") == "system" for m in msgs[lead:]))
+    return head + rest
+
+
+def continued(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kwargs: dict) -> str:
+    """The prompt that ends inside the final (assistant) message, right after its text: the conversation rendered
+    whole, cut after the last place that text appears (the template's end-of-turn marker and what follows go)."""
+    full = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=False, **template_kwargs)
+    final = msgs[-1]["content"].rstrip()  # Qwen templates trim a message's text
+    at = full.rfind(final)
+    if not final or at < 0:
+        raise HeteroError("the final assistant message cannot be continued: the chat template does not write its "
+                          "text as sent; end the conversation with a user message")
+    return full[: at + len(final)]
 
 
 def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kwargs: dict, prompt: str,
@@ -113,8 +159,9 @@ def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, templa
 
 def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     """An OpenAI chat request's messages, tools, tool_choice, parallel_tool_calls and chat_template_kwargs."""
+    images = parser.image_places()
     try:
-        msgs = openai_messages(body["messages"])
+        msgs = openai_messages(body["messages"], images)
     except HeteroError as e:
         raise RequestError(400, str(e), "messages") from None
     kwargs = body.get("chat_template_kwargs") or {}
@@ -123,28 +170,38 @@ def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
     tools = _tools_or_400(openai_tools, body.get("tools"))
     parallel = bool(boolean(body, "parallel_tool_calls", True))
-    return render(parser, msgs, tools, body.get("tool_choice"), kwargs, parallel)
+    ids, reply = render(parser, msgs, tools, body.get("tool_choice"), kwargs, parallel)
+    reply.images = images or []
+    return ids, reply
 
 
 def anthropic_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     """An Anthropic messages request's system, messages, tools, tool_choice and thinking.
 
-    `thinking: {"type": "enabled"}` / `{"type": "disabled"}` set the template's enable_thinking; without it the
-    checkpoint's own default holds (Qwen3.5 / 3.6 think by default)."""
+    `thinking: {"type": "enabled"}` / `{"type": "disabled"}` set the template's enable_thinking; `adaptive` (the
+    model decides) and no `thinking` leave the checkpoint's own default (Qwen3.5 / 3.6 think by default). A
+    conversation that ends with an assistant message with text is continued, not answered in a new turn."""
+    images = parser.image_places()
     try:
-        msgs = anthropic_messages(message_list(body, {"user", "assistant"}), body.get("system"))
+        msgs = anthropic_messages(message_list(body, {"user", "assistant", "system"}), body.get("system"), images)
     except HeteroError as e:
         raise RequestError(400, str(e), "system" if str(e).startswith("system") else "messages") from None
     kwargs = {}
     thinking = body.get("thinking")
     if thinking is not None:
-        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
-            raise RequestError(400, "'thinking' must be {\"type\": \"enabled\" | \"disabled\", ...}", "thinking")
-        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise RequestError(400, "'thinking' must be {\"type\": \"enabled\" | \"disabled\" | \"adaptive\", ...}",
+                               "thinking")
+        if thinking["type"] != "adaptive":
+            kwargs["enable_thinking"] = thinking["type"] == "enabled"
     tools = _tools_or_400(anthropic_tools, body.get("tools"))
     choice = body.get("tool_choice")
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
-    return render(parser, msgs, tools, choice, kwargs, parallel)
+    last = msgs[-1]
+    continue_final = last["role"] == "assistant" and bool(last["content"].strip()) and not last.get("tool_calls")
+    ids, reply = render(parser, msgs, tools, choice, kwargs, parallel, continue_final)
+    reply.images = images or []
+    return ids, reply
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,21 +14,41 @@ from typing import Any
 from hetero.errors import HeteroError
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, None, or a list of text parts / blocks (other parts refused)."""
+TEXT_PARTS = {"text", "input_text", "output_text"}  # chat, Responses input and Responses output text parts
+IMAGE_PARTS = {"image_url", "image", "input_image"}  # OpenAI chat, Anthropic, Responses
+IMAGE_PLACEHOLDER = "[an image was omitted here: this model reads text only]"
+
+
+def _text(content: Any, where: str, images: list[str] | None = None) -> str:
+    """A message's content as text: a string, None, or a list of text parts / blocks.
+
+    Image parts become IMAGE_PLACEHOLDER, their place appended to `images`; with `images=None` (strict) an image
+    is refused, as is any other kind of part."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise HeteroError(f"{where}: content part of type {kind!r} is not supported (text only)")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = kind if isinstance(kind, str) else repr(kind)
+            if kind in IMAGE_PARTS and images is not None:
+                images.append(f"{where}[{j}]")
+                parts.append(IMAGE_PLACEHOLDER)
+                continue
+            if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+                why = "this model reads text only" if kind in IMAGE_PARTS else "text only"
+                raise HeteroError(f"{where}: content part of type {kind!r} is not supported ({why})")
             parts.append(part["text"])
         return "".join(parts)
     raise HeteroError(f"{where}: content must be a string or a list of text parts")
+
+
+def text_of(content: Any, where: str, images: list[str] | None = None) -> str:
+    """Content (a string, None or a list of parts) -> text; image parts become IMAGE_PLACEHOLDER and are listed in
+    `images`, or refused when `images` is None."""
+    return _text(content, where, images)
 
 
 def _arguments(value: Any, where: str) -> dict:
@@ -52,13 +72,14 @@ def _call(call_id: Any, name: Any, arguments: dict, where: str) -> dict:
     return call
 
 
-def openai_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI chat messages -> template messages (developer -> system, JSON-string arguments -> dicts)."""
+def openai_messages(messages: list[dict], images: list[str] | None = None) -> list[dict]:
+    """OpenAI chat messages -> template messages (developer -> system, JSON-string arguments -> dicts); image parts
+    as `_text` treats them (listed in `images`, or refused when it is None)."""
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = "system" if m.get("role") == "developer" else m.get("role")
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where)}
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where, images)}
         if role == "assistant":
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
@@ -80,8 +101,12 @@ def openai_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def anthropic_messages(messages: list[dict], system: Any = None) -> list[dict]:
+def anthropic_messages(messages: list[dict], system: Any = None, images: list[str] | None = None) -> list[dict]:
     """Anthropic messages (+ top-level system) -> template messages.
+
+    `system` may be a string or a list of text blocks (their `cache_control` is the client's caching hint: the
+    prefix cache needs none); a `role: "system"` message stays where it stands. Image blocks, also inside a
+    `tool_result`, become a placeholder listed in `images` (refused when `images` is None).
 
     A user turn's `tool_result` blocks become `role: "tool"` messages (before the turn's own text, as the API
     puts results first); an assistant turn's `thinking` blocks become reasoning_content and its `tool_use`
@@ -89,20 +114,21 @@ def anthropic_messages(messages: list[dict], system: Any = None) -> list[dict]:
     """
     out: list[dict] = []
     if system:
-        out.append({"role": "system", "content": _text(system, "system")})
+        out.append({"role": "system", "content": _text(system, "system", images)})
     for i, m in enumerate(messages):
         where, role, content = f"messages[{i}]", m.get("role"), m.get("content")
-        if isinstance(content, str) or content is None:
-            out.append({"role": role, "content": content or ""})
+        if isinstance(content, str) or content is None or role == "system":
+            out.append({"role": role, "content": _text(content, where + ".content", images)})
             continue
         if not isinstance(content, list):
             raise HeteroError(f"{where}.content must be a string or a list of blocks")
         text, reasoning, calls = [], [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
+            kind = kind if isinstance(kind, str) else None
             here = f"{where}.content[{j}]"
-            if kind == "text":
-                text.append(_text([block], here))
+            if kind == "text" or kind in IMAGE_PARTS:
+                text.append(_text([block], here, images))
             elif kind == "thinking" and role == "assistant":
                 reasoning.append(str(block.get("thinking", "")))
             elif kind == "redacted_thinking":
@@ -110,7 +136,7 @@ def anthropic_messages(messages: list[dict], system: Any = None) -> list[dict]:
             elif kind == "tool_use" and role == "assistant":
                 calls.append(_call(block.get("id"), block.get("name"), _arguments(block.get("input", {}), here), here))
             elif kind == "tool_result" and role == "user":
-                result = _text(block.get("content"), here)
+                result = _text(block.get("content"), here, images)
                 out.append({"role": "tool", "content": ("Error: " + result) if block.get("is_error") else result,
                             "tool_call_id": block.get("tool_use_id")})
             else:
