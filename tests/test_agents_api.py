@@ -261,3 +261,14 @@ def test_unimplemented_fields_are_a_400_naming_them(oai, model, route, field, va
     assert e.value.body["param"] == field and field in e.value.body["message"]
     neutral = {"logit_bias": {}, "repetition_penalty": 1, "suffix": "", "echo": False}.get(field, 0)
     assert call(model=model, max_tokens=1, **body, extra_body={field: neutral}).usage.completion_tokens == 1
+
+
+def test_serve_flags_reach_the_settings():
+    from hetero.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model-alias", "claude-*=m", "--model-alias", "gpt-?=m",
+                                      "--reject-images"])
+    settings = ServerSettings.from_args(args)
+    assert settings.aliases == (("claude-*", "m"), ("gpt-?", "m")) and settings.reject_images
+    plain = ServerSettings.from_args(build_parser().parse_args(["serve"]))
+    assert plain.aliases == () and not plain.reject_images
