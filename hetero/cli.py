@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dist-timeout", type=POSITIVE, default=60.0, metavar="S",
                        help="under mlx.launch (layers split across ranks, rank 0 serving HTTP): seconds without "
                        "progress from the other ranks during a request (or to connect) before a rank stops with an error")
+    serve.add_argument("--model-alias", action="append", metavar="PATTERN=NAME",
+                       help="serve requests whose 'model' matches PATTERN (shell wildcards, e.g. 'claude-*') with the "
+                            "model NAME; replies report the name asked (repeatable)")
+    serve.add_argument("--reject-images", action="store_true",
+                       help="refuse an image in a text-only model's conversation with a 400 (default: a text "
+                            "placeholder stands in for it, with an x-hetero-warning header)")
 
     plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
     plan.set_defaults(func=cmd_plan)
