@@ -15,7 +15,9 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from test_server import LiveServer
-from tool_model import FINAL_ANSWER, MATH_ANSWER, MATH_REASONING, MATH_REQUEST, TOOLS, WEATHER_ARGS, WEATHER_REQUEST, WEATHER_RESULT
+from tool_model import (
+    FINAL_ANSWER, MATH_ANSWER, MATH_REASONING, MATH_REQUEST, TOOLS, WEATHER_ARGS, WEATHER_REQUEST, WEATHER_RESULT,
+)
 
 import hetero
 from hetero.server.requests import Parser
@@ -131,7 +133,8 @@ def test_function_call_round_trip_through_previous_response_id(oai, model):
     (call,) = first.output
     assert call.type == "function_call" and call.name == NAME and json.loads(call.arguments) == WEATHER_ARGS
     final = oai.responses.create(model=model, previous_response_id=first.id, tools=FUNCTION_TOOLS, max_output_tokens=64,
-                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": WEATHER_RESULT}])
+                                 input=[{"type": "function_call_output", "call_id": call.call_id,
+                                         "output": WEATHER_RESULT}])
     assert final.output_text == FINAL_ANSWER and final.previous_response_id == first.id
 
 
@@ -158,7 +161,8 @@ def test_unknown_previous_response_id_is_a_404_naming_the_field(server, model):
 def test_codex_shaped_request_completes(server, model, caplog):
     body = {
         "model": model, "instructions": "You are a coding agent.", "stream": True, "store": False,
-        "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
+        "input": [{"type": "message", "role": "developer",
+                   "content": [{"type": "input_text", "text": "sandbox: none"}]},
                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": WEATHER_REQUEST}]}],
         "tools": FUNCTION_TOOLS + [{"type": "web_search"}, {"type": "custom", "name": "apply_patch", "format": {}}],
         "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},

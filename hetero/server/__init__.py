@@ -16,7 +16,7 @@ Modules, in the order a request meets them:
   responses.py  OpenAI Responses, request side: input items -> chat messages, the ResponseStore
   responses_output.py  OpenAI Responses, output side: the response object and its event stream
   anthropic.py  Anthropic messages: parse_messages, MessagesOutput, count_tokens, the models page
-  toolcalls.py  messages, tools and tool_choice through the chat template; the reply parsed into text / reasoning / calls
+  toolcalls.py  messages, tools and tool_choice through the chat template; the reply split into text, reasoning, calls
   runner.py     the Runner: jobs on worker threads taking turns on the model (Started, text, Outcome)
   stops.py      exact stop strings over streamed text
 """

@@ -24,7 +24,8 @@ from hetero.server.requests import ANTHROPIC_TEMPERATURE, Job, Parser, RequestEr
 from hetero.server.runner import Outcome, Started
 from hetero.server.toolcalls import AnthropicBlocks, anthropic_chat, anthropic_content
 
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}  # others: invalid_request_error
+# by status; any other 4xx is an invalid_request_error
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
 
 
 def error_body(e: RequestError) -> dict:

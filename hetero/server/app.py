@@ -139,7 +139,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
     names = {engine.name} | s.model_names
     for pattern, name in s.aliases:
         if name not in names:
-            raise HeteroError(f"--model-alias {pattern}={name}: {name!r} is not served here; use one of {sorted(names)}")
+            raise HeteroError(f"--model-alias {pattern}={name}: {name!r} is not served here; use one of "
+                              f"{sorted(names)}")
     runner = Runner(engine, split, s.max_concurrent, s.prefill_chunk, s.decode_share, s.max_batch, s.draft_depth)
     parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, s.default_max_tokens,
                     s.aliases, s.reject_images)

@@ -31,7 +31,7 @@ from typing import Any
 from hetero.errors import HeteroError
 from hetero.server.openai import parse_response_format
 from hetero.server.requests import Job, Parser, RequestError, boolean
-from hetero.server.toolcalls import _tools_or_400, render
+from hetero.server.toolcalls import checked_tools, render
 from hetero.tools import openai_messages, openai_tools
 from hetero.tools.messages import text_of
 
@@ -89,7 +89,8 @@ def parse_responses(store: ResponseStore) -> Callable[[Parser, dict], Job]:
             if stored is None:
                 raise RequestError(404, f"previous response {previous!r} is not stored here (unknown id, sent with "
                                    f"store: false, or one of more than {store.size} older ones); send the whole "
-                                   "conversation in 'input' instead", "previous_response_id", "previous_response_not_found")
+                                   "conversation in 'input' instead", "previous_response_id",
+                                   "previous_response_not_found")
             items = stored + items
         images = parser.image_places()
         msgs = chat_messages(items, images)
@@ -227,7 +228,7 @@ def function_tools(tools: Any) -> tuple[list[dict] | None, list[dict]]:
             for t in kept]
     echo = [{"type": "function", "name": t.get("name"), "description": t.get("description"),
              "parameters": t.get("parameters"), "strict": t.get("strict")} for t in kept]
-    return _tools_or_400(openai_tools, chat), echo
+    return checked_tools(openai_tools, chat), echo
 
 
 def tool_choice(choice: Any) -> Any:

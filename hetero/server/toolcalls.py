@@ -70,7 +70,8 @@ class ReplyStream:
         return out
 
 
-def _tools_or_400(convert, tools: Any) -> list[dict] | None:
+def checked_tools(convert, tools: Any) -> list[dict] | None:
+    """`convert(tools)` (a list, or None), its HeteroError a 400 naming `tools`."""
     if tools is not None and not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list", "tools")
     try:
@@ -168,7 +169,7 @@ def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise RequestError(400, "'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
-    tools = _tools_or_400(openai_tools, body.get("tools"))
+    tools = checked_tools(openai_tools, body.get("tools"))
     parallel = bool(boolean(body, "parallel_tool_calls", True))
     ids, reply = render(parser, msgs, tools, body.get("tool_choice"), kwargs, parallel)
     reply.images = images or []
@@ -194,7 +195,7 @@ def anthropic_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
                                "thinking")
         if thinking["type"] != "adaptive":
             kwargs["enable_thinking"] = thinking["type"] == "enabled"
-    tools = _tools_or_400(anthropic_tools, body.get("tools"))
+    tools = checked_tools(anthropic_tools, body.get("tools"))
     choice = body.get("tool_choice")
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
     last = msgs[-1]
