@@ -1,4 +1,4 @@
-"""Batched decoding (hetero.batch) against round-robin turns, with 1, 2, 4 and 8 concurrent greedy requests.
+"""Batched decoding (hetero.decode.stepper) against round-robin turns, with 1, 2, 4 and 8 concurrent greedy requests.
 
     python bench/batched.py                          # both models; JSON under bench/results/batched.json
     python bench/batched.py --models bundled --batch-sizes 1 2 --tokens 4 --repeats 1   # a smoke run
@@ -17,7 +17,7 @@ and that over its tokens). Greedy outputs of the two must be identical, request 
 with status 1 after writing its results. Each contender first runs once at full length untimed (every shape it meets is
 compiled then); the contenders alternate within each repeat; medians over repeats.
 
---part attention times the attention layouts alone (the choice hetero.batch made): per-request attention over
+--part attention times the attention layouts alone (the choice hetero.decode.stepper made): per-request attention over
 each request's own KV, against one padded call over all requests' KV with a mask, with and without the copy that
 gathering per-request caches into the padded layout costs every step.
 
@@ -42,14 +42,14 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkpoints import LARGE, checkpoint  # noqa: E402
-from hetero.batch import Batch  # noqa: E402
+from hetero.decode.stepper import Batch  # noqa: E402
 from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.engine import load  # noqa: E402
-from hetero.generate import generate_tokens  # noqa: E402
+from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.measure import median_seconds  # noqa: E402
 from hetero.models.qwen3_5 import Model, ModelArgs  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
-from hetero.speculative import mtp_generate_tokens  # noqa: E402
+from hetero.decode.solo import decode_tokens  # noqa: E402
 
 GREEDY = SamplingParams()
 
@@ -77,8 +77,8 @@ def batched(model, prompts: list[list[int]], tokens: int, depth: int) -> dict:
 def round_robin(model, prompts: list[list[int]], tokens: int, depth: int) -> dict:
     def gen(p):
         if depth == 0:
-            return generate_tokens(model, p, Sampler(GREEDY), tokens, set())
-        return mtp_generate_tokens(model, p, Sampler(GREEDY), tokens, set(), depth=depth, copy=False)
+            return decode_tokens(model, p, Sampler(GREEDY), tokens, set())
+        return decode_tokens(model, p, Sampler(GREEDY), tokens, set(), depth=depth, copy=False)
 
     gens = [gen(p) for p in prompts]
     outputs = [[next(g)] for g in gens]  # prefill and first token, before the clock starts

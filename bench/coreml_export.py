@@ -54,7 +54,7 @@ def bench_bundled(work: Path, chunk: int, context: int) -> dict:
     from hetero.export import export_coreml
     from hetero.backends.accuracy import compare
     from hetero.backends.reference_prefill import prefill_with_attention_programs
-    from hetero.generate import prefill
+    from hetero.decode.prefill import prefill
     from hetero.loader import BUNDLED_MODEL, load_model
 
     if not (BUNDLED_MODEL / "config.json").is_file():

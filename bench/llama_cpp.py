@@ -272,7 +272,8 @@ def worker() -> None:
     import numpy as np
 
     from hetero.engine import DEFAULT_DRAFT_DEPTH, load
-    from hetero.generate import DecodeTimes, generate_tokens
+    from hetero.decode.records import DecodeTimes
+    from hetero.decode.solo import decode_tokens
     from hetero.sampling import Sampler, SamplingParams
     from hetero.settings import PLAIN, tuned_depth
 
@@ -288,12 +289,12 @@ def worker() -> None:
         res = {"prefill_tps": {}}
         for n in PROMPT_LENGTHS:
             times = DecodeTimes()
-            for _ in generate_tokens(model, rng.integers(3, vocab, n).tolist(), Sampler(SamplingParams()), 1, set(),
+            for _ in decode_tokens(model, rng.integers(3, vocab, n).tolist(), Sampler(SamplingParams()), 1, set(),
                                      times=times):
                 pass
             res["prefill_tps"][str(n)] = times.prefill_tps
         times = DecodeTimes()
-        for _ in generate_tokens(model, rng.integers(3, vocab, 1).tolist(), Sampler(SamplingParams()), DECODE_TOKENS,
+        for _ in decode_tokens(model, rng.integers(3, vocab, 1).tolist(), Sampler(SamplingParams()), DECODE_TOKENS,
                                  set(), times=times):
             pass
         res["decode_tps"] = times.decode_tps

@@ -34,10 +34,12 @@ from bench.checkpoints import checkpoint  # noqa: E402
 from converters.tokenizer_train import load_corpus  # noqa: E402
 from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.engine import Engine, load  # noqa: E402
-from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
+from hetero.decode.records import DecodeTimes  # noqa: E402
+from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.measure import median_seconds  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
-from hetero.speculative import Decoder, start  # noqa: E402
+from hetero.decode.rows import Round  # noqa: E402
+from hetero.decode.stepper import Batch  # noqa: E402
 
 PUBLISHED_RATES = (0.95, 0.88, 0.80)  # acceptance by depth reported for a real 27B Qwen3.5 MTP head
 
@@ -101,27 +103,41 @@ def bundled_part(args: argparse.Namespace) -> dict:
             "greedy_identical_to_plain": not differ, "differing_settings": differ}
 
 
-def forced_tps(decoder: Decoder, sampler: Sampler, depth: int, rates: tuple[float, ...], rounds: int, rng) -> float:
-    """Tokens/s when draft i is kept with the conditional probability that makes acceptance_by_depth == rates."""
-    emitted, t0 = 0, time.perf_counter()
-    for _ in range(rounds):
-        drafts, _, _ = decoder.propose(depth, 0, sampler)
-        target, hidden = decoder.verify(drafts)
-        mx.eval(target)
+class Forced(Batch):
+    """The stepper with its acceptance forced: draft i is kept with the conditional probability that makes
+    acceptance_by_depth == `rates`, and the next token is the target's argmax after the kept drafts. `drafts`, when
+    set, replaces the MTP head's proposals (a verify pass alone). Every other step is the stepper's own."""
+
+    def __init__(self, model, rates: tuple[float, ...], rng, drafts: list[int] | None = None):
+        super().__init__(model, max_batch=1)
+        self.rates, self.rng, self.drafts = rates, rng, drafts
+
+    def _propose(self, rows, plans):
+        return super()._propose(rows, plans) if self.drafts is None else Round([list(self.drafts)], [None], [False])
+
+    def _accept(self, rows, rnd, target):
         accepted = 0
-        for i in range(depth):
-            keep = rates[i] / (rates[i - 1] if i else 1.0)
-            if rng.random() >= keep:
+        for i in range(len(rnd.drafts[0])):
+            keep = self.rates[i] / (self.rates[i - 1] if i else 1.0) if self.rates[i] else 0.0
+            if self.rng.random() >= keep:
                 break
             accepted += 1
-        decoder.commit(drafts, hidden, accepted, int(mx.argmax(target[accepted]).item()), mtp_ran=True)
-        emitted += accepted + 1
-    return emitted / (time.perf_counter() - t0)
+        rnd.accepted, rnd.next = [accepted], [int(mx.argmax(target[0, accepted]).item())]
+
+
+def forced_tps(model, prompt: list[int], depth: int, rates: tuple[float, ...], rounds: int, rng) -> float:
+    """Tokens/s of `rounds` stepper rounds at `depth` under forced acceptance (`Forced`)."""
+    batch = Forced(model, rates, rng)
+    row = batch.join(prompt, Sampler(SamplingParams()), 10**6, set(), depth)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        batch.step()
+    return (len(row.tokens) - 1) / (time.perf_counter() - t0)
 
 
 def _plain_decode_tps(model, prompt: list[int], sampler: Sampler) -> float:
     times = DecodeTimes()
-    for _ in generate_tokens(model, prompt, sampler, 33, set(), times=times):
+    for _ in decode_tokens(model, prompt, sampler, 33, set(), times=times):
         pass
     return times.decode_tps
 
@@ -147,33 +163,26 @@ def large_part(args: argparse.Namespace) -> dict:
     sampler = Sampler(SamplingParams())
     prompt = np.random.default_rng(0).integers(3, model.args.vocab_size, 512).tolist()
 
-    def fresh() -> Decoder:
-        return start(model, prompt, sampler, copy=False)
-
     # a plain decode step, as plain decoding runs it (median over repeats of 32-token decodes)
     plain_tps = statistics.median(
         _plain_decode_tps(model, prompt, sampler) for _ in range(args.repeats + 1)
     )
     plain_s = 1.0 / plain_tps
     verify_cost = {}
-    for k in (1, 2, 3, 4):
-        d = fresh()
-
-        def verify_round(d=d, k=k):
-            drafts = [3] * k
-            target, hidden = d.verify(drafts)
-            mx.eval(target)
-            d.commit(drafts, hidden, 0, int(mx.argmax(target[0]).item()), mtp_ran=False)
-
-        verify_cost[k + 1] = median_seconds(verify_round, args.repeats * 3) / plain_s
-    d = fresh()
-    d.propose(1, 0, sampler)  # catch the MTP head up so the next steps are single-token draft steps
+    for k in (1, 2, 3, 4):  # a stepper round over [x, k fixed drafts], none kept: one verify pass and its commit
+        batch = Forced(model, (0.0,) * k, np.random.default_rng(0), drafts=[3] * k)
+        batch.join(prompt, sampler, 10**6, set(), k)
+        verify_cost[k + 1] = median_seconds(batch.step, args.repeats * 3) / plain_s
+    batch = Forced(model, (0.0,), np.random.default_rng(0))
+    row = batch.join(prompt, sampler, 10**6, set(), 1)
+    batch._draft([row], [1])  # catch the MTP head up so the next steps are single-token draft steps
+    mtp_cache = row.decoder.mtp_cache
     z = mx.zeros((1, 1, model.args.hidden_size))
 
     def draft_step():
-        out = model.mtp_hidden(mx.array([[5]]), z, d.mtp_cache)
+        out = model.mtp_hidden(mx.array([[5]]), z, mtp_cache)
         mx.eval(model.logits(out))
-        for c in d.mtp_cache:
+        for c in mtp_cache:
             c.trim_to(c.offset - 1)
 
     draft_cost = median_seconds(draft_step, args.repeats * 5) / plain_s
@@ -184,7 +193,7 @@ def large_part(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     curve = []
     for rates in [PUBLISHED_RATES, (0.9, 0.75, 0.6), (0.8, 0.6, 0.4), (0.6, 0.35, 0.2), (0.3, 0.1, 0.03), (0.0, 0.0, 0.0)]:
-        tps = forced_tps(fresh(), sampler, 3, rates, args.forced_rounds, rng)
+        tps = forced_tps(model, prompt, 3, rates, args.forced_rounds, rng)
         curve.append({"rates": rates, "mean_accepted_length": 1 + sum(rates), "tps": tps, "speedup": tps / plain_tps})
         print(f"large forced acceptance {rates}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x plain", flush=True)
     return {"plain_step_s": plain_s, "plain_tps": plain_tps, "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost,

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
 from hetero.cache import cache_arrays, expect_positions  # noqa: E402
 from hetero.errors import HeteroError  # noqa: E402
-from hetero.generate import chunk_edges, mtp_pairs  # noqa: E402
+from hetero.decode.prefill import chunk_edges, mtp_pairs  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 from hetero.planner.hosts import split_layers  # noqa: E402
 

@@ -27,7 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
-from hetero.generate import DecodeTimes, generate_tokens  # noqa: E402
+from hetero.decode.records import DecodeTimes  # noqa: E402
+from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 from hetero.sampling import Sampler, SamplingParams  # noqa: E402
 
@@ -42,7 +43,7 @@ ROUTING_NEAR_TIES = "an MoE router near-tie flipped by rounding, not an error; s
 def run_hetero(model, prompt: list[int], decode_tokens: int) -> tuple[float, float, list[int]]:
     """(prefill tok/s, decode tok/s, the greedy tokens)."""
     times = DecodeTimes()
-    tokens = list(generate_tokens(model, prompt, Sampler(SamplingParams()), decode_tokens, set(), times=times))
+    tokens = list(decode_tokens(model, prompt, Sampler(SamplingParams()), decode_tokens, set(), times=times))
     return times.prefill_tps, times.decode_tps, tokens
 
 

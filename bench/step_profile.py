@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.checkpoints import checkpoint  # noqa: E402
 from hetero.cache import KVCache, cache_arrays  # noqa: E402
-from hetero.generate import prefill  # noqa: E402
+from hetero.decode.prefill import prefill  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 
 

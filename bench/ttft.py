@@ -83,7 +83,7 @@ def contenders(engine, fractions: dict[str, tuple[float, tuple[str, ...]]], n: i
     `fractions`: name -> (fraction, the piece kinds that take it)."""
     import mlx.core as mx
 
-    from hetero.generate import prefill
+    from hetero.decode.prefill import prefill
     from hetero.pipeline import configure
 
     ids = prompt_ids(n)

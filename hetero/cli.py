@@ -10,7 +10,7 @@ import sys
 from hetero import __version__, distributed
 from hetero.errors import HeteroError, internal_error
 from hetero.settings import DEFAULT_DRAFT_DEPTH
-from hetero.speculative import DEPTH
+from hetero.decode.depth import DEPTH
 from hetero.validate import (
     GPU_ONLY, MIN_P, NONNEG, PORT, POSITIVE, POSITIVE_INT, SEED, TEMPERATURE, TOP_K, TOP_P, AneSplit, Bound,
     ane_split_arg, check_config, decode_utf8, read_prompt,
@@ -280,7 +280,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         copy=not args.no_copy,
         on_text=None if args.json else write,
         progress=ProgressBar("prefill"),
-        prefill_with=split.prefill_with if split is not None else None,
+        split=split,
     )
     extra, status = {"blas": hetero.blas.describe()}, 0  # the BLAS under MLX: what CPU speed depends on
     if split is not None:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,19 +16,24 @@ import numpy as np
 
 from hetero.calibrate import calibrate
 from hetero.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
+from hetero.decode.depth import decode_depth
+from hetero.decode.prefill import prefill
+from hetero.decode.records import DecodeTimes, MTPStats, Trace
+from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
+from hetero.decode.solo import decode_tokens
+from hetero.decode.state import Decoder
 from hetero.errors import HeteroError
 from hetero.fingerprint import weights_fingerprint
-from hetero.generate import DecodeTimes, ProgressFn, Trace, generate_tokens, prefill
 from hetero.loader import load_model
 from hetero.logprobs import LogprobRecorder, TokenLogprob
+from hetero.mlx_lm_cache import check_layout, from_mlx_lm
 from hetero.models.qwen3_5 import Model
+from hetero.planner import check_prompt_fits
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
 from hetero.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
-from hetero.speculative import Decoder, MTPStats, decode_depth, mtp_generate_tokens
 from hetero.tokenizer import Tokenizer
 from hetero.wired import wire_working_set
-
 
 
 @dataclass
@@ -107,8 +112,6 @@ class Engine:
             raise HeteroError(
                 f"the prompt has {len(ids)} tokens{cached} but the model's context window is {self.max_context}; shorten it"
             )
-        from hetero.planner import check_prompt_fits  # the memory governor's window (shared/DESIGN.md section 7)
-
         check_prompt_fits(self.model, held + len(ids), self.memory_gb)
         return ids
 
@@ -133,168 +136,137 @@ class Engine:
         logits, _ = prefill(self.model, ids, self.model.make_cache(), chunk, all_logits=True)
         return np.array(logits.astype(mx.float32))
 
-    def generate(
-        self,
-        prompt: str | list[int],
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        chat: bool = False,
-        prefill_chunk: int = 512,
-        mtp: bool | None = None,
-        draft_depth: int | None = None,
-        copy: bool = True,
-        on_text: Callable[[str], None] | None = None,
-        progress: ProgressFn | None = None,
-        use_prefix_cache: bool = True,
-        should_stop: Callable[[], bool] | None = None,
-        prefill_with: Callable[[list[int]], tuple[list, int, mx.array | None]] | None = None,
-        logprobs: int | None = None,
-        on_logprob: Callable[[TokenLogprob], None] | None = None,
-        json_schema: dict | None = None,
-        json_object: bool = False,
-        mark: int | None = None,
-        prompt_cache: list | None = None,
-        batched: Callable[..., Iterator[int]] | None = None,
-    ) -> GenerationResult:
-        """Generate up to `max_tokens` tokens (temperature 0 is greedy); `on_text` receives text as it streams.
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, on_text: Callable[[str], None] | None = None,
+                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, **options) -> GenerationResult:
+        """Generate up to `max_tokens` tokens (temperature 0 is greedy): `stream` run to its end, for callers that
+        want one result. `on_text` receives text as it streams, `on_logprob` each token's logprobs (with
+        `logprobs=N`) just before its text; `should_stop()` is polled after every token: True ends the generation
+        there (finish_reason "stop"). Other keyword arguments are `GenerationRequest`'s fields.
 
-        `mtp` (default: whenever the checkpoint has an MTP head, except where `hetero tune` saved "off" for this
-        model and machine and no `draft_depth` is given) decodes speculatively with the model's own MTP head at
-        `draft_depth` (default: the depth `hetero tune` or the first-use calibration saved, else DEFAULT_DRAFT_DEPTH;
-        the policy is `speculative.decode_depth`), with the copy lane unless `copy=False`.
-        The output distribution is the same either way.
-
-        With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached
-        prefix; the output is the cold run's. `should_stop` is polled after every token: True ends the
-        generation there (finish_reason "stop"), e.g. on a stop string or a client that went away.
-        `prefill_with(ids, on_chunk=...)` (e.g. the ANE + GPU pipeline) may fill the cache instead of the plain
-        prefill: it returns (cache, tokens in it, post-norm hidden of the last one) and the rest runs as after a
-        restore; with the prefix cache on, `on_chunk(n, cache at n, hidden)` checkpoints its chunk edges. Its
-        tokens are prefilled, not cached: `cached_tokens` counts only restored ones.
-
-        `logprobs=N` (0..20) returns each token's logprob and the N most likely alternatives in `result.logprobs`
-        and hands each to `on_logprob` just before its text reaches `on_text`. They are the raw model distribution
-        (log_softmax of the logits, before temperature / top-k / top-p / min-p and before a JSON constraint), also
-        under MTP (the verify pass's rows). `json_schema` (a JSON Schema dict) or `json_object` constrains the
-        output to JSON that matches it: the logits are masked at every position, drafts included, so MTP samples
-        exactly what constrained plain decoding samples. EOS is allowed only where the JSON is complete.
-
-        `mark` (a prompt position: where a chat transcript ends and its generation prompt begins) also ends a
-        prefill chunk, so the prefix cache checkpoints it and the conversation's next turn, which renders this
-        turn's reply after that point, resumes there. The prefill with a mark is the same at every run.
-
-        `batched` (`hetero.batching.DecodeLoop.generate_tokens`, the caller's turn hooks bound) decodes in a batch
-        shared with other requests, the same tokens (JSON-constrained ones too).
+        The output distribution is the same with and without MTP; greedy output is identical token for token.
+        With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached prefix,
+        and the output is the cold run's.
         """
-        if prefill_chunk <= 0:
-            raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
-        held = 0
-        if prompt_cache is not None:
-            from hetero.mlx_lm_cache import check_layout
+        request = make_request(prompt, max_tokens, temperature, top_k, top_p, min_p, **options)
+        events = self.stream(request)
+        text, tokens, logprobs = [], [], []
+        for event in events:
+            if isinstance(event, Finished):
+                text.append(event.text)
+                if on_text is not None and event.text:
+                    on_text(event.text)
+                return GenerationResult("".join(text), tokens, event.stats, logprobs if request.logprobs is not None
+                                        else None)
+            if not isinstance(event, Token):
+                continue
+            tokens.append(event.id)
+            if event.logprob is not None:
+                logprobs.append(event.logprob)
+                if on_logprob is not None:
+                    on_logprob(event.logprob)
+            text.append(event.text)
+            if on_text is not None and event.text:
+                on_text(event.text)
+            if should_stop is not None and should_stop():
+                final = events.send(STOP)
+                text.append(final.text)
+                if on_text is not None and final.text:
+                    on_text(final.text)
+                return GenerationResult("".join(text), tokens, final.stats, logprobs if request.logprobs is not None
+                                        else None)
+        raise RuntimeError("a generation's stream ended without its Finished event")
 
-            held = check_layout(prompt_cache, [layer.is_linear for layer in self.model.layers])
-        ids = self.encode_prompt(prompt, chat, held)
-        max_tokens = min(max_tokens, self.max_context - held - len(ids))
-        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p), seed)
-        recorder = LogprobRecorder(logprobs) if logprobs is not None else None
+    def stream(self, request: GenerationRequest) -> Generator[Event, str | None, None]:
+        """Run `request`: yields `Prefilled` once the prompt is in the cache, a `Token` per generated token, then
+        `Finished`. `stream.send(STOP)` (in place of `next`) ends it at the token just yielded and returns its
+        `Finished`; closing it ends it too, keeping every cache consistent.
+
+        The prompt resumes from the prefix cache (`self.prefix_cache`, unless `request.use_prefix_cache` is False),
+        or from `request.prompt_cache`; `request.split` may prefill it instead of the GPU-only path, and
+        `request.batch` decodes it in a shared batch: the same tokens either way.
+        """
+        r = request
+        held = 0
+        if r.prompt_cache is not None:
+            held = check_layout(r.prompt_cache, [layer.is_linear for layer in self.model.layers])
+        ids = self.encode_prompt(r.prompt, r.chat, held)
+        max_tokens = min(r.max_tokens, self.max_context - held - len(ids))
+        sampler = Sampler(r.sampling, r.seed)
+        recorder = LogprobRecorder(r.logprobs) if r.logprobs is not None else None
         constraint = None
-        if json_schema is not None or json_object:
-            constraint = Constraint(self._grammar_tok(), self.json_grammar(json_schema), self.eos_ids)
-        if mtp and not self.model.has_mtp:
-            raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
-        tuned = None  # what was measured here: a depth, PLAIN, or None
-        if draft_depth is None and mtp is not False:  # mtp None: calibrate on first use; True: a saved depth if any
-            tuned = self.default_depth() if mtp is None else tuned_depth(self.identity)
-        depth = decode_depth(self.model.has_mtp, mtp, draft_depth, tuned)  # 0: plain decoding
-        use_mtp = depth > 0
+        if r.json_schema is not None or r.json_object:
+            constraint = Constraint(self._grammar_tok(), self.json_grammar(r.json_schema), self.eos_ids)
+        depth = self.depth_for(r)  # 0: plain decoding
         times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix
-        detok = self.tokenizer.detokenizer()
-        tokens: list[int] = []
         mx.reset_peak_memory()
-        mtp_stats = MTPStats(depth) if use_mtp else None
-        pc = self.prefix_cache if use_prefix_cache and prompt_cache is None else None
+        mtp_stats = MTPStats(depth) if depth else None
+        pc = self.prefix_cache if r.use_prefix_cache and r.prompt_cache is None else None
         key, model = self.cache_key, self.model
         cache, skip, carry = model.make_cache(), 0, None
-        if prompt_cache is not None:  # prefill continues at its offset: chunk edges stay those of a cold run
-            from hetero.mlx_lm_cache import from_mlx_lm
-
-            n_mtp = len(cache) - len(model.layers)
-            cache = from_mlx_lm(prompt_cache, [layer.is_linear for layer in model.layers], n_mtp)
+        if r.prompt_cache is not None:  # prefill continues at its offset: chunk edges stay those of a cold run
+            cache = from_mlx_lm(r.prompt_cache, [layer.is_linear for layer in model.layers],
+                                len(cache) - len(model.layers))
         if pc is not None:
             restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
             if restored is not None:
                 cache, skip, carry = restored.cache, restored.n, restored.hidden
-        restored = skip  # what `cached_tokens` reports: only tokens read from a cache, never ones prefilled here
+        cached = skip + held  # what `cached_tokens` reports: only tokens read from a cache, never ones prefilled here
 
         def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a split prefill's chunk edge
             pc.capture(model, key, ids[:n], at, hidden)
 
-        if prefill_with is not None and skip == 0 and prompt_cache is None:
-            cache, skip, carry = prefill_with(ids, on_chunk=on_edge if pc is not None else None)
+        if r.split is not None and skip == 0 and r.prompt_cache is None:
+            cache, skip, carry = r.split.prefill(ids, on_chunk=on_edge if pc is not None else None)
 
         def on_chunk(n: int, hidden: mx.array) -> None:
             pc.capture(model, key, ids[:n], cache, hidden)
 
-        chunk_hook = on_chunk if pc is not None else None
         trace = Trace()
         committed = list(ids)
         state: list[Decoder] = []
-        last_mark = [len(ids) // prefill_chunk]
+        last_mark = [len(ids) // r.prefill_chunk]
 
         def on_commit(decoder: Decoder, new: list[int]) -> None:
             committed.extend(new)
             state[:] = [decoder]
-            mark = decoder.length // prefill_chunk
+            mark = decoder.length // r.prefill_chunk
             if pc is not None and mark > last_mark[0]:  # a checkpoint every prefill_chunk decoded tokens
                 last_mark[0] = mark
                 pc.capture(model, key, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
 
-        marks = () if mark is None else (mark,)
-        if batched is not None:
-            stream = batched(
-                model, ids, sampler, max_tokens, self.eos_ids, depth if use_mtp else 0, copy, prefill_chunk, progress,
-                times, mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry,
-                on_chunk=chunk_hook, on_commit=on_commit if use_mtp else None, logprobs=recorder, marks=marks,
-                trace=trace, mtp_prefill=pc is not None and model.has_mtp, constraint=constraint,
-            )
-        elif use_mtp:
-            stream = mtp_generate_tokens(
-                model, ids, sampler, max_tokens, self.eos_ids, depth, copy, prefill_chunk, progress, times,
-                mtp_stats, cache=cache, max_context=self.max_context, skip=skip, carry=carry, on_chunk=chunk_hook,
-                on_commit=on_commit, constraint=constraint, logprobs=recorder, marks=marks,
-            )
-        else:
-            stream = generate_tokens(
-                model, ids, sampler, max_tokens, self.eos_ids, prefill_chunk, progress, times, cache=cache,
-                skip=skip, carry=carry, on_chunk=chunk_hook, mtp_prefill=pc is not None and model.has_mtp,
-                trace=trace, constraint=constraint, logprobs=recorder, marks=marks,
-            )
-        for tid in stream:
-            tokens.append(tid)
-            if on_logprob is not None and recorder is not None:
-                on_logprob(recorder.items[len(tokens) - 1])
-            piece = detok.add(tid)
-            if piece and on_text is not None:
-                on_text(piece)
-            if should_stop is not None and should_stop():
-                times.finish_reason = "stop"
-                stream.close()
-                break
-        tail = detok.finalize()
-        if tail and on_text is not None:
-            on_text(tail)
-        if pc is not None:
-            self._checkpoint_turn(pc, ids, cache, trace, state[0] if state else None, committed, prefill_chunk,
-                                mark)
+        decode = r.batch.decode_tokens if r.batch is not None else decode_tokens
+        tokens = decode(
+            model, ids, sampler, max_tokens, self.eos_ids, depth=depth, copy=r.copy, chunk=r.prefill_chunk,
+            progress=r.progress, times=times, stats=mtp_stats, cache=cache, max_context=self.max_context, skip=skip,
+            carry=carry, on_chunk=on_chunk if pc is not None else None, on_commit=on_commit if depth else None,
+            constraint=constraint, logprobs=recorder, marks=() if r.mark is None else (r.mark,), trace=trace,
+            mtp_prefill=pc is not None and model.has_mtp,
+        )
+        detok = self.tokenizer.detokenizer()
+        generated = 0
+        try:
+            for tid in tokens:
+                if generated == 0:
+                    yield Prefilled(len(ids), cached)
+                logprob = recorder.items[generated] if recorder is not None else None
+                generated += 1
+                if (yield Token(tid, detok.add(tid), logprob)) == STOP:
+                    times.finish_reason = "stop"
+                    break
+        finally:
+            tokens.close()  # the decoder's caches hold the committed state from here on
+            if pc is not None:
+                self._checkpoint_turn(pc, ids, cache, trace, state[0] if state else None, committed, r.prefill_chunk,
+                                      r.mark)
+        if generated == 0:
+            yield Prefilled(len(ids), cached)
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
-            "cached_tokens": restored + held,
-            "generated_tokens": len(tokens),
+            "cached_tokens": cached,
+            "generated_tokens": generated,
             "finish_reason": times.finish_reason,
             "ttft_s": round(times.ttft_s, 6),
             "prefill_tps": round(times.prefill_tps, 3),
@@ -303,7 +275,16 @@ class Engine:
         }
         if mtp_stats is not None:
             stats["mtp"] = mtp_stats.to_dict()
-        return GenerationResult(detok.text, tokens, stats, recorder.items[: len(tokens)] if recorder else None)
+        yield Finished(detok.finalize(), times.finish_reason, stats)
+
+    def depth_for(self, request: GenerationRequest) -> int:
+        """The draft depth `request` decodes at (0: plain), by the one depth policy (`depth.decode_depth`)."""
+        if request.mtp and not self.model.has_mtp:
+            raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
+        tuned = None  # what was measured here: a depth, PLAIN, or None
+        if request.draft_depth is None and request.mtp is not False:  # None: calibrate on first use
+            tuned = self.default_depth() if request.mtp is None else tuned_depth(self.identity)
+        return decode_depth(self.model.has_mtp, request.mtp, request.draft_depth, tuned)
 
     def _checkpoint_turn(
         self, pc: PrefixCache, ids: list[int], cache: list, trace: Trace, decoder: Decoder | None, committed: list[int],
@@ -327,6 +308,15 @@ class Engine:
             return
         since = (len(ids) - 1) // chunk * chunk
         pc.persist(self.model, key, run, since=since if mark is None else min(since, mark))
+
+
+def make_request(prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, **options) -> GenerationRequest:
+    """A `GenerationRequest` from `Engine.generate`'s flat keyword arguments (sampling fields by name)."""
+    unknown = sorted(set(options) - set(GenerationRequest.__dataclass_fields__))
+    if unknown:
+        raise HeteroError(f"unknown generation argument {unknown[0]!r}; see hetero.GenerationRequest for the fields")
+    return GenerationRequest(prompt, max_tokens, SamplingParams(temperature, top_k, top_p, min_p), **options)
 
 
 def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:

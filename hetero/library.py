@@ -8,17 +8,16 @@
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hetero.engine import Engine
+from hetero.decode.prefill import prefill as gpu_prefill
+from hetero.decode.request import Finished, Token
+from hetero.engine import Engine, make_request
 from hetero.errors import AneLaneLost, HeteroError
-from hetero.generate import prefill as gpu_prefill
 from hetero.logprobs import TokenLogprob
 from hetero.mlx_lm_cache import cache_leaves, from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
 from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
@@ -201,55 +200,36 @@ def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tok
     engine = _engine(model, kwargs.pop("dtype", None))
     args = _generate_kwargs(kwargs)
     args.setdefault("logprobs", 0)
-    if args.get("prompt_cache") is not None:  # evaluated here: the worker thread has its own MLX stream
-        mx.eval(cache_leaves(args["prompt_cache"]))
-    n_prompt = len(engine.encode_prompt(prompt, args.get("chat", False)))
-    events: queue.Queue = queue.Queue()
-    stop = threading.Event()
-
-    def work() -> None:
-        try:
-            mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams are per thread
-            result = engine.generate(prompt, max_tokens=max_tokens, on_text=lambda t: events.put(("text", t)),
-                                     on_logprob=lambda lp: events.put(("token", lp)), should_stop=stop.is_set, **args)
-            events.put(("done", result))
-        except BaseException as e:  # raised again in the caller's thread
-            events.put(("error", e))
-
-    thread = threading.Thread(target=work, name="hetero-generate", daemon=True)
+    request = make_request(prompt, max_tokens, **args)
+    n_prompt = len(engine.encode_prompt(prompt, request.chat))
     start = time.perf_counter()
-    thread.start()
-    pending: TokenLogprob | None = None
+    pending: Token | None = None
     text, count, first = "", 0, 0.0
 
     def response(finish: str | None) -> GenerationResponse:
         gen_s = time.perf_counter() - first
         prompt_tps = n_prompt / (first - start) if first > start else 0.0
         gen_tps = (count - 1) / gen_s if count > 1 and gen_s > 0 else 0.0
-        token, logprob, top = (pending.token, pending.logprob, pending.top) if pending else (None, None, ())
+        lp = pending.logprob if pending is not None else None
+        token, logprob, top = (lp.token, lp.logprob, lp.top) if lp is not None else (None, None, ())
         return GenerationResponse(text, token, logprob, False, n_prompt, prompt_tps, count, gen_tps,
                                   mx.get_peak_memory() / 1e9, finish, top)
 
+    events = engine.stream(request)
     try:
-        while True:
-            kind, value = events.get()
-            if kind == "error":
-                raise value
-            if kind == "text":
-                text += value
-            elif kind == "token":
+        for event in events:
+            if isinstance(event, Token):
                 if pending is not None:
                     yield response(None)
                     text = ""
-                pending, count = value, count + 1
+                pending, count = event, count + 1
+                text += event.text
                 first = first or time.perf_counter()
-            else:
-                stats = value.stats
-                yield response(stats["finish_reason"])
-                return
+            elif isinstance(event, Finished):
+                text += event.text
+                yield response(event.finish_reason)
     finally:
-        stop.set()
-        thread.join()
+        events.close()
 
 
 def generate(model, tokenizer=None, prompt: str | list[int] = "", verbose: bool = False, max_tokens: int = 256,

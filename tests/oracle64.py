@@ -227,7 +227,7 @@ def errors(logits: np.ndarray, cache: list[dict], truth: tuple[np.ndarray, list[
 def measure(engine, ids: list[int], fraction: float, chunk: int = 64) -> dict:
     """Errors against the float64 oracle of the GPU-only prefill and of the split at `fraction`, and the two
     paths' difference as `verify` measures it (max of logits and caches)."""
-    from hetero.generate import prefill
+    from hetero.decode.prefill import prefill
     from hetero.pipeline import configure
 
     model = engine.model

@@ -22,7 +22,7 @@ from coremltools.converters.mil.mil import types as miltypes
 from coreml_graphs.ops import DEPLOYMENT_TARGET
 from coreml_graphs.package import save_program
 from hetero.backends.reference_executor import ReferenceExecutor
-from hetero.generate import prefill
+from hetero.decode.prefill import prefill
 from hetero.loader import load_model
 from hetero.pipeline import Trace, configure
 from hetero.pipeline.ane_process import TRACK, AneProcess, stop_workers
@@ -137,7 +137,7 @@ def test_a_lost_worker_loses_no_request(tiny_engine, fault_env, fault, says, cap
     run = configure(tiny_engine, 0.5, 64)
     run.ane_loader, run.ane_timeout_s = f"ane_faults:{fault}", 3.0
     first = run.splitter(len(ids) - 1).worker
-    cache, n, carry = run.prefill_with(ids)
+    cache, n, carry = run.prefill(ids)
     assert (n, carry) == (0, None) and cache[0].offset == 0  # nothing of the split is kept
     assert run.lane_failures == 1 and says in run.last_failure
     assert run.ane_block()["lane_failures"] == 1
@@ -146,7 +146,7 @@ def test_a_lost_worker_loses_no_request(tiny_engine, fault_env, fault, says, cap
     assert first.proc.poll() is not None  # killed, not left running
 
     fault_env.setenv("HETERO_TEST_FAULT_AT", "0")  # the fresh worker never faults
-    cache, n, carry = run.prefill_with(ids)
+    cache, n, carry = run.prefill(ids)
     second = run.splitter(len(ids) - 1).worker
     assert second.pid != first.pid and second.alive and n == len(ids) - 1
     ref = configure(tiny_engine, 0.5, 64, lane="thread")
@@ -167,7 +167,7 @@ def test_a_killed_worker_gives_exactly_the_gpu_only_generation(fault_env):
     run = configure(engine, 0.5, 256)
     run.ane_loader = "ane_faults:dies"
     run.prepare(engine.encode_prompt(prompt))
-    split = engine.generate(prompt, max_tokens=12, mtp=False, prefill_with=run.prefill_with, use_prefix_cache=False)
+    split = engine.generate(prompt, max_tokens=12, mtp=False, split=run, use_prefix_cache=False)
     gpu = engine.generate(prompt, max_tokens=12, mtp=False, use_prefix_cache=False)
     assert run.lane_failures == 1 and "exited" in run.last_failure
     assert split.tokens == gpu.tokens and split.stats["cached_tokens"] == 0

@@ -1,6 +1,8 @@
-"""Batched decoding (hetero.batch): every request of a batch gets exactly the tokens it gets decoding alone.
+"""Batched decoding (hetero.decode.stepper): every request of a batch gets exactly the tokens it gets decoding alone.
 
-Solo references are `mtp_generate_tokens` (depth > 0) and `generate_tokens` (depth 0). Greedy rows must match
+Solo references are `decode_tokens`: the same stepper with one row (itself checked against plain greedy decoding
+by tests/test_speculative.py, and plain greedy against HF transformers and mlx-lm by test_parity.py). Greedy rows
+must match
 token for token; sampled rows with their own seeded samplers match too (each row draws from its own key stream
 in the solo order), which is stronger than matching in distribution. The tiny random models are
 tests/test_speculative.py's; `hetero.load()` is the bundled checkpoint.
@@ -24,16 +26,18 @@ from test_speculative import (
 )
 
 import hetero
-from hetero.batch import Batch, Request, batch_generate
-from hetero.batching import DecodeLoop
 from hetero.cache import GDNCache, KVCache, RaggedKV
+from hetero.decode.loop import DecodeLoop, Seat
+from hetero.decode.prefill import prefill
+from hetero.decode.records import DecodeTimes, Trace
+from hetero.decode.rows import Row
+from hetero.decode.solo import batch_generate, decode_tokens
+from hetero.decode.state import start
+from hetero.decode.stepper import Batch
 from hetero.errors import HeteroError
-from hetero.generate import DecodeTimes, Trace, generate_tokens, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, SamplingParams
-from hetero import speculative
-from hetero.speculative import mtp_generate_tokens
 from oracle64 import f64, forward64, fp32_bound, rel
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [5, 5, 5, 5], [9, 9, 1],
@@ -51,8 +55,8 @@ def solo(model: Model, prompt: list[int], max_tokens: int, depth: int, sampler: 
          eos: set[int] = frozenset(), copy: bool = False) -> list[int]:
     sampler = sampler or Sampler(GREEDY)
     if depth == 0:
-        return list(generate_tokens(model, prompt, sampler, max_tokens, set(eos)))
-    return list(mtp_generate_tokens(model, prompt, sampler, max_tokens, set(eos), depth=depth, copy=copy))
+        return list(decode_tokens(model, prompt, sampler, max_tokens, set(eos)))
+    return list(decode_tokens(model, prompt, sampler, max_tokens, set(eos), depth=depth, copy=copy))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -104,7 +108,7 @@ def test_eos_ends_each_row_where_solo_does(models):
 
 
 def test_join_and_leave_between_rounds(models):
-    """Requests join a running batch and one is cancelled midway: the others' outputs stay their solo ones, and the
+    """Rows join a running batch and one is cancelled midway: the others' outputs stay their solo ones, and the
     cancelled one leaves with a cache holding exactly its committed tokens."""
     model = models["agreeing"]
     batch = Batch(model, max_batch=3)
@@ -118,7 +122,7 @@ def test_join_and_leave_between_rounds(models):
     batch.step()
     batch.step()
     batch.leave(a)
-    assert a not in batch.requests and not a.done
+    assert a not in batch.rows and not a.done
     assert a.tokens == solo(model, PROMPTS[0], 40, 3)[: len(a.tokens)]
     assert a.tokens[-1] == a.decoder.x  # every committed token was emitted (no limit reached)
     assert_decoder_matches_reference(model, a.decoder, PROMPTS[0] + a.tokens)
@@ -130,7 +134,7 @@ def test_join_and_leave_between_rounds(models):
     assert b.tokens == solo(model, PROMPTS[2], 30, 0)
     assert c.tokens == solo(model, PROMPTS[3], 33, 4)
     assert d.tokens == solo(model, long_prompt, 20, 2)
-    assert not batch.requests and all(r.done for r in (b, c, d))
+    assert not batch.rows and all(r.done for r in (b, c, d))
 
 
 def test_overlapped_plain_rounds_under_churn(models):
@@ -180,7 +184,7 @@ def assert_backbone_matches(model: Model, decoder, committed: list[int]) -> None
 
 
 def test_restored_prefix_and_prefilled_decoder_join(models):
-    """A request restored from a checkpoint (cache, skip, carry) and one prefilled elsewhere (`add`) decode as cold
+    """A request restored from a checkpoint (cache, skip, carry) and one prefilled elsewhere (`row`, `admit`) decode as cold
     solo runs do; on_commit sees every committed token in order."""
     model = models["agreeing"]
     prompt = PROMPTS[2]
@@ -190,7 +194,7 @@ def test_restored_prefix_and_prefilled_decoder_join(models):
     committed: list[int] = []
     restored = batch.join(prompt, Sampler(GREEDY), 30, set(), depth=2, cache=cache, skip=6, carry=carry,
                           on_commit=lambda decoder, new: committed.extend(new))
-    added = batch.add(speculative.start(model, PROMPTS[0], Sampler(GREEDY), copy=False), Sampler(GREEDY), 25, set(), 3)
+    added = batch.admit(batch.row(start(model, PROMPTS[0], Sampler(GREEDY), 3), Sampler(GREEDY), 25, set(), 3))
     for _ in batch.drain():
         pass
     assert restored.tokens == solo(model, prompt, 30, 2) and added.tokens == solo(model, PROMPTS[0], 25, 3)
@@ -208,9 +212,9 @@ def test_logprobs_per_request_equal_solo(models):
     for r, p, d, rec in zip(requests, PROMPTS, DEPTHS, recorders):
         ref = LogprobRecorder(3)
         if d:
-            list(mtp_generate_tokens(model, p, Sampler(GREEDY), 20, set(), depth=d, copy=False, logprobs=ref))
+            list(decode_tokens(model, p, Sampler(GREEDY), 20, set(), depth=d, copy=False, logprobs=ref))
         else:
-            list(generate_tokens(model, p, Sampler(GREEDY), 20, set(), logprobs=ref))
+            list(decode_tokens(model, p, Sampler(GREEDY), 20, set(), logprobs=ref))
         ours, theirs = rec.items[:20], ref.items[:20]
         assert [x.token for x in ours] == [x.token for x in theirs] == r.tokens
         assert [t for x in ours for t, _ in x.top] == [t for x in theirs for t, _ in x.top]
@@ -225,7 +229,7 @@ def test_edge_requests(models):
     first_eos = batch.join([3], Sampler(GREEDY), 10, {solo(model, [3], 1, 0)[0]})
     assert none.tokens == [] and one.tokens == solo(model, [1, 2], 1, 3) and first_eos.tokens == []
     assert (none.finish_reason, one.finish_reason, first_eos.finish_reason) == ("length", "length", "stop")
-    assert batch.requests == [] and batch.step() == {}
+    assert batch.rows == [] and batch.step() == {}
     with pytest.raises(HeteroError):
         Batch(model, max_batch=0)
     with pytest.raises(HeteroError):
@@ -271,8 +275,8 @@ class ScriptedBatch(Batch):
 
     def __init__(self, model: Model):
         super().__init__(model)
-        self.script: dict[Request, tuple[int, bool, int, int]] = {}  # (k, from the copy lane, accepted, next)
-        self.drafted: dict[Request, list[int]] = {}
+        self.script: dict[Row, tuple[int, bool, int, int]] = {}  # (k, from the copy lane, accepted, next)
+        self.drafted: dict[Row, list[int]] = {}
 
     def _plan(self, r):
         k, from_copy, _, _ = self.script[r]
@@ -346,7 +350,7 @@ def run_jobs(loop: DecodeLoop, model: Model, jobs: list[tuple[list[int], int, in
         loop.turns.enter(ticket)
         try:
             out, times[i] = [], DecodeTimes()
-            stream = loop.generate_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(), depth, copy=False,
+            stream = loop.generate_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(), depth=depth, copy=False,
                                           times=times[i], on_handover=lambda: loop.turns.leave(ticket),
                                           on_handback=lambda: loop.turns.enter(ticket))
             for t in stream:
@@ -425,7 +429,7 @@ def test_decode_loop_plain_jobs_fill_the_trace(models):
     outs = [list(s) for s in streams]  # one after the other: the loop thread serves each in turn
     for p, out, tr in zip(PROMPTS, outs, traces):
         ref = Trace()
-        assert out == list(generate_tokens(model, p, Sampler(GREEDY), 12, set(), trace=ref))
+        assert out == list(decode_tokens(model, p, Sampler(GREEDY), 12, set(), trace=ref))
         assert [int(t.item()) for t in tr.tokens] == [int(t.item()) for t in ref.tokens][: len(tr.tokens)]
         assert len(tr.hidden) == len(tr.tokens) + 1 and len(tr.tokens) >= len(ref.tokens) - 1
         for a, b in zip(tr.hidden, ref.hidden):
@@ -528,10 +532,10 @@ def test_constrained_requests_in_a_batch_equal_solo():
     alone = []
     for i, p in enumerate(prompts):
         if depths[i]:
-            gen = mtp_generate_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, depth=depths[i], copy=True,
+            gen = decode_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, depth=depths[i], copy=True,
                                       constraint=grammar(i))
         else:
-            gen = generate_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, constraint=grammar(i))
+            gen = decode_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, constraint=grammar(i))
         alone.append(list(gen))
     batch = Batch(engine.model, max_batch=len(prompts))
     requests = [batch.join(p, sampler(i), 60, engine.eos_ids, depths[i], copy=True, constraint=grammar(i))
@@ -545,7 +549,7 @@ def test_constrained_requests_in_a_batch_equal_solo():
 
 
 def test_constrained_request_through_the_decode_loop():
-    """engine.generate with a JSON schema and `batched=` decodes in the loop's batch, with the solo answer."""
+    """engine.generate with a JSON schema and a `batch` seat decodes in the loop's batch, with the solo answer."""
     from test_constrained import PERSON
 
     engine = hetero.load()
@@ -554,7 +558,7 @@ def test_constrained_request_through_the_decode_loop():
     loop = DecodeLoop(engine.model, max_batch=2)
     try:
         shared = engine.generate(prompt, max_tokens=60, mtp=True, draft_depth=3, json_schema=PERSON,
-                                 batched=loop.generate_tokens)
+                                 batch=Seat(loop))
     finally:
         loop.close()
     assert shared.tokens == alone.tokens and loop.rounds > 0

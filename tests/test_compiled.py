@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 import hetero
-from hetero.generate import prefill
+from hetero.decode.prefill import prefill
 from hetero.models.compiled import PerThread
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n"

@@ -18,9 +18,10 @@ import pytest
 import hetero
 from hetero.constrained import Constraint
 from hetero.errors import HeteroError
-from hetero.generate import generate_tokens, prefill
+from hetero.decode.prefill import prefill
+from hetero.decode.solo import decode_tokens
 from hetero.sampling import Sampler, SamplingParams, warp
-from hetero.speculative import mtp_generate_tokens
+from hetero.decode.solo import decode_tokens
 from test_speculative import clone_cache
 
 FAIL = 1e-6
@@ -229,9 +230,9 @@ def draw(engine, prompt, schema, mtp: bool, seed: int, cache, hidden) -> tuple[i
     kwargs = dict(cache=clone_cache(cache), skip=len(prompt) - 1, carry=hidden, constraint=c)
     sampler = Sampler(LAW_PARAMS, seed)
     if mtp:
-        out = mtp_generate_tokens(engine.model, prompt, sampler, 16, engine.eos_ids, depth=3, **kwargs)
+        out = decode_tokens(engine.model, prompt, sampler, 16, engine.eos_ids, depth=3, **kwargs)
     else:
-        out = generate_tokens(engine.model, prompt, sampler, 16, engine.eos_ids, **kwargs)
+        out = decode_tokens(engine.model, prompt, sampler, 16, engine.eos_ids, **kwargs)
     return tuple(out)
 
 

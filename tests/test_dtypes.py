@@ -39,7 +39,7 @@ def _ids(engine) -> list[int]:
 def test_the_oracle_is_the_fp32_path_within_fp32_rounding(engines):
     """The oracle is right where nothing may differ but rounding: the fp32 GPU-only prefill within 1e-5 of it (head
     dim 256, 128-wide GDN heads, three chunks through the chunked delta rule, one attention layer over the cache)."""
-    from hetero.generate import prefill
+    from hetero.decode.prefill import prefill
 
     engine = engines["float32"]
     ids = _ids(engine)

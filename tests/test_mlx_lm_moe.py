@@ -15,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import hetero
-from hetero.generate import generate_tokens
+from hetero.decode.solo import decode_tokens
 from hetero.mlx_lm_model import wrap
 from hetero.models import moe
 from hetero.sampling import Sampler
@@ -60,7 +60,7 @@ def test_logits_and_greedy_tokens_equal_mlx_lms(checkpoints, form):
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
     ids = prompt(40, 6)
-    tokens = list(generate_tokens(model, ids, Sampler(GREEDY), NEW_TOKENS, set()))
+    tokens = list(decode_tokens(model, ids, Sampler(GREEDY), NEW_TOKENS, set()))
     alone = [int(r.token) for r in stream_generate(lm, tokenizer, ids, max_tokens=NEW_TOKENS)]
     assert tokens == alone and len(tokens) == NEW_TOKENS
     assert len(set(tokens)) > 3, "a degenerate continuation would not test much"

@@ -13,7 +13,7 @@ import pytest
 
 import helpers
 from hetero.cache import GDNCache, KVCache
-from hetero.generate import prefill
+from hetero.decode.prefill import prefill
 from hetero.loader import load_model, preflight
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 

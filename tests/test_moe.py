@@ -33,15 +33,16 @@ from mlx_lm import utils as mlx_lm_utils
 import helpers
 from converters.hf_export import hf_config, save_hf_checkpoint
 from hetero import cli
-from hetero.batch import batch_generate
+from hetero.decode.solo import batch_generate
 from hetero.errors import HeteroError
-from hetero.generate import generate_tokens
+from hetero.decode.solo import decode_tokens
 from hetero.loader import load_model, load_weights, preflight
 from hetero.models import moe
 from hetero.models.compiled import PerThread
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.sampling import Sampler, SamplingParams
-from hetero.speculative import MTPStats, mtp_generate_tokens
+from hetero.decode.records import MTPStats
+from hetero.decode.solo import decode_tokens
 
 PROMPT_LEN = 300  # > 4 GDN chunks of 64; 300 * top-k pairs take the grouped expert form
 NEW_TOKENS = 24
@@ -205,7 +206,7 @@ def test_greedy_continuation_matches_transformers(case, forms_run):
     expected = out[0, len(prompt):].tolist()
     model, _, _ = load_model(path, dtype=mx.float32)
     forms_run.clear()
-    ours = list(generate_tokens(model, prompt, Sampler(GREEDY), max_tokens=NEW_TOKENS, eos_ids=set()))
+    ours = list(decode_tokens(model, prompt, Sampler(GREEDY), max_tokens=NEW_TOKENS, eos_ids=set()))
     assert ours == expected
     assert len(set(ours)) > 3, "a degenerate continuation would not test much"
     # the prompt grouped (300 tokens), the decode steps ran the per-pair form (traced once per compiled step)
@@ -483,11 +484,11 @@ def mtp_moe(tmp_path_factory) -> Model:
 
 def test_mtp_greedy_equals_plain_on_moe(mtp_moe):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 2
-    plain = list(generate_tokens(mtp_moe, prompt, Sampler(GREEDY), 40, set()))
+    plain = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), 40, set()))
     accepted = []
     for depth in (1, 3):
         stats = MTPStats(depth)
-        out = list(mtp_generate_tokens(mtp_moe, prompt, Sampler(GREEDY), 40, set(), depth=depth, stats=stats))
+        out = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), 40, set(), depth=depth, stats=stats))
         assert out == plain, f"depth {depth}"
         accepted.append(stats.to_dict()["mean_accepted_length"])
     assert 1.2 < accepted[1] < 4.0, f"drafts neither all rejected nor all accepted: {accepted}"
@@ -498,9 +499,9 @@ def test_batch_of_two_equals_solo_on_moe(mtp_moe):
     requests = batch_generate(mtp_moe, prompts, [Sampler(GREEDY), Sampler(GREEDY)], max_tokens, set(), depths)
     for r, prompt, n, depth in zip(requests, prompts, max_tokens, depths):
         if depth:
-            solo = list(mtp_generate_tokens(mtp_moe, prompt, Sampler(GREEDY), n, set(), depth=depth))
+            solo = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), n, set(), depth=depth))
         else:
-            solo = list(generate_tokens(mtp_moe, prompt, Sampler(GREEDY), n, set()))
+            solo = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), n, set()))
         assert r.tokens == solo
 
 

@@ -18,7 +18,7 @@ import transformers  # noqa: F401  (a test dependency: missing, the module fails
 from mlx_lm import utils as mlx_lm_utils
 
 import helpers
-from hetero.generate import generate_tokens
+from hetero.decode.solo import decode_tokens
 from hetero.loader import load_model
 from hetero.sampling import Sampler, SamplingParams
 
@@ -99,7 +99,7 @@ def test_greedy_continuation_matches_transformers(case):
     expected = out[0, len(prompt) :].tolist()
     assert len(expected) == NEW_TOKENS
     model, _ = _ours(path)
-    ours = list(generate_tokens(model, prompt, Sampler(SamplingParams()), max_tokens=NEW_TOKENS, eos_ids=set()))
+    ours = list(decode_tokens(model, prompt, Sampler(SamplingParams()), max_tokens=NEW_TOKENS, eos_ids=set()))
     assert ours == expected
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from hetero.cli import main
 from hetero.errors import HeteroError
-from hetero.generate import prefill
+from hetero.decode.prefill import prefill
 from hetero.loader import BUNDLED_MODEL, load_model
 from hetero.pipeline import Job, Lane, Trace, ane_backend, configure, run_jobs, verify
 from hetero.planner import OFFLOADABLE
@@ -411,7 +411,7 @@ def test_real_requests_interleave_and_stay_exact(tiny_checkpoint):
     import hetero
     from hetero.pipeline import DecodeQueue
     from hetero.sampling import Sampler, SamplingParams
-    from hetero.speculative import run_round, start
+    from hetero.decode.stepper import Batch
 
     engine = hetero.load(tiny_checkpoint)
     model = engine.model
@@ -419,15 +419,13 @@ def test_real_requests_interleave_and_stay_exact(tiny_checkpoint):
     b_ids = engine.tokenizer.encode(PROMPT[::-1])[:150]
 
     def decode_a(n: int, interleave: bool) -> tuple[list[int], int]:
-        sampler = Sampler(SamplingParams(0.0, 0, 1.0, 0.0), None)
-        dec = start(model, a_ids, sampler, chunk=64)
-        mx.eval(dec.pending_hidden)
-        out = [dec.x]
+        batch = Batch(model, max_batch=1)
+        row = batch.join(a_ids, Sampler(SamplingParams(0.0, 0, 1.0, 0.0), None), n, set(), 3, chunk=64)
+        out = row.tokens
 
         def a_round() -> bool:
-            drafts, acc, _ = run_round(dec, sampler, 3, 0)
-            out.extend(drafts[:acc] + [dec.x])
-            return len(out) < n
+            batch.step()
+            return not row.done
 
         if not interleave:
             while a_round():

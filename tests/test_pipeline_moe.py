@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from converters.hf_export import hf_config, save_hf_checkpoint
 from converters.tokenizer_train import save_tokenizer, train_tokenizer
 from hetero.cli import main
-from hetero.generate import prefill
+from hetero.decode.prefill import prefill
 from hetero.models.moe import SparseMoeBlock
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.pipeline import GpuMoERest, configure, verify
@@ -220,5 +220,5 @@ def test_plan_recommends_and_auto_runs_on_moe(moe_engine, moe_checkpoint, monkey
     assert "shared_expert" in run.offload
     assert {s.layer for s in run.plan.slices if s.piece == "shared_expert"} == {0, 1, 2, 3}
     ids = moe_engine.tokenizer.encode(PROMPT)
-    _, n, _ = run.prefill_with(ids)
+    _, n, _ = run.prefill(ids)
     assert n == len(ids) - 1 and run.last.ane_busy_s > 0

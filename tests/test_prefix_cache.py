@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hetero
-from hetero.generate import prefill
+from hetero.decode.prefill import prefill
 from hetero.prefix_cache import PrefixCache
 from tiny_checkpoint import write_tiny_model
 

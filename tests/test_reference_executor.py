@@ -29,7 +29,7 @@ from hetero.backends.reference_executor import ReferenceExecutor
 from hetero.backends.reference_prefill import prefill_with_attention_programs
 from hetero.cli import main
 from hetero.errors import HeteroError
-from hetero.generate import prefill
+from hetero.decode.prefill import prefill
 from hetero.planner import ane_slices
 from hetero.planner.slices import split_for_budget, unit_bytes
 from hetero.models.qwen3_5 import ModelArgs

@@ -23,13 +23,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_unflatten
 
-import hetero.speculative as speculative
 from hetero.cache import GDNCache, KVCache
 from hetero.errors import HeteroError
-from hetero.generate import DecodeTimes, generate_tokens, prefill
+from hetero.decode.prefill import prefill
+from hetero.decode.depth import MAX_DEPTH
+from hetero.decode.records import DecodeTimes, MTPStats
+from hetero.decode.solo import decode_tokens
+from hetero.decode.state import CopyLane, Decoder, start
+from hetero.decode.stepper import Batch
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Model, ModelArgs
 from hetero.sampling import Sampler, SamplingParams, accept_drafts, warp
-from hetero.speculative import CopyLane, Decoder, MTPStats, _draft, mtp_generate_tokens, run_round
 from oracle64 import f64, forward64, fp32_bound, mtp_kv64, rel
 
 FAIL = 1e-6  # per statistical check
@@ -129,12 +132,12 @@ def clone_cache(cache: list) -> list:
 
 
 def plain(model: Model, prompt: list[int], max_tokens: int, eos: set[int] = frozenset(), times=None) -> list[int]:
-    return list(generate_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(eos), times=times))
+    return list(decode_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(eos), times=times))
 
 
 def mtp(model: Model, prompt: list[int], max_tokens: int, depth: int, copy: bool = False, eos=frozenset(),
         sampler: Sampler | None = None, stats: MTPStats | None = None, times=None) -> list[int]:
-    return list(mtp_generate_tokens(
+    return list(decode_tokens(
         model, prompt, sampler or Sampler(GREEDY), max_tokens, set(eos), depth=depth, copy=copy, stats=stats, times=times,
     ))
 
@@ -310,7 +313,7 @@ def test_mtp_sampling_matches_exact_target_distribution(dist_model, params):
     """x1 ~ P(x1), (x1, x2) ~ P(x1) P(x2|x1) and x3 ~ P(x3|x1,x2) when x2 was an accepted draft, through one
     speculative round of depth 2 (draft, verify, accept, commit) per seed, from a shared prefilled cache.
 
-    Three tokens, not two: mtp_generate_tokens never drafts past max_tokens, so with max_tokens=2 the round that
+    Three tokens, not two: the stepper never drafts past max_tokens, so with max_tokens=2 the round that
     makes x2 has no drafts at all; x2 and x3 are the first two tokens a round with drafts emits."""
     model, V = dist_model, dist_model.args.vocab_size
     p1, p2, p3 = exact_three_token_law(model, params)
@@ -319,15 +322,20 @@ def test_mtp_sampling_matches_exact_target_distribution(dist_model, params):
     rows, accepted, outside = [], [], 0
     for seed in range(DIST_DRAWS):
         sampler = Sampler(params, seed)
-        x1 = sampler(logits[-1]).item()  # as speculative.start does
+        x1 = sampler(logits[-1]).item()  # as state.start does
         decoder = Decoder(model, clone_cache(cache), x1, last_hidden)
-        drafts, a, copied = run_round(decoder, sampler, k=2, copy_k=0)
+        batch = Batch(model, max_batch=1)
+        row = batch.admit(batch.row(decoder, sampler, 1000, set(), depth=2))
+        rounds = recorded_rounds(batch)
+        batch.step()
+        (drafts, a, copied), = rounds
         assert len(drafts) == 2 and not copied
         block = drafts[:a] + [decoder.x]
+        assert row.tokens == [x1] + block
         rows.append((x1, block[0], block[1] if a >= 1 else -1))
         accepted.append(a)
         outside += p2[x1, drafts[0]] == 0
-        if seed < 25:  # this harness is exactly mtp_generate_tokens' first round for the same seed
+        if seed < 25:  # this harness is exactly decode_tokens' first round for the same seed
             out = mtp(model, DIST_PROMPT, 4, depth=2, sampler=Sampler(params, seed))
             assert out[: 1 + len(block)] == [x1] + block
     rows, accepted = np.array(rows), np.array(accepted)
@@ -349,7 +357,7 @@ def test_plain_sampling_matches_exact_target_distribution(dist_model):
     V = dist_model.args.vocab_size
     p1, p2, _ = exact_three_token_law(dist_model, params)
     pairs = np.array([
-        list(generate_tokens(dist_model, DIST_PROMPT, Sampler(params, seed), 2, set())) for seed in range(PLAIN_DRAWS)
+        list(decode_tokens(dist_model, DIST_PROMPT, Sampler(params, seed), 2, set())) for seed in range(PLAIN_DRAWS)
     ])
     dist, bound = tv((p1[:, None] * p2).reshape(1, V * V), np.zeros(PLAIN_DRAWS, dtype=int), pairs[:, 0] * V + pairs[:, 1])
     assert dist <= bound, f"(x1, x2): TV {dist:.4f} > {bound:.4f}"
@@ -393,7 +401,7 @@ def test_greedy_with_copy_lane_equals_plain(rejecting, agreeing, name):
 
 
 def test_draft_chain_feeds_the_post_norm_mtp_output(rejecting):
-    """_draft against a direct evaluation of the spec: z_0 = MTP(x, h), z_j = MTP(d_{j-1}, z_{j-1}) where MTP ends in
+    """The stepper's drafts against a direct evaluation of the spec: z_0 = MTP(x, h), z_j = MTP(d_{j-1}, z_{j-1}) where MTP ends in
     mtp.norm; q_j = warp(lm_head(z_j)), the very distribution d_j was drawn from (top-k applied). Random mtp.norm
     weights make the pre-norm output differ."""
     model, mtp_head = rejecting, rejecting.mtp
@@ -401,7 +409,9 @@ def test_draft_chain_feeds_the_post_norm_mtp_output(rejecting):
     cache = model.make_cache()
     _, last_hidden = prefill(model, PROMPT, cache, mtp=True)
     ref_cache = clone_cache(cache)[len(model.layers) :]
-    drafts, logprobs = _draft(model, cache[len(model.layers) :], [PROMPT[0]], last_hidden, 4, Sampler(params, 3))
+    batch = Batch(model, max_batch=1)  # the pending pair (PROMPT[0], h_last) and the drafts after it
+    row = batch.row(Decoder(model, cache, PROMPT[0], last_hidden), Sampler(params, 3), 1000, set(), depth=4)
+    (drafts,), (logprobs,) = batch._draft([row], [4])
 
     def step(token: int, h: mx.array) -> mx.array:  # [1, 1, H] -> [1, 1, H]
         e = model.model.embed_tokens(mx.array([[token]]))
@@ -421,7 +431,7 @@ def test_draft_chain_feeds_the_post_norm_mtp_output(rejecting):
 
 
 class ScriptedLane:
-    """A copy lane that proposes what the test says (the copy path of Decoder.propose / commit)."""
+    """A copy lane that proposes what the test says (the copy path of the stepper's propose and commit)."""
 
     def __init__(self):
         self.next: list[int] = []
@@ -469,25 +479,41 @@ def assert_decoder_matches_reference(model: Model, decoder: Decoder, committed: 
     assert rel(f64(decoder.pending_hidden), hidden[consumed:]) <= tol, "pending hiddens"
 
 
+class Scripted(Batch):
+    """The stepper with each round's draft counts and its acceptance given by the test (`script`: (MTP drafts,
+    copy-lane drafts, accepted, next token)) instead of planned and decided: every other step is the stepper's own."""
+
+    script: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def _plan(self, r):
+        return self.script[0], self.script[1]
+
+    def _accept(self, rows, rnd, target):
+        rnd.accepted, rnd.next = [min(self.script[2], len(rnd.drafts[0]))], [self.script[3]]
+
+
 @settings(max_examples=25, deadline=None, database=None)
 @given(data=st.data())
 def test_rollback_leaves_exactly_the_committed_state(rejecting, data):
     model, V = rejecting, rejecting.args.vocab_size
     token = st.integers(0, V - 1)
     prompt = data.draw(st.lists(token, min_size=1, max_size=10), label="prompt")
-    decoder = speculative.start(model, prompt, Sampler(GREEDY), copy=False)
+    batch = Scripted(model, max_batch=1)
+    row = batch.join(prompt, Sampler(GREEDY), 1000, set(), depth=4, copy=True)
+    decoder = row.decoder
     decoder.lane = ScriptedLane()
     committed = prompt + [decoder.x]
+    rounds = recorded_rounds(batch)
     for _ in range(data.draw(st.integers(1, 5), label="rounds")):
         k = data.draw(st.integers(0, 4), label="k")
         from_copy = k > 0 and data.draw(st.booleans(), label="copy lane")
         decoder.lane.next = data.draw(st.lists(token, min_size=k, max_size=k), label="copied") if from_copy else []
-        drafts, _, copied = decoder.propose(k, k if from_copy else 0, Sampler(GREEDY))
-        assert len(drafts) == k and copied == from_copy
-        _, hidden = decoder.verify(drafts)
         a = data.draw(st.integers(0, k), label="accepted")
         nxt = data.draw(token, label="next")
-        decoder.commit(drafts, hidden, a, nxt, mtp_ran=bool(drafts) and not copied)
+        batch.script = (k, k if from_copy else 0, a, nxt)
+        batch.step()
+        drafts, _, copied = rounds[-1]
+        assert len(drafts) == k and copied == from_copy
         committed += drafts[:a] + [nxt]
         assert_decoder_matches_reference(model, decoder, committed)
 
@@ -496,17 +522,30 @@ def test_rollback_leaves_exactly_the_committed_state(rejecting, data):
 # 5. Edge cases
 
 
+def recorded_rounds(batch: Batch, into: list | None = None) -> list[tuple[list[int], int, bool]]:
+    """Record every round of a one-row `batch` as it is decided, into `into` (or a new list): (drafts, accepted,
+    copied)."""
+    rounds = [] if into is None else into
+    decide = batch._accept
+
+    def recording(rows, rnd, target):
+        decide(rows, rnd, target)
+        rounds.append((rnd.drafts[0], rnd.accepted[0], rnd.copied[0]))
+
+    batch._accept = recording
+    return rounds
+
+
 def recorded_blocks(monkeypatch) -> list[tuple[list[int], int, bool]]:
-    """Record every run_round result of mtp_generate_tokens: (drafts, accepted, copied)."""
+    """Record every round of every one-row stepper made from here on (`decode_tokens`): (drafts, accepted, copied)."""
     rounds = []
+    made = Batch.__init__
 
-    def recording(*args, **kwargs):
-        out = real(*args, **kwargs)
-        rounds.append(out)
-        return out
+    def recording(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        recorded_rounds(self, rounds)
 
-    real = speculative.run_round
-    monkeypatch.setattr(speculative, "run_round", recording)
+    monkeypatch.setattr(Batch, "__init__", recording)
     return rounds
 
 
@@ -550,12 +589,12 @@ def test_one_token_prompt(rejecting, agreeing, name):
 def test_chunked_prefill_starts_the_same_decoder(rejecting):
     """start() over a prompt prefilled in chunks of 4 (MTP pairs straddling chunk edges) equals one chunk."""
     prompt = [(7 * i + 3) % 32 for i in range(23)]
-    whole, chunked = (speculative.start(rejecting, prompt, Sampler(GREEDY), chunk=c, copy=False) for c in (512, 4))
+    whole, chunked = (start(rejecting, prompt, Sampler(GREEDY), 3, chunk=c) for c in (512, 4))
     assert chunked.x == whole.x and chunked.pending_tokens == whole.pending_tokens == []
     # two summation orders (23 tokens take the chunked delta rule in one pass): each against the exact result
     assert_decoder_matches_reference(rejecting, whole, prompt + [whole.x], longest_pass=len(prompt))
     assert_decoder_matches_reference(rejecting, chunked, prompt + [chunked.x], longest_pass=4)
-    out = list(mtp_generate_tokens(rejecting, prompt, Sampler(GREEDY), 30, set(), depth=3, chunk=4))
+    out = list(decode_tokens(rejecting, prompt, Sampler(GREEDY), 30, set(), depth=3, chunk=4))
     assert out == plain(rejecting, prompt, 30)
 
 
@@ -591,10 +630,10 @@ def test_copy_lane_proposes_the_continuation_of_the_latest_match():
 
 
 def test_draft_depth_is_validated(rejecting):
-    with pytest.raises(HeteroError, match="draft depth must be an integer"):  # speculative.check_depth's one line
-        mtp(rejecting, PROMPT, 4, depth=0)
+    with pytest.raises(HeteroError, match="draft depth must be an integer"):  # depth.check_depth's one line
+        mtp(rejecting, PROMPT, 4, depth=-1)  # (0 is plain decoding)
     with pytest.raises(HeteroError, match="draft depth must be an integer"):
-        mtp(rejecting, PROMPT, 4, depth=speculative.MAX_DEPTH + 1)
+        mtp(rejecting, PROMPT, 4, depth=MAX_DEPTH + 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -629,7 +668,7 @@ def test_engine_rejects_mtp_without_a_head_and_bad_depth(engine):
     from hetero.engine import Engine
 
     with pytest.raises(HeteroError):
-        engine.generate([1, 2], max_tokens=4, mtp=True, draft_depth=speculative.MAX_DEPTH + 1)
+        engine.generate([1, 2], max_tokens=4, mtp=True, draft_depth=MAX_DEPTH + 1)
     headless = Model(tiny_args(engine.model.args.vocab_size), with_mtp=False)
     no_head = Engine(headless, engine.tokenizer, engine.config, engine.path, "headless")
     with pytest.raises(HeteroError):

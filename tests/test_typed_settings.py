@@ -26,7 +26,7 @@ from hetero.sampling import SamplingParams
 from hetero.server import ServerSettings, create_app
 from hetero.server.app import server_split
 from hetero.settings import DEFAULT_DRAFT_DEPTH, PLAIN
-from hetero.speculative import MAX_DEPTH, decode_depth
+from hetero.decode.depth import MAX_DEPTH, decode_depth
 from hetero.validate import GPU_ONLY, AneSplit
 from tiny_checkpoint import write_tiny_model
 

@@ -3,7 +3,7 @@
 Prefill is pipelined by chunk: each rank runs chunk c of its layers and hands the hidden states on, then goes on
 to chunk c+1 while the next rank runs chunk c; the chunk edges are those of the single-process `prefill`.
 Decoding is led by the last rank, which holds the head: it samples, drafts with the MTP head, accepts and rolls
-back with the engine's own code (`speculative.mtp_generate_tokens` over its `Stage`). Before every backbone pass
+back with the engine's own stepper (`hetero.decode.solo.decode_tokens` over its `Stage`). Before every backbone pass
 it broadcasts the pass's tokens (VERIFY, recording GDN states, or STEP for plain decoding); after every commit it
 broadcasts the committed tokens (COMMIT), from which every other rank rolls its own caches back exactly as the
 last rank did (accepted = len(tokens) - 1 of the pass) and rank 0 emits the text; DONE ends the request.
@@ -23,11 +23,12 @@ from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays, expect_pos
 from hetero.distributed.outputs import last_rank_options, recv_logprobs, send_logprobs
 from hetero.distributed.request import Request
 from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
-from hetero.generate import ChunkFn, ProgressFn, chunk_edges, prefill
+from hetero.decode.prefill import ChunkFn, ProgressFn, chunk_edges, prefill
+from hetero.decode.records import MTPStats
+from hetero.decode.solo import decode_tokens
 from hetero.logprobs import TokenLogprob
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler
-from hetero.speculative import MTPStats, mtp_generate_tokens
 
 
 GO_ON, STOP = 1, 0  # rank 0's answer to a COMMIT in a stoppable request
@@ -94,48 +95,28 @@ def lead(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 0,
             stopped.append(True)
 
     stats = MTPStats(depth) if depth else None
-    if depth:
-        committed, state = list(ids), []
+    committed, state = list(ids), []
 
-        def on_commit(decoder, new: list[int]) -> None:
-            commit(new)
-            committed.extend(new)
-            state[:] = [decoder]
-            stage.announce = VERIFY  # every later backbone pass is a verify pass
+    def on_commit(decoder, new: list[int]) -> None:
+        commit(new)
+        committed.extend(new)
+        state[:] = [decoder]
+        stage.announce = VERIFY if depth else STEP  # every later backbone pass is a verify pass, or a plain step
 
-        stream = mtp_generate_tokens(stage, ids, sampler, max_tokens, eos, depth, request.copy, chunk, stats=stats,
-                                     cache=cache, max_context=request.max_context, skip=skip, carry=carry,
-                                     on_chunk=on_chunk, on_commit=on_commit, constraint=constraint,
-                                     logprobs=recorder, marks=marks)
-        try:
-            for _ in stream:
-                if stopped:  # (at the first token of the round rank 0 stopped at: nothing after it runs)
-                    break
-        finally:
-            stage.announce = None
-        if pc and state:  # the committed end state of the turn (x is committed but not yet run)
-            decoder = state[0]
-            capture(stage, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
-    else:  # plain decoding: a round with no drafts, sampled (masked, recorded) as `generate_tokens` does
-        logits, _ = prefill(stage, ids[skip:], cache, chunk, mtp=bool(pc) and stage.has_mtp, carry=carry,
-                            on_chunk=on_chunk, marks=marks)
-        row, emitted = logits[-1], 0  # [V] the raw logits the next token is drawn from
-        while True:
-            x = sampler(row if constraint is None else constraint.apply(row)).item()
-            if recorder is not None:
-                recorder.add(row[None], [x])
-            commit([x])
-            emitted += 1
-            if x in eos or emitted >= max_tokens or stopped:
+    stream = decode_tokens(stage, ids, sampler, max_tokens, eos, depth=depth, copy=request.copy, chunk=chunk,
+                           stats=stats, cache=cache, max_context=request.max_context, skip=skip, carry=carry,
+                           on_chunk=on_chunk, on_commit=on_commit, constraint=constraint, logprobs=recorder,
+                           marks=marks, mtp_prefill=bool(pc) and stage.has_mtp)
+    try:
+        for _ in stream:
+            if stopped:  # (at the first token of the round rank 0 stopped at: nothing after it runs)
                 break
-            if constraint is not None:
-                constraint.advance(x)
-            stage.announce = STEP
-            try:
-                out = stage.logits(stage.model(mx.array([[x]]), cache[: len(stage.layers)]))  # [1, 1, V]
-            finally:
-                stage.announce = None
-            row = out[0, -1]
+    finally:
+        stream.close()
+        stage.announce = None
+    if pc and state and depth:  # the committed end state of an MTP turn (x is committed but not yet run)
+        decoder = state[0]
+        capture(stage, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
     announce(DONE, [])
     return {"mtp": stats.to_dict() if stats is not None else None}
 
@@ -201,7 +182,7 @@ def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: 
                   progress: ProgressFn | None = None, skip: int = 0, on_chunk: ChunkFn | None = None,
                   marks: list[int] = ()) -> None:
     """This (non-last) rank's layers over ids[skip:] (the cache holds ids[:skip]), chunk by chunk at the edges of
-    `generate.prefill` (`marks` too), each chunk handed on as soon as it is done; `on_chunk(n, last output [1, H])`
+    `decode.prefill.prefill` (`marks` too), each chunk handed on as soon as it is done; `on_chunk(n, last output [1, H])`
     after each."""
     edges = chunk_edges(skip, len(ids) - skip, chunk, marks)
     expect_positions(cache, len(ids))

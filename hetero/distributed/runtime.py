@@ -28,7 +28,8 @@ from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
 from hetero.engine import Engine, GenerationResult, _eos_ids
 from hetero.errors import HeteroError
-from hetero.generate import DecodeTimes, ProgressFn
+from hetero.decode.prefill import ProgressFn
+from hetero.decode.records import DecodeTimes
 from hetero.logprobs import TokenLogprob, check_top
 from hetero.loader import default_dtype, preflight, read_config, resolve
 from hetero.models.qwen3_5 import ModelArgs
@@ -36,7 +37,7 @@ from hetero.planner.hosts import split_layers
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import SamplingParams
 from hetero.settings import DEFAULT_DRAFT_DEPTH
-from hetero.speculative import decode_depth
+from hetero.decode.depth import decode_depth
 from hetero.tokenizer import Tokenizer
 
 
@@ -190,12 +191,12 @@ class PipelineEngine:
         json_schema: dict | None = None,
         json_object: bool = False,
         mark: int | None = None,
-        prefill_with: Callable | None = None,
-        batched: Callable | None = None,
+        split: object | None = None,
+        batch: object | None = None,
     ) -> GenerationResult:
         """As `Engine.generate`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is
         False) at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the policy and its
-        check are one process's, `speculative.decode_depth`, so 0 is refused as there). The result's stats add `seed`
+        check are one process's, `decode.depth.decode_depth`, so 0 is refused as there). The result's stats add `seed`
         (drawn here when not given, so a rerun can reproduce a sampled output) and `pipeline` (split, per-rank
         memory). `progress` sees rank 0's prefill chunks.
 
@@ -205,9 +206,8 @@ class PipelineEngine:
         the last rank at its next commit and the ranks end the request there (tokens committed meanwhile are
         dropped); an exception from a callback is raised once they have. Without it the ranks run to EOS or
         `max_tokens` and rank 0 drops what follows its end (no answer per commit: decoding as fast as before).
-        `prefill_with` (the ANE + GPU split) and `batched` (a shared decode loop) have no pipelined form and are
-        refused."""
-        if prefill_with is not None or batched is not None:
+        `split` (the ANE + GPU split) and `batch` (a shared decode loop) have no pipelined form and are refused."""
+        if split is not None or batch is not None:
             raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction) or batched decoding "
                               "(--max-batch); leave them out")
         if prefill_chunk <= 0:

@@ -3,7 +3,7 @@
 `Stage.model(tokens, cache)` is the rank's part of the backbone pass: rank 0 embeds the tokens, every other rank
 receives the previous rank's hidden states [B, S, H]; the rank's own layers run over its own caches; the result
 goes to the next rank, or, on the last rank, through the final norm. On the last rank a `Stage` stands in for
-`Model` where the engine's own code takes one (`generate.prefill`, `speculative.mtp_generate_tokens`): it has
+`Model` where the engine's own code takes one (`decode.prefill.prefill`, `decode.solo.decode_tokens`): it has
 `layers`, `model`, `logits`, `mtp_hidden`, `make_cache` and `args`, so prefill, drafting, acceptance and rollback
 are the single-process code, run over the last rank's layers.
 """
@@ -83,6 +83,6 @@ class Stage:
 
 def message_length() -> int:
     """Ints in a control message: kind, count, and up to a verify pass's tokens (x and MAX_DEPTH drafts)."""
-    from hetero.speculative import MAX_DEPTH
+    from hetero.decode.depth import MAX_DEPTH
 
     return 2 + MAX_DEPTH + 1

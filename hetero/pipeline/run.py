@@ -11,6 +11,8 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.cache import KVCache, LayerCache
+from hetero.decode.state import Decoder
+from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost, HeteroError
 from hetero.models.qwen3_5 import Model
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
@@ -20,6 +22,7 @@ from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.profiles import Profile
+from hetero.sampling import Sampler, SamplingParams
 from hetero.validate import AneSplit
 
 DEFAULT_CHUNK = 256
@@ -30,7 +33,7 @@ DEFAULT_VERIFY_TOKENS = 32
 @dataclass
 class PipelineRun:
     """A configured split for one engine: its `Plan` (slices, piece kinds, programs, caps) and the backend that runs
-    the ANE's share; `prefill_with` plugs into `Engine.generate`."""
+    the ANE's share; it is the `split` a `GenerationRequest` names (`prefill`)."""
 
     engine: object
     plan: Plan
@@ -91,12 +94,12 @@ class PipelineRun:
             self.splitter(len(ids) - 1)
             self.effective_fraction = self.plan.effective_fraction_at(len(ids) - 1)
 
-    def prefill_with(
+    def prefill(
         self, ids: list[int], decode: DecodeQueue | None = None, on_chunk: EdgeFn | None = None
     ) -> tuple[list[LayerCache], int, mx.array | None]:
         """Split-prefill all but the last prompt token (which the decode path runs, giving the first logits).
 
-        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.generate`. With
+        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.stream`. With
         `decode`, the GPU lane interleaves other requests' work while the ANE computes its share; `on_chunk(n,
         cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them).
         """
@@ -153,14 +156,13 @@ def configure(
 
 
 def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
-    """n greedy tokens decoded on the GPU from a filled cache and the prompt's last logits [1, V]."""
-    tokens = []
-    token = mx.argmax(logits[-1])
-    for _ in range(n):
-        tokens.append(int(token.item()))
-        out, _ = model(token.reshape(1, 1), cache[: len(model.layers)])
-        token = mx.argmax(out[0, -1])
-    return tokens
+    """n greedy tokens decoded on the GPU by the stepper from a filled cache and the prompt's last logits [1, V]."""
+    decoder = Decoder(model, cache, int(mx.argmax(logits[-1]).item()), mx.zeros((0, model.args.hidden_size)))
+    batch = Batch(model, max_batch=1)
+    row = batch.admit(batch.row(decoder, Sampler(SamplingParams()), n, set(), depth=0))
+    for _ in batch.drain():
+        pass
+    return row.tokens
 
 
 def verify(run: PipelineRun, ids: list[int], tol: float | None = DEFAULT_VERIFY_TOL,
@@ -178,7 +180,7 @@ def verify(run: PipelineRun, ids: list[int], tol: float | None = DEFAULT_VERIFY_
     2 tol x max |logit|. Two runs whose logits are each within tol x max of the other's may order such a pair either
     way (bf16 does, on the bundled and random models alike), so the comparison stops there (`greedy_tie_at`).
     """
-    from hetero.generate import prefill
+    from hetero.decode.prefill import prefill
     from hetero.verify_tolerance import verify_tolerance
 
     model = run.engine.model

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
-from hetero.generate import mtp_pairs
+from hetero.decode.prefill import mtp_pairs
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.ane_process import AneProcess, LaneStats
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
@@ -97,7 +97,7 @@ class SplitPrefill:
              logits: bool, on_chunk: EdgeFn | None = None) -> list[Job]:
         """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`.
 
-        `on_chunk(n, cache_at_n, hidden)` sees the state at every chunk edge n, as `generate.prefill`'s hook does
+        `on_chunk(n, cache_at_n, hidden)` sees the state at every chunk edge n, as `decode.prefill.prefill`'s hook does
         (the prefix cache checkpoints it), on the GPU lane once the chunk is done: layers below may already hold
         later chunks, so it gets a view of the cache as it stood at n (attention KV read up to n, each GDN layer's
         state as its chunk left it, the MTP head's KV at n - 1)."""
@@ -133,7 +133,7 @@ class SplitPrefill:
 
             def finish(ch=ch, last=last) -> None:
                 h, piece = model.model.norm(ch.h), ch.piece  # [1, s, hidden], [1, s]
-                if mtp and model.has_mtp:  # the MTP head's KV: (t_{p+1}, h_p) pairs, as `generate.prefill` fills it
+                if mtp and model.has_mtp:  # the MTP head's KV: (t_{p+1}, h_p) pairs, as `decode.prefill.prefill` fills it
                     mtp_pairs(model, piece, h, st["carry"], cache)
                 out["hidden"] = st["carry"] = h[0, -1:]  # evaluated below: the next job may run on another thread
                 out["logits"] = model.logits(h[:, -1:])[0] if (logits and last) else None

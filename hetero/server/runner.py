@@ -1,7 +1,7 @@
 """The job runner: up to `max_concurrent` generations at once, each on its own worker thread, taking round-robin
 turns on the model (`hetero.turns`): one prefill chunk or one decode token per turn, so a new request starts
 while others decode and none starves. With `max_batch` > 1 (`hetero serve --max-batch N`), the requests decoding at
-one moment share every decode pass instead (`hetero.batching`): each prefills in its turns, then hands its decoding
+one moment share every decode pass instead (`hetero.decode.loop`): each prefills in its turns, then hands its decoding
 to one loop that runs a batched round per turn (JSON-constrained requests too, each masked as alone). With a split
 (`hetero serve --ane-fraction F`), one prompt at a time prefills through the ANE + GPU pipeline, whose GPU lane
 lends its turn to the other requests while the ANE computes its share (prompts arriving meanwhile prefill
@@ -19,11 +19,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 from starlette.requests import Request
 
-from hetero.batching import DecodeLoop
+from hetero.decode.loop import DecodeLoop, Seat
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.logprobs import TokenLogprob
@@ -107,23 +106,11 @@ class Runner:
         self.finished += 1
         return outcome
 
-    def _prefill_with(self, job: Job, ticket: object):
-        """The split prefill for this job when the server has one, the job did not opt out and it is free."""
+    def _split(self, job: Job, ticket: object) -> JobSplit | None:
+        """The split prefill for this job when the server has one and the job did not opt out."""
         if self.split is None or job.ane_fraction == 0.0:
             return None
-
-        def split_prefill(ids: list[int], on_chunk=None):
-            if not self._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
-                return self.engine.model.make_cache(), 0, None
-            try:
-                self.split.prepare(ids)
-                out = self.split.prefill_with(ids, decode=LentTurns(self.turns, ticket), on_chunk=on_chunk)
-                self.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
-                return out
-            finally:
-                self._split_free.release()
-
-        return split_prefill
+        return JobSplit(self, ticket)
 
     def _run(self, job: Job, emit: Callable[[str | Started | TokenLogprobs], None], cancelled: threading.Event,
              ticket: object) -> Outcome:
@@ -156,16 +143,16 @@ class Runner:
             return matcher.stopped is not None or cancelled.is_set() or (one_call is not None and one_call.calls > 0)
 
         logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
-        batched = None
+        seat = None
         if self.loop is not None:  # the job gives its turn up while the loop decodes for it, then takes it back
-            batched = partial(self.loop.generate_tokens, on_handover=lambda: self.turns.leave(ticket),
-                              on_handback=lambda: self.turns.enter(ticket))
+            seat = Seat(self.loop, on_handover=lambda: self.turns.leave(ticket),
+                        on_handback=lambda: self.turns.enter(ticket))
         result = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
             min_p=job.min_p, seed=job.seed, mtp=job.mtp, draft_depth=self.draft_depth, prefill_chunk=self.prefill_chunk,
             on_text=on_text, progress=progress,
-            should_stop=should_stop, prefill_with=self._prefill_with(job, ticket),
-            mark=job.reply.mark if job.reply is not None else None, batched=batched,
+            should_stop=should_stop, split=self._split(job, ticket),
+            mark=job.reply.mark if job.reply is not None else None, batch=seat,
             **self._output_options(job, emit, logprobs),
         )
         if cancelled.is_set():
@@ -249,3 +236,25 @@ class Runner:
                 await items.aclose()  # now, not at garbage collection: closing the stream is what cancels the job
 
         return chained()
+
+
+class JobSplit:
+    """One job's use of the server's ANE split (`GenerationRequest.split`): one prompt at a time goes through it
+    (another finds it busy and prefills GPU-only), and the GPU lane lends the job's turns to other jobs' decoding
+    while the ANE computes."""
+
+    def __init__(self, runner: Runner, ticket: object) -> None:
+        self.runner, self.ticket = runner, ticket
+
+    def prefill(self, ids: list[int], on_chunk=None):
+        """`PipelineRun.prefill` for this job, or an empty cache (0 tokens in it) when the split is busy."""
+        runner = self.runner
+        if not runner._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
+            return runner.engine.model.make_cache(), 0, None
+        try:
+            runner.split.prepare(ids)
+            out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk)
+            runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
+            return out
+        finally:
+            runner._split_free.release()

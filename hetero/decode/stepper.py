@@ -1,9 +1,10 @@
-"""Batched decoding: concurrent requests share every backbone pass (DESIGN.md section 3, issue 13).
+"""The stepper: the one place tokens are made. A round moves a set of rows (requests) forward together.
 
-A decode pass is bound by reading the weights; B requests decoding together read them once per round instead
-of B times. Each request keeps its own caches in the solo layout (`model.make_cache()`), its own sampler,
-draft depth and limits, and gets exactly the tokens it would get decoding alone (`mtp_generate_tokens`, or
-`generate_tokens` at depth 0): the same drafts, the same acceptance draws from its own key stream. One round:
+A solo request is a batch of one (`solo.decode_tokens`), plain decoding is depth 0, and the copy lane, JSON
+constraints, logprobs and commit hooks are per-row options. A decode pass is bound by reading the weights; B rows
+decoding together read them once per round instead of B times. Each row keeps its own caches in the solo layout
+(`model.make_cache()`), its own sampler, draft depth and limits, and gets exactly the tokens it would get decoding
+alone: the same drafts, the same acceptance draws from its own key stream. One round (DESIGN.md section 3):
 
   draft   rows with a copy-lane proposal take it; the rows that draft with the MTP head run it together: the
           catch-up over each row's pending (token, hidden) pairs, padded to the longest, then one step per
@@ -11,12 +12,14 @@ draft depth and limits, and gets exactly the tokens it would get decoding alone 
   verify  one backbone pass over tokens [B, S], row i = [x_i, d_i...] padded to S = max(k_i + 1). GDN layers
           run on the rows' states stacked [B, ...], recording every step; attention layers write and read
           each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`).
-  accept  row by row, `accept_greedy` / `accept_drafts` with the row's own sampler (as `run_round`).
+  accept  row by row, `accept_greedy` / `accept_drafts` with the row's own sampler; depth 0 draws its token.
   commit  row by row: KV trimmed to the row's length, GDN state and conv window as recorded after the row's
           own last kept token (one gather per layer re-stacks them), MTP KV trimmed, pending pairs queued.
 
 Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
-row at one token (plain decoding, or no drafts anywhere) the pass records nothing. Requests join (prefilled
+row at one token (plain decoding, or no drafts anywhere) the pass records nothing, and plain rows without a
+grammar or a commit hook queue the next round's pass before their tokens are read (`_plain_round`), so the model
+computes while the caller detokenizes. Rows join (prefilled
 alone, `start`) and leave between rounds; the rows' caches always hold their committed state (views into the
 batch's stacked GDN arrays), so a request that leaves takes a complete cache with it.
 
@@ -28,111 +31,42 @@ alone. The projections, MLPs, GDN layers and lm_head, where the weights are read
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
 from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
 from hetero.constrained import Constraint
+from hetero.decode.depth import MAX_DEPTH, check_depth
+from hetero.decode.prefill import ChunkFn, ProgressFn
+from hetero.decode.records import DecodeTimes, MTPStats, Trace
+from hetero.decode.rows import Ahead, CommitFn, Round, Row
+from hetero.decode.state import Decoder, start
 from hetero.errors import HeteroError
-from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace, prefill
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
 from hetero.settings import DEFAULT_DRAFT_DEPTH
-from hetero.speculative import MAX_DEPTH, Decoder, MTPStats, check_depth, start
 
 MAX_BATCH = 8
-CommitFn = Callable[[Decoder, list[int]], None]  # (the committed state, the tokens it newly committed; last = x)
-
-
-@dataclass(eq=False)
-class Request:
-    """One request of a batch: its decoder state (the solo `Decoder`), sampler, limits and tokens so far."""
-
-    decoder: Decoder | None  # None: a request with nothing to decode (max_tokens <= 0), done at once
-    sampler: Sampler
-    depth: int  # MTP draft depth; 0 decodes plainly
-    max_tokens: int
-    eos_ids: set[int]
-    max_context: int
-    tokens: list[int] = field(default_factory=list)  # emitted, EOS excluded
-    finish_reason: str | None = None  # "stop" (EOS) or "length" once done
-    stats: MTPStats | None = None
-    times: DecodeTimes = field(default_factory=DecodeTimes)
-    on_commit: CommitFn | None = None
-    logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
-    trace: Trace | None = None  # depth 0: what each round ran, as `generate_tokens` records it
-    constraint: Constraint | None = None  # JSON grammar: masks the row's drafts and verify rows, as solo
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def take(self, new: list[int]) -> list[int]:
-        """Emit the committed `new` tokens up to EOS or max_tokens, as solo decoding would; returns those emitted."""
-        out = []
-        for t in new:
-            if not self.tokens and not out:
-                self.times.first_token = time.perf_counter()
-            if t in self.eos_ids:
-                self.finish_reason = self.times.finish_reason = "stop"
-                break
-            out.append(t)
-            if len(self.tokens) + len(out) >= self.max_tokens:
-                self.finish_reason = self.times.finish_reason = "length"
-                break
-        self.tokens += out
-        self.times.generated, self.times.end = len(self.tokens), time.perf_counter()
-        return out
-
-
-@dataclass
-class Round:
-    """What one round proposes and decides for each row."""
-
-    drafts: list[list[int]]
-    draft_logprobs: list[mx.array | None]  # [k_i, V] proposal log-probs when sampled from the MTP head
-    copied: list[bool]
-    accepted: list[int] = field(default_factory=list)
-    next: list[int] = field(default_factory=list)
-
-    def mtp_ran(self, i: int) -> bool:
-        return bool(self.drafts[i]) and not self.copied[i]
-
-    @classmethod
-    def plain(cls, n: int) -> "Round":
-        """A round of n rows without drafts."""
-        return cls([[] for _ in range(n)], [None] * n, [False] * n)
-
-
-@dataclass
-class Ahead:
-    """A plain round's backbone pass queued over the tokens the previous round drew, before they were read."""
-
-    rows: list[Request]
-    target: mx.array  # [B, 1, V]
-    hidden: mx.array  # [B, 1, H]
-    gdn: dict[int, GDNCache]
 
 
 class Batch:
-    """Requests decoding together, one round at a time (`step`); `join` and `leave` between rounds."""
+    """Rows decoding together, one round at a time (`step`); `join` and `leave` between rounds."""
 
     def __init__(self, model: Model, max_batch: int = MAX_BATCH) -> None:
         if max_batch < 1:
             raise HeteroError(f"--max-batch must be at least 1, got {max_batch}")
         self.model, self.max_batch = model, max_batch
-        self.requests: list[Request] = []
+        self.rows: list[Row] = []
         self.rounds = 0
-        self._stacked_for: list[Request] = []  # the rows (in order) that `_stacked` holds
+        self._stacked_for: list[Row] = []  # the rows (in order) that `_stacked` holds
         self._stacked: dict[int, tuple[mx.array, mx.array]] = {}  # GDN layer -> (conv [B, K-1, C], state [B, ...])
         self._ahead: Ahead | None = None  # the next plain round's pass, already computing
 
     @property
     def full(self) -> bool:
-        return len(self.requests) >= self.max_batch
+        return len(self.rows) >= self.max_batch
 
     def join(
         self,
@@ -151,39 +85,38 @@ class Batch:
         logprobs: LogprobRecorder | None = None,
         progress: ProgressFn | None = None,
         constraint: Constraint | None = None,
-    ) -> Request:
-        """Prefill `prompt` alone and add the request; its first token is in `request.tokens` already.
+        on_chunk: ChunkFn | None = None,
+        marks: Sequence[int] = (),
+        trace: Trace | None = None,
+        mtp_prefill: bool = False,
+        times: DecodeTimes | None = None,
+        stats: MTPStats | None = None,
+    ) -> Row:
+        """Prefill `prompt` alone (`state.start`) and add its row; its first token is in `row.tokens` already.
 
-        `depth` 0 decodes plainly (as `generate_tokens`), else speculatively with the MTP head (as
-        `mtp_generate_tokens`, with the copy lane when `copy`). `cache`/`skip`/`carry`: a restored prefix (`start`).
-        `on_commit(decoder, tokens)` sees the request's committed state after its first token and after every round
-        (as in `mtp_generate_tokens`), e.g. to checkpoint it in a prefix cache. `logprobs` records each committed
-        token's raw logprobs (`generate_tokens`). `progress(done, total)` runs after every prefill chunk: with
-        `lambda *_: batch.step()` the requests already decoding get a round after every chunk of the new prompt.
-        `constraint` (fresh) masks every token the request samples, as in solo constrained decoding.
+        `depth` 0 decodes plainly, else speculatively with the MTP head (with the copy lane when `copy`).
+        `cache`/`skip`/`carry`: a restored prefix; `on_chunk`, `marks`, `mtp_prefill` as in `start`.
+        `on_commit(decoder, tokens)` sees the row's committed state after its first token and after every round,
+        e.g. to checkpoint it in a prefix cache. `logprobs` records each committed token's raw logprobs.
+        `progress(done, total)` runs after every prefill chunk: with `lambda *_: batch.step()` the rows already
+        decoding get a round after every chunk of the new prompt. `constraint` (fresh) masks every token the row
+        samples. `trace` (depth 0) records what the backbone ran. `times` (a caller may have started it earlier)
+        and `stats` are filled in as the row decodes.
         """
         self._check(depth)
-        times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(prompt))
-        cache = cache if cache is not None else self.model.make_cache()
-        if max_tokens <= 0:  # nothing to decode: no prefill either (as solo)
-            request = Request(None, sampler, depth, 0, set(eos_ids), 0, times=times)
-            request.finish_reason = times.finish_reason = "length"
+        times = times if times is not None else DecodeTimes()
+        times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
+        if max_tokens <= 0:  # nothing to decode: no prefill either
+            row = Row(None, sampler, depth, 0, set(eos_ids), 0, times=times)
+            row.finish_reason = times.finish_reason = "length"
             times.first_token = times.end = time.perf_counter()
-            return request
-        decoder = prefilled(self.model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry,
-                            logprobs=logprobs, constraint=constraint)
-        return self.add(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, on_commit=on_commit,
-                        logprobs=logprobs, constraint=constraint)
+            return row
+        decoder = start(self.model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
+                        constraint, logprobs, marks, trace, mtp_prefill)
+        return self.admit(self.row(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, stats, on_commit,
+                                   logprobs, trace, constraint))
 
-    def add(self, decoder: Decoder, sampler: Sampler, max_tokens: int, eos_ids: set[int],
-            depth: int = DEFAULT_DRAFT_DEPTH, max_context: int | None = None, times: DecodeTimes | None = None,
-            **hooks) -> Request:
-        """Add a request prefilled elsewhere (`speculative.start`, or a plain prefill for depth 0): `request` then
-        `admit`. The batch owns the decoder's caches until the request leaves."""
-        self._check(depth)
-        return self.admit(self.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, **hooks))
-
-    def request(
+    def row(
         self,
         decoder: Decoder,
         sampler: Sampler,
@@ -197,28 +130,27 @@ class Batch:
         logprobs: LogprobRecorder | None = None,
         trace: Trace | None = None,
         constraint: Constraint | None = None,
-    ) -> Request:
-        """A request for a prefilled decoder whose first token, `decoder.x`, is sampled and not emitted yet; it is
-        emitted now (`logprobs` holds its row already, if any), and `on_commit` sees it. Not in the batch yet
-        (`admit`): a thread that prefilled it can stream its first token at once. `trace` (depth 0) gets each round's
-        token and hidden as `generate_tokens` records them. `constraint` has consumed `decoder.x` (`prefilled`)."""
+    ) -> Row:
+        """A row for a prefilled decoder (`state.start`) whose first token, `decoder.x`, is sampled and not emitted
+        yet; it is emitted now (`logprobs` holds its row already, if any), and `on_commit` sees it. Not in the batch
+        yet (`admit`): a thread that prefilled it can stream its first token at once. `trace` (depth 0) gets each
+        round's token and hidden. `constraint` has consumed `decoder.x`."""
         self._check(depth, room=False)
-        request = Request(decoder, sampler, depth, max_tokens, set(eos_ids),
-                          max_context or self.model.args.max_position_embeddings,
-                          stats=stats or (MTPStats(depth) if depth else None),
-                          times=times or DecodeTimes(start=time.perf_counter()), on_commit=on_commit,
-                          logprobs=logprobs, trace=trace, constraint=constraint)
+        row = Row(decoder, sampler, depth, max_tokens, set(eos_ids), max_context or self.model.args.max_position_embeddings,
+                  stats=stats if stats is not None else (MTPStats(depth) if depth else None),
+                  times=times or DecodeTimes(start=time.perf_counter()), on_commit=on_commit,
+                  logprobs=logprobs, trace=trace if not depth else None, constraint=constraint)
         if on_commit is not None:
             on_commit(decoder, [decoder.x])
-        request.take([decoder.x])
-        return request
+        row.take([decoder.x])
+        return row
 
-    def admit(self, request: Request) -> Request:
-        """Put a request made by `request` into the batch (unless it is done already) for the next round."""
-        if not request.done:
-            self._check(request.depth)
-            self.requests.append(request)
-        return request
+    def admit(self, row: Row) -> Row:
+        """Put a row made by `row` into the batch (unless it is done already) for the next round."""
+        if not row.done:
+            self._check(row.depth)
+            self.rows.append(row)
+        return row
 
     def _check(self, depth: int, room: bool = True) -> None:
         if room and self.full:
@@ -228,23 +160,23 @@ class Batch:
         if depth != 0:  # 0: plain decoding, no draft depth
             check_depth(depth, "draft depth")
 
-    def leave(self, request: Request) -> None:
+    def leave(self, request: Row) -> None:
         """Drop a request (cancelled or done) before the next round; its caches hold its committed state."""
         self._drop_ahead()
-        if request in self.requests:
-            self.requests.remove(request)
+        if request in self.rows:
+            self.rows.remove(request)
         self._stacked, self._stacked_for = {}, []  # rebuilt from the remaining rows' own caches
         if request.decoder is not None:
             mx.eval(cache_arrays(request.decoder.cache))  # its caches may move to another thread
 
-    def drain(self) -> Iterator[dict[Request, list[int]]]:
+    def drain(self) -> Iterator[dict[Row, list[int]]]:
         """Rounds until every request is done (`step`'s results)."""
-        while self.requests:
+        while self.rows:
             yield self.step()
 
-    def step(self) -> dict[Request, list[int]]:
+    def step(self) -> dict[Row, list[int]]:
         """One round for every request: {request: tokens it emitted}. Finished requests leave the batch."""
-        rows = list(self.requests)
+        rows = list(self.rows)
         if not rows:
             return {}
         if self._ahead is not None and self._ahead.rows != rows:  # a request joined or left since it was queued
@@ -273,23 +205,23 @@ class Batch:
             emitted[r] = r.take(new)
             if r.stats is not None:
                 r.stats.emitted += len(emitted[r])
-        self.requests = [r for r in self.requests if not r.done]
-        if len(self.requests) < len(rows):  # the queued pass ran a finished row one token too far
+        self.rows = [r for r in self.rows if not r.done]
+        if len(self.rows) < len(rows):  # the queued pass ran a finished row one token too far
             self._drop_ahead()
             mx.eval([cache_arrays(r.decoder.cache) for r in rows if r.done])  # its caches go to another thread
-        if not self.requests:
+        if not self.rows:
             self._stacked, self._stacked_for = {}, []
         return emitted
 
     # ------------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _overlaps(r: Request) -> bool:
+    def _overlaps(r: Row) -> bool:
         """Whether the row's next pass may be queued before its token is read: plain decoding, where every round
         keeps its one token whatever it is (a grammar's mask and a commit hook need the value first)."""
         return r.depth == 0 and r.constraint is None and r.on_commit is None
 
-    def _plain_round(self, rows: list[Request]) -> tuple[Round, mx.array, mx.array]:
+    def _plain_round(self, rows: list[Row]) -> tuple[Round, mx.array, mx.array]:
         """A round of plain rows, overlapped as `generate_tokens` overlaps its steps: this round's pass (queued by
         the last round, or run now), each row's draw, and the next round's pass over those draws queued before the
         draws are read, so the host prepares and reads while the model computes. Returns (round, logits [B, 1, V],
@@ -317,12 +249,12 @@ class Batch:
                     r.decoder.cache[l].trim_to(r.decoder.cache[l].offset - 1)
 
     @staticmethod
-    def _plan(r: Request) -> tuple[int, int]:
+    def _plan(r: Row) -> tuple[int, int]:
         """(MTP draft count, copy-lane draft count) for this round: drafts never overshoot max_tokens or the context."""
         room = min(r.max_tokens - len(r.tokens) - 1, r.max_context - r.decoder.length - 2)
         return max(0, min(r.depth, room)), max(0, min(MAX_DEPTH, 2 * r.depth, room))
 
-    def _propose(self, rows: list[Request], plans: list[tuple[int, int]]) -> Round:
+    def _propose(self, rows: list[Row], plans: list[tuple[int, int]]) -> Round:
         rnd = Round([[] for _ in rows], [None] * len(rows), [False] * len(rows))
         drafting = []
         for i, (r, (k, copy_k)) in enumerate(zip(rows, plans)):
@@ -340,12 +272,12 @@ class Batch:
                 rnd.drafts[i], rnd.draft_logprobs[i] = d, q
         return rnd
 
-    def _mtp_caches(self, rows: list[Request], lengths: list[int]) -> list[RaggedKV]:
+    def _mtp_caches(self, rows: list[Row], lengths: list[int]) -> list[RaggedKV]:
         n = len(self.model.layers)
         return [RaggedKV([r.decoder.cache[n + j] for r in rows], lengths)
                 for j in range(len(rows[0].decoder.cache) - n)]
 
-    def _draft(self, rows: list[Request], ks: list[int]) -> tuple[list[list[int]], list[mx.array | None]]:
+    def _draft(self, rows: list[Row], ks: list[int]) -> tuple[list[list[int]], list[mx.array | None]]:
         """k_i drafts per row from the MTP head (`speculative._draft` for a batch), each row with its own sampler."""
         model = self.model
         pending = [r.decoder.pending_tokens + [r.decoder.x] for r in rows]  # pairs with pending_hidden
@@ -388,7 +320,7 @@ class Batch:
         return ([[int(d.item()) for d in row] for row in drafts],
                 [mx.stack(lp) if lp else None for lp in logprobs])
 
-    def _gdn_rows(self, rows: list[Request], layer: int) -> tuple[mx.array, mx.array]:
+    def _gdn_rows(self, rows: list[Row], layer: int) -> tuple[mx.array, mx.array]:
         """The rows' conv windows and states of one GDN layer, stacked [B, ...] (kept from the last round when the
         rows are the same)."""
         same = len(rows) == len(self._stacked_for) and all(a is b for a, b in zip(rows, self._stacked_for))
@@ -397,7 +329,7 @@ class Batch:
         caches = [r.decoder.cache[layer] for r in rows]
         return mx.concatenate([c.conv for c in caches]), mx.concatenate([c.recurrent for c in caches])
 
-    def _verify(self, rows: list[Request], rnd: Round,
+    def _verify(self, rows: list[Row], rnd: Round,
                 tokens: mx.array | None = None) -> tuple[mx.array, mx.array, dict[int, GDNCache]]:
         """One backbone pass over every row's [x, drafts] (or `tokens` [B, 1], rows without drafts): (logits
         [B, S, V], hiddens [B, S, H], GDN caches)."""
@@ -420,7 +352,7 @@ class Batch:
         return self.model.logits(hidden), hidden, gdn
 
     @staticmethod
-    def _accept(rows: list[Request], rnd: Round, target: mx.array) -> None:
+    def _accept(rows: list[Row], rnd: Round, target: mx.array) -> None:
         """Each row's acceptance with its own sampler: (accepted, next token) into `rnd`, one sync for all rows."""
         decided = []
         for i, r in enumerate(rows):
@@ -443,7 +375,7 @@ class Batch:
                 r.constraint.rollback(len(rnd.drafts[i]) - rnd.accepted[i])
                 r.constraint.advance(rnd.next[i])
 
-    def _commit_states(self, rows: list[Request], rnd: Round, gdn: dict[int, GDNCache]) -> None:
+    def _commit_states(self, rows: list[Row], rnd: Round, gdn: dict[int, GDNCache]) -> None:
         """Keep each row's x and first a_i drafts in its backbone caches (`Decoder.commit`, row by row); a round
         without drafts keeps each row's one token before `rnd.accepted` is known."""
         kept = [a + 1 for a in rnd.accepted] if rnd.accepted else [1] * len(rows)  # tokens each row keeps of its pass
@@ -467,7 +399,7 @@ class Batch:
                     own = r.decoder.cache[l]  # the pass wrote len(drafts) + 1 positions
                     own.trim_to(own.offset - len(rnd.drafts[i]) - 1 + kept[i])
 
-    def _commit_rows(self, rows: list[Request], rnd: Round, hidden: mx.array) -> None:
+    def _commit_rows(self, rows: list[Row], rnd: Round, hidden: mx.array) -> None:
         """The rest of each row's commit: MTP caches, pending pairs, copy lane, trace; its next token becomes x."""
         for i, r in enumerate(rows):
             d, drafts, a = r.decoder, rnd.drafts[i], rnd.accepted[i]
@@ -489,58 +421,3 @@ class Batch:
             return
         mx.eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows],
                 [r.trace.hidden[-1] for r in rows if r.trace is not None])  # a row's arrays may move to another thread
-
-
-def prefilled(
-    model: Model,
-    prompt: list[int],
-    sampler: Sampler,
-    depth: int,
-    cache: list[LayerCache],
-    chunk: int = 512,
-    progress: ProgressFn | None = None,
-    copy: bool = False,
-    skip: int = 0,
-    carry: mx.array | None = None,
-    on_chunk: ChunkFn | None = None,
-    logprobs: LogprobRecorder | None = None,
-    marks: Sequence[int] = (),
-    trace: Trace | None = None,
-    mtp_prefill: bool = False,
-    constraint: Constraint | None = None,
-) -> Decoder:
-    """Prefill `prompt` into `cache` and sample the first token, as the solo decoder of `depth` does: `start`
-    (depth > 0), or `generate_tokens`' prefill (depth 0: `trace` gets the last hidden; `mtp_prefill` fills the MTP
-    head's KV too). Arguments as in `start`; a `constraint` masks the first token and consumes it."""
-    if depth:
-        return start(model, prompt, sampler, cache, chunk, progress, copy, skip, carry, on_chunk, constraint, logprobs,
-                     marks)
-    logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=mtp_prefill, carry=carry,
-                             on_chunk=on_chunk, marks=marks)  # [1, V], [1, H]
-    x = sampler(logits[-1] if constraint is None else constraint.apply(logits[-1])).item()
-    if constraint is not None:
-        constraint.advance(x)
-    decoder = Decoder(model, cache, x, hidden)  # depth 0 keeps no pending pairs after this
-    if trace is not None:
-        trace.hidden.append(hidden)
-    if logprobs is not None:
-        logprobs.add(logits[-1:], [decoder.x])
-    return decoder
-
-
-def batch_generate(
-    model: Model,
-    prompts: list[list[int]],
-    samplers: list[Sampler],
-    max_tokens: list[int],
-    eos_ids: set[int],
-    depths: list[int],
-    copy: bool = False,
-) -> list[Request]:
-    """Decode every prompt in one batch to the end; the requests in prompt order (`request.tokens`)."""
-    batch = Batch(model, max_batch=max(1, len(prompts)))
-    requests = [batch.join(p, s, n, eos_ids, d, copy) for p, s, n, d in zip(prompts, samplers, max_tokens, depths)]
-    for _ in batch.drain():
-        pass
-    return requests
-

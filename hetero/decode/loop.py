@@ -3,7 +3,7 @@
 A job prefills its prompt on its own thread, taking turns on the model as before (`hetero.turns`), emits its
 first token, then hands its decoder to the `DecodeLoop` and reads the rest of its tokens from a queue. The loop's
 thread runs one `Batch` round for every request handed over, one turn on the model per round, so the prefill
-chunks of prompts that arrive meanwhile still interleave with decoding. Requests join and leave between rounds;
+chunks of prompts that arrive meanwhile still interleave with decoding. Rows join and leave between rounds;
 a job that stops reading (its client went away, a stop string matched) closes its stream, and its request leaves
 before the next round without disturbing the others.
 """
@@ -16,26 +16,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hetero.batch import MAX_BATCH, Batch, CommitFn, Request, prefilled
 from hetero.cache import LayerCache, cache_arrays
 from hetero.constrained import Constraint
+from hetero.decode.prefill import ChunkFn, ProgressFn
+from hetero.decode.records import DecodeTimes, MTPStats, Trace
+from hetero.decode.rows import CommitFn, Row
+from hetero.decode.state import start
+from hetero.decode.stepper import MAX_BATCH, Batch
 from hetero.errors import HeteroError
-from hetero.generate import ChunkFn, DecodeTimes, ProgressFn, Trace
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
 from hetero.settings import DEFAULT_DRAFT_DEPTH
-from hetero.speculative import MTPStats
 from hetero.turns import Turns
 
 
 class _Stream:
     """One handed-over request and the queue its job reads: token lists, then None (done) or an exception."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Row) -> None:
         self.request = request
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = False
@@ -52,7 +55,7 @@ class DecodeLoop:
         self.sizes: deque[tuple[float, int]] = deque(maxlen=history)  # (wall time, requests) of the latest rounds
         self._cv = threading.Condition()
         self._arrivals: deque[_Stream] = deque()
-        self._streams: dict[Request, _Stream] = {}
+        self._streams: dict[Row, _Stream] = {}
         self._ticket = object()  # the loop's place in the turn ring
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -64,7 +67,7 @@ class DecodeLoop:
     def health(self) -> dict:
         """Batch size now and over the latest rounds (for /health)."""
         recent = [n for _, n in self.sizes]
-        return {"batch_size": len(self.batch.requests), "max_batch": self.max_batch, "rounds": self.rounds,
+        return {"batch_size": len(self.batch.rows), "max_batch": self.max_batch, "rounds": self.rounds,
                 "waiting": len(self._arrivals), "recent_batch_sizes": recent[-32:],
                 "mean_batch_size": round(sum(recent) / len(recent), 3) if recent else 0.0}
 
@@ -75,6 +78,7 @@ class DecodeLoop:
         sampler: Sampler,
         max_tokens: int,
         eos_ids: set[int],
+        *,
         depth: int = DEFAULT_DRAFT_DEPTH,
         copy: bool = True,
         chunk: int = 512,
@@ -95,25 +99,23 @@ class DecodeLoop:
         on_handback: Callable[[], None] | None = None,
         constraint: Constraint | None = None,
     ) -> Iterator[int]:
-        """`mtp_generate_tokens` (depth > 0) or `generate_tokens` (depth 0, `trace`, `mtp_prefill`), the same
-        tokens, with the decoding done in the shared batch. The prefill runs on the caller's thread, then the first
-        token is yielded; `on_handover()` runs once the rest is the loop's (the caller gives up its turn on the
-        model there) and `on_handback()` once the stream ends or is closed (the caller takes a turn again: the
-        loop has finished its round, and the request's state is its committed one). `on_commit`, `stats` and
-        `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are yielded. A
-        `constraint` (JSON grammar) masks the request's tokens as in solo decoding; the loop's thread owns it after the
-        handover."""
+        """`solo.decode_tokens`, the same tokens, with the decoding done in the shared batch. The prefill runs on
+        the caller's thread, then the first token is yielded; `on_handover()` runs once the rest is the loop's (the
+        caller gives up its turn on the model there) and `on_handback()` once the stream ends or is closed (the
+        caller takes a turn again: the loop has finished its round, and the request's state is its committed one).
+        `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are
+        yielded. A `constraint` (JSON grammar) masks the request's tokens as in solo decoding; the loop's thread
+        owns it after the handover."""
         times = times if times is not None else DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
         if max_tokens <= 0:
             times.first_token = times.end = time.perf_counter()
             return
         cache = cache if cache is not None else model.make_cache()
-        decoder = prefilled(model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
-                            logprobs, marks, trace, mtp_prefill, constraint)
-        request = self.batch.request(decoder, sampler, max_tokens, eos_ids, depth, max_context, None, stats,
-                                     on_commit, logprobs, trace if not depth else None,
-                                     constraint)  # its own times: this thread's
+        decoder = start(model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
+                        constraint, logprobs, marks, trace, mtp_prefill)
+        request = self.batch.row(decoder, sampler, max_tokens, eos_ids, depth, max_context, None, stats,
+                                 on_commit, logprobs, trace, constraint)  # its own times: this thread's
 
         def emit(tokens: list[int]) -> Iterator[int]:
             for t in tokens:
@@ -220,3 +222,19 @@ class DecodeLoop:
             if r.done:
                 s.queue.put(None)
                 del self._streams[r]
+
+
+@dataclass(frozen=True)
+class Seat:
+    """A job's place in a shared `DecodeLoop`, named by its `GenerationRequest.batch`: the job leaves its turn on
+    the model when the loop takes its request over (`on_handover`) and takes one again when it ends (`on_handback`)."""
+
+    loop: DecodeLoop
+    on_handover: Callable[[], None] | None = None
+    on_handback: Callable[[], None] | None = None
+
+    def decode_tokens(self, model: Model, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
+                      **options) -> Iterator[int]:
+        """`solo.decode_tokens`'s arguments and tokens, decoded in the loop's batch."""
+        return self.loop.generate_tokens(model, prompt, sampler, max_tokens, eos_ids, on_handover=self.on_handover,
+                                         on_handback=self.on_handback, **options)

@@ -1,0 +1,86 @@
+"""Chunked prefill of a prompt into a model's caches (backbone, and the MTP head's pairs), as free functions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from hetero.cache import LayerCache, cache_arrays, expect_positions
+from hetero.models.qwen3_5 import Model
+
+ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
+ChunkFn = Callable[[int, mx.array], None]  # (tokens in the cache, post-norm hidden [1, H] of the last one)
+
+
+def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> list[int]:
+    """Where `prefill` cuts n tokens after `offset` cached ones: at multiples of `chunk` counted from position 0, and
+    at `marks` (absolute positions); [0, ..., n], strictly increasing."""
+    first = chunk - offset % chunk  # tokens up to the next absolute chunk edge
+    cuts = set(range(first, n, chunk)) | {m - offset for m in marks if offset < m < offset + n}
+    return [0] + sorted(cuts) + [n]
+
+
+def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None, cache: list[LayerCache]) -> mx.array:
+    """Fill the MTP head's KV for one prefill chunk: position p gets (t_{p+1}, h_p). piece [1, S] tokens, h [1, S, H]
+    their post-norm hiddens, `carry` [1, H] the previous chunk's last hidden (None at the prompt's start); returns
+    this chunk's last hidden [1, H], which waits for the next chunk's first token."""
+    pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
+    pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
+    if pairs_t.size:
+        model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
+    return h[0, -1:]
+
+
+def prefill(
+    model: Model,
+    tokens: list[int],
+    cache: list[LayerCache],
+    chunk: int = 512,
+    progress: ProgressFn | None = None,
+    all_logits: bool = False,
+    mtp: bool = False,
+    carry: mx.array | None = None,
+    on_chunk: ChunkFn | None = None,
+    marks: Sequence[int] = (),
+) -> tuple[mx.array, mx.array]:
+    """Run `tokens` through the model in chunks, filling `cache` (which may already hold a prefix).
+
+    Returns (logits, post-norm hidden): for the last position only ([1, V], [1, hidden]), or for every
+    position when `all_logits` ([S, V], [S, hidden]). Only the rows that are read go through lm_head.
+    With `mtp`, the MTP head's KV is filled too: position p gets (t_{p+1}, h_p) for p < len(tokens) - 1;
+    the last hidden waits for the token that will follow the prompt.
+
+    When `cache` already holds n tokens (a restored prefix), chunk edges stay at multiples of `chunk` counted
+    from position 0, so the work after a restore at a chunk edge is exactly the cold run's; `carry` [1, H] is
+    then h_{n-1}, which the MTP head pairs with tokens[0]. `on_chunk` sees the cache after every chunk.
+    `marks` (absolute positions) end a chunk too: the chunk holding a mark is cut in two there, so `on_chunk`
+    sees the state exactly at it (a chat transcript's end, before its generation prompt).
+    """
+    if not tokens:
+        raise ValueError("prefill needs at least one token")
+    logits, hidden = [], []
+    offset = cache[0].offset if cache else 0
+    expect_positions(cache, offset + len(tokens))
+    edges = chunk_edges(offset, len(tokens), chunk, marks)
+    for start, stop in zip(edges, edges[1:]):
+        piece = mx.array(tokens[start:stop])[None]  # [1, S]
+        h = model.model(piece, cache[: len(model.layers)])  # [1, S, hidden]
+        last = stop >= len(tokens)
+        if mtp:
+            carry = mtp_pairs(model, piece, h, carry, cache)
+        if all_logits:
+            logits.append(model.logits(h)[0])
+            hidden.append(h[0])
+            mx.eval(logits[-1], hidden[-1], *cache_arrays(cache))
+        elif last:
+            logits.append(model.logits(h[:, -1:])[0])
+            hidden.append(h[0, -1:])
+            mx.eval(logits[-1], hidden[-1], *cache_arrays(cache))
+        else:
+            mx.eval(h[0, -1:], *cache_arrays(cache))  # bound the graph: one chunk at a time
+        if on_chunk is not None:
+            on_chunk(offset + stop, h[0, -1:])
+        if progress is not None:
+            progress(stop, len(tokens))
+    return mx.concatenate(logits), mx.concatenate(hidden)

@@ -1,0 +1,88 @@
+"""One generation request, validated once where it enters (CLI, HTTP or library), and the events its stream yields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetero.decode.depth import check_depth
+from hetero.decode.prefill import ProgressFn
+from hetero.errors import HeteroError
+from hetero.logprobs import TokenLogprob, check_top
+from hetero.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate and how: `Engine.stream(request)` runs it.
+
+    `mtp` None decodes with the MTP head whenever the checkpoint has one (unless `hetero tune` saved "off" and no
+    `draft_depth` is given); `draft_depth` None takes the tuned or calibrated depth (`depth.decode_depth`).
+    `logprobs` N (0..20) reports each token's raw logprob and N alternatives; `json_schema` / `json_object`
+    constrain the output to JSON. `mark` (a prompt position, where a chat transcript ends) also ends a prefill
+    chunk, so the prefix cache checkpoints it. `prompt_cache` is an mlx-lm cache holding the tokens before the
+    prompt. The engine's parts a request may name: `split` (an ANE split prefill: `.prefill(ids, on_chunk)`)
+    and `batch` (a `hetero.decode.loop.Seat` in a shared decode batch). `progress(done, total)` runs after every
+    prefill chunk on the generating thread.
+    """
+
+    prompt: str | list[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    chat: bool = False
+    prefill_chunk: int = 512
+    mtp: bool | None = None
+    draft_depth: int | None = None
+    copy: bool = True
+    logprobs: int | None = None
+    json_schema: dict | None = None
+    json_object: bool = False
+    mark: int | None = None
+    prompt_cache: list | None = None
+    use_prefix_cache: bool = True
+    split: object | None = None
+    batch: object | None = None
+    progress: ProgressFn | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise HeteroError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk <= 0:
+            raise HeteroError(f"--prefill-chunk must be a positive integer, got {self.prefill_chunk!r}")
+        if self.draft_depth is not None:
+            check_depth(self.draft_depth)
+        if self.logprobs is not None:
+            check_top(self.logprobs)
+        if self.json_schema is not None and self.json_object:
+            raise HeteroError("give json_schema or json_object, not both")
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The prompt is in the cache and the first token is drawn: its size, and the tokens read from a cache."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token (EOS is never one), the text it completes (may be empty) and its logprobs if asked."""
+
+    id: int
+    text: str
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The generation's end: its text's last piece (held back by the detokenizer), why it ended, and its stats (the
+    keys `hetero run --json` prints)."""
+
+    text: str
+    finish_reason: str
+    stats: dict
+
+
+Event = Prefilled | Token | Finished
+STOP = "stop"  # `stream.send(STOP)` ends a generation at the token just yielded; the reply is its `Finished`

@@ -1,0 +1,88 @@
+"""A row of the stepper (one request's state, options and tokens so far) and what one round decides for each row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from hetero.cache import GDNCache
+from hetero.constrained import Constraint
+from hetero.decode.records import DecodeTimes, MTPStats, Trace
+from hetero.decode.state import Decoder
+from hetero.logprobs import LogprobRecorder
+from hetero.sampling import Sampler
+
+CommitFn = Callable[[Decoder, list[int]], None]  # (the committed state, the tokens it newly committed; last = x)
+
+
+@dataclass(eq=False)
+class Row:
+    """One request in the stepper: its decoder state (the solo `Decoder`), sampler, limits and tokens so far."""
+
+    decoder: Decoder | None  # None: a request with nothing to decode (max_tokens <= 0), done at once
+    sampler: Sampler
+    depth: int  # MTP draft depth; 0 decodes plainly
+    max_tokens: int
+    eos_ids: set[int]
+    max_context: int
+    tokens: list[int] = field(default_factory=list)  # emitted, EOS excluded
+    finish_reason: str | None = None  # "stop" (EOS) or "length" once done
+    stats: MTPStats | None = None
+    times: DecodeTimes = field(default_factory=DecodeTimes)
+    on_commit: CommitFn | None = None
+    logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
+    trace: Trace | None = None  # depth 0: what each round ran, as `generate_tokens` records it
+    constraint: Constraint | None = None  # JSON grammar: masks the row's drafts and verify rows, as solo
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def take(self, new: list[int]) -> list[int]:
+        """Emit the committed `new` tokens up to EOS or max_tokens, as solo decoding would; returns those emitted."""
+        out = []
+        for t in new:
+            if not self.tokens and not out:
+                self.times.first_token = time.perf_counter()
+            if t in self.eos_ids:
+                self.finish_reason = self.times.finish_reason = "stop"
+                break
+            out.append(t)
+            if len(self.tokens) + len(out) >= self.max_tokens:
+                self.finish_reason = self.times.finish_reason = "length"
+                break
+        self.tokens += out
+        self.times.generated, self.times.end = len(self.tokens), time.perf_counter()
+        return out
+
+
+@dataclass
+class Round:
+    """What one round proposes and decides for each row."""
+
+    drafts: list[list[int]]
+    draft_logprobs: list[mx.array | None]  # [k_i, V] proposal log-probs when sampled from the MTP head
+    copied: list[bool]
+    accepted: list[int] = field(default_factory=list)
+    next: list[int] = field(default_factory=list)
+
+    def mtp_ran(self, i: int) -> bool:
+        return bool(self.drafts[i]) and not self.copied[i]
+
+    @classmethod
+    def plain(cls, n: int) -> Round:
+        """A round of n rows without drafts."""
+        return cls([[] for _ in range(n)], [None] * n, [False] * n)
+
+
+@dataclass
+class Ahead:
+    """A plain round's backbone pass queued over the tokens the previous round drew, before they were read."""
+
+    rows: list[Row]
+    target: mx.array  # [B, 1, V]
+    hidden: mx.array  # [B, 1, H]
+    gdn: dict[int, GDNCache]
