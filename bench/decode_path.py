@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/decode_path.json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    import hetero  # noqa: F401  (before MLX: the fast BLAS under it, for writing the large checkpoint)
     from bench.checkpoints import checkpoint
     from hetero.blas import environment
 

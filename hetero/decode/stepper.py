@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, LayerCache, RaggedKV, cache_arrays
+from hetero.cache import GDNCache, KVCache, LayerCache, RaggedKV, cache_arrays
 from hetero.constrained import Constraint
 from hetero.decode.depth import MAX_DEPTH, check_depth
 from hetero.decode.prefill import ChunkFn, ProgressFn
@@ -272,21 +272,28 @@ class Batch:
                 rnd.drafts[i], rnd.draft_logprobs[i] = d, q
         return rnd
 
-    def _mtp_caches(self, rows: list[Row], lengths: list[int]) -> list[RaggedKV]:
+    def _mtp_caches(self, rows: list[Row], lengths: list[int]) -> list[RaggedKV] | list[KVCache]:
+        """The MTP layers' caches for a pass over the rows: one row's own (the path a request alone takes)."""
+        if len(rows) == 1:
+            return rows[0].decoder.mtp_cache
         n = len(self.model.layers)
         return [RaggedKV([r.decoder.cache[n + j] for r in rows], lengths)
                 for j in range(len(rows[0].decoder.cache) - n)]
 
     def _draft(self, rows: list[Row], ks: list[int]) -> tuple[list[list[int]], list[mx.array | None]]:
-        """k_i drafts per row from the MTP head (`speculative._draft` for a batch), each row with its own sampler."""
+        """k_i drafts per row from the MTP head, each row with its own sampler: the catch-up over each row's pending
+        pairs, then one step per depth for the rows whose k_i goes that far."""
         model = self.model
         pending = [r.decoder.pending_tokens + [r.decoder.x] for r in rows]  # pairs with pending_hidden
         m = [len(p) for p in pending]
         M = max(m)
         tokens = mx.array([p + [0] * (M - len(p)) for p in pending])  # [B, M]
-        hidden = mx.stack([mx.pad(r.decoder.pending_hidden, [(0, M - n), (0, 0)]) for r, n in zip(rows, m)])
-        z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m))  # [B, M, H]
-        z = z[mx.arange(len(rows)), mx.array(m) - 1][:, None]  # [B, 1, H] each row's last real position
+        if len(rows) == 1:  # nothing to pad
+            z = model.mtp_hidden(tokens, rows[0].decoder.pending_hidden[None], self._mtp_caches(rows, m))[:, -1:]
+        else:
+            hidden = mx.stack([mx.pad(r.decoder.pending_hidden, [(0, M - n), (0, 0)]) for r, n in zip(rows, m)])
+            z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m))  # [B, M, H]
+            z = z[mx.arange(len(rows)), mx.array(m) - 1][:, None]  # [B, 1, H] each row's last real position
         for r in rows:
             r.decoder.pending_tokens, r.decoder.pending_hidden = [], r.decoder.pending_hidden[:0]
         drafts: list[list[mx.array]] = [[] for _ in rows]
@@ -327,6 +334,8 @@ class Batch:
         if same and layer in self._stacked:
             return self._stacked[layer]
         caches = [r.decoder.cache[layer] for r in rows]
+        if len(caches) == 1:
+            return caches[0].conv, caches[0].recurrent
         return mx.concatenate([c.conv for c in caches]), mx.concatenate([c.recurrent for c in caches])
 
     def _verify(self, rows: list[Row], rnd: Round,
@@ -347,7 +356,8 @@ class Batch:
                     c.start_recording()
                 caches.append(c)
             else:
-                caches.append(RaggedKV([r.decoder.cache[l] for r in rows], lengths))
+                caches.append(rows[0].decoder.cache[l] if len(rows) == 1 else  # one row: its own KV, all real
+                              RaggedKV([r.decoder.cache[l] for r in rows], lengths))
         hidden = self.model.model(tokens, caches)  # [B, S, H]
         return self.model.logits(hidden), hidden, gdn
 
@@ -381,7 +391,9 @@ class Batch:
         kept = [a + 1 for a in rnd.accepted] if rnd.accepted else [1] * len(rows)  # tokens each row keeps of its pass
         self._stacked = {}
         for l, c in gdn.items():
-            if c.recording:  # row i's state after its own token kept[i]; the conv window ending there
+            if c.recording and len(rows) == 1:  # one row: the recorded state itself, no gather
+                state, conv = c.recorded_states[kept[0] - 1], c.recorded_conv_in[:, kept[0] : kept[0] + c.conv.shape[1]]
+            elif c.recording:  # row i's state after its own token kept[i]; the conv window ending there
                 window = c.conv.shape[1]
                 state = mx.concatenate([c.recorded_states[n - 1][i : i + 1] for i, n in enumerate(kept)])
                 conv = mx.concatenate([c.recorded_conv_in[i : i + 1, n : n + window] for i, n in enumerate(kept)])
@@ -390,7 +402,7 @@ class Batch:
             self._stacked[l] = (conv, state)
             for i, r in enumerate(rows):
                 own = r.decoder.cache[l]
-                own.conv, own.recurrent = conv[i : i + 1], state[i : i + 1]
+                own.conv, own.recurrent = (conv, state) if len(rows) == 1 else (conv[i : i + 1], state[i : i + 1])
                 own.offset += kept[i]
         self._stacked_for = list(rows)
         for l, layer in enumerate(self.model.layers):
