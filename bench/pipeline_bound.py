@@ -59,7 +59,7 @@ def share_times(model, ids: list[int], ranks: list[range], chunk: int) -> list[l
                 h = model.model.norm(h)
                 if model.mtp is not None:
                     carry = mtp_pairs(model, piece, h, carry, cache)
-                    outs += cache_arrays(cache[len(model.layers):])
+                    outs += cache_arrays(cache.mtp)
                 outs[0] = h
             mx.eval(*outs)
             times[r].append(time.perf_counter() - t0)

@@ -1,7 +1,8 @@
 """Per-layer caches: attention KV written by position, GDN conv window and recurrent state.
 
-A model's cache is a plain list with one small object per layer (plus one for the MTP layer), passed into
-the forward call, never hidden inside modules, so it can be snapshotted and rolled back.
+A model's cache (`ModelCache`) is a list with one small object per layer, the backbone's then the MTP head's,
+named by part; it is passed into the forward call, never hidden inside modules, so it can be snapshotted and
+rolled back.
 """
 
 from __future__ import annotations
@@ -126,6 +127,25 @@ class RaggedKV:
 
 
 LayerCache = KVCache | GDNCache
+
+
+class ModelCache(list):
+    """A model's caches, one per backbone layer (`backbone`, in layer order) then one per MTP layer (`mtp`).
+
+    Still a list in that order, so evaluation, snapshots and the cache files keep their layout; code that means one
+    part names it instead of slicing at the number of layers."""
+
+    def __init__(self, backbone: list[LayerCache] = (), mtp: list[KVCache] = ()) -> None:
+        super().__init__([*backbone, *mtp])
+        self.n_backbone = len(backbone)
+
+    @property
+    def backbone(self) -> list[LayerCache]:
+        return self[: self.n_backbone]
+
+    @property
+    def mtp(self) -> list[KVCache]:
+        return self[self.n_backbone :]
 
 
 def cache_arrays(cache: list[LayerCache]) -> list[mx.array]:

@@ -206,8 +206,7 @@ class Engine:
         key, model = self.cache_key, self.model
         cache, skip, carry = model.make_cache(), 0, None
         if r.prompt_cache is not None:  # prefill continues at its offset: chunk edges stay those of a cold run
-            cache = from_mlx_lm(r.prompt_cache, [layer.is_linear for layer in model.layers],
-                                len(cache) - len(model.layers))
+            cache = from_mlx_lm(r.prompt_cache, [layer.is_linear for layer in model.layers], len(cache.mtp))
         if pc is not None:
             restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
             if restored is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from hetero.cache import ModelCache
 from hetero.decode.prefill import prefill as gpu_prefill
 from hetero.decode.request import Finished, Token
 from hetero.engine import Engine, make_request
@@ -81,7 +82,7 @@ def prefill(
     """
     held = _held(model, tokenizer)
     kinds = [layer.is_linear for layer in held.model.layers]
-    hcache = from_mlx_lm(cache, kinds) if cache is not None else held.model.make_cache()[: len(kinds)]
+    hcache = from_mlx_lm(cache, kinds) if cache is not None else ModelCache(held.model.make_cache().backbone)
     _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify)
     return to_mlx_lm(hcache, len(kinds), into=cache)
 
@@ -92,7 +93,7 @@ def prefill_to_file(model, prompt: str | list[int], out: str | os.PathLike, *,
     """Prefill `prompt` and write the cache to `out` in mlx-lm's prompt-cache format (`hetero prefill`; needs no
     mlx-lm). Returns the number of tokens the cache holds."""
     held = _held(model)
-    hcache = held.model.make_cache()[: len(held.model.layers)]
+    hcache = ModelCache(held.model.make_cache().backbone)
     _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify)
     save_prompt_cache(out, hcache, metadata)
     return hcache[0].offset

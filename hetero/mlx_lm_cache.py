@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hetero.cache import GDNCache, KVCache, LayerCache
+from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache
 from hetero.errors import HeteroError
 
 KV, ARRAYS = "KVCache", "ArraysCache"
@@ -113,7 +113,7 @@ def check_layout(cache: list, layer_kinds: list[bool]) -> int:
     return lengths.pop() if lengths else 0
 
 
-def from_mlx_lm(cache: list, layer_kinds: list[bool], n_mtp: int = 0) -> list[LayerCache]:
+def from_mlx_lm(cache: list, layer_kinds: list[bool], n_mtp: int = 0) -> ModelCache:
     """hetero caches (backbone, then `n_mtp` empty MTP caches) holding what an mlx-lm prompt cache holds.
 
     K/V and the conv window are shared with it (hetero writes new positions into new arrays); the GDN state is
@@ -137,7 +137,7 @@ def from_mlx_lm(cache: list, layer_kinds: list[bool], n_mtp: int = 0) -> list[La
             g.offset = n
             out.append(g)
     mx.eval([a for c in out for a in c.state])
-    return out + [KVCache() for _ in range(n_mtp)]
+    return ModelCache(out, [KVCache() for _ in range(n_mtp)])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, LayerCache
+from hetero.cache import GDNCache, KVCache, ModelCache
 
 DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of RAM for checkpoints unless told otherwise
 
@@ -60,7 +60,7 @@ class Snapshot:
 class Restored:
     """A cache list rebuilt from a checkpoint: continue with tokens[n:], `hidden` [1, H] pairing with t_n."""
 
-    cache: list[LayerCache]
+    cache: ModelCache
     n: int
     hidden: mx.array
 
@@ -149,7 +149,7 @@ class PrefixCache:
             self._touch(node)
             return Restored(self._build(model, node), node.end, _own(node.checkpoint.hidden))
 
-    def _build(self, model, node: _Node) -> list[LayerCache]:
+    def _build(self, model, node: _Node) -> ModelCache:
         path = []
         while node.parent is not None:
             path.append(node)
@@ -184,7 +184,7 @@ class PrefixCache:
         model,
         key: str,
         tokens: Sequence[int],
-        cache: list[LayerCache],
+        cache: ModelCache,
         pending_hidden: mx.array,
     ) -> None:
         """Checkpoint a live cache at n = len(tokens) (the backbone has run exactly tokens).
@@ -194,8 +194,7 @@ class PrefixCache:
         """
         tokens = list(tokens)
         n, m = len(tokens), pending_hidden.shape[0]
-        n_backbone = len(model.layers)
-        backbone, mtp = cache[:n_backbone], cache[n_backbone:]
+        backbone, mtp = cache.backbone, cache.mtp
         if n == 0 or backbone[0].offset != n:
             raise ValueError(f"capture of {n} tokens from a cache at {backbone[0].offset}")
         if mtp and mtp[0].offset != n - m:

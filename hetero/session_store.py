@@ -237,7 +237,7 @@ def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
     cache = model.make_cache()
     kv_layers = sum(isinstance(c, KVCache) for c in cache)
     gdn_layers = len(cache) - kv_layers
-    if e.n_mtp != len(cache) - len(model.layers) or sorted(e.checkpoints) != e.checkpoints or not e.checkpoints:
+    if e.n_mtp != len(cache.mtp) or sorted(e.checkpoints) != e.checkpoints or not e.checkpoints:
         raise ValueError("layer counts or checkpoint list differ from this model")
     if e.checkpoints[-1] != n or e.checkpoints[0] < 1:
         raise ValueError("checkpoint positions out of range")

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from converters import hf_export, train_tiny
 from hetero.loader import BUNDLED_MODEL, load_model
-from hetero.models.qwen3_5 import is_zero_centred_norm
+from hetero.models.weights import is_zero_centred_norm
 
 MAX_CHECKPOINT_BYTES = 20_000_000
 # Validation loss bound: ln(4096) = 8.3 nats is a uniform guess, and a model that knew only the token frequencies

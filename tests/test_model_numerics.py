@@ -155,7 +155,7 @@ def test_a_prefill_allocates_each_attention_cache_once(chaotic):
     (each copied the cache and held it twice at once), and the decoded tokens that follow still fit."""
     model, _, _ = load_model(chaotic, dtype=mx.float32)
     cache = model.make_cache()
-    attention = [c for c in cache[: len(model.layers)] if isinstance(c, KVCache)]
+    attention = [c for c in cache.backbone if isinstance(c, KVCache)]
     assert attention
     held = []  # each chunk's buffers, kept alive so that a new buffer can never reuse an old one's identity
     prefill(model, helpers.random_tokens(600, seed=4), cache, chunk=64,

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hetero.cache import GDNCache, KVCache
+from hetero.cache import GDNCache, KVCache, ModelCache
 from hetero.errors import HeteroError
 from hetero.decode.prefill import prefill
 from hetero.decode.depth import MAX_DEPTH
@@ -118,17 +118,18 @@ def agreeing() -> Model:
     return agreeing_model(1, 32, alpha=0.2)
 
 
-def clone_cache(cache: list) -> list:
+def clone_cache(cache: ModelCache) -> ModelCache:
     """An independent copy: KVCache writes its arrays in place (slice assignment), so those get new array objects."""
-    out = []
-    for c in cache:
+
+    def clone(c):
         c2 = copy.copy(c)
         if isinstance(c, KVCache) and c.keys is not None:
             c2.keys, c2.values = mx.array(c.keys), mx.array(c.values)
         if isinstance(c, GDNCache):
             c2.recorded_states = list(c.recorded_states)
-        out.append(c2)
-    return out
+        return c2
+
+    return ModelCache([clone(c) for c in cache.backbone], [clone(c) for c in cache.mtp])
 
 
 def plain(model: Model, prompt: list[int], max_tokens: int, eos: set[int] = frozenset(), times=None) -> list[int]:

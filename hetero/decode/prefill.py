@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from hetero.cache import LayerCache, cache_arrays, expect_positions
+from hetero.cache import ModelCache, cache_arrays, expect_positions
 from hetero.models.qwen3_5 import Model
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -21,21 +21,21 @@ def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> l
     return [0] + sorted(cuts) + [n]
 
 
-def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None, cache: list[LayerCache]) -> mx.array:
+def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None, cache: ModelCache) -> mx.array:
     """Fill the MTP head's KV for one prefill chunk: position p gets (t_{p+1}, h_p). piece [1, S] tokens, h [1, S, H]
     their post-norm hiddens, `carry` [1, H] the previous chunk's last hidden (None at the prompt's start); returns
     this chunk's last hidden [1, H], which waits for the next chunk's first token."""
     pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
     pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
     if pairs_t.size:
-        model.mtp_hidden(pairs_t[None], pairs_h[None], cache)
+        model.mtp_hidden(pairs_t[None], pairs_h[None], cache.mtp)
     return h[0, -1:]
 
 
 def prefill(
     model: Model,
     tokens: list[int],
-    cache: list[LayerCache],
+    cache: ModelCache,
     chunk: int = 512,
     progress: ProgressFn | None = None,
     all_logits: bool = False,
@@ -65,7 +65,7 @@ def prefill(
     edges = chunk_edges(offset, len(tokens), chunk, marks)
     for start, stop in zip(edges, edges[1:]):
         piece = mx.array(tokens[start:stop])[None]  # [1, S]
-        h = model.model(piece, cache[: len(model.layers)])  # [1, S, hidden]
+        h = model.model(piece, cache.backbone)  # [1, S, hidden]
         last = stop >= len(tokens)
         if mtp:
             carry = mtp_pairs(model, piece, h, carry, cache)

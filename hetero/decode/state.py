@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.cache import KVCache, LayerCache
+from hetero.cache import KVCache, ModelCache
 from hetero.constrained import Constraint
 from hetero.decode.prefill import ChunkFn, ProgressFn, prefill
 from hetero.decode.records import Trace
@@ -54,7 +54,7 @@ class Decoder:
     """
 
     model: Model
-    cache: list[LayerCache]
+    cache: ModelCache
     x: int
     pending_hidden: mx.array
     pending_tokens: list[int] = field(default_factory=list)
@@ -62,11 +62,11 @@ class Decoder:
 
     @property
     def backbone(self) -> list[LayerCache]:
-        return self.cache[: len(self.model.layers)]
+        return self.cache.backbone
 
     @property
     def mtp_cache(self) -> list[KVCache]:
-        return self.cache[len(self.model.layers) :]  # type: ignore[return-value]
+        return self.cache.mtp
 
     @property
     def length(self) -> int:
@@ -79,7 +79,7 @@ def start(
     prompt: list[int],
     sampler: Sampler,
     depth: int,
-    cache: list[LayerCache] | None = None,
+    cache: ModelCache | None = None,
     chunk: int = 512,
     progress: ProgressFn | None = None,
     copy: bool = False,

@@ -276,9 +276,8 @@ class Batch:
         """The MTP layers' caches for a pass over the rows: one row's own (the path a request alone takes)."""
         if len(rows) == 1:
             return rows[0].decoder.mtp_cache
-        n = len(self.model.layers)
-        return [RaggedKV([r.decoder.cache[n + j] for r in rows], lengths)
-                for j in range(len(rows[0].decoder.cache) - n)]
+        return [RaggedKV([r.decoder.mtp_cache[j] for r in rows], lengths)
+                for j in range(len(rows[0].decoder.mtp_cache))]
 
     def _draft(self, rows: list[Row], ks: list[int]) -> tuple[list[list[int]], list[mx.array | None]]:
         """k_i drafts per row from the MTP head, each row with its own sampler: the catch-up over each row's pending

@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten
 
 from hetero.errors import HeteroError
 from hetero.loader import _weight_map, build_lazy_model, read_header
-from hetero.models.qwen3_5 import Model, ModelArgs, canonical_name, checkpoint_has_mtp, sanitize
+from hetero.models.qwen3_5 import Model, ModelArgs
+from hetero.models.weights import canonical_name, checkpoint_has_mtp, sanitize
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, LayerCache
+from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache
 from hetero.distributed.group import Link
 from hetero.distributed.shard import Share
 from hetero.errors import HeteroError
@@ -65,20 +65,16 @@ class Stage:
             return self.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
-        """As `Model.mtp_hidden` (last rank): `cache` is the MTP layers' caches or this stage's whole list."""
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        """As `Model.mtp_hidden` (last rank): `cache` is the MTP layers' caches."""
         if self.mtp is None:
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
-        if cache is not None and len(cache) > len(self.mtp.layers):
-            cache = cache[len(self.layers):]
         return self.mtp(self.embed_tokens(next_tokens), hidden, cache)
 
-    def make_cache(self) -> list[LayerCache]:
+    def make_cache(self) -> ModelCache:
         """One cache per own layer, then (last rank) one per MTP layer."""
-        cache: list[LayerCache] = [GDNCache() if l.is_linear else KVCache() for l in self.layers]
-        if self.mtp is not None:
-            cache += [KVCache() for _ in self.mtp.layers]
-        return cache
+        return ModelCache([GDNCache() if l.is_linear else KVCache() for l in self.layers],
+                          [KVCache() for _ in self.mtp.layers] if self.mtp is not None else [])
 
 
 def message_length() -> int:

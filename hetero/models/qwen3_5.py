@@ -2,178 +2,27 @@
 
 One implementation serves `qwen3_5` (nested `text_config`), `qwen3_5_text` (flat), their mixture-of-experts
 siblings `qwen3_5_moe` / `qwen3_5_moe_text`, and `qwen3_next` (fused GDN input projections, un-fused by
-`sanitize`; dense or with experts). MoE layers use `moe.SparseMoeBlock`. Attribute names equal the (canonical) checkpoint names:
+`weights.sanitize`; dense or with experts). MoE layers use `moe.SparseMoeBlock`. Attribute names equal the (canonical) checkpoint names:
 `model.*` for the backbone, `lm_head`, `mtp.*`. Norm weights are held shifted (1 + w), so every RMSNorm here
-is a plain `x * rsqrt(mean(x^2) + eps) * w`; `sanitize` applies the shift exactly once.
+is a plain `x * rsqrt(mean(x^2) + eps) * w`; `weights.sanitize` applies the shift exactly once.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from hetero.cache import GDNCache, KVCache, LayerCache, RaggedKV
+from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV
 from hetero.errors import HeteroError
 from hetero.models import activations as act
+from hetero.models.args import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelArgs  # noqa: F401  (re-exported)
 from hetero.models.attention import attend
 from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 from hetero.models.linear import Linear, project
 from hetero.models.moe import SparseMoeBlock
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer (and the MTP layer) is mixture-of-experts
 RECURRENT_MAX_TOKENS = 16  # shorter inputs run the token-by-token form; longer ones the chunked form
-
-
-@dataclass
-class ModelArgs:
-    """The text model's shape, read from an HF config (any of the three layouts)."""
-
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    vocab_size: int
-    layer_types: list[str]
-    linear_conv_kernel_dim: int = 4
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
-    partial_rotary_factor: float = 0.25
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    max_position_embeddings: int = 262_144
-    mtp_num_hidden_layers: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    mlp_only_layers: list[int] = field(default_factory=list)
-    decoder_sparse_step: int = 1
-    eos_token_id: list[int] = field(default_factory=list)
-    quantization: dict | None = None
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ModelArgs":
-        """Parse config.json; raises HeteroError for unknown or unsupported architectures.
-
-        Experts: `qwen3_5_moe(_text)` configs carry no mlp_only_layers / decoder_sparse_step / norm_topk_prob and
-        HF's modeling has none (every layer sparse, top-k always renormalised), so they default to [] / 1 / true;
-        `qwen3_next` reads them with HF's defaults ([], 1, true; mlx-lm defaults norm_topk_prob to false, HF and
-        the released config say true). intermediate_size (the dense MLP's width) is needed only when some layer is
-        dense.
-        """
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise HeteroError(
-                f"unsupported model_type {model_type!r}: hetero runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
-            )
-        text = config.get("text_config") or config
-        get = lambda key, default=None: text.get(key, config.get(key, default))  # noqa: E731
-        try:
-            n_layers = int(get("num_hidden_layers"))
-            hidden = int(get("hidden_size"))
-            heads = int(get("num_attention_heads"))
-            interval = int(get("full_attention_interval", 4))
-            layer_types = get("layer_types") or [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-            ]
-            rope = get("rope_parameters") or get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", "mrope"):
-                raise HeteroError(f"unsupported rope type {rope_type!r} in config.json: only default RoPE is implemented")
-            eos = get("eos_token_id", [])
-            args = cls(
-                model_type=model_type,
-                hidden_size=hidden,
-                num_hidden_layers=n_layers,
-                intermediate_size=int(get("intermediate_size") or 0),
-                num_attention_heads=heads,
-                num_key_value_heads=int(get("num_key_value_heads", heads)),
-                head_dim=int(get("head_dim") or hidden // heads),
-                linear_num_key_heads=int(get("linear_num_key_heads")),
-                linear_num_value_heads=int(get("linear_num_value_heads")),
-                linear_key_head_dim=int(get("linear_key_head_dim")),
-                linear_value_head_dim=int(get("linear_value_head_dim")),
-                vocab_size=int(get("vocab_size")),
-                layer_types=list(layer_types),
-                linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-                rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", get("rope_theta", 10_000_000.0))),
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25))),
-                tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-                attention_bias=bool(get("attention_bias", False)),
-                max_position_embeddings=int(get("max_position_embeddings", 262_144)),
-                mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
-                num_experts=int(get("num_experts", 0) or 0),
-                num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0),
-                moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0),
-                shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0),
-                norm_topk_prob=bool(get("norm_topk_prob", True)),
-                mlp_only_layers=list(get("mlp_only_layers") or []),
-                decoder_sparse_step=int(get("decoder_sparse_step", 1) or 1),
-                eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
-                quantization=config.get("quantization") or config.get("quantization_config"),
-            )
-        except (TypeError, ValueError) as e:
-            raise HeteroError(f"config.json is missing or has a bad value for a required field: {e}") from None
-        if len(args.layer_types) != n_layers or set(args.layer_types) - {"linear_attention", "full_attention"}:
-            raise HeteroError("config.json layer_types must list 'linear_attention'/'full_attention' once per layer")
-        if args.linear_num_value_heads % args.linear_num_key_heads:
-            raise HeteroError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if model_type in MOE_MODEL_TYPES and args.num_experts <= 0:
-            raise HeteroError(f"config.json: a {model_type} config needs num_experts >= 1")
-        if args.moe_layers or args.mtp_moe_layers:
-            if not 1 <= args.num_experts_per_tok <= args.num_experts:
-                raise HeteroError(f"config.json: num_experts_per_tok ({args.num_experts_per_tok}) must be between 1 and "
-                                  f"num_experts ({args.num_experts})")
-            if args.moe_intermediate_size <= 0:
-                raise HeteroError("config.json: a mixture-of-experts config needs moe_intermediate_size >= 1")
-        if len(args.moe_layers) < n_layers and args.intermediate_size <= 0:
-            raise HeteroError("config.json lacks intermediate_size: the dense MLP layers need it")
-        return args
-
-    @property
-    def moe_layers(self) -> list[int]:
-        """Layers whose MLP is a mixture of experts (HF's rule); empty for a dense model."""
-        return self._sparse(range(self.num_hidden_layers))
-
-    @property
-    def mtp_moe_layers(self) -> list[int]:
-        """MTP layers whose MLP is a mixture of experts.
-
-        Neither HF transformers nor mlx-lm builds the MTP head. vLLM (qwen3_next_mtp.py, qwen3_5_mtp.py) builds
-        MTP layer j as a decoder layer named `mtp.layers.{j}` and applies the backbone's rule to j, so with the
-        released configs (decoder_sparse_step 1, no mlp_only_layers) it is MoE; Qwen3.5-MoE checkpoint indexes
-        list `mtp.layers.0.mlp.gate.weight`, `mtp.layers.0.mlp.shared_expert.*` and `mtp.layers.0.mlp.experts.*`.
-        """
-        return self._sparse(range(max(1, self.mtp_num_hidden_layers)))
-
-    def _sparse(self, indices: range) -> list[int]:
-        if self.num_experts <= 0:
-            return []
-        return [i for i in indices if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0]
-
-    @property
-    def is_moe(self) -> bool:
-        """Whether any backbone layer is a mixture of experts."""
-        return bool(self.moe_layers)
-
-    @property
-    def rotary_dims(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -498,9 +347,9 @@ class Model(nn.Module):
     def has_mtp(self) -> bool:
         return self.mtp is not None
 
-    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None) -> tuple[mx.array, mx.array]:
+    def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:
         """tokens [B, S] -> (logits [B, S, vocab], post-norm hidden [B, S, hidden]); `cache` is `make_cache()`."""
-        hidden = self.model(tokens, cache[: len(self.model.layers)] if cache is not None else None)
+        hidden = self.model(tokens, cache.backbone if cache is not None else None)
         return self.logits(hidden), hidden
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -509,196 +358,27 @@ class Model(nn.Module):
             return project(hidden, embed.weight) if isinstance(embed, nn.Embedding) else embed.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None) -> mx.array:
         """MTP step: next_tokens [B, S] (t_{p+1}) with hidden [B, S, H] (h_p) -> the head's post-norm output.
 
-        `cache` is either the MTP layers' own caches or the whole `make_cache()` list.
+        `cache` is the MTP layers' caches (`make_cache().mtp`).
         """
         if self.mtp is None:
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
-        if cache is not None and len(cache) > len(self.mtp.layers):
-            cache = cache[len(self.model.layers) :]
         return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache)
 
     def mtp_forward(
-        self, next_tokens: mx.array, hidden: mx.array, cache: list[LayerCache] | None = None
+        self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None
     ) -> tuple[mx.array, mx.array]:
         """Draft step: (draft logits [B, S, V], MTP hidden [B, S, H]); see `mtp_hidden`."""
         z = self.mtp_hidden(next_tokens, hidden, cache)
         return self.logits(z), z
 
-    def make_cache(self) -> list[LayerCache]:
+    def make_cache(self) -> ModelCache:
         """One cache per backbone layer, then one per MTP layer."""
-        cache: list[LayerCache] = [GDNCache() if l.is_linear else KVCache() for l in self.model.layers]
-        if self.mtp is not None:
-            cache += [KVCache() for _ in self.mtp.layers]
-        return cache
+        return ModelCache([GDNCache() if l.is_linear else KVCache() for l in self.model.layers],
+                          [KVCache() for _ in self.mtp.layers] if self.mtp is not None else [])
 
     @property
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoint names -> canonical names
-
-_NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
-_MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
-
-
-def canonical_name(key: str) -> str | None:
-    """Map a checkpoint tensor name onto this model's naming; None for tensors we deliberately skip (vision).
-
-    Accepts HF nested (`model.language_model.*`), mlx-lm nested (`language_model.model.*`) and flat (`model.*`).
-    Unknown names come back unchanged so that the pre-flight check can report them.
-    """
-    if key.startswith(_SKIPPED_PREFIXES):
-        return None
-    for prefix, repl in (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("language_model.mtp.", "mtp."),
-    ):
-        if key.startswith(prefix):
-            return repl + key[len(prefix) :]
-    return key
-
-
-def is_zero_centred_norm(name: str) -> bool:
-    """Norms stored as w with effective scale 1 + w (every RMSNorm except the GDN output norm)."""
-    return name.endswith(_NORM_SUFFIXES) or name == "model.norm.weight" or name in _MTP_NORMS
-
-
-_FUSED = re.compile(r"(.*linear_attn)\.in_proj_(qkvz|ba)\.(weight|scales|biases)$")
-# Routed experts as HF writes them: one tensor per expert (save_pretrained, the released checkpoints) ...
-_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# ... or transformers 5's in-memory layout, all experts in one tensor: gate_up_proj [E, 2I, H], down_proj [E, H, I]
-_EXPERTS_FUSED = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
-
-
-def unfused_names(name: str) -> list[str]:
-    """Parameter names a checkpoint tensor (canonical name) feeds: a (Qwen3-Next) fused GDN projection feeds two,
-    an expert tensor its stacked `switch_mlp` parameter(s); [name] for everything else."""
-    m = _FUSED.match(name)
-    if m:
-        parts = ("qkv", "z") if m.group(2) == "qkvz" else ("b", "a")
-        return [f"{m.group(1)}.in_proj_{p}.{m.group(3)}" for p in parts]
-    m = _EXPERT.match(name)
-    if m:
-        return [f"{m.group(1)}.switch_mlp.{m.group(3)}.weight"]
-    m = _EXPERTS_FUSED.match(name)
-    if m:
-        parts = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
-        return [f"{m.group(1)}.switch_mlp.{p}.weight" for p in parts]
-    return [name]
-
-
-class ExpertStacker:
-    """Stacks per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, canonical names) into `switch_mlp`
-    parameters [experts, out, in] as each projection's experts arrive, so a loader that feeds it shard by shard
-    holds at most the unfinished groups' tensors besides the stacked ones.
-    """
-
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
-        self.pending: dict[str, dict[int, mx.array]] = {}  # stacked name -> {expert: tensor}
-
-    def add(self, name: str, value: mx.array) -> tuple[str, mx.array] | None:
-        """Take one expert tensor; returns (stacked name, [E, out, in]) once its group is complete, else None."""
-        m = _EXPERT.match(name)
-        if m is None:
-            raise ValueError(f"{name} is not a per-expert tensor")
-        target, expert = unfused_names(name)[0], int(m.group(2))
-        if expert >= self.num_experts:
-            raise HeteroError(f"tensor {name}: expert {expert} but config.json says num_experts {self.num_experts}")
-        group = self.pending.setdefault(target, {})
-        group[expert] = value
-        if len(group) < self.num_experts:
-            return None
-        del self.pending[target]
-        return target, mx.stack([group[e] for e in range(self.num_experts)])  # [E, out, in]
-
-    def check_complete(self) -> None:
-        """Raise if a projection still misses experts (an incomplete checkpoint)."""
-        for target, group in self.pending.items():
-            absent = sorted(set(range(self.num_experts)) - set(group))
-            more = f" (and {len(absent) - 3} more)" if len(absent) > 3 else ""
-            raise HeteroError(f"{target}: the checkpoint has no tensor for expert(s) {absent[:3]}{more} of "
-                              f"{self.num_experts}: it is incomplete")
-
-
-def is_expert_tensor(name: str) -> bool:
-    """Whether a (canonical) name is one expert's projection, which `ExpertStacker` stacks."""
-    return _EXPERT.match(name) is not None
-
-
-def _split_fused_experts(out: dict[str, mx.array]) -> None:
-    """experts.gate_up_proj [E, 2I, H] -> switch_mlp gate/up [E, I, H] each; experts.down_proj [E, H, I] as is."""
-    for name in [n for n in out if _EXPERTS_FUSED.match(n)]:
-        value, targets = out.pop(name), unfused_names(name)
-        if len(targets) == 2:
-            half = value.shape[1] // 2
-            out[targets[0]], out[targets[1]] = value[:, :half], value[:, half:]
-        else:
-            out[targets[0]] = value
-
-
-def _unfuse(args: ModelArgs, kind: str, w: mx.array) -> tuple[mx.array, mx.array]:
-    """Split a fused projection's rows (grouped per key head) into the Qwen3.5 layout."""
-    nk, dk, dv, r = args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim, (
-        args.linear_num_value_heads // args.linear_num_key_heads
-    )
-    grouped = w.reshape(nk, -1, *w.shape[1:])  # [nk, per-group rows, in]
-    if kind == "qkvz":
-        q, k, v, z = mx.split(grouped, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-        flat = lambda t: t.reshape(-1, *w.shape[1:])  # noqa: E731
-        return mx.concatenate([flat(q), flat(k), flat(v)], axis=0), flat(z)
-    b, a = mx.split(grouped, [r], axis=1)
-    return b.reshape(-1, *w.shape[1:]), a.reshape(-1, *w.shape[1:])
-
-
-def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Checkpoint tensors -> this model's parameters: rename, skip vision, un-fuse, stack experts, conv layout,
-    norm shift.
-
-    Routed experts come per expert (stacked here, lazily; `hetero.loader` stacks them shard by shard before),
-    fused (`experts.gate_up_proj`, split here) or already stacked under mlx-lm's `switch_mlp` names.
-
-    Original HF checkpoints store conv1d as [C, 1, K] and zero-centred norms; converted (MLX) ones store
-    [C, K, 1] with the +1 already applied. The conv layout tells which, so the shift happens exactly once.
-    """
-    out: dict[str, mx.array] = {}
-    for key, value in weights.items():
-        name = canonical_name(key)
-        if name is not None:
-            out[name] = value
-    hf_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
-    if args.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    for name in list(out):
-        m = _FUSED.match(name)
-        if m:
-            first, second = unfused_names(name)
-            out[first], out[second] = _unfuse(args, m.group(2), out.pop(name))
-    experts = [n for n in out if is_expert_tensor(n)]
-    if experts:
-        stacker = ExpertStacker(args.num_experts)
-        for name in experts:
-            done = stacker.add(name, out.pop(name))
-            if done is not None:
-                out[done[0]] = done[1]
-        stacker.check_complete()
-    _split_fused_experts(out)
-    for name, value in out.items():
-        if name.endswith("conv1d.weight") and value.shape[-1] != 1:
-            out[name] = value.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
-        elif hf_layout and is_zero_centred_norm(name):
-            out[name] = value.astype(mx.float32) + 1.0
-    return out
-
-
-def checkpoint_has_mtp(names: Any) -> bool:
-    """Whether a set of checkpoint tensor names carries an MTP head."""
-    return any((canonical_name(n) or "").startswith("mtp.") for n in names)

@@ -190,7 +190,7 @@ def verify(run: PipelineRun, ids: list[int], tol: float | None = DEFAULT_VERIFY_
     res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True)
     gpu_cache = model.make_cache()
     ref, _ = prefill(model, ids, gpu_cache, run.chunk)
-    cache_rel, worst = cache_difference(split_cache[: len(model.layers)], gpu_cache[: len(model.layers)])
+    cache_rel, worst = cache_difference(split_cache.backbone, gpu_cache.backbone)
     a, b = np.array(res.logits[-1].astype(mx.float32)), np.array(ref[-1].astype(mx.float32))
     diff = float(np.abs(a - b).max())
     cosine = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))

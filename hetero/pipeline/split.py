@@ -17,7 +17,7 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays
+from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, cache_arrays
 from hetero.decode.prefill import mtp_pairs
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.ane_process import AneProcess, LaneStats
@@ -139,7 +139,7 @@ class SplitPrefill:
                 out["logits"] = model.logits(h[:, -1:])[0] if (logits and last) else None
                 mx.eval(out["hidden"], *([out["logits"]] if out["logits"] is not None else []), *cache_arrays(cache))
                 if on_chunk is not None:
-                    on_chunk(ch.start + ch.s, _view_at(cache, len(model.layers), ch), out["hidden"])
+                    on_chunk(ch.start + ch.s, _view_at(cache, ch), out["hidden"])
                 ch.h = ch.piece = None  # the chunk's buffers go now
                 ch.parts.clear()
                 ch.gdn.clear()
@@ -338,12 +338,12 @@ def _then_keep_state(fn: Callable[[], None], ch: Chunk, i: int, c: GDNCache) -> 
     return job
 
 
-def _view_at(cache: list[LayerCache], n_layers: int, ch: Chunk) -> list[LayerCache]:
+def _view_at(cache: ModelCache, ch: Chunk) -> ModelCache:
     """The cache as it stood at chunk `ch`'s end n: backbone caches at offset n (attention K/V are only appended
     to, so the live buffers read up to n; GDN layers from the chunk's snapshots) and the live MTP caches (their
     edge is this chunk's, as their pairs are filled chunk by chunk)."""
     n, view = ch.start + ch.s, []
-    for i, c in enumerate(cache[:n_layers]):
+    for i, c in enumerate(cache.backbone):
         if isinstance(c, GDNCache):
             at = GDNCache()
             at.conv, at.recurrent = ch.gdn[i]
@@ -352,7 +352,7 @@ def _view_at(cache: list[LayerCache], n_layers: int, ch: Chunk) -> list[LayerCac
             at.keys, at.values = c.keys, c.values
         at.offset = n
         view.append(at)
-    return view + list(cache[n_layers:])
+    return ModelCache(view, cache.mtp)
 
 
 def _cached_heads(c: LayerCache, kv: range, start: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
