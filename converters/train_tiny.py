@@ -28,7 +28,8 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from hetero.blas import describe, reexec_with_fast_blas
 from hetero.models import attention
-from hetero.models.qwen3_5 import Model, ModelArgs, is_zero_centred_norm
+from hetero.models.qwen3_5 import Model, ModelArgs
+from hetero.models.weights import is_zero_centred_norm
 
 SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
     hidden_size=256,
