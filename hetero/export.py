@@ -34,6 +34,7 @@ from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
 from hetero.planner import OFFLOADABLE, PieceSlice, Plan
 from hetero.planner.recommend import split_plan
 from hetero.profiles import default_profile_name, load_profile
+from hetero.loader import load_model
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 3  # 3: buckets as functions of one package; 2: GDN piece gdn_in_proj (older: re-exported)
@@ -267,7 +268,6 @@ def export_coreml(
     share shortens the predicted prefill, as the runtime's split offloads) for prefill chunks of `chunk` tokens
     (with the profile a split is planned with; `budget` overrides its weight bytes per program) and export that
     plan into `out` (`export_plan`); returns the manifest."""
-    from hetero.loader import load_model
 
     contexts = sorted(set(contexts or [DEFAULT_CONTEXT]))
     check_shapes(chunk, contexts)

@@ -19,10 +19,13 @@ from hetero.decode.prefill import prefill as gpu_prefill
 from hetero.decode.request import Finished, Token
 from hetero.engine import Engine, make_request
 from hetero.errors import AneLaneLost, HeteroError
-from hetero.logprobs import TokenLogprob
-from hetero.mlx_lm_cache import cache_leaves, from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
+from hetero.mlx_lm_cache import from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
 from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
 from hetero.validate import AneSplit
+from hetero.engine import load
+from hetero.pipeline import DEFAULT_CHUNK as SPLIT_CHUNK
+from hetero.pipeline import split_for
+from hetero.pipeline import verify as verify_split
 
 DEFAULT_CHUNK = 512
 
@@ -110,9 +113,6 @@ def _prefill_into(held, prompt, hcache: list, ane_fraction, chunk: int | None, v
 
 
 def _split_prefill(held, ids: list[int], hcache: list, ane: AneSplit, chunk: int | None, verify: bool) -> None:
-    from hetero.pipeline import DEFAULT_CHUNK as SPLIT_CHUNK
-    from hetero.pipeline import split_for
-    from hetero.pipeline import verify as verify_split
 
     if ane.auto and getattr(held, "tokenizer", None) is None:
         raise HeteroError('ane_fraction="auto" with an mlx-lm model needs its tokenizer: prefill(..., tokenizer=tok)')
@@ -172,7 +172,6 @@ def _engine(model, dtype: mx.Dtype | None = None) -> Engine:
                               "pass a checkpoint path, or hetero.load(path, dtype)")
         return model
     if model is None or isinstance(model, (str, os.PathLike)):
-        from hetero.engine import load
 
         return load(model, dtype)
     raise HeteroError(f"hetero.generate needs a hetero Engine (hetero.load) or a checkpoint path, not "

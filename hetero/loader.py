@@ -21,7 +21,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import SUPPORTED_MODEL_TYPES, Model, ModelArgs
+from hetero.models.args import SUPPORTED_MODEL_TYPES
+from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.models.weights import ExpertStacker, canonical_name, checkpoint_has_mtp, is_expert_tensor, sanitize, unfused_names
 from hetero.validate import MAX_DIM, check_config
 

@@ -21,6 +21,18 @@ import numpy as np
 
 from hetero.profiles import THIS_MACHINE
 from hetero.settings import DEFAULT_DRAFT_DEPTH
+from hetero.blas import environment
+from hetero.cache import GDNCache
+from hetero.cache import KVCache
+from hetero.loader import default_dtype
+from hetero.models.qwen3_5 import Attention
+from hetero.models.qwen3_5 import GatedDeltaNet
+from hetero.models.qwen3_5 import MLP
+from hetero.models.qwen3_5 import ModelArgs
+from hetero.pipeline import ane_backend
+from hetero.planner import model_shape
+from hetero.planner import physical_memory_bytes
+from hetero.planner import pieces
 
 # (what is timed, the call, repeats) -> seconds one call takes; `what` names the measurement
 Timer = Callable[[str, Callable[[], object], int], float]
@@ -65,7 +77,6 @@ class Sizes:
     def for_model(cls, config: dict, chunk: int = 512) -> "Sizes":
         """Prefill measurements at a model's own shapes (its projections, GDN and attention layers, one chunk
         over a 4K context): rates depend on the sizes they are measured at."""
-        from hetero.planner import model_shape
 
         args, _ = model_shape(config)
         return cls(
@@ -98,7 +109,6 @@ def gpu_lane(chunk: int = 256, hidden: int = 1024, out: int = 4096, repeats: int
     numpy's read 25 GB/s and a one-token matmul's weights 21 GB/s; on a Mac the GPU's reduction is the faster)."""
     import mlx.core as mx
 
-    from hetero.loader import default_dtype
 
     dtype = default_dtype()
     x = mx.random.normal((chunk, hidden)).astype(dtype)  # [S, hidden]
@@ -121,8 +131,6 @@ def decode_verify(bandwidth: float, tokens: int, hidden: int = 4096, intermediat
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from hetero.loader import default_dtype
-    from hetero.models.qwen3_5 import MLP
 
     mlp = MLP(hidden, intermediate)
     mlp.set_dtype(default_dtype())
@@ -137,8 +145,6 @@ def decode_verify(bandwidth: float, tokens: int, hidden: int = 4096, intermediat
 
 def _gdn_pieces(a: dict = GDN_SHAPE):
     """(model args, the planner's GDN pieces by kind) for the shape `a`: the FLOP counts the rate is relative to."""
-    from hetero.models.qwen3_5 import ModelArgs
-    from hetero.planner import pieces
 
     args = ModelArgs.from_config(dict(
         model_type="qwen3_5_text", hidden_size=a["hidden"], num_attention_heads=1, num_key_value_heads=1,
@@ -154,8 +160,6 @@ def gpu_recurrence(flops_rate: float, tokens: int = 512, a: dict = GDN_SHAPE, ti
     (the chunked delta rule, and the conv, gates, norms and l2-norms around it) is the recurrence's time."""
     import mlx.core as mx
 
-    from hetero.cache import GDNCache
-    from hetero.models.qwen3_5 import GatedDeltaNet
 
     args, by = _gdn_pieces(a)
     layers = [GatedDeltaNet(args) for _ in range(_copies(by["gdn_in_proj"].params * 4))]
@@ -168,8 +172,6 @@ def gpu_recurrence(flops_rate: float, tokens: int = 512, a: dict = GDN_SHAPE, ti
 
 def _attention_piece(a: dict = ATTENTION_SHAPE):
     """The planner's attention piece for the shape `a` (its FLOP count is the one the rates are relative to)."""
-    from hetero.models.qwen3_5 import ModelArgs
-    from hetero.planner import pieces
 
     args = ModelArgs.from_config(dict(
         model_type="qwen3_5_text", hidden_size=a["hidden"], num_attention_heads=a["heads"],
@@ -188,8 +190,6 @@ def gpu_attention(flops_rate: float, repeats: int = 3, a: dict = ATTENTION_SHAPE
     softmax's cost per (query, key, head) score. Projections are charged at `flops_rate`."""
     import mlx.core as mx
 
-    from hetero.cache import KVCache
-    from hetero.models.qwen3_5 import Attention
 
     before = a["context"] - a["chunk"]
     pairs = a["chunk"] * before + a["chunk"] * (a["chunk"] + 1) / 2  # causal: what the GPU lane computes
@@ -225,7 +225,6 @@ def ane_attention(flops_rate: float, call_s: float, repeats: int = 3, a: dict = 
     from coreml_graphs.attention import (AttentionShape, AttentionWeights, attention_masks, build_attention,
                                          cache_inputs, rope_tables)
     from coreml_graphs.package import save_program
-    from hetero.pipeline import ane_backend
 
     _, loader = ane_backend()
     heads, h, S = a["heads"] // a["kv_heads"], a["hidden"], a["chunk"]
@@ -272,7 +271,6 @@ def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats
     by `loader` (default: the backend's own, in this process; `AneProcess.load`: through the lane's worker)."""
     from coreml_graphs.mlp import MLPShape, MLPWeights, build_mlp
     from coreml_graphs.package import save_program
-    from hetero.pipeline import ane_backend
 
     name, own = ane_backend()
     loader = loader or own
@@ -298,8 +296,6 @@ def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats
 def measure(report: Callable[[str], None] = print, timer: Timer = timed, sizes: Sizes = Sizes()) -> dict:
     """Measure both lanes; returns the `this-machine` profile (a dict `Profile.from_dict` reads), every figure
     exactly as measured."""
-    from hetero.blas import environment
-    from hetero.planner import physical_memory_bytes
 
     z, a = sizes, sizes.attention
     gpu_flops, gpu_bw = gpu_lane(z.chunk, z.hidden, z.out, reduce_elements=z.reduce_elements, timer=timer)

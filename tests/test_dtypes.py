@@ -173,12 +173,11 @@ def test_prefill_writes_the_cache_in_the_dtype(tmp_path, capsys):
 
 def test_serve_and_tune_load_in_the_dtype(monkeypatch):
     """The server and the tuner load the model themselves: `--dtype` reaches them as the load default."""
-    import hetero.server
-    import hetero.tune
+    import hetero.cli
 
-    seen = {}
-    monkeypatch.setattr(hetero.server, "serve", lambda *a, **k: seen.setdefault("serve", hetero.load().model))
-    monkeypatch.setattr(hetero.tune, "tune", lambda engine, **k: seen.setdefault("tune", engine.model))
+    seen = {}  # the names the commands call, in the CLI's module
+    monkeypatch.setattr(hetero.cli, "serve", lambda *a, **k: seen.setdefault("serve", hetero.load().model))
+    monkeypatch.setattr(hetero.cli, "tune", lambda engine, **k: seen.setdefault("tune", engine.model))
     assert main(["serve", "--dtype", "bfloat16", "--no-session-cache"]) == 0
     assert main(["tune", "--dtype", "float16", "--tokens", "1"]) == 0
     assert seen["serve"].model.norm.weight.dtype == mx.bfloat16

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import hetero.cli
+
 import hetero.measure as measure_mod
 from hetero.cli import main
 from hetero.loader import default_dtype
@@ -50,8 +52,8 @@ def tuned(tmp_path_factory):
     timer, lines = ScriptedTimer(SECONDS), []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HETERO_HOME", str(home))
-        mp.setattr(measure_mod, "measure", functools.partial(measure_mod.measure, report=lines.append, timer=timer,
-                                                             sizes=TINY))
+        mp.setattr(hetero.cli, "measure", functools.partial(measure_mod.measure, report=lines.append, timer=timer,
+                                                            sizes=TINY))  # the name `hetero tune --devices` calls
         rc = main(["tune", "--devices"])
         profile = load_profile(THIS_MACHINE)
     saved = json.loads((home / "settings.json").read_text())
@@ -174,7 +176,7 @@ def test_devices_with_a_model_measures_at_that_models_shapes(tmp_path, monkeypat
         return real(report=lambda line: None, timer=ScriptedTimer(SECONDS), sizes=sizes)
 
     monkeypatch.setenv("HETERO_HOME", str(tmp_path))
-    monkeypatch.setattr(measure_mod, "measure", spy)
+    monkeypatch.setattr(hetero.cli, "measure", spy)  # the name `hetero tune --devices` calls
     assert main(["tune", "--devices", "--model", str(BUNDLED_MODEL)]) == 0
     z = seen["sizes"]
     assert (z.hidden, z.mlp_channels, z.chunk) == (config["hidden_size"], config["intermediate_size"], 512)

@@ -15,6 +15,8 @@ from hetero.distributed.group import connect
 from hetero.distributed.runtime import PipelineEngine, load_stage, serve
 from hetero.errors import HeteroError
 from hetero.validate import read_prompt
+from hetero.progress import ProgressBar
+import hetero
 
 VERIFY_RTOL = 1e-4  # pipelined logits against one process: fp32 rounding at most (the same ops run on each rank)
 
@@ -56,7 +58,6 @@ def pipelined(model: str | None, dist_timeout: float, lead: Callable[[PipelineEn
 
 
 def _run(engine: PipelineEngine, args: argparse.Namespace) -> int:
-    from hetero.progress import ProgressBar
 
     prompt = read_prompt(args.prompt)
 
@@ -92,7 +93,6 @@ def _run(engine: PipelineEngine, args: argparse.Namespace) -> int:
 
 def verify(engine: PipelineEngine, args: argparse.Namespace, prompt: str, result, params: dict) -> dict:
     """Rerun the request in this process on the whole model (loaded here) and compare tokens and logits."""
-    import hetero
 
     single = hetero.load(args.model)
     depth = (result.stats.get("mtp") or {}).get("depth")

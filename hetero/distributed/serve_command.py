@@ -18,6 +18,7 @@ from hetero.distributed.command import pipelined
 from hetero.distributed.runtime import PipelineEngine
 from hetero.errors import HeteroError
 from hetero.server.app import ServerSettings, create_app, listen, run_app
+from hetero.prefix_cache import PrefixCache
 
 
 def serve_pipelined(settings: ServerSettings) -> int | None:
@@ -36,7 +37,6 @@ def serve_pipelined(settings: ServerSettings) -> int | None:
 
 def _serve(engine: PipelineEngine, settings: ServerSettings) -> int:
     """Rank 0: the HTTP server on the pipelined engine, one request at a time."""
-    from hetero.prefix_cache import PrefixCache
 
     s = dataclasses.replace(settings, max_concurrent=1)  # the pipeline takes one request at a time
     sock = listen(s.host, s.port, s.api_key)

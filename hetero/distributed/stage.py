@@ -19,6 +19,7 @@ from hetero.distributed.group import Link
 from hetero.distributed.shard import Share
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+from hetero.decode.depth import MAX_DEPTH
 
 # control messages from the last rank: [kind, n, token_0 .. token_{n-1}]; a request that asked for logprobs has
 # every COMMIT followed by their rows, from the last rank to rank 0 (`outputs.send_logprobs`), and a stoppable one
@@ -79,6 +80,5 @@ class Stage:
 
 def message_length() -> int:
     """Ints in a control message: kind, count, and up to a verify pass's tokens (x and MAX_DEPTH drafts)."""
-    from hetero.decode.depth import MAX_DEPTH
 
     return 2 + MAX_DEPTH + 1

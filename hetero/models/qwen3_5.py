@@ -15,7 +15,7 @@ import mlx.nn as nn
 from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV
 from hetero.errors import HeteroError
 from hetero.models import activations as act
-from hetero.models.args import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelArgs  # noqa: F401  (re-exported)
+from hetero.models.args import ModelArgs
 from hetero.models.attention import attend
 from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta

@@ -12,6 +12,7 @@ from hetero.backends import platform_backend
 from hetero.errors import HeteroError
 from hetero.export import export_plan, read_manifest
 from hetero.planner import OFFLOADABLE, Plan, context_buckets
+from hetero.progress import ProgressBar
 
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
@@ -41,7 +42,6 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int) -> Path:
             return out
     except HeteroError:
         pass
-    from hetero.progress import ProgressBar
 
     export_plan(plan, loaded, out, contexts, progress=ProgressBar("export Core ML"))
     return out

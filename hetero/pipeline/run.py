@@ -24,6 +24,13 @@ from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_by
 from hetero.profiles import Profile
 from hetero.sampling import Sampler, SamplingParams
 from hetero.validate import AneSplit
+from hetero.decode.prefill import prefill
+from hetero.planner import check_prompt_fits
+from hetero.planner import recommend
+from hetero.planner.recommend import split_plan
+from hetero.profiles import THIS_MACHINE, load_profile
+from hetero.profiles import default_profile_name, load_profile
+from hetero.verify_tolerance import verify_tolerance
 
 DEFAULT_CHUNK = 256
 DEFAULT_VERIFY_TOL: float | None = None  # None: the model dtype's (hetero.verify_tolerance.verify_tolerance)
@@ -103,7 +110,6 @@ class PipelineRun:
         `decode`, the GPU lane interleaves other requests' work while the ANE computes its share; `on_chunk(n,
         cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them).
         """
-        from hetero.planner import check_prompt_fits
 
         model = self.engine.model
         cache = model.make_cache()
@@ -140,8 +146,6 @@ def configure(
     predicted prefill, `hetero.planner.recommend.split_plan`): the one place a split's `Plan` is made, by the
     planner for `profile` (default: this machine's measured profile, else the planner's default chip). Only a
     per-process ANE weight limit that a profile measured shrinks the slices; none is documented."""
-    from hetero.planner.recommend import split_plan
-    from hetero.profiles import default_profile_name, load_profile
 
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
@@ -180,8 +184,6 @@ def verify(run: PipelineRun, ids: list[int], tol: float | None = DEFAULT_VERIFY_
     2 tol x max |logit|. Two runs whose logits are each within tol x max of the other's may order such a pair either
     way (bf16 does, on the bundled and random models alike), so the comparison stops there (`greedy_tie_at`).
     """
-    from hetero.decode.prefill import prefill
-    from hetero.verify_tolerance import verify_tolerance
 
     model = run.engine.model
     if tol is None:
@@ -243,8 +245,6 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
                   tol: float | None = DEFAULT_VERIFY_TOL) -> PipelineRun:
     """`--ane-fraction auto`: the fraction this machine's measured profile recommends, lowered until the split
     passes verification on a calibration prompt (each lowering is reported)."""
-    from hetero.planner import recommend
-    from hetero.profiles import THIS_MACHINE, load_profile
 
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
+from hetero.loader import read_config, resolve
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,6 @@ class Storage:
 
 def read_model_config(model: str | None) -> tuple[dict, str]:
     """(config dict, display name) from a bare config.json, a checkpoint directory or a hub id (small files only)."""
-    from hetero.loader import read_config, resolve
 
     if model is not None and Path(model).is_file():
         try:

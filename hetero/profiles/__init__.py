@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from hetero.errors import HeteroError
+from hetero.settings import device_profile
 
 PROFILE_DIR = Path(__file__).parent
 THIS_MACHINE = "this-machine"
@@ -83,7 +84,6 @@ def profile_names() -> list[str]:
 def load_profile(name: str) -> Profile:
     """A chip profile by name (e.g. `m4-pro`), or `this-machine` as `hetero tune --devices` saved it."""
     if name == THIS_MACHINE:
-        from hetero.settings import device_profile
 
         saved = device_profile()
         if saved is None:
@@ -97,6 +97,5 @@ def load_profile(name: str) -> Profile:
 
 def default_profile_name() -> str:
     """`this-machine` once `hetero tune --devices` has measured it here, else DEFAULT_PROFILE."""
-    from hetero.settings import device_profile
 
     return THIS_MACHINE if device_profile() is not None else DEFAULT_PROFILE

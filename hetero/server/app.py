@@ -29,6 +29,10 @@ from hetero.server.runner import Runner
 from hetero.decode.depth import check_depth
 from hetero.turns import DECODE_SHARE
 from hetero.validate import GPU_ONLY, NONNEG, PORT, POSITIVE, POSITIVE_INT, AneSplit, Bound, check_text
+from hetero.pipeline import split_for
+from hetero.prefix_cache import PrefixCache
+from hetero.session_store import SessionStore, default_dir
+import hetero
 
 log = logging.getLogger("hetero.server")
 access = logging.getLogger("hetero.access")
@@ -114,7 +118,6 @@ def server_split(engine: Engine, ane: AneSplit | float | str | None, chunk: int)
     ane = AneSplit.parse(ane)
     if ane.gpu_only:
         return None
-    from hetero.pipeline import split_for  # the pipeline (and its Core ML exporter) only for a split
 
     return split_for(engine, ane, chunk)
 
@@ -259,8 +262,6 @@ def serve(settings: ServerSettings | None = None) -> None:
     Requests and their times are logged to stderr (`hetero.access`); an address other than loopback without an
     `api_key` gets a warning there.
     """
-    import hetero
-    from hetero.prefix_cache import PrefixCache
 
     s = settings if settings is not None else ServerSettings()
     sock = listen(s.host, s.port, s.api_key)  # before the model loads: a port in use fails at once, not after a minute
@@ -327,7 +328,6 @@ def loopback(sock: socket.socket) -> bool:
 
 def open_session_store(root: str | None, max_gb: float):
     """The on-disk session cache at `root` (None: the default place), refused in one line when it cannot be a directory."""
-    from hetero.session_store import SessionStore, default_dir
 
     path = Path(root).expanduser() if root is not None else default_dir()
     if path.exists() and not path.is_dir():
