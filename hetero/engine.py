@@ -194,6 +194,8 @@ class Engine:
         ids = self.encode_prompt(r.prompt, r.chat, held)
         max_tokens = min(r.max_tokens, self.max_context - held - len(ids))
         sampler = Sampler(r.sampling, r.seed)
+        penalties = r.penalties
+        penalties.check_vocab(self.model.args.vocab_size)
         recorder = LogprobRecorder(r.logprobs) if r.logprobs is not None else None
         constraint = None
         if r.json_schema is not None or r.json_object:
@@ -241,7 +243,7 @@ class Engine:
             progress=r.progress, times=times, stats=mtp_stats, cache=cache, max_context=self.max_context, skip=skip,
             carry=carry, on_chunk=on_chunk if pc is not None else None, on_commit=on_commit if depth else None,
             constraint=constraint, logprobs=recorder, marks=() if r.mark is None else (r.mark,), trace=trace,
-            mtp_prefill=pc is not None and model.has_mtp,
+            mtp_prefill=pc is not None and model.has_mtp, penalties=penalties if penalties.active else None,
         )
         detok = self.tokenizer.detokenizer()
         generated = 0

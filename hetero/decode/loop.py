@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from hetero.cache import LayerCache, cache_arrays
 from hetero.constrained import Constraint
+from hetero.decode.penalties import Penalties, penalizer_for
 from hetero.decode.prefill import ChunkFn, ProgressFn
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.rows import CommitFn, Row
@@ -98,6 +99,7 @@ class DecodeLoop:
         on_handover: Callable[[], None] | None = None,
         on_handback: Callable[[], None] | None = None,
         constraint: Constraint | None = None,
+        penalties: Penalties | None = None,
     ) -> Iterator[int]:
         """`solo.decode_tokens`, the same tokens, with the decoding done in the shared batch. The prefill runs on
         the caller's thread, then the first token is yielded; `on_handover()` runs once the rest is the loop's (the
@@ -105,17 +107,19 @@ class DecodeLoop:
         caller takes a turn again: the loop has finished its round, and the request's state is its committed one).
         `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are
         yielded. A `constraint` (JSON grammar) masks the request's tokens as in solo decoding; the loop's thread
-        owns it after the handover."""
+        owns it after the handover; `penalties` (presence, frequency, repetition, logit_bias) apply as in solo
+        decoding."""
         times = times if times is not None else DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
         if max_tokens <= 0:
             times.first_token = times.end = time.perf_counter()
             return
         cache = cache if cache is not None else model.make_cache()
+        pen = penalizer_for(penalties, prompt, model.args.vocab_size)
         decoder = start(model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
-                        constraint, logprobs, marks, trace, mtp_prefill)
+                        constraint, logprobs, marks, trace, mtp_prefill, pen)
         request = self.batch.row(decoder, sampler, max_tokens, eos_ids, depth, max_context, None, stats,
-                                 on_commit, logprobs, trace, constraint)  # its own times: this thread's
+                                 on_commit, logprobs, trace, constraint, pen)  # its own times: this thread's
 
         def emit(tokens: list[int]) -> Iterator[int]:
             for t in tokens:
@@ -129,7 +133,8 @@ class DecodeLoop:
         if request.done:
             times.finish_reason = request.finish_reason
             return
-        mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache))  # the loop's thread has its own stream
+        # the loop's thread has its own stream: nothing of the request may stay lazy (the sampler's key included)
+        mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache), sampler.key)
         stream = _Stream(request)
         with self._cv:
             if self._closed:

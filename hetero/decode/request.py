@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.decode.depth import check_depth
+from hetero.decode.penalties import Penalties
 from hetero.decode.prefill import ProgressFn
 from hetero.errors import HeteroError
 from hetero.logprobs import TokenLogprob, check_top
@@ -18,7 +19,9 @@ class GenerationRequest:
     `mtp` None decodes with the MTP head whenever the checkpoint has one (unless `hetero tune` saved "off" and no
     `draft_depth` is given); `draft_depth` None takes the tuned or calibrated depth (`depth.decode_depth`).
     `logprobs` N (0..20) reports each token's raw logprob and N alternatives; `json_schema` / `json_object`
-    constrain the output to JSON. `mark` (a prompt position, where a chat transcript ends) also ends a prefill
+    constrain the output to JSON. `presence_penalty` and `frequency_penalty` (in [-2, 2]), `repetition_penalty`
+    (in (0, 2], 1 is off) and `logit_bias` ({token id: bias in [-100, 100]}) follow vLLM (`hetero.decode.penalties`)
+    and keep MTP exact. `mark` (a prompt position, where a chat transcript ends) also ends a prefill
     chunk, so the prefix cache checkpoints it. `prompt_cache` is an mlx-lm cache holding the tokens before the
     prompt. The engine's parts a request may name: `split` (an ANE split prefill: `.prefill(ids, on_chunk)`)
     and `batch` (a `hetero.decode.loop.Seat` in a shared decode batch). `progress(done, total)` runs after every
@@ -37,6 +40,10 @@ class GenerationRequest:
     logprobs: int | None = None
     json_schema: dict | None = None
     json_object: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     mark: int | None = None
     prompt_cache: list | None = None
     use_prefix_cache: bool = True
@@ -55,6 +62,12 @@ class GenerationRequest:
             check_top(self.logprobs)
         if self.json_schema is not None and self.json_object:
             raise HeteroError("give json_schema or json_object, not both")
+        object.__setattr__(self, "logit_bias", self.penalties.logit_bias or None)  # checked; keys as ints
+
+    @property
+    def penalties(self) -> Penalties:
+        """The request's penalties and logit bias, checked (a one-line HeteroError for a value out of range)."""
+        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from hetero.cache import GDNCache
 from hetero.constrained import Constraint
+from hetero.decode.penalties import Penalizer
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.state import Decoder
 from hetero.logprobs import LogprobRecorder
@@ -36,6 +37,7 @@ class Row:
     logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
     trace: Trace | None = None  # depth 0: what each round ran, as `generate_tokens` records it
     constraint: Constraint | None = None  # JSON grammar: masks the row's drafts and verify rows, as solo
+    penalizer: Penalizer | None = None  # penalties / logit_bias: every draw, draft and verify row (None: none)
 
     @property
     def done(self) -> bool:

@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from hetero.cache import LayerCache
 from hetero.constrained import Constraint
+from hetero.decode.penalties import Penalties
 from hetero.decode.prefill import ChunkFn, ProgressFn
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.rows import CommitFn, Row
@@ -41,10 +42,11 @@ def decode_tokens(
     marks: Sequence[int] = (),
     trace: Trace | None = None,
     mtp_prefill: bool = False,
+    penalties: Penalties | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or `max_tokens`: plain decoding at `depth` 0, else
     speculative decoding with the MTP head at that depth (and the copy lane when `copy`); the same distribution
-    either way, and greedy output identical token for token.
+    either way, and greedy output identical token for token (`penalties` included).
 
     Arguments as in `Batch.join`. `logprobs` may record a few tokens past the last one yielded under MTP (those a
     round committed after an EOS or max_tokens): its i-th item is the i-th token yielded. Closing the generator
@@ -52,7 +54,8 @@ def decode_tokens(
     """
     batch = Batch(model, max_batch=1)
     row = batch.join(prompt, sampler, max_tokens, eos_ids, depth, copy, cache, skip, carry, chunk, max_context,
-                     on_commit, logprobs, progress, constraint, on_chunk, marks, trace, mtp_prefill, times, stats)
+                     on_commit, logprobs, progress, constraint, on_chunk, marks, trace, mtp_prefill, times, stats,
+                     penalties)
     try:
         yield from list(row.tokens)
         while not row.done:
@@ -69,10 +72,14 @@ def batch_generate(
     eos_ids: set[int],
     depths: list[int],
     copy: bool = False,
+    penalties: list[Penalties | None] | None = None,
 ) -> list[Row]:
-    """Decode every prompt in one batch to the end; the rows in prompt order (`row.tokens`)."""
+    """Decode every prompt in one batch to the end; the rows in prompt order (`row.tokens`). `penalties`: one
+    per prompt (None: none)."""
     batch = Batch(model, max_batch=max(1, len(prompts)))
-    rows = [batch.join(p, s, n, eos_ids, d, copy) for p, s, n, d in zip(prompts, samplers, max_tokens, depths)]
+    penalties = penalties or [None] * len(prompts)
+    rows = [batch.join(p, s, n, eos_ids, d, copy, penalties=pen)
+            for p, s, n, d, pen in zip(prompts, samplers, max_tokens, depths, penalties)]
     for _ in batch.drain():
         pass
     return rows

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from hetero.cache import KVCache, ModelCache
 from hetero.constrained import Constraint
+from hetero.decode.penalties import Penalizer
 from hetero.decode.prefill import ChunkFn, ProgressFn, prefill
 from hetero.decode.records import Trace
 from hetero.logprobs import LogprobRecorder
@@ -91,6 +92,7 @@ def start(
     marks: Sequence[int] = (),
     trace: Trace | None = None,
     mtp_prefill: bool = False,
+    penalizer: Penalizer | None = None,
 ) -> Decoder:
     """Prefill `prompt` (after `skip` tokens that `cache` already holds, `carry` [1, H] their last hidden) and sample
     the first token, which becomes the decoder's x (not emitted yet).
@@ -98,14 +100,18 @@ def start(
     The MTP head's KV is filled too at `depth` > 0, or with `mtp_prefill` (so checkpoints serve MTP requests);
     `copy` (depth > 0) starts a copy lane over the prompt. `on_chunk` sees the cache after every prefill chunk and
     at `marks` (`prefill`). A `constraint` masks the first token and consumes it; `logprobs` records its raw row;
-    `trace` (depth 0) gets the prompt's last hidden, the first entry of what the backbone ran.
+    `trace` (depth 0) gets the prompt's last hidden, the first entry of what the backbone ran. A `penalizer`
+    (`hetero.decode.penalties`) penalizes the first token's logits before the constraint's mask, and counts it.
     """
     cache = cache if cache is not None else model.make_cache()
     logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=bool(depth) or mtp_prefill,
                              carry=carry, on_chunk=on_chunk, marks=marks)  # [1, V], [1, H]
-    x = sampler(logits[-1] if constraint is None else constraint.apply(logits[-1])).item()
+    last = logits[-1] if penalizer is None else penalizer(logits[-1:])[0]  # [V]
+    x = sampler(last if constraint is None else constraint.apply(last)).item()
     if constraint is not None:
         constraint.advance(x)
+    if penalizer is not None:
+        penalizer.add([x])
     if logprobs is not None:
         logprobs.add(logits[-1:], [x])
     if trace is not None and not depth:

@@ -13,6 +13,8 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
           run on the rows' states stacked [B, ...], recording every step; attention layers write and read
           each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`).
   accept  row by row, `accept_greedy` / `accept_drafts` with the row's own sampler; depth 0 draws its token.
+          A row's penalties (`hetero.decode.penalties`) penalize each verify position for the drafts before it,
+          as they penalize each MTP draft step, so the output law stays plain penalized decoding's.
   commit  row by row: KV trimmed to the row's length, GDN state and conv window as recorded after the row's
           own last kept token (one gather per layer re-stacks them), MTP KV trimmed, pending pairs queued.
 
@@ -38,6 +40,7 @@ import mlx.core as mx
 from hetero.cache import GDNCache, KVCache, LayerCache, RaggedKV, cache_arrays
 from hetero.constrained import Constraint
 from hetero.decode.depth import MAX_DEPTH, check_depth
+from hetero.decode.penalties import Penalizer, Penalties, penalizer_for
 from hetero.decode.prefill import ChunkFn, ProgressFn
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.rows import Ahead, CommitFn, Round, Row
@@ -91,6 +94,7 @@ class Batch:
         mtp_prefill: bool = False,
         times: DecodeTimes | None = None,
         stats: MTPStats | None = None,
+        penalties: Penalties | None = None,
     ) -> Row:
         """Prefill `prompt` alone (`state.start`) and add its row; its first token is in `row.tokens` already.
 
@@ -101,7 +105,8 @@ class Batch:
         `progress(done, total)` runs after every prefill chunk: with `lambda *_: batch.step()` the rows already
         decoding get a round after every chunk of the new prompt. `constraint` (fresh) masks every token the row
         samples. `trace` (depth 0) records what the backbone ran. `times` (a caller may have started it earlier)
-        and `stats` are filled in as the row decodes.
+        and `stats` are filled in as the row decodes. `penalties` (presence, frequency, repetition, logit_bias)
+        penalize every token the row samples, its MTP drafts and verify rows included.
         """
         self._check(depth)
         times = times if times is not None else DecodeTimes()
@@ -111,10 +116,11 @@ class Batch:
             row.finish_reason = times.finish_reason = "length"
             times.first_token = times.end = time.perf_counter()
             return row
+        pen = penalizer_for(penalties, prompt, self.model.args.vocab_size)
         decoder = start(self.model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
-                        constraint, logprobs, marks, trace, mtp_prefill)
+                        constraint, logprobs, marks, trace, mtp_prefill, pen)
         return self.admit(self.row(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, stats, on_commit,
-                                   logprobs, trace, constraint))
+                                   logprobs, trace, constraint, pen))
 
     def row(
         self,
@@ -130,16 +136,18 @@ class Batch:
         logprobs: LogprobRecorder | None = None,
         trace: Trace | None = None,
         constraint: Constraint | None = None,
+        penalizer: Penalizer | None = None,
     ) -> Row:
         """A row for a prefilled decoder (`state.start`) whose first token, `decoder.x`, is sampled and not emitted
         yet; it is emitted now (`logprobs` holds its row already, if any), and `on_commit` sees it. Not in the batch
         yet (`admit`): a thread that prefilled it can stream its first token at once. `trace` (depth 0) gets each
-        round's token and hidden. `constraint` has consumed `decoder.x`."""
+        round's token and hidden. `constraint` has consumed `decoder.x`, and `penalizer` (`penalties.penalizer_for`
+        over the prompt; None: no penalties) has counted it."""
         self._check(depth, room=False)
         row = Row(decoder, sampler, depth, max_tokens, set(eos_ids), max_context or self.model.args.max_position_embeddings,
                   stats=stats if stats is not None else (MTPStats(depth) if depth else None),
                   times=times or DecodeTimes(start=time.perf_counter()), on_commit=on_commit,
-                  logprobs=logprobs, trace=trace if not depth else None, constraint=constraint)
+                  logprobs=logprobs, trace=trace if not depth else None, constraint=constraint, penalizer=penalizer)
         if on_commit is not None:
             on_commit(decoder, [decoder.x])
         row.take([decoder.x])
@@ -202,6 +210,8 @@ class Batch:
             new = rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]]
             if r.on_commit is not None:
                 r.on_commit(r.decoder, new)
+            if r.penalizer is not None:
+                r.penalizer.add(new)
             emitted[r] = r.take(new)
             if r.stats is not None:
                 r.stats.emitted += len(emitted[r])
@@ -229,7 +239,8 @@ class Batch:
         rnd = Round.plain(len(rows))
         ahead, self._ahead = self._ahead, None
         target, hidden, gdn = (ahead.target, ahead.hidden, ahead.gdn) if ahead is not None else self._verify(rows, rnd)
-        drawn = mx.stack([r.sampler(target[i, 0]) for i, r in enumerate(rows)]).reshape(-1, 1)  # [B, 1]
+        drawn = mx.stack([r.sampler(target[i, 0] if r.penalizer is None else r.penalizer(target[i, :1])[0])
+                          for i, r in enumerate(rows)]).reshape(-1, 1)  # [B, 1]
         mx.async_eval(drawn)  # its own evaluation: reading it must not wait for the pass queued next
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
         self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
@@ -302,8 +313,9 @@ class Batch:
         for j in range(max(ks)):
             logits = model.logits(z)[:, -1]  # [b, V]
             for b, i in enumerate(live):
-                params, constraint = rows[i].sampler.params, rows[i].constraint
-                row = logits[b] if constraint is None else constraint.apply(logits[b])
+                params, constraint, pen = rows[i].sampler.params, rows[i].constraint, rows[i].penalizer
+                row = logits[b] if pen is None else pen(logits[b : b + 1], drafts[i])[0]  # sees d_0..d_{j-1}
+                row = row if constraint is None else constraint.apply(row)
                 if params.greedy:
                     drafts[i].append(mx.argmax(row))
                 else:
@@ -366,6 +378,8 @@ class Batch:
         decided = []
         for i, r in enumerate(rows):
             row = target[i, : len(rnd.drafts[i]) + 1]  # [k_i+1, V]
+            if r.penalizer is not None:  # position j given the drafts before it, as each draft was drawn
+                row = r.penalizer(row, rnd.drafts[i])
             if r.constraint is not None:  # position j given x and the drafts before it (the masks they were drawn under)
                 row = mx.where(r.constraint.recent_masks(len(rnd.drafts[i]) + 1), row, -mx.inf)
             d = mx.array(rnd.drafts[i], dtype=mx.int32)
