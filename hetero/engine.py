@@ -152,31 +152,25 @@ class Engine:
         request = make_request(prompt, max_tokens, temperature, top_k, top_p, min_p, **options)
         events = self.stream(request)
         text, tokens, logprobs = [], [], []
-        for event in events:
-            if isinstance(event, Finished):
+        event = next(events)
+        while not isinstance(event, Finished):
+            reply = None
+            if isinstance(event, Token):
+                tokens.append(event.id)
+                if event.logprob is not None:
+                    logprobs.append(event.logprob)
+                    if on_logprob is not None:
+                        on_logprob(event.logprob)
                 text.append(event.text)
                 if on_text is not None and event.text:
                     on_text(event.text)
-                return GenerationResult("".join(text), tokens, event.stats, logprobs if request.logprobs is not None
-                                        else None)
-            if not isinstance(event, Token):
-                continue
-            tokens.append(event.id)
-            if event.logprob is not None:
-                logprobs.append(event.logprob)
-                if on_logprob is not None:
-                    on_logprob(event.logprob)
-            text.append(event.text)
-            if on_text is not None and event.text:
-                on_text(event.text)
-            if should_stop is not None and should_stop():
-                final = events.send(STOP)
-                text.append(final.text)
-                if on_text is not None and final.text:
-                    on_text(final.text)
-                return GenerationResult("".join(text), tokens, final.stats, logprobs if request.logprobs is not None
-                                        else None)
-        raise RuntimeError("a generation's stream ended without its Finished event")
+                if should_stop is not None and should_stop():
+                    reply = STOP
+            event = events.send(reply)
+        text.append(event.text)
+        if on_text is not None and event.text:
+            on_text(event.text)
+        return GenerationResult("".join(text), tokens, event.stats, logprobs if request.logprobs is not None else None)
 
     def stream(self, request: GenerationRequest) -> Generator[Event, str | None, None]:
         """Run `request`: yields `Prefilled` once the prompt is in the cache, a `Token` per generated token, then
