@@ -8,6 +8,7 @@ as in tests/test_speculative.py), batched rows get their solo tokens, and bad va
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 
@@ -15,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_speculative import (
-    DIST_PROMPT, GREEDY, agreeing_model, assert_warp_unambiguous, clone_cache, random_model, recorded_rounds, tv,
+    DIST_PROMPT, FAIL, GREEDY, agreeing_model, assert_warp_unambiguous, clone_cache, random_model, recorded_rounds,
+    tv,
 )
 
 from hetero.decode.loop import DecodeLoop
@@ -207,6 +209,13 @@ def test_mtp_sampling_matches_exact_penalized_distribution(dist_model, case):
     acc = rows[accepted >= 1]
     dist, bound = tv(p3.reshape(V * V, V), acc[:, 0] * V + acc[:, 1], acc[:, 2])
     assert dist <= bound, f"x3 | x1, x2 (x2 accepted): TV {dist:.4f} > {bound:.4f}"
+    # x3 repeats the accepted draft x2 as often as the exact law says: the verify row after a draft counts it
+    # (Hoeffding over independent draws given their contexts). With presence + frequency, a verify row that ignored
+    # the draft before it moves this by about 0.15 per draw and fails here; repetition's effect of one more seen
+    # token is too small for these draws (greedy MTP == plain catches that there).
+    repeats, expected = (acc[:, 2] == acc[:, 1]).sum(), p3[acc[:, 0], acc[:, 1], acc[:, 1]].sum()
+    slack = math.sqrt(len(acc) * math.log(2 / FAIL) / 2)
+    assert abs(repeats - expected) <= slack, f"x3 == x2: {repeats} times, exactly {expected:.1f} +- {slack:.1f}"
 
 
 def test_plain_sampling_matches_exact_penalized_distribution(dist_model):
@@ -308,3 +317,33 @@ def test_engine_checks_logit_bias_against_the_vocabulary_and_decodes_with_penalt
     off = engine.generate(PROMPT, max_tokens=40, mtp=False, **kwargs)
     assert on.tokens == off.tokens == list(decode_tokens(model, PROMPT, Sampler(GREEDY), 40, set(), penalties=p))
     assert on.stats["mtp"]["depth"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. With a JSON constraint (the grammar's mask goes after the penalties), on the bundled model
+
+
+def test_penalties_with_a_json_schema_keep_mtp_exact_and_the_json_valid():
+    import json
+
+    import jsonschema
+    from test_constrained import PERSON, constraint
+
+    import hetero
+
+    engine = hetero.load()
+    prompt = engine.encode_prompt("Answer in JSON: a person", chat=True)
+    sharp = engine.tokenizer.encode("#")[0]  # +100: it fills the name string, and appears nowhere the grammar forbids
+    kwargs = dict(json_schema=PERSON, presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3,
+                  logit_bias={sharp: 100.0, 0: -50.0})
+    plain = engine.generate(prompt, max_tokens=80, mtp=False, **kwargs)
+    spec = engine.generate(prompt, max_tokens=80, mtp=True, draft_depth=3, **kwargs)
+    assert spec.tokens == plain.tokens and spec.stats["mtp"]["rounds"] > 0
+    assert "#" not in engine.generate(prompt, max_tokens=80, mtp=False, json_schema=PERSON).text
+    sampled = [engine.generate(prompt, max_tokens=80, mtp=True, draft_depth=2, temperature=1.0, seed=s, **kwargs)
+               for s in range(3)]
+    for r in [plain] + sampled:
+        assert constraint(engine, PERSON).extend(r.tokens) == len(r.tokens)  # the grammar allowed every token
+        assert r.stats["finish_reason"] == "stop", r.text
+        jsonschema.validate(json.loads(r.text), PERSON)
+        assert "##" in json.loads(r.text)["name"]
