@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import anthropic
 import httpx
 import openai
+import numpy as np
 import pytest
 from test_server import LiveServer
 from tool_model import WEATHER_REQUEST, WEATHER_RESULT
@@ -249,18 +250,56 @@ def test_sampling_defaults_come_from_generation_config(tmp_path):
     assert sampling_defaults(tmp_path / "absent")["temperature"] == 0.0
 
 
-@pytest.mark.parametrize("route, field, value", [
-    ("chat", "presence_penalty", 0.5), ("chat", "frequency_penalty", -1), ("chat", "logit_bias", {"5": 10}),
-    ("chat", "repetition_penalty", 1.2), ("completions", "suffix", "}"), ("completions", "echo", True),
-    ("completions", "presence_penalty", 2)])
+@pytest.mark.parametrize("route, field, value", [("completions", "suffix", "}"), ("completions", "echo", True)])
 def test_unimplemented_fields_are_a_400_naming_them(oai, model, route, field, value):
     call = oai.chat.completions.create if route == "chat" else oai.completions.create
     body = {"messages": [{"role": "user", "content": "hi"}]} if route == "chat" else {"prompt": "hi"}
     with pytest.raises(openai.BadRequestError) as e:
         call(model=model, max_tokens=1, **body, extra_body={field: value})
     assert e.value.body["param"] == field and field in e.value.body["message"]
-    neutral = {"logit_bias": {}, "repetition_penalty": 1, "suffix": "", "echo": False}.get(field, 0)
+    neutral = {"suffix": "", "echo": False}[field]
     assert call(model=model, max_tokens=1, **body, extra_body={field: neutral}).usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("chat", "presence_penalty", 2.5), ("chat", "frequency_penalty", -3), ("chat", "repetition_penalty", 0),
+    ("chat", "logit_bias", {"5": 101}), ("completions", "logit_bias", {"99999999": 1}),
+    ("completions", "logit_bias", {"not-an-id": 1}), ("completions", "presence_penalty", "high")])
+def test_penalties_out_of_range_are_a_400_naming_them(oai, model, route, field, value):
+    call = oai.chat.completions.create if route == "chat" else oai.completions.create
+    body = {"messages": [{"role": "user", "content": "hi"}]} if route == "chat" else {"prompt": "hi"}
+    with pytest.raises(openai.BadRequestError) as e:
+        call(model=model, max_tokens=1, **body, extra_body={field: value})
+    assert e.value.body["param"] == field and "\n" not in e.value.body["message"]
+
+
+def test_penalties_and_logit_bias_reach_the_decoder(oai, model, engine):
+    """Over HTTP through the real SDK: a +100 logit_bias makes the greedy answer that token, a -100 one bans the
+    token greedy decoding picks first, and a strong frequency penalty changes a reply that repeats itself (the
+    stepper's penalties are checked for exactness in tests/test_penalties.py)."""
+    forced = engine.tokenizer.encode(" sunny")[0]
+    out = oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=3, logit_bias={str(forced): 100})
+    assert out.choices[0].text == engine.tokenizer.decode([forced] * 3)
+    plain = oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=6, logprobs=0)
+    first = engine.tokenizer.encode(plain.choices[0].text)[0]
+    banned = oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=6, logit_bias={str(first): -100})
+    assert engine.tokenizer.encode(banned.choices[0].text)[:1] != [first]
+    # A bias that makes one token win the first two steps, the second by 1.0: presence and frequency penalties of 2
+    # take 4.0 off it at the second step, so the penalized reply must differ there.
+    ids = engine.encode_prompt(WEATHER_REQUEST)
+    l1 = engine.logits(ids)[-1]
+    g = int(l1.argmax())
+    l2 = engine.logits(ids + [g])[-1]
+    margin = lambda row: row[g] - np.delete(row, g).max()  # noqa: E731  (how far g leads the rest)
+    bias = float(1.0 - margin(l2))
+    assert margin(l1) + bias > 0.5, "the bias that leads step 2 by 1.0 must keep step 1 too: pick another prompt"
+    biased = {str(g): bias}
+    plain2 = oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=2, logit_bias=biased)
+    penalized = oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=2, logit_bias=biased,
+                                       presence_penalty=2.0, frequency_penalty=2.0)
+    assert engine.tokenizer.encode(plain2.choices[0].text) == [g, g]
+    assert engine.tokenizer.encode(penalized.choices[0].text)[0] == g
+    assert engine.tokenizer.encode(penalized.choices[0].text)[1:2] != [g]
 
 
 def test_serve_flags_reach_the_settings():

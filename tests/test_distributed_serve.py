@@ -111,6 +111,20 @@ def test_greedy_completion_is_the_one_process_output(served):
     assert stats["mtp"] == served.greedy.stats["mtp"] and stats["mtp"]["rounds"] > 0
 
 
+def test_penalties_apply_on_the_last_rank_as_in_one_process(served):
+    """logit_bias and the repetition penalties travel with the pipelined request and are applied by the last rank's
+    stepper: the completion is the one-process completion with the same fields, and differs from the plain one."""
+    fields = dict(logit_bias={str(served.greedy.tokens[1]): -100.0}, presence_penalty=1.5, frequency_penalty=0.5,
+                  repetition_penalty=1.3)
+    alone = served.single.generate(PROMPT, max_tokens=24, mtp=True, draft_depth=3, use_prefix_cache=False, prefill_chunk=CHUNK,
+                                   **{**fields, "logit_bias": {served.greedy.tokens[1]: -100.0}})
+    r = served.openai().completions.create(model="bundled", prompt=PROMPT, max_tokens=24, temperature=0,
+                                           extra_body={"mtp": True, "repetition_penalty": 1.3},
+                                           logit_bias=fields["logit_bias"], presence_penalty=1.5,
+                                           frequency_penalty=0.5)
+    assert r.choices[0].text == alone.text != served.greedy.text
+
+
 def test_a_stream_delivers_the_same_text_in_pieces(served):
     sent = time.monotonic()
     chunks = served.openai().completions.create(model="bundled", prompt=PROMPT, max_tokens=24, temperature=0,

@@ -22,6 +22,7 @@ from hetero.cli import build_parser, main
 from hetero.distributed.request import Request
 from hetero.distributed.runtime import PipelineEngine
 from hetero.errors import HeteroError
+from hetero.decode.penalties import Penalties
 from hetero.sampling import SamplingParams
 from hetero.server import ServerSettings, create_app
 from hetero.server.app import server_split
@@ -212,7 +213,8 @@ def test_the_pipeline_sends_the_depth_unchanged(tiny):
 def test_a_pipelined_request_round_trips_through_json():
     request = Request("generate", [1, 2, 3], chunk=64, max_tokens=5, depth=4, copy=False, seed=7, eos=[0, 2],
                       max_context=512, sampling=SamplingParams(0.7, 5, 0.9, 0.05), prefix_cache=1024, marks=[2],
-                      grammar="start: x", logprobs=2, stoppable=True)
+                      grammar="start: x", logprobs=2, stoppable=True,
+                      penalties=Penalties(0.5, -0.25, 1.3, {7: -100.0, 11: 2.5}))
     for r in (request, Request("stop"), Request("logits", [4, 5], chunk=16)):
         assert Request.from_json(json.loads(json.dumps(r.to_json()))) == r
     with pytest.raises(ValueError):

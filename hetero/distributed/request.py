@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from hetero.decode.penalties import Penalties
 from hetero.sampling import SamplingParams
 
 KINDS = ("generate", "logits", "stop")
@@ -33,6 +34,7 @@ class Request:
     grammar: str | None = None  # the JSON constraint's grammar (compiled on rank 0); None: unconstrained
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     stoppable: bool = False  # rank 0 answers every COMMIT with GO_ON or STOP
+    penalties: Penalties = field(default_factory=Penalties)  # presence / frequency / repetition, logit_bias (last rank)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -45,4 +47,5 @@ class Request:
     @classmethod
     def from_json(cls, data: dict) -> Request:
         """The request `to_json` sent."""
-        return cls(**{**data, "sampling": SamplingParams(**data.get("sampling", {}))})
+        return cls(**{**data, "sampling": SamplingParams(**data.get("sampling", {})),
+                      "penalties": Penalties(**data.get("penalties", {}))})  # logit_bias keys come back as strings

@@ -106,7 +106,8 @@ def lead(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 0,
     stream = decode_tokens(stage, ids, sampler, max_tokens, eos, depth=depth, copy=request.copy, chunk=chunk,
                            stats=stats, cache=cache, max_context=request.max_context, skip=skip, carry=carry,
                            on_chunk=on_chunk, on_commit=on_commit, constraint=constraint, logprobs=recorder,
-                           marks=marks, mtp_prefill=bool(pc) and stage.has_mtp)
+                           marks=marks, mtp_prefill=bool(pc) and stage.has_mtp,
+                           penalties=request.penalties if request.penalties.active else None)
     try:
         for _ in stream:
             if stopped:  # (at the first token of the round rank 0 stopped at: nothing after it runs)

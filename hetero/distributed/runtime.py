@@ -28,6 +28,7 @@ from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
 from hetero.engine import Engine, GenerationResult, _eos_ids
 from hetero.errors import HeteroError
+from hetero.decode.penalties import Penalties
 from hetero.decode.prefill import ProgressFn
 from hetero.decode.records import DecodeTimes
 from hetero.logprobs import TokenLogprob, check_top
@@ -190,6 +191,10 @@ class PipelineEngine:
         on_logprob: Callable[[TokenLogprob], None] | None = None,
         json_schema: dict | None = None,
         json_object: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
         mark: int | None = None,
         split: object | None = None,
         batch: object | None = None,
@@ -206,7 +211,8 @@ class PipelineEngine:
         the last rank at its next commit and the ranks end the request there (tokens committed meanwhile are
         dropped); an exception from a callback is raised once they have. Without it the ranks run to EOS or
         `max_tokens` and rank 0 drops what follows its end (no answer per commit: decoding as fast as before).
-        `split` (the ANE + GPU split) and `batch` (a shared decode loop) have no pipelined form and are refused."""
+        The penalties and `logit_bias` are applied on the last rank, by the same stepper. `split` (the ANE + GPU
+        split) and `batch` (a shared decode loop) have no pipelined form and are refused."""
         if split is not None or batch is not None:
             raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction) or batched decoding "
                               "(--max-batch); leave them out")
@@ -220,6 +226,8 @@ class PipelineEngine:
         if logprobs is not None:
             check_top(logprobs)
         grammar = self.json_grammar(json_schema) if json_schema is not None or json_object else None
+        penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
+        penalties.check_vocab(self.stage.args.vocab_size)
         seed = seed if seed is not None else random.getrandbits(31)
         pc = self.prefix_cache if use_prefix_cache else None
         request = Request(
@@ -227,7 +235,7 @@ class PipelineEngine:
             eos=sorted(self.eos_ids), max_context=self.max_context,
             sampling=SamplingParams(temperature, top_k, top_p, min_p),
             prefix_cache=pc.max_bytes if pc is not None else None, marks=[] if mark is None else [mark],
-            grammar=grammar, logprobs=logprobs, stoppable=should_stop is not None,
+            grammar=grammar, logprobs=logprobs, stoppable=should_stop is not None, penalties=penalties,
         )
         link = self.stage.link
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))

@@ -45,11 +45,6 @@ def sampling_defaults(model_dir: Path) -> dict[str, float | int]:
 
 # field -> (is the value neutral, what to do instead)
 UNSUPPORTED = {
-    "presence_penalty": (lambda v: v in (0, 0.0), "leave it out or send 0"),
-    "frequency_penalty": (lambda v: v in (0, 0.0), "leave it out or send 0"),
-    "repetition_penalty": (lambda v: v in (1, 1.0), "leave it out or send 1"),
-    "logit_bias": (lambda v: isinstance(v, dict) and all(b in (0, 0.0) for b in v.values()),
-                   "leave it out or send an empty map"),
     "suffix": (lambda v: v == "", "leave it out (this server has no fill-in-the-middle)"),
     "echo": (lambda v: v is False, "leave it out or send false"),
 }

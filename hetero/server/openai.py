@@ -21,7 +21,6 @@ from hetero.tools import Event, Reply
 from hetero.validate import Bound
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")  # a 400 unless neutral
 
 
 def error_body(e: RequestError) -> dict:
@@ -36,11 +35,11 @@ def parse_chat(parser: Parser, body: dict) -> Job:
     """A chat completions request -> its Job (the messages through the chat template)."""
     parser.model(body)
     messages(body, CHAT_ROLES, parser.image_places())  # roles and content checked (toolcalls converts them)
-    parser.refuse(body, *PENALTIES)
+    penalties = parser.penalties(body)
     one_choice(body)
     ids, reply = openai_chat(parser, body)
     job = parser.job(body, ids, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
-    job.reply = reply
+    job.reply, job.penalties = reply, penalties
     job.stops = stops(body, "stop")
     stream_options(body, job)
     parse_chat_logprobs(body, job)
@@ -58,9 +57,11 @@ def parse_completion(parser: Parser, body: dict) -> Job:
         raise RequestError(400, "'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
     if not isinstance(prompt, (str, list)):
         raise RequestError(400, "'prompt' is required: a string or a list of token ids", "prompt")
-    parser.refuse(body, *PENALTIES, "suffix", "echo")
+    parser.refuse(body, "suffix", "echo")
+    penalties = parser.penalties(body)
     one_choice(body)
     job = parser.job(body, parser.encode(prompt, "prompt"), "max_tokens")
+    job.penalties = penalties
     job.stops = stops(body, "stop")
     stream_options(body, job)
     job.logprobs = integer(body, "logprobs", None, TOP_LOGPROBS)

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetero.decode.penalties import Penalties
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server.defaults import refuse_unimplemented, sampling_defaults
@@ -22,6 +23,8 @@ from hetero.validate import FRACTION, MIN_P, NONNEG_INT, POSITIVE_INT, SEED, TOP
 
 MAX_STOPS = 16
 MAX_JSON_DEPTH = 64  # deeper request bodies are refused; real ones nest a few levels (tool inputs a few more)
+PENALTY_FIELDS = {"presence_penalty": "presence", "frequency_penalty": "frequency",  # OpenAI name -> Penalties
+                  "repetition_penalty": "repetition", "logit_bias": "logit_bias"}
 DEFAULT_MAX_TOKENS = 4096  # an OpenAI request without max_tokens: a long answer, not the rest of a 256K window
 OPENAI_TEMPERATURE = Bound(0, 2)  # the APIs' documented ranges, inside the engine's own (finite, >= 0)
 ANTHROPIC_TEMPERATURE = Bound(0, 1)
@@ -58,6 +61,7 @@ class Job:
     model: str | None = None  # the model name the request asked for (replies report it; an alias stays itself)
     warnings: list[str] = field(default_factory=list)  # sent back in the x-hetero-warning header, and logged
     context: Any = None  # what one API's output shaper needs from its request (Responses: the input items, the store)
+    penalties: Penalties = field(default_factory=Penalties)  # presence / frequency / repetition, logit_bias
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,6 +259,25 @@ class Parser:
         """A list that message conversion fills with the places of image parts it replaced by a placeholder, or
         None under --reject-images (an image part is then refused)."""
         return None if self.reject_images else []
+
+    def penalties(self, body: dict) -> Penalties:
+        """presence_penalty, frequency_penalty, repetition_penalty and logit_bias (vLLM's semantics, exact under MTP:
+        `hetero.decode.penalties`), checked one by one so a 400 names the field; logit_bias ids against the vocabulary."""
+        given = {}
+        for name, arg in PENALTY_FIELDS.items():
+            if body.get(name) is None:
+                continue
+            try:
+                Penalties(**{arg: body[name]})
+            except (HeteroError, TypeError) as e:
+                raise RequestError(400, f"'{name}': {e}", name) from None
+            given[arg] = body[name]
+        penalties = Penalties(**given)
+        try:
+            penalties.check_vocab(self.engine.model.args.vocab_size)
+        except HeteroError as e:
+            raise RequestError(400, str(e), "logit_bias") from None
+        return penalties
 
     def refuse(self, body: dict, *names: str) -> None:
         """A 400 naming the first of `names` the body sets to a value the engine does not implement yet."""
