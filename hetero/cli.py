@@ -70,6 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         on_text=None if args.json else write,
         progress=ProgressBar("prefill"),
         split=split,
+        **penalty_options(args),
     )
     extra, status = {"blas": hetero.blas.describe()}, 0  # the BLAS under MLX: what CPU speed depends on
     if split is not None:
@@ -105,6 +106,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",
                   file=sys.stderr)
     return status
+
+
+def penalty_options(args: argparse.Namespace) -> dict:
+    """`hetero run`'s penalty and logit-bias flags as generate's keyword arguments."""
+    return dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias or []) or None)
 
 
 def _split_run(engine, args: argparse.Namespace):

@@ -7,6 +7,7 @@ import os
 
 from hetero import __version__
 from hetero.decode.depth import DEPTH
+from hetero.decode.penalties import BIAS, FREQUENCY, PRESENCE, REPETITION
 from hetero.errors import HeteroError
 from hetero.loader import DTYPES, dtype_name, parse_dtype, platform_dtype
 from hetero.settings import DEFAULT_DRAFT_DEPTH
@@ -51,6 +52,21 @@ def token_counts(text: str) -> str:
     return text
 
 
+def logit_bias_item(text: str) -> tuple[int, float]:
+    """argparse type for --logit-bias ID=BIAS: a token id and a bias in [-100, 100]."""
+    token, sep, bias = text.partition("=")
+    try:
+        item = int(token), float(bias)
+    except ValueError:
+        item = None
+    if not sep or item is None or item[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a token id and a bias as ID=BIAS, e.g. 13=-100")
+    why = BIAS.problem(item[1])
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"the bias {why}")
+    return item
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory or hub id (default: the bundled model)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -90,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=TOP_K, default=0, help="keep the k most likely tokens; 0 disables top-k")
     run.add_argument("--min-p", type=MIN_P, default=0.0, help="drop tokens below this share of the most likely one's probability")
     run.add_argument("--seed", type=SEED, default=None, help="random seed for sampling (default: a fresh random seed)")
+    run.add_argument("--presence-penalty", type=PRESENCE, default=0.0,
+                     help="subtract this from the logit of every token the reply already holds (vLLM's semantics)")
+    run.add_argument("--frequency-penalty", type=FREQUENCY, default=0.0,
+                     help="subtract this times the count of each token in the reply so far")
+    run.add_argument("--repetition-penalty", type=REPETITION, default=1.0,
+                     help="divide positive / multiply negative logits of tokens in the prompt or reply (1 = off)")
+    run.add_argument("--logit-bias", type=logit_bias_item, action="append", metavar="ID=BIAS",
+                     help="add BIAS (-100..100) to token ID's logit (repeatable; default: none)")
     run.add_argument("--prefill-chunk", type=POSITIVE_INT, default=512, help="prompt tokens per prefill step")
     run.add_argument("--no-mtp", action="store_true", help="plain decoding (no speculative MTP drafts)")
     run.add_argument("--draft-depth", type=DEPTH, default=None,

@@ -130,3 +130,16 @@ def test_run_json_names_the_blas_in_use(capsys):
 
     assert main(["run", "--prompt", "x", "--max-tokens", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["blas"] == hetero.blas.describe()
+
+
+def test_run_penalty_flags_reach_the_decoder(engine, capsys):
+    """`hetero run --logit-bias ID=BIAS` and the penalty flags give what the library gives with the same fields."""
+    from hetero.cli import main
+
+    greedy = engine.generate("def parse(", max_tokens=12, use_prefix_cache=False).tokens
+    fields = dict(logit_bias={greedy[0]: -100.0}, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2)
+    library = engine.generate("def parse(", max_tokens=12, use_prefix_cache=False, **fields).tokens
+    assert main(["run", "--prompt", "def parse(", "--max-tokens", "12", "--json", "--logit-bias", f"{greedy[0]}=-100",
+                 "--presence-penalty", "1.5", "--frequency-penalty", "0.5", "--repetition-penalty", "1.2"]) == 0
+    tokens = json.loads(capsys.readouterr().out)["tokens"]
+    assert tokens == library and tokens[0] != greedy[0]

@@ -66,7 +66,9 @@ def _run(engine: PipelineEngine, args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                  min_p=args.min_p, chat=args.chat, prefill_chunk=args.prefill_chunk, copy=not args.no_copy)
+                  min_p=args.min_p, chat=args.chat, prefill_chunk=args.prefill_chunk, copy=not args.no_copy,
+                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                  repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias or []) or None)
     result = engine.generate(prompt, seed=args.seed, mtp=False if args.no_mtp else None, draft_depth=args.draft_depth,
                              on_text=None if args.json else write, progress=ProgressBar("prefill"), **params)
     status, extra = 0, {}
