@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.cache import KVCache, ModelCache
+from hetero.cache import KVCache, LayerCache, ModelCache
 from hetero.constrained import Constraint
 from hetero.decode.penalties import Penalizer
 from hetero.decode.prefill import ChunkFn, ProgressFn, prefill
