@@ -15,21 +15,17 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hetero.cache import LayerCache, cache_arrays
-from hetero.constrained import Constraint
-from hetero.decode.penalties import Penalties, penalizer_for
-from hetero.decode.prefill import ChunkFn, ProgressFn
-from hetero.decode.records import DecodeTimes, MTPStats, Trace
-from hetero.decode.rows import CommitFn, Row
-from hetero.decode.state import start
+from hetero.cache import cache_arrays
+from hetero.decode.options import RowOptions
+from hetero.decode.records import DecodeTimes
+from hetero.decode.rows import Row
 from hetero.decode.stepper import MAX_BATCH, Batch
 from hetero.errors import HeteroError
-from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
 from hetero.settings import DEFAULT_DRAFT_DEPTH
@@ -72,54 +68,24 @@ class DecodeLoop:
                 "waiting": len(self._arrivals), "recent_batch_sizes": recent[-32:],
                 "mean_batch_size": round(sum(recent) / len(recent), 3) if recent else 0.0}
 
-    def generate_tokens(
-        self,
-        model: Model,
-        prompt: list[int],
-        sampler: Sampler,
-        max_tokens: int,
-        eos_ids: set[int],
-        *,
-        depth: int = DEFAULT_DRAFT_DEPTH,
-        copy: bool = True,
-        chunk: int = 512,
-        progress: ProgressFn | None = None,
-        times: DecodeTimes | None = None,
-        stats: MTPStats | None = None,
-        cache: list[LayerCache] | None = None,
-        max_context: int | None = None,
-        skip: int = 0,
-        carry: mx.array | None = None,
-        on_chunk: ChunkFn | None = None,
-        on_commit: CommitFn | None = None,
-        logprobs: LogprobRecorder | None = None,
-        marks: Sequence[int] = (),
-        trace: Trace | None = None,
-        mtp_prefill: bool = False,
-        on_handover: Callable[[], None] | None = None,
-        on_handback: Callable[[], None] | None = None,
-        constraint: Constraint | None = None,
-        penalties: Penalties | None = None,
-    ) -> Iterator[int]:
-        """`solo.decode_tokens`, the same tokens, with the decoding done in the shared batch. The prefill runs on
-        the caller's thread, then the first token is yielded; `on_handover()` runs once the rest is the loop's (the
-        caller gives up its turn on the model there) and `on_handback()` once the stream ends or is closed (the
-        caller takes a turn again: the loop has finished its round, and the request's state is its committed one).
-        `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are
-        yielded. A `constraint` (JSON grammar) masks the request's tokens as in solo decoding; the loop's thread
-        owns it after the handover; `penalties` (presence, frequency, repetition, logit_bias) apply as in solo
-        decoding."""
-        times = times if times is not None else DecodeTimes()
+    def generate_tokens(self, model: Model, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
+                        *, depth: int = DEFAULT_DRAFT_DEPTH, copy: bool = True,
+                        on_handover: Callable[[], None] | None = None, on_handback: Callable[[], None] | None = None,
+                        **options) -> Iterator[int]:
+        """`solo.decode_tokens` (the same `RowOptions`), the same tokens, with the decoding done in the shared batch.
+        The prefill runs on the caller's thread, then the first token is yielded; `on_handover()` runs once the rest
+        is the loop's (the caller gives up its turn on the model there) and `on_handback()` once the stream ends or
+        is closed (the caller takes a turn again: the loop has finished its round, and the request's state is its
+        committed one). `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the
+        caller's, as tokens are yielded; a `constraint` is the loop thread's after the handover."""
+        times = options.pop("times", None) or DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
         if max_tokens <= 0:
             times.first_token = times.end = time.perf_counter()
             return
-        cache = cache if cache is not None else model.make_cache()
-        pen = penalizer_for(penalties, prompt, model.args.vocab_size)
-        decoder = start(model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
-                        constraint, logprobs, marks, trace, mtp_prefill, pen)
-        request = self.batch.row(decoder, sampler, max_tokens, eos_ids, depth, max_context, None, stats,
-                                 on_commit, logprobs, trace, constraint, pen)  # its own times: this thread's
+        request = self.batch.prefilled(prompt, sampler, max_tokens, eos_ids, depth, copy,
+                                       RowOptions(**options))  # its own times: this thread's are `times`
+        decoder = request.decoder
 
         def emit(tokens: list[int]) -> Iterator[int]:
             for t in tokens:

@@ -2,60 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-import mlx.core as mx
-
-from hetero.cache import LayerCache
-from hetero.constrained import Constraint
 from hetero.decode.penalties import Penalties
-from hetero.decode.prefill import ChunkFn, ProgressFn
-from hetero.decode.records import DecodeTimes, MTPStats, Trace
-from hetero.decode.rows import CommitFn, Row
+from hetero.decode.rows import Row
 from hetero.decode.stepper import Batch
-from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
 
 
-def decode_tokens(
-    model: Model,
-    prompt: list[int],
-    sampler: Sampler,
-    max_tokens: int,
-    eos_ids: set[int],
-    *,
-    depth: int = 0,
-    copy: bool = True,
-    chunk: int = 512,
-    progress: ProgressFn | None = None,
-    times: DecodeTimes | None = None,
-    stats: MTPStats | None = None,
-    cache: list[LayerCache] | None = None,
-    max_context: int | None = None,
-    skip: int = 0,
-    carry: mx.array | None = None,
-    on_chunk: ChunkFn | None = None,
-    on_commit: CommitFn | None = None,
-    constraint: Constraint | None = None,
-    logprobs: LogprobRecorder | None = None,
-    marks: Sequence[int] = (),
-    trace: Trace | None = None,
-    mtp_prefill: bool = False,
-    penalties: Penalties | None = None,
-) -> Iterator[int]:
+def decode_tokens(model: Model, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int], *,
+                  depth: int = 0, copy: bool = True, **options) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or `max_tokens`: plain decoding at `depth` 0, else
     speculative decoding with the MTP head at that depth (and the copy lane when `copy`); the same distribution
-    either way, and greedy output identical token for token (`penalties` included).
+    either way, and greedy output identical token for token (`penalties` included). `options` are `RowOptions`'
+    fields.
 
-    Arguments as in `Batch.join`. `logprobs` may record a few tokens past the last one yielded under MTP (those a
-    round committed after an EOS or max_tokens): its i-th item is the i-th token yielded. Closing the generator
-    early leaves `cache` holding exactly the committed state.
+    `logprobs` may record a few tokens past the last one yielded under MTP (those a round committed after an EOS or
+    max_tokens): its i-th item is the i-th token yielded. Closing the generator early leaves `cache` holding
+    exactly the committed state.
     """
     batch = Batch(model, max_batch=1)
-    row = batch.join(prompt, sampler, max_tokens, eos_ids, depth, copy, cache, skip, carry, chunk, max_context,
-                     on_commit, logprobs, progress, constraint, on_chunk, marks, trace, mtp_prefill, times, stats,
-                     penalties)
+    row = batch.join(prompt, sampler, max_tokens, eos_ids, depth, copy, **options)
     try:
         yield from list(row.tokens)
         while not row.done:

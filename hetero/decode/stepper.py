@@ -33,16 +33,16 @@ alone. The projections, MLPs, GDN layers and lm_head, where the weights are read
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, LayerCache, RaggedKV, cache_arrays
+from hetero.cache import GDNCache, KVCache, RaggedKV, cache_arrays
 from hetero.constrained import Constraint
 from hetero.decode.depth import MAX_DEPTH, check_depth
-from hetero.decode.penalties import Penalizer, Penalties, penalizer_for
-from hetero.decode.prefill import ChunkFn, ProgressFn
+from hetero.decode.penalties import Penalizer, penalizer_for
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
+from hetero.decode.options import RowOptions
 from hetero.decode.rows import Ahead, CommitFn, Round, Row
 from hetero.decode.state import Decoder, start
 from hetero.errors import HeteroError
@@ -71,56 +71,31 @@ class Batch:
     def full(self) -> bool:
         return len(self.rows) >= self.max_batch
 
-    def join(
-        self,
-        prompt: list[int],
-        sampler: Sampler,
-        max_tokens: int,
-        eos_ids: set[int],
-        depth: int = DEFAULT_DRAFT_DEPTH,
-        copy: bool = False,
-        cache: list[LayerCache] | None = None,
-        skip: int = 0,
-        carry: mx.array | None = None,
-        chunk: int = 512,
-        max_context: int | None = None,
-        on_commit: CommitFn | None = None,
-        logprobs: LogprobRecorder | None = None,
-        progress: ProgressFn | None = None,
-        constraint: Constraint | None = None,
-        on_chunk: ChunkFn | None = None,
-        marks: Sequence[int] = (),
-        trace: Trace | None = None,
-        mtp_prefill: bool = False,
-        times: DecodeTimes | None = None,
-        stats: MTPStats | None = None,
-        penalties: Penalties | None = None,
-    ) -> Row:
-        """Prefill `prompt` alone (`state.start`) and add its row; its first token is in `row.tokens` already.
-
-        `depth` 0 decodes plainly, else speculatively with the MTP head (with the copy lane when `copy`).
-        `cache`/`skip`/`carry`: a restored prefix; `on_chunk`, `marks`, `mtp_prefill` as in `start`.
-        `on_commit(decoder, tokens)` sees the row's committed state after its first token and after every round,
-        e.g. to checkpoint it in a prefix cache. `logprobs` records each committed token's raw logprobs.
-        `progress(done, total)` runs after every prefill chunk: with `lambda *_: batch.step()` the rows already
-        decoding get a round after every chunk of the new prompt. `constraint` (fresh) masks every token the row
-        samples. `trace` (depth 0) records what the backbone ran. `times` (a caller may have started it earlier)
-        and `stats` are filled in as the row decodes. `penalties` (presence, frequency, repetition, logit_bias)
-        penalize every token the row samples, its MTP drafts and verify rows included.
-        """
+    def join(self, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
+             depth: int = DEFAULT_DRAFT_DEPTH, copy: bool = False, **options) -> Row:
+        """Prefill `prompt` alone and add its row; its first token is in `row.tokens` already. `depth` 0 decodes
+        plainly, else speculatively with the MTP head (with the copy lane when `copy`); `options` are
+        `RowOptions`' fields."""
         self._check(depth)
-        times = times if times is not None else DecodeTimes()
+        return self.admit(self.prefilled(prompt, sampler, max_tokens, eos_ids, depth, copy, RowOptions(**options)))
+
+    def prefilled(self, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int], depth: int,
+                  copy: bool, o: RowOptions) -> Row:
+        """`prompt` prefilled alone (`state.start`) into a row that has emitted its first token, not admitted yet:
+        a thread that prefilled it can stream that token at once. A row with nothing to decode (max_tokens <= 0)
+        is done before any prefill."""
+        times = o.times if o.times is not None else DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
-        if max_tokens <= 0:  # nothing to decode: no prefill either
+        if max_tokens <= 0:
             row = Row(None, sampler, depth, 0, set(eos_ids), 0, times=times)
             row.finish_reason = times.finish_reason = "length"
             times.first_token = times.end = time.perf_counter()
             return row
-        pen = penalizer_for(penalties, prompt, self.model.args.vocab_size)
-        decoder = start(self.model, prompt, sampler, depth, cache, chunk, progress, copy, skip, carry, on_chunk,
-                        constraint, logprobs, marks, trace, mtp_prefill, pen)
-        return self.admit(self.row(decoder, sampler, max_tokens, eos_ids, depth, max_context, times, stats, on_commit,
-                                   logprobs, trace, constraint, pen))
+        pen = penalizer_for(o.penalties, prompt, self.model.args.vocab_size)
+        decoder = start(self.model, prompt, sampler, depth, o.cache, o.chunk, o.progress, copy, o.skip, o.carry,
+                        o.on_chunk, o.constraint, o.logprobs, o.marks, o.trace, o.mtp_prefill, pen)
+        return self.row(decoder, sampler, max_tokens, eos_ids, depth, o.max_context, times, o.stats, o.on_commit,
+                        o.logprobs, o.trace, o.constraint, pen)
 
     def row(
         self,

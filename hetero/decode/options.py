@@ -1,0 +1,50 @@
+"""What a row may carry beside its prompt, sampler, limits and depth: one set of options, named once, that
+`Batch.join`, `solo.decode_tokens` and `DecodeLoop.generate_tokens` take as keywords."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from hetero.cache import ModelCache
+from hetero.constrained import Constraint
+from hetero.decode.penalties import Penalties
+from hetero.decode.prefill import ChunkFn, ProgressFn
+from hetero.decode.records import DecodeTimes, MTPStats, Trace
+from hetero.decode.rows import CommitFn
+from hetero.logprobs import LogprobRecorder
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """A row's options; every one is off by default.
+
+    Prefill: `cache` already holding prompt[:skip] (a restored prefix, `carry` [1, H] its last hidden), `chunk`
+    tokens per prefill step, `progress(done, total)` after every chunk (with `lambda *_: batch.step()` the rows
+    already decoding get a round after every chunk of a new prompt), `on_chunk(n, hidden)` at every chunk edge and
+    at `marks` (absolute positions that also end a chunk), `mtp_prefill` to fill the MTP head's KV at depth 0 too.
+    Decoding: `max_context` bounds the drafts (default the model's window), `on_commit(decoder, tokens)` sees the
+    committed state after the first token and after every round, `constraint` (a fresh JSON grammar) masks every
+    token the row samples, `logprobs` records each committed token's raw logprobs, `trace` (depth 0) records what
+    the backbone ran, `penalties` (presence, frequency, repetition, logit_bias) penalize every draw, MTP draft and
+    verify row, and `times` (a caller may have started it) and `stats` are filled in as the row decodes.
+    """
+
+    cache: ModelCache | None = None
+    skip: int = 0
+    carry: mx.array | None = None
+    chunk: int = 512
+    progress: ProgressFn | None = None
+    on_chunk: ChunkFn | None = None
+    marks: Sequence[int] = ()
+    mtp_prefill: bool = False
+    max_context: int | None = None
+    on_commit: CommitFn | None = None
+    constraint: Constraint | None = None
+    logprobs: LogprobRecorder | None = None
+    trace: Trace | None = None
+    penalties: Penalties | None = None
+    times: DecodeTimes | None = None
+    stats: MTPStats | None = None
