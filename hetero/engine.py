@@ -118,13 +118,14 @@ class Engine:
     def json_grammar(self, schema: dict | None) -> str:
         """Compile a JSON Schema (None: any JSON object) for `generate(json_schema=...)`; a schema the grammar
         library rejects raises HeteroError, so a server can refuse it before it streams anything."""
-        return json_schema_grammar(ANY_OBJECT if schema is None else schema, self._grammar_tok())
+        return json_schema_grammar(ANY_OBJECT if schema is None else schema, self.grammar_tokenizer())
 
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token (a piece of a UTF-8 character for byte-level tokens), as logprobs report it."""
-        return self._grammar_tok().decode_bytes([token])
+        return self.grammar_tokenizer().decode_bytes([token])
 
-    def _grammar_tok(self):
+    def grammar_tokenizer(self):
+        """llguidance's view of this checkpoint's vocabulary, which every grammar of its constraints is built for."""
         if self._grammar_tokenizer is None:  # about 1 s for a 250K vocabulary: once per engine
             self._grammar_tokenizer = grammar_tokenizer(self.path / "tokenizer.json", self.model.args.vocab_size,
                                                         self.eos_ids)
@@ -193,7 +194,9 @@ class Engine:
         recorder = LogprobRecorder(r.logprobs) if r.logprobs is not None else None
         constraint = None
         if r.json_schema is not None or r.json_object:
-            constraint = Constraint(self._grammar_tok(), self.json_grammar(r.json_schema), self.eos_ids)
+            constraint = Constraint(self.grammar_tokenizer(), self.json_grammar(r.json_schema), self.eos_ids)
+        elif r.grammar is not None:
+            constraint = Constraint(self.grammar_tokenizer(), r.grammar, self.eos_ids)
         depth = self.depth_for(r)  # 0: plain decoding
         times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix
         mx.reset_peak_memory()

@@ -8,6 +8,7 @@ decodes under the grammar with MTP. String values are bounded (maxLength) so ran
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import hetero  # before MLX (its BLAS)
@@ -67,7 +68,7 @@ def engine():
 
 
 def grammar(engine, form: str, choice: str) -> str:
-    return call_grammar(TOOLS, choice, form, engine._grammar_tok())
+    return call_grammar(TOOLS, choice, form, engine.grammar_tokenizer())
 
 
 def check_call(form: str, choice: str, text: str) -> tuple[str, dict]:
@@ -87,7 +88,7 @@ def check_call(form: str, choice: str, text: str) -> tuple[str, dict]:
 def uniform_run(engine, g: str, seed: int, cap: int = 400) -> tuple[list[int], bool]:
     """Tokens drawn uniformly among those the mask allows, until EOS (not included) or `cap`."""
     rng = np.random.default_rng(seed)
-    c = Constraint(engine._grammar_tok(), g, engine.eos_ids)
+    c = Constraint(engine.grammar_tokenizer(), g, engine.eos_ids)
     out: list[int] = []
     for _ in range(cap):
         t = int(rng.choice(np.flatnonzero(c.mask())))
@@ -116,7 +117,7 @@ def test_uniform_sampling_always_gives_one_valid_call(engine, form, choice):
 def test_eos_only_after_the_call_ends(engine, form):
     ending = "\n</parameter>\n</function>\n</tool_call>" if form == "xml" else "}\n</tool_call>"
     body = ">\n<parameter=query>\nab" if form == "xml" else ' {"query": "ab"}'
-    c = Constraint(engine._grammar_tok(), grammar(engine, form, "search"), engine.eos_ids)
+    c = Constraint(engine.grammar_tokenizer(), grammar(engine, form, "search"), engine.eos_ids)
     eos = sorted(engine.eos_ids)
     ids = engine.tokenizer.encode(body + ending)
     for t in ids:
@@ -126,7 +127,7 @@ def test_eos_only_after_the_call_ends(engine, form):
 
 
 def accepts(engine, g: str, text: str) -> bool:
-    c = Constraint(engine._grammar_tok(), g, engine.eos_ids)
+    c = Constraint(engine.grammar_tokenizer(), g, engine.eos_ids)
     ids = engine.tokenizer.encode(text)
     return c.extend(ids) == len(ids) and bool(c.mask()[min(engine.eos_ids)])
 
@@ -172,7 +173,7 @@ def test_the_grammar_refuses_what_is_not_a_valid_call(engine, form):
 
 def test_xml_string_values_cannot_hold_the_closing_tag(engine):
     free = tool("echo", {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
-    g = call_grammar([free], "echo", "xml", engine._grammar_tok())
+    g = call_grammar([free], "echo", "xml", engine.grammar_tokenizer())
     assert not accepts(engine, g, ">\n<parameter=text>\na</parameter>b\n</parameter>\n</function>\n</tool_call>")
     text = ">\n<parameter=text>\n<b>x</b>\n</function>\n\n</parameter>\n</function>\n</tool_call>"
     assert accepts(engine, g, text)
@@ -184,11 +185,11 @@ def test_xml_string_values_cannot_hold_the_closing_tag(engine):
 def test_non_ascii_names_quotes_and_typed_literals(engine):
     odd = tool('wé"x', {"type": "object", "properties": {"città": {"enum": ["Zürich", 'a"b', 3, True]}},
                         "required": ["città"]})
-    g = call_grammar([odd, NOW], "required", "json", engine._grammar_tok())
+    g = call_grammar([odd, NOW], "required", "json", engine.grammar_tokenizer())
     text = ' "wé\\"x", "arguments": {"città": "Zürich"}}\n</tool_call>'
     assert accepts(engine, g, text)
     odd["function"]["name"] = "wé"
-    g = call_grammar([odd], "wé", "xml", engine._grammar_tok())
+    g = call_grammar([odd], "wé", "xml", engine.grammar_tokenizer())
     for literal, value in [("Zürich", "Zürich"), ('a"b', 'a"b'), ("3", 3), ("true", True)]:
         text = f">\n<parameter=città>\n{literal}\n</parameter>\n</function>\n</tool_call>"
         assert accepts(engine, g, text), literal
@@ -202,7 +203,7 @@ def test_non_ascii_names_quotes_and_typed_literals(engine):
 def test_formats_llguidance_lacks_are_annotations(engine, form):
     paths = tool("read", {"type": "object", "properties": {"path": {"type": "string", "format": "path"},
                                                            "n": {"type": "integer", "format": "int32"}}})
-    g = call_grammar([paths], "read", form, engine._grammar_tok())
+    g = call_grammar([paths], "read", form, engine.grammar_tokenizer())
     text = (">\n<parameter=path>\n/a b\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
             if form == "xml" else ' {"path": "/a b", "n": 3}}\n</tool_call>')
     assert accepts(engine, g, text)
@@ -224,7 +225,7 @@ def test_formats_llguidance_lacks_are_annotations(engine, form):
 ])
 def test_an_unsupported_schema_is_a_one_line_error(engine, tools, choice, form, match):
     with pytest.raises(HeteroError, match=match) as info:
-        call_grammar(tools, choice, form, engine._grammar_tok())
+        call_grammar(tools, choice, form, engine.grammar_tokenizer())
     assert "\n" not in str(info.value)
 
 
@@ -235,8 +236,32 @@ def test_the_bundled_model_calls_validly_under_mtp(engine, form, choice):
     g = grammar(engine, form, choice)
     ids = engine.encode_prompt(PROMPT + forced_prefix(choice, PROMPT, TEMPLATES[form]))
     for seed in range(3):
-        constraint = Constraint(engine._grammar_tok(), g, engine.eos_ids)
+        constraint = Constraint(engine.grammar_tokenizer(), g, engine.eos_ids)
         tokens = list(decode_tokens(engine.model, ids, Sampler(SamplingParams(1.0), seed), 200, engine.eos_ids,
                                     depth=3, constraint=constraint))
         assert len(tokens) < 200, seed  # ended by EOS
         check_call(form, choice, engine.tokenizer.decode(tokens))
+
+
+def test_forced_calls_through_the_server_are_valid_every_time():
+    """`hetero serve` on the bundled model (untrained for tools), sampled at temperature 1 with MTP: tool_choice
+    `required` and a named function come back, every time, as exactly one call to an allowed tool whose arguments
+    validate against its schema (the server decodes them under call_grammar, after the forced prefix)."""
+    from test_server import LiveServer
+
+    server = LiveServer(hetero.load())
+    try:
+        oai = server.openai()
+        model = oai.models.list().data[0].id
+        for seed, choice in [(s, c) for s in range(3) for c in ("required", {"type": "function",
+                                                                               "function": {"name": "search"}})]:
+            out = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "weather?"}],
+                                              tools=TOOLS, tool_choice=choice, temperature=1.0, seed=seed,
+                                              max_tokens=160, extra_body={"mtp": True})
+            calls = out.choices[0].message.tool_calls
+            assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1, out.choices[0]
+            name = calls[0].function.name
+            assert name == "search" or choice == "required"
+            jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS[name])
+    finally:
+        server.stop()

@@ -19,7 +19,8 @@ class GenerationRequest:
     `mtp` None decodes with the MTP head whenever the checkpoint has one (unless `hetero tune` saved "off" and no
     `draft_depth` is given); `draft_depth` None takes the tuned or calibrated depth (`depth.decode_depth`).
     `logprobs` N (0..20) reports each token's raw logprob and N alternatives; `json_schema` / `json_object`
-    constrain the output to JSON. `presence_penalty` and `frequency_penalty` (in [-2, 2]), `repetition_penalty`
+    constrain the output to JSON, `grammar` (an llguidance grammar, e.g. `hetero.tools.call_grammar`'s forced tool
+    call) to that grammar. `presence_penalty` and `frequency_penalty` (in [-2, 2]), `repetition_penalty`
     (in (0, 2], 1 is off) and `logit_bias` ({token id: bias in [-100, 100]}) follow vLLM (`hetero.decode.penalties`)
     and keep MTP exact. `mark` (a prompt position, where a chat transcript ends) also ends a prefill
     chunk, so the prefix cache checkpoints it. `prompt_cache` is an mlx-lm cache holding the tokens before the
@@ -40,6 +41,7 @@ class GenerationRequest:
     logprobs: int | None = None
     json_schema: dict | None = None
     json_object: bool = False
+    grammar: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -60,8 +62,8 @@ class GenerationRequest:
             check_depth(self.draft_depth)
         if self.logprobs is not None:
             check_top(self.logprobs)
-        if self.json_schema is not None and self.json_object:
-            raise HeteroError("give json_schema or json_object, not both")
+        if sum((self.json_schema is not None, self.json_object, self.grammar is not None)) > 1:
+            raise HeteroError("give one of json_schema, json_object or grammar")
         object.__setattr__(self, "logit_bias", self.penalties.logit_bias or None)  # checked; keys as ints
 
     @property

@@ -104,7 +104,7 @@ class PipelineEngine:
     # Engine's own: they read path, eos_ids, model.args and the lazily built llguidance tokenizer
     json_grammar = Engine.json_grammar
     token_bytes = Engine.token_bytes
-    _grammar_tok = Engine._grammar_tok
+    grammar_tokenizer = Engine.grammar_tokenizer
 
     def __init__(self, stage: Stage, path: Path, config: dict, name: str):
         self.stage, self.path, self.config, self.name = stage, path, config, name
@@ -191,6 +191,7 @@ class PipelineEngine:
         on_logprob: Callable[[TokenLogprob], None] | None = None,
         json_schema: dict | None = None,
         json_object: bool = False,
+        grammar: str | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
@@ -225,7 +226,8 @@ class PipelineEngine:
         depth = decode_depth(self.stage.has_mtp, mtp, draft_depth)  # 0: plain decoding
         if logprobs is not None:
             check_top(logprobs)
-        grammar = self.json_grammar(json_schema) if json_schema is not None or json_object else None
+        if json_schema is not None or json_object:
+            grammar = self.json_grammar(json_schema)
         penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
         penalties.check_vocab(self.stage.args.vocab_size)
         seed = seed if seed is not None else random.getrandbits(31)

@@ -167,10 +167,13 @@ class Runner:
 
     def _output_options(self, job: Job, emit: Callable[[TokenLogprobs], None],
                         into: list[TokenLogprobs] | None) -> dict:
-        """engine.generate's logprobs, JSON-constraint and penalty arguments for `job`: each token's logprobs go to `emit`
+        """engine.generate's logprobs, constraint (JSON, or a forced call's grammar) and penalty arguments for `job`: each token's logprobs go to `emit`
         (ahead of its text) and into `into`."""
         p = job.penalties
-        options: dict = {"json_schema": job.json_schema, "json_object": job.json_object}
+        forced = job.reply.grammar if job.reply is not None else None
+        # a forced tool call is decoded under its call's grammar; response_format shapes text replies, not calls
+        options: dict = {"grammar": forced} if forced else {"json_schema": job.json_schema,
+                                                            "json_object": job.json_object}
         if p.active:  # (a pipelined engine takes them too; an inactive set is left out)
             options.update(presence_penalty=p.presence, frequency_penalty=p.frequency, repetition_penalty=p.repetition,
                            logit_bias=dict(p.logit_bias) or None)

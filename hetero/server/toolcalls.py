@@ -19,6 +19,8 @@ from hetero.tools import (
     CallArgs, CallEnd, CallStart, Event, Reasoning, Reply, ReplyParser, Text, anthropic_messages, anthropic_tools,
     forced_prefix, normalize_choice, openai_messages, openai_tools,
 )
+from hetero.tools.call_grammar import call_grammar
+from hetero.tools.choice import call_form
 
 log = logging.getLogger("hetero.server")
 
@@ -33,6 +35,7 @@ class ChatReply:
     parallel: bool = True  # False: only the first call is kept, and the generation ends with it
     mark: int | None = None  # prompt tokens before the generation prompt (`transcript_end`)
     only: str | None = None  # the function a tool_choice names: a call to another is returned as text
+    grammar: str | None = None  # a forced call's grammar (`call_grammar`): the output is one valid call by construction
     images: list[str] = field(default_factory=list)  # where image parts were replaced by a placeholder
 
     def parser(self) -> "ReplyStream":
@@ -101,7 +104,13 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
     ids = parser.encode(prompt + forced, "messages")
     mark = None if continue_final else transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids)
     only = mode if mode not in (None, "auto", "none", "required") else None
-    return ids, ChatReply(prompt, shown, forced, parallel, mark, only)
+    grammar = None
+    if forced:  # required or a named function: decoded under the call's grammar, valid by construction
+        try:
+            grammar = call_grammar(shown, mode, call_form(tokenizer.chat_template), parser.engine.grammar_tokenizer())
+        except HeteroError as e:
+            raise RequestError(400, f"tool_choice {mode!r}: {e}", "tools") from None
+    return ids, ChatReply(prompt, shown, forced, parallel, mark, only, grammar=grammar)
 
 
 SYSTEM_AS_USER = "[system message]\n"  # heads a later system message the template refuses to place mid-conversation

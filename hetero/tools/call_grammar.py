@@ -39,8 +39,8 @@ from hetero.tools.schema import coerce
 END_CALL = "</tool_call>"
 END_PARAM = "</parameter>"
 CLOSE_VALUE = "\n" + END_PARAM + "\n"  # after an XML value, as the template writes it
-XML_TAIL = "</function>\n" + END_CALL
-JSON_TAIL = "}\n" + END_CALL
+XML_TAIL = "</function>\n"  # then END_CALL
+JSON_TAIL = "}\n"  # then END_CALL
 XTEXT = r"XTEXT: /(?s:.*)/ & ~/(?s:.*)<\/parameter>(?s:.*)/"  # text without </parameter>
 FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"}  # llguidance's
 _NOT_DATA = ("enum", "const", "default", "examples")  # schema keys whose values are data, not schemas
@@ -63,7 +63,8 @@ def call_grammar(tools: list[dict], choice: str, form: str, tokenizer: LLTokeniz
         raise HeteroError(f"unknown tool call form {form!r} (xml or json)")
     named = choice != "required"
     build = _xml_call if form == "xml" else _json_call
-    rules = [r for i, name in enumerate(names) for r in build(i, name, table[name], named)]
+    end = _end_tag(tokenizer)
+    rules = [r for i, name in enumerate(names) for r in build(i, name, table[name], named, end)]
     lark = "start: " + " | ".join(f"call_{i}" for i in range(len(names))) + "\n" + "\n".join(rules) + "\n"
     if form == "xml":  # the string terminals the values use, each with its closing tag
         texts = sorted(set(re.findall(r"\bTEXT_\w+", lark)))
@@ -113,19 +114,28 @@ def _check_one(name: str, table: dict[str, dict], form: str, tokenizer: LLTokeni
     return False
 
 
+def _end_tag(tokenizer: LLTokenizer) -> str:
+    """The call's closing tag in the grammar: the token id where the tokenizer holds `</tool_call>` as one special
+    (added) token, as Qwen's do (llguidance matches such a token only by its id, never by its text), else the text."""
+    ids = tokenizer.tokenize_str(END_CALL)
+    if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return _lit(END_CALL)
+
+
 def _lit(text: str) -> str:
     """A Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
 
 
-def _json_call(i: int, name: str, schema: dict, named: bool) -> list[str]:
+def _json_call(i: int, name: str, schema: dict, named: bool, end: str) -> list[str]:
     """Rules of one JSON-form call: the name (unless the prefix has it) and its arguments."""
     kind = schema.get("type", "object")
     if kind != "object":
         raise HeteroError(f"tool {name!r}: its parameters schema must be of type object, not {kind!r}")
     schema = _guard({**schema, "type": "object"}, END_CALL)
     head = " " if named else f" {json.dumps(name, ensure_ascii=False)}, \"arguments\": "
-    return [f"call_{i}: {_lit(head)} %json {_json_schema(schema)} {_lit(JSON_TAIL)}"]
+    return [f"call_{i}: {_lit(head)} %json {_json_schema(schema)} {_lit(JSON_TAIL)} {end}"]
 
 
 def _json_schema(schema: dict) -> str:
@@ -133,7 +143,7 @@ def _json_schema(schema: dict) -> str:
     return json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 
 
-def _xml_call(i: int, name: str, schema: dict, named: bool) -> list[str]:
+def _xml_call(i: int, name: str, schema: dict, named: bool, end: str) -> list[str]:
     """Rules of one XML-form call: `NAME>\\n`, its parameters in the schema's order, the end tags."""
     _tag_name(name, "function")
     defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
@@ -157,7 +167,7 @@ def _xml_call(i: int, name: str, schema: dict, named: bool) -> list[str]:
         rules.append(f"{rule}: {_lit('<parameter=' + param + '>' + chr(10))} ({' | '.join(alts)})")
         seq.append(rule if param in required else rule + "?")
     head = ">\n" if named else name + ">\n"
-    return [f"call_{i}: {_lit(head)} {' '.join(seq)} {_lit(XML_TAIL)}"] + rules
+    return [f"call_{i}: {_lit(head)} {' '.join(seq)} {_lit(XML_TAIL)} {end}"] + rules
 
 
 def _xml_values(schema: dict, defs: dict, where: str) -> list[str]:

@@ -6,7 +6,8 @@ appending the start of a call to the generation prompt, in the template's own ca
     XML form (Qwen3.5 / 3.6):  <tool_call>\\n<function=NAME          (required: <tool_call>\\n<function=)
     JSON form (Qwen2.5 / 3):   <tool_call>\\n{"name": "NAME", "arguments":    (required: <tool_call>\\n{"name":)
 
-so the model can only go on with that call. The prefix stops before the `>\\n` or the space that follows, where
+so the model can only go on with that call; the server then decodes the rest under `call_grammar`, so the call
+is complete and its arguments valid for the tool's schema by construction. The prefix stops before the `>\\n` or the space that follows, where
 the model's own tokens break: a prefix ending inside what the tokenizer writes as one token leaves the model a
 token sequence it never saw, and it wanders off (measured on the test tool model: `...<function=NAME>\\n` failed,
 `...<function=NAME` gives the call). When the prompt leaves a think block open, the prefix closes it first (an
