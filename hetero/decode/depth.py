@@ -12,7 +12,7 @@ DEPTH = Bound(1, MAX_DEPTH, integer=True)  # a draft depth: `--draft-depth`'s ar
 
 def check_depth(depth, name: str = "--draft-depth") -> int:
     """`depth` when it is a draft depth (an integer in 1..MAX_DEPTH), else a one-line HeteroError naming `name`:
-    the one check of a depth, made where one enters (`decode_depth`, a batch join, `mtp_generate_tokens`)."""
+    the one check of a depth, made where one enters (`decode_depth`, a row joining the stepper)."""
     return DEPTH.check(depth, name)
 
 

@@ -207,7 +207,7 @@ class Batch:
         return r.depth == 0 and r.constraint is None and r.on_commit is None
 
     def _plain_round(self, rows: list[Row]) -> tuple[Round, mx.array, mx.array]:
-        """A round of plain rows, overlapped as `generate_tokens` overlaps its steps: this round's pass (queued by
+        """A round of plain rows, overlapped: this round's pass (queued by
         the last round, or run now), each row's draw, and the next round's pass over those draws queued before the
         draws are read, so the host prepares and reads while the model computes. Returns (round, logits [B, 1, V],
         hidden [B, 1, H])."""
@@ -358,7 +358,7 @@ class Batch:
             if r.constraint is not None:  # position j given x and the drafts before it (the masks they were drawn under)
                 row = mx.where(r.constraint.recent_masks(len(rnd.drafts[i]) + 1), row, -mx.inf)
             d = mx.array(rnd.drafts[i], dtype=mx.int32)
-            if r.depth == 0:  # plain decoding: the draw `generate_tokens` makes
+            if r.depth == 0:  # plain decoding: one draw from the (masked, penalized) row
                 decided.append((mx.array(0), r.sampler(row[-1])))
             elif r.sampler.params.greedy:
                 decided.append(accept_greedy(row, d))

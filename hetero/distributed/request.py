@@ -23,7 +23,7 @@ class Request:
     prompt: list[int] = field(default_factory=list)
     chunk: int = 512  # prefill chunk: the edges are those of one process's prefill
     max_tokens: int = 0
-    depth: int = 0  # MTP draft depth (`speculative.decode_depth`, rank 0's); 0 decodes plainly
+    depth: int = 0  # MTP draft depth (`decode.depth.decode_depth`, rank 0's); 0 decodes plainly
     copy: bool = True  # the copy lane's drafts (MTP)
     seed: int = 0
     eos: list[int] = field(default_factory=list)
