@@ -6,14 +6,13 @@
 - `ane_worker`          the ANE lane's worker process, which runs them (`arena`: its shared-memory buffers)
 """
 
+from hetero.backends import coreml_macos
+from hetero.backends.reference_executor import ReferenceExecutor
+
 
 def platform_backend():
     """(name, loader): Core ML (CPU_AND_NE) on macOS, the portable reference executor elsewhere; a loader takes
     (path[, function]) and returns a callable program."""
-    from hetero.backends import coreml_macos
-
     if coreml_macos.available()[0]:
         return "Core ML", coreml_macos.load
-    from hetero.backends.reference_executor import ReferenceExecutor
-
     return "reference executor", ReferenceExecutor
