@@ -21,6 +21,9 @@ compiled then); the contenders alternate within each repeat; medians over repeat
 each request's own KV, against one padded call over all requests' KV with a mask, with and without the copy that
 gathering per-request caches into the padded layout costs every step.
 
+--part serve times the server's path (`hetero serve` on loopback): one request alone and 4 concurrent ones, with
+--max-batch 1 against the default batch, alternated.
+
 --part linear times the large model's weight products with n rows both ways: x @ W.T (MLX's form, sgemm with
 M = n) against (W @ x.T).T (M = output channels), the choice hetero.models.linear makes for few rows on the CPU.
 """
@@ -199,10 +202,76 @@ def linear_part(args: argparse.Namespace) -> dict:
     return out
 
 
+def serve_part(args: argparse.Namespace) -> dict:
+    """The server's path: `hetero serve` on loopback (uvicorn, the real app) with --max-batch 1 against the default
+    batch (`SERVE_MAX_BATCH`), alternated: one request alone (its decode tok/s, from the response's stats), then
+    n = 4 concurrent requests (aggregate decode tok/s over the wall time)."""
+    import socket
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import uvicorn
+
+    from hetero.server.app import SERVE_MAX_BATCH, ServerSettings, create_app
+
+    engine = load(None, dtype=mx.float32)
+    prompts = [engine.tokenizer.decode(p) for p in prompts_for(engine.model.args.vocab_size, 4, args.prompt_tokens)]
+
+    def server(max_batch: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        app = create_app(engine, ServerSettings(port=port, max_batch=max_batch, draft_depth=args.depth,
+                                                no_session_cache=True))
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=srv.run, daemon=True).start()
+        while not srv.started:
+            time.sleep(0.02)
+        return srv, f"http://127.0.0.1:{port}/v1/completions"
+
+    def one(url: str, prompt: str) -> dict:
+        body = {"model": "bundled", "prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "mtp": True}
+        r = httpx.post(url, json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    out: dict = {}
+    servers = {b: server(b) for b in (1, SERVE_MAX_BATCH)}
+    try:
+        for b, (_, url) in servers.items():  # warm-up: every shape compiled once
+            one(url, prompts[0])
+        alone = {b: [] for b in servers}
+        together = {b: [] for b in servers}
+        for _ in range(args.repeats):
+            for b, (_, url) in servers.items():
+                alone[b].append(one(url, prompts[0])["hetero"]["decode_tps"])
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    replies = list(pool.map(lambda p: one(url, p), prompts))
+                tokens = sum(r["usage"]["completion_tokens"] - 1 for r in replies)
+                together[b].append(tokens / (time.perf_counter() - t0))
+        for b in servers:
+            out[f"max_batch_{b}"] = {"alone_decode_tps": statistics.median(alone[b]),
+                                     "four_aggregate_tps": statistics.median(together[b]),
+                                     "alone_runs": alone[b], "four_runs": together[b]}
+        base, batched_ = out["max_batch_1"], out[f"max_batch_{SERVE_MAX_BATCH}"]
+        out["alone_ratio"] = batched_["alone_decode_tps"] / base["alone_decode_tps"]
+        out["four_ratio"] = batched_["four_aggregate_tps"] / base["four_aggregate_tps"]
+        print(f"serve, bundled, MTP depth {args.depth}: one request alone {base['alone_decode_tps']:.1f} tok/s with "
+              f"--max-batch 1, {batched_['alone_decode_tps']:.1f} with {SERVE_MAX_BATCH} ({out['alone_ratio']:.2f}x); "
+              f"4 concurrent {base['four_aggregate_tps']:.1f} / {batched_['four_aggregate_tps']:.1f} aggregate tok/s "
+              f"({out['four_ratio']:.2f}x)", flush=True)
+    finally:
+        for srv, _ in servers.values():
+            srv.should_exit = True
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=["bundled", "large"], default=["bundled", "large"])
-    ap.add_argument("--part", choices=["decode", "attention", "linear", "all"], default="all")
+    ap.add_argument("--part", choices=["decode", "attention", "linear", "serve", "all"], default="all")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="the shortest prompt; request i adds 37 i")
@@ -225,6 +294,8 @@ def main() -> None:
         result["attention"] = attention_part(args)
     if args.part in ("linear", "all"):
         result["linear"] = linear_part(args)
+    if args.part in ("serve", "all"):
+        result["serve"] = serve_part(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -176,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-share", type=Bound(0, 1, hi_open=True), default=0.8,
                        help="share of the model's time that decoding requests keep while another prompt prefills "
                             "(0: chunk for chunk, round-robin)")
-    serve.add_argument("--max-batch", type=POSITIVE_INT, default=1,
-                       help="decoding requests that share each decode pass (1: each decodes in its own turns)")
+    serve.add_argument("--max-batch", type=POSITIVE_INT, default=None,
+                       help="decoding requests that share each decode pass (1: each decodes in its own turns; "
+                            "default: 4, or 1 under mlx.launch)")
     serve.add_argument("--dist-timeout", type=POSITIVE, default=60.0, metavar="S",
                        help="under mlx.launch (layers split across ranks, rank 0 serving HTTP): seconds without "
                        "progress from the other ranks during a request (or to connect) before a rank stops with an error")

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hetero import distributed
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server import anthropic, openai
@@ -37,6 +38,7 @@ import hetero
 log = logging.getLogger("hetero.server")
 access = logging.getLogger("hetero.access")
 
+SERVE_MAX_BATCH = 4  # `hetero serve`'s default --max-batch: a lone request in the batch decodes at its solo speed
 DEFAULT_MAX_BODY_MB = 32.0  # a 256K-token transcript is ~1 MB of text; 32 MB leaves room for token-id prompts
 
 
@@ -61,7 +63,7 @@ class ServerSettings:
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # an OpenAI request without max_tokens
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # a larger body gets a 413
     decode_share: float = DECODE_SHARE  # decoding's share of the model's time while a prompt prefills
-    max_batch: int = 1  # decoding requests that share each decode pass
+    max_batch: int = 1  # decoding requests that share each decode pass (`hetero serve`: SERVE_MAX_BATCH, 1 across ranks)
     dist_timeout: float = 60.0  # under mlx.launch: seconds without progress from the other ranks
     model_alias: tuple[str, ...] = ()  # `--model-alias PATTERN=NAME`: request names matching PATTERN get NAME
     reject_images: bool = False  # an image in a text-only model's conversation is a 400 (default: a placeholder)
@@ -101,6 +103,8 @@ class ServerSettings:
         """The settings of `hetero serve`'s parsed arguments (`--served-model-name` is `served_name`,
         `--ane-fraction` is `ane`)."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if given.get("max_batch") is None:  # not given: batched in one process; a pipelined server decodes one at a time
+            given["max_batch"] = 1 if distributed.launched() else SERVE_MAX_BATCH
         return cls(**given, served_name=args.served_model_name, ane=args.ane_fraction)
 
     @property
