@@ -58,7 +58,7 @@ def ask(engine, what: str) -> list[int]:
 
 
 def constraint(engine, schema: dict | None) -> Constraint:
-    return Constraint(engine._grammar_tok(), engine.json_grammar(schema), engine.eos_ids)
+    return Constraint(engine.grammar_tokenizer(), engine.json_grammar(schema), engine.eos_ids)
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))

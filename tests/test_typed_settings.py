@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 import hetero
+from hetero import distributed
 from hetero.cli import build_parser, main
 from hetero.distributed.request import Request
 from hetero.distributed.runtime import PipelineEngine
@@ -25,7 +26,7 @@ from hetero.errors import HeteroError
 from hetero.decode.penalties import Penalties
 from hetero.sampling import SamplingParams
 from hetero.server import ServerSettings, create_app
-from hetero.server.app import server_split
+from hetero.server.app import SERVE_MAX_BATCH, server_split
 from hetero.settings import DEFAULT_DRAFT_DEPTH, PLAIN
 from hetero.decode.depth import MAX_DEPTH, decode_depth
 from hetero.validate import GPU_ONLY, AneSplit
@@ -231,9 +232,13 @@ def test_server_settings_come_from_the_command_line_once():
     s = ServerSettings.from_args(args)
     assert (s.draft_depth, s.ane, s.port, s.served_name, s.max_batch, s.decode_share) == (
         5, AneSplit(auto=True), 9000, "alias", 2, 0.5)
-    # the CLI's defaults are the settings' own
+    # the CLI's defaults are the settings' own, but that `hetero serve` batches (1 under mlx.launch: no pipelined form)
     assert ServerSettings.from_args(build_parser().parse_args(["serve"])) == ServerSettings(
-        api_key=os.environ.get("HETERO_API_KEY"))
+        api_key=os.environ.get("HETERO_API_KEY"), max_batch=SERVE_MAX_BATCH)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLX_RANK", "0")  # as mlx.launch starts a rank
+        assert distributed.launched()
+        assert ServerSettings.from_args(build_parser().parse_args(["serve"])).max_batch == 1
 
 
 @pytest.mark.parametrize("kw, flag", [
