@@ -165,7 +165,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
 
-    settings = ServerSettings.from_args(args)  # the one place the flags become the server's settings
+    settings = ServerSettings.from_args(args, distributed.launched())  # the one place flags become settings
     if distributed.launched():  # started by mlx.launch: rank 0 serves HTTP, the other ranks serve rank 0
 
         status = serve_pipelined(settings)

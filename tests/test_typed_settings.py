@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 import hetero
-from hetero import distributed
 from hetero.cli import build_parser, main
 from hetero.distributed.request import Request
 from hetero.distributed.runtime import PipelineEngine
@@ -235,10 +234,7 @@ def test_server_settings_come_from_the_command_line_once():
     # the CLI's defaults are the settings' own, but that `hetero serve` batches (1 under mlx.launch: no pipelined form)
     assert ServerSettings.from_args(build_parser().parse_args(["serve"])) == ServerSettings(
         api_key=os.environ.get("HETERO_API_KEY"), max_batch=SERVE_MAX_BATCH)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLX_RANK", "0")  # as mlx.launch starts a rank
-        assert distributed.launched()
-        assert ServerSettings.from_args(build_parser().parse_args(["serve"])).max_batch == 1
+    assert ServerSettings.from_args(build_parser().parse_args(["serve"]), pipelined=True).max_batch == 1
 
 
 @pytest.mark.parametrize("kw, flag", [

@@ -18,7 +18,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hetero import distributed
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server import anthropic, openai
@@ -99,12 +98,12 @@ class ServerSettings:
         return tuple(out)
 
     @classmethod
-    def from_args(cls, args) -> ServerSettings:
+    def from_args(cls, args, pipelined: bool = False) -> ServerSettings:
         """The settings of `hetero serve`'s parsed arguments (`--served-model-name` is `served_name`,
-        `--ane-fraction` is `ane`)."""
+        `--ane-fraction` is `ane`); `pipelined` when the ranks of mlx.launch serve, which batch nothing."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if given.get("max_batch") is None:  # not given: batched in one process; a pipelined server decodes one at a time
-            given["max_batch"] = 1 if distributed.launched() else SERVE_MAX_BATCH
+            given["max_batch"] = 1 if pipelined else SERVE_MAX_BATCH
         return cls(**given, served_name=args.served_model_name, ane=args.ane_fraction)
 
     @property
