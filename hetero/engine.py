@@ -151,27 +151,7 @@ class Engine:
         and the output is the cold run's.
         """
         request = make_request(prompt, max_tokens, temperature, top_k, top_p, min_p, **options)
-        events = self.stream(request)
-        text, tokens, logprobs = [], [], []
-        event = next(events)
-        while not isinstance(event, Finished):
-            reply = None
-            if isinstance(event, Token):
-                tokens.append(event.id)
-                if event.logprob is not None:
-                    logprobs.append(event.logprob)
-                    if on_logprob is not None:
-                        on_logprob(event.logprob)
-                text.append(event.text)
-                if on_text is not None and event.text:
-                    on_text(event.text)
-                if should_stop is not None and should_stop():
-                    reply = STOP
-            event = events.send(reply)
-        text.append(event.text)
-        if on_text is not None and event.text:
-            on_text(event.text)
-        return GenerationResult("".join(text), tokens, event.stats, logprobs if request.logprobs is not None else None)
+        return collect(self.stream(request), request, on_text, on_logprob, should_stop)
 
     def stream(self, request: GenerationRequest) -> Generator[Event, str | None, None]:
         """Run `request`: yields `Prefilled` once the prompt is in the cache, a `Token` per generated token, then
@@ -306,6 +286,37 @@ class Engine:
             return
         since = (len(ids) - 1) // chunk * chunk
         pc.persist(self.model, key, run, since=since if mark is None else min(since, mark))
+
+
+def collect(events: Generator[Event, str | None, None], request: GenerationRequest,
+            on_text: Callable[[str], None] | None = None, on_logprob: Callable[[TokenLogprob], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+    """A generation's events run to their end as one result (any engine's `generate`): each event is answered with
+    `send` (STOP once `should_stop()` says so); `on_logprob` and `on_text` see each token as it comes. The stream is
+    closed on the way out, also when a callback raises, so the engine's state is consistent before the error goes on."""
+    text, tokens, logprobs = [], [], []
+    try:
+        event = next(events)
+        while not isinstance(event, Finished):
+            reply = None
+            if isinstance(event, Token):
+                tokens.append(event.id)
+                if event.logprob is not None:
+                    logprobs.append(event.logprob)
+                    if on_logprob is not None:
+                        on_logprob(event.logprob)
+                text.append(event.text)
+                if on_text is not None and event.text:
+                    on_text(event.text)
+                if should_stop is not None and should_stop():
+                    reply = STOP
+            event = events.send(reply)
+    finally:
+        events.close()
+    text.append(event.text)
+    if on_text is not None and event.text:
+        on_text(event.text)
+    return GenerationResult("".join(text), tokens, event.stats, logprobs if request.logprobs is not None else None)
 
 
 def make_request(prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,

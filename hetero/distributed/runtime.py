@@ -2,10 +2,11 @@
 
 Each request is one `Request` (`request.py`), sent as JSON from rank 0 to all ranks; then every rank runs its side
 (`rounds`), and at the end the ranks report their peak memory and the last rank its MTP counters. Requests run one
-at a time (a lock), and a request always runs to its DONE on every rank: rank 0's callbacks (text, logprobs,
-progress, should_stop) may end its output early or raise, but rank 0 keeps following the last rank until DONE, so
-the ranks stay in step for the next request, and re-raises the callback's exception after. With `should_stop` the request is stoppable: rank 0
-tells the last rank after each commit whether to go on, and an ended output ends the request there.
+at a time (a lock), and a request always runs to its DONE on every rank: rank 0's stream of events
+(`PipelineEngine.stream`, as `Engine.stream`) may be stopped or closed by its consumer, and its progress hook may
+raise, but rank 0 keeps following the last rank until DONE, so the ranks stay in step for the next request (a
+progress hook's exception is raised after). A stoppable request has rank 0 tell the last rank after each commit
+whether to go on, so a stopped output ends the request there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,17 +27,15 @@ from hetero.distributed.request import Request
 from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead, restore
 from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
-from hetero.engine import Engine, GenerationResult, _eos_ids
+from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
+from hetero.engine import Engine, GenerationResult, _eos_ids, collect, make_request
 from hetero.errors import HeteroError
-from hetero.decode.penalties import Penalties
-from hetero.decode.prefill import ProgressFn
 from hetero.decode.records import DecodeTimes
-from hetero.logprobs import TokenLogprob, check_top
+from hetero.logprobs import TokenLogprob
 from hetero.loader import default_dtype, preflight, read_config, resolve
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.hosts import split_layers
 from hetero.prefix_cache import PrefixCache
-from hetero.sampling import SamplingParams
 from hetero.settings import DEFAULT_DRAFT_DEPTH
 from hetero.decode.depth import decode_depth
 from hetero.tokenizer import Tokenizer
@@ -169,108 +168,106 @@ class PipelineEngine:
                 self.closed = True
                 raise
 
-    def generate(
-        self,
-        prompt: str | list[int],
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        chat: bool = False,
-        prefill_chunk: int = 512,
-        mtp: bool | None = None,
-        draft_depth: int | None = None,
-        copy: bool = True,
-        on_text: Callable[[str], None] | None = None,
-        progress: ProgressFn | None = None,
-        use_prefix_cache: bool = True,
-        should_stop: Callable[[], bool] | None = None,
-        logprobs: int | None = None,
-        on_logprob: Callable[[TokenLogprob], None] | None = None,
-        json_schema: dict | None = None,
-        json_object: bool = False,
-        grammar: str | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        logit_bias: dict[int, float] | None = None,
-        mark: int | None = None,
-        split: object | None = None,
-        batch: object | None = None,
-    ) -> GenerationResult:
-        """As `Engine.generate`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is
-        False) at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the policy and its
-        check are one process's, `decode.depth.decode_depth`, so 0 is refused as there). The result's stats add `seed`
-        (drawn here when not given, so a rerun can reproduce a sampled output) and `pipeline` (split, per-rank
-        memory). `progress` sees rank 0's prefill chunks.
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, on_text: Callable[[str], None] | None = None,
+                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, **options) -> GenerationResult:
+        """As `Engine.generate`, across the ranks (`stream` run to its end); with `should_stop` the request is
+        stoppable (see `stream`)."""
+        request = make_request(prompt, max_tokens, temperature, top_k, top_p, min_p, **options)
+        return collect(self.stream(request, stoppable=should_stop is not None), request, on_text, on_logprob,
+                       should_stop)
 
-        `json_schema` / `json_object` and `logprobs` / `on_logprob` as in `Engine.generate`: the constraint masks
-        and the logprobs are computed on the last rank, which samples. `should_stop` (polled after every token)
-        makes the request stoppable: once the output has ended (`should_stop`, or a callback raised), rank 0 tells
-        the last rank at its next commit and the ranks end the request there (tokens committed meanwhile are
-        dropped); an exception from a callback is raised once they have. Without it the ranks run to EOS or
-        `max_tokens` and rank 0 drops what follows its end (no answer per commit: decoding as fast as before).
-        The penalties and `logit_bias` are applied on the last rank, by the same stepper. `split` (the ANE + GPU
-        split) and `batch` (a shared decode loop) have no pipelined form and are refused."""
-        if split is not None or batch is not None:
-            raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction) or batched decoding "
-                              "(--max-batch); leave them out")
-        if prefill_chunk <= 0:
-            raise HeteroError(f"--prefill-chunk must be positive, got {prefill_chunk}")
-        ids = self.encode_prompt(prompt, chat)
-        max_tokens = min(max_tokens, self.max_context - len(ids))
-        if mtp and not self.stage.has_mtp:
+    def stream(self, r: GenerationRequest, stoppable: bool = True) -> Generator[Event, str | None, None]:
+        """As `Engine.stream`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is False)
+        at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the policy and its check
+        are one process's, `decode.depth.decode_depth`). The stats add `seed` (drawn here when not given, so a rerun
+        can reproduce a sampled output) and `pipeline` (split, per-rank memory); `r.progress` sees rank 0's prefill
+        chunks. JSON constraints, grammars, logprobs, the penalties and `logit_bias` are applied on the last rank, by
+        the same stepper.
+
+        A `stoppable` request can end early: once the consumer sends STOP (or closes the stream, or `r.progress`
+        raised), rank 0 tells the last rank at its next commit and the ranks end the request there (tokens committed
+        meanwhile are dropped). Rank 0 follows every request to its end, so the ranks stay in step whatever the
+        consumer does; an exception from `r.progress` is raised once they have. A request that is not stoppable
+        runs to EOS or `max_tokens` with no answer per commit (decoding as fast as it can); stopping it drops what
+        follows. `split` (the ANE + GPU split), `batch` (a shared decode loop) and `prompt_cache` have no pipelined
+        form and are refused."""
+        if r.split is not None or r.batch is not None or r.prompt_cache is not None:
+            raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction), batched decoding "
+                              "(--max-batch) or prompt_cache; leave them out")
+        ids = self.encode_prompt(r.prompt, r.chat)
+        max_tokens = min(r.max_tokens, self.max_context - len(ids))
+        if r.mtp and not self.stage.has_mtp:
             raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
-        depth = decode_depth(self.stage.has_mtp, mtp, draft_depth)  # 0: plain decoding
-        if logprobs is not None:
-            check_top(logprobs)
-        if json_schema is not None or json_object:
-            grammar = self.json_grammar(json_schema)
-        penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
+        depth = decode_depth(self.stage.has_mtp, r.mtp, r.draft_depth)  # 0: plain decoding
+        grammar = self.json_grammar(r.json_schema) if r.json_schema is not None or r.json_object else r.grammar
+        penalties = r.penalties
         penalties.check_vocab(self.stage.args.vocab_size)
-        seed = seed if seed is not None else random.getrandbits(31)
-        pc = self.prefix_cache if use_prefix_cache else None
+        seed = r.seed if r.seed is not None else random.getrandbits(31)
+        pc = self.prefix_cache if r.use_prefix_cache else None
         request = Request(
-            "generate", ids, chunk=prefill_chunk, max_tokens=max_tokens, depth=depth, copy=copy, seed=seed,
-            eos=sorted(self.eos_ids), max_context=self.max_context,
-            sampling=SamplingParams(temperature, top_k, top_p, min_p),
-            prefix_cache=pc.max_bytes if pc is not None else None, marks=[] if mark is None else [mark],
-            grammar=grammar, logprobs=logprobs, stoppable=should_stop is not None, penalties=penalties,
+            "generate", ids, chunk=r.prefill_chunk, max_tokens=max_tokens, depth=depth, copy=r.copy, seed=seed,
+            eos=sorted(self.eos_ids), max_context=self.max_context, sampling=r.sampling,
+            prefix_cache=pc.max_bytes if pc is not None else None, marks=[] if r.mark is None else [r.mark],
+            grammar=grammar, logprobs=r.logprobs, stoppable=stoppable, penalties=penalties,
         )
         link = self.stage.link
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
         rows: list[TokenLogprob] = []  # every committed token's logprobs, when asked for
-        out = Output(on_text, on_logprob, progress, should_stop)
+        held: list[BaseException] = []  # r.progress raised: raised again once the ranks are done
+        ended = cut = closed = False  # nothing more for the consumer; ended early (the ranks may stop); stream closed
+
+        def progress(done: int, total: int) -> None:
+            nonlocal ended, cut
+            if r.progress is None or held:
+                return
+            try:
+                r.progress(done, total)
+            except Exception as e:  # (a client gone: the server's Cancelled) held until the ranks are back in step
+                held.append(e)
+                ended = cut = True
+
         with self._request(request):
             mx.reset_peak_memory()
             if pc is not None:
                 self.stage.prefix = pc
             cache, skip, _ = restore(self.stage, request)
-            for tid in follow(self.stage, request, cache, skip, out.progress, rows if logprobs is not None else None,
-                              lambda: not out.cut):
-                if out.ended:  # (past EOS, max_tokens or a stop: the ranks run the request to its DONE)
+            for tid in follow(self.stage, request, cache, skip, progress, rows if r.logprobs is not None else None,
+                              lambda: not cut):
+                if ended:  # (past EOS, max_tokens or a stop: the ranks run the request to its DONE)
                     continue
                 if not times.first_token:
                     times.first_token = time.perf_counter()
+                    if not closed:
+                        try:
+                            yield Prefilled(len(ids), skip)
+                        except GeneratorExit:
+                            closed = ended = cut = True
+                            continue
                 if tid in self.eos_ids:
-                    times.finish_reason, out.ended = "stop", True
+                    times.finish_reason, ended = "stop", True
                     continue
                 tokens.append(tid)
                 times.generated, times.end = len(tokens), time.perf_counter()
-                if logprobs is not None:
-                    out.logprob(rows[len(tokens) - 1])
-                out.text(detok.add(tid))
-                if out.stop():
-                    times.finish_reason, out.ended = "stop", True
+                try:
+                    reply = yield Token(tid, detok.add(tid), rows[len(tokens) - 1] if r.logprobs is not None else None)
+                except GeneratorExit:  # the consumer is gone: follow the ranks to the request's end, yield nothing
+                    closed = ended = cut = True
+                    continue
+                if reply == STOP:
+                    times.finish_reason, ended, cut = "stop", True, True
                 elif len(tokens) >= max_tokens:
-                    out.ended = True
+                    ended = True
             end = report(self.stage, None)
-        out.text(detok.finalize(), tail=True)
-        out.raise_held()
+        if held:
+            raise held[0]
+        if closed:
+            return
+        if not times.first_token:
+            yield Prefilled(len(ids), skip)
         stats = {
             "model": self.name,
             "prompt_tokens": len(ids),
@@ -286,7 +283,7 @@ class PipelineEngine:
         }
         if end.get("mtp") is not None:
             stats["mtp"] = end["mtp"]
-        return GenerationResult(detok.text, tokens, stats, rows[: len(tokens)] if logprobs is not None else None)
+        yield Finished(detok.finalize(), times.finish_reason, stats)
 
     def close(self) -> None:
         """Tell the other ranks to stop serving (once), after the request in flight, if any (a server's worker
@@ -300,43 +297,3 @@ class PipelineEngine:
                 self.stage.link.broadcast_json(Request("stop").to_json(), 0)
         finally:
             self._lock.release()
-
-
-class Output:
-    """Rank 0's callbacks for one request. The first exception one raises is held (and `ended` set) instead of
-    leaving the ranks mid-request; `raise_held` raises it once the request is done everywhere."""
-
-    def __init__(self, on_text: Callable[[str], None] | None, on_logprob: Callable[[TokenLogprob], None] | None,
-                 progress: ProgressFn | None, should_stop: Callable[[], bool] | None):
-        self.on_text, self.on_logprob, self.on_progress, self.should_stop = on_text, on_logprob, progress, should_stop
-        self.ended = False  # nothing more reaches the caller
-        self.cut = False  # ended before EOS or max_tokens (should_stop, a callback raised): the ranks may stop
-        self.held: BaseException | None = None
-
-    def _call(self, fn: Callable | None, *args) -> object:
-        if fn is None or self.held is not None:
-            return None
-        try:
-            return fn(*args)
-        except Exception as e:  # (a client gone: the server's Cancelled) held until the ranks are back in step
-            self.held, self.ended, self.cut = e, True, True
-            return None
-
-    def progress(self, done: int, total: int) -> None:
-        self._call(self.on_progress, done, total)
-
-    def text(self, piece: str, tail: bool = False) -> None:
-        if piece and (tail or not self.ended):
-            self._call(self.on_text, piece)
-
-    def logprob(self, item: TokenLogprob) -> None:
-        self._call(self.on_logprob, item)
-
-    def stop(self) -> bool:
-        if self._call(self.should_stop):
-            self.cut = True
-        return self.cut
-
-    def raise_held(self) -> None:
-        if self.held is not None:
-            raise self.held

@@ -2,8 +2,8 @@
 APIs, `hetero.server`) on a `PipelineEngine`, the other ranks serve rank 0.
 
 The pipeline takes one request at a time: the server runs with one worker (requests wait in line). A request whose
-client leaves, or that a stop string ends, ends on every rank at the next commit (`PipelineEngine.generate`'s
-`should_stop`), with the ranks in step for the next one. What has no pipelined form is refused at startup: the ANE
+client leaves, or that a stop string ends, ends on every rank at the next commit (`PipelineEngine.stream`, stopped
+by the runner), with the ranks in step for the next one. What has no pipelined form is refused at startup: the ANE
 split, batched decoding and the disk session cache (each rank's prefix cache lives in RAM).
 """
 
