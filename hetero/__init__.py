@@ -9,13 +9,13 @@ from hetero import blas as _blas
 
 _blas.apply()  # Linux: the wheel's fast BLAS under MLX; must come before anything imports mlx.core
 
-from hetero.decode.request import Finished, GenerationRequest, Prefilled, Token
+from hetero.decode.request import STOP, Finished, GenerationRequest, Prefilled, Token
 from hetero.engine import Engine, GenerationResult, load
 from hetero.errors import HeteroError
 from hetero.library import GenerationResponse, generate, load_prompt_cache, prefill, save_prompt_cache, stream_generate
 
 __all__ = [
-    "Engine", "Finished", "GenerationRequest", "GenerationResponse", "GenerationResult", "HeteroError", "Prefilled",
+    "STOP", "Engine", "Finished", "GenerationRequest", "GenerationResponse", "GenerationResult", "HeteroError", "Prefilled",
     "Token", "generate", "load", "load_prompt_cache", "prefill", "save_prompt_cache", "stream_generate",
 ]
 __version__ = "0.1.0"
