@@ -223,7 +223,7 @@ class Engine:
             mtp_prefill=pc is not None and model.has_mtp, penalties=penalties if penalties.active else None,
         )
         detok = self.tokenizer.detokenizer()
-        generated = 0
+        generated, consistent = 0, False  # consistent: ended or stopped here, or closed by the consumer
         try:
             for tid in tokens:
                 if generated == 0:
@@ -233,9 +233,13 @@ class Engine:
                 if (yield Token(tid, detok.add(tid), logprob)) == STOP:
                     times.finish_reason = "stop"
                     break
+            consistent = True
+        except GeneratorExit:
+            consistent = True
+            raise
         finally:
             tokens.close()  # the decoder's caches hold the committed state from here on
-            if pc is not None:
+            if pc is not None and consistent:  # (a failure midway checkpoints nothing)
                 self._checkpoint_turn(pc, ids, cache, trace, state[0] if state else None, committed, r.prefill_chunk,
                                       r.mark)
         if generated == 0:
