@@ -250,14 +250,14 @@ def test_sampling_defaults_come_from_generation_config(tmp_path):
     assert sampling_defaults(tmp_path / "absent")["temperature"] == 0.0
 
 
-@pytest.mark.parametrize("route, field, value", [("completions", "suffix", "}"), ("completions", "echo", True)])
+@pytest.mark.parametrize("route, field, value", [("completions", "suffix", "}")])
 def test_unimplemented_fields_are_a_400_naming_them(oai, model, route, field, value):
     call = oai.chat.completions.create if route == "chat" else oai.completions.create
     body = {"messages": [{"role": "user", "content": "hi"}]} if route == "chat" else {"prompt": "hi"}
     with pytest.raises(openai.BadRequestError) as e:
         call(model=model, max_tokens=1, **body, extra_body={field: value})
     assert e.value.body["param"] == field and field in e.value.body["message"]
-    neutral = {"suffix": "", "echo": False}[field]
+    neutral = {"suffix": ""}[field]
     assert call(model=model, max_tokens=1, **body, extra_body={field: neutral}).usage.completion_tokens == 1
 
 
@@ -300,6 +300,28 @@ def test_penalties_and_logit_bias_reach_the_decoder(oai, model, engine):
     assert engine.tokenizer.encode(plain2.choices[0].text) == [g, g]
     assert engine.tokenizer.encode(penalized.choices[0].text)[0] == g
     assert engine.tokenizer.encode(penalized.choices[0].text)[1:2] != [g]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(oai, model, engine):
+    """`echo` puts the prompt before the reply, streamed or not; with `logprobs` each prompt token carries its logprob
+    under the raw model given the tokens before it (the first has none), then the reply's own."""
+    ids = engine.encode_prompt(WEATHER_REQUEST)
+    plain = oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=4)
+    echoed = oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=4, echo=True, logprobs=2)
+    assert echoed.choices[0].text == WEATHER_REQUEST + plain.choices[0].text
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + echoed.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    logits = engine.logits(ids).astype(np.float64)  # [S, V]
+    reference = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(reference[i - 1, ids[i]], abs=1e-4)
+        assert len(lp.top_logprobs[i]) == 2 and max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i] - 1e-6
+    assert "".join(lp.tokens) == echoed.choices[0].text
+    pieces = [c.choices[0].text for c in oai.completions.create(model=model, prompt=WEATHER_REQUEST, max_tokens=4,
+                                                                   echo=True, stream=True) if c.choices]
+    assert pieces[0] == WEATHER_REQUEST and "".join(pieces) == echoed.choices[0].text
 
 
 def test_serve_flags_reach_the_settings():

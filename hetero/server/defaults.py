@@ -46,7 +46,6 @@ def sampling_defaults(model_dir: Path) -> dict[str, float | int]:
 # field -> (is the value neutral, what to do instead)
 UNSUPPORTED = {
     "suffix": (lambda v: v == "", "leave it out (this server has no fill-in-the-middle)"),
-    "echo": (lambda v: v is False, "leave it out or send false"),
 }
 
 

@@ -57,11 +57,11 @@ def parse_completion(parser: Parser, body: dict) -> Job:
         raise RequestError(400, "'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
     if not isinstance(prompt, (str, list)):
         raise RequestError(400, "'prompt' is required: a string or a list of token ids", "prompt")
-    parser.refuse(body, "suffix", "echo")
+    parser.refuse(body, "suffix")
     penalties = parser.penalties(body)
     one_choice(body)
     job = parser.job(body, parser.encode(prompt, "prompt"), "max_tokens")
-    job.penalties = penalties
+    job.penalties, job.echo = penalties, bool(boolean(body, "echo", False))
     job.stops = stops(body, "stop")
     stream_options(body, job)
     job.logprobs = integer(body, "logprobs", None, TOP_LOGPROBS)
@@ -164,7 +164,9 @@ class CompletionOutput(ChatOutput):
     text_offset = 0  # characters of completion text the logprobs reported so far (the legacy `text_offset`)
 
     def choice(self, o: Outcome) -> dict:
-        return {"index": 0, "text": o.text, "finish_reason": o.finish, "logprobs": self.logprobs_field(o.logprobs)}
+        echo = o.echo.text if o.echo is not None else ""
+        logprobs = o.logprobs if o.echo is None or o.logprobs is None else (o.echo.logprobs or []) + o.logprobs
+        return {"index": 0, "text": echo + o.text, "finish_reason": o.finish, "logprobs": self.logprobs_field(logprobs)}
 
     def piece(self, text: str | None, finish: str | None = None) -> dict:
         return {"index": 0, "text": text or "", "finish_reason": finish,
@@ -179,13 +181,17 @@ class CompletionOutput(ChatOutput):
             token = token_text(x.token)
             out["tokens"].append(token)
             out["token_logprobs"].append(x.logprob)
-            out["top_logprobs"].append({token_text(t): lp for t, lp in x.top})
+            out["top_logprobs"].append(None if x.top is None else {token_text(t): lp for t, lp in x.top})
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(token)
         return out
 
     def start(self, s: Started) -> list[str]:
-        return []  # no role chunk in the completions API
+        """No role chunk in the completions API; an `echo` request's prompt goes out first, with its logprobs."""
+        if s.echo is None:
+            return []
+        logprobs = self.logprobs_field(s.echo.logprobs) if self.job.logprobs is not None else None
+        return [sse(self.chunk([{"index": 0, "text": s.echo.text, "finish_reason": None, "logprobs": logprobs}]))]
 
 
 # ----------------------------------------------------------------------------------------------------------

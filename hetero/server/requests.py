@@ -62,6 +62,7 @@ class Job:
     warnings: list[str] = field(default_factory=list)  # sent back in the x-hetero-warning header, and logged
     context: Any = None  # what one API's output shaper needs from its request (Responses: the input items, the store)
     penalties: Penalties = field(default_factory=Penalties)  # presence / frequency / repetition, logit_bias
+    echo: bool = False  # completions: the prompt comes back before the reply (with its logprobs when asked)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+
 from starlette.requests import Request
 
 from hetero.decode.loop import DecodeLoop, Seat
@@ -36,19 +38,30 @@ class Cancelled(Exception):
 
 
 @dataclass
-class Started:
-    """Streamed once, when the prefill begins: how many prompt tokens came from the prefix cache."""
+class TokenLogprobs:
+    """One token's raw bytes and logprob, and its top alternatives (bytes, logprob), most likely first (an echoed
+    prompt's first token has neither: None)."""
 
-    cached_tokens: int
+    token: bytes
+    logprob: float | None
+    top: list[tuple[bytes, float]] | None
 
 
 @dataclass
-class TokenLogprobs:
-    """One generated token's raw bytes and logprob, and its top alternatives (bytes, logprob), most likely first."""
+class Echo:
+    """A completion's prompt sent back before its reply (`echo`): its text, and its tokens' logprobs when asked."""
 
-    token: bytes
-    logprob: float
-    top: list[tuple[bytes, float]]
+    text: str
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class Started:
+    """Streamed once, when the prefill begins: how many prompt tokens came from the prefix cache, and the echoed
+    prompt of a completion that asked for it."""
+
+    cached_tokens: int
+    echo: Echo | None = None
 
 
 @dataclass
@@ -60,6 +73,7 @@ class Outcome:
     stop: str | None  # the stop string that ended it
     finish: str  # "stop" (EOS or a stop string) or "length"
     logprobs: list[TokenLogprobs] | None = None  # every generated token's, when the job asked for them
+    echo: Echo | None = None  # the prompt, when a completion asked for it back
 
     @property
     def usage(self) -> tuple[int, int, int]:
@@ -116,6 +130,7 @@ class Runner:
              ticket: object) -> Outcome:
         if cancelled.is_set():
             raise Cancelled()
+        echo = self._echo(job) if job.echo else None
         matcher = StopMatcher(job.stops)
         parts: list[str] = []
         started = []
@@ -133,7 +148,7 @@ class Runner:
         def progress(done: int, total: int) -> None:
             if not started:  # the prefill covers only what the prefix cache did not restore
                 started.append(True)
-                emit(Started(len(job.ids) - total))
+                emit(Started(len(job.ids) - total, echo))
             if cancelled.is_set():
                 raise Cancelled()
             self.turns.pass_turn(ticket, prefilling=True)  # after every prefill chunk
@@ -163,7 +178,25 @@ class Runner:
             emit(tail)
         finish = "stop" if matcher.stopped is not None else result.stats["finish_reason"]
         stats = {k: v for k, v in result.stats.items() if k != "model"}
-        return Outcome("".join(parts), stats, matcher.stopped, finish, logprobs)
+        return Outcome("".join(parts), stats, matcher.stopped, finish, logprobs, echo)
+
+    def _echo(self, job: Job) -> Echo:
+        """The prompt of an `echo` completion: its text and, with logprobs asked, each prompt token's logprob under
+        the raw model given the tokens before it (one prefill of every position; the first token has none)."""
+        ids, engine = job.ids, self.engine
+        if job.logprobs is None:
+            return Echo(engine.tokenizer.decode(ids))
+        logits = engine.logits(ids).astype(np.float64)  # [S, V]
+        logits -= logits.max(axis=-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))  # [S, V] log_softmax
+        token_bytes = engine.token_bytes
+        items = [TokenLogprobs(token_bytes(ids[0]), None, None)]
+        for i in range(1, len(ids)):
+            row = logp[i - 1]
+            top = np.argsort(-row)[: job.logprobs]
+            items.append(TokenLogprobs(token_bytes(ids[i]), float(row[ids[i]]),
+                                       [(token_bytes(int(t)), float(row[t])) for t in top]))
+        return Echo(engine.tokenizer.decode(ids), items)
 
     def _output_options(self, job: Job, emit: Callable[[TokenLogprobs], None],
                         into: list[TokenLogprobs] | None) -> dict:
