@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
+import mlx.core as mx
 
 from starlette.requests import Request
 
 from hetero.decode.loop import DecodeLoop, Seat
 from hetero.engine import Engine
 from hetero.errors import HeteroError
-from hetero.logprobs import TokenLogprob
+from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.server.requests import Job
 from hetero.server.stops import StopMatcher
 from hetero.turns import DECODE_SHARE, LentTurns, Turns
@@ -186,22 +186,20 @@ class Runner:
         ids, engine = job.ids, self.engine
         if job.logprobs is None:
             return Echo(engine.tokenizer.decode(ids))
-        logits = engine.logits(ids).astype(np.float64)  # [S, V]
-        logits -= logits.max(axis=-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))  # [S, V] log_softmax
-        token_bytes = engine.token_bytes
-        items = [TokenLogprobs(token_bytes(ids[0]), None, None)]
-        for i in range(1, len(ids)):
-            row = logp[i - 1]
-            top = np.argsort(-row)[: job.logprobs]
-            items.append(TokenLogprobs(token_bytes(ids[i]), float(row[ids[i]]),
-                                       [(token_bytes(int(t)), float(row[t])) for t in top]))
-        return Echo(engine.tokenizer.decode(ids), items)
+        recorder = LogprobRecorder(job.logprobs)  # what generated tokens report, for rows 0..S-2 of the prompt
+        recorder.add(mx.array(engine.logits(ids)[:-1]), ids[1:])  # [S-1, V]: token i+1 given tokens 0..i
+        first = TokenLogprobs(engine.token_bytes(ids[0]), None, None)
+        return Echo(engine.tokenizer.decode(ids), [first] + [self._bytes(x) for x in recorder.items])
+
+    def _bytes(self, x: TokenLogprob) -> TokenLogprobs:
+        """A token's logprobs with its id and its alternatives' as the raw bytes the APIs report."""
+        token_bytes = self.engine.token_bytes
+        return TokenLogprobs(token_bytes(x.token), x.logprob, [(token_bytes(t), lp) for t, lp in x.top])
 
     def _output_options(self, job: Job, emit: Callable[[TokenLogprobs], None],
                         into: list[TokenLogprobs] | None) -> dict:
-        """engine.generate's logprobs, constraint (JSON, or a forced call's grammar) and penalty arguments for `job`: each token's logprobs go to `emit`
-        (ahead of its text) and into `into`."""
+        """engine.generate's logprobs, constraint (JSON, or a forced call's grammar) and penalty arguments for `job`:
+        each token's logprobs go to `emit` (ahead of its text) and into `into`."""
         p = job.penalties
         forced = job.reply.grammar if job.reply is not None else None
         # a forced tool call is decoded under its call's grammar; response_format shapes text replies, not calls
@@ -211,10 +209,9 @@ class Runner:
             options.update(presence_penalty=p.presence, frequency_penalty=p.frequency, repetition_penalty=p.repetition,
                            logit_bias=dict(p.logit_bias) or None)
         if into is not None:
-            token_bytes = self.engine.token_bytes
 
             def on_logprob(x: TokenLogprob) -> None:
-                item = TokenLogprobs(token_bytes(x.token), x.logprob, [(token_bytes(t), lp) for t, lp in x.top])
+                item = self._bytes(x)
                 into.append(item)
                 emit(item)
 
