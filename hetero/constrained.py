@@ -59,7 +59,8 @@ class Constraint:
     def __init__(self, tokenizer: LLTokenizer, grammar: str, eos_ids: set[int]):
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
-            raise HeteroError(f"unsupported JSON schema: {self.matcher.get_error()}")
+            first = (self.matcher.get_error().strip().splitlines() or ["it does not compile"])[0]
+            raise HeteroError(f"the output grammar (a JSON schema's, a forced call's or one given) is refused: {first}")
         self.vocab_size = tokenizer.vocab_size
         self.eos = tokenizer.eos_token  # the matcher's one EOS id
         self.eos_ids = np.array(sorted(eos_ids), dtype=np.int64)
