@@ -345,11 +345,13 @@ def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:
     return ids
 
 
-def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None) -> Engine:
+def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,
+         fuse_projections: bool = True) -> Engine:
     """Load a checkpoint directory or hub id (None: the bundled model) after the pre-flight check; on Metal the
-    model may stay wired up to the GPU's recommended working set."""
+    model may stay wired up to the GPU's recommended working set. `fuse_projections=False` keeps each layer's
+    input projections as separate products (for comparisons; see `hetero.models.fused`)."""
     wire_working_set()
-    net, path, config = load_model(model, dtype)
+    net, path, config = load_model(model, dtype, fuse_projections)
     tokenizer = Tokenizer.from_dir(path)
     name = "bundled" if model is None else str(model)
     return Engine(net, tokenizer, config, path, name)

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from hetero.errors import HeteroError
 from hetero.models.args import SUPPORTED_MODEL_TYPES
+from hetero.models.fused import fuse
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.models.weights import ExpertStacker, canonical_name, checkpoint_has_mtp, is_expert_tensor, sanitize, unfused_names
 from hetero.validate import MAX_DIM, check_config
@@ -461,8 +462,13 @@ def load_weights(path: Path, args: ModelArgs | None = None) -> dict[str, mx.arra
     return weights
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None) -> tuple[Model, Path, dict]:
-    """Check, then load a checkpoint: returns (model with evaluated weights, local directory, config dict)."""
+def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,
+               fuse_projections: bool = True) -> tuple[Model, Path, dict]:
+    """Check, then load a checkpoint: returns (model with evaluated weights, local directory, config dict).
+
+    With `fuse_projections` (the default) each layer's input projections become one product (`models.fused`); the
+    parameters keep the checkpoint's names either way. Load without it to change parameters afterwards (quantize).
+    """
     report = preflight(model, dtype)
     if not report.ok:
         raise HeteroError(report.first_problem())
@@ -480,4 +486,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = 
             layer.linear_attn.A_log = weights[f"model.layers.{i}.linear_attn.A_log"].astype(mx.float32)
     mx.eval(net.parameters())
     net.eval()
+    del weights  # the loaded tensors: fusing replaces them with views of the products, one layer at a time
+    if fuse_projections:
+        fuse(net)
     return net, path, config

@@ -80,7 +80,7 @@ def quantize_checkpoint(model: str | None, out: str | os.PathLike, bits: int, gr
     if json.loads((src / "config.json").read_text()).get("quantization"):
         raise HeteroError(f"{src} is already quantized; convert from the float checkpoint")
     store_dtype = stored_float_dtype(src)
-    net, _, config = load_model(model, dtype=mx.float32)
+    net, _, config = load_model(model, dtype=mx.float32, fuse_projections=False)  # nn.quantize replaces them
     model_type = config.get("model_type")
     predicate, per_layer = quantizable(group_size), {}
 

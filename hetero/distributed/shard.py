@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 
 from hetero.errors import HeteroError
 from hetero.loader import _weight_map, build_lazy_model, read_header
+from hetero.models.fused import fuse
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.models.weights import canonical_name, checkpoint_has_mtp, sanitize
 
@@ -68,6 +69,7 @@ def load_share(path: Path, args: ModelArgs, layers: range, first: bool, last: bo
         except (RuntimeError, ValueError) as e:
             raise HeteroError(f"cannot read {path / shard}: {e}; re-download it") from None
         tensors.update({n: loaded[n] for n, f in mine.items() if f == shard})
+        del loaded  # the shard's other tensors (never read)
     probe = _conv_layout_probe(path, files, tensors)
     weights = {k: v for k, v in sanitize(args, {**tensors, **probe}).items() if share.owns(k)}
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
@@ -85,7 +87,13 @@ def load_share(path: Path, args: ModelArgs, layers: range, first: bool, last: bo
     params = [v for k, v in tree_flatten(net.parameters()) if share.owns(k)]
     mx.eval(params)
     net.eval()
-    return net, share, sum(p.nbytes for p in params)
+    nbytes = sum(p.nbytes for p in params)
+    del weights, params, tensors, probe  # fusing replaces the loaded tensors with views of the products
+    for i in layers:  # only this share's layers: the others are unevaluated placeholders
+        fuse(net.layers[i])
+    if net.mtp is not None:
+        fuse(net.mtp)
+    return net, share, nbytes
 
 
 def _conv_layout_probe(path: Path, files: dict[str, str], tensors: dict[str, mx.array]) -> dict[str, mx.array]:

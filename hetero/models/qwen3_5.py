@@ -18,6 +18,7 @@ from hetero.models import activations as act
 from hetero.models.args import ModelArgs
 from hetero.models.attention import attend
 from hetero.models.compiled import PerThread
+from hetero.models.fused import FusedProjection, project_inputs
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 from hetero.models.linear import Linear, project
 from hetero.models.moe import SparseMoeBlock
@@ -43,7 +44,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Gated full attention: q_proj gives query and gate per head, q/k RMSNorm, partial NeoX RoPE, GQA."""
+    """Gated full attention: q_proj gives query and gate per head, q/k RMSNorm, partial NeoX RoPE, GQA.
+
+    q_proj, k_proj and v_proj run as one `q|k|v` product once `fused.fuse` has fused them (at load).
+    """
+
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+    fused: FusedProjection | None = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -70,10 +77,11 @@ class Attention(nn.Module):
         """x [B, S, hidden] at positions offset.. -> queries [B, H, S, D], keys and values [B, Hkv, S, D] (RoPE
         applied), gate [B, S, H, D]."""
         B, S, _ = x.shape
-        qg = self.q_proj(x).reshape(B, S, self.n_heads, 2 * self.head_dim)  # [B, S, H, 2D]
+        q, k, v = project_inputs(self, x)  # [B, S, H*2D], [B, S, Hkv*D], [B, S, Hkv*D]
+        qg = q.reshape(B, S, self.n_heads, 2 * self.head_dim)  # [B, S, H, 2D]
         queries, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [B, S, H, D] each
-        keys = self.k_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
-        values = self.v_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
+        keys = k.reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
+        values = v.reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
         queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)  # [B, H, S, D]
         keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)  # [B, Hkv, S, D]
         return queries, keys, values.transpose(0, 2, 1, 3), gate
@@ -86,7 +94,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Dense SwiGLU: down(silu(gate(x)) * up(x)); gate_proj and up_proj run as one `gate|up` product once fused."""
+
+    PROJECTIONS = ("gate_proj", "up_proj")
+    fused: FusedProjection | None = None
 
     def __init__(self, dims: int, hidden: int):
         super().__init__()
@@ -95,11 +106,18 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(act.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_inputs(self, x)  # [..., hidden] each
+        return self.down_proj(act.silu(gate) * up)
 
 
 class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet mixer: projections, depthwise causal conv + SiLU, delta rule in fp32, gated RMSNorm."""
+    """Gated DeltaNet mixer: projections, depthwise causal conv + SiLU, delta rule in fp32, gated RMSNorm.
+
+    The four input projections run as one `qkv|z|b|a` product once `fused.fuse` has fused them (at load).
+    """
+
+    PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    fused: FusedProjection | None = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -120,20 +138,23 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(value_dim, args.hidden_size, bias=False)
 
     def __call__(self, x: mx.array, cache: GDNCache | None) -> mx.array:
-        B, S, _ = x.shape
-        z = self.in_proj_z(x)  # [B, S, Hv*Dv]
-        return self.output(self.recurrence(x, cache), z, x.dtype)
+        qkv, z, b, a = project_inputs(self, x)  # [B, S, C], [B, S, Hv*Dv], [B, S, Hv], [B, S, Hv]
+        return self.output(self.mix(qkv, b, a, cache), z, x.dtype)
 
     def recurrence(self, x: mx.array, cache: GDNCache | None) -> mx.array:
         """Everything that feeds the recurrent state (qkv, b, a, conv, delta rule): x [B, S, hidden] -> [B, S, Hv, Dv] fp32.
 
+        Runs in_proj_qkv, in_proj_b and in_proj_a on their own (not z: the pipeline's GPU share computes only some
+        of z's rows), then `mix`.
+        """
+        return self.mix(self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x), cache)
+
+    def mix(self, qkv: mx.array, b: mx.array, a: mx.array, cache: GDNCache | None) -> mx.array:
+        """Conv and delta rule from the projections qkv [B, S, C], b and a [B, S, Hv] -> [B, S, Hv, Dv] fp32.
+
         Updates `cache` (conv window, state, offset); while it is recording, keeps every intermediate state.
         """
-        B, S, _ = x.shape
-        qkv = self.in_proj_qkv(x)  # [B, S, C]
-        b = self.in_proj_b(x)  # [B, S, Hv]
-        a = self.in_proj_a(x)  # [B, S, Hv]
-
+        B, S, _ = qkv.shape
         prev = cache.conv if cache is not None and cache.conv is not None else None
         if prev is None:
             prev = mx.zeros((B, self.kernel - 1, self.conv_dim), dtype=qkv.dtype)
