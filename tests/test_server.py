@@ -507,7 +507,8 @@ def test_a_body_over_the_limit_is_a_413_in_each_apis_error_shape(model_dir):
         server.stop()
 
 
-ACCESS = re.compile(r'^127\.0\.0\.1:\d+ "(\w+) (\S+)" (\d+) prompt_tokens=(\S+) completion_tokens=(\S+) \d+\.\d{3}s$')
+ACCESS = re.compile(r'^127\.0\.0\.1:\d+ "(\w+) (\S+)" (\d+)'
+                    r'(?: prompt_tokens=(\d+) cached_tokens=(\d+) completion_tokens=(\d+) ttft=\d+\.\d{3}s)? \d+\.\d{3}s$')
 
 
 def test_every_request_gets_an_access_log_line(model_dir, caplog):
@@ -520,12 +521,13 @@ def test_every_request_gets_an_access_log_line(model_dir, caplog):
             model=name, messages=transcript(0), max_tokens=3, stream=True, stream_options={"include_usage": True}))
         missing = httpx.post(server.url + "/v1/messages", json={"model": "nope", "max_tokens": 2, "messages": []})
         assert missing.status_code == 404
+        cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
         expected = [
-            ("GET", "/v1/models", "200", "-", "-"),
-            ("POST", "/v1/completions", "200", str(plain.usage.prompt_tokens), str(plain.usage.completion_tokens)),
-            ("POST", "/v1/chat/completions", "200", str(chunks[-1].usage.prompt_tokens),
+            ("GET", "/v1/models", "200", None, None, None),
+            ("POST", "/v1/completions", "200", str(plain.usage.prompt_tokens), "0", str(plain.usage.completion_tokens)),
+            ("POST", "/v1/chat/completions", "200", str(chunks[-1].usage.prompt_tokens), str(cached),
              str(chunks[-1].usage.completion_tokens)),
-            ("POST", "/v1/messages", "404", "-", "-"),
+            ("POST", "/v1/messages", "404", None, None, None),
         ]
         deadline = time.time() + 20  # a line is written once its response has ended, which the client may see first
         while True:

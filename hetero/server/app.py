@@ -231,7 +231,7 @@ async def _no_route(request: Request, e: Exception) -> Response:
 
 class AccessLog:
     """One `hetero.access` log line per request, once its response has ended: client, method, path, status,
-    prompt and completion tokens (when it generated), seconds."""
+    prompt, cached prompt and completion tokens and the time to the first token (when it generated), seconds."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -250,11 +250,15 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            prompt, _, completion = scope.get(USAGE, ("-", None, "-"))
+            outcome = scope.get(USAGE)
+            tokens = ""
+            if outcome is not None:
+                prompt, cached, completion = outcome.usage
+                tokens = (f" prompt_tokens={prompt} cached_tokens={cached} completion_tokens={completion} "
+                          f"ttft={outcome.stats['ttft_s']:.3f}s")
             client = scope.get("client")
-            access.info('%s "%s %s" %d prompt_tokens=%s completion_tokens=%s %.3fs',
-                        f"{client[0]}:{client[1]}" if client else "-", scope["method"], scope["path"], status[0],
-                        prompt, completion, time.perf_counter() - t0)
+            access.info('%s "%s %s" %d%s %.3fs', f"{client[0]}:{client[1]}" if client else "-", scope["method"],
+                        scope["path"], status[0], tokens, time.perf_counter() - t0)
 
 
 def serve(settings: ServerSettings | None = None) -> None:

@@ -26,7 +26,7 @@ from hetero.server.runner import Cancelled, Outcome, Runner, Started, TokenLogpr
 
 log = logging.getLogger("hetero.server")
 
-USAGE = "hetero.usage"  # the ASGI scope key where a finished request leaves (prompt, completion) tokens for the access log
+USAGE = "hetero.usage"  # the ASGI scope key where a finished request leaves its Outcome for the access log
 KEEPALIVE_S = 5.0  # a stream silent this long (a long prefill, a call being parsed) gets a keep-alive event
 WARNING_HEADER = "x-hetero-warning"  # what the server changed in a request (an image replaced by a placeholder)
 
@@ -183,7 +183,7 @@ async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Re
             return Response(status_code=499)
         except Exception as e:
             return out.error(failure(e, out.id))
-        request.scope[USAGE] = o.usage
+        request.scope[USAGE] = o
         return JSONResponse(out.body(o), headers=headers)
     try:
         items = await runner.stream_started(job, request)
@@ -204,7 +204,7 @@ async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Re
                 elif isinstance(item, TokenLogprobs):
                     sent = out.logprob(item)
                 else:
-                    request.scope[USAGE] = item.usage
+                    request.scope[USAGE] = item
                     sent = out.finish(item)
                 for event in sent:
                     yield event
