@@ -79,8 +79,13 @@ def conversations() -> list[tuple[list[dict], dict]]:
 
 def render(messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
     """The fixture template's rendering with the tools, through hetero's own template engine."""
+    return render_with(messages, TOOLS, add_generation_prompt, **template_kwargs)
+
+
+def render_with(messages: list[dict], tools: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+    """The fixture template's rendering of `messages` with `tools` (OpenAI form), through hetero's template engine."""
     renderer = Tokenizer(tokenizers.Tokenizer(models.BPE()), chat_template=TEMPLATE)
-    return renderer.apply_chat_template(messages, tools=openai_tools(TOOLS), add_generation_prompt=add_generation_prompt,
+    return renderer.apply_chat_template(messages, tools=openai_tools(tools), add_generation_prompt=add_generation_prompt,
                                         **template_kwargs)
 
 
@@ -111,7 +116,8 @@ def train_tokenizer(texts: list[str], vocab_size: int = 800) -> tokenizers.Token
     return tok
 
 
-def _train(model, batch: mx.array, mask: mx.array, steps: int, lr: float) -> float:
+def _train(model, batches, steps: int, lr: float) -> float:
+    """`steps` Adam steps, each on the next (tokens [B, S], loss mask [B, S-1]) of `batches`; the last loss."""
     optimizer = optim.Adam(learning_rate=lr)
 
     def loss_fn(model, batch, mask):
@@ -132,15 +138,24 @@ def _train(model, batch: mx.array, mask: mx.array, steps: int, lr: float) -> flo
     with attention.differentiable():  # the CPU attention kernel's numpy softmax has no gradient
         loss = mx.array(0.0)
         for _ in range(steps):
-            loss = step(batch, mask)
+            loss = step(*next(batches))
             mx.eval(loss, state)
     return loss.item()
 
 
 def write_tool_model(path: Path, steps: int = 200, lr: float = 5e-3, seed: int = 0) -> Path:
     """Train the tool model and write its checkpoint to `path`; returns `path`."""
-    path = Path(path)
-    pairs = training_pairs()
+    shape = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2)
+    return fit_and_save(Path(path), training_pairs(), shape, steps=steps, lr=lr, seed=seed)
+
+
+def fit_and_save(path: Path, pairs: list[tuple[str, str]], shape: dict, steps: int, lr: float, seed: int,
+                 batch: int | None = None, prepare=None) -> Path:
+    """Train a model of `shape` on the (prompt, reply) pairs (loss on the replies only; all pairs every step, or a
+    seeded random `batch` of them) with a tokenizer trained on them, and write the checkpoint with TEMPLATE.
+    `prepare(model)`, when given, adjusts the initialized model before training."""
     tok = train_tokenizer([p + r for p, r in pairs])
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id(EOS_TEXT)]
     rows, masks = [], []
@@ -148,18 +163,26 @@ def write_tool_model(path: Path, steps: int = 200, lr: float = 5e-3, seed: int =
         p, r = tok.encode(prompt).ids, tok.encode(reply).ids
         rows.append(p + r)
         masks.append([0] * (len(p) - 1) + [1] * len(r))  # loss on the reply's tokens only
-    width = max(map(len, rows))
-    batch = mx.array(np.array([r + [eos[1]] * (width - len(r)) for r in rows], dtype=np.int32))
-    mask = mx.array(np.array([m + [0] * (width - 1 - len(m)) for m in masks], dtype=np.float32))
+
+    def padded(chosen: list[int]) -> tuple[mx.array, mx.array]:
+        width = max(len(rows[i]) for i in chosen)
+        tokens = np.array([rows[i] + [eos[1]] * (width - len(rows[i])) for i in chosen], dtype=np.int32)
+        mask = np.array([masks[i] + [0] * (width - 1 - len(masks[i])) for i in chosen], dtype=np.float32)
+        return mx.array(tokens), mx.array(mask)
+
+    def batches():
+        rng = np.random.default_rng(seed)
+        while True:
+            yield padded(list(range(len(rows))) if batch is None else list(rng.choice(len(rows), batch, replace=False)))
 
     vocab = 64 * -(-tok.get_vocab_size() // 64)
-    shape = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
-                 linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2)
+    shape = dict(shape)
     args = make_args(vocab, eos, **shape)
     model = init_model(args, seed)
+    if prepare is not None:
+        prepare(model)
     model.train()
-    _train(model, batch, mask, steps, lr=lr)
+    _train(model, batches(), steps, lr=lr)
     model.eval()
     save_hf_checkpoint(model, hf_config(args, eos, shape["full_attention_interval"]), path, dtype=mx.float32)
     save_tokenizer(tok, path)

@@ -1,0 +1,71 @@
+"""Claude Code, Codex CLI and OpenCode, the real npm releases at pinned versions, finish their turns against
+`hetero serve`, inside a network namespace with only loopback (tests/agent_clis.py runs them).
+
+The plain and cached turns run on the bundled model as a user gets it; the tool loop runs on a tiny model trained
+here (tests/agent_model.py, cached between runs) that calls the CLI's own shell tool. Where namespaces or npm are missing these tests skip
+with the reason, except under CI, where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import agent_clis
+from agent_model import CALLS, FINAL_ANSWER, PROMPTS, PROOF_FILE, cached_agent_model
+from hetero.loader import BUNDLED_MODEL
+
+CLIS = sorted(agent_clis.PINS)
+
+
+@pytest.fixture(scope="module")
+def cli_bin():
+    why = agent_clis.namespaces_available()
+    try:
+        bin_dir = None if why else agent_clis.install()
+    except agent_clis.Unavailable as e:
+        why = str(e)
+    if why:
+        message = f"THE AGENT CLI TESTS DID NOT RUN: {why}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return bin_dir
+
+
+def _main_request(turn: dict) -> dict:
+    """The turn's conversation request: the one with the longest prompt (titles and probes are short)."""
+    generated = [r for r in turn["requests"] if "prompt" in r]
+    assert generated, f"the turn made no generating request: {turn['requests']}"
+    return max(generated, key=lambda r: int(r["prompt"]))
+
+
+def _finished(turn: dict, cli: str) -> None:
+    assert turn["returncode"] == 0, f"{cli} exited {turn['returncode']}:\n{turn['stderr'][-2000:]}\n{turn['stdout'][-2000:]}"
+    assert turn["reply"]["error"] is None, turn["reply"]["error"]
+    assert all(r["status"] == "200" for r in turn["requests"] if r["method"] == "POST"), turn["requests"]
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_a_plain_turn_then_a_second_turn_from_the_prefix_cache(cli, cli_bin, tmp_path):
+    result = agent_clis.session(cli, str(BUNDLED_MODEL), ["Say hello.", "Thanks. Say it once more."], tmp_path,
+                                cli_bin)
+    first, second = result["turns"]
+    for turn in (first, second):
+        _finished(turn, cli)
+        assert turn["reply"]["text"].strip(), f"{cli} showed no reply text: {turn['stdout'][-2000:]}"
+        assert int(_main_request(turn)["completion"]) > 0
+    assert int(_main_request(second)["cached"]) > 0, second["requests"]  # the first turn's prompt, not re-read
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_a_tool_loop_runs_the_clients_shell_tool_then_answers(cli, cli_bin, tmp_path):
+    model = cached_agent_model(cli)  # trained here the first time (about a minute), then cached
+    tools = [CALLS[cli][0]] if cli == "claude" else None  # Claude Code asks before Bash unless told it may run it
+    result = agent_clis.session(cli, str(model), [PROMPTS[cli]], tmp_path, cli_bin, tools=tools)
+    (turn,) = result["turns"]
+    _finished(turn, cli)
+    assert PROOF_FILE in result["files"], f"{cli} did not run the tool call: {turn['stdout'][-3000:]}"
+    assert FINAL_ANSWER in turn["reply"]["text"], turn["reply"]
+    assert len([r for r in turn["requests"] if "prompt" in r]) >= 2  # the call, then the answer to its result
