@@ -62,15 +62,22 @@ def corpus_files() -> list[Path]:
     return [root / rel for rel in sorted(files, key=lambda r: r.as_posix())]
 
 
+def corpus_sources() -> Iterator[tuple[str, str, bool]]:
+    """(module name, source text, held out?) for each corpus file; every 20th file is held out for validation."""
+    root = _stdlib_root()
+    for i, path in enumerate(corpus_files()):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        yield module, path.read_bytes().decode("utf-8", errors="replace"), i % VALID_EVERY == VALID_EVERY - 1
+
+
 def load_corpus(max_bytes: int | None = None) -> tuple[str, str]:
     """(train_text, valid_text): every 20th file is validation, files joined by "\\n<|endoftext|>\\n".
 
     `max_bytes` truncates the train text to at most that many UTF-8 bytes.
     """
     train, valid = [], []
-    for i, path in enumerate(corpus_files()):
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        (valid if i % VALID_EVERY == VALID_EVERY - 1 else train).append(text)
+    for _, text, held_out in corpus_sources():
+        (valid if held_out else train).append(text)
     train_text = DOC_SEPARATOR.join(train)
     if max_bytes is not None:
         # drop a multibyte character cut in half by the cap rather than keep a broken byte
@@ -104,7 +111,7 @@ def train_tokenizer(text_iter: Iterable[str] | str, vocab_size: int = 4096) -> t
     return tok
 
 
-def save_tokenizer(tok: tokenizers.Tokenizer, out_dir: Path) -> None:
+def save_tokenizer(tok: tokenizers.Tokenizer, out_dir: Path, max_length: int = 65536) -> None:
     """Write tokenizer.json and a transformers-compatible tokenizer_config.json (with CHAT_TEMPLATE) to out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +127,7 @@ def save_tokenizer(tok: tokenizers.Tokenizer, out_dir: Path) -> None:
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": EOS_TEXT,
-        "model_max_length": 4096,
+        "model_max_length": max_length,
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,  # transformers would otherwise rewrite " ," etc. on decode
         "split_special_tokens": False,

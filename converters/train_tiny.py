@@ -47,8 +47,8 @@ SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
 )
 
 
-def make_args(vocab_size: int, eos: list[int], **shape) -> ModelArgs:
-    """ModelArgs for a tiny tied-embedding Qwen3.5 text model with one MTP layer."""
+def make_args(vocab_size: int, eos: list[int], window: int = 65536, **shape) -> ModelArgs:
+    """ModelArgs for a tiny tied-embedding Qwen3.5 text model with one MTP layer and a `window`-token context."""
     s = {**SHAPE, **shape}
     interval = s.pop("full_attention_interval")
     n = s["num_hidden_layers"]
@@ -60,7 +60,7 @@ def make_args(vocab_size: int, eos: list[int], **shape) -> ModelArgs:
         rope_theta=10_000.0,
         partial_rotary_factor=0.25,
         tie_word_embeddings=True,
-        max_position_embeddings=32768,  # RoPE extrapolates past the 256-token training windows; long prompts are for benchmarks
+        max_position_embeddings=window,  # RoPE extrapolates past the training windows: agents' prompts are 20-30K tokens
         mtp_num_hidden_layers=1,
         eos_token_id=list(eos),
         **s,
@@ -150,6 +150,19 @@ def make_step(model: Model, optimizer: optim.Optimizer, mtp_weight: float, clip:
     return step
 
 
+def agent_windows(tokens: np.ndarray, conversations: list[np.ndarray], head: list[int], tail: list[int], seq: int,
+                  seed: int):
+    """Endless [1, seq+2] windows shaped like a coding agent's request: a system turn (`head` ... `tail`) holding a
+    long stretch of the training text, then one whole chat conversation, so the model learns to answer, and to end
+    its answer, thousands of tokens into the window rather than only within its first 256."""
+    rng = np.random.default_rng(seed)
+    while True:
+        conversation = conversations[rng.integers(len(conversations))]
+        n = seq + 2 - len(head) - len(tail) - len(conversation)
+        start = rng.integers(0, len(tokens) - n)
+        yield mx.array(np.concatenate([head, tokens[start : start + n], tail, conversation]).astype(np.int32)[None])
+
+
 def batches(tokens: np.ndarray, batch: int, seq: int, seed: int):
     """Endless random windows of seq+2 tokens, from a seeded generator (same seed, same order)."""
     rng = np.random.default_rng(seed)
@@ -176,11 +189,13 @@ def train(
     compile: bool = True,
     log_every: int = 25,
     log=print,
+    data=None,
 ) -> dict:
-    """Train in place for `steps` steps (or until `minutes` pass); returns a summary of the run."""
+    """Train in place for `steps` steps (or until `minutes` pass) on `data` (windows [B, seq+2]; default: random
+    windows of `tokens`); returns a summary of the run."""
     optimizer = make_optimizer(schedule(lr, steps, min(warmup, max(1, steps // 10))), weight_decay)
     step = make_step(model, optimizer, mtp_weight, clip, compile)
-    data = batches(tokens, batch, seq, seed)
+    data = batches(tokens, batch, seq, seed) if data is None else data
     model.train()
     start = time.perf_counter()
     history = []
@@ -237,15 +252,40 @@ def evaluate(model: Model, tokens: np.ndarray, seq: int = 256, batch: int = 16, 
 def greedy(model: Model, prompt: list[int], n: int, eos: set[int] = frozenset()) -> list[int]:
     """Greedy continuation with the model's caches (prefill, then one token at a time)."""
     cache = model.make_cache()
-    logits, _ = model(mx.array([prompt]), cache[: len(model.layers)])
+    logits, _ = model(mx.array([prompt]), cache)
     out = []
     for _ in range(n):
         tok = logits[0, -1].argmax().item()
         if tok in eos:
             break
         out.append(tok)
-        logits, _ = model(mx.array([[tok]]), cache[: len(model.layers)])
+        logits, _ = model(mx.array([[tok]]), cache)
     return out
+
+
+def chat_endings(model: Model, tok, conversations: list[str], end: int, limit: int = 300) -> dict:
+    """Greedy replies to each conversation's last user turn: how many close with `end` within `limit` tokens."""
+    lengths = []
+    for text in conversations:
+        prompt = text[: text.rindex("<|im_start|>assistant\n")] + "<|im_start|>assistant\n"
+        reply = greedy(model, tok.encode(prompt).ids, limit + 1, eos={end})
+        lengths.append(len(reply))
+    ended = [n for n in lengths if n <= limit]
+    return dict(chat_prompts=len(lengths), chat_ended=len(ended), chat_limit=limit,
+                chat_median_reply_tokens=float(np.median(ended)) if ended else None)
+
+
+def chat_tokens(tok, conversations: list[str], budget: int) -> np.ndarray:
+    """The conversations' tokens, each followed by <|endoftext|>, until about `budget` tokens are taken."""
+    from converters import tokenizer_train
+
+    out, taken = [], 0
+    for enc in tok.encode_batch([c + tokenizer_train.DOC_SEPARATOR for c in conversations]):
+        if taken >= budget:
+            break
+        out.append(enc.ids)
+        taken += len(enc.ids)
+    return np.concatenate(out).astype(np.int32) if out else np.zeros(0, np.int32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,10 +351,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--corpus-bytes", type=int, default=None, help="cap the training text (for quick trials)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--eval-tokens", type=int, default=None, help="cap the validation tokens evaluated")
+    p.add_argument("--chat-share", type=float, default=0.25,
+                   help="fraction of training tokens that are chat conversations (converters.chat_samples)")
+    p.add_argument("--window", type=int, default=65536, help="max_position_embeddings written to config.json")
+    p.add_argument("--chat-eval", type=int, default=16, help="held-out chat prompts decoded to check replies end")
+    p.add_argument("--long-steps", type=int, default=60,
+                   help="then steps on one --long-seq window each: a long system turn, then a conversation")
+    p.add_argument("--long-seq", type=int, default=8192)
+    p.add_argument("--long-lr", type=float, default=1e-3)
+    p.add_argument("--from", dest="start", type=Path, default=None,
+                   help="start from this checkpoint (written by a run with the same corpus and seed) and run only "
+                        "the long phase")
     a = p.parse_args(argv)
     reexec_with_fast_blas(["-m", "converters.train_tiny", *sys.argv[1:]])
 
-    from converters import hf_export, tokenizer_train
+    from converters import chat_samples, hf_export, tokenizer_train
 
     t0 = time.perf_counter()
     blas = describe()
@@ -322,27 +373,51 @@ def main(argv: list[str] | None = None) -> dict:
     mx.random.seed(a.seed)
     np.random.seed(a.seed)
     train_text, valid_text = tokenizer_train.load_corpus(a.corpus_bytes)
-    tok = tokenizer_train.train_tokenizer(train_text, vocab_size=a.vocab)
-    train_ids = np.array(tok.encode(train_text).ids, dtype=np.int32)
+    tok = tokenizer_train.train_tokenizer(train_text, vocab_size=a.vocab)  # on code only: held-out losses compare
+    code_ids = np.array(tok.encode(train_text).ids, dtype=np.int32)
+    sources = list(tokenizer_train.corpus_sources())
+    chat_train = chat_samples.conversations([(m, t) for m, t, held in sources if not held], seed=a.seed)
+    chat_valid = chat_samples.conversations([(m, t) for m, t, held in sources if held], seed=a.seed + 1)
+    budget = int(len(code_ids) * a.chat_share / (1 - a.chat_share)) if a.chat_share > 0 else 0
+    train_ids = np.concatenate([code_ids, chat_tokens(tok, chat_train, budget)])
     valid_ids = np.array(tok.encode(valid_text).ids, dtype=np.int32)
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id(tokenizer_train.EOS_TEXT)]
-    print(f"corpus: {len(train_text) / 1e6:.1f} MB train -> {len(train_ids):,} tokens, {len(valid_ids):,} valid tokens; "
+    print(f"corpus: {len(train_text) / 1e6:.1f} MB train -> {len(code_ids):,} code tokens + "
+          f"{len(train_ids) - len(code_ids):,} chat tokens ({len(chat_train):,} conversations), {len(valid_ids):,} valid tokens; "
           f"tokenizer vocab {tok.get_vocab_size()} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    args = make_args(tok.get_vocab_size(), eos, hidden_size=a.hidden, num_hidden_layers=a.layers,
+    args = make_args(tok.get_vocab_size(), eos, window=a.window, hidden_size=a.hidden, num_hidden_layers=a.layers,
                      intermediate_size=a.intermediate)
-    model = init_model(args, a.seed)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if a.start is None:
+        model = init_model(args, a.seed)
+        run = train(model, train_ids, a.steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup,
+                    mtp_weight=a.mtp_weight, seed=a.seed, minutes=a.minutes, compile=not a.no_compile, log=log)
+    else:
+        from hetero.loader import load_model
+
+        model, _, _ = load_model(a.start, dtype=mx.float32, fuse_projections=False)
+        run = json.loads((a.start / "training.json").read_text())
+        run = {k: run[k] for k in ("steps", "steps_planned", "tokens_seen", "train_seconds", "history")}
+        log(f"from {a.start}: its {run['steps']} steps are the first phase")
     n_params = count_params(model)
     print(f"model: {n_params:,} parameters, layers {args.layer_types}", flush=True)
-
-    run = train(model, train_ids, a.steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup, mtp_weight=a.mtp_weight,
-                seed=a.seed, minutes=a.minutes, compile=not a.no_compile, log=lambda s: print(s, flush=True))
+    if a.long_steps:
+        titles = chat_samples.title_requests([(m, t) for m, t, held in sources if not held], seed=a.seed)
+        conversations = [np.array(e.ids, np.int32) for e in tok.encode_batch(chat_train + titles)]
+        head, tail = tok.encode("<|im_start|>system\n").ids, tok.encode("<|im_end|>\n").ids
+        data = agent_windows(code_ids, conversations, head, tail, a.long_seq, a.seed)
+        long = train(model, train_ids, a.long_steps, batch=1, seq=a.long_seq, lr=a.long_lr, warmup=5,
+                     mtp_weight=a.mtp_weight, seed=a.seed, compile=not a.no_compile, log_every=5, log=log, data=data)
+        run = {**run, "long_phase": {"steps": long["steps"], "seq": a.long_seq, "lr": a.long_lr,
+                                     "tokens_seen": long["tokens_seen"], "train_seconds": long["train_seconds"],
+                                     "history": long["history"]}}
 
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
     config = hf_export.hf_config(args, eos, SHAPE["full_attention_interval"])
     hf_export.save_hf_checkpoint(model, config, out)
-    tokenizer_train.save_tokenizer(tok, out)
+    tokenizer_train.save_tokenizer(tok, out, max_length=a.window)
     check = check_checkpoint(model, out, valid_ids[: a.seq], log=lambda s: print(s, flush=True))
 
     from hetero.loader import load_model
@@ -357,6 +432,18 @@ def main(argv: list[str] | None = None) -> dict:
         ids = greedy(shipped, tok.encode(prompt).ids, 60, eos=set(eos))
         samples[prompt] = prompt + tok.decode(ids)
         print(f"--- greedy 60 tokens after {prompt!r}:\n{samples[prompt]}\n---", flush=True)
+    hello = chat_samples.render([("system", chat_samples.SYSTEM_PROMPTS[0]), ("user", "Say hello.")]) + "<|im_start|>assistant\n"
+    samples[hello] = tok.decode(greedy(shipped, tok.encode(hello).ids, 300, eos=set(eos)))
+    print(f"--- greedy chat reply to 'Say hello.': {samples[hello]!r}", flush=True)
+    chat = chat_endings(shipped, tok, chat_valid[: a.chat_eval], end=eos[0])
+    print(f"chat: {chat['chat_ended']}/{chat['chat_prompts']} held-out replies end with <|im_end|> within "
+          f"{chat['chat_limit']} tokens (median {chat['chat_median_reply_tokens']})", flush=True)
+    context = tok.decode(valid_ids[: a.long_seq].tolist())  # held-out text as a long system turn, as agents send
+    long_chats = [f"<|im_start|>system\n{context}<|im_end|>\n{c}" for c in chat_valid[: a.chat_eval]]
+    long_chat = chat_endings(shipped, tok, long_chats, end=eos[0])
+    chat["long_context"] = {"context_tokens": a.long_seq, **long_chat}
+    print(f"chat after {a.long_seq} tokens of context: {long_chat['chat_ended']}/{long_chat['chat_prompts']} end "
+          f"(median {long_chat['chat_median_reply_tokens']})", flush=True)
 
     size = (out / "model.safetensors").stat().st_size
     summary = dict(
@@ -372,6 +459,9 @@ def main(argv: list[str] | None = None) -> dict:
         mtp_weight=a.mtp_weight,
         compile=not a.no_compile,
         train_tokens_available=int(len(train_ids)),
+        chat_share=a.chat_share,
+        chat_tokens=int(len(train_ids) - len(code_ids)),
+        **chat,
         **{k: v for k, v in run.items() if k != "history"},
         **metrics,
         reload_check=check,
