@@ -1,6 +1,6 @@
 """The real coding-agent CLIs against `hetero serve`, inside a network namespace with only loopback.
 
-    unshare -n python tests/agent_clis.py SPEC.json RESULT.json
+    unshare -n python tests/agent_clis.py SPEC.json RESULT.json   (unshare -r -n when not root)
 
 Claude Code, Codex CLI and OpenCode are installed from npm at the pinned versions below into a cache folder
 (`install`), once per pin set. A session (`run_session`) brings up `lo`, starts `hetero serve` on a model, runs the
@@ -13,12 +13,15 @@ the one docs/server.md gives users ("Using hetero with coding agents").
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -69,13 +72,25 @@ def install(cache: Path = CACHE) -> Path:
     return target / "node_modules" / ".bin"
 
 
+# a network namespace of its own; a user who is not root also maps itself to root in a user namespace to get one
+UNSHARE = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-r", "-n"]
+
+
 def namespaces_available() -> str | None:
-    """None when `unshare -n` and `ip` work here, else why not."""
-    for tool in ("unshare", "ip"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed"
-    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"`unshare -n` is refused here: {probe.stderr.strip()}"
+    """None when a network namespace with a working loopback can be made here, else why not."""
+    if shutil.which("unshare") is None:
+        return "`unshare` (util-linux) is not installed"
+    probe = subprocess.run([*UNSHARE, sys.executable, __file__, "--probe"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"`{' '.join(UNSHARE)}` is refused here: {probe.stderr.strip()[-300:]}"
+
+
+def loopback_up() -> None:
+    """Bring up `lo` in this (new) network namespace, as `ip link set lo up` does (SIOCSIFFLAGS on the interface)."""
+    get_flags, set_flags, up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(s, get_flags, request)[:18])[1]
+        fcntl.ioctl(s, set_flags, struct.pack("16sH", b"lo", flags | up))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -221,7 +236,7 @@ def _access_lines(log: Path, start: int) -> tuple[list[dict], int]:
 
 def run_session(spec: dict) -> dict:
     """Run one spec inside the current (already isolated) network namespace; see the module docstring."""
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    loopback_up()
     root = Path(spec["dir"])
     home, work = root / "home", root / "work"
     for d in (home, work):
@@ -267,7 +282,7 @@ def session(cli: str, model: str, turns: list[str], root: Path, bin_dir: Path, t
             "timeout": timeout, "serve_args": list(serve_args)}
     (root / "spec.json").write_text(json.dumps(spec, indent=2))
     out = root / "result.json"
-    done = subprocess.run(["unshare", "-n", sys.executable, __file__, str(root / "spec.json"), str(out)],
+    done = subprocess.run([*UNSHARE, sys.executable, __file__, str(root / "spec.json"), str(out)],
                           capture_output=True, text=True, timeout=timeout * (len(turns) + 1) + 240)
     if done.returncode != 0 or not out.is_file():
         raise RuntimeError(f"the {cli} session failed (status {done.returncode}):\n{done.stderr[-3000:]}")
@@ -275,5 +290,10 @@ def session(cli: str, model: str, turns: list[str], root: Path, bin_dir: Path, t
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--probe":  # in a new namespace: loopback up, and a socket served on it
+        loopback_up()
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            socket.create_connection(listener.getsockname(), timeout=5).close()
+        sys.exit(0)
     result = run_session(json.loads(Path(sys.argv[1]).read_text()))
     Path(sys.argv[2]).write_text(json.dumps(result, indent=2))
