@@ -92,6 +92,95 @@ def test_training_gets_true_gradients_inside_differentiable():
     assert np.abs(np.array(outside) - np.array(reference)).max() > 1e-2
 
 
+FEW_SHAPES = [  # B, H, Hkv, L, S, D: a few queries (decode, verify) over a long cache
+    (1, 4, 2, 1, 4096, 64),  # the bundled model's decode step, S a multiple of the value chunk
+    (1, 4, 2, 1, 30000, 64),  # a long context, with a remainder after the last whole chunk
+    (1, 4, 2, 4, 5000, 64),  # a verify block of four
+    (2, 6, 2, 3, 1500, 32),  # batch of two, group of three
+    (1, 8, 1, 2, 300, 16),  # multi-query, fewer keys than one chunk
+]
+
+
+@pytest.mark.parametrize("shape", FEW_SHAPES)
+def test_few_query_kernel_matches_float64_oracle(shape):
+    B, H, Hkv, L, S, D = shape
+    mx.random.seed(sum(shape))
+    q, k = mx.random.normal((B, H, L, D)) * 3, mx.random.normal((B, Hkv, S, D)) * 3
+    v = mx.random.normal((B, Hkv, S, D))
+    want = oracle(q, k, v, D**-0.5)
+    got = np.array(attention._numpy_few(q, k, v, D**-0.5))
+    mask = "causal" if L > 1 else None
+    fused = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask))
+    assert np.abs(got - want).max() <= 5e-5
+    assert np.abs(got - want).max() <= 2 * np.abs(fused - want).max() + 1e-6
+
+
+def test_few_query_kernel_reads_a_cache_buffer_past_its_valid_keys():
+    """Decode attends over `KVCache`'s valid prefix, a strided view of a larger buffer whose tail holds other
+    (stale) keys: only the prefix may count."""
+    B, Hkv, S, D = 1, 2, 2 * attention.VALUE_CHUNK + 7, 64
+    mx.random.seed(3)
+    k_buf, v_buf = mx.random.normal((B, Hkv, S + 256, D)), mx.random.normal((B, Hkv, S + 256, D))
+    k_buf[:, :, S:] = 100.0  # stale keys that would take all the weight if they were read
+    v_buf[:, :, S:] = 1e6
+    q = mx.random.normal((B, 4, 1, D))
+    k, v = k_buf[:, :, :S], v_buf[:, :, :S]
+    got = np.array(attention._numpy_few(q, k, v, D**-0.5))
+    assert np.abs(got - oracle(q, k, v, D**-0.5)).max() <= 5e-5
+
+
+def test_future_keys_of_a_verify_block_get_exactly_zero_weight():
+    B, H, Hkv, L, S, D = 1, 2, 1, 3, 600, 16
+    q = mx.ones((B, H, L, D))
+    k = mx.concatenate([mx.zeros((B, Hkv, S - 2, D)), mx.full((B, Hkv, 2, D), 50.0)], axis=2)
+    v = mx.concatenate([mx.ones((B, Hkv, S - 2, D)), mx.full((B, Hkv, 2, D), 1e20)], axis=2)  # exp(FLOOR) * 1e20 shows
+    out = np.array(attention._numpy_few(q, k, v, D**-0.5))
+    assert np.array_equal(out[:, :, 0], np.ones((B, H, D), np.float32))  # the first query sees only zero keys
+    assert np.isfinite(out).all()
+
+
+def test_few_queries_over_a_long_cache_take_the_numpy_kernel(monkeypatch):
+    calls = []
+    real = attention._numpy_few
+    monkeypatch.setattr(attention, "_numpy_few", lambda *a: calls.append(a[1].shape[2]) or real(*a))
+    q = mx.random.normal((1, 2, 4, 16))
+    short, long = mx.random.normal((1, 2, attention.MIN_KEYS - 1, 16)), mx.random.normal((1, 2, attention.MIN_KEYS, 16))
+    attend(q, short, short, 0.25)  # a short cache stays on MLX's kernel, in the lazy graph
+    attend(q[:, :, :1], long, long, 0.25)
+    attend(q, long, long, 0.25)
+    with attention.differentiable():
+        attend(q, long, long, 0.25)
+    assert calls == [attention.MIN_KEYS, attention.MIN_KEYS]
+
+
+def test_bundled_model_decodes_the_same_with_either_kernel(monkeypatch):
+    """Greedy decode steps and a verify block of the bundled model over the numpy kernel (forced from 64 keys) give
+    MLX's kernel's tokens and logits within the parity tests' tolerance."""
+    import hetero
+
+    engine = hetero.load()
+    model = engine.model
+    prompt = mx.array(np.random.default_rng(0).integers(3, model.args.vocab_size, (1, 200)))
+
+    def run(min_keys: int) -> tuple[list[int], np.ndarray]:
+        monkeypatch.setattr(attention, "MIN_KEYS", min_keys)
+        cache = model.make_cache()
+        logits, _ = model(prompt, cache)
+        tokens, rows = [], []
+        for _ in range(6):  # decode steps
+            tokens.append(int(mx.argmax(logits[0, -1]).item()))
+            logits, _ = model(mx.array([[tokens[-1]]]), cache)
+            rows.append(np.array(logits[0, -1]))
+        logits, _ = model(mx.array([tokens[:4]]), cache)  # a verify block of four queries
+        rows.extend(np.array(logits[0]))
+        return tokens, np.stack(rows)
+
+    tokens_new, logits_new = run(64)
+    tokens_old, logits_old = run(1 << 30)
+    assert tokens_new == tokens_old
+    assert np.abs(logits_new - logits_old).max() <= 1e-4 * np.abs(logits_old).max()  # test_parity's RTOL
+
+
 ACTIVATIONS = [  # ours, MLX's, float64 oracle
     (act.exp, mx.exp, np.exp),
     (act.sigmoid, mx.sigmoid, lambda x: 1 / (1 + np.exp(-x))),

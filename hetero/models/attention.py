@@ -8,7 +8,14 @@ kernel below). Long query blocks on the CPU therefore run here: MLX's two matmul
 computes in place on the evaluated scores (a writable view of MLX's buffer; numpy runs no BLAS here, so its
 thread pool never competes with MLX's), block by block so the score matrix stays small, and only over the
 keys each block can see.
-Decode and verify steps (a few queries) stay on MLX, where the whole step remains one lazy graph.
+A few queries (decode and verify steps) over a long cache run the same softmax in numpy (`_numpy_few`), with the
+product by V split into chunks of keys (`_weighted_values`): in a decode step of the bundled model at 30K keys, MLX's
+kernel spent ~6.5 ms per layer, this one ~3.2 ms (1.6 ms reading K, 1.3 ms reading V, 0.2 ms for the softmax and
+the wait), which is the time numpy takes to sum an array as large as K and V (~9 GB/s, measured under load).
+Over a shorter cache (< `MIN_KEYS`) they stay on MLX, where the whole step remains one lazy graph that evaluates
+while Python builds the next: the numpy kernel evaluates mid-step, and whole decode runs below ~4K keys were as fast
+or faster without it. MLX's `exp` as `power(2, x log2 e)` (`activations.exp`), which keeps the graph lazy, was
+slower than numpy's in whole decode runs at 8K and 30K keys (135 and 70 against 140 and 79 tok/s).
 The numpy kernel evaluates mid-graph and has no gradient, so training runs inside `differentiable()`.
 """
 
@@ -22,6 +29,8 @@ import mlx.core as mx
 import numpy as np
 
 MIN_QUERIES = 32  # query blocks at least this long take the numpy kernel on the CPU
+MIN_KEYS = 4096  # shorter query blocks over at least this many keys take `_numpy_few` on the CPU
+VALUE_CHUNK = 512  # keys per product in `_weighted_values` (512 and 1024 ran alike; 2048 was 10x slower)
 BLOCK_SCORES = 1 << 21  # scores held at once (8 MiB of fp32: the softmax passes stay in cache; 64 MiB was ~20% slower at 8K-16K)
 FLOOR = -41.0  # exp(FLOOR) ~ 1.6e-18: exponents are clipped here so no subnormal reaches the matmul
 _mode = threading.local()
@@ -46,9 +55,12 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
     The queries sit at the last L of the S positions (a prefill chunk or verify block after the cache);
     H is a multiple of Hkv (grouped-query attention).
     """
-    L = queries.shape[2]
-    if L >= MIN_QUERIES and mx.default_device() == mx.cpu and not getattr(_mode, "differentiable", False):
-        return _numpy_causal(queries, keys, values, scale)
+    L, S = queries.shape[2], keys.shape[2]
+    if mx.default_device() == mx.cpu and not getattr(_mode, "differentiable", False):
+        if L >= MIN_QUERIES:
+            return _numpy_causal(queries, keys, values, scale)
+        if S >= MIN_KEYS:
+            return _numpy_few(queries, keys, values, scale)
     mask = "causal" if L > 1 else None
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
@@ -71,20 +83,66 @@ def _numpy_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         end = offset + i0 + n  # keys visible to the block's last query
         qb = q[:, :, :, i0 : i0 + n].reshape(B, Hkv, G * n, D)  # [B, Hkv, G*n, D]
         scores = qb @ k_t[..., :end]  # [B, Hkv, G*n, end]
-        mx.eval(scores)
-        view = np.asarray(scores)  # MLX's own buffer: the softmax runs in place, then MLX multiplies by V
-        if not (view.flags.c_contiguous and view.flags.writeable):
-            raise RuntimeError("attention scores are not a writable contiguous MLX buffer; the softmax would be lost")
-        s = view.reshape(B, Hkv, G, n, end)
-        diag = s[..., end - n :]  # [B, Hkv, G, n, n]: the block's own positions
-        diag += future[:n, :n]
-        s -= s.max(axis=-1, keepdims=True)
-        np.maximum(s, FLOOR, out=s)
-        np.exp(s, out=s)
-        diag *= below[:n, :n]  # masked keys weigh exactly 0
+        _softmax_in_place(_writable(scores).reshape(B, Hkv, G, n, end), below[:n, :n], future[:n, :n])
         o = scores @ v_sum[:, :, :end]  # [B, Hkv, G*n, Dv+1]
         o = (o[..., :Dv] / o[..., Dv:]).reshape(B, Hkv, G, n, Dv)
         mx.eval(o)  # frees this block's scores before the next block's
         outs.append(o)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(B, H, L, Dv).astype(queries.dtype)
+
+
+def _numpy_few(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """`attend` for a few queries (decode, verify) over a long cache: MLX's two matmuls read K and V once, numpy's
+    SIMD `exp` runs the softmax in place between them, and numpy sums its rows (no ones column: that would copy V)."""
+    B, H, L, D = queries.shape
+    _, Hkv, S, Dv = values.shape
+    G = H // Hkv
+    q = (queries.astype(mx.float32) * scale).reshape(B, Hkv, G * L, D)  # [B, Hkv, G*L, D]: head h = kv * G + g
+    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, G*L, S]
+    view = _writable(scores)
+    below = np.tril(np.ones((L, L), np.float32))  # the block's own positions: 1 where key <= query
+    _softmax_in_place(view.reshape(B, Hkv, G, L, S), below, np.where(below > 0, 0.0, -np.inf).astype(np.float32))
+    sums = mx.array(view.sum(axis=-1, keepdims=True))  # [B, Hkv, G*L, 1]
+    out = _weighted_values(scores, values.astype(mx.float32)) / sums  # [B, Hkv, G*L, Dv]
+    return out.reshape(B, H, L, Dv).astype(queries.dtype)
+
+
+def _weighted_values(p: mx.array, values: mx.array) -> mx.array:
+    """p [B, Hkv, M, S] @ values [B, Hkv, S, Dv] -> [B, Hkv, M, Dv] for a few rows M, as a batch of products over
+    `VALUE_CHUNK` keys each, summed: one product over all S keys ran at half the speed of reading V (MKL's gemm
+    for 2 rows and a long inner dimension; 1.6 ms against 0.41 ms at 16K keys)."""
+    B, Hkv, M, S = p.shape
+    Dv = values.shape[-1]
+    n = S // VALUE_CHUNK
+    whole = n * VALUE_CHUNK
+    p_chunks = p[..., :whole].reshape(B, Hkv, M, n, VALUE_CHUNK).transpose(0, 1, 3, 2, 4)  # [B, Hkv, n, M, chunk]
+    v_chunks = values[:, :, :whole].reshape(B, Hkv, n, VALUE_CHUNK, Dv)  # [B, Hkv, n, chunk, Dv]: a view, no copy
+    out = (p_chunks @ v_chunks).sum(axis=2)  # [B, Hkv, M, Dv]
+    if whole < S:
+        out = out + p[..., whole:] @ values[:, :, whole:]  # the last S % VALUE_CHUNK keys
+    return out
+
+
+def _writable(scores: mx.array) -> np.ndarray:
+    """`scores` evaluated, as a numpy view of MLX's own buffer: a softmax written into it is what MLX multiplies next."""
+    mx.eval(scores)
+    view = np.asarray(scores)
+    if not (view.flags.c_contiguous and view.flags.writeable):
+        raise RuntimeError("attention scores are not a writable contiguous MLX buffer; the softmax would be lost")
+    return view
+
+
+def _softmax_in_place(s: np.ndarray, below: np.ndarray, future: np.ndarray) -> None:
+    """Unnormalized causal softmax of scores s [B, Hkv, G, n, end] whose n queries sit at the last n keys:
+    exp(s - row max), with exponents clipped at FLOOR and the keys after each query weighing exactly 0.
+    `below` [n, n] is 1 where key <= query inside the block, `future` its additive mask (0 or -inf)."""
+    n = s.shape[-2]
+    diag = s[..., s.shape[-1] - n :]  # [B, Hkv, G, n, n]: the block's own positions
+    if n > 1:
+        diag += future
+    s -= s.max(axis=-1, keepdims=True)
+    np.maximum(s, FLOOR, out=s)
+    np.exp(s, out=s)
+    if n > 1:
+        diag *= below  # masked keys weigh exactly 0
