@@ -125,7 +125,8 @@ def _weighted_values(p: mx.array, values: mx.array) -> mx.array:
 
 
 def _writable(scores: mx.array) -> np.ndarray:
-    """`scores` evaluated, as a numpy view of MLX's own buffer: a softmax written into it is what MLX multiplies next."""
+    """`scores` evaluated, as a numpy view of MLX's own buffer: a softmax written into it is what MLX multiplies
+    next."""
     mx.eval(scores)
     view = np.asarray(scores)
     if not (view.flags.c_contiguous and view.flags.writeable):
