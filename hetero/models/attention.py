@@ -13,9 +13,10 @@ product by V split into chunks of keys (`_weighted_values`): in a decode step of
 kernel spent ~6.5 ms per layer, this one ~3.2 ms (1.6 ms reading K, 1.3 ms reading V, 0.2 ms for the softmax and
 the wait), which is the time numpy takes to sum an array as large as K and V (~9 GB/s, measured under load).
 Over a shorter cache (< `MIN_KEYS`) they stay on MLX, where the whole step remains one lazy graph that evaluates
-while Python builds the next: the numpy kernel evaluates mid-step, and whole decode runs below ~4K keys were as fast
-or faster without it. MLX's `exp` as `power(2, x log2 e)` (`activations.exp`), which keeps the graph lazy, was
-slower than numpy's in whole decode runs at 8K and 30K keys (135 and 70 against 140 and 79 tok/s).
+while Python builds the next: the numpy kernel evaluates mid-step, which made whole decode runs after a 4K-token
+prompt ~10% slower and after a 6K-token one ~10% faster. MLX's `exp` as `power(2, x log2 e)` (`activations.exp`),
+which keeps the graph lazy, was slower than numpy's in whole decode runs at 8K and 30K keys (135 and 70 against 140
+and 79 tok/s).
 The numpy kernel evaluates mid-graph and has no gradient, so training runs inside `differentiable()`.
 """
 
@@ -29,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 MIN_QUERIES = 32  # query blocks at least this long take the numpy kernel on the CPU
-MIN_KEYS = 4096  # shorter query blocks over at least this many keys take `_numpy_few` on the CPU
+MIN_KEYS = 6144  # shorter query blocks over at least this many keys take `_numpy_few` on the CPU
 VALUE_CHUNK = 512  # keys per product in `_weighted_values` (512 and 1024 ran alike; 2048 was 10x slower)
 BLOCK_SCORES = 1 << 21  # scores held at once (8 MiB of fp32: the softmax passes stay in cache; 64 MiB was ~20% slower at 8K-16K)
 FLOOR = -41.0  # exp(FLOOR) ~ 1.6e-18: exponents are clipped here so no subnormal reaches the matmul
