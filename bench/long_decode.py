@@ -1,4 +1,4 @@
-"""Plain decode speed over a long context on the CPU: the attention kernel for a few queries over a long cache
+"""Decode speed over a long context on the CPU: the attention kernel for a few queries over a long cache
 (`attention._numpy_few`) against MLX's `scaled_dot_product_attention`, alternated in one process.
 
     python bench/long_decode.py                 # JSON under bench/results/long_decode.json
@@ -61,7 +61,7 @@ def measure_context(engine, attention, n: int, tokens: int, repeats: int, depth:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[0, 4096, 16384, 30000])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[0, 4096, 8192, 16384, 30000])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="alternated runs per kernel and context (median)")
     ap.add_argument("--depth", type=int, default=0, help="MTP draft depth (0: plain decoding)")
