@@ -145,3 +145,46 @@ def test_a_few_training_steps_reduce_the_loss():
     assert run["steps"] == 30 and run["tokens_seen"] == 30 * 8 * 32
     assert after[0] < 0.5 * before[0]  # next token
     assert after[1] < 0.5 * before[1]  # MTP head (t+2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chat: the shipped model ends its replies, as the agents' turns need
+
+
+def _chat_reply(engine, system: str, user: str, limit: int = 300) -> tuple[list[int], str]:
+    prompt = engine.tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                                  add_generation_prompt=True)
+    result = engine.generate(prompt, max_tokens=limit, use_prefix_cache=False, mtp=False)
+    return result.tokens, result.stats["finish_reason"]
+
+
+@pytest.mark.parametrize("context_tokens", [0, 8000])
+def test_the_bundled_model_ends_a_chat_reply(context_tokens):
+    """A reply to a short request closes with <|im_end|> well within 300 tokens, also after a system turn of
+    8,000 tokens of text it never trained on (this repository's docs), as an agent's first request carries."""
+    import hetero
+
+    engine = hetero.load()
+    docs = "\n".join(p.read_text(encoding="utf-8") for p in sorted((Path(__file__).parents[1] / "docs").glob("*.md")))
+    ids = engine.tokenizer.encode(docs)
+    assert len(ids) >= context_tokens
+    system = engine.tokenizer.decode(ids[:context_tokens]) if context_tokens else "You are a helpful coding assistant."
+    tokens, finish = _chat_reply(engine, system, "Say hello.")
+    assert finish == "stop" and len(tokens) < 300, (finish, engine.tokenizer.decode(tokens)[:300])
+
+
+def test_chat_samples_render_as_the_bundled_template_does():
+    from converters import chat_samples
+    from hetero.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(BUNDLED_MODEL)
+    messages = [("system", "You are brief."), ("user", "What does `f` do?"), ("assistant", "`f`: adds."),
+                ("user", "Thanks!"), ("assistant", "You're welcome.")]
+    expected = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=False)
+    assert chat_samples.render(messages) == expected
+    source = 'def add(a, b):\n    """Add two numbers.\n\n    More text."""\n    return a + b\n\nclass _Hidden:\n    pass\n'
+    (d,) = chat_samples.definitions("calc", source)  # undocumented definitions are skipped
+    assert (d.module, d.name, d.kind, d.summary) == ("calc", "add", "function", "Add two numbers.")
+    conversations = chat_samples.conversations([("calc", source)] * 3, seed=1)
+    assert conversations == chat_samples.conversations([("calc", source)] * 3, seed=1)  # seeded
+    assert all(c.endswith("<|im_end|>\n") and "<|im_start|>assistant\n" in c for c in conversations)
