@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="start from this checkpoint (written by a run with the same corpus and seed) and run only "
                         "the long phase")
     a = p.parse_args(argv)
+    if a.start is not None and not (a.start / "training.json").is_file():
+        p.error(f"--from {a.start}: not a checkpoint written by this script (no training.json there)")
     reexec_with_fast_blas(["-m", "converters.train_tiny", *sys.argv[1:]])
 
     from converters import chat_samples, hf_export, tokenizer_train
