@@ -32,16 +32,10 @@ from hetero.loader import BUNDLED_MODEL  # noqa: E402
 TURNS = ["Say hello.", "Thanks. Say it once more."]
 
 
-def main_request(turn: dict) -> dict | None:
-    """The turn's conversation request (the longest prompt), or None when it generated nothing."""
-    generated = [r for r in turn["requests"] if "prompt" in r]
-    return max(generated, key=lambda r: int(r["prompt"])) if generated else None
-
-
 def summarize(result: dict) -> dict:
     turns = []
     for turn in result["turns"]:
-        main = main_request(turn)
+        main = agent_clis.main_request(turn)
         turns.append({
             "ok": turn["returncode"] == 0 and turn["reply"]["error"] is None,
             "prompt_tokens": int(main["prompt"]) if main else None,

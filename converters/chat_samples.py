@@ -78,6 +78,11 @@ def definitions(module: str, source: str) -> Iterator[Definition]:
         yield Definition(module, node.name, kind, summary, code)
 
 
+def documented(modules: Iterable[tuple[str, str]]) -> list[Definition]:
+    """Every documented definition of the (module name, source) pairs, in order."""
+    return [d for module, source in modules for d in definitions(module, source)]
+
+
 def render(messages: list[tuple[str, str]]) -> str:
     """ChatML as the bundled template writes it: one `<|im_start|>role\\ncontent<|im_end|>\\n` per message."""
     return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
@@ -94,7 +99,7 @@ def exchange(d: Definition, rng: random.Random) -> tuple[str, str]:
 def conversations(modules: Iterable[tuple[str, str]], seed: int = 0) -> list[str]:
     """Rendered conversations from (module name, source) pairs: one or two exchanges each, some with a system prompt."""
     rng = random.Random(seed)
-    pool = [d for module, source in modules for d in definitions(module, source)]
+    pool = documented(modules)
     rng.shuffle(pool)
     out = []
     for i, d in enumerate(pool):
@@ -116,7 +121,7 @@ def title_requests(modules: Iterable[tuple[str, str]], seed: int = 0, count: int
     """Rendered title requests, as agents send them in the background: a conversation's first question, answered
     with a short JSON title (so a reply constrained to a JSON schema closes its string and its object)."""
     rng = random.Random(seed)
-    pool = [d for module, source in modules for d in definitions(module, source)]
+    pool = documented(modules)
     out = []
     for d in rng.sample(pool, min(count, len(pool))):
         question, _ = exchange(d, rng)

@@ -234,6 +234,13 @@ def _access_lines(log: Path, start: int) -> tuple[list[dict], int]:
     return found, len(text)
 
 
+def main_request(turn: dict) -> dict | None:
+    """A turn's conversation request: the generating one with the longest prompt (titles and probes are short);
+    None when the turn generated nothing."""
+    generated = [r for r in turn["requests"] if "prompt" in r]
+    return max(generated, key=lambda r: int(r["prompt"])) if generated else None
+
+
 def run_session(spec: dict) -> dict:
     """Run one spec inside the current (already isolated) network namespace; see the module docstring."""
     loopback_up()

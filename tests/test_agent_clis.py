@@ -35,10 +35,9 @@ def cli_bin():
 
 
 def _main_request(turn: dict) -> dict:
-    """The turn's conversation request: the one with the longest prompt (titles and probes are short)."""
-    generated = [r for r in turn["requests"] if "prompt" in r]
-    assert generated, f"the turn made no generating request: {turn['requests']}"
-    return max(generated, key=lambda r: int(r["prompt"]))
+    main = agent_clis.main_request(turn)
+    assert main is not None, f"the turn made no generating request: {turn['requests']}"
+    return main
 
 
 def _finished(turn: dict, cli: str) -> None:
