@@ -363,6 +363,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="start from this checkpoint (written by a run with the same corpus and seed) and run only "
                         "the long phase")
     a = p.parse_args(argv)
+    if not 0 <= a.chat_share < 1:
+        p.error(f"--chat-share {a.chat_share}: a fraction of the training tokens, at least 0 and below 1")
+    if a.long_steps and a.long_seq < 2048:
+        p.error(f"--long-seq {a.long_seq}: the long phase needs windows of at least 2048 tokens (a system turn and a "
+                "whole conversation)")
     if a.start is not None and not (a.start / "training.json").is_file():
         p.error(f"--from {a.start}: not a checkpoint written by this script (no training.json there)")
     reexec_with_fast_blas(["-m", "converters.train_tiny", *sys.argv[1:]])
