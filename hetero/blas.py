@@ -15,13 +15,15 @@ Nothing is installed system-wide and no environment variable is needed. On macOS
 on the CPU, Metal on the GPU).
 
 Threads follow MKL_NUM_THREADS (MKL only), then OMP_NUM_THREADS, then OPENBLAS_NUM_THREADS, so benchmarks that
-give each lane one BLAS thread keep control; one thread selects MKL's sequential layer, otherwise MKL runs on its
-Intel OpenMP layer (bench/blas.py: 2 threads take M = 1024 from ~90 to ~140 GFLOP/s here and leave M = 1 and
-M = 4 unchanged), with idle workers sleeping at once (KMP_BLOCKTIME=0 unless set) so that they never spin on the
-core MLX's own thread needs. Unasked, a machine of at most two cores gets one thread: the OpenMP layer costs
-~9 us per call, which the chunked delta rule's many small matmuls pay (128 products of 64 x 64 blocks: 0.87 ms
-sequential, 2.0 ms on two threads; the bundled model's 2K-token prefill 2,500-2,700 tok/s against 1,300-2,100),
-and the second core is the other lane's or the numpy softmax's. NVPL runs its sequential variant (not measured: no aarch64 machine here).
+give each lane one BLAS thread keep control: one thread selects MKL's sequential layer; otherwise, and unasked,
+MKL runs on its Intel OpenMP layer over every core, and its dynamic mode (on by default) runs a small product on
+one thread, so both cores serve only the products large enough to pay for them. Measured on this project's
+2-core x86 machines (MKL 2026.2): a 64 x 64 x 64 product costs 10 us either way, a 512 x 1024 x 3072 one 8.6 ms
+against 17 ms on one thread; whole runs of the bundled model decode at 342 against 237 tok/s and prefill 4K tokens
+at 3,649 against 3,016 tok/s, the large bench model decodes at 19.6 against 11.8 tok/s. The OpenMP runtime keeps
+its default KMP_BLOCKTIME (idle workers wait 200 ms before sleeping): with KMP_BLOCKTIME=0 every parallel product
+paid for waking a worker, and the same bundled runs fell to 202 and 1,963 tok/s, below one thread.
+NVPL runs its sequential variant (not measured: no aarch64 machine here).
 `describe()` reads which library libmlx actually bound `cblas_sgemm` to.
 """
 
@@ -34,8 +36,6 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-SEQUENTIAL_UP_TO_CORES = 2  # machines with this many cores or fewer run MKL single-threaded unless asked otherwise
 
 # MKL's threading layers (mkl_service.h)
 _MKL_LAYERS = {"intel": 0, "sequential": 1, "gnu": 3}
@@ -101,8 +101,7 @@ def _kind_of(path: str | os.PathLike) -> str:
 
 
 def _requested_threads(kind: str | None) -> int | None:
-    """The thread count the environment asks for; else 1 on a machine of at most two cores (MKL's sequential
-    layer), else None (the library's own default: every core)."""
+    """The thread count the environment asks for, else None (the library's own default: every core)."""
     names = ("MKL_NUM_THREADS",) if kind == "mkl" else ()
     for name in (*names, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         value = os.environ.get(name, "").split(",")[0].strip()
@@ -113,7 +112,7 @@ def _requested_threads(kind: str | None) -> int | None:
                 continue
             if n > 0:
                 return n
-    return 1 if (os.cpu_count() or 1) <= SEQUENTIAL_UP_TO_CORES else None
+    return None
 
 
 def _warn(message: str) -> None:
@@ -139,21 +138,19 @@ def _mapped_paths() -> list[str]:
 def _setup_mkl(handle: ctypes.CDLL, threads: int | None) -> str:
     """Choose MKL's threading layer before its first call; returns the layer's name."""
     if "MKL_THREADING_LAYER" in os.environ:  # the user chose; libmkl_rt reads it itself
-        layer = os.environ["MKL_THREADING_LAYER"].lower()
-    elif threads == 1:
-        layer = "sequential"
-    else:
+        return os.environ["MKL_THREADING_LAYER"].lower()
+    layer = "sequential"
+    if threads != 1:
         # the Intel OpenMP runtime from the intel-openmp wheel (an mkl dependency); without it MKL would exit
         omp = _dist_file("intel-openmp", "libiomp5.so")
         try:
             if omp is None:
                 raise OSError("intel-openmp is not installed")
-            os.environ.setdefault("KMP_BLOCKTIME", "0")  # idle OpenMP workers sleep instead of spinning on a core
             ctypes.CDLL(str(omp), mode=ctypes.RTLD_GLOBAL)
             layer = "intel"
         except OSError:
-            layer = "sequential"
-        handle.MKL_Set_Threading_Layer(ctypes.c_int(_MKL_LAYERS[layer]))
+            pass
+    handle.MKL_Set_Threading_Layer(ctypes.c_int(_MKL_LAYERS[layer]))
     if threads is not None and layer != "sequential":
         handle.MKL_Set_Num_Threads(ctypes.c_int(threads))
     return layer
@@ -286,6 +283,15 @@ def mlx_blas_library() -> str | None:
     return _dladdr(address) if address else None
 
 
+def mkl_layer_loaded() -> str | None:
+    """The threading layer MKL loaded in this process (it does at its first call), from the mapped libraries:
+    "sequential", "intel", "gnu" or "tbb"; None before that call."""
+    mapped = " ".join(Path(p).name for p in _mapped_paths())
+    loaded = [n for n in ("sequential", "intel", "gnu", "tbb") if f"libmkl_{n}_thread" in mapped or
+              (n == "sequential" and "libmkl_sequential" in mapped)]
+    return loaded[0] if len(loaded) == 1 else None
+
+
 def _mkl_version(handle: ctypes.CDLL) -> str:
     buf = ctypes.create_string_buffer(256)
     try:
@@ -300,8 +306,7 @@ def _label(path: str) -> str:
     kind = _kind_of(path)
     if kind == "mkl":
         handle = _state.handle or ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL | 4)  # RTLD_NOLOAD: never loads
-        mapped = " ".join(Path(p).name for p in _mapped_paths())
-        layer = _state.layer or next((n for n in ("sequential", "intel", "gnu", "tbb") if f"libmkl_{n}" in mapped), "?")
+        layer = mkl_layer_loaded() or _state.layer or "?"
         threads = 1 if layer == "sequential" else handle.MKL_Get_Max_Threads()
         plural = "s" * (threads != 1)
         return f"Intel MKL {_mkl_version(handle)} ({Path(path).name}, {layer} layer, {threads} thread{plural})"
