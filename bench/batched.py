@@ -191,7 +191,7 @@ def linear_part(args: argparse.Namespace) -> dict:
         mx.eval(list(x.values()))
         plain = median_seconds(lambda: mx.eval([x[w.shape[1]] @ w.T for w in weights]), args.repeats * 5)
         transposed = median_seconds(lambda: mx.eval([(w @ x[w.shape[1]].T).T for w in weights]), args.repeats * 5)
-        chosen = "transposed" if n in linear.FEW_ROWS else "plain"
+        chosen = "transposed" if n in linear.TRANSPOSED_ROWS else "plain"
         out[n] = {"plain_ms": plain * 1e3, "transposed_ms": transposed * 1e3, "hetero_uses": chosen}
     one = out[1]["plain_ms"]
     for n, row in sorted(out.items()):

@@ -93,7 +93,7 @@ def test_parameters_keep_checkpoint_names_and_values(tiny):
         assert a[k].shape == b[k].shape and np.array_equal(np.array(a[k]), np.array(b[k])), k
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7])  # 2-5 rows multiply transposed on the CPU (linear.py)
+@pytest.mark.parametrize("rows", [1, 3, 7, 60])  # 4-48 rows multiply transposed on the CPU (linear.py)
 def test_fused_products_equal_separate_products(tiny, rows):
     net, _, _ = load_model(tiny)
     for m in fusable(net):

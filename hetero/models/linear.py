@@ -1,17 +1,21 @@
 """Linear layers whose few-row products take the CPU BLAS's fast path.
 
-A verify pass (MTP) or a batched decode round multiplies a few rows (2-5) by each weight matrix. On MLX's CPU
-backend `x @ W.T` goes to sgemm with M = rows, and MKL handles that shape badly. Computed the other way round,
-`(W @ x.T).T` (M = output channels, N = rows), the same products cost less. Measured on this project's 2-core x86
-machines with MKL 2025 over every weight matrix of the large bench model (`python bench/batched.py --part linear`,
-results in bench/results/batched.json), the cost against one row:
+A verify pass (MTP) or a batched decode round multiplies a few rows by each weight matrix. On MLX's CPU backend
+`x @ W.T` goes to sgemm with M = rows, and MKL handles most such shapes badly. Computed the other way round,
+`(W @ x.T).T` (M = output channels, N = rows), the same products cost less from 4 rows up. Measured on this
+project's 2-core x86 machines with MKL 2026.2 over every weight matrix of the large bench model (`python
+bench/batched.py --part linear`, results in bench/results/linear_rows.json on both cores and
+linear_rows_1thread.json on one), the cost against one row:
 
-    rows            2      3      4      5      6      8
-    x @ W.T       1.60   2.64   2.52   2.36   2.23   2.61
-    (W @ x.T).T   1.36   1.59   1.85   2.01   2.39   3.04
+    rows                 2     3     4     5     8    16    32    48    64
+    x @ W.T   2 cores  1.12  1.19  1.96  2.02  2.55  3.34  3.70  4.34  5.18
+    (W @ x.T).T        2.01  2.04  2.01  2.02  2.01  1.96  2.62  3.18  5.28
+    x @ W.T   1 core   1.13  1.20  2.06  2.12  2.71  3.09  3.36  4.06  4.84
+    (W @ x.T).T        1.95  1.98  1.96  1.97  1.98  1.93  2.56  3.24  4.78
 
-and a whole forward pass over 4 tokens fell from 2.27-2.39 to 1.89-1.94 one-token passes. One row and six or more
-keep `x @ W.T`, which is as fast or faster there.
+Two and three rows stream the weights nearly as fast as one in MKL's own form, which the transposed one loses;
+from 4 to 48 rows the transposed form reads the weights once for all of them; at 64 the two meet. (MKL 2025 had
+been measured the other way for 2-3 rows; its successor's few-row kernel changed that.)
 
 Only the CPU backend takes the transposed form: Metal's kernels are not measured here, so the GPU path is MLX's own.
 """
@@ -21,13 +25,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-FEW_ROWS = range(2, 6)  # row counts that run as (W @ x.T).T on the CPU
+TRANSPOSED_ROWS = range(4, 49)  # row counts that run as (W @ x.T).T on the CPU
 
 
 def project(x: mx.array, weight: mx.array) -> mx.array:
-    """x [..., in] @ weight [out, in].T -> [..., out], transposed for few rows on the CPU backend."""
+    """x [..., in] @ weight [out, in].T -> [..., out], transposed for 4-48 rows on the CPU backend."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if rows not in FEW_ROWS or mx.default_device() != mx.cpu:
+    if rows not in TRANSPOSED_ROWS or mx.default_device() != mx.cpu:
         return x @ weight.T
     flat = x.reshape(rows, x.shape[-1])  # [rows, in]
     return (weight @ flat.T).T.reshape(*x.shape[:-1], weight.shape[0])  # [out, rows] -> [..., out]
