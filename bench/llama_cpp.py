@@ -1,26 +1,35 @@
-"""llama.cpp's CPU build against hetero on the bundled model: prefill and decode, same machine, same run.
+"""llama.cpp's CPU build against hetero on one checkpoint: prefill and decode, same machine, same run.
 
-    python bench/llama_cpp.py                          # build once (cached), convert, measure, write the JSON
-    python bench/llama_cpp.py --threads 1 2 --repeats 3 --types f32 f16
+    python bench/llama_cpp.py                          # bundled model: build once (cached), convert, measure
+    python bench/llama_cpp.py --model large            # the ~270M random checkpoint of bench/checkpoints.py
+    python bench/llama_cpp.py --model moe              # the random Qwen3.5-MoE checkpoint (llama.cpp's qwen35moe)
+    python bench/llama_cpp.py --threads 1 2 --repeats 3 --depths 16000 30000 --types f32 f16
 
 llama.cpp is never vendored or committed: the script downloads the `llama-cpp-python` source package from PyPI
 (it carries llama.cpp's source, convert_hf_to_gguf.py and gguf-py), builds llama-bench, llama-completion and
 llama-tokenize with CMake (CPU only, Release, GGML_NATIVE) into ~/.cache/hetero-bench/llama.cpp-py<version>/
-and converts the bundled checkpoint to GGUF with that version's converter (backbone only: --no-mtp). A second
-run reuses the build and the GGUF. A version whose llama.cpp lacks the Qwen3.5 architecture (qwen35) makes the
-script say so and exit with status 2.
+and converts the checkpoint to GGUF with that version's converter (backbone only: --no-mtp). A second run reuses
+the build and the GGUF. A version whose llama.cpp lacks the Qwen3.5 architecture (qwen35), or a converter that
+refuses the checkpoint (the MoE one needs qwen35moe), makes the script say so and exit with status 2.
 
 Measured, alternating llama.cpp and hetero (A B A B), at each thread count (default 1 and all cores; llama.cpp
 gets -t N, hetero's BLAS gets MKL_NUM_THREADS=N / OMP_NUM_THREADS=N; MLX itself runs on one thread):
+Every llama-bench row runs with flash attention off and on (-fa 0,1), and the faster counts (both are kept in the
+JSON): on this CPU on wins prefill, off wins decode over a long cache by about 4x.
 - prefill of 512 and 4,096 random tokens: llama-bench pp512 / pp4096 against hetero's prefill (generate_tokens);
-- decode of 128 tokens from an empty context: llama-bench tg128 (random input tokens, no sampling) against hetero's
-  plain greedy decode after a one-token prompt;
+- decode from an empty context (128 tokens on the bundled model, 32 on the others): llama-bench tg (random input
+  tokens, no sampling) against hetero's plain greedy decode after a one-token prompt;
+- decode at depth (--depths, default 16,000 and 30,000 tokens on the bundled model, none on the others): llama-bench
+  -d D -n 64 (64 tokens decoded after D tokens of context) against hetero's plain greedy decode of 64 tokens after a
+  random prompt of D tokens (only the decode is timed on both sides);
 - decode on text: held-out standard-library source as prompts, greedy, up to 128 tokens, stopping at EOS:
   llama-completion --temp 0 (its eval + sampling time) against hetero plain and hetero with MTP at the depth
   `hetero tune` saved (else the default 3), both through Engine.generate. The generated texts are compared
   (greedy output identity) and so are the prompt tokenizations (llama-tokenize against hetero's tokenizer).
-Prints the ratios hetero / llama.cpp and writes bench/results/llama_cpp.json. A text mismatch is reported, not
-fatal: both run fp32 and argmax ties or rounding differences can diverge after many tokens.
+Prints the ratios hetero / llama.cpp and writes bench/results/llama_cpp.json (llama_cpp_<model>.json for the
+others). A text mismatch is reported, not fatal: both run fp32 and argmax ties or rounding differences can diverge
+after many tokens. A random checkpoint's text need not be valid UTF-8: both sides' bytes are decoded with U+FFFD
+for what is not.
 """
 
 from __future__ import annotations
@@ -41,7 +50,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUNDLED = ROOT / "hetero" / "bundled"
 LLAMA_CPP_PYTHON = "0.3.36"  # the newest sdist on PyPI (Dec 2026); it vendors llama.cpp 0c1e57098, which has qwen35
 TARGETS = ["llama-bench", "llama-completion", "llama-tokenize"]
 CMAKE_FLAGS = [
@@ -50,7 +58,13 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
 ]
 PROMPT_LENGTHS = (512, 4096)
-DECODE_TOKENS = 128
+DEPTH_TOKENS = 64  # tokens decoded after each depth's context
+# per checkpoint: tokens decoded from an empty context, default depths, default text prompts
+MODELS = {
+    "bundled": {"decode_tokens": 128, "depths": (16000, 30000), "prompts": 3},
+    "large": {"decode_tokens": 32, "depths": (), "prompts": 1},
+    "moe": {"decode_tokens": 32, "depths": (), "prompts": 1},
+}
 RESULT = "RESULT "  # prefix of the worker's answer lines (anything else it prints is passed through)
 
 
@@ -174,9 +188,9 @@ def fingerprint(model: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def convert(src: Path, model: Path, dtype: str) -> Path:
-    """GGUF of `model` at `dtype` (f32 / f16 / bf16), converted once per weights fingerprint."""
-    out = src / "gguf" / f"bundled-{fingerprint(model)}-{dtype}.gguf"
+def convert(src: Path, model: Path, name: str, dtype: str) -> Path:
+    """GGUF of checkpoint `name` at `model` at `dtype` (f32 / f16 / bf16), converted once per weights fingerprint."""
+    out = src / "gguf" / f"{name}-{fingerprint(model)}-{dtype}.gguf"
     if out.is_file():
         log(f"GGUF {dtype}: reusing {out}")
         return out
@@ -189,7 +203,10 @@ def convert(src: Path, model: Path, dtype: str) -> Path:
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=src / "vendor" / "llama.cpp")
     if r.returncode != 0 or not tmp.is_file():
-        sys.exit(f"convert_hf_to_gguf.py failed ({dtype}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+        tmp.unlink(missing_ok=True)
+        print(f"llama.cpp's convert_hf_to_gguf.py refused the {name} checkpoint ({dtype}), so llama.cpp cannot run it "
+              f"here:\n{r.stdout[-2000:]}{r.stderr[-3000:]}", file=sys.stderr)
+        sys.exit(2)
     tmp.rename(out)
     note = " (gpt-2 pre-tokenizer fallback)" if "gpt-2 (plain ByteLevel" in r.stdout else ""
     log(f"GGUF {dtype}: converted in {time.perf_counter() - t0:.0f} s -> {out}{note}")
@@ -204,13 +221,36 @@ def llama_env() -> dict:
     return env
 
 
-def llama_bench(binary: Path, ggufs: dict[str, Path], threads: int) -> list[dict]:
-    cmd = [str(binary), "-m", ",".join(str(p) for p in ggufs.values()), "-p", ",".join(map(str, PROMPT_LENGTHS)),
-           "-n", str(DECODE_TOKENS), "-t", str(threads), "-r", "1", "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=llama_env())
-    if r.returncode != 0:
-        sys.exit(f"llama-bench failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout)
+def llama_bench(binary: Path, ggufs: dict[str, Path], threads: int, decode_tokens: int, depths: tuple[int, ...]
+                ) -> list[dict]:
+    """llama-bench rows: prefill of PROMPT_LENGTHS and decode from an empty context for every GGUF, then (f32 only)
+    decode of DEPTH_TOKENS after each depth."""
+    def run(cmd: list[str]) -> list[dict]:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=llama_env())
+        if r.returncode != 0:
+            sys.exit(f"llama-bench failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
+        return json.loads(r.stdout)
+
+    common = [str(binary), "-t", str(threads), "-r", "1", "-fa", "0,1", "-o", "json"]
+    rows = run([*common, "-m", ",".join(str(p) for p in ggufs.values()), "-p", ",".join(map(str, PROMPT_LENGTHS)),
+                "-n", str(decode_tokens)])
+    if depths:
+        rows += run([*common, "-m", str(ggufs["f32"]), "-p", "0", "-n", str(DEPTH_TOKENS),
+                     "-d", ",".join(map(str, depths))])
+    return rows
+
+
+def bench_rates(runs: list[dict], typ: str, n_prompt: int = 0, n_gen: int = 0, n_depth: int = 0) -> dict:
+    """tok/s of the llama-bench rows of this GGUF type and shape, by flash-attention setting ("fa_off", "fa_on")."""
+    return {f"fa_{'on' if r['flash_attn'] in (1, True) else 'off'}": r["avg_ts"] for r in runs
+            if r["model_filename"].endswith(f"-{typ}.gguf") and r["n_prompt"] == n_prompt and r["n_gen"] == n_gen
+            and r.get("n_depth", 0) == n_depth}
+
+
+def bench_rate(runs: list[dict], typ: str, n_prompt: int = 0, n_gen: int = 0, n_depth: int = 0) -> float:
+    """llama.cpp at its best for this shape: the faster of flash attention on and off. (On this CPU, on is
+    faster for prefill, off for decode over a long cache: 319 against 84 tok/s at 16K on the bundled model.)"""
+    return max(bench_rates(runs, typ, n_prompt, n_gen, n_depth).values())
 
 
 def llama_tokenize(binary: Path, gguf: Path, text: str) -> list[int]:
@@ -230,23 +270,26 @@ _PERF = re.compile(r"(prompt eval|eval|sampling) time =\s*([\d.]+) ms(?: /\s*(\d
 
 
 def llama_complete(binary: Path, gguf: Path, text: str, threads: int, max_tokens: int) -> dict:
-    """Greedy completion of `text`: the generated text and the timings llama.cpp prints."""
+    """Greedy completion of `text`: the generated text and the timings llama.cpp prints. The output is read as
+    bytes and decoded with U+FFFD for invalid UTF-8, as hetero decodes tokens (a random checkpoint writes any
+    byte sequence)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
     cmd = [str(binary), "-m", str(gguf), "-f", f.name, "-n", str(max_tokens), "--temp", "0", "-t", str(threads),
            "-tb", str(threads), "-no-cnv", "--no-display-prompt", "-c", "4096", "--seed", "0"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=llama_env())
+        r = subprocess.run(cmd, capture_output=True, env=llama_env())
     finally:
         os.unlink(f.name)
+    stdout, stderr = (b.decode("utf-8", errors="replace") for b in (r.stdout, r.stderr))
     if r.returncode != 0:
-        sys.exit(f"llama-completion failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
-    out = r.stdout.removesuffix("\n\n")  # printed after every generation
+        sys.exit(f"llama-completion failed: {' '.join(cmd)}\n{stderr[-3000:]}")
+    out = stdout.removesuffix("\n\n")  # printed after every generation
     stopped = out.endswith(" [end of text]\n")
     if stopped:
         out = out[: -len(" [end of text]\n")]
     perf = {}
-    for kind, ms, n in _PERF.findall(r.stderr):
+    for kind, ms, n in _PERF.findall(stderr):
         perf.setdefault(kind, (float(ms), int(n or 0)))
     eval_ms, runs = perf.get("eval", (0.0, 0))
     sample_ms = perf.get("sampling", (0.0, 0))[0]
@@ -262,7 +305,7 @@ def llama_complete(binary: Path, gguf: Path, text: str, threads: int, max_tokens
 # ---------------------------------------------------------------- hetero: a worker process per thread count
 
 
-def worker() -> None:
+def worker(model_path: str) -> None:
     """Answer JSON requests on stdin with one RESULT line each; BLAS threads come from the environment."""
     sys.path.insert(0, str(ROOT))
     from hetero.blas import environment, reexec_with_fast_blas
@@ -277,7 +320,7 @@ def worker() -> None:
     from hetero.sampling import Sampler, SamplingParams
     from hetero.settings import PLAIN, tuned_depth
 
-    engine = load(None, dtype=mx.float32)
+    engine = load(model_path, dtype=mx.float32)
     model, vocab = engine.model, engine.model.args.vocab_size
     tuned = tuned_depth(engine.identity)
     depth = tuned if isinstance(tuned, int) else DEFAULT_DRAFT_DEPTH
@@ -285,20 +328,18 @@ def worker() -> None:
                   "default (hetero tune saved off: plain won)" if tuned == PLAIN else "default (never tuned)")
     rng = np.random.default_rng(0)
 
-    def synthetic() -> dict:
-        res = {"prefill_tps": {}}
-        for n in PROMPT_LENGTHS:
-            times = DecodeTimes()
-            for _ in decode_tokens(model, rng.integers(3, vocab, n).tolist(), Sampler(SamplingParams()), 1, set(),
-                                     times=times):
-                pass
-            res["prefill_tps"][str(n)] = times.prefill_tps
+    def timed(prompt_len: int, new_tokens: int) -> DecodeTimes:
+        """Plain greedy decoding of `new_tokens` after a random prompt of `prompt_len` tokens."""
         times = DecodeTimes()
-        for _ in decode_tokens(model, rng.integers(3, vocab, 1).tolist(), Sampler(SamplingParams()), DECODE_TOKENS,
-                                 set(), times=times):
+        for _ in decode_tokens(model, rng.integers(3, vocab, prompt_len).tolist(), Sampler(SamplingParams()),
+                               new_tokens, set(), times=times):
             pass
-        res["decode_tps"] = times.decode_tps
-        return res
+        return times
+
+    def synthetic(decode: int, depths: list[int]) -> dict:
+        return {"prefill_tps": {str(n): timed(n, 1).prefill_tps for n in PROMPT_LENGTHS},
+                "decode_tps": timed(1, decode).decode_tps,
+                "depth_decode_tps": {str(d): timed(d, DEPTH_TOKENS).decode_tps for d in depths}}
 
     def text(prompts: list[str], max_tokens: int) -> list[dict]:
         rows = []
@@ -313,20 +354,21 @@ def worker() -> None:
             rows.append(row)
         return rows
 
-    synthetic()  # warm-up: compiles the step functions, faults the weights in
+    synthetic(8, [])  # warm-up: compiles the step functions, faults the weights in
     engine.generate("def f(x):", max_tokens=8, mtp=True, draft_depth=depth, use_prefix_cache=False)
     hello = {"environment": environment(), "mtp_depth": depth, "mtp_depth_source": depth_note}
     print(RESULT + json.dumps(hello), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        ans = synthetic() if req["op"] == "synthetic" else text(req["prompts"], req["max_tokens"])
+        ans = (synthetic(req["decode_tokens"], req["depths"]) if req["op"] == "synthetic"
+               else text(req["prompts"], req["max_tokens"]))
         print(RESULT + json.dumps(ans), flush=True)
 
 
 class Worker:
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, model_path: Path):
         env = dict(os.environ, MKL_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(model_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.hello = self._read()
 
@@ -408,57 +450,131 @@ def report(result: dict) -> None:
     """Print the medians (min-max over the rounds), the ratios hetero / llama.cpp and the identity checks."""
     env, args = result["environment"], result["args"]
     types = env["llama_cpp"]["gguf_types"]
+    n_dec = result["decode_tokens"]
     log("")
     log(f"llama.cpp {env['llama_cpp']['commit']} (llama-cpp-python {env['llama_cpp']['llama_cpp_python_sdist']}) vs "
-        f"hetero, bundled model, fp32; tok/s, median (min-max) of {args['repeats']} rounds")
+        f"hetero, {result['model']} model, fp32; tok/s, median (min-max) of {args['repeats']} rounds; llama.cpp "
+        f"at its best of flash attention on and off")
     for row in result["rows"]:
         L, H, R = row["llama_cpp"], row["hetero"], row["ratios"]
         t = row["threads"]
         for n in PROMPT_LENGTHS:
             log(f"  {t} thr  prefill {n:<5d}   hetero         {spread(H[f'prefill{n}'])}  llama.cpp {spread(L[f'pp{n}_f32'])}"
                 f"  -> {R[f'prefill{n}']:.2f}x")
-        log(f"  {t} thr  decode tg{DECODE_TOKENS}    hetero         {spread(H[f'decode{DECODE_TOKENS}_plain'])}  llama.cpp "
-            f"{spread(L[f'tg{DECODE_TOKENS}_f32'])}  -> {R[f'decode{DECODE_TOKENS}_plain']:.2f}x")
-        log(f"  {t} thr  text decode     hetero         {spread(H['text_decode_plain'])}  llama.cpp {spread(L['text_decode'])}"
-            f"  -> {R['text_decode_plain']:.2f}x")
-        log(f"  {t} thr  text decode     hetero MTP d={env['hetero_mtp_depth']} {spread(H['text_decode_mtp'])}"
-            f"  -> {R['text_decode_mtp']:.2f}x (accepted length {H['mtp_mean_accepted_length']:.2f})")
+        log(f"  {t} thr  decode tg{n_dec:<6d} hetero         {spread(H['decode_plain'])}  llama.cpp "
+            f"{spread(L['tg_f32'])}  -> {R['decode_plain']:.2f}x")
+        for d in result["depths"]:
+            log(f"  {t} thr  decode @ {d:<6d} hetero         {spread(H[f'depth{d}'])}  llama.cpp "
+                f"{spread(L[f'depth{d}'])}  -> {R[f'depth{d}']:.2f}x")
+        if "text_decode_plain" in H:
+            log(f"  {t} thr  text decode     hetero         {spread(H['text_decode_plain'])}  llama.cpp "
+                f"{spread(L['text_decode'])}  -> {R['text_decode_plain']:.2f}x")
+            log(f"  {t} thr  text decode     hetero MTP d={env['hetero_mtp_depth']} {spread(H['text_decode_mtp'])}"
+                f"  -> {R['text_decode_mtp']:.2f}x (accepted length {H['mtp_mean_accepted_length']:.2f})")
         for typ in types:
             if typ != "f32":
                 log(f"  {t} thr  llama.cpp {typ}: " + ", ".join(
                     f"pp{n} {L[f'pp{n}_{typ}']['median']:.0f}" for n in PROMPT_LENGTHS) +
-                    f", tg{DECODE_TOKENS} {L[f'tg{DECODE_TOKENS}_{typ}']['median']:.0f}")
+                    f", tg{n_dec} {L[f'tg_{typ}']['median']:.0f}")
     tok = result["prompt_tokenization"]
-    log(f"prompt tokenization, llama-tokenize vs hetero: identical {[t['same'] for t in tok]} "
-        f"({[t['tokens'] for t in tok]} tokens)")
+    if tok:
+        log(f"prompt tokenization, llama-tokenize vs hetero: identical {[t['same'] for t in tok]} "
+            f"({[t['tokens'] for t in tok]} tokens)")
     identity = result["greedy_identity"]
-    log(f"greedy identity (llama-completion --temp 0 vs hetero plain, per prompt and thread count): "
-        f"{[e['same_text'] for e in identity]}")
+    if identity:
+        log(f"greedy identity (llama-completion --temp 0 vs hetero plain, per prompt and thread count): "
+            f"{[e['same_text'] for e in identity]}")
     for e in identity:
         if not e["same_text"]:
             log(f"  prompt {e['prompt']} @ {e['threads']} thr differs at char {e['first_char_difference']}: "
                 f"llama.cpp {e['llama_text_there']!r} / hetero {e['hetero_text_there']!r}")
-    log(f"hetero MTP output equals its plain output: {all(e['mtp_same_as_plain'] for e in identity)}")
+    if identity:
+        log(f"hetero MTP output equals its plain output: {all(e['mtp_same_as_plain'] for e in identity)}")
+
+
+def summarize(t: int, s: dict, types: list[str], depths: tuple[int, ...], with_text: bool) -> tuple[dict, list[dict]]:
+    """One thread count's row (medians over rounds, ratios) and its greedy-identity entries."""
+    row = {"threads": t, "llama_cpp": {}, "hetero": {}}
+    L, H = row["llama_cpp"], row["hetero"]
+    for typ in types:
+        for n in PROMPT_LENGTHS:
+            L[f"pp{n}_{typ}"] = med([bench_rate(runs, typ, n_prompt=n) for runs in s["llama_bench"]])
+        L[f"tg_{typ}"] = med([bench_rate(runs, typ, n_gen=s["decode_tokens"]) for runs in s["llama_bench"]])
+    for d in depths:
+        L[f"depth{d}"] = med([bench_rate(runs, "f32", n_gen=DEPTH_TOKENS, n_depth=d) for runs in s["llama_bench"]])
+    L["by_flash_attention"] = {  # the f32 rows by setting, per round
+        **{f"pp{n}": [bench_rates(runs, "f32", n_prompt=n) for runs in s["llama_bench"]] for n in PROMPT_LENGTHS},
+        "tg": [bench_rates(runs, "f32", n_gen=s["decode_tokens"]) for runs in s["llama_bench"]],
+        **{f"depth{d}": [bench_rates(runs, "f32", n_gen=DEPTH_TOKENS, n_depth=d) for runs in s["llama_bench"]]
+           for d in depths},
+    }
+    for d in depths:
+        H[f"depth{d}"] = med([h["depth_decode_tps"][str(d)] for h in s["hetero"]])
+    for n in PROMPT_LENGTHS:
+        H[f"prefill{n}"] = med([h["prefill_tps"][str(n)] for h in s["hetero"]])
+    H["decode_plain"] = med([h["decode_tps"] for h in s["hetero"]])
+    row["ratios"] = {
+        **{f"prefill{n}": H[f"prefill{n}"]["median"] / L[f"pp{n}_f32"]["median"] for n in PROMPT_LENGTHS},
+        "decode_plain": H["decode_plain"]["median"] / L["tg_f32"]["median"],
+        **{f"depth{d}": H[f"depth{d}"]["median"] / L[f"depth{d}"]["median"] for d in depths},
+    }
+    identity = []
+    if not with_text:
+        return row, identity
+    # decode on text: the median over rounds of the mean over prompts
+    L["text_decode"] = med([statistics.mean(x["decode_tps"] for x in rnd) for rnd in s["llama_text"]])
+    L["text_decode_eval_only"] = med([statistics.mean(x["decode_tps_eval"] for x in rnd) for rnd in s["llama_text"]])
+    for mode in ("plain", "mtp"):
+        H[f"text_decode_{mode}"] = med([statistics.mean(x[mode]["decode_tps"] for x in rnd) for rnd in s["hetero_text"]])
+    H["mtp_mean_accepted_length"] = statistics.mean(x["mtp"]["mean_accepted_length"] for rnd in s["hetero_text"] for x in rnd)
+    row["ratios"]["text_decode_plain"] = H["text_decode_plain"]["median"] / L["text_decode"]["median"]
+    row["ratios"]["text_decode_mtp"] = H["text_decode_mtp"]["median"] / L["text_decode"]["median"]
+    # greedy identity on the text prompts (first round; later rounds must repeat it)
+    for i, (lt, ht) in enumerate(zip(s["llama_text"][0], s["hetero_text"][0])):
+        same = lt["text"] == ht["plain"]["text"]
+        entry = {"threads": t, "prompt": i, "same_text": same, "mtp_same_as_plain": ht["mtp"]["tokens"] == ht["plain"]["tokens"],
+                 "hetero_tokens": len(ht["plain"]["tokens"]), "llama_eval_runs": lt["eval_runs"],
+                 "llama_stopped_at_eos": lt["stopped_at_eos"], "hetero_finish": ht["plain"]["finish_reason"]}
+        if not same:
+            k = first_difference(lt["text"], ht["plain"]["text"])
+            entry["first_char_difference"] = k
+            entry["llama_text_there"] = lt["text"][max(0, k - 40): k + 40]
+            entry["hetero_text_there"] = ht["plain"]["text"][max(0, k - 40): k + 40]
+        identity.append(entry)
+    return row, identity
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="bundled",
+                    help="checkpoint: the bundled model, or bench/checkpoints.py's large / moe random ones")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"),
+                    help="where the large / moe checkpoints are written (once)")
     ap.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON, help="sdist version that carries llama.cpp")
     ap.add_argument("--threads", nargs="+", type=int, default=sorted({1, os.cpu_count() or 1}))
     ap.add_argument("--types", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16"],
                     help="GGUF weight types for llama-bench; f32 is the one compared (hetero runs fp32)")
+    ap.add_argument("--depths", nargs="*", type=int, help="context lengths for decode at depth (default per model)")
     ap.add_argument("--repeats", type=int, default=5, help="measured rounds per contender (each warms up first)")
-    ap.add_argument("--prompts", type=int, default=3, help="text prompts for the decode-on-text rows")
+    ap.add_argument("--prompts", type=int, help="text prompts for the decode-on-text rows (default per model; 0: none)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs for the build")
     ap.add_argument("--cache", default=str(cache_root()), help="where the source, build and GGUFs live")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "llama_cpp.json"))
+    ap.add_argument("--out", help="result JSON (default bench/results/llama_cpp.json, llama_cpp_<model>.json)")
     ap.add_argument("--report", metavar="JSON", help="only print the summary of a JSON this script wrote")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", metavar="MODEL", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker()
+        return worker(args.worker)
     if args.report:
         return report(json.loads(Path(args.report).read_text()))
+    if any(t < 1 for t in args.threads) or args.repeats < 1 or any(d < 1 for d in args.depths or []):
+        ap.error("--threads, --repeats and --depths take positive numbers")
+    defaults = MODELS[args.model]
+    depths = tuple(args.depths) if args.depths is not None else defaults["depths"]
+    n_prompts = args.prompts if args.prompts is not None else defaults["prompts"]
+    decode = defaults["decode_tokens"]
+    out = Path(args.out or ROOT / "bench" / "results" /
+               ("llama_cpp.json" if args.model == "bundled" else f"llama_cpp_{args.model}.json"))
 
     root = Path(args.cache)
     root.mkdir(parents=True, exist_ok=True)
@@ -474,32 +590,40 @@ def main() -> None:
     built = build(src, args.jobs)
     if "f32" not in args.types:
         args.types = ["f32", *args.types]
-    ggufs = {t: convert(src, BUNDLED, t) for t in args.types}
+    sys.path.insert(0, str(ROOT))
+    import hetero  # noqa: F401  (before mlx, which bench.checkpoints imports: puts the fast BLAS under it)
+    from bench.checkpoints import checkpoint
+
+    model_path = checkpoint(args.model, Path(args.workdir))
+    ggufs = {t: convert(src, model_path, args.model, t) for t in args.types}
     bins = src / "build" / "bin"
 
-    prompts = text_prompts(args.prompts, 900)
-    log(f"starting hetero workers (threads {args.threads}) ...")
-    workers = {t: Worker(t) for t in args.threads}
+    prompts = text_prompts(n_prompts, 900) if n_prompts else []
+    log(f"starting hetero workers on the {args.model} model (threads {args.threads}) ...")
+    workers = {t: Worker(t, model_path) for t in args.threads}
     depth = workers[args.threads[0]].hello["mtp_depth"]
 
     # tokenizations: llama.cpp's against hetero's
-    hetero_ids = workers[args.threads[0]].ask(op="text", prompts=prompts, max_tokens=1)
     tokenization = []
-    for p, h in zip(prompts, hetero_ids):
-        ids = llama_tokenize(bins / "llama-tokenize", ggufs["f32"], p)
-        tokenization.append({"tokens": len(ids), "same": ids == h["prompt_ids"],
-                             "first_difference": first_difference(ids, h["prompt_ids"])})
-    log(f"prompt tokenization identical: {[t['same'] for t in tokenization]} ({[t['tokens'] for t in tokenization]} tokens)")
+    if prompts:
+        hetero_ids = workers[args.threads[0]].ask(op="text", prompts=prompts, max_tokens=1)
+        for p, h in zip(prompts, hetero_ids):
+            ids = llama_tokenize(bins / "llama-tokenize", ggufs["f32"], p)
+            tokenization.append({"tokens": len(ids), "same": ids == h["prompt_ids"],
+                                 "first_difference": first_difference(ids, h["prompt_ids"])})
+        log(f"prompt tokenization identical: {[t['same'] for t in tokenization]} ({[t['tokens'] for t in tokenization]} tokens)")
 
-    samples = {t: {"llama_bench": [], "hetero": [], "llama_text": [], "hetero_text": []} for t in args.threads}
+    samples = {t: {"llama_bench": [], "hetero": [], "llama_text": [], "hetero_text": [], "decode_tokens": decode}
+               for t in args.threads}
     for rep in range(args.repeats):
         for t in args.threads:  # alternate A B A B
             s = samples[t]
-            s["llama_bench"].append(llama_bench(bins / "llama-bench", ggufs, t))
-            s["hetero"].append(workers[t].ask(op="synthetic"))
-            s["llama_text"].append([llama_complete(bins / "llama-completion", ggufs["f32"], p, t, DECODE_TOKENS)
-                                    for p in prompts])
-            s["hetero_text"].append(workers[t].ask(op="text", prompts=prompts, max_tokens=DECODE_TOKENS))
+            s["llama_bench"].append(llama_bench(bins / "llama-bench", ggufs, t, decode, depths))
+            s["hetero"].append(workers[t].ask(op="synthetic", decode_tokens=decode, depths=list(depths)))
+            if prompts:
+                s["llama_text"].append([llama_complete(bins / "llama-completion", ggufs["f32"], p, t, decode)
+                                        for p in prompts])
+                s["hetero_text"].append(workers[t].ask(op="text", prompts=prompts, max_tokens=decode))
             log(f"round {rep + 1}/{args.repeats}, {t} thread(s): done")
     env = workers[args.threads[0]].hello["environment"]
     depth_source = workers[args.threads[0]].hello["mtp_depth_source"]
@@ -508,49 +632,13 @@ def main() -> None:
 
     rows, identity = [], []
     for t in args.threads:
-        s = samples[t]
-        row = {"threads": t, "llama_cpp": {}, "hetero": {}}
-        for typ in args.types:
-            for n in PROMPT_LENGTHS:
-                row["llama_cpp"][f"pp{n}_{typ}"] = med([next(
-                    r["avg_ts"] for r in runs if r["n_prompt"] == n and r["n_gen"] == 0 and r["model_filename"].endswith(f"-{typ}.gguf")
-                ) for runs in s["llama_bench"]])
-            row["llama_cpp"][f"tg{DECODE_TOKENS}_{typ}"] = med([next(
-                r["avg_ts"] for r in runs if r["n_gen"] == DECODE_TOKENS and r["model_filename"].endswith(f"-{typ}.gguf")
-            ) for runs in s["llama_bench"]])
-        for n in PROMPT_LENGTHS:
-            row["hetero"][f"prefill{n}"] = med([h["prefill_tps"][str(n)] for h in s["hetero"]])
-        row["hetero"][f"decode{DECODE_TOKENS}_plain"] = med([h["decode_tps"] for h in s["hetero"]])
-        # decode on text: the median over rounds of the mean over prompts
-        row["llama_cpp"]["text_decode"] = med([statistics.mean(x["decode_tps"] for x in rnd) for rnd in s["llama_text"]])
-        row["llama_cpp"]["text_decode_eval_only"] = med([statistics.mean(x["decode_tps_eval"] for x in rnd) for rnd in s["llama_text"]])
-        for mode in ("plain", "mtp"):
-            row["hetero"][f"text_decode_{mode}"] = med([statistics.mean(x[mode]["decode_tps"] for x in rnd) for rnd in s["hetero_text"]])
-        row["hetero"]["mtp_mean_accepted_length"] = statistics.mean(
-            x["mtp"]["mean_accepted_length"] for rnd in s["hetero_text"] for x in rnd)
-        L, H = row["llama_cpp"], row["hetero"]
-        row["ratios"] = {
-            **{f"prefill{n}": H[f"prefill{n}"]["median"] / L[f"pp{n}_f32"]["median"] for n in PROMPT_LENGTHS},
-            f"decode{DECODE_TOKENS}_plain": H[f"decode{DECODE_TOKENS}_plain"]["median"] / L[f"tg{DECODE_TOKENS}_f32"]["median"],
-            "text_decode_plain": H["text_decode_plain"]["median"] / L["text_decode"]["median"],
-            "text_decode_mtp": H["text_decode_mtp"]["median"] / L["text_decode"]["median"],
-        }
+        row, ident = summarize(t, samples[t], args.types, depths, bool(prompts))
         rows.append(row)
-        # greedy identity on the text prompts (first round; later rounds must repeat it)
-        for i, (lt, ht) in enumerate(zip(s["llama_text"][0], s["hetero_text"][0])):
-            same = lt["text"] == ht["plain"]["text"]
-            entry = {"threads": t, "prompt": i, "same_text": same, "mtp_same_as_plain": ht["mtp"]["tokens"] == ht["plain"]["tokens"],
-                     "hetero_tokens": len(ht["plain"]["tokens"]), "llama_eval_runs": lt["eval_runs"],
-                     "llama_stopped_at_eos": lt["stopped_at_eos"], "hetero_finish": ht["plain"]["finish_reason"]}
-            if not same:
-                k = first_difference(lt["text"], ht["plain"]["text"])
-                entry["first_char_difference"] = k
-                entry["llama_text_there"] = lt["text"][max(0, k - 40): k + 40]
-                entry["hetero_text_there"] = ht["plain"]["text"][max(0, k - 40): k + 40]
-            identity.append(entry)
+        identity += ident
 
     first = samples[args.threads[0]]["llama_bench"][0][0]
     result = {
+        "model": args.model, "decode_tokens": decode, "depths": list(depths), "depth_tokens": DEPTH_TOKENS,
         "environment": {
             "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "threads": args.threads,
             "llama_cpp": {"llama_cpp_python_sdist": args.llama_cpp_python, "commit": commit,
@@ -567,7 +655,6 @@ def main() -> None:
         "greedy_identity": identity,
         "args": {k: v for k, v in vars(args).items() if k != "worker"},
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     log(f"wrote {out}")
