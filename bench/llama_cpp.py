@@ -443,7 +443,8 @@ def med(xs: list[float]) -> dict:
 
 
 def spread(v: dict) -> str:
-    return f"{v['median']:7.0f} ({min(v['runs']):.0f}-{max(v['runs']):.0f})"
+    digits = 0 if v["median"] >= 100 else 1
+    return f"{v['median']:7.{digits}f} ({min(v['runs']):.{digits}f}-{max(v['runs']):.{digits}f})"
 
 
 def report(result: dict) -> None:
