@@ -8,18 +8,26 @@ For one plain decode step (one token after a `--context`-token prompt) and one `
     decode, the chunk for prefill): what the BLAS alone costs for the same products, the floor of this machine;
   - `step_ms`: the real step, compiled as the engine runs it, and `uncompiled_ms` with `mx.disable_compile()`;
   - `build_ms`: the Python time to build the step's lazy graph (part of `step_ms`);
-  - `overhead_ms` = step_ms - matmul_ms: dispatch, elementwise ops, attention, the recurrence, Python.
+  - `overhead_ms` = step_ms - matmul_ms: dispatch, elementwise ops, attention, the recurrence, Python;
+  - `primitives`: how many primitives MLX evaluates for the decode step (its graph, after the compiled functions
+    fused what they fuse; `by_kind` the most frequent, `views` those that only re-view their input), and
+    `per_primitive_us` what one tiny primitive costs to evaluate here (chains of 2,000 elementwise ops, and of
+    2,000 reshapes, on 256 floats): `dispatch_ms` = views x view cost + the others x elementwise cost, an estimate
+    of the floor of a step made of that many primitives on MLX's CPU backend, whatever each computes.
 Medians of `--repeats` timed runs after warm-ups. Writes bench/results/step_profile.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,6 +69,46 @@ def matmul_ms(mats: list[mx.array], rows: int, repeats: int) -> float:
     return median_ms(lambda: mx.eval([x @ w.T for x, w in zip(xs, mats)]), repeats)
 
 
+VIEWS = {"Slice", "Squeeze", "ExpandDims", "Reshape", "Transpose", "Flatten", "Unflatten", "Broadcast", "AsStrided"}
+
+
+def graph_primitives(outputs: list[mx.array]) -> Counter:
+    """The primitives of the unevaluated graph behind `outputs`, by kind (from MLX's own DOT export)."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *outputs)
+    return Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', buf.getvalue()))
+
+
+def per_primitive_us(n: int = 2000, repeats: int = 9) -> dict:
+    """What one tiny primitive costs to evaluate on this backend, graph already built (uncompiled chains of n ops on
+    256 floats): an elementwise multiply, and a reshape (a view, no arithmetic)."""
+    x = mx.ones((1, 256))
+    mx.eval(x)
+
+    def eval_us(make) -> float:
+        times = []
+        for _ in range(repeats):
+            y = make()
+            t0 = time.perf_counter()
+            mx.eval(y)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6 / n
+
+    def multiplies() -> mx.array:
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        return y
+
+    def reshapes() -> mx.array:
+        y = x
+        for i in range(n):
+            y = y.reshape((256, 1) if i % 2 == 0 else (1, 256))
+        return y
+
+    return {"elementwise": eval_us(multiplies), "view": eval_us(reshapes)}
+
+
 def decode_step(model, context: list[int], repeats: int) -> dict:
     cache = model.make_cache()
     prefill(model, context, cache)
@@ -77,6 +125,12 @@ def decode_step(model, context: list[int], repeats: int) -> dict:
         mx.eval(logits, *cache_arrays(cache))
         return built
 
+    for c in cache:
+        if isinstance(c, KVCache):
+            c.trim_to(offset)
+    logits, _ = model(token, cache)
+    kinds = graph_primitives([logits, *cache_arrays(cache)])
+    mx.eval(logits, *cache_arrays(cache))
     builds = []
     step = median_ms(lambda: builds.append(one()), repeats)
     mx.disable_compile()
@@ -84,7 +138,9 @@ def decode_step(model, context: list[int], repeats: int) -> dict:
         uncompiled = median_ms(one, repeats)
     finally:
         mx.enable_compile()
-    return {"step_ms": step, "uncompiled_ms": uncompiled, "build_ms": statistics.median(builds) * 1e3}
+    return {"step_ms": step, "uncompiled_ms": uncompiled, "build_ms": statistics.median(builds) * 1e3,
+            "primitives": sum(kinds.values()), "views": sum(n for k, n in kinds.items() if k in VIEWS),
+            "by_kind": dict(kinds.most_common(12))}
 
 
 def prefill_chunk(model, tokens: list[int], repeats: int) -> dict:
@@ -116,12 +172,18 @@ def main() -> None:
         chunk["matmul_ms"] = matmul_ms(mats, args.chunk, max(3, args.repeats // 10))
         for part in (decode, chunk):
             part["overhead_ms"] = part["step_ms"] - part["matmul_ms"]
+        cost = decode["per_primitive_us"] = per_primitive_us()
+        decode["dispatch_ms"] = (decode["views"] * cost["view"] +
+                                 (decode["primitives"] - decode["views"]) * cost["elementwise"]) / 1e3
         weight_mb = sum(w.nbytes for w in mats) / 1e6
         rows.append({"model": name, "weights_mb": weight_mb, "context": args.context, "chunk": args.chunk,
                      "decode": decode, "prefill_chunk": chunk})
         print(f"{name:8s} decode step {decode['step_ms']:7.2f} ms (uncompiled {decode['uncompiled_ms']:.2f}, "
               f"graph build {decode['build_ms']:.2f}) | its matmuls alone {decode['matmul_ms']:.2f} ms "
               f"({weight_mb:.0f} MB) | overhead {decode['overhead_ms']:.2f} ms/token", flush=True)
+        print(f"{name:8s} decode step: {decode['primitives']} primitives ({decode['views']} views at "
+              f"{cost['view']:.1f} us, the others at {cost['elementwise']:.1f} us) = about {decode['dispatch_ms']:.2f} ms "
+              f"of dispatch; most: {decode['by_kind']}", flush=True)
         print(f"{name:8s} prefill chunk of {args.chunk}: {chunk['step_ms']:8.1f} ms | its matmuls alone "
               f"{chunk['matmul_ms']:.1f} ms | overhead {chunk['overhead_ms']:.1f} ms "
               f"({chunk['overhead_ms'] / args.chunk:.3f} ms/token)", flush=True)
