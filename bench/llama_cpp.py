@@ -567,7 +567,11 @@ def main() -> None:
     if args.worker:
         return worker(args.worker)
     if args.report:
-        return report(json.loads(Path(args.report).read_text()))
+        try:
+            result = json.loads(Path(args.report).read_text())
+            return report(result)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"--report {args.report}: not a result this script wrote ({type(e).__name__}: {e})")
     if any(t < 1 for t in args.threads) or args.repeats < 1 or any(d < 1 for d in args.depths or []):
         ap.error("--threads, --repeats and --depths take positive numbers")
     defaults = MODELS[args.model]
