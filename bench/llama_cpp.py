@@ -9,7 +9,8 @@ llama.cpp is never vendored or committed: the script downloads the `llama-cpp-py
 (it carries llama.cpp's source, convert_hf_to_gguf.py and gguf-py), builds llama-bench, llama-completion and
 llama-tokenize with CMake (CPU only, Release, GGML_NATIVE) into ~/.cache/hetero-bench/llama.cpp-py<version>/
 and converts the checkpoint to GGUF with that version's converter (backbone only: --no-mtp). A second run reuses
-the build and the GGUF. A version whose llama.cpp lacks the Qwen3.5 architecture (qwen35), or a converter that
+the build and the GGUF. The converter imports torch and transformers: run it from the test install (README). A
+version whose llama.cpp lacks the Qwen3.5 architecture (qwen35), or a converter that
 refuses the checkpoint (the MoE one needs qwen35moe), makes the script say so and exit with status 2.
 
 Measured, alternating llama.cpp and hetero (A B A B), at each thread count (default 1 and all cores; llama.cpp
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -196,6 +198,10 @@ def convert(src: Path, model: Path, name: str, dtype: str) -> Path:
         return out
     if not plain_byte_level(model):
         sys.exit("the checkpoint's tokenizer is not a plain ByteLevel BPE: its llama.cpp pre-tokenizer is unknown")
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"llama.cpp's convert_hf_to_gguf.py imports {' and '.join(missing)}, which this venv lacks: install "
+                 f"the test extras (pip install torch==2.13.0 -e \".[test]\") and run again")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".part")
     cmd = [sys.executable, "-c", _CONVERT, str(src / "vendor" / "llama.cpp"), str(model), "--outtype", dtype,
