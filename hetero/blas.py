@@ -19,8 +19,9 @@ give each lane one BLAS thread keep control: one thread selects MKL's sequential
 MKL runs on its Intel OpenMP layer over every core, and its dynamic mode (on by default) runs a small product on
 one thread, so both cores serve only the products large enough to pay for them. Measured on this project's
 2-core x86 machines (MKL 2026.2): a 64 x 64 x 64 product costs 10 us either way, a 512 x 1024 x 3072 one 8.6 ms
-against 17 ms on one thread; whole runs of the bundled model decode at 342 against 237 tok/s and prefill 4K tokens
-at 3,649 against 3,016 tok/s, the large bench model decodes at 19.6 against 11.8 tok/s. The OpenMP runtime keeps
+against 17 ms on one thread; whole runs of the bundled model decode at 367 against 229 tok/s and prefill 4K tokens
+at 3,546 against 3,051 tok/s, the large bench model decodes at 20.0 against 12.0 tok/s (bench/llama_cpp.py, 2
+threads against 1, bench/results/llama_cpp*.json). The OpenMP runtime keeps
 its default KMP_BLOCKTIME (idle workers wait 200 ms before sleeping): with KMP_BLOCKTIME=0 every parallel product
 paid for waking a worker, and the same bundled runs fell to 202 and 1,963 tok/s, below one thread.
 NVPL runs its sequential variant (not measured: no aarch64 machine here).
