@@ -24,6 +24,20 @@ def oracle(q: mx.array, k: mx.array, v: mx.array, scale: float) -> np.ndarray:
     return (p / p.sum(-1, keepdims=True)) @ vn
 
 
+def assert_matches_oracle(kernel, shape: tuple[int, ...], mask: str | None) -> None:
+    """`kernel(q, k, v, scale)` on random inputs of `shape` (B, H, Hkv, L, S, D) is within 5e-5 of the float64
+    oracle, and no further from it than twice MLX's own fused kernel."""
+    B, H, Hkv, L, S, D = shape
+    mx.random.seed(sum(shape))
+    q, k = mx.random.normal((B, H, L, D)) * 3, mx.random.normal((B, Hkv, S, D)) * 3
+    v = mx.random.normal((B, Hkv, S, D))
+    want = oracle(q, k, v, D**-0.5)
+    got = np.array(kernel(q, k, v, D**-0.5))
+    fused = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask))
+    assert np.abs(got - want).max() <= 5e-5
+    assert np.abs(got - want).max() <= 2 * np.abs(fused - want).max() + 1e-6
+
+
 SHAPES = [  # B, H, Hkv, L, S, D
     (1, 4, 2, 512, 512, 64),  # first prefill chunk
     (1, 4, 2, 96, 1000, 64),  # a later chunk over a cache
@@ -36,15 +50,7 @@ SHAPES = [  # B, H, Hkv, L, S, D
 @pytest.mark.parametrize("block", [attention.BLOCK_SCORES, 3000])
 def test_numpy_kernel_matches_float64_oracle(shape, block, monkeypatch):
     monkeypatch.setattr(attention, "BLOCK_SCORES", block)  # 3000 forces many query blocks per head
-    B, H, Hkv, L, S, D = shape
-    mx.random.seed(sum(shape))
-    q, k = mx.random.normal((B, H, L, D)) * 3, mx.random.normal((B, Hkv, S, D)) * 3
-    v = mx.random.normal((B, Hkv, S, D))
-    want = oracle(q, k, v, D**-0.5)
-    got = np.array(attention._numpy_causal(q, k, v, D**-0.5))
-    fused = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal"))
-    assert np.abs(got - want).max() <= 5e-5
-    assert np.abs(got - want).max() <= 2 * np.abs(fused - want).max() + 1e-6
+    assert_matches_oracle(attention._numpy_causal, shape, mask="causal")
 
 
 def test_future_keys_get_exactly_zero_weight():
@@ -103,16 +109,7 @@ FEW_SHAPES = [  # B, H, Hkv, L, S, D: a few queries (decode, verify) over a long
 
 @pytest.mark.parametrize("shape", FEW_SHAPES)
 def test_few_query_kernel_matches_float64_oracle(shape):
-    B, H, Hkv, L, S, D = shape
-    mx.random.seed(sum(shape))
-    q, k = mx.random.normal((B, H, L, D)) * 3, mx.random.normal((B, Hkv, S, D)) * 3
-    v = mx.random.normal((B, Hkv, S, D))
-    want = oracle(q, k, v, D**-0.5)
-    got = np.array(attention._numpy_few(q, k, v, D**-0.5))
-    mask = "causal" if L > 1 else None
-    fused = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask))
-    assert np.abs(got - want).max() <= 5e-5
-    assert np.abs(got - want).max() <= 2 * np.abs(fused - want).max() + 1e-6
+    assert_matches_oracle(attention._numpy_few, shape, mask="causal" if shape[3] > 1 else None)
 
 
 def test_few_query_kernel_reads_a_cache_buffer_past_its_valid_keys():
