@@ -575,9 +575,11 @@ def main() -> None:
     if args.report:
         try:
             result = json.loads(Path(args.report).read_text())
-            return report(result)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            sys.exit(f"--report {args.report}: not a result this script wrote ({type(e).__name__}: {e})")
+        except (OSError, ValueError) as e:
+            sys.exit(f"--report {args.report}: cannot read it as JSON ({type(e).__name__}: {e})")
+        if not (isinstance(result, dict) and {"model", "rows", "environment", "args"} <= result.keys()):
+            sys.exit(f"--report {args.report}: not a result this script wrote (run it without --report first)")
+        return report(result)
     if any(t < 1 for t in args.threads) or args.repeats < 1 or any(d < 1 for d in args.depths or []):
         ap.error("--threads, --repeats and --depths take positive numbers")
     defaults = MODELS[args.model]
