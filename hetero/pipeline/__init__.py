@@ -19,7 +19,7 @@ two jobs whose `merge` (GPU lane) combines them exactly where the math allows (s
 `--verify` reruns the prompt GPU-only and compares; `--trace` writes one Chrome trace track per lane.
 
 Modules: `lanes` (lanes, the job scheduler, decode interleaving, trace), `programs` (ANE backend, export cache), `shares`
-(the GPU's slices), `split` (the split prefill), `run` (a configured split: its plan, verification, `auto`).
+(the GPU's slices), `split` (the split prefill), `run` (a configured split: its plan, `auto`), `verification` (`verify`: the split against GPU-only, judged by the run's own rounding).
 """
 
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
@@ -31,12 +31,11 @@ from hetero.pipeline.run import (
     PipelineRun,
     auto_fraction,
     configure,
-    greedy_continuation,
     split_for,
-    verify,
 )
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, GpuMoERest
 from hetero.pipeline.split import SplitPrefill, SplitResult
+from hetero.pipeline.verification import greedy_continuation, verify
 from hetero.planner import context_bucket
 
 __all__ = [

@@ -8,13 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
-from hetero.cache import KVCache, LayerCache
-from hetero.decode.state import Decoder
-from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost, HeteroError
-from hetero.models.qwen3_5 import Model
+from hetero.cache import LayerCache
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.fingerprint import weights_fingerprint
@@ -22,18 +18,15 @@ from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.profiles import Profile
-from hetero.sampling import Sampler, SamplingParams
 from hetero.validate import AneSplit
-from hetero.decode.prefill import prefill
 from hetero.planner import check_prompt_fits
 from hetero.planner import recommend
 from hetero.planner.recommend import split_plan
-from hetero.profiles import THIS_MACHINE, load_profile
-from hetero.profiles import default_profile_name, load_profile
-from hetero.verify_tolerance import verify_tolerance
+from hetero.profiles import THIS_MACHINE, default_profile_name, load_profile
+from hetero.pipeline.verification import verify
 
 DEFAULT_CHUNK = 256
-DEFAULT_VERIFY_TOL: float | None = None  # None: the model dtype's (hetero.verify_tolerance.verify_tolerance)
+DEFAULT_VERIFY_TOL: float | None = None  # None: judged against the run's own fp32 reference (hetero.pipeline.verification)
 DEFAULT_VERIFY_TOKENS = 32
 
 
@@ -157,78 +150,6 @@ def configure(
     if lane not in ("process", "thread"):
         raise HeteroError(f"the ANE lane runs in a 'process' or a 'thread', not {lane!r}")
     return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane)
-
-
-def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
-    """n greedy tokens decoded on the GPU by the stepper from a filled cache and the prompt's last logits [1, V]."""
-    decoder = Decoder(model, cache, int(mx.argmax(logits[-1]).item()), mx.zeros((0, model.args.hidden_size)))
-    batch = Batch(model, max_batch=1)
-    row = batch.admit(batch.row(decoder, Sampler(SamplingParams()), n, set(), depth=0))
-    for _ in batch.drain():
-        pass
-    return row.tokens
-
-
-def verify(run: PipelineRun, ids: list[int], tol: float | None = DEFAULT_VERIFY_TOL,
-           n_tokens: int = DEFAULT_VERIFY_TOKENS) -> dict:
-    """Split prefill against the GPU-only prefill of the same prompt: the caches it leaves, the last logits and a
-    greedy continuation.
-
-    `match` is true when max |split - gpu| / max |gpu| <= tol for the last position's logits and for every cache
-    array (each layer's K and V over the prompt, GDN conv window and recurrent state), and the greedy continuation
-    of `n_tokens` tokens is identical up to a near-tie. The caches are what the next chunk, turn or decode step
-    reads: a defect there (a head written in the wrong slot) can hide at the last position of a short prompt.
-    `tol` None is the model dtype's tolerance (`hetero.verify_tolerance`, measured against a float64 oracle).
-
-    A near-tie: where the continuations first part, the GPU-only run's token leads the split's by at most
-    2 tol x max |logit|. Two runs whose logits are each within tol x max of the other's may order such a pair either
-    way (bf16 does, on the bundled and random models alike), so the comparison stops there (`greedy_tie_at`).
-    """
-
-    model = run.engine.model
-    if tol is None:
-        tol = verify_tolerance(model.model.norm.weight.dtype)  # norms carry the compute dtype, even when quantized
-    split_cache = model.make_cache()
-    res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True)
-    gpu_cache = model.make_cache()
-    ref, _ = prefill(model, ids, gpu_cache, run.chunk)
-    cache_rel, worst = cache_difference(split_cache.backbone, gpu_cache.backbone)
-    a, b = np.array(res.logits[-1].astype(mx.float32)), np.array(ref[-1].astype(mx.float32))
-    diff = float(np.abs(a - b).max())
-    cosine = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
-    ours = greedy_continuation(model, split_cache, res.logits, n_tokens)
-    theirs = greedy_continuation(model, gpu_cache, ref, n_tokens)
-    same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
-    rel = diff / max(float(np.abs(b).max()), 1e-30)
-    gap = None
-    if same < n_tokens:  # the GPU-only logits where the two parted (the same tokens before it on both sides)
-        step = ref if same == 0 else prefill(model, ids + theirs[:same], model.make_cache(), run.chunk)[0]
-        s = np.array(step[-1].astype(mx.float32))  # [V]
-        gap = float(s[theirs[same]] - s[ours[same]]) / max(float(np.abs(s).max()), 1e-30)
-    tie = gap is not None and gap <= 2 * tol
-    return {"match": bool(rel <= tol and cache_rel <= tol and (same == n_tokens or tie)),
-            "max_abs_logit_diff": round(diff, 6), "max_rel_logit_diff": round(rel, 6),
-            "max_rel_cache_diff": round(cache_rel, 6), "worst_cache": worst, "cosine": round(cosine, 8),
-            "greedy_match_tokens": same, "greedy_compared_tokens": n_tokens, "greedy_tie_at": same if tie else None,
-            "greedy_gap": None if gap is None else round(gap, 6), "tolerance": tol}
-
-
-def cache_difference(ours: list[LayerCache], theirs: list[LayerCache]) -> tuple[float, str]:
-    """The largest max |a - b| / max |b| over every array two filled caches hold (K and V up to the cache's
-    offset, GDN conv window and recurrent state), and which array it was ("layer 3 values")."""
-    worst, where = 0.0, ""
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        if isinstance(b, KVCache):
-            pairs = {"keys": (a.keys[:, :, : b.offset], b.keys[:, :, : b.offset]),
-                     "values": (a.values[:, :, : b.offset], b.values[:, :, : b.offset])}
-        else:
-            pairs = {"conv window": (a.conv, b.conv), "recurrent state": (a.recurrent, b.recurrent)}
-        for name, (x, y) in pairs.items():
-            x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
-            rel = float(np.abs(x - y).max()) / max(float(np.abs(y).max()), 1e-30)
-            if rel > worst:
-                worst, where = rel, f"layer {i} {name}"
-    return worst, where
 
 
 CALIBRATION = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n" * 4

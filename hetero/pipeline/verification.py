@@ -1,0 +1,175 @@
+"""`--verify`: the split prefill against the GPU-only prefill of the same prompt, judged by the run's own rounding.
+
+A split in bf16 cannot be held to a fixed distance from the GPU-only run in bf16: both carry bf16's rounding, which
+depends on the model and the prompt (a 4-bit checkpoint's bf16 run lay 0.135 from its own fp32 run at the last
+position), and a constant measured on the project's checkpoints rejected correct splits of others. So each path is
+measured against the same prompt computed in fp32 on the GPU lane, from the weights as loaded (`fp32_copy`), and a
+split is accepted when it is no farther from that reference than `K` times the GPU-only run's own distance plus
+`ANE_FLOOR`, the fp16 share's allowance (the ANE computes fp16 whatever the GPU lane's dtype):
+
+    d(split, fp32) <= K x d(gpu, fp32) + ANE_FLOOR
+
+A distance is the largest relative RMS difference, ||a - ref|| / ||ref||, over the last logits and every array the
+cache holds (each layer's K and V over the prompt, GDN conv window and recurrent state): the arrays the next chunk,
+turn and decode step read. RMS rather than the largest element: a defect moves a whole array, rounding moves its
+elements each a little, and one extreme element of a bf16 run's rounding hid a program that lost half its output.
+
+`--verify-tol T` overrides all of this with the older fixed comparison, max |split - gpu| / max |gpu| <= T.
+Where an fp32 copy of the model does not fit in memory, the dtype's fixed tolerance (`hetero.verify_tolerance`) is
+used and the result says so.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from hetero.cache import KVCache, LayerCache
+from hetero.decode.prefill import prefill
+from hetero.decode.state import Decoder
+from hetero.decode.stepper import Batch
+from hetero.models.qwen3_5 import Model
+from hetero.planner import physical_memory_bytes
+from hetero.sampling import Sampler, SamplingParams
+from hetero.verify_tolerance import verify_tolerance
+
+# d(split, fp32) / d(gpu, fp32) measured 0.96-1.04 in bf16 and fp16 on the bundled model and a random checkpoint of
+# Qwen3.5's real shapes (docs/planner.md, "Verify against the run's own rounding"); 1.5 leaves room for prompts and
+# checkpoints not measured, and stays under the 2.5-3.1x that a program losing half its output moved them.
+K = 1.5
+# The fp16 ANE share's allowance: twice the largest relative RMS distance of an fp32 split from fp32 GPU-only measured,
+# 3.73e-3 at 16K tokens on bench/ttft.py's model (2.76e-3 at 8K; 4.1e-4 / 3.5e-4 on the real-shape and bundled
+# models at 1K / 4K): fp32 GPU-only is its own reference, so this is all an fp32 split may differ. It grows slowly
+# with the prompt (docs/planner.md).
+ANE_FLOOR = 7.5e-3
+MEMORY_SHARE = 0.75  # an fp32 copy is made when it and the model fit in this share of physical memory
+
+
+def arrays_of(logits: mx.array, cache: list[LayerCache]) -> dict[str, np.ndarray]:
+    """The compared arrays of a filled cache and its last logits, fp32, by name ("layer 3 keys")."""
+    out = {"last logits": np.array(logits[-1].astype(mx.float32))}
+    for i, c in enumerate(cache):
+        if isinstance(c, KVCache):
+            out[f"layer {i} keys"] = np.array(c.keys[:, :, : c.offset].astype(mx.float32))
+            out[f"layer {i} values"] = np.array(c.values[:, :, : c.offset].astype(mx.float32))
+        else:
+            out[f"layer {i} conv window"] = np.array(c.conv.astype(mx.float32))
+            out[f"layer {i} recurrent state"] = np.array(c.recurrent.astype(mx.float32))
+    return out
+
+
+def max_relative(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], rms: bool) -> tuple[float, str]:
+    """The largest relative difference over the arrays both hold, and where: ||a - b|| / ||b|| with `rms`, else
+    max |a - b| / max |b|."""
+    worst, where = 0.0, ""
+    for name, b in theirs.items():
+        d = ours[name] - b
+        rel = (float(np.linalg.norm(d)) / max(float(np.linalg.norm(b)), 1e-30) if rms
+               else float(np.abs(d).max()) / max(float(np.abs(b).max()), 1e-30))
+        if rel > worst:
+            worst, where = rel, name
+    return worst, where
+
+
+def fp32_bytes(model: Model) -> int:
+    """What an fp32 copy of `model`'s parameters takes (quantized weights stay packed, their scales widen)."""
+    return sum(v.size * (4 if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
+               for _, v in tree_flatten(model.parameters()))
+
+
+def fp32_copy(model: Model) -> Model:
+    """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones)."""
+    from hetero.loader import build_lazy_model
+
+    params = tree_flatten(model.parameters())
+    quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}
+    net = build_lazy_model(model.args, model.has_mtp, quantized)
+    net.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in params],
+                     strict=True)
+    mx.eval(net.parameters())
+    net.eval()
+    return net
+
+
+def reference_model(engine) -> Model | None:
+    """The fp32 model `verify` measures against: the engine's own in fp32, else an fp32 copy kept on the engine for
+    the next verify (`--ane-fraction auto` verifies several fractions), or None when the copy does not fit."""
+    model = engine.model
+    if model.model.norm.weight.dtype == mx.float32:
+        return model
+    copy = getattr(engine, "_fp32_reference", None)
+    if copy is None:
+        need = fp32_bytes(model) + sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        if need > MEMORY_SHARE * physical_memory_bytes():
+            return None
+        copy = fp32_copy(model)
+        try:
+            engine._fp32_reference = copy
+        except AttributeError:  # an engine that holds no attributes: make it again next time
+            pass
+    return copy
+
+
+def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
+    """n greedy tokens decoded on the GPU by the stepper from a filled cache and the prompt's last logits [1, V]."""
+    decoder = Decoder(model, cache, int(mx.argmax(logits[-1]).item()), mx.zeros((0, model.args.hidden_size)))
+    batch = Batch(model, max_batch=1)
+    row = batch.admit(batch.row(decoder, Sampler(SamplingParams()), n, set(), depth=0))
+    for _ in batch.drain():
+        pass
+    return row.tokens
+
+
+def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32) -> dict:
+    """Split prefill of `ids` against the GPU-only prefill (module docstring): the last logits, every cache array,
+    and a greedy continuation of `n_tokens` tokens, identical up to a near-tie.
+
+    `match` is true when the arrays pass (against the fp32 reference, or `tol`'s fixed comparison) and the
+    continuations agree. A near-tie: where the continuations first part, the GPU-only run's token leads the split's
+    by at most 2 x the accepted distance x max |logit|; two runs within it of each other may order such a pair
+    either way, so the comparison stops there (`greedy_tie_at`).
+    """
+    model = run.engine.model
+    split_cache = model.make_cache()
+    res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True)
+    gpu_cache = model.make_cache()
+    ref, _ = prefill(model, ids, gpu_cache, run.chunk)
+    split, gpu = arrays_of(res.logits, split_cache.backbone), arrays_of(ref, gpu_cache.backbone)
+    rel, _ = max_relative({"last logits": split["last logits"]}, {"last logits": gpu["last logits"]}, rms=False)
+    cache_rel, worst = max_relative({k: v for k, v in split.items() if k != "last logits"},
+                                    {k: v for k, v in gpu.items() if k != "last logits"}, rms=False)
+    a, b = split["last logits"], gpu["last logits"]
+    report = {"max_abs_logit_diff": round(float(np.abs(a - b).max()), 6), "max_rel_logit_diff": round(rel, 6),
+              "max_rel_cache_diff": round(cache_rel, 6), "worst_cache": worst,
+              "cosine": round(float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30)), 8)}
+    reference = reference_model(run.engine) if tol is None else None
+    if reference is None:  # the fixed comparison: asked for, or no room for the fp32 reference
+        basis = "--verify-tol" if tol is not None else "dtype table (no room for an fp32 copy of the model)"
+        tol = verify_tolerance(model.model.norm.weight.dtype) if tol is None else tol
+        arrays_ok, bound = rel <= tol and cache_rel <= tol, tol
+        report.update(reference=basis, tolerance=tol)
+    else:
+        if reference is model:
+            truth = gpu
+        else:
+            ref_cache = reference.make_cache()
+            truth = arrays_of(prefill(reference, ids, ref_cache, run.chunk)[0], ref_cache.backbone)
+        d_split, where = max_relative(split, truth, rms=True)
+        d_gpu, _ = max_relative(gpu, truth, rms=True)
+        bound = K * d_gpu + ANE_FLOOR
+        arrays_ok = d_split <= bound
+        report.update(reference="fp32", split_to_fp32=round(d_split, 6), gpu_to_fp32=round(d_gpu, 6),
+                      worst_to_fp32=where, tolerance=round(bound, 6))
+    ours = greedy_continuation(model, split_cache, res.logits, n_tokens)
+    theirs = greedy_continuation(model, gpu_cache, ref, n_tokens)
+    same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
+    gap = None
+    if same < n_tokens:  # the GPU-only logits where the two parted (the same tokens before it on both sides)
+        step = ref if same == 0 else prefill(model, ids + theirs[:same], model.make_cache(), run.chunk)[0]
+        s = np.array(step[-1].astype(mx.float32))  # [V]
+        gap = float(s[theirs[same]] - s[ours[same]]) / max(float(np.abs(s).max()), 1e-30)
+    tie = gap is not None and gap <= 2 * bound
+    return {"match": bool(arrays_ok and (same == n_tokens or tie)), **report,
+            "greedy_match_tokens": same, "greedy_compared_tokens": n_tokens, "greedy_tie_at": same if tie else None,
+            "greedy_gap": None if gap is None else round(gap, 6)}

@@ -1,0 +1,108 @@
+"""`--verify` judged by the run's own rounding (`hetero/pipeline/verification.py`) on random checkpoints of every supported
+layout, in the Mac's half-precision dtypes: every honest split passes, and each documented defect (an MLP or
+shared-expert program losing half its output, a GDN z program returning zeros) fails, in each dtype.
+
+Before, one fixed tolerance per dtype rejected honest bf16 splits of these layouts (0.042-0.067 against 0.036) and
+could not see an MLP program losing half its output in bf16 at all."""
+
+from __future__ import annotations
+
+import types
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import hetero.pipeline.verification as verify_module
+from hetero.loader import load_model
+from hetero.pipeline import configure, verify
+from helpers import save_flat, save_nested, save_next
+from test_pipeline_moe import write_moe_checkpoint
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+WRITERS = {
+    "qwen3_5_text": lambda p: save_flat(p, tie=False),
+    "qwen3_5": lambda p: save_nested(p),
+    "qwen3_next": lambda p: save_next(p),
+    "qwen3_5_moe": lambda p: write_moe_checkpoint(p),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify-layouts")
+    paths = {}
+    for name, write in WRITERS.items():
+        write(root / name)
+        paths[name] = root / name
+    return paths
+
+
+def _engine(path, dtype):
+    model, path, config = load_model(path, dtype=dtype)
+    return types.SimpleNamespace(model=model, config=config, path=path, name=str(path),
+                                 identity=f"verify-{path.name}-{dtype}")
+
+
+def _broken(programs: dict, factor: float):
+    """The first layer's first program of a piece kind, its outputs scaled by `factor` (0: zeros, 0.5: half)."""
+    layer = sorted(programs)[0]
+    run, *rest = programs[layer][0]
+    programs[layer][0] = (lambda feed, p=run: {k: v * factor for k, v in p(feed).items()}, *rest)
+    return lambda: programs[layer].__setitem__(0, (run, *rest))
+
+
+# MLX's CPU backend runs `gather_mm` (the routed experts) in fp32 only: the MoE layout is checked in fp32 here, the
+# dense layouts in the Mac's half-precision dtypes (fp32 splits of each are tested in test_pipeline*.py).
+CASES = [(layout, dtype) for layout in WRITERS if layout != "qwen3_5_moe" for dtype in ("bfloat16", "float16")]
+
+
+@pytest.mark.parametrize("layout, dtype", CASES + [("qwen3_5_moe", "float32")])
+def test_honest_splits_pass_and_defects_fail_in_every_dtype(checkpoints, layout, dtype):
+    engine = _engine(checkpoints[layout], DTYPES[dtype])
+    ids = np.random.default_rng(4).integers(0, engine.model.args.vocab_size, 150).tolist()  # 3 chunks, the last padded
+    run = configure(engine, 0.5, 64)
+    honest = verify(run, ids, n_tokens=8)
+    assert honest["match"] and honest["reference"] == "fp32", honest
+    assert honest["split_to_fp32"] <= honest["tolerance"]
+    progs = run.splitter(len(ids)).programs
+    mlp = progs.mlp or progs.shared_expert  # an MoE layer's shared expert runs the MLP program
+    assert mlp and progs.gdn_in_proj
+    for programs, factor in ((mlp, 0.5), (progs.gdn_in_proj, 0.0)):
+        restore = _broken(programs, factor)
+        check = verify(run, ids, n_tokens=1)  # the arrays decide here, not greedy
+        restore()
+        assert not check["match"] and check["split_to_fp32"] > check["tolerance"], (factor, check)
+
+
+def test_the_reference_is_the_loaded_weights_widened(checkpoints):
+    """The fp32 reference holds exactly the bf16 model's values (not the checkpoint's fp32 ones), so only the
+    arithmetic's rounding is measured; it is made once per engine."""
+    engine = _engine(checkpoints["qwen3_5_text"], mx.bfloat16)
+    copy = verify_module.reference_model(engine)
+    assert copy is verify_module.reference_model(engine) and copy is not engine.model
+    from mlx.utils import tree_flatten
+
+    ours, theirs = dict(tree_flatten(engine.model.parameters())), dict(tree_flatten(copy.parameters()))
+    assert ours.keys() == theirs.keys()
+    for name, a in ours.items():
+        b = theirs[name]
+        assert b.dtype == (mx.float32 if mx.issubdtype(a.dtype, mx.floating) else a.dtype), name
+        np.testing.assert_array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)), err_msg=name)
+
+
+def test_no_room_for_the_reference_falls_back_to_the_dtype_table(checkpoints, monkeypatch):
+    """Where an fp32 copy would not fit in memory, verify says so and applies the dtype's fixed tolerance; an fp32
+    model needs no copy (it is its own reference) and `--verify-tol` always means the fixed comparison."""
+    from hetero.verify_tolerance import verify_tolerance
+
+    monkeypatch.setattr(verify_module, "physical_memory_bytes", lambda: 1 << 20)
+    engine = _engine(checkpoints["qwen3_5_text"], mx.bfloat16)
+    ids = np.random.default_rng(5).integers(0, engine.model.args.vocab_size, 100).tolist()
+    check = verify(configure(engine, 0.5, 64), ids, n_tokens=2)
+    assert check["reference"].startswith("dtype table") and check["tolerance"] == verify_tolerance(mx.bfloat16)
+    assert "split_to_fp32" not in check
+    fp32 = _engine(checkpoints["qwen3_5_text"], mx.float32)
+    assert verify(configure(fp32, 0.5, 64), ids, n_tokens=2)["reference"] == "fp32"
+    fixed = verify(configure(fp32, 0.5, 64), ids, tol=0.5, n_tokens=2)
+    assert fixed["reference"] == "--verify-tol" and fixed["tolerance"] == 0.5 and fixed["match"]
