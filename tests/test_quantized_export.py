@@ -201,16 +201,18 @@ def _qmm(x: mx.array, layer: nn.QuantizedLinear, rows: slice = slice(None), cols
     return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=g, bits=layer.bits)
 
 
-def test_split_prefill_of_a_4bit_bundled_model_runs_its_lookup_table_programs_and_verifies(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_split_prefill_of_a_4bit_bundled_model_runs_its_lookup_table_programs_and_verifies(tmp_path, monkeypatch,
+                                                                                            dtype):
     """`hetero convert --quantize 4` of the bundled model, split at 0.5 through the ANE lane's worker (the reference
-    executor here): the programs it exports hold the 4-bit tables (not fp16), and --verify's check passes (fp32 here;
-    in bf16 this prompt's cache is 0.039 off, above bf16's 0.036, and the fp16 export of before was 0.041: the
-    tolerance's, not the tables')."""
+    executor here): the programs it exports hold the 4-bit tables (not fp16), and --verify's check passes in fp32
+    and in the Mac's bf16 (under the fixed bf16 tolerance this prompt's cache was 0.039 off against 0.036: the
+    tolerance's fault, not the tables'; it is now judged against the same prompt in fp32)."""
     import hetero
     from hetero.pipeline import configure, verify
 
     monkeypatch.setenv("HETERO_HOME", str(tmp_path / "home"))
-    engine = hetero.load(str(quantize_checkpoint(None, tmp_path / "q4", bits=4, group_size=64)), mx.float32)
+    engine = hetero.load(str(quantize_checkpoint(None, tmp_path / "q4", bits=4, group_size=64)), dtype)
     run = configure(engine, 0.5, 64)
     assert run.plan.storage.bits == 4
     prompt = np.random.default_rng(1).integers(0, engine.model.args.vocab_size, 200).tolist()
