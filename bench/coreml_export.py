@@ -123,7 +123,8 @@ def bench_27b_attention(work: Path, chunk: int, context: int, repeats: int) -> d
 
     ref = np.array(mlx_piece()[0])
     executor = ReferenceExecutor(path)
-    inputs = {"x": np.array(x[0]).T[None, :, None, :].astype(np.float16), **rope_tables(start, shape, args.rope_theta),
+    normed = np.array(layer.input_layernorm(x)[0])  # the programs read the GPU lane's normed input
+    inputs = {"x": normed.T[None, :, None, :].astype(np.float16), **rope_tables(start, shape, args.rope_theta),
               **attention_masks(start, shape), **cache_inputs(prior_k, prior_v, shape)}
     ours = executor(inputs)["out"][0, :, 0, :].T
     timing = alternate({"reference_executor": lambda: executor(inputs), "mlx_fp32": mlx_piece}, repeats)
@@ -148,9 +149,9 @@ def bench_27b_mlp(work: Path, chunk: int, repeats: int) -> dict:
     holder.mlp = random_layer(MLP(args.hidden_size, args.intermediate_size), seed=2, keep_mlp=True)
     holder.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
     holder.post_attention_layernorm.weight = mx.array(1 + 0.3 * np.random.default_rng(3).standard_normal(args.hidden_size), dtype=mx.float32)
-    shape = MLPShape(args.hidden_size, args.intermediate_size, chunk, args.rms_norm_eps)
+    shape = MLPShape(args.hidden_size, args.intermediate_size, chunk)
     t = time.perf_counter()
-    prog = build_mlp(shape, mlp_weights(holder, range(args.intermediate_size)))
+    prog = build_mlp(shape, mlp_weights(holder.mlp, np.arange(args.intermediate_size)))
     build_s = time.perf_counter() - t
     t = time.perf_counter()
     path = save_program(prog, work / "qwen3.5-27b_mlp.mlpackage")
@@ -165,7 +166,8 @@ def bench_27b_mlp(work: Path, chunk: int, repeats: int) -> dict:
 
     ref = np.array(mlx_piece()[0])
     executor = ReferenceExecutor(path)
-    inputs = {"x": np.array(x[0]).T[None, :, None, :].astype(np.float16)}
+    normed = np.array(holder.post_attention_layernorm(x)[0])  # the programs read the GPU lane's normed input
+    inputs = {"x": normed.T[None, :, None, :].astype(np.float16)}
     ours = executor(inputs)["out"][0, :, 0, :].T
     timing = alternate({"reference_executor": lambda: executor(inputs), "mlx_fp32": mlx_piece}, repeats)
     return {

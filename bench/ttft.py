@@ -16,6 +16,8 @@
    figures they come from.
 The recommended split is checked against GPU-only with `verify` (logits and greedy continuation) at every size.
 JSON to bench/results/ttft.json; PNGs: ttft.png (TTFT bars) and ttft_timeline.png (both lanes of one split run).
+`--outliers` runs the same on the model with real LLMs' massive activations (tests/outliers.py) and writes
+ttft_outliers.json / .png: the split must stay engaged (a lost lane stops the run) with its measured ranges.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ CHUNK = 512
 APPLE = ("m4-pro", "m3-ultra", "m5-max")
 
 
-def build_engine(work: Path):
-    """A random model of SHAPE, saved and loaded like any checkpoint (fp32 on the CPU)."""
+OUTLIER_LAYERS = [0, 4]  # `--outliers`: massive activations in these layers' MLPs (tests/outliers.py)
+
+
+def build_engine(work: Path, outliers: bool = False):
+    """A random model of SHAPE, saved and loaded like any checkpoint (fp32 on the CPU); with `outliers`, real
+    LLMs' massive activations in the MLPs of OUTLIER_LAYERS (gate x up past 1e5, a residual channel of ~1e4)."""
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
@@ -63,12 +69,19 @@ def build_engine(work: Path):
         scale = 1.0 if name.endswith(("norm.weight", "dt_bias")) else 1 / np.sqrt(p.shape[-1])
         v = 1 + 0.1 * rng.standard_normal(p.shape) if name.endswith("norm.weight") else scale * rng.standard_normal(p.shape)
         weights[name] = mx.array(v.astype(np.float32))
+    if outliers:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from outliers import STRONG, inject
+
+        edited = inject({k: np.array(v) for k, v in weights.items()}, OUTLIER_LAYERS, STRONG)
+        weights = {k: mx.array(v) for k, v in edited.items()}
     path = work / "model"
     path.mkdir()
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(SHAPE))
     net, path, config = load_model(path, dtype=mx.float32)
-    return types.SimpleNamespace(model=net, config=config, path=path, name=str(path), identity="bench-ttft@shape")
+    identity = "bench-ttft@shape" + ("+outliers" if outliers else "")
+    return types.SimpleNamespace(model=net, config=config, path=path, name=str(path), identity=identity)
 
 
 TARGET = 0.80  # recommended split TTFT / GPU-only at 8K (issue 25: in the worker process lane)
@@ -243,6 +256,9 @@ def main() -> None:
     p.add_argument("--sizes", default="2048,8192,16384")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--outliers", action="store_true",
+                   help="the model with real LLMs' massive activations (tests/outliers.py) in two layers' MLPs, to "
+                        "ttft_outliers.json: the split must stay engaged")
     p.add_argument("--lanes", action="store_true",
                    help="only GPU-only and the recommended split in both ANE lanes (worker process, in-thread), "
                         "to ttft_lanes.json: what the process costs")
@@ -256,7 +272,7 @@ def main() -> None:
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    engine = build_engine(Path(os.environ["HETERO_HOME"]))
+    engine = build_engine(Path(os.environ["HETERO_HOME"]), a.outliers)
     profile = measure(report=lambda line: print(line, flush=True), sizes=Sizes.for_model(SHAPE, CHUNK))
     rec, plan = recommend(engine.config, Profile.from_dict(profile), 8192, CHUNK)
     print(f"recommended fraction for this machine: {rec:.2f} of {', '.join(plan.offload)} (predicted "
@@ -286,8 +302,9 @@ def main() -> None:
     if a.lanes:
         lanes_report(results, recommended, out_dir / "ttft_lanes.json")
         return
-    bars(results, out_dir / "ttft.png")
-    tl = timeline(engine, rec, plan.offload, min(8192, max(results)), out_dir / "ttft_timeline.png")
+    name = "ttft_outliers" if a.outliers else "ttft"
+    bars(results, out_dir / f"{name}.png")
+    tl = timeline(engine, rec, plan.offload, min(8192, max(results)), out_dir / f"{name}_timeline.png")
     apple = apple_predictions(16384)
     print("\nplanner predictions, Qwen3.5-27B 4-bit, 16K prompt (inputs from hetero/profiles/):")
     for row in apple:
@@ -314,7 +331,15 @@ def main() -> None:
                           "met": all(abs(e) <= PREDICTION_TOLERANCE for e in error.values()) if error else None},
            "process_lane": {"cost_at_most": PROCESS_LANE_COST, "measured": lane_cost,
                             "met": all(c <= PROCESS_LANE_COST for c in lane_cost.values()) if lane_cost else None}}
-    (out_dir / "ttft.json").write_text(json.dumps(doc, indent=1))
+    if a.outliers:  # what the measured ranges kept back, and the split's share with them
+        from hetero.pipeline import configure
+
+        run = configure(engine, rec, CHUNK, offload=plan.offload)
+        doc["outliers"] = {"layers": OUTLIER_LAYERS, "kept_on_gpu_for_range": run.plan.ranges.kept_on_gpu(),
+                           "fp16_headroom_bits": run.plan.ranges.headroom(),
+                           "effective_fraction": run.effective_fraction, "planned_fraction": plan.effective_fraction}
+        print(f"outliers: {doc['outliers']}")
+    (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1))
     print(f"\ntarget (recommended split <= {TARGET}x GPU-only at 8K, verified): {doc['target']}")
     print(f"process lane (its split TTFT at most {PROCESS_LANE_COST:.0%} above the in-thread lane's): "
           f"{doc['process_lane']}")

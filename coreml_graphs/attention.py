@@ -1,7 +1,7 @@
 """The attention-layer prefill graph: one chunk of S tokens for a slice of whole KV-head groups.
 
 Inputs (all fp16, static):
-    x            (1, hidden, 1, S)        the residual stream before the layer (the graph applies input_layernorm)
+    x            (1, hidden, 1, S)        input_layernorm's output (the GPU lane computes it: bounded, no epsilon)
     cos, sin     (1, 1, R/2, S)           RoPE tables for positions p..p+S-1 (R = rotary dims, NeoX pairing)
     k_cache_b    (1, Hkv, Tb, D)          cache block b of this slice's KV heads, in the GPU cache's own layout
     v_cache_b    (1, Hkv, Tb, D)
@@ -24,7 +24,7 @@ import numpy as np
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Program, Var
 
-from coreml_graphs.ops import MASK_NEG, MAX_AXIS, blocks, build_program, conv1x1, fp16, rms_norm
+from coreml_graphs.ops import MASK_NEG, MAX_AXIS, blocks, build_program, conv1x1, fp16, norm_shift, rms_norm, scaled
 from coreml_graphs.palette import Palettized
 
 
@@ -68,7 +68,6 @@ class AttentionShape:
 class AttentionWeights:
     """The slice's weights as numpy arrays; norm weights are effective scales (already 1 + w)."""
 
-    input_norm: np.ndarray  # [hidden]
     q: np.ndarray | Palettized  # [heads*D, hidden]  query rows of q_proj
     gate: np.ndarray | Palettized  # [heads*D, hidden]  gate rows of q_proj
     k: np.ndarray | Palettized  # [kv_heads*D, hidden]
@@ -85,14 +84,17 @@ def build_attention(shape: AttentionShape, w: AttentionWeights) -> Program:
     group = H // Hkv  # query heads per KV head
 
     def body(inp: dict[str, Var]) -> dict[str, Var]:
-        x = rms_norm(inp["x"], w.input_norm, shape.eps, axis=1, name="input_norm")  # (1, hidden, 1, S)
-        q = mb.reshape(x=conv1x1(x, w.q, "q_proj"), shape=(1, H, D, S), name="q_heads")  # (1, H, D, S)
+        x = inp["x"]  # (1, hidden, 1, S), normed
+        # q and k come out 2^k larger (exact) so that the norms' epsilon, times 4^k, is a normal fp16 number: the
+        # norms give the same result, and a zero row (a padded token) normalizes to zero, never 0/0.
+        up = 2.0 ** norm_shift(shape.eps)
+        q = mb.reshape(x=conv1x1(x, scaled(w.q, up), "q_proj"), shape=(1, H, D, S), name="q_heads")  # (1, H, D, S)
         gate = conv1x1(x, w.gate, "gate_proj")  # (1, H*D, 1, S)
-        k = mb.reshape(x=conv1x1(x, w.k, "k_proj"), shape=(1, Hkv, D, S), name="k_heads")  # (1, Hkv, D, S)
+        k = mb.reshape(x=conv1x1(x, scaled(w.k, up), "k_proj"), shape=(1, Hkv, D, S), name="k_heads")  # (1, Hkv, D, S)
         v = mb.reshape(x=conv1x1(x, w.v, "v_proj"), shape=(1, Hkv, D, S), name="v_heads")  # (1, Hkv, D, S)
         # The softmax scale D^-0.5 rides on q_norm's weight: one multiply fewer, same rounding point.
-        q = rms_norm(q, w.q_norm * D**-0.5, shape.eps, axis=2, name="q_norm")  # (1, H, D, S)
-        k = rms_norm(k, w.k_norm, shape.eps, axis=2, name="k_norm")  # (1, Hkv, D, S)
+        q = rms_norm(q, w.q_norm * D**-0.5, shape.eps * up**2, axis=2, name="q_norm")  # (1, H, D, S)
+        k = rms_norm(k, w.k_norm, shape.eps * up**2, axis=2, name="k_norm")  # (1, Hkv, D, S)
         if half:
             q = _rope(q, inp["cos"], inp["sin"], half, "q_rope")
             k = _rope(k, inp["cos"], inp["sin"], half, "k_rope")

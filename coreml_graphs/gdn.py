@@ -1,7 +1,10 @@
 """The GDN input-projection graph (piece `gdn_in_proj`): only the `z` rows of a Gated DeltaNet layer's input
 projection.
 
-    x (1, hidden, 1, S) -> input_layernorm -> in_proj_z[rows] x -> (1, rows, 1, S)
+    x (1, hidden, 1, S) -> in_proj_z[rows] x -> (1, rows, 1, S)
+
+`x` is input_layernorm's output, computed on the GPU lane (which runs the same norm for the recurrence's inputs):
+bounded however large the residual stream grows, and no subnormal epsilon enters the program.
 
 Only z may leave the exact path: qkv, b and a feed the conv and the recurrence, where an approximation would
 compound over the whole context; z only gates the output norm token by token (shared/DESIGN.md section 4).
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from coremltools.converters.mil.mil import Program, Var
 
-from coreml_graphs.ops import build_program, conv1x1, rms_norm
+from coreml_graphs.ops import build_program, conv1x1
 from coreml_graphs.palette import Palettized
 
 
@@ -25,7 +28,6 @@ class GDNInProjShape:
     hidden: int
     rows: int  # z rows in the slice (<= 16384)
     chunk: int  # S
-    eps: float
 
     def inputs(self) -> dict[str, tuple[int, ...]]:
         return {"x": (1, self.hidden, 1, self.chunk)}
@@ -36,9 +38,8 @@ class GDNInProjShape:
 
 @dataclass
 class GDNInProjWeights:
-    """input_layernorm's effective scale and the slice's in_proj_z rows."""
+    """The slice's in_proj_z rows."""
 
-    norm: np.ndarray  # [hidden]
     z: np.ndarray | Palettized  # [rows, hidden]
 
 
@@ -46,7 +47,6 @@ def build_gdn_in_proj(shape: GDNInProjShape, w: GDNInProjWeights) -> Program:
     """The `gdn_in_proj` program: input `x`, output its `z` rows."""
 
     def body(inp: dict[str, Var]) -> dict[str, Var]:
-        x = rms_norm(inp["x"], w.norm, shape.eps, axis=1, name="input_norm")  # (1, hidden, 1, S)
-        return {"z": conv1x1(x, w.z, "z_proj")}  # (1, rows, 1, S)
+        return {"z": conv1x1(inp["x"], w.z, "z_proj")}  # (1, hidden, 1, S) normed -> (1, rows, 1, S)
 
     return build_program(shape.inputs(), body, w)

@@ -8,6 +8,9 @@ Errors (the ANE rejects the program or Core ML silently moves it to the CPU/GPU)
     pow         the `pow` op
     rsqrt-norm  a norm built as reduce -> (add eps) -> rsqrt/sqrt: overflows in fp16; use layer_norm(concat[x, -x])
     inf         an infinite or NaN constant (masks must use large finite negatives)
+    subnormal   a scalar constant (an epsilon, a scale) below fp16's smallest normal number, 2^-14: hardware that
+                flushes subnormals to zero turns a norm's epsilon into 0 and a zero row into 0/0 (weight arrays may
+                hold tiny values; only scalars are checked)
     weights     more weight bytes than the per-program budget (the functions of a multifunction package share
                 equal constants: each is counted once; a lookup table's indices count at their bit width)
     seq         a (1, C, 1, S) input or output whose S is not a multiple of 64
@@ -27,7 +30,7 @@ import numpy as np
 from coremltools.converters.mil.mil import Program, types
 from coremltools.converters.mil.mil.types.symbolic import is_symbolic
 
-from coreml_graphs.ops import MAX_AXIS, SEQ_MULTIPLE
+from coreml_graphs.ops import FP16_TINY, MAX_AXIS, SEQ_MULTIPLE
 
 WEIGHT_BUDGET = int(1.5 * 2**30)  # bytes of weights per program (the ANE's own limit is about 2 GB)
 MAX_RANK = 4
@@ -107,6 +110,10 @@ def lint_program(prog: Program, name: str = "program", weight_budget: int = WEIG
                         add("error", "inf", f"constant holds {kind}: masks need large finite negatives", where)
                 elif isinstance(val, (float, np.floating)) and not np.isfinite(val):
                     add("error", "inf", f"constant {val}: masks need large finite negatives", where)
+                scalar = np.ndim(val) == 0 or (floating and val.size == 1)
+                if scalar and isinstance(np.ravel(val)[0], (float, np.floating)) and 0 < abs(float(np.ravel(val)[0])) < FP16_TINY:
+                    add("error", "subnormal", f"constant {float(np.ravel(val)[0]):.3g} is subnormal in fp16 (below 2^-14): "
+                        "scale what it meets by a power of two instead", where)
                 continue
             if op.op_type == "pow":
                 add("error", "pow", "pow is not an ANE op (square with mul; RMSNorm with layer_norm(concat[x, -x]))", where)

@@ -69,6 +69,26 @@ def lut_weight(w: Palettized, name: str) -> Var:
     return mb.constexpr_lut_to_dense(indices=indices, lut=lut, name=name)  # (Cout, Cin, 1, 1)
 
 
+FP16_TINY = 2.0**-14  # fp16's smallest normal number: a constant below it is subnormal (the ANE may flush it)
+
+
+def norm_shift(eps: float) -> int:
+    """The k for which an RMSNorm over 2^k x (epsilon eps x 4^k: the same result, exactly) has a normal fp16 epsilon
+    with a factor of two to spare: 4 for Qwen's 1e-6, 0 for an epsilon already normal."""
+    k = 0
+    while eps * 4.0**k < 2 * FP16_TINY:
+        k += 1
+    return k
+
+
+def scaled(weight: np.ndarray | Palettized, factor: float) -> np.ndarray | Palettized:
+    """A weight times a power of two (exact in fp16 unless it overflows or underflows): lookup tables scale their
+    entries."""
+    if isinstance(weight, Palettized):
+        return Palettized(weight.indices, (weight.lut.astype(np.float32) * factor).astype(np.float16), weight.bits)
+    return weight * np.float32(factor)
+
+
 def rms_norm(x: Var, weight: np.ndarray | None, eps: float, axis: int, name: str) -> Var:
     """x * rsqrt(mean(x^2, axis) + eps) * weight, exactly, as `layer_norm(concat[x, -x])` keeping the first half.
 

@@ -76,6 +76,13 @@ class Palettized:
         return Palettized(self.indices[:, start:stop], lut[:, start // block : stop // block], self.bits)
 
 
+def concat_columns(parts: list[Palettized]) -> Palettized:
+    """Column blocks side by side (each re-blocked to the block all share: the tables repeat, exactly)."""
+    block = math.gcd(*(p.block for p in parts))
+    luts = [np.repeat(p.lut, p.block // block, axis=1) for p in parts]
+    return Palettized(np.concatenate([p.indices for p in parts], 1), np.concatenate(luts, 1), parts[0].bits)
+
+
 def unpack(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
     """MLX's packed quantized weight [rows, cols * bits / 32] (uint32) -> indices [rows, cols] uint8.
 

@@ -67,6 +67,11 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
            f"wall {p['wall_s']:.3f} s against {p['busy_sum_s']:.3f} s of both lanes' busy time (GPU "
            f"{p['gpu_busy_s']:.3f} s, ANE {p['ane_busy_s']:.3f} s): overlap {p['overlap']:.2f}; IPC {p['ipc_s']:.3f} s "
            f"({p['ipc_share_of_ane_lane']:.1%} of the ANE lane)")
+    if run.plan.ranges is not None:  # how far the programs' measured values stay inside fp16, per piece kind
+        p["fp16_headroom_bits"], p["kept_on_gpu_for_range"] = run.plan.ranges.headroom(), run.plan.ranges.kept_on_gpu()
+        report("fp16 headroom (bits below 65504, measured on the GPU lane): "
+               + ", ".join(f"{k} {v:.1f}" for k, v in p["fp16_headroom_bits"].items())
+               + "; kept on the GPU for range: " + ", ".join(f"{k} {v}" for k, v in p["kept_on_gpu_for_range"].items()))
 
     check = verify(run, ids, n_tokens=8)  # the same prompt: its programs are loaded already
     out["verify"] = check
@@ -99,10 +104,9 @@ def _program_check(on_mac: bool) -> dict:
 
     rng = np.random.default_rng(0)
     h, c, s = 256, 512, 64
-    w = MLPWeights(np.ones(h, np.float32), *(rng.standard_normal(d).astype(np.float32) / np.sqrt(d[1])
-                                            for d in ((c, h), (c, h), (h, c))))
+    w = MLPWeights(*(rng.standard_normal(d).astype(np.float32) / np.sqrt(d[1]) for d in ((c, h), (c, h), (h, c))))
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_program(build_mlp(MLPShape(h, c, s, 1e-6), w), Path(tmp) / "doctor_mlp.mlpackage")
+        path = save_program(build_mlp(MLPShape(h, c, s), w), Path(tmp) / "doctor_mlp.mlpackage")
         lint = lint_package(path)
         placement = coreml_macos.load(path, report=False).placement() if on_mac else None
     found = {"lint_errors": len(lint.errors), "lint_warnings": len(lint.warnings)}

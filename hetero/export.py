@@ -31,14 +31,14 @@ import numpy as np
 from hetero.backends.coreml_macos import compiled_owner, remove_compiled
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
-from hetero.planner import OFFLOADABLE, PieceSlice, Plan
+from hetero.planner import PieceSlice, Plan
 from hetero.planner.recommend import split_plan
 from hetero.profiles import default_profile_name, load_profile
 from hetero.loader import load_model
 
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 3  # 3: buckets as functions of one package; 2: GDN piece gdn_in_proj (older: re-exported)
-BUILDER_VERSION = 1  # bump when a builder's graph changes: invalidates reuse of packages built before
+MANIFEST_FORMAT = 4  # 4: normed inputs, channels by range, output shifts; 3: buckets as functions of one package
+BUILDER_VERSION = 2  # bump when a builder's graph changes: invalidates reuse of packages built before
 DEFAULT_CHUNK = 256
 DEFAULT_CONTEXT = 4096
 
@@ -91,17 +91,28 @@ def _vec(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32))
 
 
+def linear_columns(layer: nn.Module, channels: np.ndarray):
+    """Input channels `channels` (any set, taken as its runs of consecutive channels) of a Linear's weight, as
+    `linear_weight` gives a column range."""
+    from coreml_graphs.palette import Palettized, concat_columns
+
+    cuts = np.flatnonzero(np.diff(channels) != 1) + 1
+    parts = [linear_weight(layer, cols=slice(int(run[0]), int(run[-1]) + 1)) for run in np.split(channels, cuts)]
+    if len(parts) == 1:
+        return parts[0]
+    return concat_columns(parts) if isinstance(parts[0], Palettized) else np.concatenate(parts, axis=1)
+
+
 def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
     """The attention slice for KV heads `kv` (and their query heads) of a decoder layer."""
     from coreml_graphs.attention import AttentionWeights
 
-    attn, D, h = layer.self_attn, args.head_dim, args.hidden_size
+    attn, D = layer.self_attn, args.head_dim
     group = args.num_attention_heads // args.num_key_value_heads
     heads = range(kv.start * group, kv.stop * group)
     base = (np.arange(heads.start, heads.stop) * 2 * D)[:, None]  # [Hs, 1]: q_proj has D query, D gate rows per head
     kv_rows = slice(kv.start * D, kv.stop * D)
     return AttentionWeights(
-        input_norm=_vec(layer.input_layernorm.weight),
         q=linear_weight(attn.q_proj, (base + np.arange(D)).reshape(-1)),  # [Hs * D, h]
         gate=linear_weight(attn.q_proj, (base + D + np.arange(D)).reshape(-1)),  # [Hs * D, h]
         k=linear_weight(attn.k_proj, kv_rows),
@@ -112,49 +123,61 @@ def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
     )
 
 
-def mlp_weights(layer: DecoderLayer, channels: range, mlp: nn.Module | None = None):
-    """The MLP slice for intermediate `channels` of a decoder layer: of its dense `mlp`, or of the SwiGLU `mlp`
-    given (an MoE layer's shared expert), on the layer's post-attention norm either way."""
+def mlp_weights(mlp: nn.Module, channels: np.ndarray, out_shift: int = 0):
+    """The MLP slice for intermediate `channels` (any set) of a SwiGLU `mlp` (a layer's dense MLP or an MoE
+    layer's shared expert), its down projection scaled by 2^-out_shift (exact; the merge undoes it)."""
     from coreml_graphs.mlp import MLPWeights
+    from coreml_graphs.ops import scaled
 
-    mlp = layer.mlp if mlp is None else mlp
-    rows = slice(channels.start, channels.stop)
+    down = linear_columns(mlp.down_proj, channels)
     return MLPWeights(
-        norm=_vec(layer.post_attention_layernorm.weight),
-        gate=linear_weight(mlp.gate_proj, rows),
-        up=linear_weight(mlp.up_proj, rows),
-        down=linear_weight(mlp.down_proj, cols=rows),
+        gate=linear_weight(mlp.gate_proj, channels),
+        up=linear_weight(mlp.up_proj, channels),
+        down=scaled(down, 2.0**-out_shift) if out_shift else down,
     )
 
 
-def gdn_in_proj_weights(layer: DecoderLayer, rows: range):
-    """The z-projection slice for `rows` of in_proj_z of a GDN decoder layer."""
+def gdn_in_proj_weights(layer: DecoderLayer, rows: range, out_shift: int = 0):
+    """The z-projection slice for `rows` of in_proj_z of a GDN decoder layer, scaled by 2^-out_shift."""
     from coreml_graphs.gdn import GDNInProjWeights
+    from coreml_graphs.ops import scaled
 
-    return GDNInProjWeights(norm=_vec(layer.input_layernorm.weight), z=linear_weight(layer.linear_attn.in_proj_z, slice(rows.start, rows.stop)))
+    z = linear_weight(layer.linear_attn.in_proj_z, slice(rows.start, rows.stop))
+    return GDNInProjWeights(z=scaled(z, 2.0**-out_shift) if out_shift else z)
 
 
-def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int):
-    """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`."""
+def piece_scaling(plan: Plan, s: PieceSlice) -> tuple[np.ndarray | None, int]:
+    """(the channels of a channel piece's part in the layer's order, or None for units in their own order; the
+    output's power-of-two shift), from the plan's measured ranges."""
+    r = plan.ranges.get(s.layer, s.piece) if plan.ranges is not None else None
+    if r is None:
+        return None, 0
+    return (r.channels(s.start, s.stop) if r.order else None), r.out_shift
+
+
+def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None):
+    """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`, with the
+    channels and output scale `plan`'s ranges give it."""
     from coreml_graphs.attention import AttentionShape, build_attention
     from coreml_graphs.gdn import GDNInProjShape, build_gdn_in_proj
     from coreml_graphs.mlp import MLPShape, build_mlp
 
     layer, units = model.layers[s.layer], range(s.start, s.stop)
-    eps = args.rms_norm_eps
+    channels, shift = piece_scaling(plan, s) if plan is not None else (None, 0)
     if s.piece == "attention":
         group = args.num_attention_heads // args.num_key_value_heads
         shape = AttentionShape(
             hidden=args.hidden_size, heads=len(units) * group, kv_heads=len(units), head_dim=args.head_dim,
-            rotary_dims=args.rotary_dims, chunk=chunk, cache_slots=context - chunk, eps=eps,
+            rotary_dims=args.rotary_dims, chunk=chunk, cache_slots=context - chunk, eps=args.rms_norm_eps,
         )
         return shape, attention_weights(args, layer, units), build_attention
     if s.piece in ("mlp", "shared_expert"):  # the shared expert: a dense SwiGLU on the same normed input
         mlp = layer.mlp.shared_expert if s.piece == "shared_expert" else layer.mlp
-        return MLPShape(args.hidden_size, len(units), chunk, eps), mlp_weights(layer, units, mlp), build_mlp
+        channels = np.arange(s.start, s.stop) if channels is None else channels
+        return MLPShape(args.hidden_size, len(units), chunk), mlp_weights(mlp, channels, shift), build_mlp
     if s.piece != "gdn_in_proj":
         raise HeteroError(f"layer {s.layer}: no ANE program for piece {s.piece!r}")
-    return GDNInProjShape(args.hidden_size, len(units), chunk, eps), gdn_in_proj_weights(layer, units), build_gdn_in_proj
+    return GDNInProjShape(args.hidden_size, len(units), chunk), gdn_in_proj_weights(layer, units, shift), build_gdn_in_proj
 
 
 def _fields(weights) -> dict:
@@ -316,11 +339,12 @@ def export_plan(
             groups.append((s, part, piece, contexts if s.piece == "attention" else [None]))
     total, programs = sum(len(g[-1]) for g in groups), []
     for s, part, piece, ctxs in groups:
-        shape, weights, build = build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk)
+        shape, weights, build = build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk, plan)
         shapes = {ctxs[0]: shape}  # every bucket embeds the same weights: only the shapes differ
-        shapes.update({c: build_piece(args, net, piece, plan.chunk, c)[0] for c in ctxs[1:]})
+        shapes.update({c: build_piece(args, net, piece, plan.chunk, c, plan)[0] for c in ctxs[1:]})
+        channels, shift = piece_scaling(plan, piece)
         digest = weights_sha256(weights)
-        keys = [hashlib.sha256(json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(sh), digest])
+        keys = [hashlib.sha256(json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(sh), digest, shift])
                                .encode()).hexdigest() for sh in shapes.values()]
         key = keys[0] if len(keys) == 1 else hashlib.sha256(json.dumps(keys).encode()).hexdigest()
         multi = len(ctxs) > 1  # one package, one function per bucket, the weights stored once
@@ -343,6 +367,9 @@ def export_plan(
                     "piece": s.piece,
                     "slice": [s.start, s.stop],
                     "part": [piece.start, piece.stop],
+                    # the part's units when chosen by range (else the part's own), and its output's 2^-shift
+                    **({"channels": channels.tolist()} if channels is not None else {}),
+                    "out_shift": shift,
                     "context": ctx,
                     "shape": asdict(shape),
                     "inputs": {k: list(v) for k, v in shape.inputs().items()},

@@ -233,7 +233,7 @@ def ane_attention(flops_rate: float, call_s: float, repeats: int = 3, a: dict = 
     rest = {}  # head size -> (seconds past the projections, core matmul FLOPs)
     for D in (a["head_dim"] // 2, a["head_dim"]):
         shape = AttentionShape(h, heads, 1, D, D // 4, S, a["context"] - S, 1e-6)
-        weights = AttentionWeights(np.ones(h, np.float32), w(heads * D, h), w(heads * D, h), w(D, h), w(D, h),
+        weights = AttentionWeights(w(heads * D, h), w(heads * D, h), w(D, h), w(D, h),
                                    np.ones(D, np.float32), np.ones(D, np.float32), w(h, heads * D))
         start = shape.cache_slots  # the last chunk of the bucket: a full cache
         past = rng.standard_normal((1, 1, start, D)).astype(np.float32)
@@ -277,11 +277,11 @@ def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats
     rng = np.random.default_rng(0)
 
     def program(h: int, c: int, s: int, folder: Path) -> tuple[Callable, dict]:
-        w = MLPWeights(np.ones(h, np.float32), rng.standard_normal((c, h)).astype(np.float32) / np.sqrt(h),
+        w = MLPWeights(rng.standard_normal((c, h)).astype(np.float32) / np.sqrt(h),
                        rng.standard_normal((c, h)).astype(np.float32) / np.sqrt(h),
                        rng.standard_normal((h, c)).astype(np.float32) / np.sqrt(c))
         folder.mkdir(parents=True, exist_ok=True)
-        path = save_program(build_mlp(MLPShape(h, c, s, 1e-6), w), folder / f"mlp_{h}_{c}_{s}.mlpackage")
+        path = save_program(build_mlp(MLPShape(h, c, s), w), folder / f"mlp_{h}_{c}_{s}.mlpackage")
         return loader(path), {"x": rng.standard_normal((1, h, 1, s)).astype(np.float16)}
 
     with tempfile.TemporaryDirectory() as tmp:

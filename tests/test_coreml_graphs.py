@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 
 from hetero.export import PieceSlice, attention_weights, build_piece, gdn_in_proj_weights, mlp_weights
@@ -124,7 +125,8 @@ def run_attention_case(tmp_path: Path, args: ModelArgs, model: Model, layer_idx:
         rotary_dims=args.rotary_dims, chunk=chunk, cache_slots=slots, eps=args.rms_norm_eps, key_block=key_block,
     )
     path = save_program(build_attention(shape, attention_weights(args, layer, kv)), tmp_path / f"attn_{layer_idx}_{kv.start}.mlpackage")
-    inputs = {"x": bc1s(np.array(x[0]), chunk), **rope_tables(start, shape, args.rope_theta), **attention_masks(start, shape)}
+    normed = np.array(layer.input_layernorm(x)[0])  # the GPU lane's normed input (zero rows past s: padding)
+    inputs = {"x": bc1s(normed, chunk), **rope_tables(start, shape, args.rope_theta), **attention_masks(start, shape)}
     inputs.update(cache_inputs(prior_k, prior_v, shape))
     out = ReferenceExecutor(path)(inputs)
     ours = from_bc1s(out["out"], s)
@@ -156,21 +158,25 @@ def test_attention_slices_match_mlx_and_add_up_to_the_layer(tmp_path):
     assert_close(a + b, whole, "sum of slices")
 
 
-def test_mlp_slice_matches_mlx(tmp_path):
-    """A 128-of-192-channel slice, processed in two channel blocks, equals MLX's MLP over those channels."""
+@pytest.mark.parametrize("channels, shift", [(np.arange(0, 128), 0), (np.r_[0:64, 128:192], 3)])
+def test_mlp_slice_matches_mlx(tmp_path, channels, shift):
+    """A 128-of-192-channel slice (the first 128, or blocks 0 and 2: any set, as ranges choose them), processed in
+    two channel blocks, equals MLX's MLP over those channels; an output shift of 3 comes out 8 times smaller."""
     model = tiny_model(4)
     args, layer = model.args, model.layers[0]
     rng = np.random.default_rng(4)
     x = mx.array(fp16_exact(rng.standard_normal((1, 50, args.hidden_size)) * 2))
-    channels = range(0, 128)
+    mlp = layer.mlp
+    idx = mx.array(channels)
     sub = MLP(args.hidden_size, len(channels))
-    w = mlp_weights(layer, channels)
-    sub.load_weights([("gate_proj.weight", mx.array(w.gate)), ("up_proj.weight", mx.array(w.up)), ("down_proj.weight", mx.array(w.down))])
-    ref = np.array(sub(layer.post_attention_layernorm(x))[0])  # [50, hidden]
-    shape = MLPShape(args.hidden_size, len(channels), chunk=64, eps=args.rms_norm_eps, channel_block=64)
-    path = save_program(build_mlp(shape, w), tmp_path / "mlp.mlpackage")
-    out = ReferenceExecutor(path)({"x": bc1s(np.array(x[0]), 64)})
-    assert_close(from_bc1s(out["out"], 50), ref, "mlp slice")
+    sub.load_weights([("gate_proj.weight", mlp.gate_proj.weight[idx]), ("up_proj.weight", mlp.up_proj.weight[idx]),
+                      ("down_proj.weight", mlp.down_proj.weight[:, idx])])
+    normed = layer.post_attention_layernorm(x)  # [1, 50, hidden]: the GPU lane's normed input
+    ref = np.array(sub(normed)[0])  # [50, hidden]
+    shape = MLPShape(args.hidden_size, len(channels), chunk=64, channel_block=64)
+    path = save_program(build_mlp(shape, mlp_weights(mlp, channels, shift)), tmp_path / "mlp.mlpackage")
+    out = ReferenceExecutor(path)({"x": bc1s(np.array(normed[0]), 64)})
+    assert_close(from_bc1s(out["out"], 50) * 2.0**shift, ref, "mlp slice")
 
 
 def test_gdn_in_proj_z_rows_match_mlx(tmp_path):
@@ -179,10 +185,11 @@ def test_gdn_in_proj_z_rows_match_mlx(tmp_path):
     layer = model.layers[0]
     rng = np.random.default_rng(5)
     x = mx.array(fp16_exact(rng.standard_normal((1, 64, args.hidden_size)) * 2))
-    ref = np.array(layer.linear_attn.in_proj_z(layer.input_layernorm(x))[0, :, :32])  # [64, 32]
-    shape = GDNInProjShape(args.hidden_size, 32, chunk=64, eps=args.rms_norm_eps)
+    normed = layer.input_layernorm(x)  # [1, 64, hidden]: the GPU lane's normed input
+    ref = np.array(layer.linear_attn.in_proj_z(normed)[0, :, :32])  # [64, 32]
+    shape = GDNInProjShape(args.hidden_size, 32, chunk=64)
     path = save_program(build_gdn_in_proj(shape, gdn_in_proj_weights(layer, range(0, 32))), tmp_path / "z.mlpackage")
-    out = ReferenceExecutor(path)({"x": bc1s(np.array(x[0]), 64)})
+    out = ReferenceExecutor(path)({"x": bc1s(np.array(normed[0]), 64)})
     assert_close(from_bc1s(out["z"], 64), ref, "gdn z rows")
 
 

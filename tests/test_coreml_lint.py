@@ -113,12 +113,25 @@ def test_builder_programs_are_clean():
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     attn = build_attention(
         AttentionShape(hidden=64, heads=4, kv_heads=2, head_dim=32, rotary_dims=8, chunk=64, cache_slots=128, eps=1e-6, key_block=64),
-        AttentionWeights(r(64), r(128, 64), r(128, 64), r(64, 64), r(64, 64), r(32), r(32), r(64, 128)),
+        AttentionWeights(r(128, 64), r(128, 64), r(64, 64), r(64, 64), r(32), r(32), r(64, 128)),
     )
-    mlp = build_mlp(MLPShape(64, 128, 64, 1e-6, channel_block=64), MLPWeights(r(64), r(128, 64), r(128, 64), r(64, 128)))
-    z = build_gdn_in_proj(GDNInProjShape(64, 64, 64, 1e-6), GDNInProjWeights(r(64), r(64, 64)))
+    mlp = build_mlp(MLPShape(64, 128, 64, channel_block=64), MLPWeights(r(128, 64), r(128, 64), r(64, 128)))
+    z = build_gdn_in_proj(GDNInProjShape(64, 64, 64), GDNInProjWeights(r(64, 64)))
     for prog in (attn, mlp, z):
         assert lint_program(prog).findings == []
+
+
+def test_a_subnormal_epsilon_is_an_error():
+    """Qwen's RMSNorm epsilon, 1e-6, is subnormal in fp16: a norm that carries it as it is gets the error (hardware
+    that flushes it to zero divides a zero row by zero); the attention builder's norms carry it times 4^4."""
+    from coreml_graphs.ops import FP16_TINY, norm_shift, rms_norm
+
+    @mb.program(input_specs=spec(), opset_version=DEPLOYMENT_TARGET)
+    def prog(x):
+        return rms_norm(x, None, 1e-6, axis=1, name="norm")
+
+    assert "subnormal" in lint_program(prog).rules("error")
+    assert norm_shift(1e-6) == 4 and 1e-6 * 4.0**4 >= 2 * FP16_TINY and norm_shift(1e-3) == 0
 
 
 def save_fp32(prog, path):

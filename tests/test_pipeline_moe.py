@@ -164,10 +164,11 @@ def test_one_layers_merge_equals_the_moe_block(moe_engine, layer):
     block = model.layers[layer]
     h = mx.array(np.random.default_rng(7).standard_normal((1, 50, model.args.hidden_size)).astype(np.float32))
     want = np.array(block.mlp(block.post_attention_layernorm(h)))[0]  # [50, hidden]
-    x = to_bc1s(h, 64)
+    normed = block.post_attention_layernorm(h)  # [1, 50, hidden]: the programs read the GPU lane's normed input
+    x = to_bc1s(normed, 64)
     ane = sum(from_bc1s(program({"x": x})["out"], 50) for program, _ in split.programs.shared_expert[layer])
     ane = mx.array(ane)[None]  # [1, 50, hidden]: channels [0, 64) of the shared expert
-    routed, shared, gate = rest(h)  # shared: channels [64, 128)
+    routed, shared, gate = rest(normed)  # shared: channels [64, 128)
     got = np.array(rest.finish(routed, ane + shared, gate))[0]
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 5e-3 * scale

@@ -53,7 +53,8 @@ def _bc1s(h: mx.array, chunk: int) -> np.ndarray:
 
 
 def _attention_layer(parts: list, layer_cache, h: mx.array, start: int, theta: float) -> mx.array:
-    """One attention layer for the chunk h [1, s, hidden] at `start` through its programs; writes the chunk's K/V."""
+    """One attention layer for the chunk's normed input h [1, s, hidden] at `start` through its programs; writes
+    the chunk's K/V."""
     from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables
 
     s = h.shape[1]
@@ -87,7 +88,7 @@ def prefill_with_attention_programs(
         h = model.model.embed_tokens(mx.array(tokens[start : start + chunk])[None])  # [1, s, hidden]
         for i, layer in enumerate(model.layers):
             if i in programs:
-                h = h + _attention_layer(programs[i], cache[i], h, start, theta)
+                h = h + _attention_layer(programs[i], cache[i], layer.input_layernorm(h), start, theta)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             else:
                 h = layer(h, cache[i])

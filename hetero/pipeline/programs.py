@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from hetero.backends import platform_backend
 from hetero.errors import HeteroError
 from hetero.export import export_plan, read_manifest
@@ -27,6 +29,11 @@ def export_root() -> Path:
     return Path.home() / ".cache" / "hetero" / "coreml"
 
 
+def model_dir(key: str) -> Path:
+    """Where the exports and activation ranges of the weights `key` names are kept."""
+    return export_root() / key.replace("/", "_")
+
+
 def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int) -> Path:
     """The export directory of `plan` for the loaded model (model, path, config) whose weights `key` names, and a
     context `bucket`: exported on first use with a progress bar, attention programs for every context bucket up to
@@ -34,7 +41,9 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int) -> Path:
     fraction, chunk and piece kinds, bucket)."""
     contexts = context_buckets(bucket, plan.chunk)
     tag = "" if set(plan.offload) == set(OFFLOADABLE) else "_" + "+".join(plan.offload)
-    out = export_root() / key.replace("/", "_") / f"f{plan.sliced_fraction:.4f}_s{plan.chunk}_t{bucket}{tag}"
+    if plan.ranges is not None:  # the channels and output scales the ranges chose
+        tag += "_r" + plan.ranges.digest()
+    out = model_dir(key) / f"f{plan.sliced_fraction:.4f}_s{plan.chunk}_t{bucket}{tag}"
     try:
         manifest = read_manifest(out)
         files = all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"])
@@ -57,6 +66,13 @@ class Programs:
     mlp: dict[int, list] = field(default_factory=dict)
     shared_expert: dict[int, list] = field(default_factory=dict)
     gdn_in_proj: dict[int, list] = field(default_factory=dict)
+    channels: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (piece, layer) -> the ANE's units
+    # when chosen by range (`hetero.planner.ranges`); absent: units [0, share) in their own order
+
+    def ane_units(self, kind: str, layer: int) -> np.ndarray:
+        """The units (channels, rows) a layer's piece sends to the ANE."""
+        chosen = self.channels.get((kind, layer))
+        return chosen if chosen is not None else np.arange(self.share(kind, layer))
 
     def attention_at(self, layer: int, start: int) -> list:
         """The attention parts of `layer` for a chunk at position `start`: those of the smallest context bucket
@@ -74,6 +90,12 @@ class Programs:
         return max((p[-1].stop for p in parts), default=0)
 
 
+def _unscaled(run: Callable, factor: float) -> Callable:
+    """A program whose outputs carry 2^-shift (folded into its weights), called as one that gives them as they are:
+    the product by a power of two is exact."""
+    return lambda inputs: {k: v * np.float32(factor) for k, v in run(inputs).items()}
+
+
 def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs:
     """Every program of an export, loaded by `loader` (path[, function]) -> callable: the platform's backend in
     this process, or `AneProcess.load` into the ANE lane's worker."""
@@ -84,6 +106,11 @@ def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs
     for p in manifest["programs"]:
         path, function = export_dir / p["file"], p.get("function")  # a multifunction package names its function
         run, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
+        if p["out_shift"]:
+            run = _unscaled(run, 2.0 ** p["out_shift"])
+        if "channels" in p:
+            key = (p["piece"], p["layer"])
+            progs.channels[key] = np.concatenate([progs.channels.get(key, np.zeros(0, np.int64)), p["channels"]])
         if p["piece"] == "attention":
             progs.attention.setdefault(p["layer"], []).append((run, AttentionShape(**p["shape"]), units))
         else:

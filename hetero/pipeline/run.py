@@ -8,13 +8,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
-from hetero.errors import AneLaneLost, HeteroError
 from hetero.cache import LayerCache
-from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
-from hetero.pipeline.lanes import DecodeQueue, Trace
+from hetero.errors import AneLaneLost, HeteroError
 from hetero.fingerprint import weights_fingerprint
-from hetero.pipeline.programs import ane_backend, ensure_export, load_programs
+from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
+from hetero.pipeline.calibrate import cached_ranges
+from hetero.pipeline.lanes import DecodeQueue, Trace
+from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
+from hetero.planner.ranges import within_range
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.profiles import Profile
@@ -78,9 +81,7 @@ class PipelineRun:
             self._splits.clear()  # their worker is gone: load the programs into a fresh one
         if bucket not in self._splits:
             e = self.engine
-            # the weights as loaded (an Engine records them at load) are what is exported, not the files now
-            key = f"{e.identity}-{getattr(e, 'weights_fingerprint', None) or weights_fingerprint(e.path)}"
-            out = ensure_export((e.model, e.path, e.config), key, self.plan, bucket)
+            out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket)
             name, loader = ane_backend()
             worker = shared_worker(self.ane_loader, self.ane_timeout_s) if self.lane == "process" else None
             programs = load_programs(out, worker.load if worker is not None else loader)
@@ -128,7 +129,9 @@ class PipelineRun:
     def ane_block(self) -> dict:
         return {"backend": self.backend, "lane": self.lane, "requested_fraction": self.requested_fraction,
                 "effective_fraction": round(self.effective_fraction, 6), "caps": self.caps,
-                "lane_failures": self.lane_failures, "last_failure": self.last_failure}
+                "lane_failures": self.lane_failures, "last_failure": self.last_failure,
+                **({"fp16_headroom_bits": self.plan.ranges.headroom(),
+                    "kept_on_gpu_for_range": self.plan.ranges.kept_on_gpu()} if self.plan.ranges is not None else {})}
 
 
 def configure(
@@ -146,13 +149,33 @@ def configure(
         raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
-    plan = split_plan(engine.config, profile, fraction, context, chunk, offload=offload)
     if lane not in ("process", "thread"):
         raise HeteroError(f"the ANE lane runs in a 'process' or a 'thread', not {lane!r}")
+    plan = split_plan(engine.config, profile, fraction, context, chunk, offload=offload)
+    if plan.slices:  # keep the ANE inside fp16: ranges measured on the GPU lane (hetero.planner.ranges)
+        ranges = cached_ranges(model_dir(export_key(engine)), engine.model, calibration_ids(engine), plan)
+        plan = within_range(plan, ranges)
     return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane)
 
 
+def export_key(engine) -> str:
+    """What names an engine's exports and ranges: its identity and the weights as loaded (an Engine records their
+    fingerprint at load; they are what is exported, not the files now)."""
+    return f"{engine.identity}-{getattr(engine, 'weights_fingerprint', None) or weights_fingerprint(engine.path)}"
+
+
 CALIBRATION = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n" * 4
+RANGE_TOKENS = 512  # the activation ranges' sample: two of the default chunks
+
+
+def calibration_ids(engine) -> list[int]:
+    """The sample the activation ranges are measured on: code text through the engine's tokenizer (seeded random
+    tokens for an engine without one), `RANGE_TOKENS` long."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        return np.random.default_rng(0).integers(0, engine.model.args.vocab_size, RANGE_TOKENS).tolist()
+    ids = tokenizer.encode(CALIBRATION)
+    return (ids * (RANGE_TOKENS // max(len(ids), 1) + 1))[:RANGE_TOKENS]
 
 
 def split_for(engine, ane: AneSplit | float | str, chunk: int = DEFAULT_CHUNK) -> PipelineRun:

@@ -17,30 +17,52 @@ from hetero.models.attention import attend
 from hetero.models.qwen3_5 import DecoderLayer
 
 
-def _rows(lin: nn.Module, a: int, b: int) -> Callable[[mx.array], mx.array]:
-    """x -> x @ W[a:b].T for a Linear or QuantizedLinear (rows are whole output channels)."""
+def _runs(idx: np.ndarray) -> slice | None:
+    """`idx` as the slice it is when its units are consecutive, else None."""
+    if len(idx) and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
+        return slice(int(idx[0]), int(idx[0]) + len(idx))
+    return None
+
+
+def _rows(lin: nn.Module, a: int | np.ndarray, b: int | None = None) -> Callable[[mx.array], mx.array]:
+    """x -> x @ W[rows].T for a Linear or QuantizedLinear (rows are whole output channels): rows [a, b), or the
+    index array `a`."""
+    rows = slice(a, b) if b is not None else (_runs(a) or mx.array(a))
     if isinstance(lin, nn.QuantizedLinear):
-        w, s, z = lin.weight[a:b], lin.scales[a:b], lin.biases[a:b]
+        w, s, z = lin.weight[rows], lin.scales[rows], lin.biases[rows]
         mx.eval(w, s, z)
         return lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=lin.group_size, bits=lin.bits)
-    w = lin.weight[a:b]
+    w = lin.weight[rows]
     mx.eval(w)
     return lambda x: x @ w.T
 
 
-def _cols(lin: nn.Module, a: int, b: int) -> Callable[[mx.array], mx.array]:
-    """x -> x @ W[:, a:b].T (input channels a..b), for the partial sums of o_proj and down_proj."""
+def _cols(lin: nn.Module, a: int | np.ndarray, b: int | None = None) -> Callable[[mx.array], mx.array]:
+    """x -> x @ W[:, cols].T (input channels [a, b), or the index array `a`, in whole quantization groups where
+    quantized), for the partial sums of o_proj and down_proj."""
+    idx = np.arange(a, b) if b is not None else np.asarray(a)
     if isinstance(lin, nn.QuantizedLinear):
         g, per = lin.group_size, 32 // lin.bits if 32 % lin.bits == 0 else 0
-        if not per or a % g or b % g:
-            raise HeteroError(f"{lin.bits}-bit weights with group size {g} cannot be split at input channel {a}: "
-                              f"the pipeline splits 2-, 4- and 8-bit weights at multiples of the group size")
-        w, s, z = lin.weight[:, a // per : b // per], lin.scales[:, a // g : b // g], lin.biases[:, a // g : b // g]
+        groups = idx.reshape(-1, g)[:, 0] // g if per and len(idx) % g == 0 else None
+        if groups is None or not np.array_equal(idx, (groups[:, None] * g + np.arange(g)).reshape(-1)):
+            raise HeteroError(f"{lin.bits}-bit weights with group size {g} cannot be split at input channel "
+                              f"{idx[0]}: the pipeline splits 2-, 4- and 8-bit weights at multiples of the group size")
+        words = mx.array((groups[:, None] * (g // per) + np.arange(g // per)).reshape(-1))
+        gs = mx.array(groups)
+        w, s, z = mx.take(lin.weight, words, axis=1), mx.take(lin.scales, gs, axis=1), mx.take(lin.biases, gs, axis=1)
         mx.eval(w, s, z)
         return lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=g, bits=lin.bits)
-    w = lin.weight[:, a:b]
+    run = _runs(idx)
+    w = lin.weight[:, run] if run is not None else mx.take(lin.weight, mx.array(idx), axis=1)
     mx.eval(w)
     return lambda x: x @ w.T
+
+
+def complement(units: int, ane: np.ndarray) -> np.ndarray:
+    """The units of [0, units) the ANE does not take, in order."""
+    keep = np.ones(units, bool)
+    keep[ane] = False
+    return np.flatnonzero(keep)
 
 
 class GpuAttentionRest:
@@ -57,9 +79,9 @@ class GpuAttentionRest:
         self.v_proj = _rows(attn.v_proj, k * D, attn.n_kv_heads * D)
         self.o = _cols(attn.o_proj, k * group * D, attn.n_heads * D)
 
-    def __call__(self, h: mx.array, cache: KVCache) -> tuple[mx.array, mx.array, mx.array]:
+    def __call__(self, x: mx.array, cache: KVCache) -> tuple[mx.array, mx.array, mx.array]:
+        """The normed input x [1, S, hidden] -> (partial o_proj sum, the GPU's heads' new keys and values)."""
         a, D = self.attn, self.attn.head_dim
-        x = self.layer.input_layernorm(h)  # [1, S, hidden]
         B, S, _ = x.shape
         qg = self.q(x).reshape(B, S, self.heads, 2 * D)  # [B, S, Hr, 2D]
         q, gate = qg[..., :D], qg[..., D:]
@@ -79,45 +101,39 @@ class GpuAttentionRest:
 
 
 class GpuMLPRest:
-    """The GPU's channels [c, I) of a SwiGLU MLP (the layer's dense `mlp`, or the SwiGLU `mlp` given: an MoE
-    layer's shared expert): a partial down_proj sum."""
+    """The GPU's channels of a SwiGLU MLP (the layer's dense `mlp`, or the SwiGLU `mlp` given: an MoE layer's shared
+    expert): every channel but the ANE's `ane` (any set: those chosen by range), as a partial down_proj sum."""
 
-    def __init__(self, layer: DecoderLayer, c: int, mlp: nn.Module | None = None):
+    def __init__(self, layer: DecoderLayer, ane: np.ndarray, mlp: nn.Module | None = None):
         mlp = layer.mlp if mlp is None else mlp
-        I = mlp.gate_proj.weight.shape[0]
+        rest = complement(mlp.gate_proj.weight.shape[0], ane)
         self.layer = layer
-        self.gate, self.up, self.down = _rows(mlp.gate_proj, c, I), _rows(mlp.up_proj, c, I), _cols(mlp.down_proj, c, I)
+        self.gate, self.up, self.down = _rows(mlp.gate_proj, rest), _rows(mlp.up_proj, rest), _cols(mlp.down_proj, rest)
 
     def partial(self, x: mx.array) -> mx.array:
-        """The partial sum of channels [c, I) on the normed input x [1, S, hidden] (lazy)."""
+        """The partial sum of the GPU's channels on the normed input x [1, S, hidden] (lazy)."""
         return self.down(act.silu(self.gate(x)) * self.up(x))  # [1, S, hidden]
-
-    def __call__(self, h: mx.array) -> mx.array:
-        out = self.partial(self.layer.post_attention_layernorm(h))  # [1, S, hidden]
-        mx.eval(out)
-        return out
 
 
 class GpuMoERest:
-    """Everything of an MoE layer's MLP but the ANE's shared-expert channels [0, c): the router, the routed
-    experts, the shared expert's channels [c, I) (a partial down_proj sum; none when the ANE has them all) and
-    the shared expert's sigmoid gate, which `finish` applies once the ANE's partial sum is merged in.
+    """Everything of an MoE layer's MLP but the ANE's shared-expert channels `ane`: the router, the routed experts,
+    the shared expert's other channels (a partial down_proj sum; none when the ANE has them all) and the shared
+    expert's sigmoid gate, which `finish` applies once the ANE's partial sum is merged in.
 
     The routed sum is the model's own (`SparseMoeBlock.routed`), so only the shared expert's merge differs from
     the GPU-only run.
     """
 
-    def __init__(self, layer: DecoderLayer, c: int):
+    def __init__(self, layer: DecoderLayer, ane: np.ndarray):
         moe = layer.mlp
         self.layer, self.moe = layer, moe
         I = moe.shared_expert.gate_proj.weight.shape[0]
-        self.shared = GpuMLPRest(layer, c, moe.shared_expert) if c < I else None
+        self.shared = GpuMLPRest(layer, ane, moe.shared_expert) if len(ane) < I else None
 
-    def __call__(self, h: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
-        """h [1, S, hidden] -> (routed [1, S, hidden], shared channels [c, I) [1, S, hidden] or None,
-        gate logit [1, S, 1]), evaluated."""
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
+        """The normed input x [1, S, hidden] -> (routed [1, S, hidden], the GPU's shared channels [1, S, hidden] or
+        None, gate logit [1, S, 1]), evaluated."""
         moe = self.moe
-        x = self.layer.post_attention_layernorm(h)  # [1, S, hidden]
         routed = moe.routed(x)  # [1, S, hidden]
         shared = self.shared.partial(x) if self.shared is not None else None  # [1, S, hidden]
         gate = moe.shared_expert_gate(x)  # [1, S, 1]
@@ -141,8 +157,8 @@ class GpuGDNRest:
         self.layer, self.m, self.zr = layer, m, zr
         self.z_rest = _rows(m.in_proj_z, zr, m.nv * m.dv) if zr < m.nv * m.dv else None
 
-    def __call__(self, h: mx.array, cache: GDNCache) -> tuple[mx.array, mx.array | None]:
-        x = self.layer.input_layernorm(h)
+    def __call__(self, x: mx.array, cache: GDNCache) -> tuple[mx.array, mx.array | None]:
+        """The normed input x [1, S, hidden] -> (the recurrence's output, the GPU's z rows), evaluated."""
         z_rest = self.z_rest(x) if self.z_rest is not None else None  # [B, S, rows - zr]
         out = self.m.recurrence(x, cache)  # [B, S, Hv, Dv] fp32: the model's own exact path
         mx.eval(out, *cache.state, *([z_rest] if z_rest is not None else []))
@@ -158,10 +174,11 @@ def host(a: mx.array) -> np.ndarray:
     return np.asarray(a) if a.dtype == mx.float32 else np.asarray(a.astype(mx.float32))
 
 
-def to_bc1s(h: mx.array, chunk: int) -> np.ndarray:
-    """[1, s, hidden] -> (1, hidden, 1, chunk) fp16 values (in fp32: both backends take them), zero-padded past s."""
-    a = host(h)[0].T  # [hidden, s]
-    return fp16_values(np.pad(a, ((0, 0), (0, chunk - a.shape[1]))))[None, :, None, :]
+def to_bc1s(x: mx.array, chunk: int) -> np.ndarray:
+    """A normed input [1, s, hidden] -> (1, hidden, 1, chunk) fp16 values (in fp32: both backends take them). The
+    rows past s repeat the last token's: a padded row is never all zeros, so nothing in a program divides 0 by 0."""
+    a = host(x)[0].T  # [hidden, s]
+    return fp16_values(np.pad(a, ((0, 0), (0, chunk - a.shape[1])), mode="edge"))[None, :, None, :]
 
 
 def from_bc1s(out: np.ndarray, s: int) -> np.ndarray:

@@ -87,11 +87,11 @@ class SplitPrefill:
             if not layer.is_linear and 0 < k < args.num_key_value_heads:
                 self.attn_rest[i] = GpuAttentionRest(layer, k)
             if 0 < c < args.intermediate_size:
-                self.mlp_rest[i] = GpuMLPRest(layer, c)
+                self.mlp_rest[i] = GpuMLPRest(layer, programs.ane_units("mlp", i))
             if layer.is_linear and zr:
                 self.gdn_rest[i] = GpuGDNRest(layer, zr)
             if programs.share("shared_expert", i):  # the router and the routed experts always stay: a rest to run
-                self.moe_rest[i] = GpuMoERest(layer, programs.share("shared_expert", i))
+                self.moe_rest[i] = GpuMoERest(layer, programs.ane_units("shared_expert", i))
 
     def jobs(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
              logits: bool, on_chunk: EdgeFn | None = None) -> list[Job]:
@@ -159,17 +159,20 @@ class SplitPrefill:
         rank = lambda step: (ch.index, i, step)  # noqa: E731
         if layer.is_linear and i in self.gdn_rest:
             rest, parts = self.gdn_rest[i], progs.gdn_in_proj[i]
+            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0))
+            state = (norm,) if prev is None else (norm, prev)  # the recurrence continues the last chunk's state
 
             def gpu() -> None:
-                ch.parts[i, "gdn"] = rest(ch.h, c)
+                ch.parts[i, "gdn"] = rest(ch.parts[i, "x"][0], c)
 
             def ane() -> None:
-                x = to_bc1s(ch.h, size)
+                x = to_bc1s(ch.parts[i, "x"][1], size)
                 zs = [from_bc1s(run({"x": x})["z"], ch.s) for run, _ in parts]  # [s, rows of each part]
                 ch.parts[i, "z"] = np.concatenate(zs, 1)  # [s, zr]
 
             def merge() -> None:
                 o, z_rest = ch.parts.pop((i, "gdn"))
+                ch.parts.pop((i, "x"))
                 dtype = ch.h.dtype
                 z = mx.array(ch.parts.pop((i, "z")))[None].astype(dtype)  # [1, s, zr]
                 if z_rest is not None:
@@ -177,16 +180,18 @@ class SplitPrefill:
                 ch.h = ch.h + rest.finish(o, z, dtype)
                 mx.eval(ch.h)
 
-            g, a = Job(label, "gpu", gpu, after, rank(0)), Job(f"{label} z", "ane", ane, (h_job,), rank(0))
-            return [g, a, Job(f"{label} merge", "gpu", merge, (g, a), rank(1))]
+            g, a = Job(label, "gpu", gpu, state, rank(0)), Job(f"{label} z", "ane", ane, (norm,), rank(0))
+            return [g, norm, a, Job(f"{label} merge", "gpu", merge, (g, a), rank(1))]
         if not layer.is_linear and i in progs.attention:
             rest, parts = self.attn_rest.get(i), progs.attention_at(i, ch.start)
             theta = self.model.args.rope_theta
+            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0))
+            state = (norm,) if prev is None else (norm, prev)  # both read the cache as the last chunk left it
 
             def ane() -> None:
                 from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables
 
-                x = to_bc1s(ch.h, size)
+                x = to_bc1s(ch.parts[i, "x"][1], size)
                 D = parts[0][1].head_dim
                 k_all = np.empty((1, sum(len(kv) for *_, kv in parts), ch.s, D), np.float32)  # [1, Kp, s, D]
                 v_all, total, h0 = np.empty_like(k_all), None, 0
@@ -206,10 +211,11 @@ class SplitPrefill:
                 ch.parts[i, "ane"] = total, k_all, v_all
 
             def gpu() -> None:
-                ch.parts[i, "gpu"] = rest(ch.h, c)
+                ch.parts[i, "gpu"] = rest(ch.parts[i, "x"][0], c)
 
             def merge() -> None:
                 dtype = ch.h.dtype
+                ch.parts.pop((i, "x"))
                 total, k_ane, v_ane = ch.parts.pop((i, "ane"))
                 keys, values = mx.array(k_ane).astype(dtype), mx.array(v_ane).astype(dtype)
                 out = mx.array(total)[None].astype(dtype)  # [1, s, hidden]
@@ -222,10 +228,10 @@ class SplitPrefill:
                 ch.h = ch.h + out
                 mx.eval(ch.h, *c.state)
 
-            shares = [Job(f"{label} heads", "ane", ane, after, rank(0))]
+            shares = [Job(f"{label} heads", "ane", ane, state, rank(0))]
             if rest is not None:
-                shares.append(Job(label, "gpu", gpu, after, rank(0)))
-            return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(1))]
+                shares.append(Job(label, "gpu", gpu, state, rank(0)))
+            return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(1))]
 
         def whole() -> None:
             mixer = layer.linear_attn if layer.is_linear else layer.self_attn
@@ -248,23 +254,27 @@ class SplitPrefill:
 
             return [Job(label, "gpu", whole, (h_job,), rank(2))]
         rest, parts = self.mlp_rest.get(i), progs.mlp[i]
+        norm = self._normed(f"{label} norm", layer.post_attention_layernorm, ch, (i, "mlp x"), (h_job,), rank(2))
 
         def ane() -> None:
-            x = to_bc1s(ch.h, size)
+            x = to_bc1s(ch.parts[i, "mlp x"][1], size)
             ch.parts[i, "mlp ane"] = sum(from_bc1s(run({"x": x})["out"], ch.s) for run, _ in parts)  # [s, hidden]
 
         def gpu() -> None:
-            ch.parts[i, "mlp gpu"] = rest(ch.h)
+            out = rest.partial(ch.parts[i, "mlp x"][0])  # [1, s, hidden]
+            mx.eval(out)
+            ch.parts[i, "mlp gpu"] = out
 
         def merge() -> None:
+            ch.parts.pop((i, "mlp x"))
             out = mx.array(ch.parts.pop((i, "mlp ane")))[None].astype(ch.h.dtype)  # [1, s, hidden]
             ch.h = ch.h + (out if rest is None else out + ch.parts.pop((i, "mlp gpu")))
             mx.eval(ch.h)
 
-        shares = [Job(f"{label} channels", "ane", ane, (h_job,), rank(2))]
+        shares = [Job(f"{label} channels", "ane", ane, (norm,), rank(2))]
         if rest is not None:
-            shares.append(Job(label, "gpu", gpu, (h_job,), rank(2)))
-        return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
+            shares.append(Job(label, "gpu", gpu, (norm,), rank(2)))
+        return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
 
     def _moe(self, i: int, ch: Chunk, h_job: Job) -> list[Job]:
         """Jobs of MoE layer i's MLP for chunk `ch` after `h_job`: the ANE's shared-expert channels as the MLP
@@ -274,14 +284,18 @@ class SplitPrefill:
         label = f"L{i} moe @{ch.start}"
         rank = lambda step: (ch.index, i, step)  # noqa: E731
 
+        norm = self._normed(f"{label} norm", self.model.layers[i].post_attention_layernorm, ch, (i, "moe x"),
+                            (h_job,), rank(2))
+
         def ane() -> None:
-            x = to_bc1s(ch.h, size)
+            x = to_bc1s(ch.parts[i, "moe x"][1], size)
             ch.parts[i, "shared ane"] = sum(from_bc1s(run({"x": x})["out"], ch.s) for run, _ in parts)  # [s, hidden]
 
         def gpu() -> None:
-            ch.parts[i, "moe gpu"] = rest(ch.h)
+            ch.parts[i, "moe gpu"] = rest(ch.parts[i, "moe x"][0])
 
         def merge() -> None:
+            ch.parts.pop((i, "moe x"))
             routed, shared_rest, gate = ch.parts.pop((i, "moe gpu"))
             shared = mx.array(ch.parts.pop((i, "shared ane")))[None].astype(ch.h.dtype)  # [1, s, hidden]
             if shared_rest is not None:
@@ -289,9 +303,23 @@ class SplitPrefill:
             ch.h = ch.h + rest.finish(routed, shared, gate)
             mx.eval(ch.h)
 
-        shares = [Job(f"{label} shared channels", "ane", ane, (h_job,), rank(2)),
-                  Job(label, "gpu", gpu, (h_job,), rank(2))]
-        return shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
+        shares = [Job(f"{label} shared channels", "ane", ane, (norm,), rank(2)),
+                  Job(label, "gpu", gpu, (norm,), rank(2))]
+        return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
+
+    @staticmethod
+    def _normed(label: str, norm, ch: Chunk, key: tuple, after: tuple, rank: tuple) -> Job:
+        """A GPU job leaving a piece's normed input in `ch.parts[key]`: (x in the model's dtype for the GPU's share,
+        x in fp32 for the ANE lane to read without an MLX op). The programs read normed inputs: bounded however
+        large the residual stream grows, and no epsilon enters them."""
+
+        def job() -> None:
+            x = norm(ch.h)  # [1, s, hidden]
+            x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
+            mx.eval(x, x32)
+            ch.parts[key] = (x, x32)
+
+        return Job(label, "gpu", job, after, rank)
 
     def run(self, tokens: list[int], cache: list[LayerCache], mtp: bool = False, carry: mx.array | None = None,
             logits: bool = True, trace: Trace | None = None, decode: DecodeQueue | None = None,

@@ -21,6 +21,7 @@ from hetero.planner.predict import (
     predict_prefill,
     verify_cost,
 )
+from hetero.planner.ranges import Ranges
 from hetero.planner.shape import MoE, Storage, model_shape, storage_for
 from hetero.planner.slices import (
     ALIGN,
@@ -73,6 +74,7 @@ class Plan:
     moe: MoE | None = None  # the routed experts (None: a dense model)
     parameters: Parameters | None = None
     hosts: HostPlan | None = None  # `--hosts N`: the split across hosts with its predictions
+    ranges: Ranges | None = None  # measured activation ranges (`planner.ranges.within_range`): units, order, scales
 
     @property
     def effective_fraction(self) -> float:
@@ -126,6 +128,8 @@ class Plan:
                 for p in self.pieces
             },
             "caps": self.caps(),
+            **({"fp16_headroom_bits": self.ranges.headroom(), "kept_on_gpu_for_range": self.ranges.kept_on_gpu()}
+               if self.ranges is not None else {}),
             "ane_programs": {"count": sum(self.programs.values()), "weight_budget_bytes": self.program_budget},
             "layers": [asdict(s) for s in self.slices],
             "predicted": self.predicted,

@@ -1,0 +1,92 @@
+"""Checkpoints with real LLMs' "massive activations", which random checkpoints lack.
+
+A few MLP channels of some layers read one direction v of the normed input through both gate and up, scaled by
+`gain`: silu(gain t) x gain t with t = x . v, about gain^2 t^2 on the tokens where t > 0 (half of them) and near
+zero elsewhere. Their down_proj columns write one residual channel `MASSIVE`, which then reaches ~1e4 on those
+tokens, and every later norm divides by it. The channels sit at 1/8, 3/8, 5/8 and 7/8 of the intermediate width,
+so any contiguous share of a quarter of the channels or more holds one.
+
+`inject` edits a dict of numpy arrays named as transformers and MLX name a `qwen3_5_text` checkpoint
+(`model.layers.{i}.mlp.gate_proj.weight`, ...); `save_outlier_checkpoint` writes one through transformers, with a
+tokenizer, so the GPU-only path can still be compared with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+MASSIVE = 7  # the residual channel the outlier channels write
+STRONG = 2000.0  # gate x up up to ~4e6 t^2: past 1e5 on about a third of the tokens (fp32 and bf16 hold it)
+MILD = 56.0  # gate x up ~3100 t^2: past the ANE's safe 4096 on a tenth of the tokens (t > 1.14), inside fp16 (t < 3.6)
+RESIDUAL = {STRONG: 1e4, MILD: 1e3}  # the massive channel's typical size where the channels fire (fp16 holds 1e3's)
+
+
+def outlier_channels(intermediate: int) -> list[int]:
+    """Channels at 1/8, 3/8, 5/8 and 7/8 of the width: every contiguous quarter holds one."""
+    return [intermediate * k // 8 for k in (1, 3, 5, 7)]
+
+
+def inject(weights: dict[str, np.ndarray], layers: list[int], gain: float, seed: int = 0) -> dict[str, np.ndarray]:
+    """`weights` with massive-activation channels of `gain` (STRONG or MILD) in the MLPs of `layers` (see the module
+    docstring)."""
+    rng = np.random.default_rng(seed)
+    out = dict(weights)
+    for i in layers:
+        p = f"model.layers.{i}.mlp."
+        gate, up, down = (out[p + n].copy() for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+        hidden = gate.shape[1]
+        for c in outlier_channels(gate.shape[0]):
+            v = rng.standard_normal(hidden)
+            v[MASSIVE] = 0.0  # read a direction the massive channel does not dominate
+            v /= np.linalg.norm(v)
+            gate[c], up[c] = gain * v, gain * v
+            down[:, c] = 0.0
+            down[MASSIVE, c] = RESIDUAL[gain] / (len(outlier_channels(gate.shape[0])) * gain**2)  # where t ~ 1
+        out[p + "gate_proj.weight"], out[p + "up_proj.weight"], out[p + "down_proj.weight"] = gate, up, down
+    return out
+
+
+# A qwen3_5_text model wide enough for channel blocks (1,024 channels: 16 blocks of 64), 4 layers (3 GDN, then
+# attention), outliers in the MLPs of layers 0 and 2.
+CONFIG = dict(
+    hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+    linear_num_value_heads=4, rms_norm_eps=1e-6, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+)
+LAYERS = [0, 2]
+
+
+def save_outlier_checkpoint(path: Path, gain: float | None, seed: int = 0) -> Path:
+    """A random `qwen3_5_text` checkpoint (transformers' layout, fp32) with the tokenizer of the tiny models, with
+    massive activations of `gain` in `LAYERS` (None: the same weights without them)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from converters.tokenizer_train import save_tokenizer, train_tokenizer
+    from helpers import randomize_
+    from tiny_checkpoint import TEXT
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer([TEXT] * 4, vocab_size=320)
+    save_tokenizer(tok, path)
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(**CONFIG, vocab_size=64 * -(-tok.get_vocab_size() // 64), full_attention_interval=4,
+                               tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                "partial_rotary_factor": 0.25})
+    model = Qwen3_5ForCausalLM(config).float().eval()
+    randomize_(model, seed)
+    if gain is not None:
+        state = {k: v.numpy() for k, v in model.state_dict().items()}
+        edited = inject(state, LAYERS, gain, seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in edited and edited[name] is not state[name]:
+                    p.copy_(torch.from_numpy(edited[name]))
+    model.save_pretrained(path)
+    config_file = path / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "full_attention_interval": 4}, indent=1))
+    return path
