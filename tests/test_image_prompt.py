@@ -118,3 +118,24 @@ def test_checkpoint_without_a_tower_is_one_clear_error(tmp_path):
     save_flat(tmp_path, tie=False)
     with pytest.raises(HeteroError, match="no vision tower"):
         load_tower(tmp_path, json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_tower_nested_under_the_language_model_loads(checkpoint, tmp_path):
+    """Some conversions store the tower as `model.language_model.visual.*` (mlx-vlm reads that name too): both the
+    text model (which skips it) and the tower load, and the prompt's logits are unchanged."""
+    import shutil
+
+    path, hf, model, config, tower = checkpoint
+    weights = {k.replace("model.visual.", "model.language_model.visual.", 1): v
+               for k, v in mx.load(str(path / "model.safetensors")).items()}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(path / name, tmp_path / name)
+    moved_model, _, _ = load_model(tmp_path)
+    moved_tower = load_tower(tmp_path, config)
+    images, tokens = [draw_image(*SIZES[1])], chat(1, seed=2)
+    proc = ImageProcessor.from_checkpoint(path)
+    before = prefill(model, build_prompt(tower, proc, config, tokens, images), IMAGE_TOKEN, model.make_cache())[0]
+    prompt = build_prompt(moved_tower, proc, config, tokens, images)
+    after = prefill(moved_model, prompt, IMAGE_TOKEN, moved_model.make_cache())[0]
+    np.testing.assert_array_equal(np.array(after), np.array(before))
