@@ -118,6 +118,8 @@ def decode_image(data: bytes, max_pixels: int = 64_000_000) -> Image.Image:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise HeteroError(f"image not recognised: send {', '.join(FORMATS)}") from None
+    except Image.DecompressionBombError as e:  # Pillow's own guard, far above `max_pixels`
+        raise HeteroError(f"image too large ({e}): send a smaller one") from None
     if image.format not in FORMATS:
         raise HeteroError(f"image format {image.format} is not supported: send {', '.join(FORMATS)}")
     if image.width * image.height > max_pixels:
