@@ -130,3 +130,15 @@ def test_bad_images_are_one_clear_error():
         decode_image(encoded(draw_image(64, 64), "PNG"), max_pixels=1000)
     with pytest.raises(HeteroError, match="aspect ratio"):
         ImageProcessor()(Image.new("RGB", (1, 300)))
+
+
+def test_bfloat16_tower_stays_bfloat16_and_near_float32(checkpoint):
+    """A Mac loads the tower in bf16: activations stay bf16 (the rotary angles alone in fp32) and the result stays
+    within bf16's precision of the fp32 tower."""
+    path, _, args = checkpoint
+    weights = mx.load(str(path / "model.safetensors"))
+    pixels, grid = ImageProcessor.from_checkpoint(path)(draw_image(*SIZES[1]))
+    full = np.array(load_vision(args, weights)(mx.array(pixels), [grid]))
+    half = load_vision(args, weights, mx.bfloat16)(mx.array(pixels), [grid])
+    assert half.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(half.astype(mx.float32)), full, atol=0.05 * np.abs(full).max())

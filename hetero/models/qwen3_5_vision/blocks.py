@@ -31,7 +31,7 @@ class Attention(nn.Module):
         n, d = x.shape  # [N, D], N = frames * patches per frame; each frame attends only to itself
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, -1)  # [N, 3, H, Dh]
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [N, H, Dh]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin).astype(x.dtype), apply_rotary(k, cos, sin).astype(x.dtype)  # angles in fp32
         per = lambda t: t.reshape(frames, n // frames, self.num_heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
         out = mx.fast.scaled_dot_product_attention(per(q), per(k), per(v), scale=self.scale)  # [F, H, S, Dh]
         return self.proj(out.transpose(0, 2, 1, 3).reshape(n, d))

@@ -35,7 +35,8 @@ class VisionModel(nn.Module):
         t, h, w = grid
         idx, weights = interpolation(h, w, a.spatial_merge_size, a.num_position_embeddings)  # [h*w, 4] each
         pos = (self.pos_embed.weight[idx] * weights[:, :, None]).sum(axis=1)  # [h*w, D]
-        x = self.patch_embed(patches) + mx.tile(pos, (t, 1))  # [t*h*w, D]
+        dtype = self.pos_embed.weight.dtype
+        x = self.patch_embed(patches.astype(dtype)) + mx.tile(pos.astype(dtype), (t, 1))  # [t*h*w, D]
         angles = rotary_angles(h, w, a.spatial_merge_size, a.head_dim, a.rope_theta)  # [h*w, Dh/2]
         angles = mx.tile(mx.concatenate([angles, angles], axis=-1), (t, 1))[:, None, :]  # [t*h*w, 1, Dh]
         cos, sin = mx.cos(angles), mx.sin(angles)
