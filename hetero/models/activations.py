@@ -38,3 +38,13 @@ def sigmoid(x: mx.array) -> mx.array:
 def silu(x: mx.array) -> mx.array:
     """x * sigmoid(x), elementwise."""
     return x / (1.0 + mx.power(2.0, x * -LOG2E)) if _power_form(x) else x * mx.sigmoid(x)
+
+
+def gelu(x: mx.array) -> mx.array:
+    """x * Phi(x) with the exact (erf) normal CDF, elementwise (the vision tower's patch merger)."""
+    return 0.5 * x * (1.0 + mx.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """GELU's tanh approximation (torch's `approximate="tanh"`), elementwise (the vision blocks' MLP)."""
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))

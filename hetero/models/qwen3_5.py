@@ -22,6 +22,7 @@ from hetero.models.fused import FusedProjection, project_inputs
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 from hetero.models.linear import Linear, project
 from hetero.models.moe import SparseMoeBlock
+from hetero.models.mrope import apply_mrope
 
 RECURRENT_MAX_TOKENS = 16  # shorter inputs run the token-by-token form; longer ones the chunked form
 
@@ -65,25 +66,31 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.rope = nn.RoPE(args.rotary_dims, traditional=False, base=args.rope_theta)
+        self.rope_args = (args.rotary_dims, args.rope_theta, args.mrope_section)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, positions: mx.array | None = None) -> mx.array:
         offset = cache.offset if cache is not None else 0
-        queries, keys, values, gate = self.project(x, offset)
+        queries, keys, values, gate = self.project(x, offset, positions)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
         return self.finish(attend(queries, keys, values, scale=self.head_dim**-0.5), gate)
 
-    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    def project(self, x: mx.array, offset: int | mx.array, positions: mx.array | None = None
+                ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """x [B, S, hidden] at positions offset.. -> queries [B, H, S, D], keys and values [B, Hkv, S, D] (RoPE
-        applied), gate [B, S, H, D]."""
+        applied), gate [B, S, H, D]. With `positions` [3, S] (a prompt with images) the rotary angles come from those
+        (time, height, width) positions instead (`mrope`)."""
         B, S, _ = x.shape
         q, k, v = project_inputs(self, x)  # [B, S, H*2D], [B, S, Hkv*D], [B, S, Hkv*D]
         qg = q.reshape(B, S, self.n_heads, 2 * self.head_dim)  # [B, S, H, 2D]
         queries, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [B, S, H, D] each
         keys = k.reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
         values = v.reshape(B, S, self.n_kv_heads, self.head_dim)  # [B, S, Hkv, D]
-        queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)  # [B, H, S, D]
-        keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)  # [B, Hkv, S, D]
+        queries, keys = self.q_norm(queries).transpose(0, 2, 1, 3), self.k_norm(keys).transpose(0, 2, 1, 3)
+        if positions is not None:
+            queries, keys = apply_mrope(queries, positions, *self.rope_args), apply_mrope(keys, positions, *self.rope_args)
+        else:
+            queries, keys = self.rope(queries, offset=offset), self.rope(keys, offset=offset)  # [B, H|Hkv, S, D]
         return queries, keys, values.transpose(0, 2, 1, 3), gate
 
     def finish(self, out: mx.array, gate: mx.array) -> mx.array:
@@ -252,7 +259,11 @@ class DecoderLayer(nn.Module):
             self._attention_in = PerThread(lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset))
             self._attention_out = PerThread(lambda x, out, g: self._feed_forward(x + self.self_attn.finish(out, g)))
 
-    def __call__(self, x: mx.array, cache: LayerCache | RaggedKV | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | RaggedKV | None, positions: mx.array | None = None) -> mx.array:
+        if positions is not None:  # a prompt with images (or a step after one): 3-D rotary positions, plain path
+            mixer = self.linear_attn(self.input_layernorm(x), cache) if self.is_linear else self.self_attn(
+                self.input_layernorm(x), cache, positions)
+            return self._feed_forward(x + mixer)
         if isinstance(cache, RaggedKV):
             return self._ragged_attention(x, cache)
         if cache is not None and x.shape[1] <= RECURRENT_MAX_TOKENS:
@@ -322,10 +333,13 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(args, t, i in moe) for i, t in enumerate(args.layer_types)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None) -> mx.array:
-        h = self.embed_tokens(tokens)  # [B, S, hidden]
+    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None, embeddings: mx.array | None = None,
+                 positions: mx.array | None = None) -> mx.array:
+        """tokens [B, S] -> post-norm hidden [B, S, hidden]; `embeddings` [B, S, hidden] replace the token embeddings
+        (images placed in the prompt), `positions` [3, S] are the attention layers' 3-D rotary positions."""
+        h = self.embed_tokens(tokens) if embeddings is None else embeddings  # [B, S, hidden]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cache[i] if cache is not None else None)
+            h = layer(h, cache[i] if cache is not None else None, positions)
         return self.norm(h)
 
 

@@ -1,0 +1,32 @@
+"""Multimodal RoPE (transformers' interleaved mrope of Qwen3.5): each rotary frequency turns by one of three
+position streams, time, height or width. Frequency j takes height where j % 3 == 1 and j < 3 * section[1], width
+where j % 3 == 2 and j < 3 * section[2], time elsewhere. Text tokens carry one position in all three streams, so
+for them this is the plain partial NeoX RoPE that `nn.RoPE` applies; image tokens carry (t, row, column)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+
+def frequency_streams(rotary_dims: int, section: Sequence[int]) -> np.ndarray:
+    """[rotary_dims / 2] stream index (0 time, 1 height, 2 width) per rotary frequency."""
+    j = np.arange(rotary_dims // 2)
+    streams = np.zeros_like(j)
+    streams[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    streams[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return streams
+
+
+def apply_mrope(x: mx.array, positions: mx.array, rotary_dims: int, theta: float, section: Sequence[int]) -> mx.array:
+    """x [B, H, S, D] with positions [3, S] (time, height, width) -> x with its first `rotary_dims` dims rotated."""
+    half = rotary_dims // 2
+    inv_freq = mx.array((1.0 / theta ** (np.arange(0, rotary_dims, 2, dtype=np.float32) / rotary_dims)).astype(np.float32))
+    streams = mx.array(frequency_streams(rotary_dims, section))
+    pos = positions.astype(mx.float32)[streams, :]  # [half, S]: each frequency's own stream
+    angles = pos.T * inv_freq  # [S, half]
+    cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dims], x[..., rotary_dims:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)

@@ -1,0 +1,89 @@
+"""Tiny random `qwen3_5` vision-language checkpoints written by transformers (`save_pretrained`), with the
+`preprocessor_config.json` of transformers' `Qwen2VLImageProcessor`, and test images drawn with Pillow.
+
+Test-only: imports torch and transformers. Two tower layouts differ in every shape the tower has (width, heads,
+patch size, position table, activation), so a layout assumption in the MLX tower fails one of them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tests.helpers import HIDDEN, INTERVAL, TEXT, VOCAB, randomize_
+
+LAYOUTS = {
+    "small": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=16, hidden_act="gelu_pytorch_tanh"),
+    "wide": dict(depth=2, hidden_size=48, intermediate_size=96, num_heads=4, patch_size=8, temporal_patch_size=2,
+                 spatial_merge_size=2, num_position_embeddings=36, hidden_act="gelu"),
+}
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
+
+
+def save_vl(path: Path, layout: str, seed: int = 3, max_pixels: int = 64 * 64):
+    """Write a `qwen3_5` checkpoint with the `layout` tower and its processor config; returns the HF model."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(**TEXT, full_attention_interval=INTERVAL, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+    })
+    vision = dict(LAYOUTS[layout], out_hidden_size=HIDDEN)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                           image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+                           vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    randomize_(model, seed)
+    with torch.no_grad():  # LayerNorms near 1 (randomize_ treats them as zero-centred), biases that matter
+        for name, p in model.model.visual.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.add_(1.0)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape))
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["full_attention_interval"] = INTERVAL
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    v = LAYOUTS[layout]
+    (path / "preprocessor_config.json").write_text(json.dumps(dict(
+        image_processor_type="Qwen2VLImageProcessor", do_resize=True, do_rescale=True, rescale_factor=1 / 255,
+        do_normalize=True, do_convert_rgb=True, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        resample=3, patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"],
+        merge_size=v["spatial_merge_size"], size={"shortest_edge": 16 * 16, "longest_edge": max_pixels},
+    ), indent=1))
+    return model
+
+
+def hf_processor(path: Path):
+    """transformers' own image processor for the checkpoint (the PIL backend: no torchvision here)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = json.loads((path / "preprocessor_config.json").read_text())
+    config.pop("image_processor_type")
+    return Qwen2VLImageProcessorPil(**config)
+
+
+def draw_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """A smooth gradient with noise: resizing and every channel matter."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([255 * x / width, 255 * y / height, 128 + 100 * np.sin((x + y) / 5)], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    if mode == "RGBA":
+        image.putalpha(Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8)))
+    return image
+
+
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    """The image as a PNG / JPEG / WEBP file's bytes."""
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    return buf.getvalue()
