@@ -21,7 +21,8 @@ Both arenas belong to the engine: it creates, grows and unlinks them, so a worke
 input arrays Core ML reads stay mapped for this process's whole life however late Core ML releases them.
 
 Run as `python -m hetero.backends.ane_worker FD [MODULE:LOADER]`; the optional loader (a callable
-`(path, function) -> program`) replaces the platform's, which is how tests stand in for Core ML's `predict`.
+`(path, function) -> program`) replaces the platform's, which is how tests stand in for Core ML's `predict`;
+without it, $HETERO_ANE_LOADER (same form) does, so a test can fault the worker of a `hetero run` subprocess.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def main(argv: list[str]) -> None:
     for name in UNUSED_BY_THE_WORKER:
         sys.modules.setdefault(name, None)  # an import of these fails fast: coremltools then skips its converters
     conn = Connection(int(argv[0]))
-    if len(argv) > 1:
-        module, _, attr = argv[1].partition(":")
+    spec = argv[1] if len(argv) > 1 else os.environ.get("HETERO_ANE_LOADER")
+    if spec:
+        module, _, attr = spec.partition(":")
         loader = getattr(importlib.import_module(module), attr)
     else:
         loader = platform_backend()[1]

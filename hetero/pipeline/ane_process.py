@@ -88,7 +88,7 @@ class AneProcess:
         with self._lock:
             self._check()
             if key not in self._ids:
-                self._conn.send(("load", *key))
+                self._send(("load", *key), f"loading {Path(path).name}")
                 self._ids[key] = self._reply(LOAD_TIMEOUT_S, f"loading {Path(path).name}")[1]
         return Program(self, key)
 
@@ -101,11 +101,11 @@ class AneProcess:
             self._ensure("in", packed_bytes(inputs))
             layout = pack(inputs, self._arenas["in"].buf)
             sent = time.perf_counter()
-            self._conn.send(("run", self._ids[key], layout))
+            self._send(("run", self._ids[key], layout), f"a job of {name}")
             msg = self._reply(self.timeout_s, f"a job of {name}")
             if msg[0] == "grow":  # the worker holds the outputs until it has a large enough arena
                 self._ensure("out", msg[1], tell=False)
-                self._conn.send(("arena", "out", self._arenas["out"].name))
+                self._send(("arena", "out", self._arenas["out"].name), f"a job of {name}")
                 msg = self._reply(self.timeout_s, f"a job of {name}")
             if msg[0] == "garbage":
                 self._lose(f"returned non-finite values in {msg[1]!r} of {name}")
@@ -127,7 +127,7 @@ class AneProcess:
         """The worker's resident memory: its interpreter, programs and the arenas' pages it touched."""
         with self._lock:
             self._check()
-            self._conn.send(("stat",))
+            self._send(("stat",), "a memory query")
             return int(self._reply(self.timeout_s, "a memory query")[1])
 
     # -- arenas, replies, failure -------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class AneProcess:
         size = max(need + need // 4, ARENA_STEP)
         self._arenas[role] = SharedMemory(create=True, size=-(-size // ARENA_STEP) * ARENA_STEP)
         if tell:
-            self._conn.send(("arena", role, self._arenas[role].name))
+            self._send(("arena", role, self._arenas[role].name), "attaching an arena")
             self._reply(self.timeout_s, "attaching an arena")
         if old is not None:
             self._retire(old)
@@ -154,6 +154,15 @@ class AneProcess:
                 self._retired.remove(s)
             except BufferError:  # a caller still holds views of an old output arena
                 pass
+
+    def _send(self, msg: tuple, what: str) -> None:
+        """Send to the worker; a worker gone meanwhile (a broken pipe or reset socket) is a lost worker, never an
+        OSError for the caller (the CLI would take a BrokenPipeError for its own stdout's reader going away)."""
+        try:
+            self._conn.send(msg)
+        except OSError:
+            self.proc.wait()
+            self._lose(f"exited (status {self.proc.returncode}) while {what}")
 
     def _reply(self, timeout: float, what: str) -> tuple:
         try:
@@ -170,6 +179,14 @@ class AneProcess:
     def _check(self) -> None:
         if self.lost is not None:
             raise AneLaneLost(f"the ANE lane's worker (pid {self.pid}) {self.lost}")
+        if self.proc.poll() is not None:  # died while idle: found before anything is sent to it
+            self._lose(f"exited (status {self.proc.returncode}) between jobs")
+
+    def check(self) -> None:
+        """Raise `AneLaneLost` if the worker died since its last job (once: then it counts as lost)."""
+        with self._lock:
+            if self.lost is None:
+                self._check()
 
     def _lose(self, reason: str) -> None:
         self.lost = reason
