@@ -75,3 +75,16 @@ def temporaries(path, function=None):
         return {"y": a}
 
     return run
+
+
+def chatty(path, function=None):
+    """Core ML's compiler and runtime writing to the process's stdout (file descriptor 1, as a C library does, and
+    Python's print) while programs load and run."""
+    os.write(1, f"compiling {os.path.basename(path)}\n".encode())
+    real = ReferenceExecutor(path, function)
+
+    def run(inputs: dict) -> dict:
+        print("E5RT: predicting", flush=True)
+        return real(inputs)
+
+    return run

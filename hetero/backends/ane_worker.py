@@ -13,7 +13,7 @@ tuple whose first item says what it is):
                                       or ("garbage", output name) when an output holds NaN or inf
                                       or ("grow", bytes) when they do not fit: the engine sends a larger "out"
                                          arena, then this process copies the held outputs and answers "done"
-    ("stat",)                         -> ("stat", resident bytes)
+    ("stat",)                         -> ("stat", resident bytes now, or None where the OS does not say)
     ("stop",)                         -> (no reply; the process exits)
 A failure answers ("error", one line). A layout is a list of (name, dtype, shape, byte offset) into an arena.
 
@@ -99,6 +99,7 @@ def serve(conn: Connection, loader) -> None:
                     _, role, name = conn.recv()  # ("arena", "out", name)
                     _replace(arenas, retired, role, name)
                 layout = pack(out, arenas["out"].buf)
+                del out  # the job's arrays go when it returns, not at the next job
                 conn.send(("done", layout, computed - start, time.perf_counter() - computed))
             elif kind == "stat":
                 conn.send(("stat", resident_bytes()))

@@ -48,15 +48,45 @@ _COMPILED = re.compile(rf"^(?P<stem>.+)\.[0-9a-f]{{{DIGEST_CHARS}}}\.mlmodelc$")
 _TEMP_PREFIX = ".compiling-"
 
 
-def available() -> tuple[bool, str]:
-    """(whether Core ML can run programs here, why not)."""
-    if platform.system() != "Darwin":
-        return False, f"Core ML runs only on macOS (this is {platform.system()})"
+def _native_library() -> None:
+    """Import coremltools' native library, which compiling, loading and predicting call into."""
+    import coremltools.libcoremlpython  # noqa: F401
+
+
+def available(system: str | None = None, native: Callable[[], object] = _native_library) -> tuple[bool, str]:
+    """(whether Core ML can run programs here, why not). `system` is `platform.system()`'s answer (default: this
+    machine's) and `native` imports coremltools' native library (`coremltools.libcoremlpython`): `import
+    coremltools` succeeds without it, e.g. where pip fell back to the sdist because no wheel exists for this
+    Python, and then every compile and prediction fails."""
+    system = system or platform.system()
+    if system != "Darwin":
+        return False, f"Core ML runs only on macOS (this is {system})"
     try:
-        import coremltools  # noqa: F401
+        import coremltools
     except ImportError:
         return False, "coremltools is not installed"
+    try:
+        native()
+    except ImportError as e:
+        return False, (f"coremltools {coremltools.__version__} has no native library ({e}): install a coremltools "
+                       f"wheel built for Python {platform.python_version()} (pip fell back to the source package)")
     return True, ""
+
+
+MULTIFUNCTION_MACOS = (15,)  # multifunction packages: the iOS 18 / macOS 15 spec (coremltools models/utils.py)
+
+
+def macos_version(mac_ver: Callable[[], tuple] = platform.mac_ver) -> tuple[int, ...] | None:
+    """This Mac's macOS version as numbers ((14, 6, 1)); None off macOS (`mac_ver` is `platform.mac_ver`)."""
+    text = mac_ver()[0]
+    return tuple(int(x) for x in text.split(".") if x.isdigit()) if text else None
+
+
+def multifunction_packages(macos: tuple[int, ...] | None) -> bool:
+    """Whether an export stores an attention piece's context buckets as the functions of one package (weights
+    once): from macOS 15, and off macOS (the reference executor runs them). Before macOS 15 coremltools' binding
+    refuses a function name (`CoreMLPython.mm`), so each bucket is a single-function package of its own."""
+    return macos is None or tuple(macos) >= MULTIFUNCTION_MACOS
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,20 +125,22 @@ class InputHold:
         return sum(n for _, _, n in self.calls)
 
 
+PROCESS_HOLD = InputHold()  # every Core ML program of this process: a job's sweep frees any program's released inputs
+
+
 class ProgramRunner:
     """One program's calls: `predict` (the binding, `CompiledMLModel.predict` on a Mac) fed fresh fp32 copies of
     the inputs, held by `hold` until Core ML has released them; fp32 outputs by name."""
 
-    def __init__(self, name: str, predict: Callable[[dict], dict], input_shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, name: str, predict: Callable[[dict], dict], input_shapes: dict[str, tuple[int, ...]],
+                 hold: InputHold | None = None):
         if getattr(sys, "_is_gil_enabled", lambda: True)() is False:  # free-threaded: another object header
             raise HeteroError("the Core ML lane needs CPython with the GIL (its input hold reads object headers)")
         self.name, self.predict, self.input_shapes = name, predict, input_shapes
-        self.hold = InputHold()
+        self.hold = InputHold() if hold is None else hold  # programs may share one: any job frees any released
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one prediction. `inputs`: name -> array of the declared shape, any float dtype (fp16 values in any
-        dtype are exact in fp32); returns name -> fp32 array (Core ML's fp16 outputs widened exactly)."""
-        self.hold.sweep()
+    def _fresh(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The inputs as fresh C-contiguous fp32 arrays, checked against the declared shapes."""
         missing = sorted(set(self.input_shapes) - set(inputs))
         if missing:
             raise HeteroError(f"{self.name}: missing inputs {missing}")
@@ -118,8 +150,17 @@ class ProgramRunner:
             if a.shape != shape:
                 raise HeteroError(f"{self.name}: input {name} has shape {a.shape}, the program takes {shape}")
             feed[name] = a
+        return feed
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one prediction. `inputs`: name -> array of the declared shape, any float dtype (fp16 values in any
+        dtype are exact in fp32); returns name -> fp32 array (Core ML's fp16 outputs widened exactly)."""
+        self.hold.sweep()
+        feed = self._fresh(inputs)
         self.hold.keep(list(feed.values()))  # before predict: nothing touches them afterwards but the hold
         out = self.predict(feed)
+        del feed  # the job has returned: its inputs go now if Core ML let go of them, else at a later job's sweep
+        self.hold.sweep()
         return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
 
@@ -349,7 +390,7 @@ class CoreMLProgram:
         self.compiled = compile_package(self.package, ct.models.utils.compile_model)
         model = ct.models.CompiledMLModel(str(self.compiled), compute_units=ct.ComputeUnit.CPU_AND_NE,
                                           function_name=self.function)
-        self.run = ProgramRunner(name, model.predict, declared_inputs(self.package, self.function))
+        self.run = ProgramRunner(name, model.predict, declared_inputs(self.package, self.function), PROCESS_HOLD)
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One prediction: inputs by name (any float dtype, copied to fp32), fp32 outputs by name."""

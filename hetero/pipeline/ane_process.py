@@ -74,7 +74,11 @@ class AneProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # one lane is one core's worth of work
         cmd = [sys.executable, "-m", "hetero.backends.ane_worker", str(theirs.fileno()), *([loader] if loader else [])]
-        self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        # its stdout is a pipe of its own (Core ML's compiler may print there: never into the user's `--json`),
+        # relayed line by line to this process's stderr
+        self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, env=env)
+        threading.Thread(target=_relay, args=(self.proc.stdout,), daemon=True, name="ANE worker stdout").start()
         theirs.close()
         self._conn = Connection(ours.detach())
         self.pid = self._reply(START_TIMEOUT_S, "starting")[1]
@@ -123,12 +127,14 @@ class AneProcess:
                                 "copy_in_ms": round((sent - start) * 1e3, 3), "copy_out_ms": round(copy_s * 1e3, 3)})
             return outputs
 
-    def resident_bytes(self) -> int:
-        """The worker's resident memory: its interpreter, programs and the arenas' pages it touched."""
+    def resident_bytes(self) -> int | None:
+        """The worker's resident memory now: its interpreter, programs and the arenas' pages it touched; None where
+        the OS does not say (macOS: Core ML reports no memory of its own and getrusage gives only the peak)."""
         with self._lock:
             self._check()
             self._send(("stat",), "a memory query")
-            return int(self._reply(self.timeout_s, "a memory query")[1])
+            found = self._reply(self.timeout_s, "a memory query")[1]
+            return None if found is None else int(found)
 
     # -- arenas, replies, failure -------------------------------------------------------------------------------
 
@@ -231,6 +237,15 @@ class Program:
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.lane.run(self.key, inputs)
+
+
+def _relay(stream) -> None:
+    """Copy a worker's stdout to this process's stderr, each line marked as the worker's, until it closes."""
+    with stream:
+        for line in stream:
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                print(f"ANE worker: {text}", file=sys.stderr, flush=True)
 
 
 TRACK = 3  # the worker's track in a trace, beside the GPU (1) and ANE (2) lanes

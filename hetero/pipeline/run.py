@@ -128,7 +128,7 @@ class PipelineRun:
             return cache, 0, None
         try:
             split = self.splitter(len(ids) - 1)
-            worker_bytes = split.worker.resident_bytes() if split.worker is not None else 0
+            worker_bytes = (split.worker.resident_bytes() or 0) if split.worker is not None else 0  # None: unknown
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
                               worker_bytes)
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
