@@ -10,6 +10,7 @@ import json
 import shutil
 import sys
 import tempfile
+import types
 import weakref
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from hetero.backends.coreml_macos import (
     multifunction_packages,
     package_digest,
     placement_report,
+    placement_status,
     remove_compiled,
 )
 from hetero.errors import HeteroError
@@ -431,6 +433,49 @@ def test_nothing_on_the_neural_engine_is_shouted_about(capsys):
     assert "MLComputePlan unavailable" in capsys.readouterr().err
     with pytest.raises(HeteroError, match="unknown device 'tpu'"):
         placement_report("p", ops(("conv", "tpu")))
+
+
+class ComputePlanStandIn:
+    """Stands for coremltools' `MLComputePlan` (`MLComputePlan.load_from_path`'s result): a function's block of
+    ops, each op's `MLComputePlanDeviceUsage` (preferred and supported devices, coremltools' device classes) and
+    estimated cost; `fail_cost` makes the cost query raise, as a failing Core ML query does."""
+
+    def __init__(self, ops: list[tuple[str, str]], fail_cost: bool = False):
+        from coremltools.models import compute_device as cd
+
+        self.devices = {"ane": cd.MLNeuralEngineComputeDevice, "cpu": cd.MLCPUComputeDevice}
+        operations = [types.SimpleNamespace(operator_name=name, blocks=[], device=dev) for name, dev in ops]
+        block = types.SimpleNamespace(operations=operations)
+        self.model_structure = types.SimpleNamespace(program=types.SimpleNamespace(
+            functions={"main": types.SimpleNamespace(block=block)}))
+        self.fail_cost = fail_cost
+
+    def get_compute_device_usage_for_mlprogram_operation(self, op):
+        device = object.__new__(self.devices[op.device])
+        return types.SimpleNamespace(preferred_compute_device=device, supported_compute_devices=[device])
+
+    def get_estimated_cost_for_mlprogram_operation(self, op):
+        if self.fail_cost:
+            raise RuntimeError("Error reading the compute plan\nmore")
+        return types.SimpleNamespace(weight=0.5)
+
+
+def test_a_failing_compute_plan_query_is_reported_as_failed_not_unavailable():
+    """`load_plan` stands for `MLComputePlan.load_from_path` (None: a macOS before 14.4 has none)."""
+    placed = placement_status("p", lambda: ComputePlanStandIn([("conv", "ane"), ("conv", "ane")]), None)
+    assert placed.status == "placed" and placed.to_dict()["ok"] and placed.report.verdict == "full"
+    assert placement_status("p", lambda: None, None).to_dict() == {
+        "status": "unavailable", "line": "p: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified"}
+
+    def refuses():
+        raise RuntimeError("MLComputePlan: the model could not be loaded")
+
+    for failing in (refuses, lambda: ComputePlanStandIn([("conv", "ane")], fail_cost=True)):
+        found = placement_status("p", failing, None).to_dict()
+        assert found["status"] == "failed" and found["ok"] is False and "query failed" in found["line"]
+        assert "RuntimeError" in found["error"] and "unavailable" not in found["line"]
+    partial = placement_status("p", lambda: ComputePlanStandIn([("conv", "ane"), ("softmax", "cpu")]), None)
+    assert partial.to_dict()["ok"] is False and partial.report.verdict == "partial"
 
 
 def test_device_kinds_from_coremltools_device_classes():

@@ -13,6 +13,8 @@ tuple whose first item says what it is):
                                       or ("garbage", output name) when an output holds NaN or inf
                                       or ("grow", bytes) when they do not fit: the engine sends a larger "out"
                                          arena, then this process copies the held outputs and answers "done"
+    ("check", id, layout)             -> ("checked", findings)  the doctor's checks of a program on these inputs
+                                         (`hetero.backends.diagnose`)
     ("stat",)                         -> ("stat", resident bytes now, or None where the OS does not say)
     ("stop",)                         -> (no reply; the process exits)
 A failure answers ("error", one line). A layout is a list of (name, dtype, shape, byte offset) into an arena.
@@ -67,6 +69,7 @@ def _replace(arenas: dict[str, SharedMemory], retired: list[SharedMemory], role:
 def serve(conn: Connection, loader) -> None:
     """Answer the engine's messages until it says stop or goes away."""
     programs: list = []
+    sources: list[tuple[Path, str | None]] = []  # each program's (package, function)
     arenas: dict[str, SharedMemory] = {}
     retired: list[SharedMemory] = []  # replaced arenas a program may still hold views of
     while True:
@@ -81,6 +84,7 @@ def serve(conn: Connection, loader) -> None:
             if kind == "load":
                 start = time.perf_counter()
                 programs.append(_call(loader, Path(msg[1]), msg[2]))
+                sources.append((Path(msg[1]), msg[2]))
                 conn.send(("loaded", len(programs) - 1, time.perf_counter() - start))
             elif kind == "arena":
                 _replace(arenas, retired, msg[1], msg[2])
@@ -101,6 +105,10 @@ def serve(conn: Connection, loader) -> None:
                 layout = pack(out, arenas["out"].buf)
                 del out  # the job's arrays go when it returns, not at the next job
                 conn.send(("done", layout, computed - start, time.perf_counter() - computed))
+            elif kind == "check":  # the doctor's: imported only when a doctor asks
+                from hetero.backends.diagnose import diagnose
+
+                conn.send(("checked", diagnose(programs[msg[1]], *sources[msg[1]], views(msg[2], arenas["in"].buf))))
             elif kind == "stat":
                 conn.send(("stat", resident_bytes()))
             else:

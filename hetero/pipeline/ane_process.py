@@ -127,6 +127,16 @@ class AneProcess:
                                 "copy_in_ms": round((sent - start) * 1e3, 3), "copy_out_ms": round(copy_s * 1e3, 3)})
             return outputs
 
+    def diagnose(self, key: tuple[str, str | None], inputs: dict[str, np.ndarray]) -> dict:
+        """The doctor's checks of a loaded program, run in the worker on `inputs` (`hetero.backends.diagnose`)."""
+        name = Path(key[0]).name
+        with self._lock:
+            self._check()
+            self._ensure("in", packed_bytes(inputs))
+            layout = pack(inputs, self._arenas["in"].buf)
+            self._send(("check", self._ids[key], layout), f"checking {name}")
+            return self._reply(LOAD_TIMEOUT_S, f"checking {name}")[1]
+
     def resident_bytes(self) -> int | None:
         """The worker's resident memory now: its interpreter, programs and the arenas' pages it touched; None where
         the OS does not say (macOS: Core ML reports no memory of its own and getrusage gives only the peak)."""
@@ -188,7 +198,7 @@ class AneProcess:
         if self.proc.poll() is not None:  # died while idle: found before anything is sent to it
             self._lose(f"exited (status {self.proc.returncode}) between jobs")
 
-    def check(self) -> None:
+    def check_alive(self) -> None:
         """Raise `AneLaneLost` if the worker died since its last job (once: then it counts as lost)."""
         with self._lock:
             if self.lost is None:

@@ -85,7 +85,7 @@ class PipelineRun:
         gone = next((s.worker for s in self._splits.values() if s.worker is not None and not s.worker.alive), None)
         if gone is not None:
             self._splits.clear()  # their worker is gone: the next split loads the programs into a fresh one
-            gone.check()  # one that died since its last job is a lost worker (AneLaneLost), reported as such
+            gone.check_alive()  # one that died since its last job is a lost worker (AneLaneLost), reported as such
         if bucket not in self._splits:
             e = self.engine
             # the weights as loaded (an Engine records them at load) are what is exported, not the files now
