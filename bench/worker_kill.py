@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,9 +44,11 @@ def worker_of(pid: int) -> int | None:
 
 
 def hetero_run(prompt_file: str, split: bool, env: dict, kill_at: float | None = None) -> dict:
-    cmd = [sys.executable, "-m", "hetero.cli", "run", "--prompt-file", prompt_file, "--max-tokens", "16",
+    cmd = [sys.executable, "-m", "hetero.cli", "run", "--prompt", "-", "--max-tokens", "16",
            "--no-mtp", "--json", *(["--ane-fraction", "0.5"] if split else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    with open(prompt_file) as stdin:  # the prompt on stdin (`--prompt -`)
+        proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=ROOT)
     killed = None
     if kill_at is not None:
         deadline = time.monotonic() + kill_at
@@ -63,6 +66,12 @@ def hetero_run(prompt_file: str, split: bool, env: dict, kill_at: float | None =
         tokens = None
     return {"rc": proc.returncode, "tokens": tokens, "killed_worker": killed, "warnings": warnings,
             "traceback": "Traceback" in err}
+
+
+def _phase(warning: str) -> str:
+    """What the worker was doing when it was lost, from the warning ("while loading x", "between jobs", ...)."""
+    found = re.search(r"\(status [^)]*\) (.*?);", warning)
+    return found[1] if found else warning
 
 
 def main() -> None:
@@ -83,7 +92,7 @@ def main() -> None:
             r = hetero_run(str(prompt), True, env, kill_at=t)
             row = {"kill_at_s": t, "killed_worker": r["killed_worker"] is not None, "rc": r["rc"],
                    "gpu_only_tokens": r["tokens"] == gpu["tokens"], "warnings": len(r["warnings"]),
-                   "phase": r["warnings"][0].split(" while ")[-1].split(";")[0] if r["warnings"] else None,
+                   "phase": _phase(r["warnings"][0]) if r["warnings"] else None,
                    "traceback": r["traceback"]}
             # a kill after the split's last job goes unnoticed (no warning; the split's own tokens)
             row["ok"] = (row["rc"] == 0 and row["warnings"] <= 1 and not row["traceback"]
