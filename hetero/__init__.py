@@ -9,13 +9,37 @@ from hetero import blas as _blas
 
 _blas.apply()  # Linux: the wheel's fast BLAS under MLX; must come before anything imports mlx.core
 
-from hetero.decode.request import STOP, Finished, GenerationRequest, Prefilled, Token
-from hetero.engine import Engine, GenerationResult, load
-from hetero.errors import HeteroError
-from hetero.library import GenerationResponse, generate, load_prompt_cache, prefill, save_prompt_cache, stream_generate
+# The public names load on first use (PEP 562), so a process that needs one module of the package (the ANE lane's
+# worker: `python -m hetero.backends.ane_worker`) does not import the whole engine, MLX included.
+_PUBLIC = {
+    "STOP": "hetero.decode.request", "Finished": "hetero.decode.request", "GenerationRequest": "hetero.decode.request",
+    "Prefilled": "hetero.decode.request", "Token": "hetero.decode.request",
+    "Engine": "hetero.engine", "GenerationResult": "hetero.engine", "load": "hetero.engine",
+    "HeteroError": "hetero.errors",
+    "GenerationResponse": "hetero.library", "generate": "hetero.library", "load_prompt_cache": "hetero.library",
+    "prefill": "hetero.library", "save_prompt_cache": "hetero.library", "stream_generate": "hetero.library",
+}
+__all__ = sorted(_PUBLIC)
 
-__all__ = [
-    "STOP", "Engine", "Finished", "GenerationRequest", "GenerationResponse", "GenerationResult", "HeteroError", "Prefilled",
-    "Token", "generate", "load", "load_prompt_cache", "prefill", "save_prompt_cache", "stream_generate",
-]
+
+def __getattr__(name: str):
+    """A public name (imported from its module on first use) or a submodule (`hetero.pipeline`)."""
+    import importlib
+
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"hetero.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"hetero.{name}":
+            raise
+        raise AttributeError(f"module 'hetero' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
 __version__ = "0.1.0"

@@ -73,6 +73,13 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
                + ", ".join(f"{k} {v:.1f}" for k, v in p["fp16_headroom_bits"].items())
                + "; kept on the GPU for range: " + ", ".join(f"{k} {v}" for k, v in p["kept_on_gpu_for_range"].items()))
 
+    out["programs"] = check_programs(split, engine.model.args.rope_theta)
+    c = out["programs"]
+    report(f"programs checked in the worker: {c['checked']} ({c['runs']} runs, a padded last chunk of "
+           f"{c['padded_rows']} rows included): {c['failed']} failed; placement {c['placement']}")
+    for line in c["failures"]:
+        report(f"  FAILED: {line}")
+
     check = verify(run, ids, n_tokens=8)  # the same prompt: its programs are loaded already
     out["verify"] = check
     report(f"verify ({n} tokens, {engine.model.model.norm.weight.dtype}): "
@@ -81,19 +88,62 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
            f"{check['greedy_match_tokens']}/{check['greedy_compared_tokens']}")
 
     weights = sum(v.nbytes for v in _leaves(engine.model.parameters()))
+    resident = worker.resident_bytes()
     out["memory"] = {"gpu_lane_weights_bytes": int(weights), "gpu_lane_peak_bytes": int(mx.get_peak_memory()),
-                     "ane_worker_resident_bytes": worker.resident_bytes()}
+                     "ane_worker_resident_bytes": resident}
     m = out["memory"]
+    held = (f"{resident / 2**20:.0f} MiB resident now (its interpreter, programs and buffers)" if resident is not None
+            else "resident memory unknown (the OS reports only its peak, and Core ML none of its own)")
     report(f"memory: GPU lane {weights / 2**20:.0f} MiB of weights, {m['gpu_lane_peak_bytes'] / 2**20:.0f} MiB peak "
-           f"in the split; ANE worker {m['ane_worker_resident_bytes'] / 2**20:.0f} MiB resident")
+           f"in the split; ANE worker {held}")
 
     out["not_checked"] = _not_checked(on_mac, why_not)
     for line in out["not_checked"]:
         report(f"not checked: {line}")
-    out["ok"] = bool(check["match"] and out["program"]["ok"] is not False)
+    out["ok"] = bool(check["match"] and out["program"]["ok"] is not False and not c["failed"])
     out["seconds"] = _s(time.perf_counter() - start)
     report(f"{'all checks passed' if out['ok'] else 'SOME CHECKS FAILED'} ({out['seconds']} s)")
     return out
+
+
+PADDED_ROWS = 37  # rows of the padded last chunk each program is checked on: the rest are zeros, as in a prompt
+
+
+def check_programs(split, theta: float, seed: int = 0) -> dict:
+    """Every program the split loaded, checked in the ANE lane's worker (`AneProcess.diagnose`) on a full chunk
+    and on a padded last chunk (`PADDED_ROWS` rows, the rest zero: where a norm's epsilon, subnormal in fp16,
+    meets zero rows): finite outputs, agreement with the reference executor, Core ML's placement."""
+    from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables
+    from hetero.fp16 import fp16_values
+
+    progs, rng = split.programs, np.random.default_rng(seed)
+    chunk, found = progs.chunk, []
+    for kind in ("attention", "mlp", "shared_expert", "gdn_in_proj"):
+        for layer, parts in sorted(getattr(progs, kind).items()):
+            for part in parts:
+                program = part[0]
+                hidden = None
+                for rows in (chunk, PADDED_ROWS):
+                    if kind == "attention":
+                        shape = part[1]
+                        hidden, start = shape.hidden, shape.cache_slots  # the chunk right after a full cache
+                        kv = rng.standard_normal((2, 1, shape.kv_heads, start, shape.head_dim)).astype(np.float32)
+                        extra = {**rope_tables(start, shape, theta), **attention_masks(start, shape),
+                                 **cache_inputs(kv[0], kv[1], shape)}
+                    else:
+                        hidden, extra = split.model.args.hidden_size, {}
+                    x = np.zeros((1, hidden, 1, chunk), np.float32)  # (1, C, 1, S), rows past `rows` zero
+                    x[0, :, 0, :rows] = fp16_values(rng.standard_normal((hidden, rows)).astype(np.float32))
+                    result = program.lane.diagnose(program.key, {"x": x, **extra})
+                    name = Path(program.key[0]).name + (f":{program.key[1]}" if program.key[1] else "")
+                    found.append({"program": name, "layer": layer, "piece": kind, "rows": rows, **result})
+    failures = [f"{f['program']} ({f['rows']} of {chunk} rows): "
+                + (f"non-finite {', '.join(f['nonfinite'])}" if f["nonfinite"] else
+                   f"max rel diff {f['max_rel_diff']:.3g} from {f['compared_with']}"
+                   if f["max_rel_diff"] > 0 else f["placement"]["line"]) for f in found if not f["ok"]]
+    statuses = sorted({f["placement"]["status"] for f in found})
+    return {"checked": len({f["program"] for f in found}), "runs": len(found), "padded_rows": PADDED_ROWS,
+            "failed": len(failures), "failures": failures, "placement": ", ".join(statuses), "each": found}
 
 
 def _program_check(on_mac: bool) -> dict:

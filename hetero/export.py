@@ -286,11 +286,12 @@ def export_coreml(
     budget: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     kinds: tuple[str, ...] | None = None,
+    multifunction: bool | None = None,
 ) -> dict:
     """`hetero convert --coreml`: load `model`, plan `fraction` of the piece kinds in `kinds` (default: those whose
     share shortens the predicted prefill, as the runtime's split offloads) for prefill chunks of `chunk` tokens
     (with the profile a split is planned with; `budget` overrides its weight bytes per program) and export that
-    plan into `out` (`export_plan`); returns the manifest."""
+    plan into `out` (`export_plan`, which `multifunction` is passed to); returns the manifest."""
 
     contexts = sorted(set(contexts or [DEFAULT_CONTEXT]))
     check_shapes(chunk, contexts)
@@ -299,7 +300,7 @@ def export_coreml(
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
     plan = split_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
                       budget=budget)
-    return export_plan(plan, loaded, out, contexts, progress)
+    return export_plan(plan, loaded, out, contexts, progress, multifunction)
 
 
 def export_plan(
@@ -308,9 +309,13 @@ def export_plan(
     out: str | os.PathLike,
     contexts: list[int],
     progress: Callable[[int, int], None] | None = None,
+    multifunction: bool | None = None,
 ) -> dict:
     """Export the ANE's share of `plan` into `out`: each of its slices as the programs it cuts them into, attention
     for every context bucket in `contexts`; returns the manifest (also written there).
+
+    `multifunction`: an attention piece's buckets as the functions of one package, else one single-function
+    package per bucket; None decides by the OS (`coreml_macos.multifunction_packages`: not before macOS 15).
 
     `loaded` = (model, path, config) of the checkpoint the plan is for: its weights are exported as they are in
     memory. Packages whose key matches the existing manifest's entry are reused; packages no longer in the plan
@@ -333,10 +338,18 @@ def export_plan(
     except HeteroError:  # none, damaged or another format: nothing reused, but its packages are still removed
         previous = {f: {} for f in _listed_files(out)}
 
+    if multifunction is None:
+        from hetero.backends.coreml_macos import macos_version, multifunction_packages
+
+        multifunction = multifunction_packages(macos_version())
     groups = []  # (slice, part index, part slice, its contexts: every bucket for attention, else [None])
     for s in plan.slices:
         for part, piece in enumerate(plan.program_parts(s)):
-            groups.append((s, part, piece, contexts if s.piece == "attention" else [None]))
+            if s.piece != "attention":
+                groups.append((s, part, piece, [None]))
+            else:  # one package holding every bucket, or one package per bucket
+                groups.extend([(s, part, piece, contexts)] if multifunction else
+                              [(s, part, piece, [c]) for c in contexts])
     total, programs = sum(len(g[-1]) for g in groups), []
     for s, part, piece, ctxs in groups:
         shape, weights, build = build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk, plan)

@@ -1,12 +1,14 @@
 """Program loaders for the ANE lane's worker process (`hetero.backends.ane_worker`, given as "ane_faults:NAME")
 that stand in for Core ML's `CompiledMLModel.predict` misbehaving: each runs the real reference executor, except
 that at the worker's Nth job (HETERO_TEST_FAULT_AT, default 3) the worker process really dies (SIGKILL to
-itself), hangs (sleeps an hour) or returns NaN outputs."""
+itself; `dies_after`: just after answering it), hangs (sleeps an hour) or returns NaN outputs; `dies_loading`
+dies at its Nth program load instead."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -39,11 +41,28 @@ def _hang(real, inputs):
     time.sleep(3600)
 
 
+def _die_after(real, inputs):
+    """Answer this job, then die a moment later: between jobs, or while the engine sends the next one."""
+    threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return real(inputs)
+
+
 def _nan(real, inputs):
     return {name: np.full_like(a, np.nan) for name, a in real(inputs).items()}
 
 
-dies, hangs, garbage = _faulty(_die), _faulty(_hang), _faulty(_nan)
+dies, hangs, garbage, dies_after = _faulty(_die), _faulty(_hang), _faulty(_nan), _faulty(_die_after)
+
+_LOADS = [0]
+
+
+def dies_loading(path, function=None):
+    """Core ML's compile or load killing the worker (an ANE compile failure, a memory-pressure kill): at the
+    worker's Nth program load (HETERO_TEST_FAULT_AT) the process SIGKILLs itself."""
+    _LOADS[0] += 1
+    if _LOADS[0] == int(os.environ.get("HETERO_TEST_FAULT_AT", "3")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ReferenceExecutor(path, function)
 
 
 def temporaries(path, function=None):
@@ -54,5 +73,18 @@ def temporaries(path, function=None):
         for width in (1024, 3072, 1536, 512):
             a = np.ones((a.shape[0], width), np.float32) * a[:, :1]
         return {"y": a}
+
+    return run
+
+
+def chatty(path, function=None):
+    """Core ML's compiler and runtime writing to the process's stdout (file descriptor 1, as a C library does, and
+    Python's print) while programs load and run."""
+    os.write(1, f"compiling {os.path.basename(path)}\n".encode())
+    real = ReferenceExecutor(path, function)
+
+    def run(inputs: dict) -> dict:
+        print("E5RT: predicting", flush=True)
+        return real(inputs)
 
     return run

@@ -10,6 +10,7 @@ import json
 import shutil
 import sys
 import tempfile
+import types
 import weakref
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from hetero.backends.coreml_macos import (
     OpDevice,
     ProgramRunner,
     _refcount,
+    available,
     check_placement,
     compile_package,
     compiled_owner,
@@ -28,11 +30,15 @@ from hetero.backends.coreml_macos import (
     declared_inputs,
     default_function,
     device_kind,
+    macos_version,
+    multifunction_packages,
     package_digest,
     placement_report,
+    placement_status,
     remove_compiled,
 )
 from hetero.errors import HeteroError
+from hetero.backends.reference_executor import ReferenceExecutor
 from hetero.export import export_coreml, lint_export
 from test_coreml_graphs import save_checkpoint, tiny_model
 
@@ -124,6 +130,88 @@ def test_a_call_is_kept_while_any_one_of_its_arrays_is_still_bound():
     assert hold.sweep() == 0 and len(hold.calls) == 1
     del bound
     assert hold.sweep() == 1 and hold.calls == []
+
+
+class ReleasesAtOnce(CoreMLStandIn):
+    """`CompiledMLModel.predict` where Core ML unbinds its input ports before the call returns."""
+
+    def __call__(self, feed: dict) -> dict:
+        out = super().__call__(feed)
+        self.release()
+        return out
+
+
+def test_a_jobs_inputs_go_when_it_returns():
+    """Inputs Core ML has let go of are freed as the job returns, not kept until the program's next call."""
+    run = ProgramRunner("p", ReleasesAtOnce(), SHAPES)
+    given = inputs()
+    run(given)
+    assert run.hold.calls == [] and run.hold.nbytes == 0
+
+
+def test_programs_sharing_a_hold_free_each_others_released_inputs():
+    """The worker's programs share one hold (`PROCESS_HOLD`): program A's inputs, released by Core ML after A's job,
+    go at program B's job, not at A's next call (which may never come: one program per layer and piece)."""
+    hold, core_a = InputHold(), CoreMLStandIn()
+    a = ProgramRunner("a", core_a, SHAPES, hold)
+    b = ProgramRunner("b", ReleasesAtOnce(), SHAPES, hold)
+    a(inputs())
+    first = [weakref.ref(x) for x in core_a.bound]
+    assert len(hold.calls) == 1  # still bound by Core ML
+    core_a.release()
+    b(inputs(1))
+    gc.collect()
+    assert all(r() is None for r in first) and hold.calls == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What a Mac's OS and coremltools install allow
+
+
+def test_coremltools_without_its_native_library_is_not_available():
+    """`import coremltools` works here, but this coremltools has no `coremltools.libcoremlpython` (as where pip fell
+    back to the sdist): on macOS that would fail every compile and prediction, so the lane is not available.
+    `native` stands for the real import of `coremltools.libcoremlpython`; `system` for `platform.system()`."""
+    ok, why = available("Darwin")  # the real import of the native library, which this install lacks
+    assert not ok and "no native library" in why and "libcoremlpython" in why
+    assert available("Darwin", native=lambda: None) == (True, "")  # a Mac with coremltools' wheel
+    ok, why = available("Linux", native=lambda: None)
+    assert not ok and "only on macOS" in why
+
+
+def test_multifunction_packages_from_macos_15_only():
+    """`mac_ver` stands for `platform.mac_ver()`. Multifunction packages are written at the macOS 15 spec and the
+    binding refuses a function name before it."""
+    assert macos_version(lambda: ("14.6.1", ("", "", ""), "arm64")) == (14, 6, 1)
+    assert macos_version(lambda: ("15.0", ("", "", ""), "arm64")) == (15, 0)
+    assert macos_version(lambda: ("", ("", "", ""), "")) is None  # not a Mac
+    assert not multifunction_packages((14, 6, 1)) and not multifunction_packages((13, 7))
+    assert multifunction_packages((15, 0)) and multifunction_packages((26, 1)) and multifunction_packages(None)
+
+
+def test_macos_14_gets_one_single_function_package_per_bucket(checkpoint, tmp_path):
+    """The export for a macOS 14 Mac: each attention bucket its own single-function package (no function name to
+    pass the binding), computing exactly what the macOS 15 package's function for that bucket computes."""
+    contexts = [64, 128, 256]
+    single = export_coreml(checkpoint, tmp_path / "m14", 0.5, chunk=64, contexts=contexts,
+                           multifunction=multifunction_packages((14, 6)))
+    multi = export_coreml(checkpoint, tmp_path / "m15", 0.5, chunk=64, contexts=contexts,
+                          multifunction=multifunction_packages((15, 0)))
+    attn = [p for p in single["programs"] if p["piece"] == "attention" and p["layer"] == 1]
+    assert [(p["file"], p["context"]) for p in attn] == [
+        (f"layer01_attention_part0_ctx{c}.mlpackage", c) for c in contexts]
+    assert all("function" not in p for p in single["programs"])
+    assert all(default_function(tmp_path / "m14" / p["file"]) is None for p in attn)
+    by_ctx = {p["context"]: p for p in multi["programs"] if p["piece"] == "attention" and p["layer"] == 1}
+    rng = np.random.default_rng(0)
+    for p in attn:
+        x = {k: rng.standard_normal(v).astype(np.float16) for k, v in p["inputs"].items()}
+        ours = ReferenceExecutor(tmp_path / "m14" / p["file"])(x)
+        theirs = ReferenceExecutor(tmp_path / "m15" / by_ctx[p["context"]]["file"], by_ctx[p["context"]]["function"])(x)
+        assert ours.keys() == theirs.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], theirs[k])
+    assert not any(r.errors for r in lint_export(tmp_path / "m14"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -345,6 +433,49 @@ def test_nothing_on_the_neural_engine_is_shouted_about(capsys):
     assert "MLComputePlan unavailable" in capsys.readouterr().err
     with pytest.raises(HeteroError, match="unknown device 'tpu'"):
         placement_report("p", ops(("conv", "tpu")))
+
+
+class ComputePlanStandIn:
+    """Stands for coremltools' `MLComputePlan` (`MLComputePlan.load_from_path`'s result): a function's block of
+    ops, each op's `MLComputePlanDeviceUsage` (preferred and supported devices, coremltools' device classes) and
+    estimated cost; `fail_cost` makes the cost query raise, as a failing Core ML query does."""
+
+    def __init__(self, ops: list[tuple[str, str]], fail_cost: bool = False):
+        from coremltools.models import compute_device as cd
+
+        self.devices = {"ane": cd.MLNeuralEngineComputeDevice, "cpu": cd.MLCPUComputeDevice}
+        operations = [types.SimpleNamespace(operator_name=name, blocks=[], device=dev) for name, dev in ops]
+        block = types.SimpleNamespace(operations=operations)
+        self.model_structure = types.SimpleNamespace(program=types.SimpleNamespace(
+            functions={"main": types.SimpleNamespace(block=block)}))
+        self.fail_cost = fail_cost
+
+    def get_compute_device_usage_for_mlprogram_operation(self, op):
+        device = object.__new__(self.devices[op.device])
+        return types.SimpleNamespace(preferred_compute_device=device, supported_compute_devices=[device])
+
+    def get_estimated_cost_for_mlprogram_operation(self, op):
+        if self.fail_cost:
+            raise RuntimeError("Error reading the compute plan\nmore")
+        return types.SimpleNamespace(weight=0.5)
+
+
+def test_a_failing_compute_plan_query_is_reported_as_failed_not_unavailable():
+    """`load_plan` stands for `MLComputePlan.load_from_path` (None: a macOS before 14.4 has none)."""
+    placed = placement_status("p", lambda: ComputePlanStandIn([("conv", "ane"), ("conv", "ane")]), None)
+    assert placed.status == "placed" and placed.to_dict()["ok"] and placed.report.verdict == "full"
+    assert placement_status("p", lambda: None, None).to_dict() == {
+        "status": "unavailable", "line": "p: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified"}
+
+    def refuses():
+        raise RuntimeError("MLComputePlan: the model could not be loaded")
+
+    for failing in (refuses, lambda: ComputePlanStandIn([("conv", "ane")], fail_cost=True)):
+        found = placement_status("p", failing, None).to_dict()
+        assert found["status"] == "failed" and found["ok"] is False and "query failed" in found["line"]
+        assert "RuntimeError" in found["error"] and "unavailable" not in found["line"]
+    partial = placement_status("p", lambda: ComputePlanStandIn([("conv", "ane"), ("softmax", "cpu")]), None)
+    assert partial.to_dict()["ok"] is False and partial.report.verdict == "partial"
 
 
 def test_device_kinds_from_coremltools_device_classes():

@@ -7,7 +7,9 @@ import json
 import platform
 
 from hetero.cli import main
-from hetero.pipeline import ane_backend
+from hetero.doctor import check_programs
+from hetero.pipeline import ane_backend, configure
+from test_ane_process import fault_env, tiny_engine  # noqa: F401  (fixtures)
 
 
 def test_doctor_checks_the_split_end_to_end(capsys):
@@ -22,11 +24,33 @@ def test_doctor_checks_the_split_end_to_end(capsys):
     assert found["verify"]["match"] and found["verify"]["greedy_compared_tokens"] == 8
     assert found["rates"]["gpu_matmul_gflops"] > 0 and found["rates"]["ane_mlp_gflops"] > 0
     assert found["memory"]["ane_worker_resident_bytes"] > 0 and found["memory"]["gpu_lane_weights_bytes"] > 0
-    for line in ("ANE lane:", "overlap", "verify (512 tokens", "memory:", "all checks passed"):
+    programs = found["programs"]  # every program the split loaded, checked in the worker, padded chunk included
+    names = {e["program"] for e in programs["each"]}
+    assert programs["checked"] == len(names) > 0 and programs["failed"] == 0
+    assert {(n, r) for n in names for r in (256, programs["padded_rows"])} == {
+        (e["program"], e["rows"]) for e in programs["each"]}
+    assert {e["piece"] for e in programs["each"]} >= {"attention", "mlp"}
+    assert all(e["finite"] and e["ok"] for e in programs["each"])
+    for line in ("ANE lane:", "overlap", "verify (512 tokens", "memory:", "programs checked in the worker",
+                 "all checks passed"):
         assert line in captured.err
     if platform.system() != "Darwin":  # said, not skipped: what only a Mac can check
         assert any("Neural Engine" in line for line in found["not_checked"])
         assert found["program"]["placement"] is None and "needs a Mac" in found["program"]["line"]
+        assert programs["placement"] == "unavailable"
+
+
+def test_the_program_checks_catch_a_padded_chunk_gone_non_finite(tiny_engine, fault_env):
+    """Core ML returning NaN on a padded last chunk (as an fp16 epsilon flushed to zero would on zero rows; stood
+    for by `ane_faults:garbage` at the worker's 2nd job, the first program's padded run) is a failed check."""
+    fault_env.setenv("HETERO_TEST_FAULT_AT", "2")
+    run = configure(tiny_engine, 0.5, 64)
+    run.ane_loader = "ane_faults:garbage"
+    found = check_programs(run.splitter(200), tiny_engine.model.args.rope_theta)
+    assert found["failed"] == 1 and "(37 of 64 rows): non-finite" in found["failures"][0]
+    bad = [e for e in found["each"] if not e["ok"]]
+    assert len(bad) == 1 and bad[0]["rows"] == 37 and not bad[0]["finite"]
+    assert found["runs"] == 2 * found["checked"]
 
 
 def test_doctor_needs_a_split(capsys):

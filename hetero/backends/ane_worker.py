@@ -13,7 +13,9 @@ tuple whose first item says what it is):
                                       or ("garbage", output name) when an output holds NaN or inf
                                       or ("grow", bytes) when they do not fit: the engine sends a larger "out"
                                          arena, then this process copies the held outputs and answers "done"
-    ("stat",)                         -> ("stat", resident bytes)
+    ("check", id, layout)             -> ("checked", findings)  the doctor's checks of a program on these inputs
+                                         (`hetero.backends.diagnose`)
+    ("stat",)                         -> ("stat", resident bytes now, or None where the OS does not say)
     ("stop",)                         -> (no reply; the process exits)
 A failure answers ("error", one line). A layout is a list of (name, dtype, shape, byte offset) into an arena.
 
@@ -21,7 +23,8 @@ Both arenas belong to the engine: it creates, grows and unlinks them, so a worke
 input arrays Core ML reads stay mapped for this process's whole life however late Core ML releases them.
 
 Run as `python -m hetero.backends.ane_worker FD [MODULE:LOADER]`; the optional loader (a callable
-`(path, function) -> program`) replaces the platform's, which is how tests stand in for Core ML's `predict`.
+`(path, function) -> program`) replaces the platform's, which is how tests stand in for Core ML's `predict`;
+without it, $HETERO_ANE_LOADER (same form) does, so a test can fault the worker of a `hetero run` subprocess.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def _replace(arenas: dict[str, SharedMemory], retired: list[SharedMemory], role:
 def serve(conn: Connection, loader) -> None:
     """Answer the engine's messages until it says stop or goes away."""
     programs: list = []
+    sources: list[tuple[Path, str | None]] = []  # each program's (package, function)
     arenas: dict[str, SharedMemory] = {}
     retired: list[SharedMemory] = []  # replaced arenas a program may still hold views of
     while True:
@@ -80,6 +84,7 @@ def serve(conn: Connection, loader) -> None:
             if kind == "load":
                 start = time.perf_counter()
                 programs.append(_call(loader, Path(msg[1]), msg[2]))
+                sources.append((Path(msg[1]), msg[2]))
                 conn.send(("loaded", len(programs) - 1, time.perf_counter() - start))
             elif kind == "arena":
                 _replace(arenas, retired, msg[1], msg[2])
@@ -98,7 +103,12 @@ def serve(conn: Connection, loader) -> None:
                     _, role, name = conn.recv()  # ("arena", "out", name)
                     _replace(arenas, retired, role, name)
                 layout = pack(out, arenas["out"].buf)
+                del out  # the job's arrays go when it returns, not at the next job
                 conn.send(("done", layout, computed - start, time.perf_counter() - computed))
+            elif kind == "check":  # the doctor's: imported only when a doctor asks
+                from hetero.backends.diagnose import diagnose
+
+                conn.send(("checked", diagnose(programs[msg[1]], *sources[msg[1]], views(msg[2], arenas["in"].buf))))
             elif kind == "stat":
                 conn.send(("stat", resident_bytes()))
             else:
@@ -138,8 +148,9 @@ def main(argv: list[str]) -> None:
     for name in UNUSED_BY_THE_WORKER:
         sys.modules.setdefault(name, None)  # an import of these fails fast: coremltools then skips its converters
     conn = Connection(int(argv[0]))
-    if len(argv) > 1:
-        module, _, attr = argv[1].partition(":")
+    spec = argv[1] if len(argv) > 1 else os.environ.get("HETERO_ANE_LOADER")
+    if spec:
+        module, _, attr = spec.partition(":")
         loader = getattr(importlib.import_module(module), attr)
     else:
         loader = platform_backend()[1]

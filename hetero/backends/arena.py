@@ -50,12 +50,11 @@ def attach(name: str) -> SharedMemory:
         return shm
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux), or its peak (macOS, where getrusage counts bytes)."""
+def resident_bytes() -> int | None:
+    """This process's resident memory now, from /proc (Linux); None elsewhere: macOS's getrusage gives only the
+    peak (`ru_maxrss`), which is not what the process holds now, and Core ML reports no memory of its own."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        return None

@@ -1,6 +1,6 @@
 """Running exported packages through Core ML on macOS (CPU + Neural Engine), with a placement report.
 
-Core ML itself runs only on macOS, so the code that calls it is thin (`CoreMLProgram`, `_compute_plan_ops`), and
+Core ML itself runs only on macOS, so the code that calls it is thin (`CoreMLProgram`, `_load_compute_plan`), and
 everything around it is plain Python tested on any OS with the real call injected:
 
 - **Inputs and outputs** (`ProgramRunner`). `CompiledMLModel.predict` is a pybind11 binding that keeps the GIL for
@@ -48,15 +48,45 @@ _COMPILED = re.compile(rf"^(?P<stem>.+)\.[0-9a-f]{{{DIGEST_CHARS}}}\.mlmodelc$")
 _TEMP_PREFIX = ".compiling-"
 
 
-def available() -> tuple[bool, str]:
-    """(whether Core ML can run programs here, why not)."""
-    if platform.system() != "Darwin":
-        return False, f"Core ML runs only on macOS (this is {platform.system()})"
+def _native_library() -> None:
+    """Import coremltools' native library, which compiling, loading and predicting call into."""
+    import coremltools.libcoremlpython  # noqa: F401
+
+
+def available(system: str | None = None, native: Callable[[], object] = _native_library) -> tuple[bool, str]:
+    """(whether Core ML can run programs here, why not). `system` is `platform.system()`'s answer (default: this
+    machine's) and `native` imports coremltools' native library (`coremltools.libcoremlpython`): `import
+    coremltools` succeeds without it, e.g. where pip fell back to the sdist because no wheel exists for this
+    Python, and then every compile and prediction fails."""
+    system = system or platform.system()
+    if system != "Darwin":
+        return False, f"Core ML runs only on macOS (this is {system})"
     try:
-        import coremltools  # noqa: F401
+        import coremltools
     except ImportError:
         return False, "coremltools is not installed"
+    try:
+        native()
+    except ImportError as e:
+        return False, (f"coremltools {coremltools.__version__} has no native library ({e}): install a coremltools "
+                       f"wheel built for Python {platform.python_version()} (pip fell back to the source package)")
     return True, ""
+
+
+MULTIFUNCTION_MACOS = (15,)  # multifunction packages: the iOS 18 / macOS 15 spec (coremltools models/utils.py)
+
+
+def macos_version(mac_ver: Callable[[], tuple] = platform.mac_ver) -> tuple[int, ...] | None:
+    """This Mac's macOS version as numbers ((14, 6, 1)); None off macOS (`mac_ver` is `platform.mac_ver`)."""
+    text = mac_ver()[0]
+    return tuple(int(x) for x in text.split(".") if x.isdigit()) if text else None
+
+
+def multifunction_packages(macos: tuple[int, ...] | None) -> bool:
+    """Whether an export stores an attention piece's context buckets as the functions of one package (weights
+    once): from macOS 15, and off macOS (the reference executor runs them). Before macOS 15 coremltools' binding
+    refuses a function name (`CoreMLPython.mm`), so each bucket is a single-function package of its own."""
+    return macos is None or tuple(macos) >= MULTIFUNCTION_MACOS
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,20 +125,22 @@ class InputHold:
         return sum(n for _, _, n in self.calls)
 
 
+PROCESS_HOLD = InputHold()  # every Core ML program of this process: a job's sweep frees any program's released inputs
+
+
 class ProgramRunner:
     """One program's calls: `predict` (the binding, `CompiledMLModel.predict` on a Mac) fed fresh fp32 copies of
     the inputs, held by `hold` until Core ML has released them; fp32 outputs by name."""
 
-    def __init__(self, name: str, predict: Callable[[dict], dict], input_shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, name: str, predict: Callable[[dict], dict], input_shapes: dict[str, tuple[int, ...]],
+                 hold: InputHold | None = None):
         if getattr(sys, "_is_gil_enabled", lambda: True)() is False:  # free-threaded: another object header
             raise HeteroError("the Core ML lane needs CPython with the GIL (its input hold reads object headers)")
         self.name, self.predict, self.input_shapes = name, predict, input_shapes
-        self.hold = InputHold()
+        self.hold = InputHold() if hold is None else hold  # programs may share one: any job frees any released
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one prediction. `inputs`: name -> array of the declared shape, any float dtype (fp16 values in any
-        dtype are exact in fp32); returns name -> fp32 array (Core ML's fp16 outputs widened exactly)."""
-        self.hold.sweep()
+    def _fresh(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The inputs as fresh C-contiguous fp32 arrays, checked against the declared shapes."""
         missing = sorted(set(self.input_shapes) - set(inputs))
         if missing:
             raise HeteroError(f"{self.name}: missing inputs {missing}")
@@ -118,8 +150,17 @@ class ProgramRunner:
             if a.shape != shape:
                 raise HeteroError(f"{self.name}: input {name} has shape {a.shape}, the program takes {shape}")
             feed[name] = a
+        return feed
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one prediction. `inputs`: name -> array of the declared shape, any float dtype (fp16 values in any
+        dtype are exact in fp32); returns name -> fp32 array (Core ML's fp16 outputs widened exactly)."""
+        self.hold.sweep()
+        feed = self._fresh(inputs)
         self.hold.keep(list(feed.values()))  # before predict: nothing touches them afterwards but the hold
         out = self.predict(feed)
+        del feed  # the job has returned: its inputs go now if Core ML let go of them, else at a later job's sweep
+        self.hold.sweep()
         return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
 
@@ -291,9 +332,56 @@ def placement_report(program: str, ops: Iterable[OpDevice]) -> Placement:
     return Placement(program, counts["ane"], counts["gpu"], counts["cpu"], counts[None], off, share, could)
 
 
-def check_placement(placed: Placement | None, name: str) -> Placement | None:
-    """Print a warning on stderr when a program places nothing, or only part of its ops, on the Neural Engine."""
-    if placed is None:
+COMPUTE_PLAN_MACOS = (14, 4)  # MLComputePlan's first macOS
+
+
+@dataclass
+class PlacementStatus:
+    """What a compute-plan query gave: `placed` (with its `report`), `unavailable` (this macOS has no
+    MLComputePlan, or this is not a Mac) or `failed` (the query itself raised: `error`)."""
+
+    program: str
+    status: str
+    report: Placement | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        found = {"status": self.status, "line": self.line()}
+        if self.report is not None:
+            found.update(verdict=self.report.verdict, ok=self.report.verdict == "full")
+        if self.error is not None:
+            found.update(error=self.error, ok=False)
+        return found
+
+    def line(self) -> str:
+        if self.status == "placed":
+            return self.report.line()
+        if self.status == "failed":
+            return f"{self.program}: the compute-plan query failed ({self.error}); ANE placement not verified"
+        return f"{self.program}: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified"
+
+
+def placement_status(program: str, load_plan: Callable[[], object | None], function: str | None) -> PlacementStatus:
+    """Query a compiled program's placement: `load_plan()` is the compute plan (`MLComputePlan.load_from_path` on
+    a Mac), None where the OS has none; a query that raises, loading or reading the plan, is `failed`, never
+    `unavailable`."""
+    try:
+        plan = load_plan()
+        if plan is None:
+            return PlacementStatus(program, "unavailable")
+        return PlacementStatus(program, "placed", placement_report(program, plan_ops(plan, function)))
+    except Exception as e:  # noqa: BLE001  (any failure of Core ML's query is reported, with its first line)
+        text = str(e).strip().splitlines()
+        return PlacementStatus(program, "failed", error=f"{type(e).__name__}: {text[0] if text else ''}")
+
+
+def check_placement(placed: Placement | None, name: str, error: str | None = None) -> Placement | None:
+    """Print a warning on stderr when a program places nothing, or only part of its ops, on the Neural Engine, or
+    when its compute-plan query failed (`error`)."""
+    if error is not None:
+        print(f"WARNING: {name}: the compute-plan query failed ({error}); ANE placement not verified",
+              file=sys.stderr)
+    elif placed is None:
         print(f"{name}: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified", file=sys.stderr)
     elif placed.verdict == "none":
         print(f"WARNING: {placed.line()} -- NOTHING runs on the Neural Engine; Core ML fell back silently",
@@ -349,30 +437,38 @@ class CoreMLProgram:
         self.compiled = compile_package(self.package, ct.models.utils.compile_model)
         model = ct.models.CompiledMLModel(str(self.compiled), compute_units=ct.ComputeUnit.CPU_AND_NE,
                                           function_name=self.function)
-        self.run = ProgramRunner(name, model.predict, declared_inputs(self.package, self.function))
+        self.run = ProgramRunner(name, model.predict, declared_inputs(self.package, self.function), PROCESS_HOLD)
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One prediction: inputs by name (any float dtype, copied to fp32), fp32 outputs by name."""
         return self.run(inputs)
 
+    def placement_status(self) -> PlacementStatus:
+        """This program's placement from MLComputePlan: placed, unavailable (before macOS 14.4) or failed."""
+        return placement_status(self.run.name, lambda: _load_compute_plan(self.compiled), self.function)
+
     def placement(self) -> Placement | None:
-        """Ops per preferred device from MLComputePlan; None where the OS does not offer it."""
-        ops = _compute_plan_ops(self.compiled, self.function)
-        return None if ops is None else placement_report(self.run.name, ops)
+        """Ops per preferred device from MLComputePlan; None where it is unavailable or failed."""
+        return self.placement_status().report
 
 
-def _compute_plan_ops(compiled: Path, function: str | None) -> list[OpDevice] | None:
-    """Every op of the compiled function with Core ML's preferred and supported devices and estimated cost."""
+def _load_compute_plan(compiled: Path):
+    """Core ML's compute plan of a compiled program (macOS 14.4+), None before it. Only a Mac runs this."""
     import coremltools as ct
 
-    try:
-        from coremltools.models.compute_plan import MLComputePlan
-
-        plan = MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit.CPU_AND_NE)
-        functions = plan.model_structure.program.functions
-    except Exception:  # older macOS or coremltools without the proxy: no plan to read
+    version = macos_version()
+    if version is None or version < COMPUTE_PLAN_MACOS:
         return None
-    block = functions[function or "main"].block  # `function` None: a single-function package, whose one is main
+    from coremltools.models.compute_plan import MLComputePlan
+
+    return MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit.CPU_AND_NE)
+
+
+def plan_ops(plan, function: str | None) -> list[OpDevice]:
+    """Every op of a compute plan's function (`function` None: a single-function package's main), nested blocks
+    included, with Core ML's preferred and supported devices and estimated cost (`plan` answers as
+    coremltools' `MLComputePlan` does)."""
+    block = plan.model_structure.program.functions[function or "main"].block
     out, stack = [], list(block.operations)
     while stack:
         op = stack.pop(0)
@@ -395,6 +491,7 @@ def load(package: str | os.PathLike, function: str | None = None, report: bool =
     if key not in _LOADED:
         program = CoreMLProgram(key[0], function)
         if report:
-            check_placement(program.placement(), program.run.name)
+            found = program.placement_status()
+            check_placement(found.report, program.run.name, found.error)
         _LOADED[key] = program
     return _LOADED[key]

@@ -74,7 +74,11 @@ class AneProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # one lane is one core's worth of work
         cmd = [sys.executable, "-m", "hetero.backends.ane_worker", str(theirs.fileno()), *([loader] if loader else [])]
-        self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        # its stdout is a pipe of its own (Core ML's compiler may print there: never into the user's `--json`),
+        # relayed line by line to this process's stderr
+        self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, env=env)
+        threading.Thread(target=_relay, args=(self.proc.stdout,), daemon=True, name="ANE worker stdout").start()
         theirs.close()
         self._conn = Connection(ours.detach())
         self.pid = self._reply(START_TIMEOUT_S, "starting")[1]
@@ -88,7 +92,7 @@ class AneProcess:
         with self._lock:
             self._check()
             if key not in self._ids:
-                self._conn.send(("load", *key))
+                self._send(("load", *key), f"loading {Path(path).name}")
                 self._ids[key] = self._reply(LOAD_TIMEOUT_S, f"loading {Path(path).name}")[1]
         return Program(self, key)
 
@@ -101,11 +105,11 @@ class AneProcess:
             self._ensure("in", packed_bytes(inputs))
             layout = pack(inputs, self._arenas["in"].buf)
             sent = time.perf_counter()
-            self._conn.send(("run", self._ids[key], layout))
+            self._send(("run", self._ids[key], layout), f"a job of {name}")
             msg = self._reply(self.timeout_s, f"a job of {name}")
             if msg[0] == "grow":  # the worker holds the outputs until it has a large enough arena
                 self._ensure("out", msg[1], tell=False)
-                self._conn.send(("arena", "out", self._arenas["out"].name))
+                self._send(("arena", "out", self._arenas["out"].name), f"a job of {name}")
                 msg = self._reply(self.timeout_s, f"a job of {name}")
             if msg[0] == "garbage":
                 self._lose(f"returned non-finite values in {msg[1]!r} of {name}")
@@ -123,12 +127,24 @@ class AneProcess:
                                 "copy_in_ms": round((sent - start) * 1e3, 3), "copy_out_ms": round(copy_s * 1e3, 3)})
             return outputs
 
-    def resident_bytes(self) -> int:
-        """The worker's resident memory: its interpreter, programs and the arenas' pages it touched."""
+    def diagnose(self, key: tuple[str, str | None], inputs: dict[str, np.ndarray]) -> dict:
+        """The doctor's checks of a loaded program, run in the worker on `inputs` (`hetero.backends.diagnose`)."""
+        name = Path(key[0]).name
         with self._lock:
             self._check()
-            self._conn.send(("stat",))
-            return int(self._reply(self.timeout_s, "a memory query")[1])
+            self._ensure("in", packed_bytes(inputs))
+            layout = pack(inputs, self._arenas["in"].buf)
+            self._send(("check", self._ids[key], layout), f"checking {name}")
+            return self._reply(LOAD_TIMEOUT_S, f"checking {name}")[1]
+
+    def resident_bytes(self) -> int | None:
+        """The worker's resident memory now: its interpreter, programs and the arenas' pages it touched; None where
+        the OS does not say (macOS: Core ML reports no memory of its own and getrusage gives only the peak)."""
+        with self._lock:
+            self._check()
+            self._send(("stat",), "a memory query")
+            found = self._reply(self.timeout_s, "a memory query")[1]
+            return None if found is None else int(found)
 
     # -- arenas, replies, failure -------------------------------------------------------------------------------
 
@@ -140,7 +156,7 @@ class AneProcess:
         size = max(need + need // 4, ARENA_STEP)
         self._arenas[role] = SharedMemory(create=True, size=-(-size // ARENA_STEP) * ARENA_STEP)
         if tell:
-            self._conn.send(("arena", role, self._arenas[role].name))
+            self._send(("arena", role, self._arenas[role].name), "attaching an arena")
             self._reply(self.timeout_s, "attaching an arena")
         if old is not None:
             self._retire(old)
@@ -154,6 +170,15 @@ class AneProcess:
                 self._retired.remove(s)
             except BufferError:  # a caller still holds views of an old output arena
                 pass
+
+    def _send(self, msg: tuple, what: str) -> None:
+        """Send to the worker; a worker gone meanwhile (a broken pipe or reset socket) is a lost worker, never an
+        OSError for the caller (the CLI would take a BrokenPipeError for its own stdout's reader going away)."""
+        try:
+            self._conn.send(msg)
+        except OSError:
+            self.proc.wait()
+            self._lose(f"exited (status {self.proc.returncode}) while {what}")
 
     def _reply(self, timeout: float, what: str) -> tuple:
         try:
@@ -170,6 +195,14 @@ class AneProcess:
     def _check(self) -> None:
         if self.lost is not None:
             raise AneLaneLost(f"the ANE lane's worker (pid {self.pid}) {self.lost}")
+        if self.proc.poll() is not None:  # died while idle: found before anything is sent to it
+            self._lose(f"exited (status {self.proc.returncode}) between jobs")
+
+    def check_alive(self) -> None:
+        """Raise `AneLaneLost` if the worker died since its last job (once: then it counts as lost)."""
+        with self._lock:
+            if self.lost is None:
+                self._check()
 
     def _lose(self, reason: str) -> None:
         self.lost = reason
@@ -214,6 +247,15 @@ class Program:
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.lane.run(self.key, inputs)
+
+
+def _relay(stream) -> None:
+    """Copy a worker's stdout to this process's stderr, each line marked as the worker's, until it closes."""
+    with stream:
+        for line in stream:
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                print(f"ANE worker: {text}", file=sys.stderr, flush=True)
 
 
 TRACK = 3  # the worker's track in a trace, beside the GPU (1) and ANE (2) lanes

@@ -50,6 +50,7 @@ class PipelineRun:
     ane_loader: str | None = None  # "module:callable" the worker loads programs with instead of the platform's
     ane_timeout_s: float = JOB_TIMEOUT_S  # a worker job that takes longer is a hung worker
     _splits: dict = field(default_factory=dict)
+    _gpu_only_next: bool = False  # `prepare` lost the worker: the prompt it prepared is prefilled GPU-only
 
     @property
     def requested_fraction(self) -> float:
@@ -77,8 +78,10 @@ class PipelineRun:
     def splitter(self, n_tokens: int) -> SplitPrefill:
         """The split prefill for a prompt of `n_tokens` (programs exported for its context bucket on first use)."""
         bucket = context_bucket(n_tokens, self.chunk)
-        if any(s.worker is not None and not s.worker.alive for s in self._splits.values()):
-            self._splits.clear()  # their worker is gone: load the programs into a fresh one
+        gone = next((s.worker for s in self._splits.values() if s.worker is not None and not s.worker.alive), None)
+        if gone is not None:
+            self._splits.clear()  # their worker is gone: the next split loads the programs into a fresh one
+            gone.check_alive()  # one that died since its last job is a lost worker (AneLaneLost), reported as such
         if bucket not in self._splits:
             e = self.engine
             out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket)
@@ -92,7 +95,12 @@ class PipelineRun:
         """Export and load the programs the prompt `ids` needs now, so the first token's time excludes it; the
         effective fraction is then the share of this prompt's prefill FLOPs."""
         if len(ids) >= 2:
-            self.splitter(len(ids) - 1)
+            try:
+                self.splitter(len(ids) - 1)
+            except AneLaneLost as e:  # the worker died while its programs loaded: this prompt goes GPU-only
+                self.lost(e)
+                self._gpu_only_next = True
+                return
             self.effective_fraction = self.plan.effective_fraction_at(len(ids) - 1)
 
     def prefill(
@@ -109,9 +117,12 @@ class PipelineRun:
         cache = model.make_cache()
         if len(ids) < 2:
             return cache, 0, None
+        if self._gpu_only_next:  # `prepare` lost the worker for this prompt (and said so): no second try
+            self._gpu_only_next = False
+            return cache, 0, None
         try:
             split = self.splitter(len(ids) - 1)
-            worker_bytes = split.worker.resident_bytes() if split.worker is not None else 0
+            worker_bytes = (split.worker.resident_bytes() or 0) if split.worker is not None else 0  # None: unknown
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
                               worker_bytes)
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
