@@ -14,7 +14,7 @@ import torch
 
 torch.set_num_threads(1)
 
-VOCAB = 97
+VOCAB = 320  # fits the byte-level BPE tokenizer of tiny_checkpoint (for the Engine test)
 EOS = 1
 TEXT = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -84,3 +84,11 @@ def patch_config(path: Path, **updates) -> None:
     config = json.loads((path / "config.json").read_text())
     (config.get("text_config") or config).update(updates)
     (path / "config.json").write_text(json.dumps(config))
+
+
+def add_tokenizer(path: Path) -> None:
+    """The byte-level BPE tokenizer files of `tiny_checkpoint` (so `hetero.load` / `hetero run` take the folder)."""
+    from converters.tokenizer_train import save_tokenizer, train_tokenizer
+    from tiny_checkpoint import TEXT as CORPUS
+
+    save_tokenizer(train_tokenizer([CORPUS] * 4, vocab_size=VOCAB), path)

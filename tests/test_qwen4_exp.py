@@ -13,8 +13,12 @@ import pytest
 import torch
 
 from hetero.errors import HeteroError
-from hetero.models.qwen4_exp.load import load
-from tests import qwen4_checkpoint as qc
+from hetero.loader import load_model
+
+
+def load(path):
+    return load_model(path)[0]
+import qwen4_checkpoint as qc
 
 PROMPT = 48  # 12 index blocks of 4 against a budget of 2 blocks
 
@@ -121,3 +125,30 @@ def test_wrong_hc_count_is_one_line(tmp_path):
     with pytest.raises(HeteroError, match=r"hc_count 3.*2 streams") as e:
         load(tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_check_names_architecture_ple_tables_and_experts(flat):
+    from hetero.loader import preflight
+
+    path, _ = flat
+    report = preflight(path)
+    text = "\n".join(report.lines())
+    assert report.ok, text
+    assert "Qwen4ExpForCausalLM (model_type qwen4_exp_text): supported" in text
+    assert "experts: 4 routed + 1 shared, 2 active per token" in text
+    model = load(path)
+    table = sum(l.ple.ple_embedding.ngram_embedding.weight.size for l in model.layers if l.ple is not None)
+    assert f"PLE n-gram tables: {table:,} parameters in all, on layers [0, 1]" in text
+
+
+def test_engine_greedy_equals_transformers(tmp_path):
+    """`hetero.load` + `Engine.generate` (MTP off: no head yet) give transformers' greedy tokens, twice."""
+    hf = qc.build(tmp_path, nested=True, ple_layer_ids=(1, 4), seed=6)
+    qc.add_tokenizer(tmp_path)
+    engine = hetero.load(str(tmp_path))
+    ids = engine.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3)
+    assert len(ids) >= 4 * qc.TEXT["indexer_budget"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
+    assert engine.generate(ids, max_tokens=10).tokens == ref
+    assert engine.generate(ids + ref[:3], max_tokens=7).tokens == ref[3:]

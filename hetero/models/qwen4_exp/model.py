@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hetero.cache import GDNCache
+from hetero.cache import GDNCache, ModelCache, RaggedKV
 from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.linear import Linear
@@ -72,6 +72,8 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(**hc)
 
     def __call__(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
+        if isinstance(cache, RaggedKV) or (cache is not None and h.shape[0] > 1):
+            raise HeteroError("qwen4_exp runs one request at a time for now: batched decoding is not implemented")
         if self.ple is not None:
             h = h + self.ple(h, tokens, cache.ple if cache is not None else None)
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -90,6 +92,11 @@ class TextModel(nn.Module):
         self.hyper_connection_mixer = GatedResidual(args.hidden_size, args.hc_count, args.hc_lowrank,
                                                     args.rms_norm_eps, final=True)
 
+    @property
+    def norm(self) -> nn.Module:
+        """The final mixer's norm: engine code reads the compute dtype as `model.model.norm.weight.dtype`."""
+        return self.hyper_connection_mixer.hc_norm
+
     def __call__(self, tokens: mx.array, cache: list | None) -> mx.array:
         host_tokens = np.array(tokens, dtype=np.int64)  # the PLE hashes run on the host
         h = mx.tile(self.embed_tokens(tokens), (1, 1, self.hc))  # [B, S, hc*d]: every stream starts as e_t
@@ -100,6 +107,8 @@ class TextModel(nn.Module):
 
 class Model(nn.Module):
     """The causal LM: `model` (backbone) and `lm_head` (unless tied). No MTP head yet."""
+
+    prefix_cacheable = False  # prefix-cache checkpoints hold no PLE / QSA index state yet: the engine skips them
 
     def __init__(self, args: Qwen4Args, with_mtp: bool = False):
         super().__init__()
@@ -119,7 +128,7 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
         """tokens [B, S] -> (logits [B, S, vocab], hidden [B, S, d]); `cache` is `make_cache()`."""
-        hidden = self.model(tokens, cache)
+        hidden = self.model(tokens, cache.backbone if cache is not None else None)
         return self.logits(hidden), hidden
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -127,13 +136,18 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def make_cache(self) -> list:
-        """One cache per layer: `PLEGDNCache` (GDN state, conv window, PLE state) or `QSACache`."""
-        return [PLEGDNCache(l.ple is not None) if l.is_linear else QSACache() for l in self.model.layers]
+    def make_cache(self) -> ModelCache:
+        """One cache per layer: `PLEGDNCache` (GDN state, conv window, PLE state) or `QSACache`; no MTP caches."""
+        return ModelCache([PLEGDNCache(l.ple is not None) if l.is_linear else QSACache() for l in self.model.layers])
 
 
 _PLE_SHARD = re.compile(r"(.*\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
+
+
+def is_hash_buffer(name: str) -> bool:
+    """PLE hash constants that transformers saves (int64) and `sanitize` drops: they follow from the config."""
+    return name.rsplit(".", 1)[-1] in _PLE_BUFFERS
 
 
 def is_zero_centred_norm(name: str) -> bool:
@@ -148,7 +162,7 @@ def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.arra
     out = {}
     for key, value in weights.items():
         name = canonical_name(key)
-        if name is not None and not name.rsplit(".", 1)[-1] in _PLE_BUFFERS:
+        if name is not None and not is_hash_buffer(name):
             out[name] = value
     _check_hc(args, out)
     _join_ple_shards(args, out)
