@@ -1,15 +1,15 @@
 """Qwen4-Exp (qwen4_exp / qwen4_exp_text) against transformers 5.25 on tiny random checkpoints that it writes:
 hyper-connections, QSA (prompts several times the indexer budget, so keys are really dropped), PLE on two
-placements, routed + shared experts, the GDN's sigmoid output gate; cached decode and chunked prefill."""
+placements, routed + shared experts, the GDN's sigmoid output gate; cached decode and chunked prefill; the loader's
+check, bad checkpoints and the Engine."""
 
 from __future__ import annotations
 
-import json
-
-import hetero  # noqa: F401  (before mlx: the fast BLAS)
+import hetero  # before mlx: the fast BLAS
 import mlx.core as mx
 import numpy as np
 import pytest
+import qwen4_checkpoint as qc
 import torch
 
 from hetero.errors import HeteroError
@@ -17,8 +17,9 @@ from hetero.loader import load_model
 
 
 def load(path):
+    """The model alone, through hetero's loader (pre-flight check, sanitize, fused projections)."""
     return load_model(path)[0]
-import qwen4_checkpoint as qc
+
 
 PROMPT = 48  # 12 index blocks of 4 against a budget of 2 blocks
 
@@ -152,3 +153,20 @@ def test_engine_greedy_equals_transformers(tmp_path):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
     assert engine.generate(ids, max_tokens=10).tokens == ref
     assert engine.generate(ids + ref[:3], max_tokens=7).tokens == ref[3:]
+
+
+def test_silu_gate_and_ple_on_last_layer_match_transformers(tmp_path):
+    """output_gate_type unset (the GDN gate falls back to hidden_act, SiLU) and PLE on the last layer."""
+    hf = qc.build(tmp_path, ple_layer_ids=(4,), seed=7, output_gate_type=None)
+    model = load(tmp_path)
+    tokens = _tokens(PROMPT, 7)
+    _close(_run(model, tokens), qc.hf_logits(hf, tokens))
+    _close(_run(model, tokens, 5), qc.hf_logits(hf, tokens))
+
+
+def test_attention_without_qsa_fields_is_one_line(tmp_path):
+    qc.build(tmp_path, seed=8)
+    qc.patch_config(tmp_path, indexer_n_heads=None)
+    with pytest.raises(HeteroError, match="need the QSA fields") as e:
+        load(tmp_path)
+    assert "\n" not in str(e.value)

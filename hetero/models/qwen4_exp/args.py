@@ -50,7 +50,7 @@ class Qwen4Args:
     make_ngram_vocab_size_divisible_by: int = 128
     seed: int = 1234
     split_ngram_parts: int = 512
-    indexer_n_heads: int = 0  # 0: plain gated attention (no QSA)
+    indexer_n_heads: int = 0  # 0 only for a config without attention layers
     indexer_head_dim: int = 0
     indexer_budget: int = 0
     indexer_compress_ratio: int = 0
@@ -144,6 +144,9 @@ class Qwen4Args:
                               f"num_experts ({self.num_experts})")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise HeteroError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if "indexed_attention" in self.layer_types and not self.qsa:  # transformers builds the indexer on them
+            raise HeteroError("config.json: the attention layers of qwen4_exp need the QSA fields (indexer_n_heads, "
+                              "indexer_head_dim, indexer_budget, indexer_compress_ratio)")
         if self.qsa:
             if int(get("indexer_kv_heads") or 1) != 1:
                 raise HeteroError("config.json: qwen4_exp QSA needs indexer_kv_heads = 1")
