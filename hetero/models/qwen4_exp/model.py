@@ -19,7 +19,7 @@ from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual
 from hetero.models.qwen4_exp.ple import PLECache, PLELayer
 from hetero.models.qwen4_exp.qsa import QSAAttention, QSACache
-from hetero.models.weights import ExpertStacker, _split_fused_experts, canonical_name, is_expert_tensor
+from hetero.models.weights import canonical_name, finish
 
 
 class GatedDeltaNetQ4(GatedDeltaNet):
@@ -169,21 +169,7 @@ def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.arra
     hf_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
-    experts = [n for n in out if is_expert_tensor(n)]
-    if experts:
-        stacker = ExpertStacker(args.num_experts)
-        for name in experts:
-            done = stacker.add(name, out.pop(name))
-            if done is not None:
-                out[done[0]] = done[1]
-        stacker.check_complete()
-    _split_fused_experts(out)
-    for name, value in out.items():
-        if name.endswith("conv1d.weight") and value.shape[-1] != 1:
-            out[name] = value.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
-        elif hf_layout and is_zero_centred_norm(name):
-            out[name] = value.astype(mx.float32) + 1.0
-    return out
+    return finish(out, args.num_experts, hf_layout, is_zero_centred_norm)
 
 
 def _check_hc(args: Qwen4Args, out: dict[str, mx.array]) -> None:
