@@ -24,6 +24,8 @@ from hetero.errors import HeteroError
 from hetero.models.args import SUPPORTED_MODEL_TYPES
 from hetero.models.fused import fuse
 from hetero.models.qwen3_5 import Model, ModelArgs
+from hetero.models.qwen4_exp import model as qwen4
+from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES, Qwen4Args
 from hetero.models.weights import ExpertStacker, canonical_name, checkpoint_has_mtp, is_expert_tensor, sanitize, unfused_names
 from hetero.validate import MAX_DIM, check_config
 
@@ -194,6 +196,8 @@ class Preflight:
     shared_experts: int = 0  # per MoE layer (a gated shared expert: 1)
     moe_layers: int = 0  # backbone layers with a mixture-of-experts MLP
     layers: int = 0
+    ple_layers: list[int] = field(default_factory=list)  # Qwen4-Exp layers with PLE n-gram tables (0-based)
+    ple_table_params: int = 0  # their tables' parameters, all layers together
 
     @property
     def ok(self) -> bool:
@@ -229,6 +233,8 @@ class Preflight:
             shared = f" + {self.shared_experts} shared" if self.shared_experts else ""
             out.append(f"experts: {self.experts} routed{shared}, {self.experts_per_token} active per token, "
                        f"mixture-of-experts MLP in {self.moe_layers} of {self.layers} layers")
+        if self.ple_layers:
+            out.append(f"PLE n-gram tables: {self.ple_table_params:,} parameters in all, on layers {self.ple_layers}")
         out += [f"error: {e}" for e in self.errors]
         out += [f"unmapped tensor: {n}" for n in self.unmapped]
         out += [f"missing parameter: {n}" for n in self.missing]
@@ -282,9 +288,19 @@ def _weight_map(index_file: Path) -> dict[str, str]:
     return weight_map
 
 
-def build_lazy_model(args: ModelArgs, with_mtp: bool, quantized_names: set[str] | None = None) -> Model:
+def parse_args(config: dict) -> ModelArgs | Qwen4Args:
+    """config.json -> the arguments of its architecture (Qwen4-Exp or the Qwen3.5 family); HeteroError if neither."""
+    return Qwen4Args.from_config(config) if config.get("model_type") in QWEN4_TYPES else ModelArgs.from_config(config)
+
+
+def sanitize_for(args: ModelArgs | Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint tensors -> parameters, by the architecture's own `sanitize`."""
+    return qwen4.sanitize(args, weights) if isinstance(args, Qwen4Args) else sanitize(args, weights)
+
+
+def build_lazy_model(args: ModelArgs | Qwen4Args, with_mtp: bool, quantized_names: set[str] | None = None) -> Model:
     """The model with lazily initialised parameters (no memory until evaluated)."""
-    model = Model(args, with_mtp=with_mtp)
+    model = (qwen4.Model if isinstance(args, Qwen4Args) else Model)(args, with_mtp=with_mtp)
     q = args.quantization
     if q:
         names = quantized_names or set()
@@ -306,13 +322,15 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
         config = read_config(path)
         report.model_type = config.get("model_type")
         report.architecture = ", ".join(config.get("architectures") or []) or None
-        args = ModelArgs.from_config(config)
+        args = parse_args(config)
         check_generation_config(path)
         report.quantization = args.quantization
         report.layers = args.num_hidden_layers
         if args.moe_layers:
             report.experts, report.experts_per_token = args.num_experts, args.num_experts_per_tok
             report.shared_experts, report.moe_layers = 1, len(args.moe_layers)
+        if isinstance(args, Qwen4Args):
+            report.ple_layers = [i - 1 for i in args.ple_layer_ids]
         report.supported = True
         tensors, absent = checkpoint_tensors(path)
     except HeteroError as e:
@@ -326,7 +344,8 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     report.has_mtp = checkpoint_has_mtp(tensors)
     if args.mtp_num_hidden_layers and not report.has_mtp:
         report.warnings.append("config declares an MTP head but the checkpoint has no mtp.* tensors (converted without it?)")
-    bad_dtype = [t for t in tensors.values() if report.shapes_checked and t.dtype not in ST_DTYPES]
+    bad_dtype = [t for t in tensors.values() if report.shapes_checked and t.dtype not in ST_DTYPES
+                 and not qwen4.is_hash_buffer(t.name)]
     for t in bad_dtype:
         report.errors.append(f"tensor {t.name} in {t.file} has dtype {t.dtype}; hetero loads F32, F16, BF16 (and U32 quantized) weights")
 
@@ -342,7 +361,7 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     if report.shapes_checked:
         placeholders = {n: mx.zeros(t.shape, dtype=ST_DTYPES.get(t.dtype, mx.float32)) for n, t in tensors.items()}
         try:
-            mapped = {k: tuple(v.shape) for k, v in sanitize(args, placeholders).items()}
+            mapped = {k: tuple(v.shape) for k, v in sanitize_for(args, placeholders).items()}
         except HeteroError as e:  # experts missing or beyond num_experts
             report.errors.append(str(e))
             return report
@@ -365,6 +384,7 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     for k, shape in mapped.items():
         if shape is not None and k in expected_shapes and shape != expected_shapes[k]:
             report.shape_mismatches.append(f"{reverse.get(k, k)}: checkpoint {list(shape)}, config expects {list(expected_shapes[k])}")
+    report.ple_table_params = sum(v.size for k, v in expected.items() if k.endswith("ngram_embedding.weight"))
     report.peak_memory_bytes = estimate_peak_memory(args, expected, dtype or default_dtype(), context)
     return report
 
@@ -414,7 +434,7 @@ def parse_dtype(name: str) -> mx.Dtype:
 def estimate_peak_memory(args: ModelArgs, params: dict[str, mx.array], dtype: mx.Dtype, context: int, chunk: int = 512) -> int:
     """Loaded weights + KV cache for `context` tokens + GDN state + one prefill chunk's transient buffers."""
     weights = sum(v.size * (v.dtype.size if v.dtype == mx.uint32 or not mx.issubdtype(v.dtype, mx.floating) else dtype.size) for v in params.values())
-    n_attn = args.layer_types.count("full_attention") + args.mtp_num_hidden_layers
+    n_attn = len(args.layer_types) - args.layer_types.count("linear_attention") + args.mtp_num_hidden_layers
     kv = n_attn * 2 * args.num_key_value_heads * args.head_dim * context * dtype.size
     gdn = args.layer_types.count("linear_attention") * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
     conv = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
@@ -474,8 +494,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = 
         raise HeteroError(report.first_problem())
     path = resolve(model, weights=True)
     config = read_config(path)
-    args = ModelArgs.from_config(config)
-    weights = sanitize(args, load_weights(path, args))
+    args = parse_args(config)
+    weights = sanitize_for(args, load_weights(path, args))
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, checkpoint_has_mtp(weights), quantized)
     net.load_weights(list(weights.items()), strict=True)

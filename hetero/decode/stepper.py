@@ -338,6 +338,9 @@ class Batch:
             if layer.is_linear:
                 c = gdn[l] = GDNCache()
                 c.conv, c.recurrent = self._gdn_rows(rows, l)
+                ple = getattr(rows[0].decoder.cache[l], "ple", None)
+                if ple is not None:  # Qwen4-Exp PLE state, updated in place (it runs one row, no drafts, for now)
+                    c.ple = ple
                 if S > 1:
                     c.start_recording()
                 caches.append(c)

@@ -153,9 +153,16 @@ def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.arra
         if m:
             first, second = unfused_names(name)
             out[first], out[second] = _unfuse(args, m.group(2), out.pop(name))
+    return finish(out, args.num_experts, hf_layout, is_zero_centred_norm)
+
+
+def finish(out: dict[str, mx.array], num_experts: int, hf_layout: bool, zero_centred) -> dict[str, mx.array]:
+    """The steps every architecture's `sanitize` ends with, on canonical names: experts stacked (per-expert
+    tensors) or split (fused `gate_up_proj`), conv1d [C, 1, K] -> [C, K, 1], and, in an original HF checkpoint
+    (`hf_layout`), +1 on the norms `zero_centred(name)` names."""
     experts = [n for n in out if is_expert_tensor(n)]
     if experts:
-        stacker = ExpertStacker(args.num_experts)
+        stacker = ExpertStacker(num_experts)
         for name in experts:
             done = stacker.add(name, out.pop(name))
             if done is not None:
@@ -165,7 +172,7 @@ def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.arra
     for name, value in out.items():
         if name.endswith("conv1d.weight") and value.shape[-1] != 1:
             out[name] = value.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
-        elif hf_layout and is_zero_centred_norm(name):
+        elif hf_layout and zero_centred(name):
             out[name] = value.astype(mx.float32) + 1.0
     return out
 

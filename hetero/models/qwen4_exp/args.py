@@ -1,0 +1,191 @@
+"""A `qwen4_exp` / `qwen4_exp_text` config.json as typed arguments (`Qwen4Args.from_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetero.errors import HeteroError
+
+MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
+
+
+@dataclass
+class Qwen4Args:
+    """The text model's shape. Field names follow the config (and `models.args.ModelArgs` where they coincide,
+    so the Qwen3.5 GDN, attention projections and MoE blocks take these arguments as they are)."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    vocab_size: int
+    layer_types: list[str]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    hc_count: int
+    hc_lowrank: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 262_144
+    norm_topk_prob: bool = True
+    output_gate_type: str = "silu"
+    ple_layer_ids: list[int] = field(default_factory=list)  # one-indexed, as in the config
+    ple_embed_dim: int = 0
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+    split_ngram_parts: int = 512
+    indexer_n_heads: int = 0  # 0 only for a config without attention layers
+    indexer_head_dim: int = 0
+    indexer_budget: int = 0
+    indexer_compress_ratio: int = 0
+    eos_token_id: list[int] = field(default_factory=list)
+    mtp_num_hidden_layers: int = 0
+    quantization: dict | None = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Qwen4Args":
+        """Parse config.json (nested `text_config` or flat); raises HeteroError with one line on a bad value."""
+        model_type = config.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise HeteroError(f"unsupported model_type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}")
+        text = config.get("text_config") or config
+        get = lambda key, default=None: text.get(key, config.get(key, default))  # noqa: E731
+        try:
+            n_layers = int(get("num_hidden_layers"))
+            hidden = int(get("hidden_size"))
+            heads = int(get("num_attention_heads"))
+            interval = int(get("full_attention_interval", 4))
+            layer_types = get("layer_types") or [
+                "indexed_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+            ]
+            layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+            rope = get("rope_parameters") or get("rope_scaling") or {}
+            if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+                raise HeteroError(f"unsupported rope type {rope.get('rope_type')!r} in config.json: only default "
+                                  "RoPE (with mrope sections) is implemented")
+            eos = get("eos_token_id", [])
+            args = cls(
+                model_type=model_type,
+                hidden_size=hidden,
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(get("num_key_value_heads", heads)),
+                head_dim=int(get("head_dim") or hidden // heads),
+                linear_num_key_heads=int(get("linear_num_key_heads", 16)),
+                linear_num_value_heads=int(get("linear_num_value_heads", 32)),
+                linear_key_head_dim=int(get("linear_key_head_dim", 128)),
+                linear_value_head_dim=int(get("linear_value_head_dim", 128)),
+                vocab_size=int(get("vocab_size")),
+                layer_types=list(layer_types),
+                num_experts=int(get("num_experts", 512)),
+                num_experts_per_tok=int(get("num_experts_per_tok", 10)),
+                moe_intermediate_size=int(get("moe_intermediate_size", 512)),
+                shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 512)),
+                hc_count=int(get("hc_count", 4)),
+                hc_lowrank=int(get("hc_lowrank", 320)),
+                linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
+                rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", get("rope_theta", 10_000_000.0))),
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))),
+                tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                attention_bias=bool(get("attention_bias", False)),
+                max_position_embeddings=int(get("max_position_embeddings", 32768)),
+                norm_topk_prob=bool(get("norm_topk_prob", True)),
+                output_gate_type=str(get("output_gate_type") or get("hidden_act", "silu")),
+                ple_layer_ids=sorted(set(get("ple_layer_ids") or [])),
+                ple_embed_dim=int(get("ple_embed_dim") or hidden),
+                ple_conv_kernel_size=int(get("ple_conv_kernel_size", 4)),
+                ngram_size=int(get("ngram_size", 3)),
+                heads_per_ngram=int(get("heads_per_ngram", 8)),
+                ngram_vocab_size_base=int(get("ngram_vocab_size_base", 20_000_000)),
+                make_ngram_vocab_size_divisible_by=int(get("make_ngram_vocab_size_divisible_by", 128)),
+                seed=int(get("seed", 1234)),
+                split_ngram_parts=int(get("split_ngram_parts", 512)),
+                indexer_n_heads=int(get("indexer_n_heads") or 0),
+                indexer_head_dim=int(get("indexer_head_dim") or 0),
+                indexer_budget=int(get("indexer_budget") or 0),
+                indexer_compress_ratio=int(get("indexer_compress_ratio") or 0),
+                eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
+                mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
+                quantization=config.get("quantization") or config.get("quantization_config"),
+            )
+        except (TypeError, ValueError) as e:
+            raise HeteroError(f"config.json is missing or has a bad value for a required field: {e}") from None
+        args.validate(get)
+        return args
+
+    def validate(self, get) -> None:
+        """The invariants transformers checks, as one-line errors."""
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {"linear_attention",
+                                                                                        "indexed_attention"}:
+            raise HeteroError("config.json layer_types must list 'linear_attention'/'indexed_attention' once per layer")
+        if self.hc_count <= 1:
+            raise HeteroError(f"config.json: qwen4_exp needs hc_count > 1 (hyper-connection streams), got {self.hc_count}")
+        if self.output_gate_type not in ("sigmoid", "silu"):
+            raise HeteroError(f"config.json: output_gate_type {self.output_gate_type!r} is not 'sigmoid' or 'silu'")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise HeteroError(f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                              f"num_experts ({self.num_experts})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise HeteroError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if "indexed_attention" in self.layer_types and not self.qsa:  # transformers builds the indexer on them
+            raise HeteroError("config.json: the attention layers of qwen4_exp need the QSA fields (indexer_n_heads, "
+                              "indexer_head_dim, indexer_budget, indexer_compress_ratio)")
+        if self.qsa:
+            if int(get("indexer_kv_heads") or 1) != 1:
+                raise HeteroError("config.json: qwen4_exp QSA needs indexer_kv_heads = 1")
+            if min(self.indexer_head_dim, self.indexer_budget, self.indexer_compress_ratio) <= 0:
+                raise HeteroError("config.json: QSA needs indexer_head_dim, indexer_budget and indexer_compress_ratio")
+            if self.indexer_budget % self.indexer_compress_ratio:
+                raise HeteroError("config.json: indexer_budget must be a multiple of indexer_compress_ratio")
+            if self.rotary_dims > self.indexer_head_dim:
+                raise HeteroError("config.json: the rotary dims must fit the QSA indexer head (indexer_head_dim)")
+        if self.ple_layer_ids:
+            if self.ngram_heads <= 0 or self.ple_embed_dim % self.ngram_heads:
+                raise HeteroError(f"config.json: ple_embed_dim ({self.ple_embed_dim}) must be a multiple of the n-gram "
+                                  f"heads ((ngram_size - 1) * heads_per_ngram = {self.ngram_heads})")
+            bad = [i for i in self.ple_layer_ids if not 1 <= i <= self.num_hidden_layers
+                   or self.layer_types[i - 1] != "linear_attention"]
+            if bad:
+                raise HeteroError(f"config.json: ple_layer_ids {bad} are not (one-indexed) linear_attention layers")
+            if not self.eos_token_id:
+                raise HeteroError("config.json: PLE layers need eos_token_id (it pads the n-gram context)")
+
+    @property
+    def qsa(self) -> bool:
+        """Whether the attention layers select their keys with the token indexer."""
+        return self.indexer_n_heads > 0
+
+    @property
+    def ngram_heads(self) -> int:
+        """Hashed embedding heads per PLE layer: heads_per_ngram for each n-gram order 2..ngram_size."""
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Every layer's MLP is a mixture of experts."""
+        return list(range(self.num_hidden_layers))
+
+    @property
+    def intermediate_size(self) -> int:
+        return 0  # no dense MLP layer

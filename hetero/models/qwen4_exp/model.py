@@ -1,0 +1,198 @@
+"""The Qwen4-Exp causal LM: decoder layers (PLE, hyper-connections around a GDN or QSA mixer and the MoE block),
+the final hyper-connection mixer, lm_head; `sanitize` (checkpoint -> parameters) and `make_cache`."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from hetero.cache import GDNCache, ModelCache, RaggedKV
+from hetero.errors import HeteroError
+from hetero.models import activations as act
+from hetero.models.linear import Linear
+from hetero.models.moe import SparseMoeBlock
+from hetero.models.qwen3_5 import MLP, GatedDeltaNet, rms_norm
+from hetero.models.qwen4_exp.args import Qwen4Args
+from hetero.models.qwen4_exp.hyper import GatedResidual
+from hetero.models.qwen4_exp.ple import PLECache, PLELayer
+from hetero.models.qwen4_exp.qsa import QSAAttention, QSACache
+from hetero.models.weights import canonical_name, finish
+
+
+class GatedDeltaNetQ4(GatedDeltaNet):
+    """Qwen3.5's GDN with the output gate of `output_gate_type` (sigmoid in the shipped config, else SiLU)."""
+
+    def __init__(self, args: Qwen4Args):
+        super().__init__(args)
+        self.gate_act = act.sigmoid if args.output_gate_type == "sigmoid" else act.silu
+
+    def output(self, core: mx.array, z: mx.array, dtype: mx.Dtype) -> mx.array:
+        """core [B, S, Hv, Dv] fp32, z [B, S, Hv*Dv] -> out_proj(w * rmsnorm(core) * gate(z)) [B, S, hidden]."""
+        B, S = core.shape[:2]
+        z = z.reshape(B, S, self.nv, self.dv)
+        out = rms_norm(core, self.norm.weight.astype(mx.float32), self.eps) * self.gate_act(z.astype(mx.float32))
+        return self.out_proj(out.astype(dtype).reshape(B, S, -1))
+
+
+class PLEGDNCache(GDNCache):
+    """A GDN layer's cache plus, on PLE layers, the PLE state (`ple`)."""
+
+    def __init__(self, with_ple: bool) -> None:
+        super().__init__()
+        self.ple = PLECache() if with_ple else None
+
+    @property
+    def state(self) -> list[mx.array]:
+        return super().state + (self.ple.state if self.ple is not None else [])
+
+
+class DecoderLayer(nn.Module):
+    """h += PLE(h) (PLE layers); h = attn_hc.around(h, mixer); h = mlp_hc.around(h, moe); h is [B, S, hc*d]."""
+
+    def __init__(self, args: Qwen4Args, index: int):
+        super().__init__()
+        self.is_linear = args.layer_types[index] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNetQ4(args)
+        else:
+            self.self_attn = QSAAttention(args)
+        self.mlp = SparseMoeBlock(
+            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+            args.norm_topk_prob, shared_expert=MLP(args.hidden_size, args.shared_expert_intermediate_size),
+        )
+        if index + 1 in args.ple_layer_ids:
+            self.ple = PLELayer(args, args.ple_layer_ids.index(index + 1))
+        else:
+            self.ple = None
+        hc = dict(hidden=args.hidden_size, hc=args.hc_count, lowrank=args.hc_lowrank, eps=args.rms_norm_eps)
+        self.attn_hyper_connection = GatedResidual(**hc)
+        self.mlp_hyper_connection = GatedResidual(**hc)
+
+    def __call__(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
+        if isinstance(cache, RaggedKV) or (cache is not None and h.shape[0] > 1):
+            raise HeteroError("qwen4_exp runs one request at a time for now: batched decoding is not implemented")
+        if self.ple is not None:
+            h = h + self.ple(h, tokens, cache.ple if cache is not None else None)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = self.attn_hyper_connection.around(h, lambda x: mixer(x, cache))
+        return self.mlp_hyper_connection.around(h, self.mlp)
+
+
+class TextModel(nn.Module):
+    """Embeddings copied into hc streams, the decoder stack, the final hyper-connection mixer -> [B, S, d]."""
+
+    def __init__(self, args: Qwen4Args):
+        super().__init__()
+        self.hc = args.hc_count
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.hyper_connection_mixer = GatedResidual(args.hidden_size, args.hc_count, args.hc_lowrank,
+                                                    args.rms_norm_eps, final=True)
+
+    @property
+    def norm(self) -> nn.Module:
+        """The final mixer's norm: engine code reads the compute dtype as `model.model.norm.weight.dtype`."""
+        return self.hyper_connection_mixer.hc_norm
+
+    def __call__(self, tokens: mx.array, cache: list | None) -> mx.array:
+        host_tokens = np.array(tokens, dtype=np.int64)  # the PLE hashes run on the host
+        h = mx.tile(self.embed_tokens(tokens), (1, 1, self.hc))  # [B, S, hc*d]: every stream starts as e_t
+        for i, layer in enumerate(self.layers):
+            h = layer(h, host_tokens, cache[i] if cache is not None else None)
+        return self.hyper_connection_mixer(h)
+
+
+class Model(nn.Module):
+    """The causal LM: `model` (backbone) and `lm_head` (unless tied). No MTP head yet."""
+
+    prefix_cacheable = False  # prefix-cache checkpoints hold no PLE / QSA index state yet: the engine skips them
+
+    def __init__(self, args: Qwen4Args, with_mtp: bool = False):
+        super().__init__()
+        self.args = args
+        self.model = TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = None
+
+    @property
+    def has_mtp(self) -> bool:
+        return False
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def __call__(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
+        """tokens [B, S] -> (logits [B, S, vocab], hidden [B, S, d]); `cache` is `make_cache()`."""
+        hidden = self.model(tokens, cache.backbone if cache is not None else None)
+        return self.logits(hidden), hidden
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def make_cache(self) -> ModelCache:
+        """One cache per layer: `PLEGDNCache` (GDN state, conv window, PLE state) or `QSACache`; no MTP caches."""
+        return ModelCache([PLEGDNCache(l.ple is not None) if l.is_linear else QSACache() for l in self.model.layers])
+
+
+_PLE_SHARD = re.compile(r"(.*\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
+_PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
+
+
+def is_hash_buffer(name: str) -> bool:
+    """PLE hash constants that transformers saves (int64) and `sanitize` drops: they follow from the config."""
+    return name.rsplit(".", 1)[-1] in _PLE_BUFFERS
+
+
+def is_zero_centred_norm(name: str) -> bool:
+    """Every RMSNorm of this family is stored as w with scale 1 + w, except the GDN output norm."""
+    module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    return name.endswith(".weight") and "norm" in module and not name.endswith("linear_attn.norm.weight")
+
+
+def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint tensors -> parameters: canonical names (vision skipped), PLE shards concatenated (their hash
+    buffers dropped: recomputed from the config), experts stacked, conv layout, the norms' +1 once."""
+    out = {}
+    for key, value in weights.items():
+        name = canonical_name(key)
+        if name is not None and not is_hash_buffer(name):
+            out[name] = value
+    _check_hc(args, out)
+    _join_ple_shards(args, out)
+    hf_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return finish(out, args.num_experts, hf_layout, is_zero_centred_norm)
+
+
+def _check_hc(args: Qwen4Args, out: dict[str, mx.array]) -> None:
+    w = out.get("model.hyper_connection_mixer.hc_norm.weight")
+    if w is not None and w.shape[0] != args.hc_count * args.hidden_size:
+        raise HeteroError(f"config.json says hc_count {args.hc_count}, but the checkpoint's hyper-connections hold "
+                          f"{w.shape[0] // args.hidden_size} streams (hc_norm is {w.shape[0]} wide): fix hc_count")
+
+
+def _join_ple_shards(args: Qwen4Args, out: dict[str, mx.array]) -> None:
+    """`...ngram_embedding.shard_{i}.weight` (split along rows) -> `...ngram_embedding.weight`; one line if any
+    PLE layer's table is absent or incomplete."""
+    shards: dict[str, dict[int, mx.array]] = {}
+    for name in [n for n in out if _PLE_SHARD.match(n)]:
+        m = _PLE_SHARD.match(name)
+        shards.setdefault(m.group(1), {})[int(m.group(2))] = out.pop(name)
+    for layer in args.ple_layer_ids:
+        base = f"model.layers.{layer - 1}.ple.ple_embedding.ngram_embedding"
+        if f"{base}.weight" in out:
+            continue
+        parts = shards.pop(base, {})
+        if len(parts) != args.split_ngram_parts or set(parts) != set(range(args.split_ngram_parts)):
+            raise HeteroError(f"layer {layer - 1}'s PLE n-gram table has {len(parts)} of its {args.split_ngram_parts} "
+                              f"shards ({base}.shard_*.weight): the checkpoint is incomplete, download the missing "
+                              "PLE shards")
+        out[f"{base}.weight"] = mx.concatenate([parts[i] for i in range(args.split_ngram_parts)], axis=0)

@@ -1,0 +1,134 @@
+"""QSA: gated GQA whose keys are chosen per query by a token indexer over compressed key blocks.
+
+Per query at position p (tokens 0..p visible, c = indexer_compress_ratio, k = indexer_budget / c):
+    complete blocks b < (p+1) // c, each key  K_b = rope(N(mean of raw index keys of tokens bc..bc+c-1), pos bc)
+    score_b = sum_heads relu(q_h . K_b) / sqrt(Di)      q = rope(N(index q), pos p), Di = indexer_head_dim
+    selected = tokens of the k best blocks + the tail tokens after the last complete block
+The attention proper (Qwen3.5's gated attention) then runs with the causal mask ANDed with `selected`.
+`QSACache` keeps the layer's keys and values and the raw index keys (the block keys are recomputed from them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from hetero.cache import KVCache
+from hetero.models.linear import Linear
+from hetero.models.qwen3_5 import Attention, RMSNorm
+from hetero.models.qwen4_exp.args import Qwen4Args
+
+
+class QSACache(KVCache):
+    """KV of one QSA layer plus its raw (un-normed, un-rotated) index keys [B, T, Di]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index_keys: mx.array | None = None
+
+    def update_index(self, keys: mx.array) -> mx.array:
+        """Append index keys [B, S, Di] at positions offset-S.. (call after `update_and_fetch`) -> all [B, T, Di]."""
+        start = self.offset - keys.shape[1]
+        old = self.index_keys[:, :start] if self.index_keys is not None and start > 0 else None
+        self.index_keys = keys if old is None else mx.concatenate([old, keys], axis=1)
+        return self.index_keys
+
+    def trim_to(self, n: int) -> None:
+        super().trim_to(n)
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[:, : self.offset]
+
+    @property
+    def state(self) -> list[mx.array]:
+        return super().state + ([] if self.index_keys is None else [self.index_keys])
+
+
+def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.array:
+    """NeoX RoPE on the first `dims` features of x [..., N, H, D] at positions [N] (any, not only consecutive)."""
+    inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))  # [dims/2]
+    angles = positions.astype(mx.float32)[:, None] * inv_freq  # [N, dims/2]
+    cos = mx.concatenate([mx.cos(angles)] * 2, axis=-1)[:, None, :]  # [N, 1, dims]
+    sin = mx.concatenate([mx.sin(angles)] * 2, axis=-1)[:, None, :]
+    rot, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
+    rotated = mx.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return mx.concatenate([rot * cos + rotated * sin, rest], axis=-1).astype(x.dtype)
+
+
+class Indexer(nn.Module):
+    """`self_attn.indexer.*`: one projection to Hi query heads and one key head, q/k layernorms (scale 1 + w)."""
+
+    def __init__(self, args: Qwen4Args):
+        super().__init__()
+        self.heads, self.dim = args.indexer_n_heads, args.indexer_head_dim
+        self.ratio, self.blocks = args.indexer_compress_ratio, args.indexer_budget // args.indexer_compress_ratio
+        self.rotary_dims, self.base = args.rotary_dims, args.rope_theta
+        self.index_qk_proj = Linear(args.hidden_size, (self.heads + 1) * self.dim, bias=False)
+        self.q_layernorm = RMSNorm(self.dim, args.rms_norm_eps)
+        self.k_layernorm = RMSNorm(self.dim, args.rms_norm_eps)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x [B, S, hidden] -> (normed queries [B, S, Hi, Di] before RoPE, raw keys [B, S, Di])."""
+        B, S, _ = x.shape
+        qk = self.index_qk_proj(x)  # [B, S, (Hi+1)*Di]
+        q = qk[..., : self.heads * self.dim].reshape(B, S, self.heads, self.dim)
+        return self.q_layernorm(q), qk[..., self.heads * self.dim :]
+
+    def select(self, q: mx.array, keys: mx.array, offset: int) -> mx.array:
+        """Normed queries [B, L, Hi, Di] at positions offset..offset+L-1 and all raw keys [B, T, Di] (T = offset+L)
+        -> the keys each query may attend to [B, L, T] bool (causal included)."""
+        B, L = q.shape[:2]
+        T = keys.shape[1]
+        pos = mx.arange(offset, offset + L)  # [L]
+        q = rope_at(q, pos, self.rotary_dims, self.base).astype(mx.float32)
+        t = mx.arange(T)
+        causal = t[None, :] <= pos[:, None]  # [L, T]
+        n_blocks = T // self.ratio
+        if n_blocks == 0:
+            return mx.broadcast_to(causal, (B, L, T))
+        pooled = keys[:, : n_blocks * self.ratio].astype(mx.float32).reshape(B, n_blocks, self.ratio, self.dim)
+        pooled = self.k_layernorm(pooled.mean(axis=2).astype(keys.dtype))  # [B, NB, Di]
+        starts = mx.arange(n_blocks) * self.ratio
+        block_keys = rope_at(pooled[:, :, None, :], starts, self.rotary_dims, self.base)[:, :, 0]  # [B, NB, Di]
+        scores = mx.maximum(q @ block_keys.astype(mx.float32)[:, None].swapaxes(-1, -2), 0.0)  # [B, L, Hi, NB]
+        scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, L, NB]
+        complete = (pos + 1) // self.ratio  # [L] complete blocks each query sees
+        valid = mx.arange(n_blocks)[None, :] < complete[:, None]  # [L, NB]
+        if n_blocks > self.blocks:
+            scores = mx.where(valid, scores, -mx.inf)
+            top = mx.argsort(-scores, axis=-1)[..., : self.blocks]  # [B, L, k]
+            chosen = mx.put_along_axis(mx.zeros(scores.shape, mx.bool_), top, mx.array(True), axis=-1)
+            chosen = chosen & valid  # [B, L, NB]
+        else:
+            chosen = mx.broadcast_to(valid, (B, L, n_blocks))
+        block_of = mx.minimum(t // self.ratio, n_blocks - 1)  # [T]
+        in_blocks = t[None, :] < (complete * self.ratio)[:, None]  # [L, T]
+        picked = mx.take(chosen, block_of, axis=-1)  # [B, L, T]
+        return mx.where(in_blocks, picked, causal)
+
+
+class QSAAttention(Attention):
+    """Qwen3.5's gated attention (q|gate, q/k norms, partial RoPE, GQA) restricted to the indexer's tokens."""
+
+    def __init__(self, args: Qwen4Args):
+        super().__init__(args)
+        self.indexer = Indexer(args) if args.qsa else None
+
+    def __call__(self, x: mx.array, cache: QSACache | None) -> mx.array:
+        """x [B, S, hidden] -> [B, S, hidden]; `cache` gets the chunk's keys, values and index keys."""
+        B, S, _ = x.shape
+        offset = cache.offset if cache is not None else 0
+        queries, keys, values, gate = self.project(x, offset)  # [B, H, S, D], [B, Hkv, S, D] x2, [B, S, H, D]
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, T, D]
+        T = keys.shape[2]
+        if self.indexer is None:
+            mask = mx.arange(T)[None, :] <= mx.arange(offset, offset + S)[:, None]  # [S, T]
+        else:
+            q_index, k_index = self.indexer.project(x)
+            all_keys = cache.update_index(k_index) if cache is not None else k_index  # [B, T, Di]
+            mask = self.indexer.select(q_index, all_keys, offset)[:, None]  # [B, 1, S, T]
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.head_dim**-0.5, mask=mask)
+        return self.finish(out, gate)  # [B, S, hidden]

@@ -1,0 +1,172 @@
+"""Qwen4-Exp (qwen4_exp / qwen4_exp_text) against transformers 5.25 on tiny random checkpoints that it writes:
+hyper-connections, QSA (prompts several times the indexer budget, so keys are really dropped), PLE on two
+placements, routed + shared experts, the GDN's sigmoid output gate; cached decode and chunked prefill; the loader's
+check, bad checkpoints and the Engine."""
+
+from __future__ import annotations
+
+import hetero  # before mlx: the fast BLAS
+import mlx.core as mx
+import numpy as np
+import pytest
+import qwen4_checkpoint as qc
+import torch
+
+from hetero.errors import HeteroError
+from hetero.loader import load_model
+
+
+def load(path):
+    """The model alone, through hetero's loader (pre-flight check, sanitize, fused projections)."""
+    return load_model(path)[0]
+
+
+PROMPT = 48  # 12 index blocks of 4 against a budget of 2 blocks
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    toks = [int(t) for t in np.random.default_rng(seed).integers(2, qc.VOCAB, n)]
+    toks[n // 3] = qc.EOS  # an EOS inside the prompt: the n-gram context restarts there
+    return toks
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q4flat")
+    return path, qc.build(path, ple_layer_ids=(1, 2), seed=0)
+
+
+@pytest.fixture(scope="module")
+def nested(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q4nested")
+    return path, qc.build(path, nested=True, ple_layer_ids=(2, 4), seed=1)
+
+
+def _run(model, tokens: list[int], chunk: int | None = None) -> np.ndarray:
+    """Logits [S, V] from one pass (chunk None) or chunk by chunk over a cache."""
+    if chunk is None:
+        return np.array(model(mx.array([tokens]))[0][0])
+    cache, out = model.make_cache(), []
+    for i in range(0, len(tokens), chunk):
+        logits, _ = model(mx.array([tokens[i : i + chunk]]), cache)
+        out.append(np.array(logits[0]))
+    return np.concatenate(out)
+
+
+def _close(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("layout", ["flat", "nested"])
+def test_logits_match_transformers(layout, request):
+    path, hf = request.getfixturevalue(layout)
+    model = load(path)
+    for seed in (0, 1):
+        tokens = _tokens(PROMPT, seed)
+        _close(_run(model, tokens), qc.hf_logits(hf, tokens))
+
+
+def test_prompt_is_long_enough_for_qsa_to_drop_keys(flat):
+    """The indexer keeps at most budget + c - 1 keys per query, and the logits depend on which."""
+    path, hf = flat
+    model = load(path)
+    attn = next(l.self_attn for l in model.layers if not l.is_linear)
+    x = mx.random.normal((1, PROMPT, qc.TEXT["hidden_size"]), key=mx.random.key(0))
+    q, k = attn.indexer.project(x)
+    kept = np.array(attn.indexer.select(q, k, 0)[0]).sum(-1)  # [S]
+    budget, ratio = qc.TEXT["indexer_budget"], qc.TEXT["indexer_compress_ratio"]
+    assert kept.max() <= budget + ratio - 1 and kept[-1] < PROMPT
+    tokens = _tokens(PROMPT, 0)
+    ref = qc.hf_logits(hf, tokens)
+    attn.indexer = None  # plain causal attention over every key
+    assert np.abs(_run(model, tokens) - ref).max() > 1e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 16])
+def test_chunked_prefill_and_decode_equal_one_pass(nested, chunk):
+    """Over a cache (GDN state, PLE token context and conv window, QSA keys and index keys) every chunk size gives
+    the one-pass logits, through positions where the indexer drops keys."""
+    path, hf = nested
+    model = load(path)
+    tokens = _tokens(PROMPT, 2)
+    _close(_run(model, tokens, chunk), qc.hf_logits(hf, tokens))
+
+
+def test_greedy_decode_equals_transformers_generate(flat):
+    path, hf = flat
+    model = load(path)
+    prompt = _tokens(30, 3)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    cache = model.make_cache()
+    logits, _ = model(mx.array([prompt]), cache)
+    out = []
+    for _ in range(12):
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits, _ = model(mx.array([[out[-1]]]), cache)
+    assert out == ref
+
+
+def test_missing_ple_shard_is_one_line(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    qc.build(tmp_path, ple_layer_ids=(1,), seed=4)
+    for file in tmp_path.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({k: v for k, v in tensors.items() if "shard_1" not in k}, file, metadata={"format": "pt"})
+    with pytest.raises(HeteroError, match=r"layer 0's PLE n-gram table has 1 of its 2 shards") as e:
+        load(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_wrong_hc_count_is_one_line(tmp_path):
+    qc.build(tmp_path, seed=5)
+    qc.patch_config(tmp_path, hc_count=3)
+    with pytest.raises(HeteroError, match=r"hc_count 3.*2 streams") as e:
+        load(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_check_names_architecture_ple_tables_and_experts(flat):
+    from hetero.loader import preflight
+
+    path, _ = flat
+    report = preflight(path)
+    text = "\n".join(report.lines())
+    assert report.ok, text
+    assert "Qwen4ExpForCausalLM (model_type qwen4_exp_text): supported" in text
+    assert "experts: 4 routed + 1 shared, 2 active per token" in text
+    model = load(path)
+    table = sum(l.ple.ple_embedding.ngram_embedding.weight.size for l in model.layers if l.ple is not None)
+    assert f"PLE n-gram tables: {table:,} parameters in all, on layers [0, 1]" in text
+
+
+def test_engine_greedy_equals_transformers(tmp_path):
+    """`hetero.load` + `Engine.generate` (MTP off: no head yet) give transformers' greedy tokens, twice."""
+    hf = qc.build(tmp_path, nested=True, ple_layer_ids=(1, 4), seed=6)
+    qc.add_tokenizer(tmp_path)
+    engine = hetero.load(str(tmp_path))
+    ids = engine.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3)
+    assert len(ids) >= 4 * qc.TEXT["indexer_budget"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
+    assert engine.generate(ids, max_tokens=10).tokens == ref
+    assert engine.generate(ids + ref[:3], max_tokens=7).tokens == ref[3:]
+
+
+def test_silu_gate_and_ple_on_last_layer_match_transformers(tmp_path):
+    """output_gate_type unset (the GDN gate falls back to hidden_act, SiLU) and PLE on the last layer."""
+    hf = qc.build(tmp_path, ple_layer_ids=(4,), seed=7, output_gate_type=None)
+    model = load(tmp_path)
+    tokens = _tokens(PROMPT, 7)
+    _close(_run(model, tokens), qc.hf_logits(hf, tokens))
+    _close(_run(model, tokens, 5), qc.hf_logits(hf, tokens))
+
+
+def test_attention_without_qsa_fields_is_one_line(tmp_path):
+    qc.build(tmp_path, seed=8)
+    qc.patch_config(tmp_path, indexer_n_heads=None)
+    with pytest.raises(HeteroError, match="need the QSA fields") as e:
+        load(tmp_path)
+    assert "\n" not in str(e.value)
