@@ -189,7 +189,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
                              "draft_depth": s.draft_depth,  # --draft-depth (None: the tuned or calibrated one)
                              "ane": runner.split.ane_block() if runner.split is not None else None})
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/v1/chat/completions", endpoint(state, openai.parse_chat, openai.ChatOutput), methods=["POST"]),
         Route("/v1/completions", endpoint(state, openai.parse_completion, openai.CompletionOutput), methods=["POST"]),
         Route("/v1/messages", endpoint(state, anthropic.parse_messages, anthropic.MessagesOutput), methods=["POST"]),
@@ -200,6 +200,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
         Route("/health", health, methods=["GET"]),
     ], exception_handlers={Exception: _unhandled, 404: _no_route, 405: _no_route},
         middleware=[Middleware(AccessLog)])
+    app.state.runner = runner  # `run_app` stops it on SIGTERM / SIGINT
+    return app
 
 
 def openai_model(name: str) -> dict:
@@ -300,12 +302,15 @@ def listen(host: str, port: int, api_key: str | None) -> socket.socket:
 
 
 def run_app(app: Starlette, sock: socket.socket, banner: str) -> None:
-    """Print `hetero: <banner>` and serve `app` on `sock` until interrupted."""
+    """Print `hetero: <banner>` and serve `app` on `sock` until SIGTERM or SIGINT (`hetero.server.stopping`)."""
     import uvicorn
+
+    from hetero.server.stopping import StoppingServer
 
     print(f"hetero: {banner}", flush=True)
     host, port = sock.getsockname()[:2]
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    StoppingServer(config, app.state.runner.stop).run(sockets=[sock])
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -28,13 +28,19 @@ from hetero.decode.loop import DecodeLoop, Seat
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.logprobs import LogprobRecorder, TokenLogprob
-from hetero.server.requests import Job
+from hetero.server.requests import Job, RequestError
 from hetero.server.stops import StopMatcher
 from hetero.turns import DECODE_SHARE, LentTurns, Turns
 
 
 class Cancelled(Exception):
     """The client went away; the generation stops where it is."""
+
+
+def shutting_down() -> RequestError:
+    """What a request cut short (or refused) by the server's stop gets: a 503 in its API's error shape."""
+    return RequestError(503, "the server is shutting down (SIGTERM or SIGINT); send the request again once it is back",
+                        None, "server_shutting_down")
 
 
 @dataclass
@@ -104,6 +110,12 @@ class Runner:
         self.finished = 0
         self.cancelled = 0  # jobs stopped because their client went away
         self.split_prefills = 0
+        self.stopping = threading.Event()  # set by `stop`: every job ends at its next token or prefill chunk
+
+    def stop(self) -> None:
+        """The server is stopping: jobs waiting for a worker are refused, generating ones end at their next token
+        or prefill chunk (their turn's checkpoint is still written) and fail with `shutting_down()`."""
+        self.stopping.set()
 
     def run(self, job: Job, emit: Callable[[str | Started | TokenLogprobs], None],
             cancelled: threading.Event) -> Outcome:
@@ -130,6 +142,8 @@ class Runner:
              ticket: object) -> Outcome:
         if cancelled.is_set():
             raise Cancelled()
+        if self.stopping.is_set():
+            raise shutting_down()
         echo = self._echo(job) if job.echo else None
         matcher = StopMatcher(job.stops)
         parts: list[str] = []
@@ -151,11 +165,18 @@ class Runner:
                 emit(Started(len(job.ids) - total, echo))
             if cancelled.is_set():
                 raise Cancelled()
+            if self.stopping.is_set():
+                raise shutting_down()
             self.turns.pass_turn(ticket, prefilling=True)  # after every prefill chunk
+
+        halted = []  # set when the server's stop ended the generation
 
         def should_stop() -> bool:
             self.turns.pass_turn(ticket)  # after every token
-            return matcher.stopped is not None or cancelled.is_set() or (one_call is not None and one_call.calls > 0)
+            if self.stopping.is_set():
+                halted.append(True)
+            return (matcher.stopped is not None or cancelled.is_set() or bool(halted)
+                    or (one_call is not None and one_call.calls > 0))
 
         logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
         seat = None
@@ -172,6 +193,8 @@ class Runner:
         )
         if cancelled.is_set():
             raise Cancelled()  # cut short by the client, not finished
+        if halted and matcher.stopped is None:
+            raise shutting_down()  # cut short by the server's stop (its turn is checkpointed), not finished
         tail = matcher.flush()
         if tail:
             parts.append(tail)
