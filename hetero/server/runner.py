@@ -15,6 +15,7 @@ The API modules turn these into responses; they never touch the model.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,9 @@ from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.server.requests import Job, RequestError
 from hetero.server.stops import StopMatcher
 from hetero.turns import DECODE_SHARE, LentTurns, Turns
+
+
+log = logging.getLogger("hetero.server")
 
 
 class Cancelled(Exception):
@@ -169,7 +173,10 @@ class Runner:
         self.finished += 1
         timing.end = time.perf_counter()
         if self.on_outcome is not None:
-            self.on_outcome(outcome, timing)
+            try:
+                self.on_outcome(outcome, timing)
+            except Exception:  # a bug in the metrics must not fail the request that finished
+                log.exception("recording a finished request's metrics failed")
         return outcome
 
     def _split(self, job: Job, ticket: object) -> JobSplit | None:
