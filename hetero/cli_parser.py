@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reject-images", action="store_true",
                        help="refuse an image in a text-only model's conversation with a 400 (default: a text "
                             "placeholder stands in for it, with an x-hetero-warning header)")
+    serve.add_argument("--metrics-public", action="store_true",
+                       help="serve GET /metrics (Prometheus text) without the --api-key, for a scraper that sends "
+                            "none (default: /metrics needs the key like the /v1 routes)")
 
     plan = sub.add_parser("plan", help="plan the ANE/GPU split of prefill, predict its time, resolve the context window")
     _add_model(plan)

@@ -111,6 +111,7 @@ class PrefixCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
+        self.disk_hits = 0  # the hits that the disk store served further than RAM could
         self._roots: dict[str, _Node] = {}
         self._n_mtp: dict[str, int] = {}  # per model: how many trailing K/V entries are MTP layers
         self._clock = 0
@@ -142,6 +143,7 @@ class PrefixCache:
                     self.insert_snapshot(key, snap)
                 if loaded:
                     node = self.lookup(key, tokens, limit)
+                    self.disk_hits += node is not None
             if node is None:
                 self.misses += 1
                 return None

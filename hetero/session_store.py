@@ -61,7 +61,10 @@ class SessionStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.entries: dict[Path, _Entry] = {}
         self.skipped = 0  # entries refused as damaged or foreign since start
+        _sweep(self.root)
         for manifest in sorted(self.root.glob("*/*.json")):
+            if manifest.name.startswith("."):  # another writer's manifest still under its temporary name
+                continue
             entry = self._read_manifest(manifest)
             if entry is not None:
                 self.entries[manifest] = entry
@@ -220,6 +223,25 @@ class SessionStore:
                     f.unlink()
                 except OSError:
                     pass
+
+
+def _sweep(root: Path) -> None:
+    """Remove the temporary files of writers that died mid-write (a process stopped while saving): their names
+    carry the writer's pid, so a live writer's are left alone."""
+    for tmp in root.glob("*/.*.tmp.*"):
+        pid = tmp.name.split(".")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _common_prefix(a, b, limit: int) -> int:

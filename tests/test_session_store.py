@@ -7,6 +7,8 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -227,3 +229,18 @@ def test_the_fingerprint_sees_a_header_a_directory_and_an_mtime(tmp_path):
     second = weights_fingerprint(model_dir)
     change_one_weight(model_dir)
     assert weights_fingerprint(model_dir) != second
+
+
+def test_opening_removes_temporary_files_of_dead_writers_only(tmp_path):
+    """A process stopped while saving leaves `.<id>.<pid>.tmp.*` behind: the next open removes it, but not the
+    files of a writer still alive (another server on the same directory)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has exited
+    orphan = folder / f".abc.{dead_pid}.tmp.safetensors"
+    live = folder / f".def.{os.getpid()}.tmp.json"
+    orphan.write_bytes(b"half")
+    live.write_bytes(b"being written")
+    SessionStore(tmp_path)
+    assert not orphan.exists() and live.exists()

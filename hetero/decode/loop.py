@@ -49,6 +49,7 @@ class DecodeLoop:
         self.turns = turns if turns is not None else Turns()
         self.batch = Batch(model, max_batch)
         self.rounds = 0
+        self.rows_total = 0  # requests over all rounds (rows_total / rounds: the mean batch size since start)
         self.sizes: deque[tuple[float, int]] = deque(maxlen=history)  # (wall time, requests) of the latest rounds
         self._cv = threading.Condition()
         self._arrivals: deque[_Stream] = deque()
@@ -185,6 +186,7 @@ class DecodeLoop:
             self._streams.clear()
             return
         self.rounds += 1
+        self.rows_total += len(emitted)
         self.sizes.append((time.time(), len(emitted)))
         for r, tokens in emitted.items():
             s = self._streams[r]

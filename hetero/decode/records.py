@@ -83,4 +83,9 @@ class MTPStats:
             "tokens_per_pass": round(self.emitted / self.rounds, 4) if self.rounds else None,
             "copy_drafted": self.copy_drafted,
             "copy_accepted": self.copy_accepted,
+            # the raw counts behind the ratios (summed across requests by the server's /metrics)
+            "mtp_rounds": self.mtp_rounds,
+            "drafted_by_depth": list(self.reached),
+            "accepted_by_depth": list(self.accepted),
+            "emitted": self.emitted,
         }

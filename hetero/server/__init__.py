@@ -1,7 +1,8 @@
 """OpenAI- and Anthropic-compatible HTTP server (Starlette on uvicorn) over one `Engine`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (OpenAI Responses), POST /v1/messages and
-/v1/messages/count_tokens (Anthropic), GET /v1/models (in the shape of the API the request speaks), GET /health; any
+/v1/messages/count_tokens (Anthropic), GET /v1/models (in the shape of the API the request speaks), GET /health,
+GET /metrics (Prometheus); any
 other route or method is a 404 / 405 in that API's error shape.
 Every response reports cached prompt tokens (OpenAI `usage.prompt_tokens_details.cached_tokens`, Anthropic
 `usage.cache_read_input_tokens`) and engine stats in a `hetero` field; a bad request gets a 4xx JSON error that
@@ -19,6 +20,8 @@ Modules, in the order a request meets them:
   toolcalls.py  messages, tools and tool_choice through the chat template; the reply split into text, reasoning, calls
   runner.py     the Runner: jobs on worker threads taking turns on the model (Started, text, Outcome)
   stops.py      exact stop strings over streamed text
+  metrics.py    GET /metrics: a registry per server, vLLM's names (finished requests' counters, live gauges)
+  stopping.py   SIGTERM / SIGINT: no new requests, jobs end with a final event, exit within 5 s
 """
 
 from hetero.server.app import ServerSettings, bind, create_app, open_session_store, serve

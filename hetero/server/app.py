@@ -22,6 +22,7 @@ from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
+from hetero.server.metrics import CONTENT_TYPE, Metrics
 from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser, RequestError
 from hetero.server.responses import ResponseStore, parse_responses
 from hetero.server.responses_output import ResponsesOutput
@@ -66,6 +67,7 @@ class ServerSettings:
     dist_timeout: float = 60.0  # under mlx.launch: seconds without progress from the other ranks
     model_alias: tuple[str, ...] = ()  # `--model-alias PATTERN=NAME`: request names matching PATTERN get NAME
     reject_images: bool = False  # an image in a text-only model's conversation is a 400 (default: a placeholder)
+    metrics_public: bool = False  # GET /metrics without the --api-key (for a scraper that sends none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ane", AneSplit.parse(self.ane))
@@ -152,6 +154,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
                     s.aliases, s.reject_images)
     state = State(engine, runner, parser, names, s.api_key, int(s.max_body_mb * 2**20))
     store = ResponseStore()
+    metrics = Metrics(engine, runner, state.model)
+    runner.on_outcome = metrics.observe
 
     async def models(request: Request) -> Response:
         """The served names, in Anthropic's shape when the request carries Anthropic headers, else OpenAI's."""
@@ -189,7 +193,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
                              "draft_depth": s.draft_depth,  # --draft-depth (None: the tuned or calibrated one)
                              "ane": runner.split.ane_block() if runner.split is not None else None})
 
-    return Starlette(routes=[
+    async def metrics_page(request: Request) -> Response:
+        """The Prometheus text of `hetero.server.metrics`; behind the API key unless `metrics_public`."""
+        if not s.metrics_public:
+            try:
+                check_key(state, request)
+            except RequestError as e:
+                return openai.ChatOutput.error(e)
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    app = Starlette(routes=[
         Route("/v1/chat/completions", endpoint(state, openai.parse_chat, openai.ChatOutput), methods=["POST"]),
         Route("/v1/completions", endpoint(state, openai.parse_completion, openai.CompletionOutput), methods=["POST"]),
         Route("/v1/messages", endpoint(state, anthropic.parse_messages, anthropic.MessagesOutput), methods=["POST"]),
@@ -198,8 +211,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
     ], exception_handlers={Exception: _unhandled, 404: _no_route, 405: _no_route},
         middleware=[Middleware(AccessLog)])
+    app.state.runner = runner  # `run_app` stops it on SIGTERM / SIGINT
+    return app
 
 
 def openai_model(name: str) -> dict:
@@ -300,12 +316,15 @@ def listen(host: str, port: int, api_key: str | None) -> socket.socket:
 
 
 def run_app(app: Starlette, sock: socket.socket, banner: str) -> None:
-    """Print `hetero: <banner>` and serve `app` on `sock` until interrupted."""
+    """Print `hetero: <banner>` and serve `app` on `sock` until SIGTERM or SIGINT (`hetero.server.stopping`)."""
     import uvicorn
+
+    from hetero.server.stopping import StoppingServer
 
     print(f"hetero: {banner}", flush=True)
     host, port = sock.getsockname()[:2]
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    StoppingServer(config, app.state.runner.stop).run(sockets=[sock])
 
 
 def bind(host: str, port: int) -> socket.socket:

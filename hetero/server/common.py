@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from hetero.engine import Engine
 from hetero.errors import HeteroError, internal_error
 from hetero.server.requests import Job, Parser, RequestError, parse_body
-from hetero.server.runner import Cancelled, Outcome, Runner, Started, TokenLogprobs
+from hetero.server.runner import Cancelled, Outcome, Runner, Started, TokenLogprobs, shutting_down
 
 log = logging.getLogger("hetero.server")
 
@@ -162,6 +162,8 @@ def endpoint(state: State, parse: Callable[[Parser, dict], Job], output: type[Ou
     async def handle(request: Request) -> Response:
         try:
             check_key(state, request)
+            if state.runner.stopping.is_set():
+                raise shutting_down()
             raw = await read_body(request, state.max_body)
             job = await anyio.to_thread.run_sync(lambda: parse(state.parser, parse_body(raw)))
         except RequestError as e:

@@ -15,7 +15,9 @@ The API modules turn these into responses; they never touch the model.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,13 +30,22 @@ from hetero.decode.loop import DecodeLoop, Seat
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.logprobs import LogprobRecorder, TokenLogprob
-from hetero.server.requests import Job
+from hetero.server.requests import Job, RequestError
 from hetero.server.stops import StopMatcher
 from hetero.turns import DECODE_SHARE, LentTurns, Turns
 
 
+log = logging.getLogger("hetero.server")
+
+
 class Cancelled(Exception):
     """The client went away; the generation stops where it is."""
+
+
+def shutting_down() -> RequestError:
+    """What a request cut short (or refused) by the server's stop gets: a 503 in its API's error shape."""
+    return RequestError(503, "the server is shutting down (SIGTERM or SIGINT); send the request again once it is back",
+                        None, "server_shutting_down")
 
 
 @dataclass
@@ -62,6 +73,16 @@ class Started:
 
     cached_tokens: int
     echo: Echo | None = None
+
+
+@dataclass
+class Timing:
+    """A finished job's times (perf_counter seconds): queued, taken by a worker, first text sent, ended."""
+
+    submitted: float
+    started: float
+    first_text: float | None = None
+    end: float | None = None
 
 
 @dataclass
@@ -104,20 +125,58 @@ class Runner:
         self.finished = 0
         self.cancelled = 0  # jobs stopped because their client went away
         self.split_prefills = 0
+        self.stopping = threading.Event()  # set by `stop`: every job ends at its next token or prefill chunk
+        self.running = 0  # jobs on a worker thread (generating, or waiting for their turn on the model)
+        self.waiting = 0  # jobs submitted that no worker has taken yet
+        self.ane_busy_s = 0.0  # the ANE lane's busy time over the split prefills
+        self._count = threading.Lock()
+        # called on the worker thread with each finished job's Outcome and its Timing (the server's /metrics)
+        self.on_outcome: Callable[[Outcome, Timing], None] | None = None
+
+    def stop(self) -> None:
+        """The server is stopping: jobs waiting for a worker are refused, generating ones end at their next token
+        or prefill chunk (their turn's checkpoint is still written) and fail with `shutting_down()`."""
+        self.stopping.set()
+
+    def submit(self, job: Job, emit: Callable[[str | Started | TokenLogprobs], None],
+               cancelled: threading.Event):
+        """Queue `run(job, ...)` for a worker thread; its concurrent Future."""
+        with self._count:
+            self.waiting += 1
+        return self.pool.submit(self.run, job, emit, cancelled, time.perf_counter())
 
     def run(self, job: Job, emit: Callable[[str | Started | TokenLogprobs], None],
-            cancelled: threading.Event) -> Outcome:
-        """In a worker thread: wait for a turn, generate, pass text through the stop matcher to `emit`."""
+            cancelled: threading.Event, submitted: float | None = None) -> Outcome:
+        """In a worker thread: wait for a turn, generate, pass text through the stop matcher to `emit`.
+        `submitted`: when `submit` queued it (its perf_counter), else now."""
+        timing = Timing(submitted if submitted is not None else time.perf_counter(), time.perf_counter())
+        with self._count:
+            self.waiting -= submitted is not None
+            self.running += 1
+
+        def timed(piece: str | Started | TokenLogprobs) -> None:
+            if timing.first_text is None and isinstance(piece, str):
+                timing.first_text = time.perf_counter()
+            emit(piece)
+
         ticket = object()
         self.turns.enter(ticket)
         try:
-            outcome = self._run(job, emit, cancelled, ticket)
+            outcome = self._run(job, timed, cancelled, ticket)
         except Cancelled:
             self.cancelled += 1
             raise
         finally:
             self.turns.leave(ticket)
+            with self._count:
+                self.running -= 1
         self.finished += 1
+        timing.end = time.perf_counter()
+        if self.on_outcome is not None:
+            try:
+                self.on_outcome(outcome, timing)
+            except Exception:  # a bug in the metrics must not fail the request that finished
+                log.exception("recording a finished request's metrics failed")
         return outcome
 
     def _split(self, job: Job, ticket: object) -> JobSplit | None:
@@ -130,6 +189,8 @@ class Runner:
              ticket: object) -> Outcome:
         if cancelled.is_set():
             raise Cancelled()
+        if self.stopping.is_set():
+            raise shutting_down()
         echo = self._echo(job) if job.echo else None
         matcher = StopMatcher(job.stops)
         parts: list[str] = []
@@ -151,11 +212,18 @@ class Runner:
                 emit(Started(len(job.ids) - total, echo))
             if cancelled.is_set():
                 raise Cancelled()
+            if self.stopping.is_set():
+                raise shutting_down()
             self.turns.pass_turn(ticket, prefilling=True)  # after every prefill chunk
+
+        halted = []  # set when the server's stop ended the generation
 
         def should_stop() -> bool:
             self.turns.pass_turn(ticket)  # after every token
-            return matcher.stopped is not None or cancelled.is_set() or (one_call is not None and one_call.calls > 0)
+            if self.stopping.is_set():
+                halted.append(True)
+            return (matcher.stopped is not None or cancelled.is_set() or bool(halted)
+                    or (one_call is not None and one_call.calls > 0))
 
         logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
         seat = None
@@ -172,6 +240,8 @@ class Runner:
         )
         if cancelled.is_set():
             raise Cancelled()  # cut short by the client, not finished
+        if halted and matcher.stopped is None:
+            raise shutting_down()  # cut short by the server's stop (its turn is checkpointed), not finished
         tail = matcher.flush()
         if tail:
             parts.append(tail)
@@ -221,7 +291,7 @@ class Runner:
     async def complete(self, job: Job, request: Request) -> Outcome:
         """Run to the end; a client that disconnects meanwhile cancels the job."""
         cancelled = threading.Event()
-        fut = asyncio.wrap_future(self.pool.submit(self.run, job, lambda _: None, cancelled))
+        fut = asyncio.wrap_future(self.submit(job, lambda _: None, cancelled))
         while not fut.done():
             await asyncio.wait([fut], timeout=0.25)
             if not fut.done() and await request.is_disconnected():
@@ -237,7 +307,7 @@ class Runner:
         def emit(piece: str | Started | TokenLogprobs) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, piece)
 
-        fut = self.pool.submit(self.run, job, emit, cancelled)
+        fut = self.submit(job, emit, cancelled)
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, f))
         try:
             while True:
@@ -292,6 +362,8 @@ class JobSplit:
             runner.split.prepare(ids)
             out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk)
             runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
+            last = runner.split.last
+            runner.ane_busy_s += last.ane_busy_s if out[1] and last is not None else 0.0
             return out
         finally:
             runner._split_free.release()
