@@ -80,7 +80,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         if split.trace is not None:
             split.trace.write(args.trace)
         if args.verify:
-
             extra["verify"] = verify(split, engine.encode_prompt(prompt, args.chat), args.verify_tol, args.verify_tokens)
             status = 0 if extra["verify"]["match"] else 3
     if args.json:
@@ -100,7 +99,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
                   f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
                   f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
-        if "verify" in extra:
+        if "verify" in extra and "lane_lost" in extra["verify"]:
+            print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
+        elif "verify" in extra:
             v = extra["verify"]
             print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; max |logit diff| {v['max_abs_logit_diff']}, cosine "
                   f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",

@@ -213,6 +213,9 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
     while fraction > 0:
         run = configure(engine, fraction, chunk, offload=best.offload, profile=profile)
         check = verify(run, ids, tol=tol, n_tokens=8)
+        if "lane_lost" in check:  # the worker, not the split, failed: no fraction can be judged now
+            report("--ane-fraction auto: the ANE lane's worker was lost during calibration; prefill runs GPU-only")
+            return configure(engine, 0.0, chunk, profile=profile)
         if check["match"]:
             kinds = "" if run.offload == OFFLOADABLE else f" of {', '.join(run.offload)} only"
             report(f"--ane-fraction auto: {fraction:.2f}{kinds} (recommended for this machine, verified on a "
