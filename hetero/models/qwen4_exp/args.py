@@ -36,6 +36,7 @@ class Qwen4Args:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25
+    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])  # image positions (t, h, w); text: 1-D
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 262_144
@@ -103,6 +104,7 @@ class Qwen4Args:
                 rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", get("rope_theta", 10_000_000.0))),
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))),
+                mrope_section=[int(n) for n in rope.get("mrope_section") or (11, 11, 10)],
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)),
                 attention_bias=bool(get("attention_bias", False)),
                 max_position_embeddings=int(get("max_position_embeddings", 32768)),
