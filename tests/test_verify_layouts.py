@@ -102,6 +102,28 @@ def test_the_reference_is_the_loaded_weights_widened(checkpoints):
         np.testing.assert_array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)), err_msg=name)
 
 
+def test_auto_releases_the_reference(tmp_path, monkeypatch):
+    """`--ane-fraction auto` in bf16 verifies its calibration prompt against an fp32 copy of the model, then lets it
+    go: a server that chose its fraction holds no second model."""
+    import hetero
+    from hetero.pipeline import auto_fraction
+    from hetero.settings import save_device_profile
+    from tiny_checkpoint import write_tiny_model
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path))
+    save_device_profile({"name": "this-machine", "chip": "test", "source": "test", "measured": True,
+                         "memory_bandwidth_gbs": 10.0, "gpu_fp32_tflops": 0.01, "ane_fp16_tflops": 0.01,
+                         "ane_bandwidth_gbs": None, "ram_gb": 8, "gpu_efficiency": 1.0, "ane_efficiency": 1.0,
+                         "ane_process_weight_limit_gb": None})
+    engine = hetero.load(write_tiny_model(tmp_path / "ckpt"), mx.bfloat16)
+    copies = []
+    real = verify_module.fp32_copy
+    monkeypatch.setattr(verify_module, "fp32_copy", lambda model: copies.append(1) or real(model))
+    run = auto_fraction(engine, 64, report=lambda line: None)
+    assert run.fraction > 0 and copies == [1]  # verified against one copy, made once
+    assert not hasattr(engine, "_fp32_reference") and not hasattr(engine, "_fp32_truth")
+
+
 def test_no_room_for_the_reference_falls_back_to_the_dtype_table(checkpoints, monkeypatch):
     """Where an fp32 copy would not fit in memory, verify says so and applies the dtype's fixed tolerance; an fp32
     model needs no copy (it is its own reference) and `--verify-tol` always means the fixed comparison."""

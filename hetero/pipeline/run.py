@@ -26,7 +26,7 @@ from hetero.planner import check_prompt_fits
 from hetero.planner import recommend
 from hetero.planner.recommend import split_plan
 from hetero.profiles import THIS_MACHINE, default_profile_name, load_profile
-from hetero.pipeline.verification import verify
+from hetero.pipeline.verification import release_reference, verify
 
 DEFAULT_CHUNK = 256
 DEFAULT_VERIFY_TOL: float | None = None  # None: judged against the run's own fp32 reference (hetero.pipeline.verification)
@@ -199,8 +199,15 @@ def split_for(engine, ane: AneSplit | float | str, chunk: int = DEFAULT_CHUNK) -
 def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], None] | None = None,
                   tol: float | None = DEFAULT_VERIFY_TOL) -> PipelineRun:
     """`--ane-fraction auto`: the fraction this machine's measured profile recommends, lowered until the split
-    passes verification on a calibration prompt (each lowering is reported)."""
+    passes verification on a calibration prompt (each lowering is reported). The fp32 reference the checks share
+    is released once the fraction is chosen: a server keeps none of it."""
+    try:
+        return _auto_fraction(engine, chunk, report, tol)
+    finally:
+        release_reference(engine)
 
+
+def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol: float | None) -> PipelineRun:
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     report = report or (lambda line: print(line, file=sys.stderr))

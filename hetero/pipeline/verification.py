@@ -128,6 +128,13 @@ def reference_arrays(engine, reference: Model, ids: list[int], chunk: int) -> di
     return truth
 
 
+def release_reference(engine) -> None:
+    """Drop the fp32 copy and reference arrays `verify` keeps on an engine (their memory goes with them)."""
+    held = getattr(engine, "__dict__", {})
+    for name in ("_fp32_reference", "_fp32_truth"):
+        held.pop(name, None)
+
+
 def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
     """n greedy tokens decoded on the GPU by the stepper from a filled cache and the prompt's last logits [1, V]."""
     decoder = Decoder(model, cache, int(mx.argmax(logits[-1]).item()), mx.zeros((0, model.args.hidden_size)))
