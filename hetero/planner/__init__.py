@@ -5,7 +5,8 @@ Modules, each one job, importing one way (shape -> slices -> cost -> predict -> 
 shares with their caps, per-layer slices, programs), `cost` (FLOPs per piece and chunk, context buckets),
 `predict` (lane rates, the wavefront's prefill time, decode rates), `governor` (the memory budget and context
 window), `hosts` (`split_layers`: layers across pipeline ranks; `--hosts N`), `plan` (`make_plan`, the `Plan`
-object), `recommend` (`--recommend`), `report` (`hetero plan`'s text).
+object), `recommend` (`--recommend`), `report` (`hetero plan`'s text), `ranges` (measured activation ranges: the
+channels a split's share may hold and its programs' power-of-two output scales, `within_range`).
 """
 
 from hetero.planner.cost import chunk_spans, context_bucket, context_buckets, piece_flops
