@@ -12,6 +12,7 @@ import numpy as np
 
 from hetero.cache import LayerCache
 from hetero.errors import AneLaneLost, HeteroError
+from hetero.models.args import SUPPORTED_MODEL_TYPES
 from hetero.fingerprint import weights_fingerprint
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
 from hetero.pipeline.calibrate import cached_ranges
@@ -158,6 +159,9 @@ def configure(
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     if engine.model.args.attention_bias:
         raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
+    if engine.model.args.model_type not in SUPPORTED_MODEL_TYPES:  # the planner and programs know only these
+        raise HeteroError(f"--ane-fraction: the split prefill does not support {engine.model.args.model_type} "
+                          f"checkpoints yet; run without --ane-fraction (GPU-only)")
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
     if lane not in ("process", "thread"):
