@@ -16,9 +16,11 @@ from hetero.doctor import doctor, print_report
 from hetero.errors import HeteroError, internal_error
 from hetero.export import export_coreml, lint_export
 from hetero.library import prefill_to_file
-from hetero.loader import BUNDLED_MODEL, preflight, using_dtype
+from hetero.loader import BUNDLED_MODEL, preflight, resolve, using_dtype
 from hetero.measure import Sizes, measure
 from hetero.pipeline import Trace, split_for, verify
+from hetero.pipeline.run import measured_ranges
+from hetero.planner.ranges import within_range
 from hetero.planner import model_shape, plan_lines, read_model_config, recommend
 from hetero.planner.plan import parse_pieces
 from hetero.planner.recommend import split_plan
@@ -199,6 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise HeteroError("hetero plan --ane-fraction auto: plan a given F in [0, 1], or pass --recommend for the "
                               "fraction the profile recommends")
         plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
+    plan = with_measured_ranges(plan, args.model, name, config)
     if args.json:
         out = plan.to_dict()
         if args.recommend:
@@ -211,6 +214,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"(profile {profile_name}: default; pass --profile, or run `hetero tune --devices` to measure this machine)")
     print("\n".join(plan_lines(plan)))
     return 0
+
+
+def with_measured_ranges(plan, model: str | None, name: str, config: dict):
+    """The plan cut to the activation ranges a split run of this checkpoint measured, where one did (the planner
+    then counts what stays on the GPU lane for range); a bare config.json or unrun checkpoint plans as is."""
+    if not plan.slices or (model is not None and os.path.isfile(model)):
+        return plan
+    path = resolve(model, weights=False)
+    if not any(path.glob("*.safetensors")):
+        return plan
+    ranges = measured_ranges(name, config, path, plan)
+    return plan if ranges is None else within_range(plan, ranges)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Pref
 from hetero.decode.solo import decode_tokens
 from hetero.decode.state import Decoder
 from hetero.errors import HeteroError
-from hetero.fingerprint import weights_fingerprint
+from hetero.fingerprint import checkpoint_identity, weights_fingerprint
 from hetero.loader import load_model
 from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.mlx_lm_cache import check_layout, from_mlx_lm
@@ -68,8 +67,7 @@ class Engine:
     @property
     def identity(self) -> str:
         """Names this checkpoint in per-machine settings: its name plus a hash of its config."""
-        digest = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()[:12]
-        return f"{self.name}@{digest}"
+        return checkpoint_identity(self.name, self.config)
 
     def default_depth(self) -> int | str | None:
         """How this model decodes here when the caller does not say: the depth `hetero tune` saved, PLAIN ("off"),

@@ -46,3 +46,9 @@ def weights_fingerprint(path: str | os.PathLike) -> str:
         header = _header_bytes(real)
         h.update(struct.pack("<Q", len(header)) + header)
     return h.hexdigest()[:16]
+
+
+def checkpoint_identity(name: str, config: dict) -> str:
+    """Names a checkpoint in per-machine settings and caches: its name plus a hash of its config."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{name}@{digest}"

@@ -155,3 +155,25 @@ def test_output_shifts_keep_every_program_output_inside_fp16(checkpoints, home):
         assert r.act_max < SAFE and r.input_max < FP16_MAX / 8, (layer, piece, r)
 
 
+
+
+def test_hetero_plan_reports_the_headroom_a_split_run_measured(checkpoints, home, capsys):
+    """`hetero plan` never loads the weights: before a split run of the checkpoint it says the headroom is not
+    measured; after one, it plans with that run's ranges (the outlier channels counted on the GPU lane, the same
+    effective fraction at the run's planning context) and reports their headroom per piece kind."""
+    from hetero.cli import main
+
+    path = str(checkpoints["strong"])
+    plan = ["plan", "--model", path, "--ane-fraction", "0.5", "--chunk", "64", "--context", "4096"]
+    assert main(plan) == 0
+    assert "fp16 headroom: not measured yet" in capsys.readouterr().out
+    run = configure(hetero.load(path, mx.float32), 0.5, 64)
+    assert main(plan + ["--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["fp16_headroom_bits"] == run.plan.ranges.headroom()
+    assert out["kept_on_gpu_for_range"] == run.plan.ranges.kept_on_gpu() and out["kept_on_gpu_for_range"]["mlp"] > 0
+    assert out["effective_fraction"] == round(run.plan.effective_fraction, 6)
+    assert main(plan) == 0
+    assert "fp16 headroom (bits, measured): " in capsys.readouterr().out

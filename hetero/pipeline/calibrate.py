@@ -96,17 +96,29 @@ def plan_shares(plan) -> dict[tuple[int, str], int]:
     return {(s.layer, s.piece): s.stop for s in plan.slices}
 
 
+def _cache_key(shares: dict[tuple[int, str], int], tokens: int) -> dict:
+    return {"format": RANGES_FORMAT, "shares": sorted([list(k) + [v] for k, v in shares.items()]), "tokens": tokens}
+
+
+def saved_ranges(directory: Path, plan, tokens: int) -> Ranges | None:
+    """The ranges measured for `plan` over `tokens` sample tokens, if `directory` holds them (never measures)."""
+    try:
+        saved = json.loads((directory / RANGES_FILE).read_text())
+        if saved.get("key") == _cache_key(plan_shares(plan), tokens):
+            return Ranges.from_dict(saved["ranges"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 def cached_ranges(directory: Path, model, ids: list[int], plan) -> Ranges:
     """The ranges for `plan` from `directory`'s cache, measured (and written atomically) when absent or stale."""
     file = directory / RANGES_FILE
     shares = plan_shares(plan)
-    key = {"format": RANGES_FORMAT, "shares": sorted([list(k) + [v] for k, v in shares.items()]), "tokens": len(ids)}
-    try:
-        saved = json.loads(file.read_text())
-        if saved.get("key") == key:
-            return Ranges.from_dict(saved["ranges"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    key = _cache_key(shares, len(ids))
+    saved = saved_ranges(directory, plan, len(ids))
+    if saved is not None:
+        return saved
     ranges = calibrate(model, ids, shares)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(".tmp")

@@ -13,12 +13,12 @@ import numpy as np
 from hetero.cache import LayerCache
 from hetero.errors import AneLaneLost, HeteroError
 from hetero.models.args import SUPPORTED_MODEL_TYPES
-from hetero.fingerprint import weights_fingerprint
+from hetero.fingerprint import checkpoint_identity, weights_fingerprint
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
-from hetero.pipeline.calibrate import cached_ranges
+from hetero.pipeline.calibrate import cached_ranges, saved_ranges
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
-from hetero.planner.ranges import within_range
+from hetero.planner.ranges import Ranges, within_range
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.profiles import Profile
@@ -177,6 +177,13 @@ def export_key(engine) -> str:
     """What names an engine's exports and ranges: its identity and the weights as loaded (an Engine records their
     fingerprint at load; they are what is exported, not the files now)."""
     return f"{engine.identity}-{getattr(engine, 'weights_fingerprint', None) or weights_fingerprint(engine.path)}"
+
+
+def measured_ranges(name: str, config: dict, path, plan: Plan) -> Ranges | None:
+    """The activation ranges a split run of the checkpoint at `path` (loaded as `name`) measured for `plan`'s
+    shares, or None where none has been measured yet (`hetero plan` reads them; it never loads the weights)."""
+    return saved_ranges(model_dir(f"{checkpoint_identity(name, config)}-{weights_fingerprint(path)}"), plan,
+                        RANGE_TOKENS)
 
 
 CALIBRATION = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n" * 4

@@ -63,6 +63,7 @@ def plan_lines(plan: Plan) -> list[str]:
     for p in plan.pieces:
         slice_ = f"{p.ane_units}/{p.units} {p.unit}" if p.units else "-"
         out.append(f"{p.kind:<15} {p.layers:>6} {p.requested:>9.2f} {p.ane_share:>9.2f} {plan.flops[p.kind][0] / total:>10.3f}  {slice_}")
+    out += headroom_lines(plan)
     if plan.programs:
         out += ["", program_line(plan)]
     if plan.caps():
@@ -88,6 +89,19 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.hosts is not None:
         out += [""] + host_lines(plan)
     return out
+
+
+def headroom_lines(plan: Plan) -> list[str]:
+    """How far the ANE's values stay inside fp16, per piece kind, as a split run measured them on the GPU lane."""
+    if not plan.slices:
+        return []
+    if plan.ranges is None:
+        return ["fp16 headroom: not measured yet (the first split run of this checkpoint measures it on the GPU lane, "
+                "over 512 tokens; then `hetero plan` and `hetero doctor` report it)"]
+    kept = {k: v for k, v in plan.ranges.kept_on_gpu().items() if v}
+    return [f"fp16 headroom (bits, measured): " + ", ".join(f"{k} {v:g}" for k, v in plan.ranges.headroom().items())
+            + ("; kept on the GPU lane for range: " + ", ".join(f"{k} {v} units" for k, v in kept.items())
+               if kept else "")]
 
 
 def host_lines(plan: Plan) -> list[str]:
