@@ -177,3 +177,26 @@ def test_hetero_plan_reports_the_headroom_a_split_run_measured(checkpoints, home
     assert out["effective_fraction"] == round(run.plan.effective_fraction, 6)
     assert main(plan) == 0
     assert "fp16 headroom (bits, measured): " in capsys.readouterr().out
+
+
+def test_the_governor_counts_the_gpu_shares_gathered_beside_the_weights(checkpoints, home):
+    """Channels chosen by range are not a slice: the GPU lane's rest of an outlier layer's MLP is gathered into new
+    arrays (gate and up rows, down columns), which the split reports and the memory governor budgets. Contiguous
+    rests are views of the loaded weights and cost nothing."""
+    from hetero.planner import loaded_budget
+
+    engine = hetero.load(checkpoints["strong"], mx.float32)
+    run = configure(engine, 0.5, 64)
+    split = run.splitter(len(_ids(engine)) - 1)
+    args = engine.model.args
+    expected = 0
+    for layer, rest in split.mlp_rest.items():
+        r = run.plan.ranges.get(layer, "mlp")
+        gpu = args.intermediate_size - len(split.programs.ane_units("mlp", layer))
+        assert rest.copied == (3 * gpu * args.hidden_size * 4 if r.order else 0), layer
+        expected += rest.copied
+    assert expected > 0 and split.copied_bytes() == expected
+    plain = loaded_budget(engine.model, 24, in_flight=4)
+    budget = loaded_budget(engine.model, 24, in_flight=4, split_copy_bytes=split.copied_bytes())
+    assert ("GPU lane's split shares gathered beside the weights", expected) in budget.lines
+    assert not any("gathered" in name for name, _ in plain.lines)

@@ -125,7 +125,7 @@ class PipelineRun:
             split = self.splitter(len(ids) - 1)
             worker_bytes = (split.worker.resident_bytes() or 0) if split.worker is not None else 0  # None: unknown
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
-                              worker_bytes)
+                              worker_bytes, split.copied_bytes())
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
                                   on_chunk=on_chunk)
         except AneLaneLost as e:  # nothing of the split is kept: the engine prefills from scratch, GPU-only

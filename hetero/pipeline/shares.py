@@ -24,20 +24,38 @@ def _runs(idx: np.ndarray) -> slice | None:
     return None
 
 
-def _rows(lin: nn.Module, a: int | np.ndarray, b: int | None = None) -> Callable[[mx.array], mx.array]:
+class Product:
+    """x -> x @ W[sel].T for a selection of a Linear's or QuantizedLinear's weights. `copied`: the bytes it
+    gathered into new arrays (an index selection, or a quantized one's columns); a slice is a view and costs none."""
+
+    def __init__(self, fn: Callable[[mx.array], mx.array], copied: int):
+        self.fn, self.copied = fn, copied
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fn(x)
+
+
+def copied_bytes(*products: Product | None) -> int:
+    """What `products` (None: absent) hold beyond the model's own weights."""
+    return sum(p.copied for p in products if p is not None)
+
+
+def _rows(lin: nn.Module, a: int | np.ndarray, b: int | None = None) -> Product:
     """x -> x @ W[rows].T for a Linear or QuantizedLinear (rows are whole output channels): rows [a, b), or the
     index array `a`."""
     rows = slice(a, b) if b is not None else (_runs(a) or mx.array(a))
+    gathered = not isinstance(rows, slice)
     if isinstance(lin, nn.QuantizedLinear):
         w, s, z = lin.weight[rows], lin.scales[rows], lin.biases[rows]
         mx.eval(w, s, z)
-        return lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=lin.group_size, bits=lin.bits)
+        return Product(lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=lin.group_size,
+                                                     bits=lin.bits), gathered * (w.nbytes + s.nbytes + z.nbytes))
     w = lin.weight[rows]
     mx.eval(w)
-    return lambda x: x @ w.T
+    return Product(lambda x: x @ w.T, gathered * w.nbytes)
 
 
-def _cols(lin: nn.Module, a: int | np.ndarray, b: int | None = None) -> Callable[[mx.array], mx.array]:
+def _cols(lin: nn.Module, a: int | np.ndarray, b: int | None = None) -> Product:
     """x -> x @ W[:, cols].T (input channels [a, b), or the index array `a`, in whole quantization groups where
     quantized), for the partial sums of o_proj and down_proj."""
     idx = np.arange(a, b) if b is not None else np.asarray(a)
@@ -51,11 +69,12 @@ def _cols(lin: nn.Module, a: int | np.ndarray, b: int | None = None) -> Callable
         gs = mx.array(groups)
         w, s, z = mx.take(lin.weight, words, axis=1), mx.take(lin.scales, gs, axis=1), mx.take(lin.biases, gs, axis=1)
         mx.eval(w, s, z)
-        return lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=g, bits=lin.bits)
+        return Product(lambda x: mx.quantized_matmul(x, w, s, z, transpose=True, group_size=g, bits=lin.bits),
+                       w.nbytes + s.nbytes + z.nbytes)
     run = _runs(idx)
     w = lin.weight[:, run] if run is not None else mx.take(lin.weight, mx.array(idx), axis=1)
     mx.eval(w)
-    return lambda x: x @ w.T
+    return Product(lambda x: x @ w.T, (run is None) * w.nbytes)
 
 
 def complement(units: int, ane: np.ndarray) -> np.ndarray:
@@ -78,6 +97,7 @@ class GpuAttentionRest:
         self.k_proj = _rows(attn.k_proj, k * D, attn.n_kv_heads * D)
         self.v_proj = _rows(attn.v_proj, k * D, attn.n_kv_heads * D)
         self.o = _cols(attn.o_proj, k * group * D, attn.n_heads * D)
+        self.copied = copied_bytes(self.q, self.k_proj, self.v_proj, self.o)
 
     def __call__(self, x: mx.array, cache: KVCache) -> tuple[mx.array, mx.array, mx.array]:
         """The normed input x [1, S, hidden] -> (partial o_proj sum, the GPU's heads' new keys and values)."""
@@ -109,6 +129,7 @@ class GpuMLPRest:
         rest = complement(mlp.gate_proj.weight.shape[0], ane)
         self.layer = layer
         self.gate, self.up, self.down = _rows(mlp.gate_proj, rest), _rows(mlp.up_proj, rest), _cols(mlp.down_proj, rest)
+        self.copied = copied_bytes(self.gate, self.up, self.down)
 
     def partial(self, x: mx.array) -> mx.array:
         """The partial sum of the GPU's channels on the normed input x [1, S, hidden] (lazy)."""
@@ -129,6 +150,7 @@ class GpuMoERest:
         self.layer, self.moe = layer, moe
         I = moe.shared_expert.gate_proj.weight.shape[0]
         self.shared = GpuMLPRest(layer, ane, moe.shared_expert) if len(ane) < I else None
+        self.copied = self.shared.copied if self.shared is not None else 0
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
         """The normed input x [1, S, hidden] -> (routed [1, S, hidden], the GPU's shared channels [1, S, hidden] or
@@ -156,6 +178,7 @@ class GpuGDNRest:
         m = layer.linear_attn
         self.layer, self.m, self.zr = layer, m, zr
         self.z_rest = _rows(m.in_proj_z, zr, m.nv * m.dv) if zr < m.nv * m.dv else None
+        self.copied = copied_bytes(self.z_rest)
 
     def __call__(self, x: mx.array, cache: GDNCache) -> tuple[mx.array, mx.array | None]:
         """The normed input x [1, S, hidden] -> (the recurrence's output, the GPU's z rows), evaluated."""

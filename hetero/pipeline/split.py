@@ -93,6 +93,11 @@ class SplitPrefill:
             if programs.share("shared_expert", i):  # the router and the routed experts always stay: a rest to run
                 self.moe_rest[i] = GpuMoERest(layer, programs.ane_units("shared_expert", i))
 
+    def copied_bytes(self) -> int:
+        """What the GPU lane's shares hold beyond the model's weights (gathered, not viewed): the governor counts it."""
+        rests = [*self.attn_rest.values(), *self.mlp_rest.values(), *self.gdn_rest.values(), *self.moe_rest.values()]
+        return sum(r.copied for r in rests)
+
     def jobs(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
              logits: bool, on_chunk: EdgeFn | None = None) -> list[Job]:
         """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`.

@@ -79,6 +79,7 @@ def govern(
     in_flight: int = 1,
     moe: MoE | None = None,
     coreml_label: str = "Core ML programs (ANE share)",
+    split_copy_bytes: int = 0,
 ) -> Budget:
     """The largest context window (a multiple of `chunk`, at most the model's maximum) that fits the wirable RAM.
 
@@ -86,12 +87,15 @@ def govern(
     `moe`: the routed experts' shape (their prefill buffers); `weight_bytes` already counts every expert.
     `coreml_bytes`: what the ANE's share holds (its programs as exported: fp16, or a quantized checkpoint's lookup
     tables; a loaded engine: its ANE worker process), counted inside the wirable share as the conservative case.
+    `split_copy_bytes`: the GPU lane's shares of split pieces that are gathered copies, not views of the weights
+    (channels chosen by range, a quantized layer's columns).
     Raises HeteroError when the fixed costs alone do not fit (memory below the weights).
     """
     wirable = int(memory_bytes * wired_fraction)
     fixed = [
         (f"weights{f' ({weights_label})' if weights_label else ''}", int(weight_bytes)),
         (coreml_label, int(coreml_bytes)),
+        *([("GPU lane's split shares gathered beside the weights", int(split_copy_bytes))] if split_copy_bytes else []),
         ("GDN recurrent state + conv window, one sequence", gdn_state_bytes(args)),
         (f"transient prefill buffers (chunk {chunk}{f', {in_flight} in flight' if in_flight > 1 else ''})",
          in_flight * prefill_buffer_bytes(args, chunk, moe)),
@@ -115,15 +119,15 @@ _WINDOWS: dict[tuple[int, float | None], tuple[weakref.ref, Budget]] = {}
 
 
 def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_flight: int = 1,
-                  ane_worker_bytes: int = 0) -> Budget:
+                  ane_worker_bytes: int = 0, split_copy_bytes: int = 0) -> Budget:
     """The governor's budget for a loaded model: its actual weight bytes and cache dtype, this machine's RAM
     (or `memory_gb`), `in_flight` chunks of prefill buffers, and what the ANE lane's worker process holds (its
-    programs, buffers and interpreter, as it reports them). Cached per model, memory size, chunks in flight and
-    worker bytes (in MiB)."""
+    programs, buffers and interpreter, as it reports them) and the GPU lane's gathered split shares. Cached per
+    model, memory size, chunks in flight and those bytes (in MiB)."""
     from mlx.utils import tree_flatten
 
     ane_worker_bytes = ane_worker_bytes >> 20 << 20  # MiB steps: a worker's few pages more need no new budget
-    key = (id(model), memory_gb, in_flight, ane_worker_bytes)
+    key = (id(model), memory_gb, in_flight, ane_worker_bytes, split_copy_bytes)
     ref, budget = _WINDOWS.get(key, (None, None))
     if ref is None or ref() is not model:  # an id can be reused once a model is freed
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -131,16 +135,19 @@ def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_fl
         memory = memory_gb * 1e9 if memory_gb is not None else physical_memory_bytes()
         budget = govern(model.args, weights, memory, chunk, kv_bytes, coreml_bytes=ane_worker_bytes,
                         weights_label="as loaded", in_flight=in_flight, moe=moe_of(model.args),
-                        coreml_label="ANE lane's worker process (programs, buffers, interpreter)")
+                        coreml_label="ANE lane's worker process (programs, buffers, interpreter)",
+                        split_copy_bytes=split_copy_bytes)
         _WINDOWS[key] = (weakref.ref(model), budget)
     return budget
 
 
 def check_prompt_fits(model, n_tokens: int, memory_gb: float | None = None, in_flight: int = 1,
-                      ane_worker_bytes: int = 0) -> None:
+                      ane_worker_bytes: int = 0, split_copy_bytes: int = 0) -> None:
     """HeteroError when a prompt of `n_tokens` exceeds the memory governor's context window (with `in_flight`
-    chunks prefilled at once, beside an ANE lane worker holding `ane_worker_bytes`)."""
-    budget = loaded_budget(model, memory_gb, in_flight=in_flight, ane_worker_bytes=ane_worker_bytes)
+    chunks prefilled at once, beside an ANE lane worker holding `ane_worker_bytes` and the GPU lane's gathered
+    split shares)."""
+    budget = loaded_budget(model, memory_gb, in_flight=in_flight, ane_worker_bytes=ane_worker_bytes,
+                           split_copy_bytes=split_copy_bytes)
     if n_tokens >= budget.context_window:
         raise HeteroError(
             f"the prompt has {n_tokens} tokens but the memory governor's context window is {budget.context_window} "
