@@ -8,6 +8,7 @@ SDKs."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -96,7 +97,8 @@ def test_the_contract_is_read_from_the_template():
     free = chat_contract(template_tokenizer("Reasoning: {{ reasoning_effort }}\n{{ messages[0].content }}"))
     assert free.levels == EFFORTS  # a template that takes any value: every name passes as it is
     assert all(free.effort(name) == {"reasoning_effort": name} for name in EFFORTS)
-    no_think = template_tokenizer("{% if enable_thinking is false %}<think></think>{% endif %}{{ messages[0].content }}")
+    no_think = template_tokenizer("{% if enable_thinking is false %}<think></think>{% endif %}{{ messages[0].content }}"
+                                  )
     assert chat_contract(no_think).think_close is None  # "<think></think>" closes no open block: nothing to force
 
 
@@ -124,7 +126,8 @@ def test_effort_reaches_the_template_from_each_api(engine):
     assert off.endswith("<think>\n\n</think>\n\n") and "Reasoning effort" not in off
     sent = parse_chat(parser, {**chat, "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}})
     assert "Reasoning effort: low\n" in sent.reply.prompt  # the template's own variable, sent as such, wins
-    responses = parse_responses(ResponseStore())(parser, {"model": "m", "input": "hi", "reasoning": {"effort": "medium"}})
+    responses = parse_responses(ResponseStore())(parser, {"model": "m", "input": "hi",
+                                                          "reasoning": {"effort": "medium"}})
     assert "Reasoning effort: medium\n" in responses.reply.prompt
     messages = parse_messages(parser, {**chat, "max_tokens": 8, "output_config": {"effort": "max"}})
     assert "Reasoning effort: xhigh\n" in messages.reply.prompt
@@ -274,6 +277,24 @@ def test_budget_tokens_64_ends_thinking_by_the_closing_tag_then_answers(oai, cla
                                     temperature=0.0, extra_body={"max_thinking_tokens": BUDGET})
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.output[0].content[0].text == reasoning and response.output_text == answer
+
+
+def test_budgets_in_a_shared_decode_batch_give_the_answers_of_requests_alone(engine, oai, model):
+    """--max-batch 2: two budgeted requests decoding in one batch (each row masked by its own budget) get what each
+    gets alone."""
+    def reply(client, budget: int):
+        message = client.chat.completions.create(model=model, messages=THINK_PROMPT, max_tokens=100, temperature=0.0,
+                                                 extra_body={"max_thinking_tokens": budget}).choices[0].message
+        return message.model_extra["reasoning_content"], message.content
+
+    alone = [reply(oai, budget) for budget in (BUDGET, 24)]
+    batched = LiveServer(engine, max_batch=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda budget: reply(batched.openai(), budget), (BUDGET, 24)))
+    finally:
+        batched.stop()
+    assert together == alone and len(alone[1][0]) < len(alone[0][0]) and all(answer for _, answer in alone)
 
 
 def test_bad_budgets_are_400s_naming_the_field(oai, claude, model, tmp_path):

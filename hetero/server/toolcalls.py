@@ -3,9 +3,10 @@
 Request side: the messages (assistant calls, tool results, reasoning), `tools`, `tool_choice` and the template
 switches (OpenAI `chat_template_kwargs` and `reasoning_effort`, Anthropic `thinking` -> `enable_thinking` and
 `output_config.effort`: `hetero.server.thinking`; the contract's defaults such as `preserve_thinking`) go through the
-checkpoint's chat template; a forced tool_choice appends the start of a call to the prompt (`hetero.tools.choice`). Reply
-side: the generated text is split into reasoning, answer text and tool calls, for a whole reply or piece by
-piece for a stream. Without a think block or calls in the output, the reply is the generated text unchanged.
+checkpoint's chat template; a forced tool_choice appends the start of a call to the prompt
+(`hetero.tools.choice`). Reply side: the generated text is split into reasoning, answer text and tool calls, for a
+whole reply or piece by piece for a stream. Without a think block or calls in the output, the reply is the
+generated text unchanged.
 """
 
 from __future__ import annotations
