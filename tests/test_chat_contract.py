@@ -310,3 +310,6 @@ def test_bad_budgets_are_400s_naming_the_field(oai, claude, model, tmp_path):
     with pytest.raises(RequestError, match="no think block") as e:
         thinking_budget(plain, 64, "max_thinking_tokens")
     assert e.value.status == 400
+    body = {"model": "m", "max_tokens": 4, "messages": THINK_PROMPT,
+            "thinking": {"type": "enabled", "budget_tokens": 64}}
+    assert parse_messages(plain, body).thinking_budget is None  # required with `enabled`: sent for any model

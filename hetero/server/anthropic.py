@@ -47,7 +47,8 @@ def parse_messages(parser: Parser, body: dict) -> Job:
     output_config(parser, body, job)
     thinking = body.get("thinking")  # (its type was checked with the messages)
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        job.thinking_budget = thinking_budget(parser, thinking.get("budget_tokens"), "thinking.budget_tokens")
+        job.thinking_budget = thinking_budget(parser, thinking.get("budget_tokens"), "thinking.budget_tokens",
+                                              strict=False)
     return job
 
 

@@ -31,14 +31,18 @@ def effort_kwargs(parser: Parser, name: Any, param: str, switch: bool = True) ->
     return kwargs
 
 
-def thinking_budget(parser: Parser, value: Any, param: str) -> int | None:
-    """A thinking budget in tokens (None: absent), for a template whose think block can be closed."""
+def thinking_budget(parser: Parser, value: Any, param: str, strict: bool = True) -> int | None:
+    """A thinking budget in tokens (None: absent), for a template whose think block can be closed. On a template
+    without one it is a 400, or (not `strict`: Anthropic's `budget_tokens`, which `thinking: enabled` requires, so
+    clients send it whatever the model) None."""
     if value is None:
         return None
     why = NONNEG_INT.problem(value)
     if why is not None:
         raise RequestError(400, f"'{param}' {why}", param)
     if chat_contract(parser.engine.tokenizer).think_close is None:
+        if not strict:
+            return None
         raise RequestError(400, f"'{param}': this model's chat template has no think block to close; leave it out",
                            param)
     return value
