@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.calibrate import calibrate
+from hetero.chat_contract import chat_contract
 from hetero.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
 from hetero.decode.depth import decode_depth
 from hetero.decode.prefill import prefill
@@ -31,7 +32,9 @@ from hetero.planner import check_prompt_fits
 from hetero.prefix_cache import PrefixCache
 from hetero.sampling import Sampler, SamplingParams
 from hetero.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
+from hetero.thinking_budget import ThinkingBudget
 from hetero.tokenizer import Tokenizer
+from hetero.tools.reasoning import opens_reasoning
 from hetero.wired import wire_working_set
 
 
@@ -118,6 +121,16 @@ class Engine:
         library rejects raises HeteroError, so a server can refuse it before it streams anything."""
         return json_schema_grammar(ANY_OBJECT if schema is None else schema, self.grammar_tokenizer())
 
+    def thinking_budget(self, budget: int, ids: list[int]) -> ThinkingBudget:
+        """The mask that closes the think block of a generation after prompt `ids` once it has taken `budget`
+        tokens, with the closing text of this checkpoint's chat template (HeteroError when it has none)."""
+        close = chat_contract(self.tokenizer).think_close
+        if close is None:
+            raise HeteroError(f"{self.name}'s chat template has no think block to close; leave the thinking budget out")
+        opened = opens_reasoning(self.tokenizer.decode(ids[-8:]))  # Qwen3.5 / 3.6 / 3.8 open the block in the prompt
+        return ThinkingBudget(budget, self.tokenizer.encode(close), close.strip(), opened, self.tokenizer.decode,
+                              self.eos_ids, self.model.args.vocab_size)
+
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes of one token (a piece of a UTF-8 character for byte-level tokens), as logprobs report it."""
         return self.grammar_tokenizer().decode_bytes([token])
@@ -175,6 +188,8 @@ class Engine:
             constraint = Constraint(self.grammar_tokenizer(), self.json_grammar(r.json_schema), self.eos_ids)
         elif r.grammar is not None:
             constraint = Constraint(self.grammar_tokenizer(), r.grammar, self.eos_ids)
+        elif r.thinking_budget is not None:
+            constraint = self.thinking_budget(r.thinking_budget, ids)
         depth = self.depth_for(r)  # 0: plain decoding
         times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix
         mx.reset_peak_memory()

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -60,8 +61,16 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
+class TemplateRaised(HeteroError):
+    """The chat template itself refused its input (`raise_exception(message)`); `message` is the template's own."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"chat template refused the messages: {message}")
+        self.message = message
+
+
 def _raise_exception(message: str) -> None:
-    raise HeteroError(f"chat template refused the messages: {message}")
+    raise TemplateRaised(str(message))
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -74,13 +83,17 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
 
 
 class Tokenizer:
@@ -154,6 +167,18 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         """Whether a chat template was found."""
         return bool(self.chat_template)
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (e.g. `enable_thinking`, `reasoning_effort`,
+        `preserve_thinking`), from its Jinja syntax tree; empty without a template or when it does not parse."""
+        if not self.chat_template:
+            return frozenset()
+        try:
+            tree = _environment().parse(self.chat_template)
+        except jinja2.TemplateError:
+            return frozenset()  # apply_chat_template reports it
+        return frozenset(jinja2.meta.find_undeclared_variables(tree))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None, **kwargs: Any) -> str:

@@ -26,10 +26,11 @@ class RowOptions:
     already decoding get a round after every chunk of a new prompt), `on_chunk(n, hidden)` at every chunk edge and
     at `marks` (absolute positions that also end a chunk), `mtp_prefill` to fill the MTP head's KV at depth 0 too.
     Decoding: `max_context` bounds the drafts (default the model's window), `on_commit(decoder, tokens)` sees the
-    committed state after the first token and after every round, `constraint` (a fresh JSON grammar) masks every
-    token the row samples, `logprobs` records each committed token's raw logprobs, `trace` (depth 0) records what
-    the backbone ran, `penalties` (presence, frequency, repetition, logit_bias) penalize every draw, MTP draft and
-    verify row, and `times` (a caller may have started it) and `stats` are filled in as the row decodes.
+    committed state after the first token and after every round, `constraint` (a fresh JSON grammar, or a
+    `hetero.thinking_budget.ThinkingBudget`) masks every token the row samples, `logprobs` records each committed
+    token's raw logprobs, `trace` (depth 0) records what the backbone ran, `penalties` (presence, frequency,
+    repetition, logit_bias) penalize every draw, MTP draft and verify row, and `times` (a caller may have started
+    it) and `stats` are filled in as the row decodes.
     """
 
     cache: ModelCache | None = None

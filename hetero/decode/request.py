@@ -22,8 +22,10 @@ class GenerationRequest:
     constrain the output to JSON, `grammar` (an llguidance grammar, e.g. `hetero.tools.call_grammar`'s forced tool
     call) to that grammar. `presence_penalty` and `frequency_penalty` (in [-2, 2]), `repetition_penalty`
     (in (0, 2], 1 is off) and `logit_bias` ({token id: bias in [-100, 100]}) follow vLLM (`hetero.decode.penalties`)
-    and keep MTP exact. `mark` (a prompt position, where a chat transcript ends) also ends a prefill
-    chunk, so the prefix cache checkpoints it. `prompt_cache` is an mlx-lm cache holding the tokens before the
+    and keep MTP exact. `thinking_budget` N closes the think block (the chat template's way) once it has taken N
+    tokens, its closing text included, so the answer follows (`hetero.thinking_budget`; a grammar, which leaves no
+    room for a think block, takes precedence). `mark` (a prompt position, where a chat transcript ends) also ends a
+    prefill chunk, so the prefix cache checkpoints it. `prompt_cache` is an mlx-lm cache holding the tokens before the
     prompt. The engine's parts a request may name: `split` (an ANE split prefill: `.prefill(ids, on_chunk)`)
     and `batch` (a `hetero.decode.loop.Seat` in a shared decode batch). `progress(done, total)` runs after every
     prefill chunk on the generating thread.
@@ -46,6 +48,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    thinking_budget: int | None = None
     mark: int | None = None
     prompt_cache: list | None = None
     use_prefix_cache: bool = True
@@ -62,6 +65,10 @@ class GenerationRequest:
             check_depth(self.draft_depth)
         if self.logprobs is not None:
             check_top(self.logprobs)
+        if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int)
+                                                 or isinstance(self.thinking_budget, bool) or self.thinking_budget < 0):
+            raise HeteroError("thinking_budget must be a whole number of tokens (0 or more), "
+                              f"got {self.thinking_budget!r}")
         if sum((self.json_schema is not None, self.json_object, self.grammar is not None)) > 1:
             raise HeteroError("give one of json_schema, json_object or grammar")
         object.__setattr__(self, "logit_bias", self.penalties.logit_bias or None)  # checked; keys as ints

@@ -36,7 +36,7 @@ class Row:
     on_commit: CommitFn | None = None
     logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
     trace: Trace | None = None  # depth 0: what each round ran (the engine checkpoints it)
-    constraint: Constraint | None = None  # JSON grammar: masks the row's drafts and verify rows, as solo
+    constraint: Constraint | None = None  # a grammar or a thinking budget: masks its drafts and verify rows, as solo
     penalizer: Penalizer | None = None  # penalties / logit_bias: every draw, draft and verify row (None: none)
 
     @property

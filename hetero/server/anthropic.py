@@ -7,7 +7,7 @@ message_delta, message_stop; a `ping` whenever the stream is silent, e.g. during
 
 Accepted without effect, as the engine has nothing to do with them: `metadata` (a user id for the provider's abuse
 tracking), `context_management` (server-side clearing of old tool results: this server renders the conversation
-the client sends, whole), `output_config.effort` (the template has no effort switch; `thinking` is the switch),
+the client sends, whole), `output_config.effort` on a template without `reasoning_effort` (`thinking` is its switch),
 `cache_control` on blocks (the prefix cache needs no hints) and the `anthropic-beta` headers.
 `output_config.format` with a JSON schema constrains the output as OpenAI's `response_format` does.
 """
@@ -22,6 +22,7 @@ from hetero.server.common import Output, State, check_key, read_body, sse
 from hetero.server.openai import parse_response_format
 from hetero.server.requests import ANTHROPIC_TEMPERATURE, Job, Parser, RequestError, number, parse_body, stops
 from hetero.server.runner import Outcome, Started
+from hetero.server.thinking import thinking_budget
 from hetero.server.toolcalls import AnthropicBlocks, anthropic_chat, anthropic_content
 
 # by status; any other 4xx is an invalid_request_error
@@ -44,11 +45,15 @@ def parse_messages(parser: Parser, body: dict) -> Job:
     job.temperature = number(body, "temperature", parser.defaults["temperature"], ANTHROPIC_TEMPERATURE)
     job.stops = stops(body, "stop_sequences")
     output_config(parser, body, job)
+    thinking = body.get("thinking")  # (its type was checked with the messages)
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        job.thinking_budget = thinking_budget(parser, thinking.get("budget_tokens"), "thinking.budget_tokens",
+                                              strict=False)
     return job
 
 
 def output_config(parser: Parser, body: dict, job: Job) -> None:
-    """`output_config`: `effort` accepted (no effect: the template's switch is `thinking`), `format`
+    """`output_config`: `effort` (read with the messages: `hetero.server.thinking`), `format`
     `{"type": "json_schema", "schema": {...}}` constrains the output to that schema."""
     config = body.get("output_config")
     if config is None:

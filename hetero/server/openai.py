@@ -16,6 +16,7 @@ from hetero.server.requests import (
     Job, Parser, RequestError, boolean, integer, messages, one_choice, stops, stream_options,
 )
 from hetero.server.runner import Outcome, Started, TokenLogprobs
+from hetero.server.thinking import thinking_budget
 from hetero.server.toolcalls import openai_chat, openai_deltas, openai_finish, openai_message
 from hetero.tools import Event, Reply
 from hetero.validate import Bound
@@ -40,6 +41,7 @@ def parse_chat(parser: Parser, body: dict) -> Job:
     ids, reply = openai_chat(parser, body)
     job = parser.job(body, ids, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     job.reply, job.penalties = reply, penalties
+    job.thinking_budget = thinking_budget(parser, body.get("max_thinking_tokens"), "max_thinking_tokens")
     job.stops = stops(body, "stop")
     stream_options(body, job)
     parse_chat_logprobs(body, job)

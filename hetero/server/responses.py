@@ -9,8 +9,10 @@ response's input and output items (`ResponseStore`, bounded, in memory); the pre
 carried over, as OpenAI documents.
 
 Mapped: function `tools` (other types, such as web_search, image_generation, custom or namespace tools, are left
-out with a warning in the log), `tool_choice`, `parallel_tool_calls`, `reasoning.effort` (none / minimal: the
-template's enable_thinking off; low and up: on; absent: the checkpoint's default), `max_output_tokens`,
+out with a warning in the log), `tool_choice`, `parallel_tool_calls`, `reasoning.effort` (one of the template's
+own `reasoning_effort` levels when it reads one; else none / minimal: the template's enable_thinking off, low and
+up: on; absent: the checkpoint's default: `hetero.server.thinking`), `max_thinking_tokens` (a thinking budget),
+`max_output_tokens`,
 `temperature`, `top_p` (and the extensions `top_k`, `min_p`), `text.format` (json_object / json_schema constrain
 the output as chat `response_format` does), `store`.
 Accepted without effect: `include` (encrypted reasoning is an OpenAI-hosted feature: reasoning comes back as text),
@@ -31,6 +33,7 @@ from typing import Any
 from hetero.errors import HeteroError
 from hetero.server.openai import parse_response_format
 from hetero.server.requests import Job, Parser, RequestError, boolean
+from hetero.server.thinking import effort_kwargs, thinking_budget
 from hetero.server.toolcalls import checked_tools, render
 from hetero.tools import openai_messages, openai_tools
 from hetero.tools.messages import text_of
@@ -39,7 +42,6 @@ log = logging.getLogger("hetero.server")
 
 STORE_SIZE = 512  # responses kept for previous_response_id (oldest dropped first)
 ROLES = {"user", "assistant", "system", "developer"}
-THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
 _warned: set[str] = set()  # tool and item types already reported as ignored (once per process: agents resend them)
 
 
@@ -106,10 +108,11 @@ def parse_responses(store: ResponseStore) -> Callable[[Parser, dict], Job]:
         tools, shown = function_tools(body.get("tools"))
         parallel = bool(boolean(body, "parallel_tool_calls", True))
         ids, reply = render(parser, template_msgs, tools, tool_choice(body.get("tool_choice")),
-                            reasoning_switch(body.get("reasoning")), parallel)
+                            reasoning_switch(parser, body.get("reasoning")), parallel)
         reply.images = images or []
         job = parser.job(body, ids, "max_output_tokens")
         job.reply = reply
+        job.thinking_budget = thinking_budget(parser, body.get("max_thinking_tokens"), "max_thinking_tokens")
         text_format(parser, body, job)
         keep = boolean(body, "store", True)
         echo = {"instructions": instructions, "tools": shown, "tool_choice": body.get("tool_choice") or "auto",
@@ -244,8 +247,9 @@ def tool_choice(choice: Any) -> Any:
     return choice
 
 
-def reasoning_switch(reasoning: Any) -> dict:
-    """`reasoning.effort` -> the template's enable_thinking (nothing when absent: the checkpoint's default)."""
+def reasoning_switch(parser: Parser, reasoning: Any) -> dict:
+    """`reasoning.effort` -> the template's `reasoning_effort` or enable_thinking (`hetero.server.thinking`; nothing
+    when absent: the checkpoint's default)."""
     if reasoning is None:
         return {}
     if not isinstance(reasoning, dict):
@@ -253,10 +257,7 @@ def reasoning_switch(reasoning: Any) -> dict:
     effort = reasoning.get("effort")
     if effort is None:
         return {}
-    if effort not in THINKING:
-        raise RequestError(400, f"'reasoning.effort' must be one of {list(THINKING)}, got {effort!r}",
-                           "reasoning.effort")
-    return {"enable_thinking": THINKING[effort]}
+    return effort_kwargs(parser, effort, "reasoning.effort")
 
 
 def text_format(parser: Parser, body: dict, job: Job) -> None:

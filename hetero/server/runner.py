@@ -275,6 +275,8 @@ class Runner:
         # a forced tool call is decoded under its call's grammar; response_format shapes text replies, not calls
         options: dict = {"grammar": forced} if forced else {"json_schema": job.json_schema,
                                                             "json_object": job.json_object}
+        if job.thinking_budget is not None:
+            options["thinking_budget"] = job.thinking_budget
         if p.active:  # (a pipelined engine takes them too; an inactive set is left out)
             options.update(presence_penalty=p.presence, frequency_penalty=p.frequency, repetition_penalty=p.repetition,
                            logit_bias=dict(p.logit_bias) or None)

@@ -1,10 +1,12 @@
 """Tool calls and reasoning in both chat APIs, between the requests and `hetero.tools`.
 
 Request side: the messages (assistant calls, tool results, reasoning), `tools`, `tool_choice` and the template
-switches (OpenAI `chat_template_kwargs`, Anthropic `thinking` -> `enable_thinking`) go through the checkpoint's
-chat template; a forced tool_choice appends the start of a call to the prompt (`hetero.tools.choice`). Reply
-side: the generated text is split into reasoning, answer text and tool calls, for a whole reply or piece by
-piece for a stream. Without a think block or calls in the output, the reply is the generated text unchanged.
+switches (OpenAI `chat_template_kwargs` and `reasoning_effort`, Anthropic `thinking` -> `enable_thinking` and
+`output_config.effort`: `hetero.server.thinking`; the contract's defaults such as `preserve_thinking`) go through the
+checkpoint's chat template; a forced tool_choice appends the start of a call to the prompt
+(`hetero.tools.choice`). Reply side: the generated text is split into reasoning, answer text and tool calls, for a
+whole reply or piece by piece for a stream. Without a think block or calls in the output, the reply is the
+generated text unchanged.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from dataclasses import dataclass, field
 import logging
 from typing import Any
 
+from hetero.chat_contract import chat_contract
 from hetero.errors import HeteroError
 from hetero.server.requests import Parser, RequestError, boolean, message_list
+from hetero.server.thinking import effort_kwargs
 from hetero.tools import (
     CallArgs, CallEnd, CallStart, Event, Reasoning, Reply, ReplyParser, Text, anthropic_messages, anthropic_tools,
     forced_prefix, normalize_choice, openai_messages, openai_tools,
@@ -94,6 +98,7 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
     except HeteroError as e:
         raise RequestError(400, str(e), "tool_choice") from None
     shown = tools if mode not in (None, "none") else None
+    template_kwargs = {**chat_contract(tokenizer).defaults(), **template_kwargs}
     try:
         msgs = renderable(tokenizer, msgs, shown, template_kwargs)
         prompt = continued(tokenizer, msgs, shown, template_kwargs) if continue_final else \
@@ -178,6 +183,8 @@ def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise RequestError(400, "'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools", "add_generation_prompt")}
+    if body.get("reasoning_effort") is not None:  # the template's own variables, sent as such, win
+        kwargs = {**effort_kwargs(parser, body["reasoning_effort"], "reasoning_effort"), **kwargs}
     tools = checked_tools(openai_tools, body.get("tools"))
     parallel = bool(boolean(body, "parallel_tool_calls", True))
     ids, reply = render(parser, msgs, tools, body.get("tool_choice"), kwargs, parallel)
@@ -189,7 +196,8 @@ def anthropic_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     """An Anthropic messages request's system, messages, tools, tool_choice and thinking.
 
     `thinking: {"type": "enabled"}` / `{"type": "disabled"}` set the template's enable_thinking; `adaptive` (the
-    model decides) and no `thinking` leave the checkpoint's own default (Qwen3.5 / 3.6 think by default). A
+    model decides) and no `thinking` leave the checkpoint's own default (Qwen3.5 / 3.6 think by default);
+    `output_config.effort` reaches a template that reads `reasoning_effort` (`ChatContract.effort`). A
     conversation that ends with an assistant message with text is continued, not answered in a new turn."""
     images = parser.image_places()
     try:
@@ -204,6 +212,9 @@ def anthropic_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
                                "thinking")
         if thinking["type"] != "adaptive":
             kwargs["enable_thinking"] = thinking["type"] == "enabled"
+    config = body.get("output_config")
+    if isinstance(config, dict) and config.get("effort") is not None:  # (anthropic.output_config checks the rest)
+        kwargs = {**effort_kwargs(parser, config["effort"], "output_config.effort", switch=False), **kwargs}
     tools = checked_tools(anthropic_tools, body.get("tools"))
     choice = body.get("tool_choice")
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
