@@ -50,8 +50,8 @@ def checkpoints(tmp_path_factory):
 
 def _engine(path, dtype):
     model, path, config = load_model(path, dtype=dtype)
-    return types.SimpleNamespace(model=model, config=config, path=path, name=str(path),
-                                 identity=f"verify-{path.name}-{dtype}")
+    # named as an Engine names it (no dtype): a checkpoint's bf16 and fp16 runs share its exported programs
+    return types.SimpleNamespace(model=model, config=config, path=path, name=str(path), identity=f"verify-{path.name}")
 
 
 def _broken(programs: dict, factor: float):
