@@ -40,6 +40,19 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
+@pytest.fixture(scope="module")
+def module_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("outliers-home")
+
+
+@pytest.fixture
+def shared_home(module_home, monkeypatch):
+    """Exports and ranges shared by this module's tests that do not count them (a checkpoint's runs in every dtype
+    reuse one export, as a user's do)."""
+    monkeypatch.setenv("HETERO_HOME", str(module_home))
+    return module_home
+
+
 def _ids(engine) -> list[int]:
     return engine.encode_prompt(PROMPT, False)[:-1]  # 3 chunks of 64, the last padded
 
@@ -89,7 +102,7 @@ def test_gpu_only_still_equals_transformers(checkpoints):
     assert list(greedy) == out[0, len(ids):].tolist()
 
 
-def test_a_contiguous_share_loses_the_lane(checkpoints, home, monkeypatch, capsys):
+def test_a_contiguous_share_loses_the_lane(checkpoints, shared_home, monkeypatch, capsys):
     """The control: the same split without measured ranges (a contiguous share of channels, which holds an outlier
     channel) returns inf from its first MLP program, and the prompt falls back to GPU-only."""
     monkeypatch.setattr(run_module, "within_range", lambda plan, ranges: plan)
@@ -101,7 +114,7 @@ def test_a_contiguous_share_loses_the_lane(checkpoints, home, monkeypatch, capsy
 
 
 @pytest.mark.parametrize("name, dtype", [("strong", mx.float32), ("strong", mx.bfloat16), ("mild", mx.float16)])
-def test_the_split_stays_engaged_and_verifies(checkpoints, home, name, dtype):
+def test_the_split_stays_engaged_and_verifies(checkpoints, shared_home, name, dtype):
     """In the worker process lane: no lane failure, the outlier-free twin's effective fraction (within 0.1), the
     outlier channels' blocks and no others kept on the GPU lane (all 4 of 64 channels in each of 2 layers where they
     are strong), every program's measured
@@ -146,7 +159,7 @@ def test_ranges_are_measured_once_per_plan(checkpoints, home, monkeypatch):
     assert len(calls) == 2
 
 
-def test_output_shifts_keep_every_program_output_inside_fp16(checkpoints, home):
+def test_output_shifts_keep_every_program_output_inside_fp16(checkpoints, shared_home):
     """Every offloaded piece's largest measured output, after its 2^-shift, is at most the safe 4096."""
     engine = hetero.load(checkpoints["strong"], mx.float32)
     ranges = configure(engine, 0.5, 64).plan.ranges
@@ -179,7 +192,7 @@ def test_hetero_plan_reports_the_headroom_a_split_run_measured(checkpoints, home
     assert "fp16 headroom (bits, measured): " in capsys.readouterr().out
 
 
-def test_the_governor_counts_the_gpu_shares_gathered_beside_the_weights(checkpoints, home):
+def test_the_governor_counts_the_gpu_shares_gathered_beside_the_weights(checkpoints, shared_home):
     """Channels chosen by range are not a slice: the GPU lane's rest of an outlier layer's MLP is gathered into new
     arrays (gate and up rows, down columns), which the split reports and the memory governor budgets. Contiguous
     rests are views of the loaded weights and cost nothing."""
