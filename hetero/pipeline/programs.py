@@ -70,6 +70,8 @@ class Programs:
     gdn_in_proj: dict[int, list] = field(default_factory=dict)
     channels: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (piece, layer) -> the ANE's units
     # when chosen by range (`hetero.planner.ranges`); absent: units [0, share) in their own order
+    weights: str = "lut"  # the export's weight form (`--ane-weights`)
+    weight_forms: dict[str, int] = field(default_factory=dict)  # matrices per embedding (fp16, lut, blockwise)
 
     def ane_units(self, kind: str, layer: int) -> np.ndarray:
         """The units (channels, rows) a layer's piece sends to the ANE."""
@@ -104,8 +106,13 @@ def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs
     from coreml_graphs.attention import AttentionShape
 
     manifest = read_manifest(export_dir)
-    progs = Programs(manifest["chunk_size"])
+    progs = Programs(manifest["chunk_size"], weights=manifest.get("ane_weights", "lut"))
+    counted = set()  # a package's functions (its context buckets) embed the same matrices
     for p in manifest["programs"]:
+        if p["file"] not in counted:
+            counted.add(p["file"])
+            for kind, n in p.get("weight_forms", {}).items():
+                progs.weight_forms[kind] = progs.weight_forms.get(kind, 0) + n
         path, function = export_dir / p["file"], p.get("function")  # a multifunction package names its function
         run, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
         if p["out_shift"]:
