@@ -113,12 +113,14 @@ def scaled(weight: np.ndarray | Palettized, factor: float) -> np.ndarray | Palet
     """A weight times a power of two (exact in fp16 unless it overflows or underflows): lookup tables scale their
     entries."""
     if isinstance(weight, Palettized):
-        affine = None
+        affine = sb = None
         if weight.affine is not None:  # the scales scale; the offsets stay (exactness is checked where it is emitted)
             affine = weight.affine.copy()
             affine[..., 0] = (affine[..., 0].astype(np.float32) * factor).astype(np.float16)
+        if weight.scale_bias is not None:  # MLX's scale and bias both scale: w = s k + b
+            sb = weight.scale_bias * np.float32(factor)
         lut = (weight.lut.astype(np.float32) * factor).astype(np.float16)
-        return Palettized(weight.indices, lut, weight.bits, affine)
+        return Palettized(weight.indices, lut, weight.bits, affine, sb)
     return weight * np.float32(factor)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -50,8 +51,11 @@ class Palettized:
     lut: np.ndarray  # [rows, cols // block, 2**bits] fp16
     bits: int
     # [rows, cols // block, 3] fp16: each block's (scale, offset, mirrored) for `constexpr_blockwise_shift_scale`
-    # (`group_affine`), NaN where the block has no exact one; None: tables only (`--ane-weights lut`)
+    # (`group_affine`, made by `with_affine`), NaN where the block has no exact one; None: tables only
     affine: np.ndarray | None = None
+    # [rows, cols // block, 2] fp32: each block's MLX scale and bias as MLX applies them, from which `with_affine`
+    # derives the shift-scale form (only then: the tables' export never pays for it); None: not known
+    scale_bias: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,8 +81,8 @@ class Palettized:
         rows, cols = key if isinstance(key, tuple) else (key, slice(None))
         out = self
         if not (isinstance(rows, slice) and rows == slice(None)):
-            affine = None if out.affine is None else out.affine[rows]
-            out = Palettized(out.indices[rows], out.lut[rows], out.bits, affine)
+            affine, sb = (None if a is None else a[rows] for a in (out.affine, out.scale_bias))
+            out = Palettized(out.indices[rows], out.lut[rows], out.bits, affine, sb)
         if not (isinstance(cols, slice) and cols == slice(None)):
             out = out._columns(*cols.indices(out.shape[1])[:2])
         return out
@@ -87,19 +91,39 @@ class Palettized:
         """Columns [start, stop), re-blocked where the range cuts a block (the tables repeat, exactly)."""
         block = math.gcd(self.block, start, stop - start)
         cut = slice(start // block, stop // block)
-        lut, affine = (np.repeat(a, self.block // block, axis=1)[:, cut] if a is not None else None
-                       for a in (self.lut, self.affine))
-        return Palettized(self.indices[:, start:stop], lut, self.bits, affine)
+        lut, affine, sb = (np.repeat(a, self.block // block, axis=1)[:, cut] if a is not None else None
+                           for a in (self.lut, self.affine, self.scale_bias))
+        return Palettized(self.indices[:, start:stop], lut, self.bits, affine, sb)
 
     def without_affine(self) -> Palettized:
         """The same matrix as tables only."""
         return Palettized(self.indices, self.lut, self.bits)
 
+    def with_affine(self) -> Palettized:
+        """The same matrix carrying each block's exact shift-scale form (`group_affine`), where its scales and
+        biases are known."""
+        if self.affine is not None or self.scale_bias is None:
+            return self
+        affine = group_affine(self.lut, self.scale_bias[..., 0], self.scale_bias[..., 1])
+        return Palettized(self.indices, self.lut, self.bits, affine)
+
+    def may_shift_scale(self) -> bool:
+        """Whether the matrix can have a shift-scale form at all: every block passes `group_affine`'s cheap tests
+        (on its scale and bias alone), or its form is already known; False is certain, True is checked by
+        `with_affine().shift_scale()`."""
+        if self.affine is not None:
+            return bool(np.isfinite(self.affine).all())
+        return self.scale_bias is not None and bool(_candidates(self.scale_bias[..., 0], self.scale_bias[..., 1])[0].all())
+
     def shift_scale(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(data [rows, cols] uint8, scale [rows, blocks] fp16, offset [rows, blocks] fp16) for
         `constexpr_blockwise_shift_scale` when every block has an exact (scale, offset) (`group_affine`; a mirrored
         block's data is 2^bits - 1 - index) and scale * (data - offset), rounded once to fp16, is the tables' dense
-        weight bit for bit (signed zeros included); else None."""
+        weight bit for bit (signed zeros included); else None. Worked out once per matrix."""
+        return self._shift_scale
+
+    @cached_property
+    def _shift_scale(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         if self.affine is None or not np.isfinite(self.affine).all():
             return None
         scale, offset, mirrored = self.affine[..., 0], self.affine[..., 1], self.affine[..., 2] != 0
@@ -138,35 +162,42 @@ def group_affine(lut: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> np.
     scale times (k - offset) = 0 is -0: such a group is stored `mirrored`, data = 2^bits - 1 - k with the scale and
     the offset negated and mirrored too (the same products, a positive scale's zero)."""
     top = lut.shape[-1] - 1  # 2^bits - 1
-    s, b = np.asarray(scales, np.float64), np.asarray(biases, np.float64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        offset = -b / s
-        ok = (s != 0) & np.isfinite(offset) & (-offset * s == b)  # the division was exact
-        ok &= (s.astype(np.float16).astype(np.float64) == s) & (offset.astype(np.float16).astype(np.float64) == offset)
-    offset = np.where(ok, offset, 0.0)
+    s = np.asarray(scales, np.float64)
+    ok, offset = _candidates(scales, biases)
     found = np.full(s.shape + (3,), np.nan)
     for mirrored in (True, False):  # mirrored first: it gives a negative scale's zeros MLX's sign
         sc, off = (-s, top - offset) if mirrored else (s, offset)
-        k = np.arange(top + 1, dtype=np.float64)  # [2^bits]: the data value that stands for index k
+        good = ok & (off.astype(np.float16).astype(np.float64) == off)
+        k = np.arange(top + 1, dtype=np.float32)  # [2^bits]: the data value that stands for index k
         data = top - k if mirrored else k
-        shifted = data - off[..., None]  # [rows, groups, 2^bits]
-        good = ok & (np.asarray(off).astype(np.float16).astype(np.float64) == off)
-        good &= (shifted.astype(np.float16).astype(np.float64) == shifted).all(axis=-1)
-        table = (shifted.astype(np.float32) * sc.astype(np.float32)[..., None]).astype(np.float16)
+        shifted = data - np.where(good, off, 0).astype(np.float32)[..., None]  # [rows, groups, 2^bits], exact
+        good &= (shifted.astype(np.float16).astype(np.float32) == shifted).all(axis=-1)
+        table = (shifted * sc.astype(np.float32)[..., None]).astype(np.float16)  # products exact, rounded once
         good &= (table.view(np.uint16) == np.asarray(lut, np.float16).view(np.uint16)).all(axis=-1)
         good &= np.isnan(found[..., 0])
         found[good] = np.stack([sc, off, np.full(s.shape, float(mirrored))], axis=-1)[good]
     return found.astype(np.float16)
 
 
+def _candidates(scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(which groups pass the tests on scale and bias alone: both the scale and offset = -bias / scale fp16
+    numbers, the division exact; their offsets, 0 elsewhere), all [rows, groups]."""
+    s, b = np.asarray(scales, np.float64), np.asarray(biases, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        offset = -b / s
+        ok = (s != 0) & np.isfinite(offset) & (-offset * s == b)  # the division was exact
+        ok &= (s.astype(np.float16).astype(np.float64) == s) & (offset.astype(np.float16).astype(np.float64) == offset)
+    return ok, np.where(ok, offset, 0.0)
+
+
 def concat_columns(parts: list[Palettized]) -> Palettized:
     """Column blocks side by side (each re-blocked to the block all share: the tables repeat, exactly)."""
     block = math.gcd(*(p.block for p in parts))
     luts = [np.repeat(p.lut, p.block // block, axis=1) for p in parts]
-    affine = None
-    if all(p.affine is not None for p in parts):
-        affine = np.concatenate([np.repeat(p.affine, p.block // block, axis=1) for p in parts], 1)
-    return Palettized(np.concatenate([p.indices for p in parts], 1), np.concatenate(luts, 1), parts[0].bits, affine)
+    extra = [None if any(getattr(p, name) is None for p in parts) else
+             np.concatenate([np.repeat(getattr(p, name), p.block // block, axis=1) for p in parts], 1)
+             for name in ("affine", "scale_bias")]
+    return Palettized(np.concatenate([p.indices for p in parts], 1), np.concatenate(luts, 1), parts[0].bits, *extra)
 
 
 def unpack(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:

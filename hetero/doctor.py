@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.backends import coreml_macos
-from hetero.doctor_weights import compare_forms
+from hetero.doctor_weights import compare_forms, split_forms
 from hetero.export import DEFAULT_WEIGHT_FORM
 from hetero.measure import ane_lane, gpu_lane
 from hetero.pipeline import ane_backend, configure, verify
@@ -85,14 +85,13 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
                + "; kept on the GPU for range: " + ", ".join(f"{k} {v}" for k, v in p["kept_on_gpu_for_range"].items()))
 
     out["programs"] = check_programs(split, engine.model.args.rope_theta)
-    out["weights"]["split"] = {"form": weights, "matrices": dict(split.programs.weight_forms)}
+    out["weights"]["split"] = split_forms(out["weights"], weights, split.programs)
     c = out["programs"]
     report(f"programs checked in the worker: {c['checked']} ({c['runs']} runs, a padded last chunk of "
            f"{c['padded_rows']} rows included): {c['failed']} failed; placement {c['placement']}")
     for line in c["failures"]:
         report(f"  FAILED: {line}")
-    report(f"split weights (--ane-weights {weights}): " + (", ".join(
-        f"{n} {kind}" for kind, n in sorted(out["weights"]["split"]["matrices"].items())) or "none") + " matrices")
+    report(f"split weights (--ane-weights {weights}): {out['weights']['split']['line']}")
 
     check = verify(run, ids, n_tokens=8)  # the same prompt: its programs are loaded already
     out["verify"] = check

@@ -45,7 +45,7 @@ def exact_weights(rows: int, cols: int, bits: int, group: int, rng: np.random.Ge
     magnitude = 2 / (2**bits - 1) / np.sqrt(cols) * rng.uniform(0.5, 1.5, (rows, cols // group))
     scales = (magnitude * rng.choice([-1.0, 1.0], magnitude.shape)).astype(np.float16)  # [rows, groups]
     biases = (-(2.0 ** (bits - 1)) * scales.astype(np.float32)).astype(np.float16)  # exact: a power of two times
-    w = palettize(mx.array(pack(indices, bits)), mx.array(scales), mx.array(biases), bits, group)
+    w = palettize(mx.array(pack(indices, bits)), mx.array(scales), mx.array(biases), bits, group).with_affine()
     if w.shift_scale() is None:
         raise HeteroError("internal: the doctor's weights have no exact shift-scale form")
     return w
@@ -130,3 +130,19 @@ def _line(found: dict) -> str:
     times = ", ".join(f"{f} {forms[f]['seconds_per_call'] * 1e3:.3f} ms/call "
                       f"(placement {forms[f]['placement']['status']})" for f in FORMS)
     return f"{found['program']}: {times}; outputs {same}; use --ane-weights {found['recommended']}: {found['why']}"
+
+
+def split_forms(found: dict, form: str, programs) -> dict:
+    """The split's own matrices (`programs`: the loaded `Programs`): per embedding, and how many have an exact
+    shift-scale form; a recommendation of blockwise for a model none of whose matrices has one falls back to lut
+    (its programs would be the tables' anyway), and `found` says so."""
+    forms, capable = dict(programs.weight_forms), programs.blockwise_capable
+    quantized = forms.get("lut", 0) + forms.get("blockwise", 0)
+    if found["recommended"] == "blockwise" and capable == 0:
+        found["recommended"] = "lut"
+        found["why"] = "no quantized matrix of this model's split has an exact shift-scale form: both forms are tables"
+        found["line"] = _line(found)
+    embedded = ", ".join(f"{n} {kind}" for kind, n in sorted(forms.items())) or "no"
+    return {"form": form, "matrices": forms, "blockwise_capable": capable, "quantized": quantized,
+            "line": f"{embedded} matrices; {capable} of the {quantized} quantized ones have an exact shift-scale "
+                    "form (what --ane-weights blockwise embeds as shift-scale)"}

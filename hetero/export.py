@@ -75,8 +75,8 @@ def palettize(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, g
     """MLX's affine-quantized matrix as per-group tables: lut[r, g, k] = MLX's dequantized value of index k in
     group g of row r, in fp32 (bf16 and fp16 scales widen exactly; MLX's quantized matmul applies them in fp32),
     rounded once to fp16. Computed by `mx.dequantize` itself, so every entry is MLX's arithmetic, signed zeros
-    included. Each group's exact shift-scale form, where it has one, rides along (`palette.group_affine`)."""
-    from coreml_graphs.palette import Palettized, group_affine, pack, table_indices, unpack
+    included. The scales and biases ride along, for the shift-scale form (`Palettized.with_affine`)."""
+    from coreml_graphs.palette import Palettized, pack, table_indices, unpack
 
     rows, groups = scales.shape
     one = pack(table_indices(bits, group), bits)  # [1, group * bits / 32]: 0..2^bits-1 in one group
@@ -84,8 +84,8 @@ def palettize(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, g
     s, b = scales.astype(mx.float32), biases.astype(mx.float32)
     lut = mx.dequantize(table, s, b, group_size=group, bits=bits).reshape(rows, groups, group)[:, :, : 2**bits]
     lut = np.array(lut).astype(np.float16)  # [rows, groups, 2^bits]
-    affine = group_affine(lut, np.array(s), np.array(b))  # [rows, groups, 2]
-    return Palettized(unpack(np.array(packed), bits, groups * group), lut, bits, affine)
+    scale_bias = np.stack([np.array(s), np.array(b)], axis=-1)  # [rows, groups, 2] fp32
+    return Palettized(unpack(np.array(packed), bits, groups * group), lut, bits, scale_bias=scale_bias)
 
 
 def _vec(a: mx.array) -> np.ndarray:
@@ -174,14 +174,22 @@ def in_form(weights, form: str):
     from coreml_graphs.palette import Palettized
 
     check_weight_form(form)
-    if form == "blockwise":
-        return weights
-    return replace(weights, **{name: a.without_affine() for name, a in _fields(weights).items()
-                               if isinstance(a, Palettized) and a.affine is not None})
+    return replace(weights, **{name: (a.with_affine() if form == "blockwise" else a.without_affine())
+                               for name, a in _fields(weights).items() if isinstance(a, Palettized)})
+
+
+def blockwise_capable(weights) -> int:
+    """How many of a slice's matrices `--ane-weights blockwise` embeds as shift-scale (whatever form they are in;
+    most are told apart by their scales and biases alone, without the tables)."""
+    from coreml_graphs.palette import Palettized
+
+    return sum(isinstance(a, Palettized) and a.may_shift_scale() and a.with_affine().shift_scale() is not None
+               for a in _fields(weights).values())
 
 
 def weight_forms(weights) -> dict[str, int]:
-    """How many of a slice's matrices the program embeds in each form (`fp16`, `lut`, `blockwise`)."""
+    """How many of a slice's matrices the program embeds in each form (`fp16`, `lut`, `blockwise`), each field
+    counted as `coreml_graphs.ops.conv1x1` embeds it whole (a builder's channel blocks of it take the same form)."""
     from coreml_graphs.ops import weight_form
 
     found: dict[str, int] = {}
@@ -412,7 +420,8 @@ def export_plan(
                               [(s, part, piece, [c]) for c in contexts])
     total, programs = sum(len(g[-1]) for g in groups), []
     for s, part, piece, ctxs in groups:
-        shape, weights, build = build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk, plan, form)
+        shape, raw, build = _build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk, plan)
+        weights, capable = in_form(raw, form), blockwise_capable(raw)
         shapes = {ctxs[0]: shape}  # every bucket embeds the same weights: only the shapes differ
         shapes.update({c: build_piece(args, net, piece, plan.chunk, c, plan)[0] for c in ctxs[1:]})
         channels, shift = piece_scaling(plan, piece)
@@ -452,13 +461,14 @@ def export_plan(
                     # the bytes this entry adds: a package's later functions share its first one's weights
                     "weight_bytes": 0 if i else weight_bytes,
                     "weight_forms": forms,  # the slice's matrices per embedding: fp16, lut, blockwise
+                    "blockwise_capable": capable,  # of them, those `--ane-weights blockwise` embeds as shift-scale
                     "key": key,
                     "reused": reused,
                 }
             )
             if progress is not None:
                 progress(len(programs), total)
-        del weights  # one slice's fp32 weights at a time
+        del weights, raw  # one slice's fp32 weights at a time
     current = {p["file"] for p in programs}
     for stale in set(previous) - current:
         remove_export(out / stale)

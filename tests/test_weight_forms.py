@@ -25,11 +25,11 @@ from coreml_graphs.palette import shift_scale_dense
 from hetero.backends.coreml_macos import PlacementStatus, placement_report, OpDevice
 from hetero.backends.reference_executor import ReferenceExecutor
 from hetero.cli import main
-from hetero.doctor_weights import FASTER, compare_forms
+from hetero.doctor_weights import FASTER, compare_forms, split_forms
 from hetero.errors import HeteroError
-from hetero.export import export_coreml, lint_export, palettize, read_manifest
+from hetero.export import blockwise_capable, export_coreml, lint_export, palettize, read_manifest
 from hetero.loader import load_model
-from hetero.pipeline import configure, ensure_export
+from hetero.pipeline import Programs, configure, ensure_export
 from hetero.pipeline.run import export_key
 from hetero.planner import context_bucket
 from hetero.server import ServerSettings
@@ -50,7 +50,7 @@ def _quantized(rows: int, cols: int, bits: int, group: int, store, seed: int = 0
 
 
 def _palettized(layer: nn.QuantizedLinear):
-    return palettize(layer.weight, layer.scales, layer.biases, layer.bits, layer.group_size)
+    return palettize(layer.weight, layer.scales, layer.biases, layer.bits, layer.group_size).with_affine()
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -75,6 +75,9 @@ def test_every_shift_scale_group_is_mlx_dequantize_bit_for_bit(bits, store):
     assert (mirrored[exact] != 0).any() and (want == 0).any() and not np.signbit(want[want == 0]).any()
     assert share == 1.0 if bits == 2 else 0.5 < share < 1.0, share
     assert (p.shift_scale() is not None) == bool(exact.all())
+    raw = palettize(layer.weight, layer.scales, layer.biases, bits, 64)  # as exported: the form made on demand
+    assert raw.affine is None and raw.may_shift_scale() == bool(exact.all())
+    assert blockwise_capable(MLPWeights(raw, raw, raw)) == (3 if exact.all() else 0)
     if exact.all():
         data, s, o = p.shift_scale()
         assert same_bits(shift_scale_dense(data, s, o), want)
@@ -161,6 +164,7 @@ def test_the_split_in_either_form_has_its_own_export_with_the_same_weights_and_o
     assert {a["piece"] for a, _ in pairs} == {"attention", "mlp"}
     assert all(a["file"] == b["file"] and a["key"] != b["key"] for a, b in pairs)
     assert all(set(b["weight_forms"]) == {"blockwise"} and set(a["weight_forms"]) == {"lut"} for a, b in pairs)
+    assert all(a["blockwise_capable"] == b["blockwise_capable"] == b["weight_forms"]["blockwise"] for a, b in pairs)
     rng = np.random.default_rng(0)
     for a, _ in pairs:
         ex = {f: ReferenceExecutor(d / a["file"], a.get("function")) for f, d in dirs.items()}
@@ -249,6 +253,16 @@ def test_the_doctor_keeps_the_tables_when_blockwise_is_slower_off_the_ane_or_ine
     lut_off = compare_forms(core_ml_load({"lut": "partial", "blockwise": "full"}),
                             scripted({"lut": 1.0, "blockwise": 2.0}), shape=SMALL)
     assert lut_off["recommended"] == "blockwise"
+
+
+def test_blockwise_is_not_recommended_for_a_model_whose_matrices_have_no_exact_form():
+    """A 4-bit model under MLX's quantizer: no whole matrix has a shift-scale form, so both forms are its tables."""
+    found = compare_forms(core_ml_load(FULL), scripted({"lut": 1.0, "blockwise": 0.5}), shape=SMALL)
+    assert found["recommended"] == "blockwise"
+    programs = Programs(64, weights="lut", weight_forms={"lut": 12, "fp16": 2}, blockwise_capable=0)
+    split = split_forms(found, "lut", programs)
+    assert found["recommended"] == "lut" and "no quantized matrix" in found["why"] and "--ane-weights lut" in found["line"]
+    assert split["quantized"] == 12 and split["blockwise_capable"] == 0 and "0 of the 12" in split["line"]
 
 
 def test_off_a_mac_the_doctor_checks_both_forms_and_says_the_timing_needs_one():

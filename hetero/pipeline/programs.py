@@ -49,7 +49,8 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = 
     try:
         manifest = read_manifest(out)
         files = all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"])
-        if files and manifest["context_buckets"] == contexts and manifest.get("ane_weights", "lut") == form:
+        counted = all("weight_forms" in p for p in manifest["programs"])  # else rewritten, its packages reused
+        if files and counted and manifest["context_buckets"] == contexts and manifest.get("ane_weights", "lut") == form:
             return out
     except HeteroError:
         pass
@@ -72,6 +73,7 @@ class Programs:
     # when chosen by range (`hetero.planner.ranges`); absent: units [0, share) in their own order
     weights: str = "lut"  # the export's weight form (`--ane-weights`)
     weight_forms: dict[str, int] = field(default_factory=dict)  # matrices per embedding (fp16, lut, blockwise)
+    blockwise_capable: int = 0  # matrices `--ane-weights blockwise` embeds (or would embed) as shift-scale
 
     def ane_units(self, kind: str, layer: int) -> np.ndarray:
         """The units (channels, rows) a layer's piece sends to the ANE."""
@@ -113,6 +115,7 @@ def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs
             counted.add(p["file"])
             for kind, n in p.get("weight_forms", {}).items():
                 progs.weight_forms[kind] = progs.weight_forms.get(kind, 0) + n
+            progs.blockwise_capable += p.get("blockwise_capable", 0)
         path, function = export_dir / p["file"], p.get("function")  # a multifunction package names its function
         run, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
         if p["out_shift"]:
