@@ -32,7 +32,6 @@ from hetero.loader import load_model
 from hetero.pipeline import Programs, configure, ensure_export
 from hetero.pipeline.run import export_key
 from hetero.planner import context_bucket
-from hetero.server import ServerSettings
 from hetero.quantize import quantize_checkpoint
 from tests.test_coreml_graphs import save_checkpoint, tiny_model
 from tests.test_quantized_export import mlx_fp16, same_bits
@@ -183,8 +182,6 @@ def test_a_bad_weight_form_is_one_line(capsys):
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ane-weights" in err and "lut" in err
-    with pytest.raises(HeteroError, match="--ane-weights 'int4'"):
-        ServerSettings(ane_weights="int4")
     with pytest.raises(HeteroError, match="--ane-weights 'int4'"):
         export_coreml(None, "unused", 0.5, form="int4")  # before the model loads
 
