@@ -23,7 +23,6 @@ import hetero  # noqa: E402,F401  (before mlx: the fast BLAS)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
 from hetero.export import palettize  # noqa: E402
 from hetero.loader import BUNDLED_MODEL, load_model  # noqa: E402

@@ -113,7 +113,9 @@ class Palettized:
         `with_affine().shift_scale()`."""
         if self.affine is not None:
             return bool(np.isfinite(self.affine).all())
-        return self.scale_bias is not None and bool(_candidates(self.scale_bias[..., 0], self.scale_bias[..., 1])[0].all())
+        if self.scale_bias is None:
+            return False
+        return bool(_candidates(self.scale_bias[..., 0], self.scale_bias[..., 1])[0].all())
 
     def shift_scale(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(data [rows, cols] uint8, scale [rows, blocks] fp16, offset [rows, blocks] fp16) for

@@ -112,9 +112,11 @@ def _recommend(found: dict) -> tuple[str | None, str]:
     if not found["identical_outputs"]:
         return "lut", "Core ML's shift-scale outputs differ from the tables' here: its decompression is not exact"
     if blockwise["placement"].get("ok") is False:
-        return "lut", f"Core ML does not keep the blockwise program on the Neural Engine ({blockwise['placement']['line']})"
+        return "lut", ("Core ML does not keep the blockwise program on the Neural Engine "
+                       f"({blockwise['placement']['line']})")
     if lut["placement"].get("ok") is False:
-        return "blockwise", f"Core ML does not keep the tables' program on the Neural Engine ({lut['placement']['line']})"
+        return "blockwise", ("Core ML does not keep the tables' program on the Neural Engine "
+                             f"({lut['placement']['line']})")
     ratio = blockwise["seconds_per_call"] / max(lut["seconds_per_call"], 1e-12)
     if ratio <= FASTER:
         return "blockwise", f"blockwise takes {ratio:.2f}x the tables' time per call, with the same outputs"
