@@ -250,7 +250,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     engine = hetero.load(args.model, args.dtype)
     meta = {"model": str(args.model or BUNDLED_MODEL), "tokenizer_config": "{}"}
     n = prefill_to_file(engine, text, args.out, ane_fraction=args.ane_fraction, chunk=args.prefill_chunk,
-                        verify=args.verify, metadata=meta)
+                        verify=args.verify, metadata=meta, ane_weights=args.ane_weights)
     print(f"[wrote a {n}-token prompt cache to {args.out} in {time.perf_counter() - start:.2f}s; continue with "
           f"mlx_lm.generate --prompt-cache-file {args.out} --prompt ...]", file=sys.stderr)
     return 0

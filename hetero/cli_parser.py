@@ -269,5 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--prefill-chunk", type=POSITIVE_INT, default=None, help="prompt tokens per prefill step (default: 512; 256 split)")
     pre.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                      help="split prefill as in `hetero run` (0 or default: GPU-only)")
+    add_ane_weights(pre)
     pre.add_argument("--verify", action="store_true", help="with --ane-fraction: check the split against GPU-only; exit 1 on mismatch")
     return parser

@@ -26,6 +26,7 @@ from hetero.backends.coreml_macos import PlacementStatus, placement_report, OpDe
 from hetero.backends.reference_executor import ReferenceExecutor
 from hetero.cli import main
 from hetero.doctor_weights import FASTER, compare_forms, split_forms
+import hetero
 from hetero.errors import HeteroError
 from hetero.export import blockwise_capable, export_coreml, lint_export, palettize, read_manifest
 from hetero.loader import load_model
@@ -185,6 +186,8 @@ def test_a_bad_weight_form_is_one_line(capsys):
     assert err.count("\n") == 1 and "--ane-weights" in err and "lut" in err
     with pytest.raises(HeteroError, match="--ane-weights 'int4'"):
         export_coreml(None, "unused", 0.5, form="int4")  # before the model loads
+    with pytest.raises(HeteroError, match="--ane-weights 'int4'"):
+        hetero.prefill(None, [1, 2, 3], ane_fraction=0.5, ane_weights="int4")
 
 
 # ----------------------------------------------------------------------------------------------------------
