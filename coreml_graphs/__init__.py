@@ -7,7 +7,8 @@ Everything here is built directly with coremltools' MIL builder (no tracing), in
 - `attention`  the attention-layer prefill graph for a slice of whole KV-head groups
 - `mlp`        the MLP slice graph (a share of intermediate channels, partial sum)
 - `gdn`        the GDN input-projection graph (`gdn_in_proj`: z rows only)
-- `palette`    MLX's affine-quantized weights as per-group lookup tables (exact; `constexpr_lut_to_dense`)
+- `palette`    MLX's affine-quantized weights as per-group lookup tables (exact; `constexpr_lut_to_dense`), and
+               as `constexpr_blockwise_shift_scale` where every group of a matrix has an exact scale and offset
 - `package`    save a program as an .mlpackage and read its MIL back
 - `lint`       static check of a saved program against the ANE's rules
 

@@ -12,7 +12,8 @@ Errors (the ANE rejects the program or Core ML silently moves it to the CPU/GPU)
                 flushes subnormals to zero turns a norm's epsilon into 0 and a zero row into 0/0 (weight arrays may
                 hold tiny values; only scalars are checked)
     weights     more weight bytes than the per-program budget (the functions of a multifunction package share
-                equal constants: each is counted once; a lookup table's indices count at their bit width)
+                equal constants: each is counted once; a lookup table's indices and shift-scale data count at
+                their bit width)
     seq         a (1, C, 1, S) input or output whose S is not a multiple of 64
 Warnings (runs, but slower or partly off the ANE):
     align       an input or output whose last axis is not a multiple of 64 bytes

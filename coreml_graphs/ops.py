@@ -14,7 +14,8 @@ from coreml_graphs.palette import Palettized
 
 # Oldest OS whose Core ML runs every op the builders emit on the ANE and offers MLComputePlan (14.4+).
 DEPLOYMENT_TARGET = ct.target.macOS14
-# Per-group lookup tables (`constexpr_lut_to_dense` with tables per block) are iOS 18 / macOS 15 ops.
+# Per-group lookup tables (`constexpr_lut_to_dense` with tables per block) and `constexpr_blockwise_shift_scale`
+# are iOS 18 / macOS 15 ops.
 PALETTIZED_TARGET = ct.target.macOS15
 MAX_AXIS = 16384  # the ANE rejects (or falls off) tensors with any axis above this
 SEQ_MULTIPLE = 64  # chunk sizes (the S axis) are multiples of this
@@ -52,12 +53,39 @@ def fp16(a: np.ndarray) -> np.ndarray:
 def conv1x1(x: Var, weight: np.ndarray | Palettized, name: str) -> Var:
     """A projection in BC1S layout: x (1, Cin, 1, S), weight [Cout, Cin] -> (1, Cout, 1, S).
 
-    A `Palettized` weight is embedded as its indices and per-group tables (`constexpr_lut_to_dense`): Core ML
-    expands it to the same fp16 weight, which the conv then reads."""
+    A `Palettized` weight is embedded as its indices and per-group tables (`constexpr_lut_to_dense`), or, where it
+    carries an exact shift-scale form for every block (`Palettized.shift_scale`), as `constexpr_blockwise_shift_scale`:
+    Core ML expands either to the same fp16 weight, which the conv then reads."""
     cout, cin = weight.shape
     if isinstance(weight, Palettized):
-        return mb.conv(x=x, weight=lut_weight(weight, f"{name}_weight"), name=name)  # (1, Cout, 1, S)
+        return mb.conv(x=x, weight=compressed_weight(weight, f"{name}_weight"), name=name)  # (1, Cout, 1, S)
     return mb.conv(x=x, weight=fp16(weight).reshape(cout, cin, 1, 1), name=name)  # (1, Cout, 1, S)
+
+
+def compressed_weight(w: Palettized, name: str) -> Var:
+    """The conv weight (Cout, Cin, 1, 1) fp16 of a `Palettized` matrix: shift-scale where it has an exact one, else
+    its tables."""
+    found = w.shift_scale()
+    return lut_weight(w, name) if found is None else shift_scale_weight(*found, w.bits, name)
+
+
+def shift_scale_weight(data: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int, name: str) -> Var:
+    """The conv weight (Cout, Cin, 1, 1) fp16 = scale * (data - offset) per block (`constexpr_blockwise_shift_scale`,
+    iOS 18): data [Cout, Cin] as uint4 (bits <= 4) or uint8, scale and offset [Cout, blocks] fp16."""
+    cout, cin = data.shape
+    width = "uint4" if bits <= 4 else "uint8"
+    q = data.reshape(cout, cin, 1, 1).astype(string_to_nptype(width))  # sub-byte in the blob
+    blocks = scale.shape[1]
+    return mb.constexpr_blockwise_shift_scale(
+        data=q, scale=np.ascontiguousarray(scale, np.float16).reshape(cout, blocks, 1, 1),
+        offset=np.ascontiguousarray(offset, np.float16).reshape(cout, blocks, 1, 1), name=name)  # (Cout, Cin, 1, 1)
+
+
+def weight_form(weight: np.ndarray | Palettized) -> str:
+    """How `conv1x1` embeds a weight: `fp16`, `lut` (per-group tables) or `blockwise` (shift-scale)."""
+    if not isinstance(weight, Palettized):
+        return "fp16"
+    return "lut" if weight.shift_scale() is None else "blockwise"
 
 
 def lut_weight(w: Palettized, name: str) -> Var:
@@ -85,7 +113,14 @@ def scaled(weight: np.ndarray | Palettized, factor: float) -> np.ndarray | Palet
     """A weight times a power of two (exact in fp16 unless it overflows or underflows): lookup tables scale their
     entries."""
     if isinstance(weight, Palettized):
-        return Palettized(weight.indices, (weight.lut.astype(np.float32) * factor).astype(np.float16), weight.bits)
+        affine = sb = None
+        if weight.affine is not None:  # the scales scale; the offsets stay (exactness is checked where it is emitted)
+            affine = weight.affine.copy()
+            affine[..., 0] = (affine[..., 0].astype(np.float32) * factor).astype(np.float16)
+        if weight.scale_bias is not None:  # MLX's scale and bias both scale: w = s k + b
+            sb = weight.scale_bias * np.float32(factor)
+        lut = (weight.lut.astype(np.float32) * factor).astype(np.float16)
+        return Palettized(weight.indices, lut, weight.bits, affine, sb)
     return weight * np.float32(factor)
 
 

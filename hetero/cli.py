@@ -120,7 +120,7 @@ def penalty_options(args: argparse.Namespace) -> dict:
 def _split_run(engine, args: argparse.Namespace):
     """The configured ANE + GPU split of `--ane-fraction` (not GPU-only)."""
 
-    split = split_for(engine, args.ane_fraction, args.prefill_chunk)
+    split = split_for(engine, args.ane_fraction, args.prefill_chunk, args.ane_weights)
     if args.trace:
         split.trace = Trace()
     if args.verify and not 1 <= args.verify_tokens:
@@ -133,7 +133,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     fraction = args.ane_fraction.fixed("hetero doctor")  # before the model loads
     engine = hetero.load(args.model, args.dtype)
-    found = doctor(engine, args.tokens, fraction, report=print_report)
+    found = doctor(engine, args.tokens, fraction, report=print_report, weights=args.ane_weights)
     if args.json:
         print(json.dumps(found))
     return 0 if found["ok"] else 3
@@ -237,7 +237,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.out is None:
         raise HeteroError("hetero convert --quantize/--coreml needs --out DIR")
     if args.coreml:
-        return convert_coreml(args.model, args.out, args.ane_fraction, args.chunk_size, args.context)
+        return convert_coreml(args.model, args.out, args.ane_fraction, args.chunk_size, args.context, args.ane_weights)
 
     out = quantize_checkpoint(args.model, args.out, bits=args.quantize, group_size=args.group_size)
     print(f"wrote {args.quantize}-bit copy to {out}")
@@ -265,21 +265,22 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     engine = hetero.load(args.model, args.dtype)
     meta = {"model": str(args.model or BUNDLED_MODEL), "tokenizer_config": "{}"}
     n = prefill_to_file(engine, text, args.out, ane_fraction=args.ane_fraction, chunk=args.prefill_chunk,
-                        verify=args.verify, metadata=meta)
+                        verify=args.verify, metadata=meta, ane_weights=args.ane_weights)
     print(f"[wrote a {n}-token prompt cache to {args.out} in {time.perf_counter() - start:.2f}s; continue with "
           f"mlx_lm.generate --prompt-cache-file {args.out} --prompt ...]", file=sys.stderr)
     return 0
 
 
-def convert_coreml(model: str | None, out: str, ane: AneSplit, chunk: int, context: str) -> int:
-    """`hetero convert --coreml`: export, then lint; exit status 1 when the lint finds errors."""
+def convert_coreml(model: str | None, out: str, ane: AneSplit, chunk: int, context: str, form: str = "lut") -> int:
+    """`hetero convert --coreml`: export (quantized weights in the form `form`), then lint; exit status 1 when the
+    lint finds errors."""
     fraction = ane.fixed("hetero convert --coreml")  # before the Core ML tooling loads
 
     try:
         contexts = [int(c) for c in context.split(",") if c.strip()]
     except ValueError:
         raise HeteroError(f"--context {context!r}: give one or more token counts separated by commas") from None
-    manifest = export_coreml(model, out, fraction, chunk, contexts, progress=ProgressBar("export"))
+    manifest = export_coreml(model, out, fraction, chunk, contexts, progress=ProgressBar("export"), form=form)
     progs = manifest["programs"]
     total = sum(p["weight_bytes"] for p in progs)
     reused = sum(p["reused"] for p in progs)

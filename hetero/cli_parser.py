@@ -9,6 +9,7 @@ from hetero import __version__
 from hetero.decode.depth import DEPTH
 from hetero.decode.penalties import BIAS, FREQUENCY, PRESENCE, REPETITION
 from hetero.errors import HeteroError
+from hetero.export import DEFAULT_WEIGHT_FORM, WEIGHT_FORMS
 from hetero.loader import DTYPES, dtype_name, parse_dtype, platform_dtype
 from hetero.settings import DEFAULT_DRAFT_DEPTH
 from hetero.validate import (
@@ -18,6 +19,15 @@ from hetero.validate import (
 from hetero.verify_tolerance import tolerance_table
 
 HALF = AneSplit(0.5)  # the split `hetero plan` and `hetero doctor` take when none is given
+
+
+def add_ane_weights(p: argparse.ArgumentParser) -> None:
+    """`--ane-weights`: how a quantized checkpoint's weights reach the ANE's programs (both exact)."""
+    p.add_argument("--ane-weights", choices=WEIGHT_FORMS, default=DEFAULT_WEIGHT_FORM,
+                   help="with --ane-fraction: the Core ML form of 4-bit (and fewer) weights, both MLX's weights bit "
+                   "for bit: lut (a lookup table per row and group) or blockwise (constexpr_blockwise_shift_scale "
+                   "for every matrix whose every group has an exact scale and offset, the rest tables); "
+                   "`hetero doctor` says which one this Mac runs faster")
 
 
 class Parser(argparse.ArgumentParser):
@@ -124,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                      help="split prefill: share F of each offloadable piece for the ANE lane, "
                      "or 'auto' (this machine's measured profile, verified on a calibration prompt); 0 or default: GPU-only")
+    add_ane_weights(run)
     run.add_argument("--verify", action="store_true", help="with --ane-fraction: rerun GPU-only and compare; under "
                      "mlx.launch: rerun in one process on rank 0 and compare; exit 3 on mismatch")
     run.add_argument("--verify-tol", type=NONNEG, default=None,
@@ -166,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-session-cache", action="store_true", help="keep checkpoints in RAM only")
     serve.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                        help="split each prompt's prefill: share F for the ANE lane, or 'auto' (0 or default: GPU-only)")
+    add_ane_weights(serve)
     serve.add_argument("--draft-depth", type=DEPTH, default=None,
                        help="every MTP request's draft tokens per step (default: tuned, else calibrated at start-up)")
     serve.add_argument("--prefill-chunk", type=POSITIVE_INT, default=512, help="prompt tokens per prefill step (and per turn)")
@@ -235,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                          help="with --coreml: share of each offloadable piece for the ANE (required there; default: none)")
     convert.add_argument("--chunk-size", type=POSITIVE_INT, default=256, help="with --coreml: prefill chunk (multiple of 64)")
+    add_ane_weights(convert)
     convert.add_argument("--context", type=token_counts, default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
     convert.add_argument("--out",
                          help="output directory (--quantize: must not exist or be empty; --coreml: reused; default: none, required)")
@@ -245,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype(doc)
     doc.add_argument("--tokens", type=POSITIVE_INT, default=1024, help="prompt tokens of the split prefill measured")
     doc.add_argument("--ane-fraction", type=ane_split_arg, default=HALF, help="the split's ANE share (0 < F <= 1)")
+    add_ane_weights(doc)
     doc.add_argument("--json", action="store_true", help="print the findings as one JSON object")
 
     pre = sub.add_parser("prefill", help="prefill a prompt and write mlx-lm's prompt-cache file (mlx_lm.generate --prompt-cache-file)")
@@ -255,5 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--prefill-chunk", type=POSITIVE_INT, default=None, help="prompt tokens per prefill step (default: 512; 256 split)")
     pre.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                      help="split prefill as in `hetero run` (0 or default: GPU-only)")
+    add_ane_weights(pre)
     pre.add_argument("--verify", action="store_true", help="with --ane-fraction: check the split against GPU-only; exit 1 on mismatch")
     return parser

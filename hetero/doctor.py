@@ -1,7 +1,9 @@
 """`hetero doctor`: what the split prefill runs on here and whether it works, checked end to end in about a minute.
 
 It names the ANE lane's backend and starts its worker process, exports a small program and checks it (the ANE lint
-everywhere; Core ML's placement on a Mac), measures each lane's rate, runs a real split prefill of the model and
+everywhere; Core ML's placement on a Mac), compares the two exact weight forms of `--ane-weights` (lint and outputs
+everywhere; time and placement on a Mac, which it recommends: `hetero.doctor_weights`), measures each lane's rate,
+runs a real split prefill of the model and
 measures how much the two lanes overlapped (their busy times against the wall time), verifies that split against
 the GPU-only run, reports the memory each lane holds, and lists what it could not check on this machine.
 """
@@ -19,6 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.backends import coreml_macos
+from hetero.doctor_weights import compare_forms, split_forms
+from hetero.export import DEFAULT_WEIGHT_FORM
 from hetero.measure import ane_lane, gpu_lane
 from hetero.pipeline import ane_backend, configure, verify
 from hetero.pipeline.ane_process import shared_worker
@@ -27,9 +31,11 @@ DOCTOR_PROMPT = "def parse(line):\n    key, _, value = line.partition('=')\n    
 
 
 def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
-           report: Callable[[str], None] = print) -> dict:
-    """Run every check on a loaded engine; `report` gets one line per check as it finishes. Returns the findings
-    (`ok`: every check that could run passed)."""
+           report: Callable[[str], None] = print, weights: str = DEFAULT_WEIGHT_FORM,
+           load_forms: Callable[[Path], Callable] | None = None) -> dict:
+    """Run every check on a loaded engine, its split's quantized weights in the form `weights` (`--ane-weights`);
+    `report` gets one line per check as it finishes. Returns the findings (`ok`: every check that could run
+    passed). `load_forms` loads the weight forms' programs for timing (default: Core ML on a Mac, none elsewhere)."""
     start = time.perf_counter()
     out: dict = {"platform": {"system": platform.platform(), "python": platform.python_version(), "mlx": mx.__version__,
                               "mlx_device": str(mx.default_device())}}
@@ -44,6 +50,11 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
     out["program"] = _program_check(on_mac)
     report(f"small exported program: {out['program']['line']}")
 
+    if load_forms is None and on_mac:
+        load_forms = lambda path: coreml_macos.load(path, report=False)  # noqa: E731
+    out["weights"] = compare_forms(load_forms)
+    report(f"weight forms (--ane-weights): {out['weights']['line']}")
+
     gpu_flops, gpu_bw = gpu_lane(repeats=3)
     _, ane_flops, call_s = ane_lane(hidden=512, channels=1024, repeats=3, loader=worker.load)
     out["rates"] = {"gpu_matmul_gflops": round(gpu_flops / 1e9, 1), "gpu_bandwidth_gbs": round(gpu_bw / 1e9, 1),
@@ -54,7 +65,7 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
 
     n = min(tokens, engine.model.args.max_position_embeddings - 64)
     ids = (engine.tokenizer.encode(DOCTOR_PROMPT * (1 + n // 16)))[:n]
-    run = configure(engine, fraction, chunk)
+    run = configure(engine, fraction, chunk, weights=weights)
     split = run.splitter(n)  # exported on first use (cached for the next doctor or run)
     split.run(ids, engine.model.make_cache(), logits=True)  # warm: programs loaded, compiled functions traced
     mx.reset_peak_memory()
@@ -74,11 +85,13 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
                + "; kept on the GPU for range: " + ", ".join(f"{k} {v}" for k, v in p["kept_on_gpu_for_range"].items()))
 
     out["programs"] = check_programs(split, engine.model.args.rope_theta)
+    out["weights"]["split"] = split_forms(out["weights"], weights, split.programs)
     c = out["programs"]
     report(f"programs checked in the worker: {c['checked']} ({c['runs']} runs, a padded last chunk of "
            f"{c['padded_rows']} rows included): {c['failed']} failed; placement {c['placement']}")
     for line in c["failures"]:
         report(f"  FAILED: {line}")
+    report(f"split weights (--ane-weights {weights}): {out['weights']['split']['line']}")
 
     check = verify(run, ids, n_tokens=8)  # the same prompt: its programs are loaded already
     out["verify"] = check
@@ -100,7 +113,10 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
     out["not_checked"] = _not_checked(on_mac, why_not)
     for line in out["not_checked"]:
         report(f"not checked: {line}")
-    out["ok"] = bool(check["match"] and out["program"]["ok"] is not False and not c["failed"])
+    forms = out["weights"]
+    forms_ok = not any(f["lint_errors"] for f in forms["forms"].values()) and (
+        forms["identical_outputs"] or weights != "blockwise")  # a split in a form this Mac computes otherwise fails
+    out["ok"] = bool(check["match"] and out["program"]["ok"] is not False and not c["failed"] and forms_ok)
     out["seconds"] = _s(time.perf_counter() - start)
     report(f"{'all checks passed' if out['ok'] else 'SOME CHECKS FAILED'} ({out['seconds']} s)")
     return out
@@ -179,6 +195,8 @@ def _not_checked(on_mac: bool, why_not: str) -> list[str]:
             "Core ML placement of the exported programs (MLComputePlan) and partial CPU/GPU fallback",
             "Core ML's compilation, its release of input buffers, and the Mac's rates and memory",
             "the per-instance ANE weight window (a profile figure, unknown unless measured on a Mac)",
+            "which weight form (--ane-weights lut or blockwise) this Mac runs faster, whether Core ML keeps each on "
+            "the Neural Engine, and whether its shift-scale decompression gives the tables' weights bit for bit",
             "on a Mac, run: hetero doctor --json"]
 
 

@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,7 +75,7 @@ def palettize(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, g
     """MLX's affine-quantized matrix as per-group tables: lut[r, g, k] = MLX's dequantized value of index k in
     group g of row r, in fp32 (bf16 and fp16 scales widen exactly; MLX's quantized matmul applies them in fp32),
     rounded once to fp16. Computed by `mx.dequantize` itself, so every entry is MLX's arithmetic, signed zeros
-    included."""
+    included. The scales and biases ride along, for the shift-scale form (`Palettized.with_affine`)."""
     from coreml_graphs.palette import Palettized, pack, table_indices, unpack
 
     rows, groups = scales.shape
@@ -84,7 +84,8 @@ def palettize(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, g
     s, b = scales.astype(mx.float32), biases.astype(mx.float32)
     lut = mx.dequantize(table, s, b, group_size=group, bits=bits).reshape(rows, groups, group)[:, :, : 2**bits]
     lut = np.array(lut).astype(np.float16)  # [rows, groups, 2^bits]
-    return Palettized(unpack(np.array(packed), bits, groups * group), lut, bits)
+    scale_bias = np.stack([np.array(s), np.array(b)], axis=-1)  # [rows, groups, 2] fp32
+    return Palettized(unpack(np.array(packed), bits, groups * group), lut, bits, scale_bias=scale_bias)
 
 
 def _vec(a: mx.array) -> np.ndarray:
@@ -155,9 +156,59 @@ def piece_scaling(plan: Plan, s: PieceSlice) -> tuple[np.ndarray | None, int]:
     return (r.channels(s.start, s.stop) if r.order else None), r.out_shift
 
 
-def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None):
+WEIGHT_FORMS = ("lut", "blockwise")  # `--ane-weights`: how quantized weights reach the ANE (both exact)
+DEFAULT_WEIGHT_FORM = "lut"
+
+
+def check_weight_form(form: str) -> str:
+    """`form` when it is one of `WEIGHT_FORMS`; else one HeteroError line."""
+    if form not in WEIGHT_FORMS:
+        raise HeteroError(f"--ane-weights {form!r}: must be one of {', '.join(WEIGHT_FORMS)}")
+    return form
+
+
+def in_form(weights, form: str):
+    """A slice's weights in the export form `form`: `lut` keeps quantized matrices as per-group tables only;
+    `blockwise` keeps each group's exact shift-scale form too, which `coreml_graphs.ops.conv1x1` uses for every
+    matrix whose every block has one (the others stay tables)."""
+    from coreml_graphs.palette import Palettized
+
+    check_weight_form(form)
+    return replace(weights, **{name: (a.with_affine() if form == "blockwise" else a.without_affine())
+                               for name, a in _fields(weights).items() if isinstance(a, Palettized)})
+
+
+def blockwise_capable(weights) -> int:
+    """How many of a slice's matrices `--ane-weights blockwise` embeds as shift-scale (whatever form they are in;
+    most are told apart by their scales and biases alone, without the tables)."""
+    from coreml_graphs.palette import Palettized
+
+    return sum(isinstance(a, Palettized) and a.may_shift_scale() and a.with_affine().shift_scale() is not None
+               for a in _fields(weights).values())
+
+
+def weight_forms(weights) -> dict[str, int]:
+    """How many of a slice's matrices the program embeds in each form (`fp16`, `lut`, `blockwise`), each field
+    counted as `coreml_graphs.ops.conv1x1` embeds it whole (a builder's channel blocks of it take the same form)."""
+    from coreml_graphs.ops import weight_form
+
+    found: dict[str, int] = {}
+    for a in _fields(weights).values():
+        if np.ndim(a) == 2 or not isinstance(a, np.ndarray):
+            kind = weight_form(a)
+            found[kind] = found.get(kind, 0) + 1
+    return found
+
+
+def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None,
+                form: str = DEFAULT_WEIGHT_FORM):
     """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`, with the
-    channels and output scale `plan`'s ranges give it."""
+    channels and output scale `plan`'s ranges give it, its quantized weights in the form `form` (`WEIGHT_FORMS`)."""
+    shape, weights, build = _build_piece(args, model, s, chunk, context, plan)
+    return shape, in_form(weights, form), build
+
+
+def _build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None):
     from coreml_graphs.attention import AttentionShape, build_attention
     from coreml_graphs.gdn import GDNInProjShape, build_gdn_in_proj
     from coreml_graphs.mlp import MLPShape, build_mlp
@@ -197,16 +248,24 @@ def weights_sha256(weights) -> str:
             h.update(f"lut{a.bits}:{a.shape}".encode())
             h.update(np.ascontiguousarray(a.indices).tobytes())
             h.update(np.ascontiguousarray(a.lut, dtype=np.float16).tobytes())
+            if a.affine is not None:  # the blockwise form: its scales and offsets too
+                h.update(np.ascontiguousarray(a.affine, dtype=np.float16).tobytes())
         else:
             h.update(fp16(a).tobytes())
     return h.hexdigest()
 
 
 def weights_nbytes(weights) -> int:
-    """Bytes a slice's weights take in its package: fp16, or packed indices plus fp16 tables."""
+    """Bytes a slice's weights take in its package: fp16, packed indices plus fp16 tables, or shift-scale data plus
+    a scale and offset per block."""
     from coreml_graphs.palette import Palettized
 
-    return sum(a.nbytes if isinstance(a, Palettized) else np.asarray(a).size * 2 for a in _fields(weights).values())
+    def size(a) -> int:
+        if not isinstance(a, Palettized):
+            return np.asarray(a).size * 2
+        return a.nbytes if a.shift_scale() is None else a.shift_scale_nbytes()
+
+    return sum(size(a) for a in _fields(weights).values())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -287,20 +346,23 @@ def export_coreml(
     progress: Callable[[int, int], None] | None = None,
     kinds: tuple[str, ...] | None = None,
     multifunction: bool | None = None,
+    form: str = DEFAULT_WEIGHT_FORM,
 ) -> dict:
     """`hetero convert --coreml`: load `model`, plan `fraction` of the piece kinds in `kinds` (default: those whose
     share shortens the predicted prefill, as the runtime's split offloads) for prefill chunks of `chunk` tokens
     (with the profile a split is planned with; `budget` overrides its weight bytes per program) and export that
-    plan into `out` (`export_plan`, which `multifunction` is passed to); returns the manifest."""
+    plan into `out` (`export_plan`, which `multifunction` and the weight form `form` are passed to); returns the
+    manifest."""
 
     contexts = sorted(set(contexts or [DEFAULT_CONTEXT]))
     check_shapes(chunk, contexts)
+    check_weight_form(form)
     loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     net, _, config = loaded
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
     plan = split_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
                       budget=budget)
-    return export_plan(plan, loaded, out, contexts, progress, multifunction)
+    return export_plan(plan, loaded, out, contexts, progress, multifunction, form)
 
 
 def export_plan(
@@ -310,9 +372,14 @@ def export_plan(
     contexts: list[int],
     progress: Callable[[int, int], None] | None = None,
     multifunction: bool | None = None,
+    form: str = DEFAULT_WEIGHT_FORM,
 ) -> dict:
     """Export the ANE's share of `plan` into `out`: each of its slices as the programs it cuts them into, attention
     for every context bucket in `contexts`; returns the manifest (also written there).
+
+    `form`: how quantized weights are embedded (`WEIGHT_FORMS`; `--ane-weights`): per-group lookup tables, or
+    shift-scale for every matrix that has an exact one (the rest tables). Both are MLX's weights bit for bit; the
+    form is part of every package's key, so the two never share a package.
 
     `multifunction`: an attention piece's buckets as the functions of one package, else one single-function
     package per bucket; None decides by the OS (`coreml_macos.multifunction_packages`: not before macOS 15).
@@ -327,6 +394,7 @@ def export_plan(
 
     contexts = sorted(set(contexts))
     check_shapes(plan.chunk, contexts)
+    check_weight_form(form)
     net, path, config = loaded
     args = net.args
     if args.attention_bias:
@@ -352,13 +420,15 @@ def export_plan(
                               [(s, part, piece, [c]) for c in contexts])
     total, programs = sum(len(g[-1]) for g in groups), []
     for s, part, piece, ctxs in groups:
-        shape, weights, build = build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk, plan)
+        shape, raw, build = _build_piece(args, net, piece, plan.chunk, ctxs[0] or plan.chunk, plan)
+        weights, capable = in_form(raw, form), blockwise_capable(raw)
         shapes = {ctxs[0]: shape}  # every bucket embeds the same weights: only the shapes differ
         shapes.update({c: build_piece(args, net, piece, plan.chunk, c, plan)[0] for c in ctxs[1:]})
         channels, shift = piece_scaling(plan, piece)
         digest = weights_sha256(weights)
-        keys = [hashlib.sha256(json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(sh), digest, shift])
-                               .encode()).hexdigest() for sh in shapes.values()]
+        tag = [] if form == DEFAULT_WEIGHT_FORM else [form]  # the tables' keys are those of exports before the flag
+        keys = [hashlib.sha256(json.dumps([BUILDER_VERSION, ct.__version__, asdict(piece), asdict(sh), digest, shift]
+                                          + tag).encode()).hexdigest() for sh in shapes.values()]
         key = keys[0] if len(keys) == 1 else hashlib.sha256(json.dumps(keys).encode()).hexdigest()
         multi = len(ctxs) > 1  # one package, one function per bucket, the weights stored once
         suffix = f"_ctx{ctxs[0]}" if ctxs[0] and not multi else ""
@@ -370,7 +440,7 @@ def export_plan(
                 save_functions(((function_name(c), build(sh, weights)) for c, sh in shapes.items()), out / file)
             else:
                 save_program(build(shape, weights), out / file)
-        weight_bytes = weights_nbytes(weights)
+        weight_bytes, forms = weights_nbytes(weights), weight_forms(weights)
         for i, (ctx, shape) in enumerate(shapes.items()):
             programs.append(
                 {
@@ -390,13 +460,15 @@ def export_plan(
                     "weights_sha256": digest,
                     # the bytes this entry adds: a package's later functions share its first one's weights
                     "weight_bytes": 0 if i else weight_bytes,
+                    "weight_forms": forms,  # the slice's matrices per embedding: fp16, lut, blockwise
+                    "blockwise_capable": capable,  # of them, those `--ane-weights blockwise` embeds as shift-scale
                     "key": key,
                     "reused": reused,
                 }
             )
             if progress is not None:
                 progress(len(programs), total)
-        del weights  # one slice's fp32 weights at a time
+        del weights, raw  # one slice's fp32 weights at a time
     current = {p["file"] for p in programs}
     for stale in set(previous) - current:
         remove_export(out / stale)
@@ -410,6 +482,7 @@ def export_plan(
         "chunk_size": plan.chunk,
         "context_buckets": contexts,
         "weight_budget_bytes": plan.program_budget,
+        "ane_weights": form,
         "plan": [asdict(s) for s in plan.slices],
         "programs": programs,
     }

@@ -19,6 +19,7 @@ from hetero.decode.prefill import prefill as gpu_prefill
 from hetero.decode.request import Finished, Token
 from hetero.engine import Engine, make_request
 from hetero.errors import AneLaneLost, HeteroError
+from hetero.export import check_weight_form
 from hetero.mlx_lm_cache import from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
 from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
 from hetero.validate import AneSplit
@@ -70,6 +71,7 @@ def prefill(
     chunk: int | None = None,
     tokenizer=None,
     verify: bool = False,
+    ane_weights: str = "lut",
 ) -> list:
     """Prefill `prompt` and return the prompt cache, in mlx-lm's own classes (`KVCache` per attention layer,
     `ArraysCache` per GDN layer), so `mlx_lm.stream_generate(model, tokenizer, next_tokens, prompt_cache=cache)`
@@ -81,45 +83,50 @@ def prefill(
     in place and returned. `ane_fraction` F in (0, 1] or "auto" (or an `AneSplit`; 0: GPU-only) prefills
     through the ANE + GPU split (as `hetero run --ane-fraction`, parsed by the same `AneSplit.parse`); `verify`
     then checks that split against the GPU-only prefill of the prompt and raises HeteroError when it does not match.
-    `chunk` is the prefill chunk (default 512; 256 for the split).
+    `chunk` is the prefill chunk (default 512; 256 for the split). `ane_weights`: the split's Core ML form of
+    quantized weights (`--ane-weights`: "lut" or "blockwise", both exact).
     """
+    check_weight_form(ane_weights)
     held = _held(model, tokenizer)
     kinds = [layer.is_linear for layer in held.model.layers]
     hcache = from_mlx_lm(cache, kinds) if cache is not None else ModelCache(held.model.make_cache().backbone)
-    _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify)
+    _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify, ane_weights)
     return to_mlx_lm(hcache, len(kinds), into=cache)
 
 
 def prefill_to_file(model, prompt: str | list[int], out: str | os.PathLike, *,
                     ane_fraction: AneSplit | float | str = 0.0, chunk: int | None = None, verify: bool = False,
-                    metadata: dict[str, str] | None = None) -> int:
+                    metadata: dict[str, str] | None = None, ane_weights: str = "lut") -> int:
     """Prefill `prompt` and write the cache to `out` in mlx-lm's prompt-cache format (`hetero prefill`; needs no
     mlx-lm). Returns the number of tokens the cache holds."""
+    check_weight_form(ane_weights)
     held = _held(model)
     hcache = ModelCache(held.model.make_cache().backbone)
-    _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify)
+    _prefill_into(held, prompt, hcache, ane_fraction, chunk, verify, ane_weights)
     save_prompt_cache(out, hcache, metadata)
     return hcache[0].offset
 
 
-def _prefill_into(held, prompt, hcache: list, ane_fraction, chunk: int | None, verify: bool) -> None:
+def _prefill_into(held, prompt, hcache: list, ane_fraction, chunk: int | None, verify: bool,
+                  weights: str = "lut") -> None:
     """Prefill `prompt` into hetero's backbone caches `hcache` (which may hold a prefix)."""
     ane = AneSplit.parse(ane_fraction, "ane_fraction")  # before the prompt is tokenized
     ids = _ids(held, prompt, hcache[0].offset)
     if ane.gpu_only:
         gpu_prefill(held.model, ids, hcache, chunk or DEFAULT_CHUNK)
     else:
-        _split_prefill(held, ids, hcache, ane, chunk, verify)
+        _split_prefill(held, ids, hcache, ane, chunk, verify, weights)
 
 
-def _split_prefill(held, ids: list[int], hcache: list, ane: AneSplit, chunk: int | None, verify: bool) -> None:
+def _split_prefill(held, ids: list[int], hcache: list, ane: AneSplit, chunk: int | None, verify: bool,
+                   weights: str = "lut") -> None:
 
     if ane.auto and getattr(held, "tokenizer", None) is None:
         raise HeteroError('ane_fraction="auto" with an mlx-lm model needs its tokenizer: prefill(..., tokenizer=tok)')
     runs = vars(held).setdefault("split_runs", {})  # lives as long as the engine / the wrapped mlx-lm model
-    key = (ane, chunk or SPLIT_CHUNK)
+    key = (ane, chunk or SPLIT_CHUNK, weights)
     if key not in runs:  # configured once per model: "auto" recommends and verifies on a calibration prompt
-        runs[key] = split_for(held, ane, chunk or SPLIT_CHUNK)
+        runs[key] = split_for(held, ane, chunk or SPLIT_CHUNK, weights)
     run = runs[key]
     before = [(c, c.offset, list(vars(c).items())) for c in hcache]  # GDN states are replaced, never written in place
     try:

@@ -212,7 +212,7 @@ def test_the_library_prefill_survives_a_lost_worker(fault_env):
     first, second = engine.encode_prompt(DOCTOR_TEXT * 3), engine.encode_prompt(DOCTOR_TEXT * 6)[:300]
     run = configure(engine, 0.5, 256)  # the export of the generation test above (one context bucket)
     run.ane_loader = "ane_faults:dies"
-    engine.split_runs = {(AneSplit(0.5), 256): run}  # the library's configured split for (split, chunk)
+    engine.split_runs = {(AneSplit(0.5), 256, "lut"): run}  # the library's configured split (split, chunk, weights)
     ours = hetero.prefill(engine, second, ane_fraction=0.5, chunk=256, cache=hetero.prefill(engine, first, chunk=256))
     gpu = hetero.prefill(engine, second, chunk=256, cache=hetero.prefill(engine, first, chunk=256))
     assert run.lane_failures == 1

@@ -31,13 +31,20 @@ def test_doctor_checks_the_split_end_to_end(capsys):
         (e["program"], e["rows"]) for e in programs["each"]}
     assert {e["piece"] for e in programs["each"]} >= {"attention", "mlp"}
     assert all(e["finite"] and e["ok"] for e in programs["each"])
+    forms = found["weights"]  # both exact weight forms, linted and run on the same input
+    assert set(forms["forms"]) == {"lut", "blockwise"} and forms["identical_outputs"]
+    assert all(f["lint_errors"] == 0 for f in forms["forms"].values())
+    assert forms["split"]["form"] == "lut" and forms["split"]["matrices"].get("fp16", 0) > 0  # a float model:
+    assert forms["split"]["quantized"] == forms["split"]["blockwise_capable"] == 0  # nothing to take either form
     for line in ("ANE lane:", "overlap", "verify (512 tokens", "memory:", "programs checked in the worker",
-                 "all checks passed"):
+                 "weight forms (--ane-weights)", "split weights (--ane-weights lut)", "all checks passed"):
         assert line in captured.err
     if platform.system() != "Darwin":  # said, not skipped: what only a Mac can check
         assert any("Neural Engine" in line for line in found["not_checked"])
         assert found["program"]["placement"] is None and "needs a Mac" in found["program"]["line"]
         assert programs["placement"] == "unavailable"
+        assert forms["recommended"] is None and "need a Mac" in forms["line"]
+        assert any("--ane-weights" in line for line in found["not_checked"])
 
 
 def test_the_program_checks_catch_a_padded_chunk_gone_non_finite(tiny_engine, fault_env):

@@ -227,10 +227,11 @@ def test_a_pipelined_request_round_trips_through_json():
 
 def test_server_settings_come_from_the_command_line_once():
     args = build_parser().parse_args(["serve", "--draft-depth", "5", "--ane-fraction", "auto", "--port", "9000",
-                                      "--served-model-name", "alias", "--max-batch", "2", "--decode-share", "0.5"])
+                                      "--served-model-name", "alias", "--max-batch", "2", "--decode-share", "0.5",
+                                      "--ane-weights", "blockwise"])
     s = ServerSettings.from_args(args)
-    assert (s.draft_depth, s.ane, s.port, s.served_name, s.max_batch, s.decode_share) == (
-        5, AneSplit(auto=True), 9000, "alias", 2, 0.5)
+    assert (s.draft_depth, s.ane, s.port, s.served_name, s.max_batch, s.decode_share, s.ane_weights) == (
+        5, AneSplit(auto=True), 9000, "alias", 2, 0.5, "blockwise")
     # the CLI's defaults are the settings' own, but that `hetero serve` batches (1 under mlx.launch: no pipelined form)
     assert ServerSettings.from_args(build_parser().parse_args(["serve"])) == ServerSettings(
         api_key=os.environ.get("HETERO_API_KEY"), max_batch=SERVE_MAX_BATCH)
@@ -242,6 +243,7 @@ def test_server_settings_come_from_the_command_line_once():
     (dict(ane=2), "--ane-fraction"), (dict(port=0), "--port"), (dict(max_batch=0), "--max-batch"),
     (dict(max_concurrent=0), "--max-concurrent"), (dict(decode_share=1.0), "--decode-share"),
     (dict(max_body_mb=0), "--max-body-mb"), (dict(served_name="\ud800"), "--served-model-name"),
+    (dict(ane_weights="int4"), "--ane-weights"),
 ])
 def test_server_settings_are_checked_when_built(kw, flag):
     with pytest.raises(HeteroError) as e:

@@ -12,9 +12,10 @@ reshape, silu and layer_norm are written here (layer_norm's result is tested equ
 is here because coremltools' numpy version took a seventh of an MLP program's time). Data-movement ops move
 the values as they are: no rounding, the same values.
 
-Compressed weights: `constexpr_lut_to_dense` (per-block lookup tables, the form `coreml_graphs.palette` exports
-MLX's quantized weights in) is expanded once at load, as Core ML does before the weights are used: a gather, so
-the fp16 weights are the table entries themselves (`weights()` returns them).
+Compressed weights, the two forms `coreml_graphs.palette` exports MLX's quantized weights in, are expanded once at
+load, as Core ML does before the weights are used (`weights()` returns them): `constexpr_lut_to_dense` (per-block
+lookup tables) is a gather, so the fp16 weights are the table entries themselves; `constexpr_blockwise_shift_scale`
+(scale * (data - offset) per block) is expanded by coremltools' own numpy semantics for the op (its `decompress`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ DATA_MOVEMENT_OPS = frozenset({"identity", "concat", "slice_by_index", "transpos
 OPERATOR_OPS = frozenset({"add", "sub", "mul", "real_div", "maximum", "minimum"})
 REDUCE_OPS = frozenset({"reduce_max", "reduce_sum"})
 OWN_OPS = frozenset({"const", "conv", "reshape", "silu", "layer_norm"})
-CONSTEXPR_OPS = frozenset({"constexpr_lut_to_dense"})  # expanded once at load (Core ML: at load or just in time)
+# expanded once at load (Core ML: at load or just in time)
+CONSTEXPR_OPS = frozenset({"constexpr_lut_to_dense", "constexpr_blockwise_shift_scale"})
 SUPPORTED_OPS = VALUE_INFERENCE_OPS | OPERATOR_OPS | REDUCE_OPS | OWN_OPS | CONSTEXPR_OPS
 
 
@@ -76,8 +78,8 @@ class ReferenceExecutor:
         self._expanded = {}  # constexpr output name -> its fp16 weight (held in fp32, as every value here)
         for op in self.ops:
             if op.op_type in CONSTEXPR_OPS:
-                self._expanded[op.outputs[0].name] = _f32(lut_to_dense(op.indices.val, op.lut.val, op.name))
-                for var in (op.indices, op.lut):  # the tables and indices are read by nothing else
+                self._expanded[op.outputs[0].name] = _f32(expand(op))
+                for var in op.inputs.values():  # the tables, indices, scales, ... are read by nothing else
                     self._consts.pop(var.name, None)
         self._consts.update(self._expanded)
 
@@ -195,6 +197,26 @@ def _run(op: Any, args: dict[str, Any]) -> np.ndarray:
     if kind == "layer_norm":
         return _layer_norm(args)
     raise HeteroError(f"op {kind!r} is not implemented by the reference executor")  # unreachable: checked at load
+
+
+def expand(op: Any) -> np.ndarray:
+    """The fp16 weight a compressed constant (`CONSTEXPR_OPS`) stands for."""
+    if op.op_type == "constexpr_lut_to_dense":
+        return lut_to_dense(op.indices.val, op.lut.val, op.name)
+    return shift_scale_to_dense(op.data.val, op.scale.val, None if op.offset is None else op.offset.val, op.name)
+
+
+def shift_scale_to_dense(data: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
+                         name: str = "constexpr_blockwise_shift_scale") -> np.ndarray:
+    """`constexpr_blockwise_shift_scale`: out[i] = scale[i // block] * (data[i] - offset[i // block]) per axis, with
+    block[a] = data.shape[a] / scale.shape[a], in the scale's dtype: coremltools' `decompress` (for an integer offset
+    and an fp16 scale, each weight is the product rounded once, whatever arithmetic a device uses)."""
+    from coremltools.converters.mil.mil.ops.defs.iOS18.compression import constexpr_blockwise_shift_scale as op
+
+    data, scale = np.asarray(data), np.asarray(scale)
+    if scale.ndim != data.ndim or any(n % b for n, b in zip(data.shape, scale.shape)):
+        raise HeteroError(f"{name}: scales {scale.shape} do not tile data {data.shape}")
+    return op.decompress(data, scale, offset)
 
 
 def lut_to_dense(indices: np.ndarray, lut: np.ndarray, name: str = "constexpr_lut_to_dense") -> np.ndarray:

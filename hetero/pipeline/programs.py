@@ -12,7 +12,7 @@ import numpy as np
 
 from hetero.backends import platform_backend
 from hetero.errors import HeteroError
-from hetero.export import export_plan, read_manifest
+from hetero.export import DEFAULT_WEIGHT_FORM, export_plan, read_manifest
 from hetero.planner import OFFLOADABLE, Plan, context_buckets
 from hetero.progress import ProgressBar
 
@@ -34,25 +34,28 @@ def model_dir(key: str) -> Path:
     return export_root() / key.replace("/", "_")
 
 
-def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int) -> Path:
+def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = DEFAULT_WEIGHT_FORM) -> Path:
     """The export directory of `plan` for the loaded model (model, path, config) whose weights `key` names, and a
     context `bucket`: exported on first use with a progress bar, attention programs for every context bucket up to
-    `bucket` (each chunk runs the smallest that holds it). The directory is named by (key, the plan's sliced
-    fraction, chunk and piece kinds, bucket)."""
+    `bucket` (each chunk runs the smallest that holds it), quantized weights in the form `form` (`--ane-weights`).
+    The directory is named by (key, the plan's sliced fraction, chunk and piece kinds, bucket, weight form)."""
     contexts = context_buckets(bucket, plan.chunk)
     tag = "" if set(plan.offload) == set(OFFLOADABLE) else "_" + "+".join(plan.offload)
     if plan.ranges is not None:  # the channels and output scales the ranges chose
         tag += "_r" + plan.ranges.digest()
+    if form != DEFAULT_WEIGHT_FORM:  # the two weight forms never share a directory (nor a package: its key)
+        tag += f"_w{form}"
     out = model_dir(key) / f"f{plan.sliced_fraction:.4f}_s{plan.chunk}_t{bucket}{tag}"
     try:
         manifest = read_manifest(out)
         files = all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"])
-        if files and manifest["context_buckets"] == contexts:
+        counted = all("weight_forms" in p for p in manifest["programs"])  # else rewritten, its packages reused
+        if files and counted and manifest["context_buckets"] == contexts and manifest.get("ane_weights", "lut") == form:
             return out
     except HeteroError:
         pass
 
-    export_plan(plan, loaded, out, contexts, progress=ProgressBar("export Core ML"))
+    export_plan(plan, loaded, out, contexts, progress=ProgressBar("export Core ML"), form=form)
     return out
 
 
@@ -68,6 +71,9 @@ class Programs:
     gdn_in_proj: dict[int, list] = field(default_factory=dict)
     channels: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (piece, layer) -> the ANE's units
     # when chosen by range (`hetero.planner.ranges`); absent: units [0, share) in their own order
+    weights: str = "lut"  # the export's weight form (`--ane-weights`)
+    weight_forms: dict[str, int] = field(default_factory=dict)  # matrices per embedding (fp16, lut, blockwise)
+    blockwise_capable: int = 0  # matrices `--ane-weights blockwise` embeds (or would embed) as shift-scale
 
     def ane_units(self, kind: str, layer: int) -> np.ndarray:
         """The units (channels, rows) a layer's piece sends to the ANE."""
@@ -102,8 +108,14 @@ def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs
     from coreml_graphs.attention import AttentionShape
 
     manifest = read_manifest(export_dir)
-    progs = Programs(manifest["chunk_size"])
+    progs = Programs(manifest["chunk_size"], weights=manifest.get("ane_weights", "lut"))
+    counted = set()  # a package's functions (its context buckets) embed the same matrices
     for p in manifest["programs"]:
+        if p["file"] not in counted:
+            counted.add(p["file"])
+            for kind, n in p.get("weight_forms", {}).items():
+                progs.weight_forms[kind] = progs.weight_forms.get(kind, 0) + n
+            progs.blockwise_capable += p.get("blockwise_capable", 0)
         path, function = export_dir / p["file"], p.get("function")  # a multifunction package names its function
         run, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
         if p["out_shift"]:

@@ -17,6 +17,7 @@ from hetero.fingerprint import checkpoint_identity, weights_fingerprint
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
 from hetero.pipeline.calibrate import cached_ranges, saved_ranges
 from hetero.pipeline.lanes import DecodeQueue, Trace
+from hetero.export import DEFAULT_WEIGHT_FORM, check_weight_form
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
 from hetero.planner.ranges import Ranges, within_range
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
@@ -50,6 +51,7 @@ class PipelineRun:
     last_failure: str | None = None  # what happened to the last worker lost
     ane_loader: str | None = None  # "module:callable" the worker loads programs with instead of the platform's
     ane_timeout_s: float = JOB_TIMEOUT_S  # a worker job that takes longer is a hung worker
+    weights: str = DEFAULT_WEIGHT_FORM  # `--ane-weights`: how quantized weights are exported (hetero.export.WEIGHT_FORMS)
     _splits: dict = field(default_factory=dict)
     _gpu_only_next: bool = False  # `prepare` lost the worker: the prompt it prepared is prefilled GPU-only
 
@@ -85,7 +87,7 @@ class PipelineRun:
             gone.check_alive()  # one that died since its last job is a lost worker (AneLaneLost), reported as such
         if bucket not in self._splits:
             e = self.engine
-            out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket)
+            out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket, self.weights)
             name, loader = ane_backend()
             worker = shared_worker(self.ane_loader, self.ane_timeout_s) if self.lane == "process" else None
             programs = load_programs(out, worker.load if worker is not None else loader)
@@ -139,7 +141,8 @@ class PipelineRun:
         print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker", file=sys.stderr)
 
     def ane_block(self) -> dict:
-        return {"backend": self.backend, "lane": self.lane, "requested_fraction": self.requested_fraction,
+        return {"backend": self.backend, "lane": self.lane, "weights": self.weights,
+                "requested_fraction": self.requested_fraction,
                 "effective_fraction": round(self.effective_fraction, 6), "caps": self.caps,
                 "lane_failures": self.lane_failures, "last_failure": self.last_failure,
                 **({"fp16_headroom_bits": self.plan.ranges.headroom(),
@@ -149,11 +152,14 @@ class PipelineRun:
 def configure(
     engine, fraction: float, chunk: int = DEFAULT_CHUNK, trace: Trace | None = None,
     offload: tuple[str, ...] | None = None, profile: Profile | None = None, lane: str = "process",
+    weights: str = DEFAULT_WEIGHT_FORM,
 ) -> PipelineRun:
     """A PipelineRun for `fraction` of the piece kinds in `offload` (default: those whose share shortens the
     predicted prefill, `hetero.planner.recommend.split_plan`): the one place a split's `Plan` is made, by the
     planner for `profile` (default: this machine's measured profile, else the planner's default chip). Only a
-    per-process ANE weight limit that a profile measured shrinks the slices; none is documented."""
+    per-process ANE weight limit that a profile measured shrinks the slices; none is documented. `weights`: the
+    form quantized weights are exported in (`--ane-weights`: `lut` or `blockwise`, both exact)."""
+    check_weight_form(weights)
 
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
@@ -170,7 +176,7 @@ def configure(
     if plan.slices:  # keep the ANE inside fp16: ranges measured on the GPU lane (hetero.planner.ranges)
         ranges = cached_ranges(model_dir(export_key(engine)), engine.model, calibration_ids(engine), plan)
         plan = within_range(plan, ranges)
-    return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane)
+    return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane, weights=weights)
 
 
 def export_key(engine) -> str:
@@ -200,25 +206,29 @@ def calibration_ids(engine) -> list[int]:
     return (ids * (RANGE_TOKENS // max(len(ids), 1) + 1))[:RANGE_TOKENS]
 
 
-def split_for(engine, ane: AneSplit | float | str, chunk: int = DEFAULT_CHUNK) -> PipelineRun:
+def split_for(engine, ane: AneSplit | float | str, chunk: int = DEFAULT_CHUNK,
+              weights: str = DEFAULT_WEIGHT_FORM) -> PipelineRun:
     """The split of `--ane-fraction F|auto` for `engine`: an `AneSplit` (a bare fraction or "auto" is parsed by
-    `AneSplit.parse`, the one parser)."""
+    `AneSplit.parse`, the one parser), its quantized weights exported in the form `weights` (`--ane-weights`)."""
     ane = AneSplit.parse(ane)
-    return auto_fraction(engine, chunk) if ane.auto else configure(engine, ane.fraction, chunk)
+    if ane.auto:
+        return auto_fraction(engine, chunk, weights=weights)
+    return configure(engine, ane.fraction, chunk, weights=weights)
 
 
 def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], None] | None = None,
-                  tol: float | None = DEFAULT_VERIFY_TOL) -> PipelineRun:
+                  tol: float | None = DEFAULT_VERIFY_TOL, weights: str = DEFAULT_WEIGHT_FORM) -> PipelineRun:
     """`--ane-fraction auto`: the fraction this machine's measured profile recommends, lowered until the split
     passes verification on a calibration prompt (each lowering is reported). The fp32 reference the checks share
     is released once the fraction is chosen: a server keeps none of it."""
     try:
-        return _auto_fraction(engine, chunk, report, tol)
+        return _auto_fraction(engine, chunk, report, tol, weights)
     finally:
         release_reference(engine)
 
 
-def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol: float | None) -> PipelineRun:
+def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol: float | None,
+                   weights: str) -> PipelineRun:
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     report = report or (lambda line: print(line, file=sys.stderr))
@@ -229,7 +239,7 @@ def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol
                                memory_gb=memory_gb)
     ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
     while fraction > 0:
-        run = configure(engine, fraction, chunk, offload=best.offload, profile=profile)
+        run = configure(engine, fraction, chunk, offload=best.offload, profile=profile, weights=weights)
         check = verify(run, ids, tol=tol, n_tokens=8)
         if "lane_lost" in check:  # the worker, not the split, failed: no fraction can be judged now
             report("--ane-fraction auto: the ANE lane's worker was lost during calibration; prefill runs GPU-only")

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hetero.engine import Engine
 from hetero.errors import HeteroError
+from hetero.export import check_weight_form
 from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
 from hetero.server.metrics import CONTENT_TYPE, Metrics
@@ -57,6 +58,7 @@ class ServerSettings:
     session_cache_max_gb: float = 16.0
     no_session_cache: bool = False
     ane: AneSplit = GPU_ONLY  # the prefill split (a number or "auto" is parsed by `AneSplit.parse`)
+    ane_weights: str = "lut"  # `--ane-weights`: the Core ML form of quantized weights (hetero.export.WEIGHT_FORMS)
     draft_depth: int | None = None  # every request's MTP draft depth (None: the tuned or calibrated one)
     prefill_chunk: int = 512
     max_concurrent: int = 4  # requests generating at once, taking turns on the model
@@ -71,6 +73,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ane", AneSplit.parse(self.ane))
+        check_weight_form(self.ane_weights)
         PORT.check(self.port, "--port")
         for name in ("prefill_chunk", "max_concurrent", "default_max_tokens", "max_batch"):
             POSITIVE_INT.check(getattr(self, name), _flag(name))
@@ -118,13 +121,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def server_split(engine: Engine, ane: AneSplit | float | str | None, chunk: int):
-    """The configured split of `--ane-fraction` (a fraction or auto), or None for GPU-only (not given, or 0)."""
+def server_split(engine: Engine, ane: AneSplit | float | str | None, chunk: int, weights: str = "lut"):
+    """The configured split of `--ane-fraction` (a fraction or auto), or None for GPU-only (not given, or 0);
+    `weights`: `--ane-weights`."""
     ane = AneSplit.parse(ane)
     if ane.gpu_only:
         return None
 
-    return split_for(engine, ane, chunk)
+    return split_for(engine, ane, chunk, weights)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None, split=None, **options) -> Starlette:
@@ -294,7 +298,7 @@ def serve(settings: ServerSettings | None = None) -> None:
         if s.draft_depth is None:
             engine.default_depth()  # a model never measured here is calibrated now, not inside the first request
         engine.prefix_cache = PrefixCache(int(s.prefix_cache_max_gb * 1024**3), store=store)
-        split = server_split(engine, s.ane, s.prefill_chunk)
+        split = server_split(engine, s.ane, s.prefill_chunk, s.ane_weights)
         app = create_app(engine, s, split)
     except BaseException:
         sock.close()
