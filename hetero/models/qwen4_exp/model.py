@@ -109,6 +109,7 @@ class Model(nn.Module):
     """The causal LM: `model` (backbone) and `lm_head` (unless tied). No MTP head yet."""
 
     prefix_cacheable = False  # prefix-cache checkpoints hold no PLE / QSA index state yet: the engine skips them
+    batchable = False  # no ragged (batched) decode yet: a server decodes its requests one per pass, by turns
 
     def __init__(self, args: Qwen4Args, with_mtp: bool = False):
         super().__init__()
