@@ -201,3 +201,38 @@ def test_restart_on_the_same_session_cache_serves_fresh_state(session):
     assert warm.choices[0].message.content == cold.choices[0].message.content
     # the interrupted prompt, greedy again: the start of what the interrupted stream had sent
     assert "".join(seen).startswith(resumed.choices[0].message.content)
+
+
+def test_a_first_use_export_stops_between_programs(tmp_path, monkeypatch):
+    """A split server's first prompt exports its Core ML programs (minutes for a large model). The server's stop
+    ends that export after the program being written (the job gets the 503 shutting-down error, so its stream ends
+    with a final event), and the unfinished export, which has no manifest, is never read: the next start exports
+    it whole."""
+    import hetero
+    from hetero.export import MANIFEST
+    from hetero.pipeline import configure
+    from hetero.server.requests import RequestError
+    from hetero.server.runner import JobSplit, Runner
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path))
+    engine = hetero.load()
+    ids = engine.encode_prompt(LONG_PROMPT[:400], False)
+    runner = Runner(engine, split=configure(engine, 0.5, 64))
+    written = []
+    real = runner.refuse_if_stopping
+
+    def stop_after_two() -> None:  # the signal arrives while the second program is written
+        written.append(1)
+        if len(written) == 2:
+            runner.stop()
+        real()
+
+    monkeypatch.setattr(runner, "refuse_if_stopping", stop_after_two)
+    with pytest.raises(RequestError) as stopped:
+        JobSplit(runner, object()).prefill(ids)
+    assert stopped.value.status == 503 and len(written) == 2
+    assert not list(tmp_path.rglob(MANIFEST))
+    fresh = configure(engine, 0.5, 64)
+    fresh.prepare(ids)
+    (manifest,) = tmp_path.rglob(MANIFEST)
+    assert len(json.loads(manifest.read_text())["programs"]) > 2

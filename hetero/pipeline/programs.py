@@ -34,11 +34,14 @@ def model_dir(key: str) -> Path:
     return export_root() / key.replace("/", "_")
 
 
-def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = DEFAULT_WEIGHT_FORM) -> Path:
+def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = DEFAULT_WEIGHT_FORM,
+                  check: Callable[[], None] | None = None) -> Path:
     """The export directory of `plan` for the loaded model (model, path, config) whose weights `key` names, and a
     context `bucket`: exported on first use with a progress bar, attention programs for every context bucket up to
     `bucket` (each chunk runs the smallest that holds it), quantized weights in the form `form` (`--ane-weights`).
-    The directory is named by (key, the plan's sliced fraction, chunk and piece kinds, bucket, weight form)."""
+    The directory is named by (key, the plan's sliced fraction, chunk and piece kinds, bucket, weight form).
+    `check` runs after every program and may raise to stop the export there (a stopping server); the manifest is
+    written last, so a stopped export is never read as finished."""
     contexts = context_buckets(bucket, plan.chunk)
     tag = "" if set(plan.offload) == set(OFFLOADABLE) else "_" + "+".join(plan.offload)
     if plan.ranges is not None:  # the channels and output scales the ranges chose
@@ -55,7 +58,14 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = 
     except HeteroError:
         pass
 
-    export_plan(plan, loaded, out, contexts, progress=ProgressBar("export Core ML"), form=form)
+    bar = ProgressBar("export Core ML")
+
+    def progress(done: int, total: int) -> None:
+        bar(done, total)
+        if check is not None:
+            check()
+
+    export_plan(plan, loaded, out, contexts, progress=progress, form=form)
     return out
 
 

@@ -78,8 +78,9 @@ class PipelineRun:
         """The plan's caps on the pieces that may split (the others never leave the GPU: no news)."""
         return [c for c in self.plan.caps() if not c.startswith(("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp"))]
 
-    def splitter(self, n_tokens: int) -> SplitPrefill:
-        """The split prefill for a prompt of `n_tokens` (programs exported for its context bucket on first use)."""
+    def splitter(self, n_tokens: int, check: Callable[[], None] | None = None) -> SplitPrefill:
+        """The split prefill for a prompt of `n_tokens` (programs exported for its context bucket on first use;
+        `check` runs after each exported program and may raise to stop there)."""
         bucket = context_bucket(n_tokens, self.chunk)
         gone = next((s.worker for s in self._splits.values() if s.worker is not None and not s.worker.alive), None)
         if gone is not None:
@@ -87,19 +88,20 @@ class PipelineRun:
             gone.check_alive()  # one that died since its last job is a lost worker (AneLaneLost), reported as such
         if bucket not in self._splits:
             e = self.engine
-            out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket, self.weights)
+            out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket, self.weights, check)
             name, loader = ane_backend()
             worker = shared_worker(self.ane_loader, self.ane_timeout_s) if self.lane == "process" else None
             programs = load_programs(out, worker.load if worker is not None else loader)
             self._splits[bucket] = SplitPrefill(e.model, programs, name, worker=worker)
         return self._splits[bucket]
 
-    def prepare(self, ids: list[int]) -> None:
+    def prepare(self, ids: list[int], check: Callable[[], None] | None = None) -> None:
         """Export and load the programs the prompt `ids` needs now, so the first token's time excludes it; the
-        effective fraction is then the share of this prompt's prefill FLOPs."""
+        effective fraction is then the share of this prompt's prefill FLOPs. `check` runs after each program a
+        first-use export writes, and may raise to stop it (a server's stop signal)."""
         if len(ids) >= 2:
             try:
-                self.splitter(len(ids) - 1)
+                self.splitter(len(ids) - 1, check)
             except AneLaneLost as e:  # the worker died while its programs loaded: this prompt goes GPU-only
                 self.lost(e)
                 self._gpu_only_next = True

@@ -143,6 +143,11 @@ class Runner:
         or prefill chunk (their turn's checkpoint is still written) and fail with `shutting_down()`."""
         self.stopping.set()
 
+    def refuse_if_stopping(self) -> None:
+        """Raise the shutting-down error once the server's stop has begun (long work checks it between steps)."""
+        if self.stopping.is_set():
+            raise shutting_down()
+
     def submit(self, job: Job, emit: Callable[[str | Started | TokenLogprobs], None],
                cancelled: threading.Event):
         """Queue `run(job, ...)` for a worker thread; its concurrent Future."""
@@ -366,7 +371,7 @@ class JobSplit:
         if not runner._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
             return runner.engine.model.make_cache(), 0, None
         try:
-            runner.split.prepare(ids)
+            runner.split.prepare(ids, check=runner.refuse_if_stopping)  # a first-use export stops between programs
             out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk)
             runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
             last = runner.split.last
