@@ -94,16 +94,20 @@ SPECIALS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", IMAGE_TOKEN:
 
 
 def save_chat_tokenizer(path: Path) -> None:
-    """A character-level tokenizer that fits the checkpoint's 256-token vocabulary (printable ASCII and newline at
-    3..98, `<unk>` at 99) with ChatML and Qwen's vision special tokens at their config ids, and the ChatML template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    """A character-level tokenizer that fits the checkpoint's 256-token vocabulary, written as sentencepiece-style
+    BPE (space as "▁", newline by byte fallback): printable ASCII and `<0x0A>` at 3..98, `<unk>` at 99, two-letter
+    pieces (which encoding never makes, but decoding names) up to 251, ChatML and Qwen's vision special tokens at
+    their config ids, and the ChatML template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     from converters.tokenizer_train import CHAT_TEMPLATE
 
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {**{t: i for i, t in SPECIALS.items()}, **{c: 3 + i for i, c in enumerate(chars)}, "<unk>": 3 + len(chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
+    chars = ["\u2581" if c == 32 else chr(c) for c in range(32, 127)] + ["<0x0A>"]
+    chars += ["<unk>"] + [a + b for a in "etaoinshr" for b in "etaoinshrdlucmfwyp"]  # 2-letter words up to 251
+    vocab = {**{t: i for i, t in SPECIALS.items()}, **{c: 3 + i for i, c in enumerate(chars[: IMAGE_TOKEN - 3])}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS.values()])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(dict(
