@@ -156,3 +156,27 @@ def test_local_paths_need_the_flag(vlm, tmp_path):
                                                messages=[{"role": "user", "content": [block]}])
     finally:
         server.stop()
+
+
+def test_concurrent_image_requests_in_one_decode_batch(vlm):
+    """Two requests with different images decoding in one shared batch (plain and MTP rows): each gets
+    transformers' greedy reply."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, engine, hf, path = vlm
+    images = [draw_image(64, 64, seed=21), draw_image(80, 48, seed=22)]
+    want = [engine.tokenizer.decode(reference(engine, hf, path, image)[1]) for image in images]
+    server = LiveServer(engine, max_batch=4)
+    try:
+        def ask(i: int) -> str:
+            messages = [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(encoded(images[i], "PNG"))}},
+                {"type": "text", "text": QUESTION}]}]
+            r = server.openai().chat.completions.create(model=engine.name, messages=messages, max_tokens=6,
+                                                        extra_body={"mtp": bool(i)})
+            return r.choices[0].message.content
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(ask, [0, 1])) == want
+    finally:
+        server.stop()

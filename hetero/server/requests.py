@@ -258,11 +258,15 @@ class Parser:
                                "model", "model_not_found")
         return name
 
-    def image_places(self) -> list[str] | None:
+    def image_places(self, check: bool = False) -> list[str] | None:
         """What message conversion hands image parts to: for a checkpoint with a vision tower an `ImageInputs`,
-        which reads them; else a list of the places of image parts it replaced by a placeholder, or None under
-        --reject-images (an image part is then refused)."""
-        if getattr(self.engine, "vision", None) is not None:
+        which reads them (with `check`, a pass that only checks the messages' shape, a throwaway list); else a list
+        of the places of image parts it replaced by a placeholder, or None under --reject-images (an image part is
+        then refused)."""
+        reads = getattr(self.engine, "vision", None) is not None
+        if reads and check:
+            return []
+        if reads:
             from hetero.server.images import ImageInputs  # (images.py builds on this module)
 
             return ImageInputs(self.engine.image_marker, self.allow_local_images, self.max_image_bytes)
