@@ -108,3 +108,16 @@ def test_bad_images_are_one_line(vlm, tmp_path):
     text_only = hetero.load(tmp_path)
     with pytest.raises(HeteroError, match="no vision tower"):
         text_only.generate("<|image_pad|>", max_tokens=1, images=[draw_image(64, 64)])
+
+
+def test_mlx_lm_shaped_stream_generate_takes_images(vlm):
+    """`hetero.library.stream_generate` with images: the engine's tokens, and the expanded prompt's size."""
+    from hetero.library import stream_generate
+
+    engine, _, _ = vlm
+    png = encoded(draw_image(80, 48, seed=9), "PNG")
+    want = engine.generate("Look.", max_tokens=5, chat=True, images=[png], mtp=False, use_prefix_cache=False)
+    steps = list(stream_generate(engine, prompt="Look.", max_tokens=5, chat=True, images=[png], mtp=False,
+                                 use_prefix_cache=False))
+    assert [s.token for s in steps if s.token is not None] == want.tokens
+    assert steps[-1].prompt_tokens == want.stats["prompt_tokens"] > len(engine.encode_prompt("Look.", chat=True))

@@ -196,6 +196,8 @@ class PipelineEngine:
         if r.split is not None or r.batch is not None or r.prompt_cache is not None:
             raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction), batched decoding "
                               "(--max-batch) or prompt_cache; leave them out")
+        if r.images:
+            raise HeteroError("a pipelined (mlx.launch) run reads no images yet; run the model in one process")
         ids = self.encode_prompt(r.prompt, r.chat)
         max_tokens = min(r.max_tokens, self.max_context - len(ids))
         if r.mtp and not self.stage.has_mtp:
