@@ -29,10 +29,15 @@ class Vision:
         self._tokenizer = tokenizer
 
     @property
+    def marker_ids(self) -> list[int]:
+        """The token ids of one image's marker: vision start, the image token, vision end."""
+        ids = [self.config.get("vision_start_token_id"), self.image_token, self.config.get("vision_end_token_id")]
+        return [i for i in ids if isinstance(i, int)]
+
+    @property
     def marker(self) -> str:
         """What the chat template writes for one image: vision start, the image token, vision end."""
-        ids = [self.config.get("vision_start_token_id"), self.image_token, self.config.get("vision_end_token_id")]
-        ids = [i for i in ids if isinstance(i, int)]
+        ids = self.marker_ids
         text = self._tokenizer.decode(ids)
         if self._tokenizer.encode(text) != ids:
             raise HeteroError(f"{self.path}: the tokenizer does not read {text!r} back as the image tokens {ids}; "

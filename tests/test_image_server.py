@@ -18,7 +18,7 @@ import torch
 from hetero.prefix_cache import PrefixCache
 from tests.test_image_prompt import hf_inputs
 from tests.test_server import LiveServer
-from tests.vision_checkpoint import LAYOUTS, add_mtp_head, draw_image, encoded, save_chat_tokenizer, save_vl
+from tests.vision_checkpoint import IMAGE_TOKEN, LAYOUTS, add_mtp_head, draw_image, encoded, save_chat_tokenizer, save_vl
 
 QUESTION = "What is in the picture?"
 
@@ -180,3 +180,22 @@ def test_concurrent_image_requests_in_one_decode_batch(vlm):
             assert list(pool.map(ask, [0, 1])) == want
     finally:
         server.stop()
+
+
+def test_an_image_token_quoted_in_text_stays_text(vlm):
+    """A message (or an earlier reply) that writes `<|image_pad|>` as text: it is read as plain text, never as a
+    second image slot, and the one real image is still read."""
+    server, engine, _, _ = vlm
+    image = encoded(draw_image(64, 64, seed=13), "PNG")
+    quoted = "What does <|image_pad|> mean?"
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": quoted}]}]
+    r = server.openai().chat.completions.create(model=engine.name, messages=messages, max_tokens=1)
+    plain = engine.tokenizer.encode_plain("<|image_pad|>")
+    assert len(plain) > 1 and IMAGE_TOKEN not in plain
+    image_tokens = len(engine.image_prompt([IMAGE_TOKEN], [image]).tokens)
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": engine.image_marker + quoted}])
+    head, rest = text.split(engine.image_marker)
+    before, after = rest.split("<|image_pad|>")
+    count = lambda s: len(engine.tokenizer.encode(s))  # noqa: E731
+    assert r.usage.prompt_tokens == count(head) + 2 + image_tokens + count(before) + len(plain) + count(after)

@@ -34,9 +34,14 @@ class ImageInputs(list):
 
     A list, as the placeholder collector is, but one that stays empty: no image is omitted."""
 
-    def __init__(self, marker: str, allow_local: bool = False, max_bytes: int = int(DEFAULT_MAX_IMAGE_MB * 2**20)):
+    def __init__(self, vision, tokenizer, allow_local: bool = False,
+                 max_bytes: int = int(DEFAULT_MAX_IMAGE_MB * 2**20)):
         super().__init__()
-        self.marker, self.allow_local, self.max_bytes = marker, allow_local, max_bytes
+        self.marker, self.marker_ids, self.tokenizer = vision.marker, vision.marker_ids, tokenizer
+        self.allow_local, self.max_bytes = allow_local, max_bytes
+        pads = [vision.image_token, vision.config.get("video_token_id")]
+        # an image's (or video's) token written as text in a message reads as text, never as an image slot
+        self._quoted = re.compile("|".join(re.escape(tokenizer.decode([t])) for t in pads if isinstance(t, int)))
         self.images: list[Image.Image] = []
 
     def take(self, part: dict, place: str) -> str:
@@ -47,6 +52,21 @@ class ImageInputs(list):
         except HeteroError as e:
             raise RequestError(400, f"'{place}': {e}", place, "invalid_image") from None
         return _SLOT.format(len(self.images) - 1)
+
+    def encode(self, text: str) -> list[int]:
+        """A rendered prompt with slots -> token ids: each slot the image's marker tokens, the text between them as
+        the tokenizer reads it, except image tokens quoted in it (read as plain text)."""
+        ids: list[int] = []
+        for i, piece in enumerate(_SLOT_RE.split(text)):  # text, slot number, text, ...
+            if i % 2:
+                ids += self.marker_ids
+                continue
+            at = 0
+            for quoted in self._quoted.finditer(piece):
+                ids += self.tokenizer.encode(piece[at : quoted.start()]) + self.tokenizer.encode_plain(quoted.group())
+                at = quoted.end()
+            ids += self.tokenizer.encode(piece[at:])
+        return ids
 
     def substitute(self, text: str) -> str:
         """Every slot in `text` -> the checkpoint's image marker."""

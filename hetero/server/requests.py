@@ -269,7 +269,7 @@ class Parser:
         if reads:
             from hetero.server.images import ImageInputs  # (images.py builds on this module)
 
-            return ImageInputs(self.engine.image_marker, self.allow_local_images, self.max_image_bytes)
+            return ImageInputs(self.engine.vision, self.engine.tokenizer, self.allow_local_images, self.max_image_bytes)
         return None if self.reject_images else []
 
     def penalties(self, body: dict) -> Penalties:

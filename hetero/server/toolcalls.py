@@ -104,14 +104,14 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
     except HeteroError as e:
         raise RequestError(400, str(e), "messages") from None
     reading = isinstance(images, ImageInputs) and bool(images.images)
-    slotted, prompt = prompt, images.substitute(prompt) if reading else prompt
+    encode = images.encode if reading else tokenizer.encode  # with images: their slots -> their tokens
     forced = forced_prefix(mode, prompt, tokenizer.chat_template)
-    ids = parser.encode(prompt + forced, "messages")
-    mark = None if continue_final else transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids,
-                                                      images.substitute if reading else None)
+    ids = parser.encode(encode(prompt + forced), "messages")
+    mark = None if continue_final else transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids, encode)
     vision = None
     if reading:
-        ids, vision, mark = place_images(parser.engine, images, slotted, ids, mark)
+        ids, vision, mark = place_images(parser.engine, images, prompt, ids, mark)
+        prompt = images.substitute(prompt)
     only = mode if mode not in (None, "auto", "none", "required") else None
     grammar = None
     if forced:  # required or a named function: decoded under the call's grammar, valid by construction
@@ -161,7 +161,7 @@ def continued(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kw
 
 
 def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kwargs: dict, prompt: str,
-                   ids: list[int], substitute=None) -> int | None:
+                   ids: list[int], encode=None) -> int | None:
     """Tokens of the conversation rendered without the generation prompt, when they prefix the prompt's `ids`
     (else None). The next turn renders this turn's reply after exactly these tokens (Qwen templates write
     `<|im_start|>assistant\\n<think>\\n` as the generation prompt but an empty think block before a call in
@@ -170,10 +170,9 @@ def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, templa
         head = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=False, **template_kwargs)
     except HeteroError:
         return None
-    head = substitute(head) if substitute is not None else head  # images' slots -> their markers, as in `prompt`
     if not head or len(head) >= len(prompt) or not prompt.startswith(head):
         return None
-    head_ids = tokenizer.encode(head)
+    head_ids = (encode or tokenizer.encode)(head)
     return len(head_ids) if ids[: len(head_ids)] == head_ids else None
 
 

@@ -87,7 +87,7 @@ def openai_messages(messages: list[dict], images: list[str] | None = None) -> li
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = "system" if m.get("role") == "developer" else m.get("role")
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where, images)}
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{where}.content", images)}
         if role == "assistant":
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
