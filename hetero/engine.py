@@ -101,7 +101,7 @@ class Engine:
         token ids -> token ids; `held` tokens already in a cache count against the context window."""
         if isinstance(prompt, str):
             if chat:
-                content = self.image_marker * images + prompt
+                content = self.image_marker * images + prompt if images else prompt
                 prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
             ids = self.tokenizer.encode(prompt)
         else:
