@@ -199,3 +199,16 @@ def test_an_image_token_quoted_in_text_stays_text(vlm):
     before, after = rest.split("<|image_pad|>")
     count = lambda s: len(engine.tokenizer.encode(s))  # noqa: E731
     assert r.usage.prompt_tokens == count(head) + 2 + image_tokens + count(before) + len(plain) + count(after)
+
+
+def test_image_flags_reach_the_settings():
+    from hetero.cli_parser import build_parser
+    from hetero.errors import HeteroError
+    from hetero.server.app import ServerSettings
+
+    given = ServerSettings.from_args(build_parser().parse_args(["serve", "--allow-local-images", "--max-image-mb", "3"]))
+    default = ServerSettings.from_args(build_parser().parse_args(["serve"]))
+    assert (given.allow_local_images, given.max_image_mb) == (True, 3.0)
+    assert (default.allow_local_images, default.max_image_mb) == (False, 20.0)
+    with pytest.raises(HeteroError, match="--max-image-mb"):
+        ServerSettings(max_image_mb=0)
