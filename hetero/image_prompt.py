@@ -5,6 +5,10 @@ of those tokens, and the 3-D (time, height, width) rotary positions of transform
 Positions: text tokens count on from the previous token; an image's tokens sit at (p, p + row, p + column) where p
 is the position after the text before it, and the text after an image resumes at p + max(rows, columns). Every
 later token is at its index plus `delta` (the last position + 1 - the prompt's length), in all three streams.
+
+Caches: the prefix and session caches key an image's tokens by content keys drawn from a digest of its preprocessed
+pixels (`ImagePrompt.cache_keys`), so the same image restores and another of the same size never matches; the tower
+runs only over images with tokens after the restored prefix (`ImagePrompt.encode`).
 """
 
 from __future__ import annotations
