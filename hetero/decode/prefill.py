@@ -30,8 +30,9 @@ def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None
     rotary positions of the pairs' p (a prompt with images)."""
     pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
     pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
-    if pairs_t.size:
-        model.mtp_hidden(pairs_t[None], pairs_h[None], cache.mtp, positions)
+    if pairs_t.size:  # (a pipelined stage's head takes no positions: it never sees images)
+        extra = () if positions is None else (positions,)
+        model.mtp_hidden(pairs_t[None], pairs_h[None], cache.mtp, *extra)
     return h[0, -1:]
 
 
