@@ -24,6 +24,12 @@ class KVCache:
         self.values: mx.array | None = None  # [B, Hkv, capacity, D]
         self.offset = 0
         self.expected = 0  # positions the next allocation makes room for (`expect`)
+        self.shift = 0  # RoPE position of slot i is i + shift: after a prompt's image, the positions it saved
+
+    @property
+    def position(self) -> int:
+        """The RoPE position of the next slot written (`offset` + `shift`)."""
+        return self.offset + self.shift
 
     def expect(self, n: int) -> None:
         """Make the next allocation hold n positions (a prefill about to write them): one buffer for the whole
@@ -119,7 +125,7 @@ class RaggedKV:
     @property
     def offsets(self) -> mx.array:
         """[B] each row's position before this pass (its RoPE offset)."""
-        return mx.array([c.offset for c in self.rows])
+        return mx.array([c.position for c in self.rows])
 
     @property
     def state(self) -> list[mx.array]:

@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reject-images", action="store_true",
                        help="refuse an image in a text-only model's conversation with a 400 (default: a text "
                             "placeholder stands in for it, with an x-hetero-warning header)")
+    serve.add_argument("--allow-local-images", action="store_true",
+                       help="a model with a vision tower may read image parts that name a local file (an absolute "
+                            "path or file:// URL) on this machine (default: only data URLs and base64 images)")
+    serve.add_argument("--max-image-mb", type=POSITIVE, default=20.0, metavar="MB",
+                       help="the largest image file a request may send, in MB (default: 20); larger is a 400")
     serve.add_argument("--metrics-public", action="store_true",
                        help="serve GET /metrics (Prometheus text) without the --api-key, for a scraper that sends "
                             "none (default: /metrics needs the key like the /v1 routes)")

@@ -24,6 +24,7 @@ from hetero.decode.solo import decode_tokens
 from hetero.decode.state import Decoder
 from hetero.errors import HeteroError
 from hetero.fingerprint import checkpoint_identity, weights_fingerprint
+from hetero.image_prompt import ImagePrompt
 from hetero.loader import load_model
 from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.mlx_lm_cache import check_layout, from_mlx_lm
@@ -35,6 +36,7 @@ from hetero.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
 from hetero.thinking_budget import ThinkingBudget
 from hetero.tokenizer import Tokenizer
 from hetero.tools.reasoning import opens_reasoning
+from hetero.vision_input import ImageInput, Vision
 from hetero.wired import wire_working_set
 
 
@@ -66,6 +68,8 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         self.memory_gb: float | None = None  # RAM the memory governor budgets (None: this machine's)
         self._grammar_tokenizer = None  # llguidance's tokenizer, built on the first constrained request
+        # the vision tower and image processor of a checkpoint that has them (None: it reads text only)
+        self.vision = Vision.of(path, config, tokenizer, model.model.norm.weight.dtype)
 
     @property
     def identity(self) -> str:
@@ -93,12 +97,13 @@ class Engine:
     def max_context(self) -> int:
         return self.model.args.max_position_embeddings
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool = False, held: int = 0) -> list[int]:
-        """Text (optionally wrapped in the chat template as one user turn) or token ids -> token ids; `held` tokens
-        already in a cache count against the context window."""
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False, held: int = 0, images: int = 0) -> list[int]:
+        """Text (optionally wrapped in the chat template as one user turn, after its `images` when it has some) or
+        token ids -> token ids; `held` tokens already in a cache count against the context window."""
         if isinstance(prompt, str):
             if chat:
-                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+                content = self.image_marker * images + prompt if images else prompt
+                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -108,13 +113,34 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise HeteroError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
-        if held + len(ids) >= self.max_context:
+        self._check_room(len(ids), held)
+        return ids
+
+    def _check_room(self, n: int, held: int = 0) -> None:
+        if held + n >= self.max_context:
             cached = f" after {held} cached tokens" if held else ""
             raise HeteroError(
-                f"the prompt has {len(ids)} tokens{cached} but the model's context window is {self.max_context}; shorten it"
+                f"the prompt has {n} tokens{cached} but the model's context window is {self.max_context}; shorten it"
             )
-        check_prompt_fits(self.model, held + len(ids), self.memory_gb)
-        return ids
+        check_prompt_fits(self.model, held + n, self.memory_gb)
+
+    @property
+    def image_marker(self) -> str:
+        """The text that stands for one image in a prompt (the chat template's vision start, image, vision end)."""
+        if self.vision is None:
+            raise HeteroError(f"{self.name} has no vision tower (no vision_config): it reads text only")
+        return self.vision.marker
+
+    def image_prompt(self, ids: list[int], images: list[ImageInput], held: int = 0) -> ImagePrompt:
+        """Token ids with one image token per image (`image_marker` in the text) and the images (file bytes or PIL
+        images) -> the prompt with each placeholder expanded to the image's tokens, its 3-D positions and pixel
+        digests; the tower runs later, on the images the prefix cache does not hold. One-line HeteroError for a
+        text-only checkpoint, a damaged or unsupported image, or a prompt that no longer fits."""
+        if self.vision is None:
+            raise HeteroError(f"{self.name} has no vision tower (no vision_config): it reads text only; send text")
+        prompt = self.vision.plan(ids, images)
+        self._check_room(len(prompt.tokens), held)
+        return prompt
 
     def json_grammar(self, schema: dict | None) -> str:
         """Compile a JSON Schema (None: any JSON object) for `generate(json_schema=...)`; a schema the grammar
@@ -142,10 +168,15 @@ class Engine:
                                                         self.eos_ids)
         return self._grammar_tokenizer
 
-    def logits(self, token_ids: list[int], chunk: int = 512) -> np.ndarray:
-        """float32 logits [len, vocab] for every position, from one (chunked) prefill."""
+    def logits(self, token_ids: list[int], chunk: int = 512, images: list[ImageInput] = ()) -> np.ndarray:
+        """float32 logits [len, vocab] for every position, from one (chunked) prefill; with `images`, `token_ids`
+        hold one image token per image and the rows are those of the expanded prompt (`image_prompt`)."""
         ids = self.encode_prompt(list(token_ids))
-        logits, _ = prefill(self.model, ids, self.model.make_cache(), chunk, all_logits=True)
+        vision = self.image_prompt(ids, images) if images else None
+        if vision is not None:
+            self.vision.encode(vision)
+            ids = vision.tokens
+        logits, _ = prefill(self.model, ids, self.model.make_cache(), chunk, all_logits=True, images=vision)
         return np.array(logits.astype(mx.float32))
 
     def generate(self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
@@ -177,7 +208,9 @@ class Engine:
         held = 0
         if r.prompt_cache is not None:
             held = check_layout(r.prompt_cache, [layer.is_linear for layer in self.model.layers])
-        ids = self.encode_prompt(r.prompt, r.chat, held)
+        vision = self._images(r, held)
+        ids = vision.tokens if vision is not None else self.encode_prompt(r.prompt, r.chat, held)
+        keys = vision.cache_keys() if vision is not None else ids  # what the prefix cache keys: images by content
         max_tokens = min(r.max_tokens, self.max_context - held - len(ids))
         sampler = Sampler(r.sampling, r.seed)
         penalties = r.penalties
@@ -202,10 +235,12 @@ class Engine:
         if r.prompt_cache is not None:  # prefill continues at its offset: chunk edges stay those of a cold run
             cache = from_mlx_lm(r.prompt_cache, [layer.is_linear for layer in model.layers], len(cache.mtp))
         if pc is not None:
-            restored = pc.restore(model, key, ids, limit=len(ids) - 1)  # the last prompt token must run: its logits
+            restored = pc.restore(model, key, keys, limit=len(ids) - 1)  # the last prompt token must run: its logits
             if restored is not None:
                 cache, skip, carry = restored.cache, restored.n, restored.hidden
         cached = skip + held  # what `cached_tokens` reports: only tokens read from a cache, never ones prefilled here
+        if vision is not None:
+            self.vision.encode(vision, start=skip)  # the images that came back from the cache are not encoded again
 
         def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a split prefill's chunk edge
             pc.capture(model, key, ids[:n], at, hidden)
@@ -214,10 +249,10 @@ class Engine:
             cache, skip, carry = r.split.prefill(ids, on_chunk=on_edge if pc is not None else None)
 
         def on_chunk(n: int, hidden: mx.array) -> None:
-            pc.capture(model, key, ids[:n], cache, hidden)
+            pc.capture(model, key, keys[:n], cache, hidden)
 
         trace = Trace()
-        committed = list(ids)
+        committed = list(keys)
         state: list[Decoder] = []
         last_mark = [len(ids) // r.prefill_chunk]
 
@@ -236,6 +271,7 @@ class Engine:
             carry=carry, on_chunk=on_chunk if pc is not None else None, on_commit=on_commit if depth else None,
             constraint=constraint, logprobs=recorder, marks=() if r.mark is None else (r.mark,), trace=trace,
             mtp_prefill=pc is not None and model.has_mtp, penalties=penalties if penalties.active else None,
+            images=vision,
         )
         detok = self.tokenizer.detokenizer()
         generated, consistent = 0, False  # consistent: ended or stopped here, or closed by the consumer
@@ -255,7 +291,7 @@ class Engine:
         finally:
             tokens.close()  # the decoder's caches hold the committed state from here on
             if pc is not None and consistent:  # (a failure midway checkpoints nothing)
-                self._checkpoint_turn(pc, ids, cache, trace, state[0] if state else None, committed, r.prefill_chunk,
+                self._checkpoint_turn(pc, keys, cache, trace, state[0] if state else None, committed, r.prefill_chunk,
                                       r.mark)
         if generated == 0:
             yield Prefilled(len(ids), cached)
@@ -273,6 +309,23 @@ class Engine:
         if mtp_stats is not None:
             stats["mtp"] = mtp_stats.to_dict()
         yield Finished(detok.finalize(), times.finish_reason, stats)
+
+    def _images(self, r: GenerationRequest, held: int) -> ImagePrompt | None:
+        """The request's images as an `ImagePrompt` over its prompt (None without images); what cannot carry
+        images yet is refused in one line."""
+        if not r.images:
+            return None
+        if r.prompt_cache is not None:
+            raise HeteroError("images cannot follow an mlx-lm prompt_cache yet: send the whole prompt with its images")
+        if r.split is not None:
+            raise HeteroError("a prompt with images prefills GPU-only: the ANE split does not carry images yet "
+                              "(send ane_fraction 0)")
+        if isinstance(r.images, ImagePrompt):  # planned already (the server checks the images while parsing)
+            if not isinstance(r.prompt, list) or list(r.prompt) != r.images.tokens:
+                raise HeteroError("an ImagePrompt's request must carry its expanded tokens as the prompt")
+            return r.images
+        ids = self.encode_prompt(r.prompt, r.chat, held, images=len(r.images))
+        return self.image_prompt(ids, list(r.images), held)
 
     def depth_for(self, request: GenerationRequest) -> int:
         """The draft depth `request` decodes at (0: plain), by the one depth policy (`depth.decode_depth`)."""

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from hetero.cache import ModelCache
 from hetero.decode.prefill import prefill as gpu_prefill
-from hetero.decode.request import Finished, Token
+from hetero.decode.request import Finished, Prefilled, Token
 from hetero.engine import Engine, make_request
 from hetero.errors import AneLaneLost, HeteroError
 from hetero.export import check_weight_form
@@ -202,13 +202,13 @@ def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tok
     `tokenizer` is ignored (the engine's is used: the argument
     is there so mlx-lm call sites keep their shape). Keyword arguments: `temp`, `top_p`, `top_k`, `min_p`, `seed`,
     `prompt_cache` (an mlx-lm cache holding the tokens before `prompt`), `mtp`, `draft_depth`, `logprobs` (N top
-    alternatives), `chat`, and any other `Engine.generate` argument. MTP decoding is on when the model has a head.
+    alternatives), `chat`, `images` (see `GenerationRequest`), and any other `Engine.generate` argument. MTP decoding is on when the model has a head.
     """
     engine = _engine(model, kwargs.pop("dtype", None))
     args = _generate_kwargs(kwargs)
     args.setdefault("logprobs", 0)
     request = make_request(prompt, max_tokens, **args)
-    n_prompt = len(engine.encode_prompt(prompt, request.chat))
+    n_prompt = 0  # from the stream's `Prefilled`: the prompt as run (images' placeholders expanded)
     start = time.perf_counter()
     pending: Token | None = None
     text, count, first = "", 0, 0.0
@@ -225,7 +225,9 @@ def stream_generate(model, tokenizer=None, prompt: str | list[int] = "", max_tok
     events = engine.stream(request)
     try:
         for event in events:
-            if isinstance(event, Token):
+            if isinstance(event, Prefilled):
+                n_prompt = event.prompt_tokens
+            elif isinstance(event, Token):
                 if pending is not None:
                     yield response(None)
                     text = ""

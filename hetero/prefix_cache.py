@@ -9,6 +9,9 @@ that grows turn by turn stores each position's K/V once; a node holds the fixed-
 checkpoint. Restoring concatenates the K/V rows along the path into fresh buffers (a live KVCache writes in
 place by slice assignment, so a checkpoint never shares a buffer with a live cache).
 
+A prompt with images comes keyed by content: each image token is a key drawn from the image's pixel digest
+(`hetero.image_prompt.ImagePrompt.cache_keys`), so the trie matches the same image and never another.
+
 Trees are per `Engine.cache_key` (identity + the loaded weights' fingerprint): two models, or two versions of one
 model's weights, never see each other's state.
 """

@@ -2,7 +2,8 @@
 
 One entry = two files in DIR/<model key hash>/, the key being `Engine.cache_key` (name, config hash, the loaded
 weights' fingerprint, dtype: new weights under the same name never see old entries):
-  <id>.safetensors  tokens int32 [n]; kv.<i>.k / kv.<i>.v the K/V rows 0..n-1 of every attention layer (MTP layers:
+  <id>.safetensors  tokens int32 [n] (an image's tokens as content keys: `image_prompt.content_keys`);
+                    kv.<i>.k / kv.<i>.v the K/V rows 0..n-1 of every attention layer (MTP layers:
                     0..n-2); cp.<j>.hidden [1, H] and cp.<j>.gdn.<l>.conv / .rec: the fixed-size state of checkpoint j
   <id>.json         {"format", "model", "n", "checkpoints": [positions], "n_mtp", "bytes", "sha256"}
 Never pickle. Each file is written under a temporary name and renamed into place; the manifest goes last, so an
@@ -25,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.cache import KVCache
+from hetero.image_prompt import IMAGE_KEY_BASE
 from hetero.prefix_cache import Checkpoint, Snapshot
 
 FORMAT = "hetero-session/2"  # /1 keyed entries without the weights: removed as foreign when met
@@ -271,8 +273,8 @@ def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
         return a
 
     tokens = get("tokens", (n,), mx.int32).tolist()
-    if any(not 0 <= t < args.vocab_size for t in tokens):
-        raise ValueError("token ids outside the vocabulary")
+    if any(not (0 <= t < args.vocab_size or IMAGE_KEY_BASE <= t < 2 * IMAGE_KEY_BASE) for t in tokens):
+        raise ValueError("token ids outside the vocabulary (and not image content keys)")
     kv = []
     for i in range(kv_layers):
         rows = n - 1 if i >= kv_layers - e.n_mtp else n

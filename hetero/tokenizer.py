@@ -107,6 +107,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self._source = source  # named in errors, e.g. the model directory
         self._template: jinja2.Template | None = None
+        self._plain: tokenizers.Tokenizer | None = None  # `encode_plain`'s copy
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -143,6 +144,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, adding no BOS/EOS; special tokens written literally map to their single ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with special tokens written in it read as plain text (a message that quotes
+        `<|image_pad|>` must not become an image slot): a copy of the tokenizer that splits them, made once."""
+        if self._plain is None:
+            plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens included."""

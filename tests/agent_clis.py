@@ -136,6 +136,14 @@ def command(cli: str, bin_dir: Path, prompt: str, resume: bool, tools: list[str]
     return [str(bin_dir / "opencode"), "run", "--format", "json", *(["--continue"] if resume else []), prompt]
 
 
+def stream_json_command(bin_dir: Path, system: str | None = None) -> list[str]:
+    """Claude Code reading user messages (Anthropic content, images too) as stream-json on stdin, as its SDK and
+    IDE integrations send a pasted screenshot; no tools, and `system` in place of its own system prompt."""
+    return [str(bin_dir / "claude"), "-p", "--input-format", "stream-json", "--output-format", "stream-json",
+            "--verbose", "--model", "claude-sonnet-4-5", "--tools", "",
+            *(["--system-prompt", system] if system else [])]
+
+
 @dataclass
 class Reply:
     """What the client shows of a turn: the reply's text, the tools it ran, and the usage and time it reports."""
@@ -255,17 +263,24 @@ def run_session(spec: dict) -> dict:
              "--served-model-name", "hetero", "--no-session-cache", *spec.get("serve_args", [])]
     serve += [arg for alias in aliases for arg in ("--model-alias", alias)]
     env = configure(cli, home, work, port)
+    repo = str(Path(__file__).resolve().parents[1])  # the checkout under test, not whatever hetero is installed
+    server_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as sink:
-        server = subprocess.Popen(serve, stdout=sink, stderr=subprocess.STDOUT, cwd=root)
+        server = subprocess.Popen(serve, stdout=sink, stderr=subprocess.STDOUT, cwd=root, env=server_env)
     turns, seen = [], 0
     try:
         _wait_healthy(port, server)
         _, seen = _access_lines(log, 0)
         for i, prompt in enumerate(spec["turns"]):
             argv = command(cli, Path(spec["bin"]), prompt, resume=i > 0, tools=spec.get("tools"))
+            feed = {"stdin": subprocess.DEVNULL}
+            if isinstance(prompt, list):  # Claude Code fed user messages as its SDK sends them (pasted images)
+                argv = stream_json_command(Path(spec["bin"]), spec.get("system"))
+                feed = {"input": "".join(json.dumps({"type": "user", "message": {"role": "user", "content": m}})
+                                         + "\n" for m in prompt)}
             t0 = time.perf_counter()
             done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
-                                  timeout=spec.get("timeout", 600), stdin=subprocess.DEVNULL)
+                                  timeout=spec.get("timeout", 600), **feed)
             seconds = time.perf_counter() - t0
             time.sleep(0.3)  # the access line is written once the response has ended
             requests, seen = _access_lines(log, seen)
@@ -281,12 +296,14 @@ def run_session(spec: dict) -> dict:
             "server_log": log.read_text(errors="replace")[-20000:], "files": sorted(p.name for p in work.iterdir())}
 
 
-def session(cli: str, model: str, turns: list[str], root: Path, bin_dir: Path, tools: list[str] | None = None,
-            timeout: float = 600, serve_args: list[str] = ()) -> dict:
-    """Run a session of `cli` against `hetero serve --model model` under `unshare -n`; returns its result."""
+def session(cli: str, model: str, turns: list, root: Path, bin_dir: Path, tools: list[str] | None = None,
+            timeout: float = 600, serve_args: list[str] = (), system: str | None = None) -> dict:
+    """Run a session of `cli` against `hetero serve --model model` under `unshare -n`; returns its result. A turn
+    is a prompt, or (Claude Code) a list of user messages' content fed as stream-json in one run (`system` then
+    replaces its system prompt)."""
     root.mkdir(parents=True, exist_ok=True)
     spec = {"cli": cli, "model": str(model), "turns": turns, "dir": str(root), "bin": str(bin_dir), "tools": tools,
-            "timeout": timeout, "serve_args": list(serve_args)}
+            "timeout": timeout, "serve_args": list(serve_args), "system": system}
     (root / "spec.json").write_text(json.dumps(spec, indent=2))
     out = root / "result.json"
     done = subprocess.run([*UNSHARE, sys.executable, __file__, str(root / "spec.json"), str(out)],

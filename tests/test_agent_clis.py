@@ -68,3 +68,25 @@ def test_a_tool_loop_runs_the_clients_shell_tool_then_answers(cli, cli_bin, tmp_
     assert PROOF_FILE in result["files"], f"{cli} did not run the tool call: {turn['stdout'][-3000:]}"
     assert FINAL_ANSWER in turn["reply"]["text"], turn["reply"]
     assert len([r for r in turn["requests"] if "prompt" in r]) >= 2  # the call, then the answer to its result
+
+
+def test_claude_code_sends_a_pasted_screenshot_the_model_reads(cli_bin, tmp_path):
+    """Claude Code sends a screenshot as its SDK does (a base64 `image` block) to a tiny VL checkpoint: the server reads
+    it (no placeholder warning), and the next message reads the whole first prompt, image included, from the cache."""
+    import base64
+
+    from tests.vision_checkpoint import draw_image, encoded, save_chat_tokenizer, save_vl
+
+    model = tmp_path / "vlm"
+    model.mkdir()
+    save_vl(model, "small")
+    save_chat_tokenizer(model)
+    shot = base64.b64encode(encoded(draw_image(320, 200), "PNG")).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": shot}}
+    messages = [[image, {"type": "text", "text": "What does this screenshot show?"}], "And the colours?"]
+    result = agent_clis.session("claude", str(model), [messages], tmp_path / "run", cli_bin, system="Answer briefly.")
+    (turn,) = result["turns"]
+    _finished(turn, "claude")
+    first, second = [r for r in turn["requests"] if "prompt" in r]
+    assert "image(s) omitted" not in result["server_log"]
+    assert int(second["cached"]) == int(first["prompt"]), turn["requests"]  # the image's tokens came from the cache

@@ -87,3 +87,56 @@ def encoded(image: Image.Image, fmt: str) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
     return buf.getvalue()
+
+
+SPECIALS = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", IMAGE_TOKEN: "<|image_pad|>",
+            VIDEO_TOKEN: "<|video_pad|>", VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>"}
+
+
+def save_chat_tokenizer(path: Path) -> None:
+    """A character-level tokenizer that fits the checkpoint's 256-token vocabulary, written as sentencepiece-style
+    BPE (space as "▁", newline by byte fallback): printable ASCII and `<0x0A>` at 3..98, `<unk>` at 99, two-letter
+    pieces (which encoding never makes, but decoding names) up to 251, ChatML and Qwen's vision special tokens at
+    their config ids, and the ChatML template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    from converters.tokenizer_train import CHAT_TEMPLATE
+
+    chars = ["\u2581" if c == 32 else chr(c) for c in range(32, 127)] + ["<0x0A>"]
+    chars += ["<unk>"] + [a + b for a in "etaoinshr" for b in "etaoinshrdlucmfwyp"]  # 2-letter words up to 251
+    vocab = {**{t: i for i, t in SPECIALS.items()}, **{c: 3 + i for i, c in enumerate(chars[: IMAGE_TOKEN - 3])}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS.values()])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )))
+
+
+def add_mtp_head(path: Path, seed: int = 5) -> None:
+    """Add a random MTP head (`mtp.*`, released checkpoints' naming) to a `save_vl` checkpoint."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    text = config["text_config"]
+    h, heads, kv, d, inter = (text[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                 "head_dim", "intermediate_size"))
+    rng = np.random.default_rng(seed)
+    proj = lambda rows, cols: (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)  # noqa: E731
+    norm = lambda n: (0.3 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    layer = "mtp.layers.0."
+    mtp = {"mtp.fc.weight": proj(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": norm(h),
+           "mtp.pre_fc_norm_hidden.weight": norm(h), "mtp.norm.weight": norm(h),
+           layer + "input_layernorm.weight": norm(h), layer + "post_attention_layernorm.weight": norm(h),
+           layer + "self_attn.q_proj.weight": proj(2 * heads * d, h), layer + "self_attn.k_proj.weight": proj(kv * d, h),
+           layer + "self_attn.v_proj.weight": proj(kv * d, h), layer + "self_attn.o_proj.weight": proj(h, heads * d),
+           layer + "self_attn.q_norm.weight": norm(d), layer + "self_attn.k_norm.weight": norm(d),
+           layer + "mlp.gate_proj.weight": proj(inter, h), layer + "mlp.up_proj.weight": proj(inter, h),
+           layer + "mlp.down_proj.weight": proj(h, inter)}
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({**weights, **mtp}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=1))

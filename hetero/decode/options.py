@@ -14,6 +14,7 @@ from hetero.decode.penalties import Penalties
 from hetero.decode.prefill import ChunkFn, ProgressFn
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.rows import CommitFn
+from hetero.image_prompt import ImagePrompt
 from hetero.logprobs import LogprobRecorder
 
 
@@ -24,7 +25,8 @@ class RowOptions:
     Prefill: `cache` already holding prompt[:skip] (a restored prefix, `carry` [1, H] its last hidden), `chunk`
     tokens per prefill step, `progress(done, total)` after every chunk (with `lambda *_: batch.step()` the rows
     already decoding get a round after every chunk of a new prompt), `on_chunk(n, hidden)` at every chunk edge and
-    at `marks` (absolute positions that also end a chunk), `mtp_prefill` to fill the MTP head's KV at depth 0 too.
+    at `marks` (absolute positions that also end a chunk), `mtp_prefill` to fill the MTP head's KV at depth 0 too,
+    `images` (the prompt's `hetero.image_prompt.ImagePrompt`) for a prompt with images.
     Decoding: `max_context` bounds the drafts (default the model's window), `on_commit(decoder, tokens)` sees the
     committed state after the first token and after every round, `constraint` (a fresh JSON grammar, or a
     `hetero.thinking_budget.ThinkingBudget`) masks every token the row samples, `logprobs` records each committed
@@ -41,6 +43,7 @@ class RowOptions:
     on_chunk: ChunkFn | None = None
     marks: Sequence[int] = ()
     mtp_prefill: bool = False
+    images: ImagePrompt | None = None
     max_context: int | None = None
     on_commit: CommitFn | None = None
     constraint: Constraint | None = None

@@ -6,7 +6,8 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from hetero.cache import ModelCache, cache_arrays, expect_positions
+from hetero.cache import KVCache, ModelCache, cache_arrays, expect_positions
+from hetero.image_prompt import ImagePrompt
 from hetero.models.qwen3_5 import Model
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -21,14 +22,17 @@ def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> l
     return [0] + sorted(cuts) + [n]
 
 
-def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None, cache: ModelCache) -> mx.array:
+def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None, cache: ModelCache,
+              positions: mx.array | None = None) -> mx.array:
     """Fill the MTP head's KV for one prefill chunk: position p gets (t_{p+1}, h_p). piece [1, S] tokens, h [1, S, H]
     their post-norm hiddens, `carry` [1, H] the previous chunk's last hidden (None at the prompt's start); returns
-    this chunk's last hidden [1, H], which waits for the next chunk's first token."""
+    this chunk's last hidden [1, H], which waits for the next chunk's first token. `positions` [3, m]: the 3-D
+    rotary positions of the pairs' p (a prompt with images)."""
     pairs_h = h[0, :-1] if carry is None else mx.concatenate([carry, h[0, :-1]])  # [m, H]
     pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
-    if pairs_t.size:
-        model.mtp_hidden(pairs_t[None], pairs_h[None], cache.mtp)
+    if pairs_t.size:  # (a pipelined stage's head takes no positions: it never sees images)
+        extra = () if positions is None else (positions,)
+        model.mtp_hidden(pairs_t[None], pairs_h[None], cache.mtp, *extra)
     return h[0, -1:]
 
 
@@ -43,6 +47,7 @@ def prefill(
     carry: mx.array | None = None,
     on_chunk: ChunkFn | None = None,
     marks: Sequence[int] = (),
+    images: ImagePrompt | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Run `tokens` through the model in chunks, filling `cache` (which may already hold a prefix).
 
@@ -56,6 +61,10 @@ def prefill(
     then h_{n-1}, which the MTP head pairs with tokens[0]. `on_chunk` sees the cache after every chunk.
     `marks` (absolute positions) end a chunk too: the chunk holding a mark is cut in two there, so `on_chunk`
     sees the state exactly at it (a chat transcript's end, before its generation prompt).
+
+    `images` (the prompt's `ImagePrompt`, its images encoded from the cache's offset on) puts the images'
+    embeddings in place of their tokens and runs every chunk at its 3-D rotary positions; the attention caches
+    then hold the prompt's position shift, so decoding continues at the positions after it.
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
@@ -63,12 +72,23 @@ def prefill(
     offset = cache[0].offset if cache else 0
     expect_positions(cache, offset + len(tokens))
     edges = chunk_edges(offset, len(tokens), chunk, marks)
+    if images is not None:
+        for c in cache:
+            if isinstance(c, KVCache):
+                c.shift = images.delta
     for start, stop in zip(edges, edges[1:]):
         piece = mx.array(tokens[start:stop])[None]  # [1, S]
-        h = model.model(piece, cache.backbone)  # [1, S, hidden]
+        pairs = None
+        if images is None:
+            h = model.model(piece, cache.backbone)  # [1, S, hidden]
+        else:
+            embeds, positions = images.inputs(model.model.embed_tokens, offset + start, offset + stop)
+            h = model.model(piece, cache.backbone, embeddings=embeds, positions=positions)  # [1, S, hidden]
+            first = offset + start - (carry is not None)  # the p of the chunk's first MTP pair
+            pairs = mx.array(images.positions[:, first : offset + stop - 1])  # [3, m]
         last = stop >= len(tokens)
         if mtp:
-            carry = mtp_pairs(model, piece, h, carry, cache)
+            carry = mtp_pairs(model, piece, h, carry, cache, pairs)
         if all_logits:
             logits.append(model.logits(h)[0])
             hidden.append(h[0])

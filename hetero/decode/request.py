@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetero.decode.depth import check_depth
 from hetero.decode.penalties import Penalties
@@ -26,7 +27,10 @@ class GenerationRequest:
     tokens, its closing text included, so the answer follows (`hetero.thinking_budget`; a grammar, which leaves no
     room for a think block, takes precedence). `mark` (a prompt position, where a chat transcript ends) also ends a
     prefill chunk, so the prefix cache checkpoints it. `prompt_cache` is an mlx-lm cache holding the tokens before the
-    prompt. The engine's parts a request may name: `split` (an ANE split prefill: `.prefill(ids, on_chunk)`)
+    prompt. `images` (PNG / JPEG / WebP bytes or PIL images) go with a prompt that holds one image token per
+    image (`Engine.image_marker` in its text; a `chat` prompt gets them before its text), or are an
+    `ImagePrompt` already planned for the prompt's expanded tokens (`Engine.image_prompt`); `mark` then counts in
+    the expanded prompt. The engine's parts a request may name: `split` (an ANE split prefill: `.prefill(ids, on_chunk)`)
     and `batch` (a `hetero.decode.loop.Seat` in a shared decode batch). `progress(done, total)` runs after every
     prefill chunk on the generating thread.
     """
@@ -55,6 +59,7 @@ class GenerationRequest:
     split: object | None = None
     batch: object | None = None
     progress: ProgressFn | None = None
+    images: Any = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):

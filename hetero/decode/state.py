@@ -16,6 +16,7 @@ from hetero.constrained import Constraint
 from hetero.decode.penalties import Penalizer
 from hetero.decode.prefill import ChunkFn, ProgressFn, prefill
 from hetero.decode.records import Trace
+from hetero.image_prompt import ImagePrompt
 from hetero.logprobs import LogprobRecorder
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler
@@ -93,6 +94,7 @@ def start(
     trace: Trace | None = None,
     mtp_prefill: bool = False,
     penalizer: Penalizer | None = None,
+    images: ImagePrompt | None = None,
 ) -> Decoder:
     """Prefill `prompt` (after `skip` tokens that `cache` already holds, `carry` [1, H] their last hidden) and sample
     the first token, which becomes the decoder's x (not emitted yet).
@@ -102,10 +104,11 @@ def start(
     at `marks` (`prefill`). A `constraint` masks the first token and consumes it; `logprobs` records its raw row;
     `trace` (depth 0) gets the prompt's last hidden, the first entry of what the backbone ran. A `penalizer`
     (`hetero.decode.penalties`) penalizes the first token's logits before the constraint's mask, and counts it.
+    `images` (the prompt's `ImagePrompt`) puts its images in place and sets its 3-D positions (`prefill`).
     """
     cache = cache if cache is not None else model.make_cache()
     logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=bool(depth) or mtp_prefill,
-                             carry=carry, on_chunk=on_chunk, marks=marks)  # [1, V], [1, H]
+                             carry=carry, on_chunk=on_chunk, marks=marks, images=images)  # [1, V], [1, H]
     last = logits[-1] if penalizer is None else penalizer(logits[-1:])[0]  # [V]
     x = sampler(last if constraint is None else constraint.apply(last)).item()
     if constraint is not None:

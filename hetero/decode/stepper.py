@@ -93,7 +93,7 @@ class Batch:
             return row
         pen = penalizer_for(o.penalties, prompt, self.model.args.vocab_size)
         decoder = start(self.model, prompt, sampler, depth, o.cache, o.chunk, o.progress, copy, o.skip, o.carry,
-                        o.on_chunk, o.constraint, o.logprobs, o.marks, o.trace, o.mtp_prefill, pen)
+                        o.on_chunk, o.constraint, o.logprobs, o.marks, o.trace, o.mtp_prefill, pen, o.images)
         return self.row(decoder, sampler, max_tokens, eos_ids, depth, o.max_context, times, o.stats, o.on_commit,
                         o.logprobs, o.trace, o.constraint, pen)
 

@@ -198,6 +198,8 @@ class PipelineEngine:
                               "(--max-batch) or prompt_cache; leave them out")
         if r.thinking_budget is not None:
             raise HeteroError("a pipelined (mlx.launch) run has no thinking budget yet; leave it out")
+        if r.images:
+            raise HeteroError("a pipelined (mlx.launch) run reads no images yet; run the model in one process")
         ids = self.encode_prompt(r.prompt, r.chat)
         max_tokens = min(r.max_tokens, self.max_context - len(ids))
         if r.mtp and not self.stage.has_mtp:

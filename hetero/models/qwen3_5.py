@@ -69,7 +69,7 @@ class Attention(nn.Module):
         self.rope_args = (args.rotary_dims, args.rope_theta, args.mrope_section)
 
     def __call__(self, x: mx.array, cache: KVCache | None, positions: mx.array | None = None) -> mx.array:
-        offset = cache.offset if cache is not None else 0
+        offset = cache.position if cache is not None else 0
         queries, keys, values, gate = self.project(x, offset, positions)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
@@ -296,7 +296,7 @@ class DecoderLayer(nn.Module):
         return h
 
     def _compiled_attention(self, x: mx.array, cache: KVCache) -> mx.array:
-        queries, keys, values, gate = self._attention_in(x, mx.array(cache.offset))
+        queries, keys, values, gate = self._attention_in(x, mx.array(cache.position))
         keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, offset+S, D]
         out = attend(queries, keys, values, scale=self.self_attn.head_dim**-0.5)  # [B, H, S, D]
         return self._attention_out(x, out, gate)
@@ -359,11 +359,12 @@ class MTPHead(nn.Module):
         self.layers = [DecoderLayer(args, "full_attention", j in moe) for j in range(max(1, args.mtp_num_hidden_layers))]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[KVCache] | None) -> mx.array:
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[KVCache] | None,
+                 positions: mx.array | None = None) -> mx.array:
         z = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
         z = self.fc(z)  # [B, S, hidden]
         for i, layer in enumerate(self.layers):
-            z = layer(z, cache[i] if cache is not None else None)
+            z = layer(z, cache[i] if cache is not None else None, positions)
         return self.norm(z)
 
 
@@ -393,14 +394,16 @@ class Model(nn.Module):
             return project(hidden, embed.weight) if isinstance(embed, nn.Embedding) else embed.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None,
+                   positions: mx.array | None = None) -> mx.array:
         """MTP step: next_tokens [B, S] (t_{p+1}) with hidden [B, S, H] (h_p) -> the head's post-norm output.
 
-        `cache` is the MTP layers' caches (`make_cache().mtp`).
+        `cache` is the MTP layers' caches (`make_cache().mtp`); `positions` [3, S] the 3-D rotary positions of the
+        p's (a prompt with images), else the caches' own.
         """
         if self.mtp is None:
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
-        return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache)
+        return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache, positions)
 
     def mtp_forward(
         self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None

@@ -69,6 +69,8 @@ class ServerSettings:
     dist_timeout: float = 60.0  # under mlx.launch: seconds without progress from the other ranks
     model_alias: tuple[str, ...] = ()  # `--model-alias PATTERN=NAME`: request names matching PATTERN get NAME
     reject_images: bool = False  # an image in a text-only model's conversation is a 400 (default: a placeholder)
+    allow_local_images: bool = False  # a vision model may read image parts naming local files
+    max_image_mb: float = 20.0  # a larger image file is a 400
     metrics_public: bool = False  # GET /metrics without the --api-key (for a scraper that sends none)
 
     def __post_init__(self) -> None:
@@ -77,7 +79,7 @@ class ServerSettings:
         PORT.check(self.port, "--port")
         for name in ("prefill_chunk", "max_concurrent", "default_max_tokens", "max_batch"):
             POSITIVE_INT.check(getattr(self, name), _flag(name))
-        for name in ("max_body_mb", "dist_timeout"):
+        for name in ("max_body_mb", "dist_timeout", "max_image_mb"):
             POSITIVE.check(getattr(self, name), _flag(name))
         for name in ("prefix_cache_max_gb", "session_cache_max_gb"):
             NONNEG.check(getattr(self, name), _flag(name))
@@ -155,7 +157,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
                               f"{sorted(names)}")
     runner = Runner(engine, split, s.max_concurrent, s.prefill_chunk, s.decode_share, s.max_batch, s.draft_depth)
     parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, s.default_max_tokens,
-                    s.aliases, s.reject_images)
+                    s.aliases, s.reject_images, s.allow_local_images, int(s.max_image_mb * 2**20))
     state = State(engine, runner, parser, names, s.api_key, int(s.max_body_mb * 2**20))
     store = ResponseStore()
     metrics = Metrics(engine, runner, state.model)

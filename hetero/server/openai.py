@@ -35,7 +35,7 @@ def error_body(e: RequestError) -> dict:
 def parse_chat(parser: Parser, body: dict) -> Job:
     """A chat completions request -> its Job (the messages through the chat template)."""
     parser.model(body)
-    messages(body, CHAT_ROLES, parser.image_places())  # roles and content checked (toolcalls converts them)
+    messages(body, CHAT_ROLES, parser.image_places(check=True))  # roles and content checked (toolcalls converts them)
     penalties = parser.penalties(body)
     one_choice(body)
     ids, reply = openai_chat(parser, body)

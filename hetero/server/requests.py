@@ -18,7 +18,7 @@ from hetero.decode.penalties import Penalties
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server.defaults import refuse_unimplemented, sampling_defaults
-from hetero.tools.messages import IMAGE_PARTS, IMAGE_PLACEHOLDER
+from hetero.tools.messages import IMAGE_PARTS, take_image
 from hetero.validate import FRACTION, MIN_P, NONNEG_INT, POSITIVE_INT, SEED, TOP_K, TOP_P, Bound
 
 MAX_STOPS = 16
@@ -131,8 +131,7 @@ def content_text(content, where: str, images: list[str] | None = None) -> str:
                 raise RequestError(400, f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
             out.append(part["text"])
         elif kind in IMAGE_PARTS and images is not None:
-            images.append(f"{where}[{i}]")
-            out.append(IMAGE_PLACEHOLDER)
+            out.append(take_image(images, part, f"{where}[{i}]"))
         else:
             why = "this model reads text only" if kind in IMAGE_PARTS else "text only"
             raise RequestError(400, f"'{where}[{i}].type' {kind!r} is not supported ({why})", f"{where}[{i}].type")
@@ -234,7 +233,8 @@ class Parser:
 
     def __init__(self, engine: Engine, model_names: set[str], split_fraction: float = 0.0,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, aliases: tuple[tuple[str, str], ...] = (),
-                 reject_images: bool = False):
+                 reject_images: bool = False, allow_local_images: bool = False,
+                 max_image_bytes: int = 20 * 2**20):
         if default_max_tokens < 1:
             raise HeteroError(f"--default-max-tokens must be at least 1, got {default_max_tokens}")
         self.engine = engine
@@ -243,6 +243,8 @@ class Parser:
         self.default_max_tokens = default_max_tokens
         self.aliases = aliases  # (fnmatch pattern, served name): `hetero serve --model-alias PATTERN=NAME`
         self.reject_images = reject_images  # `--reject-images`: an image part is a 400, not a placeholder
+        self.allow_local_images = allow_local_images  # `--allow-local-images`: image parts may name local files
+        self.max_image_bytes = max_image_bytes  # `--max-image-mb`: a larger image is a 400
         self.defaults = sampling_defaults(engine.path)  # what a request that omits a sampling field gets
 
     def model(self, body: dict) -> str:
@@ -257,9 +259,18 @@ class Parser:
                                "model", "model_not_found")
         return name
 
-    def image_places(self) -> list[str] | None:
-        """A list that message conversion fills with the places of image parts it replaced by a placeholder, or
-        None under --reject-images (an image part is then refused)."""
+    def image_places(self, check: bool = False) -> list[str] | None:
+        """What message conversion hands image parts to: for a checkpoint with a vision tower an `ImageInputs`,
+        which reads them (with `check`, a pass that only checks the messages' shape, a throwaway list); else a list
+        of the places of image parts it replaced by a placeholder, or None under --reject-images (an image part is
+        then refused)."""
+        reads = getattr(self.engine, "vision", None) is not None
+        if reads and check:
+            return []
+        if reads:
+            from hetero.server.images import ImageInputs  # (images.py builds on this module)
+
+            return ImageInputs(self.engine.vision, self.engine.tokenizer, self.allow_local_images, self.max_image_bytes)
         return None if self.reject_images else []
 
     def penalties(self, body: dict) -> Penalties:

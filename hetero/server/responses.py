@@ -108,7 +108,7 @@ def parse_responses(store: ResponseStore) -> Callable[[Parser, dict], Job]:
         tools, shown = function_tools(body.get("tools"))
         parallel = bool(boolean(body, "parallel_tool_calls", True))
         ids, reply = render(parser, template_msgs, tools, tool_choice(body.get("tool_choice")),
-                            reasoning_switch(parser, body.get("reasoning")), parallel)
+                            reasoning_switch(parser, body.get("reasoning")), parallel, images=images)
         reply.images = images or []
         job = parser.job(body, ids, "max_output_tokens")
         job.reply = reply

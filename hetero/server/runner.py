@@ -191,7 +191,7 @@ class Runner:
 
     def _split(self, job: Job, ticket: object) -> JobSplit | None:
         """The split prefill for this job when the server has one and the job did not opt out."""
-        if self.split is None or job.ane_fraction == 0.0:
+        if self.split is None or job.ane_fraction == 0.0 or _images(job):  # the split carries no images yet
             return None
         return JobSplit(self, ticket)
 
@@ -245,7 +245,7 @@ class Runner:
             min_p=job.min_p, seed=job.seed, mtp=job.mtp, draft_depth=self.draft_depth, prefill_chunk=self.prefill_chunk,
             on_text=on_text, progress=progress,
             should_stop=should_stop, split=self._split(job, ticket),
-            mark=job.reply.mark if job.reply is not None else None, batch=seat,
+            mark=job.reply.mark if job.reply is not None else None, batch=seat, images=_images(job),
             **self._output_options(job, emit, logprobs),
         )
         if cancelled.is_set():
@@ -355,6 +355,12 @@ class Runner:
                 await items.aclose()  # now, not at garbage collection: closing the stream is what cancels the job
 
         return chained()
+
+
+def _images(job: Job):
+    """The job's images (an `ImagePrompt` over its ids), or () for a text prompt."""
+    vision = getattr(job.reply, "vision", None)
+    return vision if vision is not None else ()
 
 
 class JobSplit:

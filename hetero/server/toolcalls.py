@@ -17,6 +17,7 @@ from typing import Any
 
 from hetero.chat_contract import chat_contract
 from hetero.errors import HeteroError
+from hetero.server.images import ImageInputs, place_images
 from hetero.server.requests import Parser, RequestError, boolean, message_list
 from hetero.server.thinking import effort_kwargs
 from hetero.tools import (
@@ -41,6 +42,7 @@ class ChatReply:
     only: str | None = None  # the function a tool_choice names: a call to another is returned as text
     grammar: str | None = None  # a forced call's grammar (`call_grammar`): the output is one valid call by construction
     images: list[str] = field(default_factory=list)  # where image parts were replaced by a placeholder
+    vision: Any = None  # the prompt's images (an `ImagePrompt` over the expanded ids), for a model that reads them
 
     def parser(self) -> "ReplyStream":
         return ReplyStream(self)
@@ -88,10 +90,11 @@ def checked_tools(convert, tools: Any) -> list[dict] | None:
 
 
 def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: Any, template_kwargs: dict,
-           parallel: bool, continue_final: bool = False) -> tuple[list[int], ChatReply]:
+           parallel: bool, continue_final: bool = False, images=None) -> tuple[list[int], ChatReply]:
     """Template messages and tools -> the prompt's token ids and how to parse the reply. With `continue_final`
     (a conversation ending with an assistant message that has text) the prompt ends inside that message, so the
-    reply continues its text instead of opening a new turn."""
+    reply continues its text instead of opening a new turn. `images` (an `ImageInputs` that collected the
+    messages' images) puts each image's tokens where the template placed it: the ids come back expanded."""
     tokenizer = parser.engine.tokenizer
     try:
         mode = normalize_choice(choice, tools)
@@ -105,9 +108,15 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
             tokenizer.apply_chat_template(msgs, tools=shown, add_generation_prompt=True, **template_kwargs)
     except HeteroError as e:
         raise RequestError(400, str(e), "messages") from None
+    reading = isinstance(images, ImageInputs) and bool(images.images)
+    encode = images.encode if reading else tokenizer.encode  # with images: their slots -> their tokens
     forced = forced_prefix(mode, prompt, tokenizer.chat_template)
-    ids = parser.encode(prompt + forced, "messages")
-    mark = None if continue_final else transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids)
+    ids = parser.encode(encode(prompt + forced), "messages")
+    mark = None if continue_final else transcript_end(tokenizer, msgs, shown, template_kwargs, prompt, ids, encode)
+    vision = None
+    if reading:
+        ids, vision, mark = place_images(parser.engine, images, prompt, ids, mark)
+        prompt = images.substitute(prompt)
     only = mode if mode not in (None, "auto", "none", "required") else None
     grammar = None
     if forced:  # required or a named function: decoded under the call's grammar, valid by construction
@@ -115,7 +124,7 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
             grammar = call_grammar(shown, mode, call_form(tokenizer.chat_template), parser.engine.grammar_tokenizer())
         except HeteroError as e:
             raise RequestError(400, f"tool_choice {mode!r}: {e}", "tools") from None
-    return ids, ChatReply(prompt, shown, forced, parallel, mark, only, grammar=grammar)
+    return ids, ChatReply(prompt, shown, forced, parallel, mark, only, grammar=grammar, vision=vision)
 
 
 SYSTEM_AS_USER = "[system message]\n"  # heads a later system message the template refuses to place mid-conversation
@@ -157,7 +166,7 @@ def continued(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kw
 
 
 def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, template_kwargs: dict, prompt: str,
-                   ids: list[int]) -> int | None:
+                   ids: list[int], encode=None) -> int | None:
     """Tokens of the conversation rendered without the generation prompt, when they prefix the prompt's `ids`
     (else None). The next turn renders this turn's reply after exactly these tokens (Qwen templates write
     `<|im_start|>assistant\\n<think>\\n` as the generation prompt but an empty think block before a call in
@@ -168,7 +177,7 @@ def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, templa
         return None
     if not head or len(head) >= len(prompt) or not prompt.startswith(head):
         return None
-    head_ids = tokenizer.encode(head)
+    head_ids = (encode or tokenizer.encode)(head)
     return len(head_ids) if ids[: len(head_ids)] == head_ids else None
 
 
@@ -187,7 +196,7 @@ def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
         kwargs = {**effort_kwargs(parser, body["reasoning_effort"], "reasoning_effort"), **kwargs}
     tools = checked_tools(openai_tools, body.get("tools"))
     parallel = bool(boolean(body, "parallel_tool_calls", True))
-    ids, reply = render(parser, msgs, tools, body.get("tool_choice"), kwargs, parallel)
+    ids, reply = render(parser, msgs, tools, body.get("tool_choice"), kwargs, parallel, images=images)
     reply.images = images or []
     return ids, reply
 
@@ -220,7 +229,7 @@ def anthropic_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
     last = msgs[-1]
     continue_final = last["role"] == "assistant" and bool(last["content"].strip()) and not last.get("tool_calls")
-    ids, reply = render(parser, msgs, tools, choice, kwargs, parallel, continue_final)
+    ids, reply = render(parser, msgs, tools, choice, kwargs, parallel, continue_final, images)
     reply.images = images or []
     return ids, reply
 

@@ -34,8 +34,7 @@ def _text(content: Any, where: str, images: list[str] | None = None) -> str:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             kind = kind if isinstance(kind, str) else repr(kind)
             if kind in IMAGE_PARTS and images is not None:
-                images.append(f"{where}[{j}]")
-                parts.append(IMAGE_PLACEHOLDER)
+                parts.append(take_image(images, part, f"{where}[{j}]"))
                 continue
             if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
                 why = "this model reads text only" if kind in IMAGE_PARTS else "text only"
@@ -43,6 +42,15 @@ def _text(content: Any, where: str, images: list[str] | None = None) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise HeteroError(f"{where}: content must be a string or a list of text parts")
+
+
+def take_image(images: list, part: dict, place: str) -> str:
+    """The text that stands for an image part: what a collector that reads images (`images.take`, the server's
+    `ImageInputs`) gives, else IMAGE_PLACEHOLDER, its place listed in `images`."""
+    if hasattr(images, "take"):
+        return images.take(part, place)
+    images.append(place)
+    return IMAGE_PLACEHOLDER
 
 
 def text_of(content: Any, where: str, images: list[str] | None = None) -> str:
@@ -79,7 +87,7 @@ def openai_messages(messages: list[dict], images: list[str] | None = None) -> li
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = "system" if m.get("role") == "developer" else m.get("role")
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where, images)}
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{where}.content", images)}
         if role == "assistant":
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
