@@ -261,3 +261,48 @@ def test_stopping_rank_0_ends_the_other_ranks(served):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert "Traceback" not in err and "hetero: error" not in err, err[-2000:]
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("target", ["launcher", "rank 0"])
+def test_sigterm_mid_stream_stops_every_rank_with_a_final_event(target):
+    """SIGTERM while a long stream generates, sent to mlx.launch (`docker stop`, `kill PID`: it dies without passing
+    it on, which left every rank serving) or to rank 0 (whose SIGTERM once killed it at once through its watchdog):
+    the client's stream ends with the shutting-down error event, and every rank is gone within 5 s."""
+    port = _free_port(1)
+    launch = Launch(2, [sys.executable, "-m", "hetero", "serve", "--port", str(port), "--dist-timeout", "30"])
+    try:
+        err = launch.wait_for("serving rank 0]", 120)
+        ranks = [int(err.split(f"[hetero rank {r}/2 pid ")[1].split(":")[0]) for r in (0, 1)]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        end = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < end, launch.err.decode()[-2000:]
+                time.sleep(0.1)
+        stream = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=30000, stream=True,
+                                           logit_bias={"0": -100, "2": -100})  # EOS suppressed: it runs on
+        texts = []
+        with pytest.raises(openai.APIError) as final:
+            for event in stream:
+                texts.append(event.choices[0].text)
+                if len(texts) == 20:
+                    os.kill(launch.proc.pid if target == "launcher" else ranks[0], signal.SIGTERM)
+                    signalled = time.monotonic()
+        assert "shutting down" in str(final.value) and not isinstance(final.value, openai.APIConnectionError)
+        while not all(_pid_gone(pid) for pid in ranks):
+            assert time.monotonic() - signalled < 5.0, f"ranks still running 5 s after SIGTERM to {target}"
+            time.sleep(0.05)
+    finally:
+        kill_all(launch)
+        launch.finish(10)

@@ -13,6 +13,8 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
+import time
 
 from hetero.distributed.command import pipelined
 from hetero.distributed.runtime import PipelineEngine
@@ -30,15 +32,32 @@ def serve_pipelined(settings: ServerSettings) -> int | None:
     if refused:
         raise HeteroError(f"{', '.join(refused)}: not available when serving across ranks (mlx.launch); leave "
                           f"{'it' if len(refused) == 1 else 'them'} out (each rank keeps its prefix cache in RAM)")
-    if os.environ.get("MLX_RANK", "0") != "0":  # Ctrl-C in the launching terminal: rank 0 stops, then tells us
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get("MLX_RANK", "0") != "0":  # Ctrl-C in the terminal, or a service manager's SIGTERM to every
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # process: rank 0 stops, then tells us
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        stop_when_orphaned()
     return pipelined(settings.model, settings.dist_timeout, lambda engine: _serve(engine, settings))
+
+
+def stop_when_orphaned(interval_s: float = 0.2) -> None:
+    """Stop as on SIGTERM once the launcher is gone. `mlx.launch` dies of a SIGTERM without passing it on (`docker
+    stop`, `kill PID`, a service manager that signals only its main process), which left every rank serving on."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)  # first: the launcher held our stderr, which may be gone with it
+
+    threading.Thread(target=watch, name="hetero-launcher-watch", daemon=True).start()
 
 
 def _serve(engine: PipelineEngine, settings: ServerSettings) -> int:
     """Rank 0: the HTTP server on the pipelined engine, one request at a time."""
 
     s = dataclasses.replace(settings, max_concurrent=1)  # the pipeline takes one request at a time
+    engine.stage.link.watchdog.leave_terminate()  # an operator's SIGTERM stops the server as in one process
     sock = listen(s.host, s.port, s.api_key)
     try:
         engine.prefix_cache = PrefixCache(int(s.prefix_cache_max_gb * 1024**3))

@@ -84,6 +84,14 @@ class Watchdog:
         signal.set_wakeup_fd(self._proc.stdin.fileno())
         self._relaying = True
 
+    def leave_terminate(self) -> None:
+        """SIGTERM is this process's own again: a server stops on it the graceful way, within its own grace
+        (`hetero.server.stopping`), so its clients get a final event instead of a killed socket."""
+        if self._relaying:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._relaying = False
+
     def arm(self, seconds: float, message: str) -> None:
         """From now on, `seconds` without a `pet()` end this process with `message` (one line)."""
         self._say(f"arm {seconds} {' '.join(message.split())}")

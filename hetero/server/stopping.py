@@ -35,7 +35,7 @@ class StoppingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         name = signal.Signals(sig).name
         if self.should_exit:  # the second signal: nothing more is waited for
-            os.write(2, f"hetero: {name} again: exiting now\n".encode())
+            _say(f"hetero: {name} again: exiting now\n")
             os._exit(128 + sig)
         log.info("%s: stopping (no new requests; generations end now; exit within %g s, a second signal exits "
                  "at once)", name, self.grace_s)
@@ -48,5 +48,13 @@ class StoppingServer(uvicorn.Server):
 def _exit_after(seconds: float) -> None:
     """Exit the process `seconds` from now, whatever still runs then (a worker thread keeps it alive otherwise)."""
     time.sleep(seconds)
-    os.write(2, f"hetero: still busy {seconds:g} s after the stop signal: exiting now\n".encode())
+    _say(f"hetero: still busy {seconds:g} s after the stop signal: exiting now\n")
     os._exit(1)
+
+
+def _say(line: str) -> None:
+    """Write `line` to stderr if it is still there (a launcher that died may have taken the pipe with it)."""
+    try:
+        os.write(2, line.encode())
+    except OSError:
+        pass
