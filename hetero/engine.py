@@ -168,6 +168,9 @@ class Engine:
         """
         r = request
         held = 0
+        if getattr(self.model, "kv_quant", None) is not None and (r.prompt_cache is not None or r.split is not None):
+            what = "an mlx-lm prompt cache" if r.prompt_cache is not None else "the split prefill"
+            raise HeteroError(f"{what} holds full-precision KV only; load the engine without kv_bits to use it")
         if r.prompt_cache is not None:
             held = check_layout(r.prompt_cache, [layer.is_linear for layer in self.model.layers])
         ids = self.encode_prompt(r.prompt, r.chat, held)

@@ -255,3 +255,42 @@ def test_library_and_server_settings_check_kv_bits_too():
     with pytest.raises(HeteroError, match="--kv-bits with --ane-fraction"):
         ServerSettings(kv_bits=8, ane=0.5)
     assert ServerSettings(kv_bits=4, kv_group_size=32).kv_group_size == 32
+
+
+def test_library_prefill_and_split_refuse_quantized_kv(quantized):
+    engine = quantized(8)
+    with pytest.raises(HeteroError, match="full-precision prompt cache"):
+        hetero.prefill(engine, [5, 6, 7])
+    with pytest.raises(HeteroError, match="an mlx-lm prompt cache holds full-precision KV only"):
+        engine.generate([5, 6], max_tokens=2, prompt_cache=[object()])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The commands end to end
+
+
+def test_run_command_decodes_with_quantized_kv(quantized, capsys):
+    text = "def add(a, b):\n    return a + b\n"
+    assert main(["run", "--prompt", text, "--max-tokens", "12", "--no-mtp", "--kv-bits", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == quantized(4).generate(text, max_tokens=12, mtp=False).tokens
+
+
+def test_server_over_quantized_kv_serves_from_its_prefix_cache(quantized, tmp_path):
+    from test_server import LiveServer
+
+    engine = quantized(8)
+    engine.prefix_cache = PrefixCache(store=SessionStore(tmp_path))
+    server = LiveServer(engine)
+    try:
+        client = server.openai()
+        prompt = "class Point:\n    def __init__(self, x, y):\n" * 12
+        first = client.completions.create(model="bundled", prompt=prompt, max_tokens=10, temperature=0)
+        second = client.completions.create(model="bundled", prompt=prompt, max_tokens=10, temperature=0)
+    finally:
+        server.stop()
+        engine.prefix_cache = None
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].text == first.choices[0].text
+    assert first.choices[0].text == engine.tokenizer.decode(
+        engine.generate(prompt, max_tokens=10, mtp=False, use_prefix_cache=False).tokens)
