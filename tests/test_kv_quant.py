@@ -294,3 +294,15 @@ def test_server_over_quantized_kv_serves_from_its_prefix_cache(quantized, tmp_pa
     assert second.choices[0].text == first.choices[0].text
     assert first.choices[0].text == engine.tokenizer.decode(
         engine.generate(prompt, max_tokens=10, mtp=False, use_prefix_cache=False).tokens)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bits, group", [(8, 32), (8, 64), (4, 64), (4, 128)])
+def test_cpu_unpacking_equals_mx_dequantize(dtype, bits, group):
+    from hetero.kv_quant import dequantize
+
+    x = mx.array(np.random.default_rng(bits * group).normal(0, 3, (1, 3, 70, 256)).astype(np.float32)).astype(dtype)
+    packed = mx.quantize(x, group_size=group, bits=bits)
+    got = dequantize(*(a[:, :, 5:60] for a in packed), KVQuant(bits, group))  # a strided slice, as the cache reads
+    want = mx.dequantize(*packed, group_size=group, bits=bits)[:, :, 5:60]
+    assert got.dtype == want.dtype == dtype and mx.array_equal(got, want)
