@@ -11,8 +11,9 @@ path), then:
 - KL: teacher-forced along full KV's greedy tokens, KL(full || quantized) of the next-token distributions at the
   prompt's last position and after each of the first 23 tokens (mean and max over those 24), and top-1 agreement;
 - speed: plain greedy decoding of `--tokens` tokens from a copy of the prefilled cache (`decode_tokens`, the
-  engine's decode path), settings alternated (full, 8, 4, full, ...) `--repeats` times: median tok/s, spread, and
-  the ratio to full KV.
+  engine's decode path), settings alternated (full, 8, 4, full, ...) `--repeats` times; tok/s = 1 / the median time
+  of all their decode steps (robust to the bursts of other work on a shared machine), with the step-time quartiles,
+  each run's own tok/s, and the ratio to full KV.
 The environment (BLAS, threads, versions) and the machine's load go into the JSON.
 """
 
@@ -92,7 +93,9 @@ def run_setting(model, ids: list[int], full_tokens: list[int] | None) -> dict:
     return {"tokens": own, "logprobs": forced, "base": base, "prefill_s": prefill_s}
 
 
-def decode_speed(model, ids: list[int], base, tokens: int) -> float:
+def step_times(model, ids: list[int], base, tokens: int) -> list[float]:
+    """Seconds between consecutive tokens of one plain greedy decode from a copy of `base` (the first token, which
+    also runs the last prompt token, left out)."""
     import mlx.core as mx
 
     from hetero.decode.solo import decode_tokens
@@ -100,9 +103,9 @@ def decode_speed(model, ids: list[int], base, tokens: int) -> float:
 
     cache = clone(base)
     mx.eval([a for c in cache for a in c.state])
-    t0 = time.perf_counter()
-    out = list(decode_tokens(model, ids, Sampler(SamplingParams(0.0)), tokens, set(), cache=cache, skip=len(ids) - 1))
-    return len(out) / (time.perf_counter() - t0)
+    stamps = [time.perf_counter() for _ in decode_tokens(model, ids, Sampler(SamplingParams(0.0)), tokens, set(),
+                                                         cache=cache, skip=len(ids) - 1)]
+    return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 def measure(engine, n: int, settings: list[int | None], tokens: int, repeats: int) -> dict:
@@ -129,17 +132,23 @@ def measure(engine, n: int, settings: list[int | None], tokens: int, repeats: in
                      "greedy_of": GREEDY_TOKENS, "kl_mean": statistics.mean(kl), "kl_max": max(kl),
                      "teacher_forced_top1": top1, "prefill_s": round(r["prefill_s"], 3),
                      "kv_bytes": sum(a.nbytes for c in r["base"] if hasattr(c, "like") for a in c.rows(0, c.offset))})
-    speed: dict = {bits: [] for bits in settings}
+    steps: dict = {bits: [] for bits in settings}  # every decode step's time, per setting
+    runs_tps: dict = {bits: [] for bits in settings}
     for _ in range(repeats):  # alternated: full, 8, 4, full, 8, 4, ...
         for bits in settings:
             use_kv_quant(model, kv_quant(bits))
-            speed[bits].append(decode_speed(model, ids, runs[bits]["base"], tokens))
+            dt = step_times(model, ids, runs[bits]["base"], tokens)
+            steps[bits] += dt
+            runs_tps[bits].append(round(len(dt) / sum(dt), 2))
     use_kv_quant(model, None)
-    base_tps = statistics.median(speed[None])
+    base_tps = 1 / statistics.median(steps[None])
     for row in rows:
-        s = speed[row["kv_bits"]]
-        row.update(decode_tps=round(statistics.median(s), 2), decode_tps_runs=[round(x, 2) for x in s],
-                   decode_ratio_to_full=round(statistics.median(s) / base_tps, 3))
+        dt = sorted(steps[row["kv_bits"]])
+        tps = 1 / statistics.median(dt)
+        row.update(decode_tps=round(tps, 2), decode_ratio_to_full=round(tps / base_tps, 3),
+                   step_ms_quartiles=[round(1e3 * dt[len(dt) // 4], 2), round(1e3 * dt[len(dt) // 2], 2),
+                                      round(1e3 * dt[3 * len(dt) // 4], 2)],
+                   decode_tps_runs=runs_tps[row["kv_bits"]])
     return {"prompt_tokens": n, "settings": rows, "load": os.getloadavg()}
 
 
@@ -147,8 +156,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["bundled", "real27"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384])
-    ap.add_argument("--tokens", type=int, default=48, help="tokens per decode-speed run")
-    ap.add_argument("--repeats", type=int, default=3, help="alternated decode-speed runs per setting (median)")
+    ap.add_argument("--tokens", type=int, default=33, help="tokens per decode-speed run")
+    ap.add_argument("--repeats", type=int, default=5, help="alternated decode-speed runs per setting")
     ap.add_argument("--workdir", default="/tmp/hetero-bench", help="where the random checkpoint is written once")
     ap.add_argument("--out", default="bench/results/kv_bits.json")
     args = ap.parse_args()

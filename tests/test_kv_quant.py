@@ -306,3 +306,14 @@ def test_cpu_unpacking_equals_mx_dequantize(dtype, bits, group):
     got = dequantize(*(a[:, :, 5:60] for a in packed), KVQuant(bits, group))  # a strided slice, as the cache reads
     want = mx.dequantize(*packed, group_size=group, bits=bits)[:, :, 5:60]
     assert got.dtype == want.dtype == dtype and mx.array_equal(got, want)
+
+
+def test_an_architecture_without_quantized_kv_says_so():
+    from hetero.models.qwen4_exp.args import Qwen4Args
+    from hetero.models.qwen4_exp.model import Model as Qwen4Model
+    from qwen4_checkpoint import TEXT  # (imports torch: already loaded in a whole-suite run)
+
+    model = Qwen4Model(Qwen4Args.from_config(dict(TEXT, model_type="qwen4_exp_text")))
+    with pytest.raises(HeteroError, match="qwen4_exp models keep full-precision KV only; leave --kv-bits out") as e:
+        use_kv_quant(model, KVQuant(8))
+    assert "\n" not in str(e.value)
