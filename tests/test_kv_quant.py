@@ -133,7 +133,7 @@ def test_plain_mtp_and_batched_greedy_decoding_agree_with_kv_bits(quantized, bit
     plain = engine.generate(ids, max_tokens=24, mtp=False, prefill_chunk=64).tokens
     mtp = engine.generate(ids, max_tokens=24, draft_depth=3, prefill_chunk=64)
     assert mtp.tokens == plain  # verify passes write, reject (trim_to) and rewrite quantized slots
-    assert mtp.stats["mtp"]["rounds"] < 24  # drafts were accepted: verify blocks of several tokens ran
+    assert 1 < mtp.stats["mtp"]["mean_accepted_length"] < 4  # drafts accepted, and rejected (rolled back), at depth 3
     prompts = [ids, prompt(90, 3), prompt(40, 4)]
     rows = batch_generate(engine.model, prompts, [Sampler(GREEDY) for _ in prompts], [24, 20, 16], set(), [3, 0, 2])
     for p, r in zip(prompts, rows):
