@@ -6,6 +6,9 @@ line."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -317,3 +320,16 @@ def test_an_architecture_without_quantized_kv_says_so():
     with pytest.raises(HeteroError, match="qwen4_exp models keep full-precision KV only; leave --kv-bits out") as e:
         use_kv_quant(model, KVQuant(8))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["run", "--prompt", "x", "--kv-bits", "8"],
+     "hetero: error: --kv-bits under mlx.launch: the ranks keep full-precision KV only; leave --kv-bits out"),
+    (["serve", "--kv-bits", "8"], "hetero: error: --kv-bits: not available when serving across ranks (mlx.launch); "
+                                  "leave it out (each rank keeps its prefix cache in RAM)"),
+])
+def test_kv_bits_under_mlx_launch_is_one_line(argv, line):
+    env = {**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": os.devnull}
+    proc = subprocess.run([sys.executable, "-m", "hetero", *argv], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [line], proc.stderr
