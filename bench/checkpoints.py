@@ -1,5 +1,6 @@
-"""Checkpoints the benchmarks share: the bundled model, a larger random one of the same architecture, and a random
-mixture-of-experts one shaped like Qwen3.5-35B-A3B scaled down."""
+"""Checkpoints the benchmarks share: the bundled model, a larger random one of the same architecture, a random one with
+Qwen3.5-27B's attention and GDN head shapes, and a random mixture-of-experts one shaped like Qwen3.5-35B-A3B scaled
+down."""
 
 from __future__ import annotations
 
@@ -36,19 +37,36 @@ MOE = dict(
 )
 
 
-def large_checkpoint(workdir: Path) -> Path:
-    """Write (once) a random LARGE-shaped checkpoint with an MTP head, borrowing the bundled tokenizer."""
-    out = Path(workdir) / "large"
+# Qwen3.5-27B's attention and GDN head shapes (24 query heads, 4 KV heads of 256; GDN 16 key and 48 value heads of
+# 128), at a narrower residual (1024 against 5120) and 4 layers (one of them attention): the KV rows quantized are
+# the 27B's, and a 16K-token prefill stays within minutes on two cores.
+REAL27 = dict(
+    model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=4, intermediate_size=3072,
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=4096, full_attention_interval=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False, max_position_embeddings=65536, mtp_num_hidden_layers=1,
+)
+
+
+def _random_checkpoint(workdir: Path, name: str, shape: dict) -> Path:
+    """Write (once) a random `shape` checkpoint with an MTP head, borrowing the bundled tokenizer."""
+    out = Path(workdir) / name
     if (out / "model.safetensors").is_file():
         return out
     mx.random.seed(0)
-    args = ModelArgs.from_config(LARGE)
+    args = ModelArgs.from_config(shape)
     model = Model(args, with_mtp=True)
     mx.eval(model.parameters())
     save_hf_checkpoint(model, hf_config(args, eos_token_id=[]), out, dtype=mx.bfloat16)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED_MODEL / name, out / name)
     return out
+
+
+def large_checkpoint(workdir: Path) -> Path:
+    """Write (once) a random LARGE-shaped checkpoint with an MTP head, borrowing the bundled tokenizer."""
+    return _random_checkpoint(workdir, "large", LARGE)
 
 
 def moe_checkpoint(workdir: Path) -> Path:
@@ -72,7 +90,8 @@ def moe_checkpoint(workdir: Path) -> Path:
     return out
 
 
-CHECKPOINTS = {"bundled": lambda workdir: BUNDLED_MODEL, "large": large_checkpoint, "moe": moe_checkpoint}
+CHECKPOINTS = {"bundled": lambda workdir: BUNDLED_MODEL, "large": large_checkpoint, "moe": moe_checkpoint,
+               "real27": lambda workdir: _random_checkpoint(workdir, "real27", REAL27)}
 
 
 def checkpoint(name: str, workdir: Path) -> Path:

@@ -57,6 +57,35 @@ class KVCache:
         """Forget every position at or after n."""
         self.offset = min(self.offset, n)
 
+    # Rows: the arrays that hold positions, as the prefix and session caches copy them. Each is [B, Hkv, n, *] with
+    # the positions on axis 2, so a slice, a concatenation or a file keeps them as they are (here: keys, values).
+
+    def layout(self, head_dim: int, dtype: mx.Dtype) -> list[tuple[str, int, mx.Dtype]]:
+        """(name, last dimension, dtype) of each row array, in `rows` order."""
+        return [("k", head_dim, dtype), ("v", head_dim, dtype)]
+
+    def rows(self, lo: int, hi: int) -> tuple[mx.array, ...]:
+        """The row arrays of positions lo..hi-1 (views of the live buffers: copy them to keep them)."""
+        return tuple(a[:, :, lo:hi] for a in self.state)
+
+    def install(self, parts: list[tuple[mx.array, ...]]) -> None:
+        """Hold exactly the rows of `parts` one after the other (positions 0..n-1, e.g. a checkpoint's edges), in
+        fresh buffers with room to grow: one concatenation per array, never a view of the parts."""
+        B, H = parts[0][0].shape[:2]
+        n = sum(p[0].shape[2] for p in parts)
+        cap = -(-n // self.step) * self.step
+        fresh = [mx.concatenate([p[j] for p in parts] + [mx.zeros((B, H, cap - n, a.shape[3]), a.dtype)], axis=2)
+                 for j, a in enumerate(parts[0])]
+        self._set_buffers(fresh)
+        self.offset = n
+
+    def like(self) -> KVCache:
+        """A new empty cache that stores K/V the way this one does."""
+        return KVCache()
+
+    def _set_buffers(self, arrays: list[mx.array]) -> None:
+        self.keys, self.values = arrays
+
     @property
     def state(self) -> list[mx.array]:
         """The arrays that hold this cache (for evaluation and memory accounting)."""

@@ -37,7 +37,8 @@ from hetero.validate import AneSplit, check_config, decode_utf8, read_prompt
 def cmd_run(args: argparse.Namespace) -> int:
 
     if distributed.launched():  # started by mlx.launch: the layers split across the ranks
-
+        if args.kv_bits is not None:
+            raise HeteroError("--kv-bits under mlx.launch: the ranks keep full-precision KV only; leave --kv-bits out")
         status = run_pipelined(args)
         if status is not None:
             return status
@@ -46,7 +47,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         for flag in ("verify", "trace"):
             if getattr(args, flag):
                 raise HeteroError(f"--{flag} needs --ane-fraction F (the split to check or trace)")
-    engine = hetero.load(args.model, args.dtype)
+    if args.kv_bits is not None and not args.ane_fraction.gpu_only:
+        raise HeteroError("--kv-bits with --ane-fraction: the split prefill reads full-precision KV only; "
+                          "leave one of them out")
+    engine = hetero.load(args.model, args.dtype, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     engine.memory_gb = args.memory_gb
     split = None if args.ane_fraction.gpu_only else _split_run(engine, args)
     if split is not None:
@@ -189,7 +193,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     context = args.context or min(32768, model_shape(config)[0].max_position_embeddings)
     kw = dict(prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
               accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
-              link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms)
+              link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms, kv_bits=args.kv_bits,
+              kv_group_size=args.kv_group_size)
     if args.pieces is not None:
         if args.recommend:
             raise HeteroError("--pieces with --recommend: --recommend chooses the piece kinds itself; pass one of them")

@@ -99,6 +99,16 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
                    "the ANE lane computes fp16 whatever it is)")
 
 
+def _add_kv(p: argparse.ArgumentParser) -> None:
+    """--kv-bits / --kv-group-size: the attention layers' KV stored quantized (`hetero.kv_quant`)."""
+
+    p.add_argument("--kv-bits", type=int, choices=[8, 4],
+                   help="store the attention layers' KV quantized to 8 or 4 bits (the GDN state stays fp32); a "
+                   "longer context fits in the same memory (default: the compute dtype, full precision)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128],
+                   help="with --kv-bits: values per scale and bias along head_dim (default: 64)")
+
+
 def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="hetero", description="Fast hybrid-LLM inference on Apple Silicon.")
@@ -131,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-copy", action="store_true", help="no copy-lane drafts from n-grams of the context")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of streaming")
     run.add_argument("--memory-gb", type=POSITIVE, help="RAM the memory governor budgets (default: this machine's)")
+    _add_kv(run)
     run.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                      help="split prefill: share F of each offloadable piece for the ANE lane, "
                      "or 'auto' (this machine's measured profile, verified on a calibration prompt); 0 or default: GPU-only")
@@ -175,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-cache", metavar="DIR", help="on-disk session cache (default: ~/.cache/hetero/sessions)")
     serve.add_argument("--session-cache-max-gb", type=NONNEG, default=16.0, help="disk for the session cache")
     serve.add_argument("--no-session-cache", action="store_true", help="keep checkpoints in RAM only")
+    _add_kv(serve)
     serve.add_argument("--ane-fraction", type=ane_split_arg, default=GPU_ONLY,
                        help="split each prompt's prefill: share F for the ANE lane, or 'auto' (0 or default: GPU-only)")
     add_ane_weights(serve)
@@ -230,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--group-size", type=int, choices=[32, 64, 128], help="quantization group size (default 64)")
     plan.add_argument("--memory-gb", type=POSITIVE,
                       help="RAM to budget: prints the budget and the largest context window (default: no budget)")
+    _add_kv(plan)
     plan.add_argument("--accepted-length", type=Bound(1), default=2.5, help="MTP tokens per verify pass for the decode estimate")
     plan.add_argument("--draft-depth", type=DEPTH, default=DEFAULT_DRAFT_DEPTH, help="MTP draft depth for the decode estimate")
     plan.add_argument("--hosts", type=POSITIVE_INT,

@@ -25,6 +25,7 @@ from hetero.decode.state import Decoder
 from hetero.errors import HeteroError
 from hetero.fingerprint import checkpoint_identity, weights_fingerprint
 from hetero.image_prompt import ImagePrompt
+from hetero.kv_quant import kv_quant, use_kv_quant
 from hetero.loader import load_model
 from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.mlx_lm_cache import check_layout, from_mlx_lm
@@ -90,8 +91,11 @@ class Engine:
     @property
     def cache_key(self) -> str:
         """Keys every cached state of this engine (prefix cache, session cache): its identity, the fingerprint of
-        the weights it loaded and its compute dtype. New weights under the same name and config get a new key."""
-        return f"{self.identity}#{self.weights_fingerprint}#{self.model.model.norm.weight.dtype}"
+        the weights it loaded, its compute dtype and its KV storage (`--kv-bits`). New weights under the same name
+        and config get a new key."""
+        quant = getattr(self.model, "kv_quant", None)  # a quantized-KV entry never restores into full KV, nor back
+        return f"{self.identity}#{self.weights_fingerprint}#{self.model.model.norm.weight.dtype}" + (
+            f"#{quant.key}" if quant is not None else "")
 
     @property
     def max_context(self) -> int:
@@ -206,6 +210,9 @@ class Engine:
         """
         r = request
         held = 0
+        if getattr(self.model, "kv_quant", None) is not None and (r.prompt_cache is not None or r.split is not None):
+            what = "an mlx-lm prompt cache" if r.prompt_cache is not None else "the split prefill"
+            raise HeteroError(f"{what} holds full-precision KV only; load the engine without kv_bits to use it")
         if r.prompt_cache is not None:
             held = check_layout(r.prompt_cache, [layer.is_linear for layer in self.model.layers])
         vision = self._images(r, held)
@@ -414,12 +421,16 @@ def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:
 
 
 def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,
-         fuse_projections: bool = True) -> Engine:
+         fuse_projections: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None) -> Engine:
     """Load a checkpoint directory or hub id (None: the bundled model) after the pre-flight check; on Metal the
     model may stay wired up to the GPU's recommended working set. `fuse_projections=False` keeps each layer's
-    input projections as separate products (for comparisons; see `hetero.models.fused`)."""
+    input projections as separate products (for comparisons; see `hetero.models.fused`). `kv_bits` 8 or 4 stores
+    the attention layers' KV quantized in groups of `kv_group_size` (default 64) along head_dim
+    (`hetero.kv_quant`); None keeps it in the compute dtype."""
+    quant = kv_quant(kv_bits, kv_group_size)  # a bad value fails before the weights load
     wire_working_set()
     net, path, config = load_model(model, dtype, fuse_projections)
+    use_kv_quant(net, quant)
     tokenizer = Tokenizer.from_dir(path)
     name = "bundled" if model is None else str(model)
     return Engine(net, tokenizer, config, path, name)

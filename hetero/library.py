@@ -110,6 +110,9 @@ def prefill_to_file(model, prompt: str | list[int], out: str | os.PathLike, *,
 def _prefill_into(held, prompt, hcache: list, ane_fraction, chunk: int | None, verify: bool,
                   weights: str = "lut") -> None:
     """Prefill `prompt` into hetero's backbone caches `hcache` (which may hold a prefix)."""
+    if getattr(held.model, "kv_quant", None) is not None:
+        raise HeteroError("hetero.prefill writes mlx-lm's full-precision prompt cache; load the engine without "
+                          "kv_bits (mlx-lm quantizes its own cache: kv_bits in mlx_lm.generate)")
     ane = AneSplit.parse(ane_fraction, "ane_fraction")  # before the prompt is tokenized
     ids = _ids(held, prompt, hcache[0].offset)
     if ane.gpu_only:

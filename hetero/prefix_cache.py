@@ -7,13 +7,15 @@ A checkpoint at n tokens is everything needed to continue after tokens[:n] as if
 The trie is a radix tree: an edge holds its tokens and the K/V rows of exactly those positions, so a transcript
 that grows turn by turn stores each position's K/V once; a node holds the fixed-size GDN state when it is a
 checkpoint. Restoring concatenates the K/V rows along the path into fresh buffers (a live KVCache writes in
-place by slice assignment, so a checkpoint never shares a buffer with a live cache).
+place by slice assignment, so a checkpoint never shares a buffer with a live cache). A layer's rows are the arrays
+its cache stores (`KVCache.rows`): keys and values, or with `--kv-bits` their packed values, scales and biases, so a
+quantized cache is checkpointed and restored as stored, bit for bit.
 
 A prompt with images comes keyed by content: each image token is a key drawn from the image's pixel digest
 (`hetero.image_prompt.ImagePrompt.cache_keys`), so the trie matches the same image and never another.
 
-Trees are per `Engine.cache_key` (identity + the loaded weights' fingerprint): two models, or two versions of one
-model's weights, never see each other's state.
+Trees are per `Engine.cache_key` (identity + the loaded weights' fingerprint + the KV storage): two models, two
+versions of one model's weights, or full-precision and quantized KV, never see each other's state.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Snapshot:
     """
 
     tokens: list[int]
-    kv: list[tuple[mx.array, mx.array]]  # [1, Hkv, n, D] each; the last n_mtp (MTP layers) [1, Hkv, n-1, D]
+    kv: list[tuple[mx.array, ...]]  # per layer its rows [1, Hkv, n, *] each; the last n_mtp (MTP layers) n-1 rows
     checkpoint: Checkpoint
     n_mtp: int
 
@@ -72,7 +74,7 @@ class Restored:
 class _Node:
     start: int  # absolute position where this node's edge begins
     tokens: list[int]  # the edge: tokens[start:end]
-    kv: list[tuple[mx.array, mx.array]]  # per KV layer: rows of this edge's positions (MTP: shifted by one)
+    kv: list[tuple[mx.array, ...]]  # per KV layer: rows of this edge's positions (MTP: shifted by one)
     parent: _Node | None = None
     children: dict[int, _Node] = field(default_factory=dict)
     checkpoint: Checkpoint | None = None
@@ -84,16 +86,17 @@ class _Node:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+        return sum(a.nbytes for rows in self.kv for a in rows)
 
 
-def _kv(model, c: KVCache) -> tuple[mx.array, mx.array]:
-    """(keys, values) of a KV cache; [1, Hkv, 0, D] when it holds none yet (the MTP layer after a 1-token prompt)."""
+def _kv(model, c: KVCache) -> tuple[mx.array, ...]:
+    """The row arrays of a KV cache (whole buffers: callers slice); [1, Hkv, 0, *] each when it holds none yet (the
+    MTP layer after a 1-token prompt)."""
     if c.keys is not None:
-        return c.keys, c.values
+        return tuple(c.state)
     args = model.args
-    empty = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), model.model.norm.weight.dtype)
-    return empty, empty
+    return tuple(mx.zeros((1, args.num_key_value_heads, 0, dim), dtype)
+                 for _, dim, dtype in c.layout(args.head_dim, model.model.norm.weight.dtype))
 
 
 def _rows(lo: int, hi: int, mtp: bool) -> tuple[int, int]:
@@ -165,17 +168,9 @@ class PrefixCache:
         kv_caches = [c for c in cache if isinstance(c, KVCache)]
         gdn_caches = [c for c in cache if isinstance(c, GDNCache)]
         for i, c in enumerate(kv_caches):
-            ks = [p.kv[i][0] for p in path if p.kv[i][0].shape[2]]
-            vs = [p.kv[i][1] for p in path if p.kv[i][1].shape[2]]
-            if not ks:
-                continue
-            n = sum(k.shape[2] for k in ks)
-            cap = -(-n // KVCache.step) * KVCache.step
-            B, H, _, D = ks[0].shape
-            # one concatenation = one fresh buffer with room to grow, never a view of the trie's rows
-            c.keys = mx.concatenate(ks + [mx.zeros((B, H, cap - n, D), ks[0].dtype)], axis=2)
-            c.values = mx.concatenate(vs + [mx.zeros((B, H, cap - n, vs[0].shape[3]), vs[0].dtype)], axis=2)
-            c.offset = n
+            parts = [p.kv[i] for p in path if p.kv[i][0].shape[2]]
+            if parts:
+                c.install(parts)  # fresh buffers with room to grow, never a view of the trie's rows
         for c, (conv, rec) in zip(gdn_caches, last.checkpoint.gdn):
             c.conv, c.recurrent, c.offset = _own(conv), _own(rec), last.end
         mx.eval(*[a for c in cache for a in c.state])
@@ -207,9 +202,9 @@ class PrefixCache:
         if mtp and m > 1:  # catch up the head on a copy: pairs (t_{p+1}, h_p) for p = n-m..n-2
             copies = []
             for c in mtp:
-                k = KVCache()
+                k = c.like()
                 if c.offset:
-                    k.update_and_fetch(_own(c.keys[:, :, : c.offset]), _own(c.values[:, :, : c.offset]))
+                    k.install([c.rows(0, c.offset)])  # as stored (a quantized cache is not quantized twice)
                 copies.append(k)
             model.mtp_hidden(mx.array(tokens[n - m + 1 :])[None], pending_hidden[None, :-1], copies)
             mtp = copies
@@ -232,11 +227,11 @@ class PrefixCache:
         self._n_mtp[key] = n_mtp
         n_kv = len(kv)
 
-        def segment(lo: int, hi: int) -> list[tuple[mx.array, mx.array]]:
+        def segment(lo: int, hi: int) -> list[tuple[mx.array, ...]]:
             out = []
-            for i, (k, v) in enumerate(kv):
+            for i, arrays in enumerate(kv):
                 a, b = _rows(lo, hi, i >= n_kv - n_mtp)
-                out.append((_own(k[:, :, a:b]), _own(v[:, :, a:b])))
+                out.append(tuple(_own(x[:, :, a:b]) for x in arrays))
             mx.eval(out)
             return out
 
@@ -267,12 +262,12 @@ class PrefixCache:
         parent = child.parent
         cut = child.start + at
         head_kv, tail_kv = [], []
-        for i, (k, v) in enumerate(child.kv):
+        for i, arrays in enumerate(child.kv):
             mtp = i >= n_kv - n_mtp
             a, b = _rows(child.start, cut, mtp)
             rows = b - a  # rows of this edge that belong to the head part
-            head_kv.append((_own(k[:, :, :rows]), _own(v[:, :, :rows])))
-            tail_kv.append((_own(k[:, :, rows:]), _own(v[:, :, rows:])))
+            head_kv.append(tuple(_own(x[:, :, :rows]) for x in arrays))
+            tail_kv.append(tuple(_own(x[:, :, rows:]) for x in arrays))
         mx.eval(head_kv, tail_kv)
         middle = _Node(child.start, child.tokens[:at], head_kv, parent=parent)
         parent.children[middle.tokens[0]] = middle
@@ -297,11 +292,8 @@ class PrefixCache:
             for j, p in enumerate(path):
                 if p.checkpoint is None or p.end < since:
                     continue
-                kv = [
-                    (mx.concatenate([q.kv[i][0] for q in path[: j + 1]], axis=2),
-                     mx.concatenate([q.kv[i][1] for q in path[: j + 1]], axis=2))
-                    for i in range(len(p.kv))
-                ]
+                kv = [tuple(mx.concatenate([q.kv[i][a] for q in path[: j + 1]], axis=2) for a in range(len(p.kv[i])))
+                      for i in range(len(p.kv))]
                 out.append(Snapshot(list(tokens[: p.end]), kv, p.checkpoint, self._n_mtp[key]))
             return out
 

@@ -4,7 +4,8 @@ One entry = two files in DIR/<model key hash>/, the key being `Engine.cache_key`
 weights' fingerprint, dtype: new weights under the same name never see old entries):
   <id>.safetensors  tokens int32 [n] (an image's tokens as content keys: `image_prompt.content_keys`);
                     kv.<i>.k / kv.<i>.v the K/V rows 0..n-1 of every attention layer (MTP layers:
-                    0..n-2); cp.<j>.hidden [1, H] and cp.<j>.gdn.<l>.conv / .rec: the fixed-size state of checkpoint j
+                    0..n-2; with --kv-bits also kv.<i>.k.scales / .biases and the same for v, the K/V as stored);
+                    cp.<j>.hidden [1, H] and cp.<j>.gdn.<l>.conv / .rec: the fixed-size state of checkpoint j
   <id>.json         {"format", "model", "n", "checkpoints": [positions], "n_mtp", "bytes", "sha256"}
 Never pickle. Each file is written under a temporary name and renamed into place; the manifest goes last, so an
 entry without a manifest never existed. Before an entry is used its bytes are checked against the manifest's
@@ -183,8 +184,8 @@ class SessionStore:
             os.utime(tensors)
             return
         arrays = {"tokens": mx.array(deepest.tokens, dtype=mx.int32)}
-        for i, (k, v) in enumerate(deepest.kv):
-            arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"] = k, v
+        for i, (names, rows) in enumerate(zip(_kv_names(model), deepest.kv)):
+            arrays.update({f"kv.{i}.{name}": a for name, a in zip(names, rows)})
         positions = []
         for j, s in enumerate(sorted(snaps, key=lambda s: len(s.tokens))):
             positions.append(len(s.tokens))
@@ -254,6 +255,13 @@ def _common_prefix(a, b, limit: int) -> int:
     return i
 
 
+def _kv_names(model) -> list[list[str]]:
+    """Per attention layer (`make_cache` order), the names of its row arrays in the file."""
+    dtype = model.model.norm.weight.dtype
+    return [[name for name, _, _ in c.layout(model.args.head_dim, dtype)] for c in model.make_cache()
+            if isinstance(c, KVCache)]
+
+
 def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
     """Snapshots from an entry's tensors, every shape and dtype checked against the model (ValueError if not)."""
     args, n = model.args, e.n
@@ -276,10 +284,10 @@ def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
     if any(not (0 <= t < args.vocab_size or IMAGE_KEY_BASE <= t < 2 * IMAGE_KEY_BASE) for t in tokens):
         raise ValueError("token ids outside the vocabulary (and not image content keys)")
     kv = []
-    for i in range(kv_layers):
+    for i, c in enumerate(c for c in cache if isinstance(c, KVCache)):
         rows = n - 1 if i >= kv_layers - e.n_mtp else n
-        shape = (1, args.num_key_value_heads, rows, args.head_dim)
-        kv.append((get(f"kv.{i}.k", shape, dtype), get(f"kv.{i}.v", shape, dtype)))
+        kv.append(tuple(get(f"kv.{i}.{name}", (1, args.num_key_value_heads, rows, dim), dt)
+                        for name, dim, dt in c.layout(args.head_dim, dtype)))
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
     snaps = []
     for j, p in enumerate(e.checkpoints):
@@ -290,7 +298,6 @@ def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
             for l in range(gdn_layers)
         ]
         hidden = get(f"cp.{j}.hidden", (1, args.hidden_size), dtype)
-        rows = [(k[:, :, : (p - 1 if i >= kv_layers - e.n_mtp else p)], v[:, :, : (p - 1 if i >= kv_layers - e.n_mtp else p)])
-                for i, (k, v) in enumerate(kv)]
+        rows = [tuple(a[:, :, : (p - 1 if i >= kv_layers - e.n_mtp else p)] for a in arrays) for i, arrays in enumerate(kv)]
         snaps.append(Snapshot(tokens[:p], rows, Checkpoint(gdn, hidden), e.n_mtp))
     return snaps

@@ -28,7 +28,8 @@ def serve_pipelined(settings: ServerSettings) -> int | None:
     rank (the caller serves in-process)."""
     refused = [flag for flag, on in (("--ane-fraction", not settings.ane.gpu_only),
                                      ("--max-batch above 1", settings.max_batch > 1),
-                                     ("--session-cache", settings.session_cache is not None)) if on]
+                                     ("--session-cache", settings.session_cache is not None),
+                                     ("--kv-bits", settings.kv_bits is not None)) if on]
     if refused:
         raise HeteroError(f"{', '.join(refused)}: not available when serving across ranks (mlx.launch); leave "
                           f"{'it' if len(refused) == 1 else 'them'} out (each rank keeps its prefix cache in RAM)")

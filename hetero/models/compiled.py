@@ -21,14 +21,16 @@ import mlx.core as mx
 
 
 class PerThread:
-    """`fn` compiled with `mx.compile` once per calling thread; called like `fn` (array arguments only)."""
+    """`fn` compiled with `mx.compile` once per calling thread; called like `fn` (array arguments only).
+    `shapeless`: one compilation for inputs of any shape (elementwise functions only, `mx.compile`'s rule)."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, shapeless: bool = False) -> None:
         self._fn = fn
+        self._shapeless = shapeless
         self._local = threading.local()
 
     def __call__(self, *args: mx.array):
         compiled = getattr(self._local, "compiled", None)
         if compiled is None:
-            compiled = self._local.compiled = mx.compile(self._fn)
+            compiled = self._local.compiled = mx.compile(self._fn, shapeless=self._shapeless)
         return compiled(*args)

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV
 from hetero.errors import HeteroError
+from hetero.kv_quant import KVQuant, QuantizedKVCache
 from hetero.models import activations as act
 from hetero.models.args import ModelArgs
 from hetero.models.attention import attend
@@ -369,7 +370,12 @@ class MTPHead(nn.Module):
 
 
 class Model(nn.Module):
-    """The whole causal LM: `model` (backbone), `lm_head` (unless tied) and, when present, `mtp`."""
+    """The whole causal LM: `model` (backbone), `lm_head` (unless tied) and, when present, `mtp`.
+
+    `kv_quant` (None: full precision) is how `make_cache` stores the attention layers' KV (`hetero.kv_quant`).
+    """
+
+    kv_quant: KVQuant | None = None
 
     def __init__(self, args: ModelArgs, with_mtp: bool = False):
         super().__init__()
@@ -413,9 +419,10 @@ class Model(nn.Module):
         return self.logits(z), z
 
     def make_cache(self) -> ModelCache:
-        """One cache per backbone layer, then one per MTP layer."""
-        return ModelCache([GDNCache() if l.is_linear else KVCache() for l in self.model.layers],
-                          [KVCache() for _ in self.mtp.layers] if self.mtp is not None else [])
+        """One cache per backbone layer, then one per MTP layer; attention KV quantized when `kv_quant` is set."""
+        kv = lambda: KVCache() if self.kv_quant is None else QuantizedKVCache(self.kv_quant)  # noqa: E731
+        return ModelCache([GDNCache() if l.is_linear else kv() for l in self.model.layers],
+                          [kv() for _ in self.mtp.layers] if self.mtp is not None else [])
 
     @property
     def layers(self) -> list[DecoderLayer]:

@@ -72,7 +72,7 @@ def govern(
     weight_bytes: float,
     memory_bytes: float,
     chunk: int,
-    kv_bytes: int = 2,
+    kv_bytes: float = 2,
     coreml_bytes: float = 0,
     wired_fraction: float = 0.75,
     weights_label: str = "",
@@ -80,9 +80,11 @@ def govern(
     moe: MoE | None = None,
     coreml_label: str = "Core ML programs (ANE share)",
     split_copy_bytes: int = 0,
+    kv_label: str = "",
 ) -> Budget:
     """The largest context window (a multiple of `chunk`, at most the model's maximum) that fits the wirable RAM.
 
+    `kv_bytes`: bytes per stored K or V value (2 for bf16; quantized KV: `KVQuant.element_bytes`).
     `in_flight`: chunks prefilled at once (a split prefill's wavefront keeps several), each with its buffers.
     `moe`: the routed experts' shape (their prefill buffers); `weight_bytes` already counts every expert.
     `coreml_bytes`: what the ANE's share holds (its programs as exported: fp16, or a quantized checkpoint's lookup
@@ -111,11 +113,12 @@ def govern(
             f"even one {chunk}-token chunk of KV cache"
         )
     kv = window * per_token
-    lines = [*fixed, (f"KV cache: {window} tokens x {per_token} bytes", kv), ("unused (below one aligned step, or past the model maximum)", room - kv)]
+    what = f"KV cache ({kv_label})" if kv_label else "KV cache"
+    lines = [*fixed, (f"{what}: {window} tokens x {per_token} bytes", kv), ("unused (below one aligned step, or past the model maximum)", room - kv)]
     return Budget(int(memory_bytes), wired_fraction, lines, int(window), per_token, args.max_position_embeddings)
 
 
-_WINDOWS: dict[tuple[int, float | None], tuple[weakref.ref, Budget]] = {}
+_WINDOWS: dict[tuple, tuple[weakref.ref, Budget]] = {}
 
 
 def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_flight: int = 1,
@@ -127,16 +130,19 @@ def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_fl
     from mlx.utils import tree_flatten
 
     ane_worker_bytes = ane_worker_bytes >> 20 << 20  # MiB steps: a worker's few pages more need no new budget
-    key = (id(model), memory_gb, in_flight, ane_worker_bytes, split_copy_bytes)
+    key = (id(model), memory_gb, in_flight, ane_worker_bytes, split_copy_bytes, getattr(model, "kv_quant", None))
     ref, budget = _WINDOWS.get(key, (None, None))
     if ref is None or ref() is not model:  # an id can be reused once a model is freed
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         kv_bytes = model.model.norm.weight.dtype.size  # the cache holds K/V in the model's dtype
+        quant = getattr(model, "kv_quant", None)
+        if quant is not None:  # or packed, with a scale and a bias in that dtype per group
+            kv_bytes = quant.element_bytes(kv_bytes)
         memory = memory_gb * 1e9 if memory_gb is not None else physical_memory_bytes()
         budget = govern(model.args, weights, memory, chunk, kv_bytes, coreml_bytes=ane_worker_bytes,
                         weights_label="as loaded", in_flight=in_flight, moe=moe_of(model.args),
                         coreml_label="ANE lane's worker process (programs, buffers, interpreter)",
-                        split_copy_bytes=split_copy_bytes)
+                        split_copy_bytes=split_copy_bytes, kv_label=quant.label if quant is not None else "")
         _WINDOWS[key] = (weakref.ref(model), budget)
     return budget
 

@@ -9,6 +9,7 @@ every rank, the runtime and `hetero plan --hosts` derive the same split.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -201,7 +202,7 @@ def rank_pieces(args: ModelArgs, moe: MoE | None, layers: range, last: bool) -> 
 
 
 def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int,
-               prompt_tokens: int, chunk: int, link: Link, kv_bytes: int = 2, accepted_length: float = 2.5,
+               prompt_tokens: int, chunk: int, link: Link, kv_bytes: float = 2, accepted_length: float = 2.5,
                depth: int = DEFAULT_DRAFT_DEPTH, memory_gb: float | None = None) -> HostPlan:
     """Memory per host and the pipelined prefill and decode for `split_layers(args, n_hosts)` (GPU-only per host).
 
@@ -216,7 +217,7 @@ def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Prof
     lanes = Lanes.of(profile)
     h, V = args.hidden_size, args.vocab_size
     per_layer_state = gdn_state_bytes(args) // max(1, args.layer_types.count("linear_attention"))
-    kv_layer = 2 * args.num_key_value_heads * args.head_dim * kv_bytes
+    kv_layer = math.ceil(2 * args.num_key_value_heads * args.head_dim * kv_bytes)  # quantized KV: fractional bytes
     mtp = args.mtp_num_hidden_layers
     ranks: list[Rank] = []
     chunks: list[np.ndarray | None] = []  # per rank: seconds per chunk

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hetero.errors import HeteroError
+from hetero.kv_quant import kv_quant
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.cost import chunk_spans, piece_flops
 from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
@@ -166,6 +167,8 @@ def make_plan(
     link_gbps: float | None = None,
     link_latency_ms: float | None = None,
     ane_instances: int = 1,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
 ) -> Plan:
     """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring).
 
@@ -174,9 +177,13 @@ def make_plan(
     fp16 weight bytes per exported ANE program (default: `program_budget` of the profile). `hosts`: also plan a
     pipeline over that many hosts (`hosts.plan_hosts`) over a link of `link_gbps` / `link_latency_ms` (default: the
     profile's, unknown when it has none). `ane_instances`: ANEs the ANE lane drives at once (`Lanes.of`; the
-    runtime's lane runs one program at a time: one).
+    runtime's lane runs one program at a time: one). `kv_bits` / `kv_group_size`: attention KV stored quantized
+    (`hetero.kv_quant`), which the decode estimate and the memory budget count.
     """
+    quant = kv_quant(kv_bits, kv_group_size)
     args, moe = model_shape(config)
+    if quant is not None:
+        quant.check(args.head_dim)
     storage = storage_for(config, bits, group_size)
     if chunk <= 0 or chunk % ALIGN:
         raise HeteroError(f"--chunk {chunk}: must be a positive multiple of {ALIGN}")
@@ -197,7 +204,8 @@ def make_plan(
     gpu_only = predict_prefill(ps, storage, lanes, context, chunk, False, args.hidden_size)
     split = predict_prefill(ps, storage, lanes, context, chunk, True, args.hidden_size)
     ttft = predict_prefill(ps, storage, lanes, prompt, chunk, True, args.hidden_size)
-    kv_bytes = 2  # bf16 / fp16 cache on the GPU
+    kv_bytes = 2 if quant is None else quant.element_bytes(2)  # bf16 / fp16 cache on the GPU (or packed)
+    kv_label = "" if quant is None else quant.label
     decode = predict_decode(args, moe, storage, lanes.gpu_bw, context, kv_bytes, accepted_length, draft_depth,
                             profile.decode_efficiency, profile.mtp_verify_ratio, profile.mtp_verify_tokens)
     r = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
@@ -262,10 +270,11 @@ def make_plan(
         split = any(p.ane_units for p in ps)
         plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps, storage),
                              profile.gpu_wired_fraction, storage.label, SPLIT_IN_FLIGHT if split else 1, moe=moe,
-                             coreml_label=f"Core ML programs (ANE share, {ane_weights_label(storage)})")
+                             coreml_label=f"Core ML programs (ANE share, {ane_weights_label(storage)})",
+                             kv_label=kv_label)
         if split:  # the window the same memory leaves GPU-only: the split's cost, shown next to its own
             plan.gpu_only_memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, 0,
-                                          profile.gpu_wired_fraction, storage.label, 1, moe=moe)
+                                          profile.gpu_wired_fraction, storage.label, 1, moe=moe, kv_label=kv_label)
     return plan
 
 

@@ -122,7 +122,7 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
     return PrefillTime(max(gpu_busy, ane_busy) + min(float(gpu[-1]), float(ane[-1])), gpu_busy, ane_busy)
 
 
-def decode_bytes_per_token(args: ModelArgs, moe: MoE | None, storage: Storage, context: int, kv_bytes: int) -> float:
+def decode_bytes_per_token(args: ModelArgs, moe: MoE | None, storage: Storage, context: int, kv_bytes: float) -> float:
     """Bytes one decode step reads: every weight used per token (MoE: the router, the top-k experts and the shared
     expert, not the others), the KV cache, GDN state."""
     return decode_weight_bytes(args, moe, storage) + kv_bytes_per_token(args, kv_bytes, with_mtp=False) * context + 2 * gdn_state_bytes(args)
@@ -163,7 +163,7 @@ def verify_cost(ratio: float, measured_tokens: int, tokens: int) -> float:
     return 1.0 + (ratio - 1.0) * (tokens - 1) / (measured_tokens - 1)
 
 
-def predict_decode(args: ModelArgs, moe: MoE | None, storage: Storage, bw: float | None, context: int, kv_bytes: int,
+def predict_decode(args: ModelArgs, moe: MoE | None, storage: Storage, bw: float | None, context: int, kv_bytes: float,
                    accepted_length: float, depth: int, efficiency: float = 1.0, verify_ratio: float | None = None,
                    verify_tokens: int = 4) -> DecodeRate:
     """Decode rates at `context` tokens: a plain step reads every weight once (bandwidth roofline x efficiency);

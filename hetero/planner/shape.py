@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,11 +81,12 @@ def storage_for(config: dict, bits: int | None, group_size: int | None) -> Stora
     return Storage(b, g)
 
 
-def kv_bytes_per_token(args: ModelArgs, kv_bytes: int, with_mtp: bool = True, only_mtp: bool = False) -> int:
-    """KV bytes per token: full-attention layers only (+ the MTP layer); GDN layers keep a fixed state instead."""
+def kv_bytes_per_token(args: ModelArgs, kv_bytes: float, with_mtp: bool = True, only_mtp: bool = False) -> int:
+    """KV bytes per token: full-attention layers only (+ the MTP layer); GDN layers keep a fixed state instead.
+    `kv_bytes` per stored value may be fractional (quantized KV: packed bits plus each group's scale and bias)."""
     layers = 0 if only_mtp else args.layer_types.count("full_attention")
     layers += args.mtp_num_hidden_layers if with_mtp else 0
-    return layers * 2 * args.num_key_value_heads * args.head_dim * kv_bytes
+    return math.ceil(layers * 2 * args.num_key_value_heads * args.head_dim * kv_bytes)
 
 
 def gdn_state_bytes(args: ModelArgs) -> int:

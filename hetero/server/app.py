@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.export import check_weight_form
+from hetero.kv_quant import kv_quant
 from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
 from hetero.server.metrics import CONTENT_TYPE, Metrics
@@ -72,6 +73,8 @@ class ServerSettings:
     allow_local_images: bool = False  # a vision model may read image parts naming local files
     max_image_mb: float = 20.0  # a larger image file is a 400
     metrics_public: bool = False  # GET /metrics without the --api-key (for a scraper that sends none)
+    kv_bits: int | None = None  # attention KV stored in 8 or 4 bits (None: full precision)
+    kv_group_size: int | None = None  # with kv_bits: values per scale and bias (None: 64)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ane", AneSplit.parse(self.ane))
@@ -88,6 +91,10 @@ class ServerSettings:
             check_depth(self.draft_depth)
         if self.served_name is not None:  # sent back in every response: it must be valid text
             check_text(self.served_name, "--served-model-name")
+        kv_quant(self.kv_bits, self.kv_group_size)  # a bad value fails here, before anything loads
+        if self.kv_bits is not None and not self.ane.gpu_only:
+            raise HeteroError("--kv-bits with --ane-fraction: the split prefill reads full-precision KV only; "
+                              "leave one of them out")
         object.__setattr__(self, "model_alias", tuple(self.model_alias or ()))
         self.aliases  # a malformed alias fails here, when the settings are built
 
@@ -296,7 +303,7 @@ def serve(settings: ServerSettings | None = None) -> None:
     sock = listen(s.host, s.port, s.api_key)  # before the model loads: a port in use fails at once, not after a minute
     try:
         store = None if s.no_session_cache else open_session_store(s.session_cache, s.session_cache_max_gb)
-        engine = hetero.load(s.model)
+        engine = hetero.load(s.model, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size)
         if s.draft_depth is None:
             engine.default_depth()  # a model never measured here is calibrated now, not inside the first request
         engine.prefix_cache = PrefixCache(int(s.prefix_cache_max_gb * 1024**3), store=store)
