@@ -279,7 +279,8 @@ def test_sigterm_mid_stream_stops_every_rank_with_a_final_event(target):
     port = _free_port(1)
     launch = Launch(2, [sys.executable, "-m", "hetero", "serve", "--port", str(port), "--dist-timeout", "30"])
     try:
-        err = launch.wait_for("serving rank 0]", 120)
+        launch.wait_for("serving HTTP]", 120)  # rank 0's line, then rank 1's: each names its pid
+        err = launch.wait_for("serving rank 0]", 60)
         ranks = [int(err.split(f"[hetero rank {r}/2 pid ")[1].split(":")[0]) for r in (0, 1)]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
         end = time.monotonic() + 30
