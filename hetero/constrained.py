@@ -17,6 +17,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from hetero.errors import HeteroError
+from hetero.token_gate import TokenGate
 
 # json.dumps' separators and no free whitespace: a model cannot pad the output with spaces until max_tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -53,7 +54,7 @@ def json_schema_grammar(schema: dict, tokenizer: LLTokenizer) -> str:
     return grammar
 
 
-class Constraint:
+class Constraint(TokenGate):
     """A grammar matcher over one generation's output tokens, with per-position masks cached for verify passes."""
 
     def __init__(self, tokenizer: LLTokenizer, grammar: str, eos_ids: set[int]):
@@ -113,15 +114,6 @@ class Constraint:
         elif self.ended or not self.matcher.consume_token(token):
             raise RuntimeError(f"constraint: token {token} is not allowed here ({self.matcher.get_error()})")
         self.length += 1
-
-    def extend(self, tokens: list[int]) -> int:
-        """Consume the allowed prefix of `tokens` (point-mass drafts), computing the mask before each; returns how
-        many were consumed. An EOS ends the prefix: nothing after it is decoded."""
-        for n, t in enumerate(tokens):
-            if self.ended or not self.mask()[t]:
-                return n
-            self.advance(t)
-        return len(tokens)
 
     def rollback(self, n: int) -> None:
         """Forget the last n consumed tokens (rejected drafts)."""

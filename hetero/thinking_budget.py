@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.errors import HeteroError
+from hetero.token_gate import TokenGate
 from hetero.tools.reasoning import OPEN
 
 _KEEP = 32  # states kept behind the newest position: a verify pass reads at most MAX_DEPTH + 1 of them
@@ -41,7 +42,7 @@ class _State:
     head: tuple[int, ...] = ()
 
 
-class ThinkingBudget:
+class ThinkingBudget(TokenGate):
     """Masks one generation so its think block takes at most `budget` tokens, closed by `close_ids`."""
 
     def __init__(self, budget: int, close_ids: Sequence[int], close_tag: str, opened: bool,
@@ -92,15 +93,6 @@ class ThinkingBudget:
         self._states[self.length] = self._next(state, token)
         if len(self._states) > 2 * _KEEP:
             self._states = {n: s for n, s in self._states.items() if n > self.length - _KEEP}
-
-    def extend(self, tokens: list[int]) -> int:
-        """Consume the allowed prefix of `tokens` (point-mass drafts); returns how many were consumed. An EOS ends
-        the prefix: nothing after it is decoded."""
-        for n, t in enumerate(tokens):
-            if self.ended or not self.mask()[t]:
-                return n
-            self.advance(t)
-        return len(tokens)
 
     def rollback(self, n: int) -> None:
         """Forget the last n consumed tokens (rejected drafts)."""

@@ -50,6 +50,33 @@ def tool_model_dir(tmp_path_factory):
     return write_tool_model(tmp_path_factory.mktemp("tool-model"))
 
 
+# A module that defines `engine` gets a live `hetero serve` on loopback for it (`server`) and the real SDK clients;
+# a module that needs other server options defines its own `server`.
+@pytest.fixture(scope="module")
+def server(engine):
+    from test_server import LiveServer
+
+    live = LiveServer(engine)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return server.anthropic()
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    """The served model's id, as the server lists it."""
+    return oai.models.list().data[0].id
+
+
 @pytest.hookimpl(tryfirst=True)  # before hypothesis's own pytest_configure reads --hypothesis-seed
 def pytest_configure(config):
     """Every session runs its hypothesis tests from one seed, printed in the header and the summary, so that a

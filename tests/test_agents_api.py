@@ -51,16 +51,6 @@ def strict(engine):
 
 
 @pytest.fixture(scope="module")
-def claude(server):
-    return server.anthropic()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
 def model(engine):
     return engine.name
 

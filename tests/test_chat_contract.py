@@ -42,28 +42,6 @@ def engine(tmp_path_factory):
     return hetero.load(str(write_thinking_model(tmp_path_factory.mktemp("thinking") / "model")))
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    live = LiveServer(engine)
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return server.anthropic()
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
 def template_tokenizer(template: str) -> Tokenizer:
     """A tokenizer that only renders `template` (the contract reads nothing else)."""
     return Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE()), chat_template=template)

@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
-from test_server import LiveServer
 from tool_model import (
     FINAL_ANSWER, MATH_ANSWER, MATH_REASONING, MATH_REQUEST, TOOLS, WEATHER_ARGS, WEATHER_REQUEST, WEATHER_RESULT,
 )
@@ -33,23 +32,6 @@ NAME = "get_weather"
 @pytest.fixture(scope="module")
 def engine(tool_model_dir):
     return hetero.load(str(tool_model_dir))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    live = LiveServer(engine)
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
 
 
 def raw_events(server, body: dict) -> list:

@@ -11,7 +11,6 @@ import openai
 import pytest
 
 import hetero
-from test_server import LiveServer
 
 PERSON = {
     "type": "object",
@@ -27,20 +26,8 @@ def engine():
     return hetero.load()
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    s = LiveServer(engine)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server.openai()
-
-
-def chat(client, stream: bool = False, **kw):
-    return client.chat.completions.create(model="bundled", messages=ASK, max_tokens=24, stream=stream, **kw)
+def chat(oai, stream: bool = False, **kw):
+    return oai.chat.completions.create(model="bundled", messages=ASK, max_tokens=24, stream=stream, **kw)
 
 
 def streamed(chunks) -> tuple[str, list]:
@@ -56,8 +43,8 @@ def streamed(chunks) -> tuple[str, list]:
     return "".join(text), entries
 
 
-def test_chat_logprobs_are_the_engines(engine, client):
-    r = chat(client, logprobs=True, top_logprobs=3)
+def test_chat_logprobs_are_the_engines(engine, oai):
+    r = chat(oai, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
@@ -69,24 +56,24 @@ def test_chat_logprobs_are_the_engines(engine, client):
         assert e.logprob <= tops[0] + 1e-6
 
 
-def test_chat_stream_carries_the_same_logprobs(client):
-    whole = chat(client, logprobs=True, top_logprobs=2)
-    text, entries = streamed(chat(client, stream=True, logprobs=True, top_logprobs=2))
+def test_chat_stream_carries_the_same_logprobs(oai):
+    whole = chat(oai, logprobs=True, top_logprobs=2)
+    text, entries = streamed(chat(oai, stream=True, logprobs=True, top_logprobs=2))
     assert text == whole.choices[0].message.content
     assert [(e.token, e.bytes, round(e.logprob, 5)) for e in entries] == \
         [(e.token, e.bytes, round(e.logprob, 5)) for e in whole.choices[0].logprobs.content]
     assert all(len(e.top_logprobs) == 2 for e in entries)
 
 
-def test_no_logprobs_unless_asked(client):
-    assert chat(client).choices[0].logprobs is None
-    r = chat(client, logprobs=True)
+def test_no_logprobs_unless_asked(oai):
+    assert chat(oai).choices[0].logprobs is None
+    r = chat(oai, logprobs=True)
     assert all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_completion_logprobs_legacy_shape(client, stream):
-    r = client.completions.create(model="bundled", prompt="def add(a, b):", max_tokens=16, logprobs=2, stream=stream)
+def test_completion_logprobs_legacy_shape(oai, stream):
+    r = oai.completions.create(model="bundled", prompt="def add(a, b):", max_tokens=16, logprobs=2, stream=stream)
     chunks = list(r) if stream else [r]
     tokens, lps, tops, offsets, text = [], [], [], [], ""
     for c in chunks:
@@ -103,19 +90,19 @@ def test_completion_logprobs_legacy_shape(client, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_json_schema_response_format(client, stream):
+def test_json_schema_response_format(oai, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    r = client.chat.completions.create(model="bundled", messages=ASK, max_tokens=60, response_format=fmt, stream=stream)
+    r = oai.chat.completions.create(model="bundled", messages=ASK, max_tokens=60, response_format=fmt, stream=stream)
     text = streamed(r)[0] if stream else r.choices[0].message.content
     jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_json_object_response_format(client):
-    r = client.chat.completions.create(model="bundled", messages=ASK, max_tokens=30,
+def test_json_object_response_format(oai):
+    r = oai.chat.completions.create(model="bundled", messages=ASK, max_tokens=30,
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.startswith("{")
-    text = client.chat.completions.create(model="bundled", messages=ASK, max_tokens=24, response_format={"type": "text"})
-    assert text.choices[0].message.content == chat(client).choices[0].message.content  # "text": unconstrained
+    text = oai.chat.completions.create(model="bundled", messages=ASK, max_tokens=24, response_format={"type": "text"})
+    assert text.choices[0].message.content == chat(oai).choices[0].message.content  # "text": unconstrained
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -132,9 +119,9 @@ def test_json_object_response_format(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": PERSON, "strict": 1}}},
      "response_format.json_schema.strict"),
 ])
-def test_bad_values_are_a_400_before_any_stream(client, kw, param, stream):
+def test_bad_values_are_a_400_before_any_stream(oai, kw, param, stream):
     with pytest.raises(openai.BadRequestError) as info:
-        r = chat(client, stream=stream, **kw)
+        r = chat(oai, stream=stream, **kw)
         if stream:
             list(r)
     assert info.value.status_code == 400
@@ -142,7 +129,7 @@ def test_bad_values_are_a_400_before_any_stream(client, kw, param, stream):
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
 
 
-def test_completion_logprobs_out_of_range(client):
+def test_completion_logprobs_out_of_range(oai):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="bundled", prompt="x", max_tokens=2, logprobs=21)
+        oai.completions.create(model="bundled", prompt="x", max_tokens=2, logprobs=21)
     assert info.value.body["param"] == "logprobs"

@@ -37,25 +37,8 @@ MATH = [{"role": "user", "content": MATH_REQUEST}]
 
 
 @pytest.fixture(scope="module")
-def server(tool_model_dir):
-    live = LiveServer(hetero.load(str(tool_model_dir)))
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return server.anthropic()
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
+def engine(tool_model_dir):
+    return hetero.load(str(tool_model_dir))
 
 
 def openai_stream(oai, **kw):

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from tiny_checkpoint import TEXT, random_weights
+from tiny_checkpoint import TEXT, random_weights, tiny_config
 from tool_model import train_tokenizer
 
 from converters.tokenizer_train import save_tokenizer
@@ -35,15 +35,7 @@ def write_thinking_model(path: Path, seed: int = 0) -> Path:
     config_file.write_text(json.dumps({**tok_config, "chat_template": TEMPLATE}, indent=1), encoding="utf-8")
     vocab = 64 * -(-tok.get_vocab_size() // 64)
     eos = tok.token_to_id("<|im_end|>")
-    config = dict(
-        model_type="qwen3_5_text", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
-        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        vocab_size=vocab, layer_types=["linear_attention", "full_attention", "linear_attention"],
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
-        mtp_num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=4096,
-        eos_token_id=eos, rms_norm_eps=1e-6,
-    )
+    config = tiny_config(vocab, eos=eos)
     weights = random_weights(Model(ModelArgs.from_config(config), with_mtp=True), seed)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))

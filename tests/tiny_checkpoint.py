@@ -29,19 +29,25 @@ def write_tiny_model(path: Path, seed: int = 0, max_context: int = 4096) -> Path
     tok = train_tokenizer([TEXT] * 4, vocab_size=320)
     save_tokenizer(tok, path)
     vocab = 64 * math.ceil(tok.get_vocab_size() / 64)
-    config = dict(
+    config = tiny_config(vocab, eos=2, max_context=max_context)
+    weights = random_weights(Model(ModelArgs.from_config(config), with_mtp=True), seed)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def tiny_config(vocab: int, eos: int, max_context: int = 4096) -> dict:
+    """The config of the random 3-layer model (2 GDN + 1 attention layer, an MTP head) with its vocabulary size and
+    EOS id."""
+    return dict(
         model_type="qwen3_5_text", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
         linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         vocab_size=vocab, layer_types=["linear_attention", "full_attention", "linear_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
         mtp_num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=max_context,
-        eos_token_id=2, rms_norm_eps=1e-6,
+        eos_token_id=eos, rms_norm_eps=1e-6,
     )
-    weights = random_weights(Model(ModelArgs.from_config(config), with_mtp=True), seed)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
 
 
 def random_weights(model: Model, seed: int) -> dict[str, mx.array]:
