@@ -16,10 +16,24 @@ from coremltools.converters.mil.mil import Program
 
 from coreml_graphs.ops import DEPLOYMENT_TARGET
 
+# The passes of coremltools' default pipeline (95 of them, each followed by a full program validation) that change
+# a program these builders write; the others find nothing to do in them and took half of every export's time. The
+# package is the default pipeline's byte for byte: tests/test_coreml_passes.py checks it for every builder and
+# weight form, so a builder that starts to need another pass fails there.
+PASSES = ("common::noop_elimination", "common::fuse_transpose_matmul", "common::reduce_transposes",
+          "common::add_fp16_cast", "common::dead_code_elimination", "common::remove_redundant_ops",
+          "common::topological_reorder", "common::dead_code_elimination")
 
-def save_program(prog: Program, path: str | os.PathLike) -> Path:
+
+def pass_pipeline() -> ct.PassPipeline:
+    """The main pass pipeline `save_program` converts with (`PASSES`, in the default pipeline's order)."""
+    return ct.PassPipeline(pass_names=list(PASSES), pipeline_name="hetero")
+
+
+def save_program(prog: Program, path: str | os.PathLike, pipeline: ct.PassPipeline | None = None) -> Path:
     """Convert `prog` to an fp16 ML Program and write it to `path` (.mlpackage); needs no Core ML runtime. The
-    package's minimum OS is the newest opset among its functions (macOS 15 for lookup-table weights)."""
+    package's minimum OS is the newest opset among its functions (macOS 15 for lookup-table weights).
+    `pipeline`: the main pass pipeline (default `pass_pipeline()`; coremltools' own is `ct.PassPipeline()`)."""
     target = max((f.opset_version or DEPLOYMENT_TARGET for f in prog.functions.values()), default=DEPLOYMENT_TARGET)
     with contextlib.redirect_stderr(io.StringIO()):  # coremltools' per-pass tqdm bars; the export draws its own
         model = ct.convert(
@@ -28,6 +42,7 @@ def save_program(prog: Program, path: str | os.PathLike) -> Path:
             compute_precision=ct.precision.FLOAT16,
             minimum_deployment_target=target,
             skip_model_load=True,  # compiling needs macOS; the package is complete without it
+            pass_pipeline=pipeline or pass_pipeline(),
         )
     path = Path(path)
     model.save(str(path))

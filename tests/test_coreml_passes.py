@@ -1,0 +1,76 @@
+"""The export converts with a trimmed main pass pipeline (`coreml_graphs.package.PASSES`) instead of coremltools'
+default one, and that must not change a single byte of any package: every builder (attention with and without a
+cache, the MLP with its output shift, the GDN z rows) in every weight form (fp16, per-group lookup tables,
+blockwise shift-scale) is converted both ways and compared, its program description and its weight blob.
+
+A builder that starts to write something one of the skipped passes would rewrite fails here, and its pass then
+belongs in `PASSES`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import pytest
+
+from coreml_graphs.package import PASSES, save_program
+from hetero.export import PieceSlice, build_piece, in_form, mlp_weights
+from hetero.loader import load_model
+from hetero.quantize import quantize_checkpoint
+from tests.test_coreml_graphs import save_checkpoint, tiny_model
+
+CHUNK = 64
+
+
+def package_bytes(path: Path) -> dict[str, bytes]:
+    """Every file of a saved .mlpackage but its Manifest.json (which names files by random identifiers)."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name != "Manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The tiny model in fp32 and as a 4-bit `hetero convert --quantize` checkpoint (group 32)."""
+    root = tmp_path_factory.mktemp("passes")
+    float_dir = save_checkpoint(tiny_model(3), root / "float")
+    return {"float": str(float_dir), "q4": str(quantize_checkpoint(str(float_dir), root / "q4", bits=4, group_size=32))}
+
+
+def programs(checkpoint: str, form: str):
+    """(name, a function building a fresh MIL program) for one slice of each piece kind in the first layer of each
+    mixer: attention with and without cache slots, the MLP on picked channels with an output shift, the GDN z rows.
+    Fresh, because a conversion rewrites the program it is given."""
+    from coreml_graphs.mlp import MLPShape, build_mlp
+
+    net, _, _ = load_model(checkpoint)
+    args = net.args
+    attn, gdn = args.layer_types.index("full_attention"), args.layer_types.index("linear_attention")
+    heads = args.num_key_value_heads  # several: their programs share constants a pass may merge
+    for s, context in [(PieceSlice(attn, "attention", 0, heads), CHUNK), (PieceSlice(attn, "attention", 0, heads), 4 * CHUNK),
+                       (PieceSlice(gdn, "mlp", 0, 32), CHUNK), (PieceSlice(gdn, "gdn_in_proj", 0, 32), CHUNK)]:
+        yield f"{s.piece}@{context}", lambda s=s, context=context: build(*build_piece(args, net, s, CHUNK, context,
+                                                                                     form=form))
+    channels = np.array([5, 1, 30, 31, 64, 2] + list(range(70, 96)))  # out of order, across groups
+    weights = in_form(mlp_weights(net.layers[gdn].mlp, channels, out_shift=3), form)
+    yield "mlp-shifted", lambda: build_mlp(MLPShape(args.hidden_size, len(channels), CHUNK), weights)
+
+
+def build(shape, weights, builder):
+    return builder(shape, weights)
+
+
+@pytest.mark.parametrize("checkpoint,form", [("float", "lut"), ("q4", "lut"), ("q4", "blockwise")])
+def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints, form, checkpoint, tmp_path):
+    default_pipeline = ct.PassPipeline()
+    rest = iter(default_pipeline.passes)
+    assert all(p in rest for p in PASSES)  # a subsequence of the default pipeline: its passes in its order
+    compared = 0
+    for name, program in programs(checkpoints[checkpoint], form):
+        trimmed = package_bytes(save_program(program(), tmp_path / f"{name}-trimmed.mlpackage"))
+        default = package_bytes(save_program(program(), tmp_path / f"{name}-default.mlpackage", ct.PassPipeline()))
+        assert trimmed.keys() == default.keys(), name
+        for file in default:
+            assert trimmed[file] == default[file], f"{name}: {file} differs from the default pipeline's"
+        compared += 1
+    assert compared == 5
