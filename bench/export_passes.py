@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hetero  # noqa: E402,F401  # first: the fast BLAS is under MLX whatever imports next)
+import hetero  # noqa: E402,F401  # first: the fast BLAS is under MLX whatever imports next
 from hetero.blas import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
