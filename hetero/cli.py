@@ -30,19 +30,25 @@ from hetero.quantize import quantize_checkpoint
 from hetero.server import ServerSettings, serve
 from hetero.settings import save_device_profile
 from hetero.tune import tune
-from hetero.validate import AneSplit, check_config, decode_utf8, read_prompt
+from hetero.validate import AneSplit, check_config, decode_utf8, read_images, read_prompt
 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
 
     if distributed.launched():  # started by mlx.launch: the layers split across the ranks
+        if args.image:
+            raise HeteroError("--image under mlx.launch: the ranks prefill text only; run it in one process")
         if args.kv_bits is not None:
             raise HeteroError("--kv-bits under mlx.launch: the ranks keep full-precision KV only; leave --kv-bits out")
         status = run_pipelined(args)
         if status is not None:
             return status
-    prompt = read_prompt(args.prompt)
+    prompt, images = read_prompt(args.prompt), read_images(args.image)
+    chat = args.chat or bool(images)  # the images go before the prompt in one user turn
+    if images and not args.ane_fraction.gpu_only:
+        raise HeteroError("--image with --ane-fraction: a prompt with images prefills GPU-only (the split does not "
+                          "carry images yet); leave one of them out")
     if args.ane_fraction.gpu_only:  # before the model loads
         for flag in ("verify", "trace"):
             if getattr(args, flag):
@@ -54,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine.memory_gb = args.memory_gb
     split = None if args.ane_fraction.gpu_only else _split_run(engine, args)
     if split is not None:
-        split.prepare(engine.encode_prompt(prompt, args.chat))  # export on first use, before the clock starts
+        split.prepare(engine.encode_prompt(prompt, chat))  # export on first use, before the clock starts
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -68,7 +74,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
-        chat=args.chat,
+        chat=chat,
+        images=images,
         prefill_chunk=args.prefill_chunk,
         mtp=False if args.no_mtp else None,
         draft_depth=args.draft_depth,
@@ -86,7 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if split.trace is not None:
             split.trace.write(args.trace)
         if args.verify:
-            extra["verify"] = verify(split, engine.encode_prompt(prompt, args.chat), args.verify_tol, args.verify_tokens)
+            extra["verify"] = verify(split, engine.encode_prompt(prompt, chat), args.verify_tol, args.verify_tokens)
             status = 0 if extra["verify"]["match"] else 3
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, **result.stats, **extra}))

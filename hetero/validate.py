@@ -15,6 +15,7 @@ import math
 import numbers
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from hetero.errors import HeteroError
 
@@ -306,6 +307,22 @@ def _json_type(value) -> str:
         if isinstance(value, t):
             return n
     return type(value).__name__
+
+
+def read_images(files: list[str] | None) -> list:
+    """`hetero run --image` files as decoded images, in order; one that cannot be read or is no PNG / JPEG / WebP
+    image is refused in one line that names it."""
+    from hetero.models.qwen3_5_vision.preprocess import decode_image
+
+    images = []
+    for name in files or []:
+        try:
+            images.append(decode_image(Path(name).read_bytes()))
+        except OSError as e:
+            raise HeteroError(f"--image {name}: cannot read it ({e.strerror or e})") from None
+        except HeteroError as e:
+            raise HeteroError(f"--image {name}: {e}") from None
+    return images
 
 
 def read_prompt(prompt: str) -> str:

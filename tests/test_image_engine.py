@@ -5,6 +5,8 @@ image by its pixels (the same image restores, another of the same size never mat
 
 from __future__ import annotations
 
+import json
+
 import hetero  # noqa: F401  (before torch: the fast BLAS under MLX)
 import numpy as np
 import pytest
@@ -121,3 +123,29 @@ def test_mlx_lm_shaped_stream_generate_takes_images(vlm):
                                  use_prefix_cache=False))
     assert [s.token for s in steps if s.token is not None] == want.tokens
     assert steps[-1].prompt_tokens == want.stats["prompt_tokens"] > len(engine.encode_prompt("Look.", chat=True))
+
+
+def test_hetero_run_takes_images_before_the_prompt(vlm, tmp_path):
+    """`hetero run --image FILE` (a subprocess, as a user runs it) puts the image before the prompt in one chat
+    turn: its tokens are the library's with the same image (which match transformers above); an unreadable file,
+    a file that is no image and an image with the ANE split are refused in one line, without a traceback."""
+    from tests.test_cli import hetero_cli
+
+    engine, _, path = vlm
+    png = tmp_path / "picture.png"
+    png.write_bytes(encoded(draw_image(*SIZES["non-square"], seed=5), "PNG"))
+    want = engine.generate("What is in the picture?", max_tokens=6, chat=True, images=[png.read_bytes()],
+                           mtp=False, use_prefix_cache=False)
+    out = hetero_cli("run", "--model", str(path), "--image", str(png), "--prompt", "What is in the picture?",
+                     "--max-tokens", "6", "--no-mtp", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["tokens"] == want.tokens and result["prompt_tokens"] == want.stats["prompt_tokens"]
+    (tmp_path / "notes.txt").write_text("not an image")
+    for extra, says in [(["--image", str(tmp_path / "missing.png")], "cannot read it"),
+                        (["--image", str(tmp_path / "notes.txt")], "notes.txt: image not recognised"),
+                        (["--image", str(png), "--ane-fraction", "0.5"], "prefills GPU-only")]:
+        bad = hetero_cli("run", "--model", str(path), "--prompt", "hi", "--max-tokens", "2", *extra)
+        assert bad.returncode == 1, (extra, bad.stderr)
+        assert says in bad.stderr and "Traceback" not in bad.stderr, (extra, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
