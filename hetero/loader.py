@@ -111,6 +111,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     file: str
     nbytes: int
+    offset: int = -1  # where its data starts in the file, in bytes (-1: unknown, its shard is absent)
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
@@ -137,6 +138,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         info = _tensor_info(file, name, meta)
+        info.offset = 8 + n + meta["data_offsets"][0]
         expected = DTYPE_BYTES.get(info.dtype, 0) * _numel(info.shape)
         if info.dtype in DTYPE_BYTES and expected != info.nbytes:
             raise HeteroError(f"{file}: tensor {name} spans {info.nbytes} bytes but {info.dtype}{list(info.shape)} needs {expected}")
@@ -498,6 +500,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = 
     weights = sanitize_for(args, load_weights(path, args))
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, checkpoint_has_mtp(weights), quantized)
+    if isinstance(args, Qwen4Args):  # the PLE n-gram tables stay in their files: a chunk gathers its rows
+        qwen4.keep_ple_on_disk(net, weights, path, checkpoint_tensors(path)[0])
     net.load_weights(list(weights.items()), strict=True)
     dtype = dtype or default_dtype()
     net.set_dtype(dtype, lambda t: mx.issubdtype(t, mx.floating))

@@ -138,8 +138,32 @@ def test_check_names_architecture_ple_tables_and_experts(flat):
     assert "Qwen4ExpForCausalLM (model_type qwen4_exp_text): supported" in text
     assert "experts: 4 routed + 1 shared, 2 active per token" in text
     model = load(path)
-    table = sum(l.ple.ple_embedding.ngram_embedding.weight.size for l in model.layers if l.ple is not None)
+    table = sum(l.ple.ple_embedding.table.rows * l.ple.ple_embedding.table.width for l in model.layers if l.ple)
     assert f"PLE n-gram tables: {table:,} parameters in all, on layers [0, 1]" in text
+
+
+def test_ple_tables_stay_on_disk(flat):
+    """A loaded model holds no PLE table among its parameters (what the governor counts as weights): each PLE
+    layer reads its rows from the checkpoint's shards, memory-mapped, and they equal the stored shards in order."""
+    from mlx.utils import tree_flatten
+    from safetensors.numpy import load_file
+
+    path, _ = flat
+    model = load(path)
+    assert not [k for k, _ in tree_flatten(model.parameters()) if "ngram_embedding" in k]
+    stored = {}
+    for file in path.glob("*.safetensors"):
+        stored.update(load_file(file))
+    for i, layer in enumerate(model.layers):
+        if layer.ple is None:
+            continue
+        shards = sorted((k for k in stored if f"layers.{i}.ple.ple_embedding.ngram_embedding.shard_" in k),
+                        key=lambda k: int(k.split(".shard_")[1].split(".")[0]))
+        whole = np.concatenate([stored[k] for k in shards])  # [rows, width]
+        table = layer.ple.ple_embedding.table
+        rows = np.random.default_rng(i).integers(0, len(whole), (3, 7, 5))
+        assert (table.rows, table.width) == whole.shape
+        np.testing.assert_array_equal(np.array(table(rows)), whole[rows])
 
 
 def test_engine_greedy_equals_transformers(tmp_path):
@@ -198,3 +222,21 @@ def test_server_serves_concurrent_requests_by_turns(tmp_path, capsys):
             assert list(pool.map(ask, prompts)) == solo
     finally:
         live.stop()
+
+
+def test_the_governor_counts_qsa_kv_and_leaves_ple_on_disk(flat):
+    """Per token, each QSA layer keeps K and V and one raw index key; the memory window follows from them (it was
+    the model's maximum whatever the RAM, with no attention layer counted). The PLE tables are listed on disk."""
+    from hetero.planner.governor import loaded_budget
+
+    path, _ = flat
+    model = load(path)
+    args = model.args
+    per_token = args.layer_types.count("indexed_attention") * (2 * args.num_key_value_heads * args.head_dim
+                                                              + args.indexer_head_dim) * 4  # fp32 here
+    budget = loaded_budget(model, memory_gb=64)
+    assert budget.kv_bytes_per_token == per_token > 0
+    assert budget.on_disk == [("PLE n-gram tables", model.ple_disk_bytes)] and model.ple_disk_bytes > 0
+    fixed = sum(b for n, b in budget.lines if not n.startswith(("KV cache", "unused")))
+    tight = loaded_budget(model, memory_gb=(fixed + per_token * 2048 + 100) / 0.75 / 1e9)
+    assert tight.context_window == 2048 < args.max_position_embeddings

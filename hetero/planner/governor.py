@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
@@ -42,6 +42,7 @@ class Budget:
     context_window: int
     kv_bytes_per_token: int
     model_max: int
+    on_disk: list[tuple[str, int]] = field(default_factory=list)  # read from the files as needed: not counted
 
     @property
     def wirable_bytes(self) -> int:
@@ -56,12 +57,14 @@ class Budget:
             "model_max_context": self.model_max,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "lines": [{"name": n, "bytes": b} for n, b in self.lines],
+            "on_disk": [{"name": n, "bytes": b} for n, b in self.on_disk],
         }
 
     def text(self) -> list[str]:
         gb = lambda b: f"{b / 1e9:9.2f} GB"  # noqa: E731
         out = [f"memory: {self.memory_bytes / 1e9:.1f} GB RAM, GPU may wire {self.wired_fraction:.0%} = {self.wirable_bytes / 1e9:.2f} GB"]
         out += [f"  {gb(b)}  {n}" for n, b in self.lines]
+        out += [f"  {gb(b)}  {n} (on disk, memory-mapped: not counted)" for n, b in self.on_disk]
         limit = " (the model's maximum)" if self.context_window == self.model_max else ""
         out.append(f"context window: {self.context_window} tokens{limit}")
         return out
@@ -143,6 +146,8 @@ def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_fl
                         weights_label="as loaded", in_flight=in_flight, moe=moe_of(model.args),
                         coreml_label="ANE lane's worker process (programs, buffers, interpreter)",
                         split_copy_bytes=split_copy_bytes, kv_label=quant.label if quant is not None else "")
+        disk = getattr(model, "ple_disk_bytes", 0)  # Qwen4-Exp's PLE n-gram tables, read from the checkpoint
+        budget.on_disk = [("PLE n-gram tables", disk)] if disk else []
         _WINDOWS[key] = (weakref.ref(model), budget)
     return budget
 

@@ -82,11 +82,13 @@ def storage_for(config: dict, bits: int | None, group_size: int | None) -> Stora
 
 
 def kv_bytes_per_token(args: ModelArgs, kv_bytes: float, with_mtp: bool = True, only_mtp: bool = False) -> int:
-    """KV bytes per token: full-attention layers only (+ the MTP layer); GDN layers keep a fixed state instead.
-    `kv_bytes` per stored value may be fractional (quantized KV: packed bits plus each group's scale and bias)."""
-    layers = 0 if only_mtp else args.layer_types.count("full_attention")
+    """KV bytes per token: attention layers only (+ the MTP layer); GDN layers keep a fixed state instead. A
+    Qwen4-Exp QSA layer also keeps one raw index key of `indexer_head_dim` values per token. `kv_bytes` per stored
+    value may be fractional (quantized KV: packed bits plus each group's scale and bias)."""
+    layers = 0 if only_mtp else sum(t != "linear_attention" for t in args.layer_types)
     layers += args.mtp_num_hidden_layers if with_mtp else 0
-    return math.ceil(layers * 2 * args.num_key_value_heads * args.head_dim * kv_bytes)
+    index_key = getattr(args, "indexer_head_dim", 0)  # 0 for the Qwen3.5 family
+    return math.ceil(layers * (2 * args.num_key_value_heads * args.head_dim + index_key) * kv_bytes)
 
 
 def gdn_state_bytes(args: ModelArgs) -> int:

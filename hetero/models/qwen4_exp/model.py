@@ -4,6 +4,7 @@ the final hyper-connection mixer, lm_head; `sanitize` (checkpoint -> parameters)
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +19,7 @@ from hetero.models.qwen3_5 import MLP, GatedDeltaNet, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual
 from hetero.models.qwen4_exp.ple import PLECache, PLELayer
+from hetero.models.qwen4_exp.ple_table import DiskTable, StoredRows
 from hetero.models.qwen4_exp.qsa import QSAAttention, QSACache
 from hetero.models.weights import canonical_name, finish
 
@@ -124,6 +126,12 @@ class Model(nn.Module):
         return False
 
     @property
+    def ple_disk_bytes(self) -> int:
+        """Bytes of the PLE n-gram tables read from the checkpoint's files (`keep_ple_on_disk`), not held."""
+        return sum(l.ple.ple_embedding.table.nbytes for l in self.layers
+                   if l.ple is not None and l.ple.ple_embedding.table is not None)
+
+    @property
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
 
@@ -197,3 +205,27 @@ def _join_ple_shards(args: Qwen4Args, out: dict[str, mx.array]) -> None:
                               f"shards ({base}.shard_*.weight): the checkpoint is incomplete, download the missing "
                               "PLE shards")
         out[f"{base}.weight"] = mx.concatenate([parts[i] for i in range(args.split_ngram_parts)], axis=0)
+
+
+def keep_ple_on_disk(model: Model, weights: dict[str, mx.array], path: Path, tensors: dict) -> None:
+    """Point each PLE layer at its n-gram table where the checkpoint stores it (memory-mapped row blocks,
+    `ple_table.DiskTable`) and drop the table from the loaded `weights` unread. `tensors`: the checkpoint's
+    tensor name -> `loader.TensorInfo` (file, dtype, shape, data offset)."""
+    blocks: dict[str, dict[int, StoredRows]] = {}
+    for raw, info in tensors.items():
+        name = canonical_name(raw)
+        if name is None or "ngram_embedding" not in name:
+            continue
+        stored = StoredRows(path / info.file, info.dtype, tuple(info.shape), info.offset)
+        shard = _PLE_SHARD.match(name)
+        if shard is not None:
+            blocks.setdefault(shard.group(1), {})[int(shard.group(2))] = stored
+        elif name.endswith(".ngram_embedding.weight"):  # stored whole (a converted checkpoint)
+            blocks.setdefault(name[: -len(".weight")], {})[0] = stored
+    for i, layer in enumerate(model.layers):
+        if layer.ple is None:
+            continue
+        base = f"model.layers.{i}.ple.ple_embedding.ngram_embedding"
+        parts = blocks.get(base, {})
+        weights.pop(f"{base}.weight", None)
+        layer.ple.ple_embedding.use_table(DiskTable([parts[k] for k in sorted(parts)]))

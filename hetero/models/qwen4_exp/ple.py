@@ -23,7 +23,9 @@ import numpy as np
 from hetero.models import activations as act
 from hetero.models.linear import Linear
 from hetero.models.qwen4_exp.args import Qwen4Args
+from hetero.errors import HeteroError
 from hetero.models.qwen4_exp.hyper import GroupedRMSNorm
+from hetero.models.qwen4_exp.ple_table import DiskTable
 
 _MASK64 = (1 << 64) - 1
 _GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -114,17 +116,31 @@ class PLECache:
 
 
 class NGramEmbedding(nn.Module):
-    """The hashed table `ngram_embedding.weight` [rows, E/heads] (the checkpoint's shards concatenated)."""
+    """The hashed table `ngram_embedding.weight` [rows, E/heads]: a parameter (the checkpoint's shards
+    concatenated) until `use_table` swaps in the table as it lies on disk, which a loaded model always does."""
 
     def __init__(self, args: Qwen4Args, ple_index: int):
         super().__init__()
         self.hasher = NGramHasher(args, ple_index)
         self.ngram_embedding = nn.Embedding(self.hasher.table_rows, args.ple_embed_dim // args.ngram_heads)
+        self.table: DiskTable | None = None
+
+    def use_table(self, table: DiskTable) -> None:
+        """Read rows from `table` (memory-mapped, `ple_table.DiskTable`) instead of the parameter, which goes."""
+        want = self.ngram_embedding.weight.shape
+        if (table.rows, table.width) != tuple(want):
+            raise HeteroError(f"a PLE table on disk is {table.rows} x {table.width}; the config asks {want[0]} x "
+                              f"{want[1]}: the checkpoint does not match its config.json")
+        self.pop("ngram_embedding")
+        self.table = table
 
     def __call__(self, context: np.ndarray, tokens: np.ndarray) -> mx.array:
         """-> concatenated head rows [B, S, E]; only the rows this chunk hashes to are read."""
         rows = self.hasher.rows(context, tokens)  # [B, S, heads]
-        emb = self.ngram_embedding(mx.array(rows.astype(np.uint32)))  # [B, S, heads, E/heads]
+        if self.table is not None:
+            emb = self.table(rows)  # [B, S, heads, E/heads]
+        else:
+            emb = self.ngram_embedding(mx.array(rows.astype(np.uint32)))
         return emb.reshape(*rows.shape[:2], -1)
 
 
