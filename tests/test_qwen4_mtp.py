@@ -122,6 +122,22 @@ def test_mtp_head_matches_float64_oracle(ckpt, rejecting):
     assert rel(z2[0], chain_logits[-1:]) <= TOL
 
 
+def test_backbone_streams_are_transformers_last_layer_output(tmp_path):
+    """What the head reads, h_p: the last decoder layer's hc streams before the final mixer, as transformers computes
+    them (captured from its last Qwen4ExpTextDecoderLayer), over a prompt where QSA drops keys."""
+    import torch
+
+    hf = qc.build(tmp_path, nested=True, ple_layer_ids=(1, 4), seed=12)
+    captured = []
+    hf.model.language_model.layers[-1].register_forward_hook(lambda m, args, out: captured.append(out))
+    tokens = _tokens(PROMPT, 12)
+    with torch.no_grad():
+        hf(torch.tensor([tokens]))
+    ref = captured[0][0].double().numpy()  # [S, hc*d]
+    _, streams = load(tmp_path)(mx.array([tokens]))
+    assert rel(streams[0], ref) <= 1e-4
+
+
 def test_oracle_qsa_drops_keys_in_the_head(ckpt):
     """The oracle's (and so the test's) head attention is sparse over this prompt: later queries see fewer keys than
     the causal ones, so the draft logits depend on the indexer's choice."""
