@@ -181,6 +181,15 @@ def test_incomplete_head_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_head_has_one_layer_whatever_the_depth_field_says(tmp_path):
+    """mtp_num_hidden_layers 2 over the shipped `mtp.layers.0` alone: one layer, as mlx-vlm reads the released head
+    (it takes the field as the draft depth)."""
+    qc.build(tmp_path, seed=15, mtp=True)
+    qc.patch_config(tmp_path, mtp_num_hidden_layers=2)
+    model = load(tmp_path)
+    assert model.has_mtp and len(model.mtp.layers) == 1 and len(model.make_cache().mtp) == 1
+
+
 def test_without_mtp_tensors_the_head_is_absent(tmp_path):
     """A config that declares the head (mtp_num_hidden_layers) over a checkpoint converted without it (mlx-vlm keeps
     the head as a separate artifact) loads without MTP and says so."""

@@ -128,7 +128,9 @@ class MTPHead(nn.Module):
         self.fc_embedding = Linear(d, d, bias=False)
         self.fc_hidden = Linear(d, d, bias=False)
         layer_args = replace(args, num_hidden_layers=1, layer_types=["indexed_attention"], ple_layer_ids=[])
-        self.layers = [DecoderLayer(layer_args, 0) for _ in range(max(1, args.mtp_num_hidden_layers))]
+        # One layer whatever mtp_num_hidden_layers says: the released head ships `mtp.layers.0` alone, and mlx-vlm
+        # 0.7.10 (which reads it) builds one layer and takes that field as the draft depth instead.
+        self.layers = [DecoderLayer(layer_args, 0)]
         self.hyper_connection_mixer = GatedResidual(d, hc, args.hc_lowrank, args.rms_norm_eps, final=True)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
