@@ -28,6 +28,8 @@ from mlx.utils import tree_flatten
 from hetero.errors import HeteroError
 from hetero.loader import FLOAT_DTYPES, checkpoint_tensors, load_model, resolve
 from hetero.models.moe import SwitchLinear
+from hetero.models.qwen4_exp import model as qwen4
+from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES
 from hetero.progress import ProgressBar
 
 SHARD_BYTES = 5 * 2**30
@@ -92,6 +94,8 @@ def quantize_checkpoint(model: str | None, out: str | os.PathLike, bits: int, gr
 
     nn.quantize(net, group_size=group_size, bits=bits, class_predicate=recording)
     weights = dict(tree_flatten(net.parameters()))
+    if model_type in QWEN4_TYPES:  # its PLE n-gram tables stay unquantized, copied from the source as stored
+        weights.update(qwen4.stored_ple_blocks(src, checkpoint_tensors(src)[0]))
     weights = {
         mlx_lm_name(k, model_type): v if v.dtype == mx.uint32 or k.endswith("A_log") else v.astype(store_dtype)
         for k, v in weights.items()

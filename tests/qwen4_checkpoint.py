@@ -55,8 +55,11 @@ def randomize_(model, seed: int) -> None:
                 p.copy_(randn(p.shape) / math.sqrt(p.shape[-1]))
 
 
-def build(path: Path, nested: bool = False, ple_layer_ids=(1, 2), seed: int = 0, **overrides):
-    """Write a tiny checkpoint to `path`; returns the HF model (eval mode) for oracle logits."""
+def build(path: Path, nested: bool = False, ple_layer_ids=(1, 2), seed: int = 0, mtp: bool = False,
+          mtp_fused_experts: bool = False, **overrides):
+    """Write a tiny checkpoint to `path`; returns the HF model (eval mode) for oracle logits. With `mtp`, the
+    checkpoint also carries a random MTP head under the shipped `mtp.*` names (`add_mtp`), which transformers
+    itself neither builds nor loads."""
     from transformers import Qwen4ExpConfig, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Qwen4ExpTextConfig
 
     torch.manual_seed(seed)
@@ -72,7 +75,62 @@ def build(path: Path, nested: bool = False, ple_layer_ids=(1, 2), seed: int = 0,
     randomize_(model, seed)
     model.eval()
     model.save_pretrained(path)
+    if mtp:
+        add_mtp(path, text, seed, mtp_fused_experts)
     return model
+
+
+def mtp_tensors(text: dict, seed: int, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """Random `mtp.*` tensors with the names and shapes the released Qwen4-Exp head ships (mlx-vlm 0.7.10 reads them:
+    `speculative/drafters/qwen4_exp_mtp`): the two pre-fc norms (embedding [d], hidden [hc*d]), `fc_embedding` and
+    `fc_hidden` [d, d], one QSA + MoE decoder layer with hyper-connections (`layers.0.*`, built here by transformers'
+    own decoder layer so every name and shape is its) and the head's final mixer (`hyper_connection_mixer.*`).
+    Experts per expert (as save_pretrained writes the backbone's), or fused `gate_up_proj` / `down_proj`."""
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextDecoderLayer, Qwen4ExpTextGatedResidual,
+                                                                  Qwen4ExpTextRMSNorm)
+
+    config = Qwen4ExpTextConfig(**dict(text, num_hidden_layers=1, layer_types=["indexed_attention"], ple_layer_ids=[]))
+    d = config.hidden_size
+    head = torch.nn.Module()
+    head.pre_fc_norm_embedding = Qwen4ExpTextRMSNorm(d, eps=config.rms_norm_eps)
+    head.pre_fc_norm_hidden = Qwen4ExpTextRMSNorm(config.hc_count * d, eps=config.rms_norm_eps)
+    head.fc_embedding = torch.nn.Linear(d, d, bias=False)
+    head.fc_hidden = torch.nn.Linear(d, d, bias=False)
+    head.layers = torch.nn.ModuleList([Qwen4ExpTextDecoderLayer(config, 0)])
+    head.hyper_connection_mixer = Qwen4ExpTextGatedResidual(config, use_combine=False)
+    randomize_(head, seed + 1000)
+    out = {}
+    for name, value in head.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj") and not fused_experts:  # [E, 2I, d]: gate rows, then up rows
+            base, half = name[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"mtp.{base}{e}.gate_proj.weight"] = value[e, :half]
+                out[f"mtp.{base}{e}.up_proj.weight"] = value[e, half:]
+        elif name.endswith("mlp.experts.down_proj") and not fused_experts:  # [E, d, I]
+            base = name[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                out[f"mtp.{base}{e}.down_proj.weight"] = value[e]
+        else:
+            out[f"mtp.{name}"] = value
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def add_mtp(path: Path, text: dict, seed: int, fused_experts: bool = False) -> None:
+    """Write `mtp_tensors` into the saved checkpoint (its single file, or a new shard listed in the index) and
+    declare the head in config.json (`mtp_num_hidden_layers`)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = mtp_tensors(text, seed, fused_experts)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        save_file(tensors, path / "mtp.safetensors", metadata={"format": "pt"})
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "mtp.safetensors" for k in tensors})
+        index.write_text(json.dumps(data))
+    else:
+        save_file({**load_file(path / "model.safetensors"), **tensors}, path / "model.safetensors", metadata={"format": "pt"})
+    patch_config(path, mtp_num_hidden_layers=1)
 
 
 def hf_logits(model, tokens: list[int]):

@@ -167,7 +167,8 @@ def test_ple_tables_stay_on_disk(flat):
 
 
 def test_engine_greedy_equals_transformers(tmp_path):
-    """`hetero.load` + `Engine.generate` (MTP off: no head yet) give transformers' greedy tokens, twice."""
+    """`hetero.load` + `Engine.generate` (plain decoding: this checkpoint has no MTP head) give transformers' greedy
+    tokens, twice."""
     hf = qc.build(tmp_path, nested=True, ple_layer_ids=(1, 4), seed=6)
     qc.add_tokenizer(tmp_path)
     engine = hetero.load(str(tmp_path))

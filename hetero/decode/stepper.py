@@ -286,7 +286,7 @@ class Batch:
         live = list(range(len(rows)))  # rows still drafting, in z's row order
         ended = set()  # rows whose constraint accepts nothing after their last draft (an EOS draft)
         for j in range(max(ks)):
-            logits = model.logits(z)[:, -1]  # [b, V]
+            logits = model.draft_logits(z)[:, -1]  # [b, V]
             for b, i in enumerate(live):
                 params, constraint, pen = rows[i].sampler.params, rows[i].constraint, rows[i].penalizer
                 row = logits[b] if pen is None else pen(logits[b : b + 1], drafts[i])[0]  # sees d_0..d_{j-1}
@@ -339,10 +339,12 @@ class Batch:
                 c = gdn[l] = GDNCache()
                 c.conv, c.recurrent = self._gdn_rows(rows, l)
                 ple = getattr(rows[0].decoder.cache[l], "ple", None)
-                if ple is not None:  # Qwen4-Exp PLE state, updated in place (it runs one row, no drafts, for now)
-                    c.ple = ple
+                if ple is not None:  # Qwen4-Exp PLE state (one row): the pass runs on a fork, committed with the GDN's
+                    c.ple = ple.fork()
                 if S > 1:
                     c.start_recording()
+                    if ple is not None:
+                        c.ple.start_recording()
                 caches.append(c)
             else:
                 caches.append(rows[0].decoder.cache[l] if len(rows) == 1 else  # one row: its own KV, all real
@@ -395,6 +397,11 @@ class Batch:
                 own = r.decoder.cache[l]
                 own.conv, own.recurrent = (conv, state) if len(rows) == 1 else (conv[i : i + 1], state[i : i + 1])
                 own.offset += kept[i]
+            ple = getattr(c, "ple", None)
+            if ple is not None:  # Qwen4-Exp (one row): its PLE state as after its last kept token
+                if ple.recording:
+                    ple.commit(kept[0])
+                rows[0].decoder.cache[l].ple = ple
         self._stacked_for = list(rows)
         for l, layer in enumerate(self.model.layers):
             if not layer.is_linear:

@@ -66,6 +66,10 @@ class Stage:
             return self.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def draft_logits(self, z: mx.array) -> mx.array:
+        """As `Model.draft_logits` (last rank)."""
+        return self.logits(z)
+
     def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None) -> mx.array:
         """As `Model.mtp_hidden` (last rank): `cache` is the MTP layers' caches."""
         if self.mtp is None:

@@ -411,12 +411,17 @@ class Model(nn.Module):
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
         return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache, positions)
 
+    def draft_logits(self, z: mx.array) -> mx.array:
+        """The MTP head's output [B, S, H] -> draft logits [B, S, V]: the shared lm_head (its post-norm output
+        needs nothing else here; Qwen4-Exp's head mixes its streams first)."""
+        return self.logits(z)
+
     def mtp_forward(
         self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None
     ) -> tuple[mx.array, mx.array]:
         """Draft step: (draft logits [B, S, V], MTP hidden [B, S, H]); see `mtp_hidden`."""
         z = self.mtp_hidden(next_tokens, hidden, cache)
-        return self.logits(z), z
+        return self.draft_logits(z), z
 
     def make_cache(self) -> ModelCache:
         """One cache per backbone layer, then one per MTP layer; attention KV quantized when `kv_quant` is set."""

@@ -31,6 +31,7 @@ def canonical_name(key: str) -> str | None:
         ("language_model.model.", "model."),
         ("language_model.lm_head.", "lm_head."),
         ("language_model.mtp.", "mtp."),
+        ("model.mtp.", "mtp."),
     ):
         if key.startswith(prefix):
             return repl + key[len(prefix) :]

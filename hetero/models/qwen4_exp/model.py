@@ -1,9 +1,10 @@
 """The Qwen4-Exp causal LM: decoder layers (PLE, hyper-connections around a GDN or QSA mixer and the MoE block),
-the final hyper-connection mixer, lm_head; `sanitize` (checkpoint -> parameters) and `make_cache`."""
+the final hyper-connection mixer, lm_head, the MTP head; `sanitize` (checkpoint -> parameters) and `make_cache`."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.linear import Linear
 from hetero.models.moe import SparseMoeBlock
-from hetero.models.qwen3_5 import MLP, GatedDeltaNet, rms_norm
+from hetero.models.qwen3_5 import MLP, GatedDeltaNet, RMSNorm, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual
 from hetero.models.qwen4_exp.ple import PLECache, PLELayer
@@ -100,15 +101,53 @@ class TextModel(nn.Module):
         return self.hyper_connection_mixer.hc_norm
 
     def __call__(self, tokens: mx.array, cache: list | None) -> mx.array:
+        """tokens [B, S] -> the last layer's streams [B, S, hc*d], before the final mixer (`Model.logits` mixes
+        them): the MTP head reads the streams themselves."""
         host_tokens = np.array(tokens, dtype=np.int64)  # the PLE hashes run on the host
         h = mx.tile(self.embed_tokens(tokens), (1, 1, self.hc))  # [B, S, hc*d]: every stream starts as e_t
         for i, layer in enumerate(self.layers):
             h = layer(h, host_tokens, cache[i] if cache is not None else None)
-        return self.hyper_connection_mixer(h)
+        return h
+
+
+class MTPHead(nn.Module):
+    """`mtp.*`: the multi-token-prediction head, fed the backbone's streams h_p [hc*d] and the token t_{p+1}.
+
+        e = fc_embedding(N(embed t_{p+1}; pre_fc_norm_embedding))     [d]
+        z = fc_hidden(N(h_p; pre_fc_norm_hidden) per stream) + e      [hc, d]: one RMS over all hc*d, one fc per stream
+        z = layer(z)                                                  a QSA + MoE decoder layer with hyper-connections
+        draft logits = lm_head(hyper_connection_mixer(z))             the head's own mixer, the shared lm_head
+
+    The streams z (before the mixer) feed the head again at the next depth, with the draft token.
+    """
+
+    def __init__(self, args: Qwen4Args):
+        super().__init__()
+        d, hc = args.hidden_size, args.hc_count
+        self.hidden, self.hc = d, hc
+        self.pre_fc_norm_embedding = RMSNorm(d, args.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(hc * d, args.rms_norm_eps)
+        self.fc_embedding = Linear(d, d, bias=False)
+        self.fc_hidden = Linear(d, d, bias=False)
+        layer_args = replace(args, num_hidden_layers=1, layer_types=["indexed_attention"], ple_layer_ids=[])
+        # One layer whatever mtp_num_hidden_layers says: the released head ships `mtp.layers.0` alone, and mlx-vlm
+        # 0.7.10 (which reads it) builds one layer and takes that field as the draft depth instead.
+        self.layers = [DecoderLayer(layer_args, 0)]
+        self.hyper_connection_mixer = GatedResidual(d, hc, args.hc_lowrank, args.rms_norm_eps, final=True)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
+        """embeds [B, S, d] (of t_{p+1}), hidden [B, S, hc*d] (h_p) at positions cache.offset.. -> streams [B, S, hc*d]."""
+        B, S, _ = hidden.shape
+        e = self.fc_embedding(self.pre_fc_norm_embedding(embeds))  # [B, S, d]
+        h = self.pre_fc_norm_hidden(hidden).reshape(B, S, self.hc, self.hidden)  # [B, S, hc, d]
+        z = (self.fc_hidden(h) + e[:, :, None, :]).reshape(B, S, -1)  # [B, S, hc*d]
+        for i, layer in enumerate(self.layers):
+            z = layer(z, None, cache[i] if cache is not None else None)
+        return z
 
 
 class Model(nn.Module):
-    """The causal LM: `model` (backbone) and `lm_head` (unless tied). No MTP head yet."""
+    """The causal LM: `model` (backbone), `lm_head` (unless tied) and, when the checkpoint has one, `mtp`."""
 
     prefix_cacheable = False  # prefix-cache checkpoints hold no PLE / QSA index state yet: the engine skips them
     batchable = False  # no ragged (batched) decode yet: a server decodes its requests one per pass, by turns
@@ -119,11 +158,11 @@ class Model(nn.Module):
         self.model = TextModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.mtp = None
+        self.mtp = MTPHead(args) if with_mtp else None
 
     @property
     def has_mtp(self) -> bool:
-        return False
+        return self.mtp is not None
 
     @property
     def ple_disk_bytes(self) -> int:
@@ -136,18 +175,36 @@ class Model(nn.Module):
         return self.model.layers
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
-        """tokens [B, S] -> (logits [B, S, vocab], hidden [B, S, d]); `cache` is `make_cache()`."""
+        """tokens [B, S] -> (logits [B, S, vocab], streams [B, S, hc*d]); `cache` is `make_cache()`."""
         hidden = self.model(tokens, cache.backbone if cache is not None else None)
         return self.logits(hidden), hidden
 
-    def logits(self, hidden: mx.array) -> mx.array:
+    def head(self, x: mx.array) -> mx.array:
+        """lm_head (or the tied embeddings): x [B, S, d] -> [B, S, vocab]."""
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+            return self.model.embed_tokens.as_linear(x)
+        return self.lm_head(x)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The backbone's streams [B, S, hc*d] -> logits [B, S, vocab], through the final mixer."""
+        return self.head(self.model.hyper_connection_mixer(hidden))
+
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:
+        """MTP step: next_tokens [B, S] (t_{p+1}) with streams [B, S, hc*d] (h_p: the backbone's, or the head's own
+        output at the previous depth) -> the head's streams [B, S, hc*d]; `cache` is `make_cache().mtp`."""
+        if self.mtp is None:
+            raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
+        return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache)
+
+    def draft_logits(self, z: mx.array) -> mx.array:
+        """The MTP head's streams [B, S, hc*d] -> draft logits [B, S, vocab], through the head's own mixer."""
+        return self.head(self.mtp.hyper_connection_mixer(z))
 
     def make_cache(self) -> ModelCache:
-        """One cache per layer: `PLEGDNCache` (GDN state, conv window, PLE state) or `QSACache`; no MTP caches."""
-        return ModelCache([PLEGDNCache(l.ple is not None) if l.is_linear else QSACache() for l in self.model.layers])
+        """One cache per layer: `PLEGDNCache` (GDN state, conv window, PLE state) or `QSACache`; then one `QSACache`
+        per MTP layer."""
+        return ModelCache([PLEGDNCache(l.ple is not None) if l.is_linear else QSACache() for l in self.model.layers],
+                          [QSACache() for _ in self.mtp.layers] if self.mtp is not None else [])
 
 
 _PLE_SHARD = re.compile(r"(.*\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
@@ -229,3 +286,17 @@ def keep_ple_on_disk(model: Model, weights: dict[str, mx.array], path: Path, ten
         parts = blocks.get(base, {})
         weights.pop(f"{base}.weight", None)
         layer.ple.ple_embedding.use_table(DiskTable([parts[k] for k in sorted(parts)]))
+
+
+def stored_ple_blocks(path: Path, tensors: dict) -> dict[str, mx.array]:
+    """The PLE tables' row blocks as the checkpoint at `path` stores them, under canonical names, read lazily
+    (each only when written): what a converted copy of the checkpoint carries over unchanged. `tensors` as for
+    `keep_ple_on_disk`."""
+    out, files = {}, {}
+    for raw, info in tensors.items():
+        name = canonical_name(raw)
+        if name is not None and ".ple.ple_embedding.ngram_embedding." in name:
+            if info.file not in files:
+                files[info.file] = mx.load(str(path / info.file))  # lazy: nothing is read here
+            out[name] = files[info.file][raw]
+    return out

@@ -104,11 +104,40 @@ class NGramHasher:
 
 
 class PLECache:
-    """One PLE layer's carried state: the last ngram_size-1 tokens and the dilated conv's last inputs."""
+    """One PLE layer's carried state: the last ngram_size-1 tokens and the dilated conv's last inputs.
+
+    While `recording` (a speculative verify pass) the layer also keeps the pass's whole token history and conv
+    inputs, so `commit(n)` can install the state as it stood after the pass's first n tokens."""
 
     def __init__(self) -> None:
         self.context: np.ndarray | None = None  # [B, n-1] int64
         self.conv: mx.array | None = None  # [B, (K-1)*dilation, hc*d]
+        self.recording = False
+        self.recorded_history: np.ndarray | None = None  # [B, n-1+S]: the context before the pass + its tokens
+        self.recorded_conv_in: mx.array | None = None  # [B, (K-1)*dilation+S, hc*d]: the window + the pass's inputs
+
+    def fork(self) -> "PLECache":
+        """A new cache holding this one's state (the arrays are never written in place): a verify pass runs on the
+        fork, and the fork, committed, replaces the row's own."""
+        other = PLECache()
+        other.context, other.conv = self.context, self.conv
+        return other
+
+    def start_recording(self) -> None:
+        self.recording = True
+        self.recorded_history, self.recorded_conv_in = None, None
+
+    def commit(self, n: int) -> None:
+        """Keep the first n tokens of the recorded pass: token context and conv window as they were after token n."""
+        if not self.recording:
+            raise RuntimeError("commit() without a recorded pass")
+        total = self.recorded_history.shape[1] - self.context.shape[1]
+        if not 1 <= n <= total:
+            raise ValueError(f"commit({n}) of a {total}-token pass")
+        self.context = self.recorded_history[:, n : n + self.context.shape[1]]
+        self.conv = self.recorded_conv_in[:, n : n + self.conv.shape[1]]
+        self.recording = False
+        self.recorded_history, self.recorded_conv_in = None, None
 
     @property
     def state(self) -> list[mx.array]:
@@ -182,8 +211,11 @@ class PLELayer(nn.Module):
             prev = mx.zeros((B, self.state_len, normed.shape[-1]), dtype=normed.dtype)
         conv_in = mx.concatenate([prev, normed], axis=1)  # [B, state_len+S, C]
         if cache is not None:
+            history = np.concatenate([context, np.asarray(tokens, np.int64)], axis=1)  # [B, n-1+S]
             cache.conv = conv_in[:, -self.state_len :]
-            cache.context = np.concatenate([context, np.asarray(tokens, np.int64)], axis=1)[:, -self.context_len :]
+            cache.context = history[:, -self.context_len :]
+            if cache.recording:
+                cache.recorded_history, cache.recorded_conv_in = history, conv_in
         return value + act.silu(dilated_causal_conv(conv_in, self.conv1d.weight, self.dilation))
 
 
