@@ -161,8 +161,7 @@ class PipelineRun:
         a value passed its saved one (`Ranges.grown`); re-plan when that changes the programs (an output scale)."""
         grown = self.plan.ranges.grown(seen) if self.plan.ranges is not None and self.unranged is not None else None
         if grown is not None:
-            merged = merge_ranges(self.ranges_dir(), self.unranged, self.range_tokens, grown, self.plan.ranges)
-            self.replan(merged)
+            self.replan(self._merged(grown))
 
     def out_of_range(self, e: AneNonFinite, ids: list[int]) -> None:
         """A program returned non-finite values on the prompt `ids`: measure its piece's ranges on the prompt on
@@ -176,7 +175,7 @@ class PipelineRun:
         if e.layer is not None:
             shares = {k: v for k, v in shares.items() if k == (e.layer, e.piece)} or shares
         measured = calibrate(self.engine.model, ids, shares, prior=self.plan.ranges)
-        merged = merge_ranges(self.ranges_dir(), self.unranged, self.range_tokens, measured, self.plan.ranges)
+        merged = self._merged(measured)
         before = self.plan.ranges.kept_on_gpu()
         changed = self.replan(merged)
         where = f"layer {e.layer}'s {e.piece}" if e.layer is not None else "its pieces"
@@ -186,6 +185,16 @@ class PipelineRun:
         print(f"warning: {e}; this prompt is prefilled GPU-only, its values in {where} were measured and merged "
               f"into {self.ranges_dir() / RANGES_FILE}, and "
               + (what if changed else "they need no other plan (the split is unchanged)"), file=sys.stderr)
+
+    def _merged(self, grown: Ranges) -> Ranges:
+        """`grown` merged into the saved ranges (`merge_ranges`); where they cannot be written, into this split's
+        alone, said in one warning line."""
+        try:
+            return merge_ranges(self.ranges_dir(), self.unranged, self.range_tokens, grown, self.plan.ranges)
+        except OSError as e:
+            print(f"warning: the activation ranges could not be saved in {self.ranges_dir()} ({e}); this split "
+                  f"uses them until it ends", file=sys.stderr)
+            return self.plan.ranges.merge(grown)
 
     def replan(self, ranges: Ranges) -> bool:
         """Cut the plan with `ranges`; True when that changes the programs (channels or output scales): the
