@@ -13,7 +13,8 @@ import pytest
 
 import hetero
 import hetero.pipeline.calibrate as calibrate_module
-from hetero.pipeline import configure
+from hetero.errors import AneNonFinite
+from hetero.pipeline import configure, load_programs
 from hetero.pipeline.calibrate import RANGES_FILE, calibrate, plan_shares
 from hetero.pipeline.run import calibration_ids
 from hetero.planner.ranges import REFRESH_GROWTH, SAFE, PieceRange, Ranges
@@ -83,7 +84,8 @@ def test_a_prompt_past_the_calibration_falls_back_once_and_the_split_is_replanne
 def test_the_gpu_lane_tracks_each_piece_and_merges_growth(checkpoint, home):
     """On a prompt without the trigger, the largest normed input the GPU lane tracks per piece equals the
     calibration's measurement of the same prompt (within fp16's rounding past the first piece, whose merged shares
-    the split's stream holds), and the largest ANE output the calibration's fp32 one within fp16's rounding; saved ranges smaller than them by more than the refresh margin grow to hold them."""
+    the split's stream holds), and the largest ANE output the calibration's fp32 one within fp16's rounding;
+    saved ranges smaller than them by more than the refresh margin grow to hold them."""
     engine = hetero.load(checkpoint, mx.float32)
     run = configure(engine, 0.5, 64, lane="thread")
     file = next(home.rglob(RANGES_FILE))
@@ -108,6 +110,24 @@ def test_the_gpu_lane_tracks_each_piece_and_merges_growth(checkpoint, home):
     after = _saved(home)
     for key, (x, out) in seen.items():
         assert after.get(*key).input_max >= x and after.get(*key).out_max >= out, key
+
+
+def test_an_in_thread_program_that_returns_nan_names_its_piece(checkpoint, home, monkeypatch):
+    """The in-thread lane checks its programs' outputs as the worker does: a NaN (`ane_faults.garbage`, the reference
+    executor's outputs replaced at its first job) raises `AneNonFinite` naming the program's layer and piece, which
+    the split re-measures."""
+    import ane_faults
+
+    engine = hetero.load(checkpoint, mx.float32)
+    run = configure(engine, 0.5, 64, lane="thread")
+    run.splitter(100)
+    monkeypatch.setenv("HETERO_TEST_FAULT_AT", "1")
+    monkeypatch.setattr(ane_faults, "_JOBS", [0])
+    programs = load_programs(next(iter(run._exports.values())), ane_faults.garbage, check=True)
+    (program, _), *_ = programs.mlp[2]
+    with pytest.raises(AneNonFinite, match="non-finite") as e:
+        program({"x": np.ones((1, engine.model.args.hidden_size, 1, 64), np.float32)})
+    assert (e.value.layer, e.value.piece) == (2, "mlp")
 
 
 def test_ranges_merge_monotonically():

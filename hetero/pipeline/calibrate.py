@@ -20,10 +20,10 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.models import activations as act
-from hetero.planner.ranges import BLOCK, CHANNEL_PIECES, SAFE, PieceRange, Ranges, shift_for
+from hetero.planner.ranges import BLOCK, CHANNEL_PIECES, PieceRange, Ranges, shift_for
 
 RANGES_FILE = "ranges.json"
-RANGES_FORMAT = 1
+RANGES_FORMAT = 2  # 2: every MLP block's largest value kept (`block_max`), so measurements merge
 STEP = 2048  # tokens a measurement runs through a layer at once
 
 

@@ -113,23 +113,27 @@ def _unscaled(run: Callable, factor: float) -> Callable:
     return lambda inputs: {k: v * np.float32(factor) for k, v in run(inputs).items()}
 
 
-def _guarded(run: Callable, name: str, layer: int, piece: str, check: bool) -> Callable:
-    """A program whose non-finite outputs raise `AneNonFinite` naming its layer and piece: found here when `check`
-    (a program run in this process), else by the worker (`hetero.backends.ane_worker`), whose error gains them."""
+class _Guarded:
+    """A loaded program as the split calls it: its outputs unscaled, and non-finite ones raising `AneNonFinite` that
+    names its layer and piece (looked for here when `check`: a program run in this process; the worker looks
+    itself, `hetero.backends.ane_worker`, and its error gains them). `lane` and `key` are the worker's program's
+    (None in this process): the doctor checks it there."""
 
-    def call(inputs: dict) -> dict:
+    def __init__(self, run: Callable, loaded, name: str, layer: int, piece: str, check: bool):
+        self.run, self.name, self.layer, self.piece, self.check = run, name, layer, piece, check
+        self.lane, self.key = getattr(loaded, "lane", None), getattr(loaded, "key", None)
+
+    def __call__(self, inputs: dict) -> dict:
         try:
-            out = run(inputs)
+            out = self.run(inputs)
         except AneNonFinite as e:
-            raise AneNonFinite(str(e), layer, piece) from None
-        if check:
+            raise AneNonFinite(str(e), self.layer, self.piece) from None
+        if self.check:
             bad = next((k for k, a in out.items() if not np.isfinite(a).all()), None)
             if bad is not None:
-                raise AneNonFinite(f"the ANE lane's program {name} returned non-finite values in {bad!r}",
-                                   layer, piece)
+                raise AneNonFinite(f"the ANE lane's program {self.name} returned non-finite values in {bad!r}",
+                                   self.layer, self.piece)
         return out
-
-    return call
 
 
 def load_programs(export_dir: Path, loader: Callable[..., Callable], check: bool = False) -> Programs:
@@ -148,10 +152,9 @@ def load_programs(export_dir: Path, loader: Callable[..., Callable], check: bool
                 progs.weight_forms[kind] = progs.weight_forms.get(kind, 0) + n
             progs.blockwise_capable += p.get("blockwise_capable", 0)
         path, function = export_dir / p["file"], p.get("function")  # a multifunction package names its function
-        run, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
-        if p["out_shift"]:
-            run = _unscaled(run, 2.0 ** p["out_shift"])
-        run = _guarded(run, p["file"], p["layer"], p["piece"], check)
+        loaded, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
+        run = _unscaled(loaded, 2.0 ** p["out_shift"]) if p["out_shift"] else loaded
+        run = _Guarded(run, loaded, p["file"], p["layer"], p["piece"], check)
         if "channels" in p:
             key = (p["piece"], p["layer"])
             progs.channels[key] = np.concatenate([progs.channels.get(key, np.zeros(0, np.int64)), p["channels"]])
