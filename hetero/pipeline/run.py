@@ -198,13 +198,15 @@ class PipelineRun:
 
     def replan(self, ranges: Ranges) -> bool:
         """Cut the plan with `ranges`; True when that changes the programs (channels or output scales): the
-        splits loaded so far are dropped, and the next prompt exports and loads the new plan's programs (reusing
-        every package the change leaves as it was)."""
+        splits loaded so far are dropped with their worker, and the next prompt exports and loads the new plan's
+        programs (reusing every package the change leaves as it was) into a fresh one."""
         plan = within_range(self.unranged, ranges)
         changed = plan.ranges.digest() != self.plan.ranges.digest() or plan.slices != self.plan.slices
         self.plan = plan
         if changed:
             self.replans += 1
+            for worker in {s.worker for s in self._splits.values() if s.worker is not None}:
+                worker.close()  # its programs are the old plan's: the next split loads the new ones into a fresh one
             self._splits.clear()
             self.effective_fraction = plan.effective_fraction
         return changed
