@@ -3,7 +3,9 @@
 One GPU-only pass over sample text, layer by layer over the whole text (so each layer's channels are chosen before
 the share they leave in is measured): the largest normed input of every piece the plan offloads, each MLP channel's
 largest gate, up and silu(gate) x up, each z row's largest value, and the largest output of the share the plan gives
-the ANE once its channels are chosen. Cached as JSON next to the split's programs, keyed by the weights and the plan.
+the ANE once its channels are chosen. Cached as JSON next to the split's programs, keyed by the weights and the plan,
+written atomically under a lock; `merge_ranges` folds later measurements in (a prompt that drove a program past fp16,
+measured the same way with the saved ranges as prior; the GPU lane's per-chunk tracking), never shrinking them.
 """
 
 from __future__ import annotations
