@@ -14,6 +14,15 @@ class AneLaneLost(HeteroError):
     prompt it was splitting is prefilled GPU-only)."""
 
 
+class AneNonFinite(AneLaneLost):
+    """A program returned NaN or inf: the prompt held values past the ranges its split was planned with. `layer`
+    and `piece` name the program's piece where known (`hetero.pipeline.programs.load_programs` adds them)."""
+
+    def __init__(self, message: str, layer: int | None = None, piece: str | None = None):
+        super().__init__(message)
+        self.layer, self.piece = layer, piece
+
+
 def internal_error(e: BaseException) -> str:
     """'Type: first line of the message' for an unexpected exception (one line for the user)."""
     text = str(e).strip().splitlines()

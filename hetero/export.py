@@ -314,6 +314,23 @@ def remove_orphans(out: Path, packages: set[str]) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def _link_package(src: Path, dst: Path) -> bool:
+    """A package of another export in `dst` (hard links, copies where the file system refuses them); False (and
+    nothing left at `dst`) when neither works."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    try:
+        shutil.copytree(src, dst, copy_function=link)
+        return True
+    except OSError:
+        remove_export(dst)
+        return False
+
+
 def _listed_files(out: Path) -> list[str]:
     """The package files any readable manifest in `out` lists, whatever its format."""
     try:
@@ -373,6 +390,7 @@ def export_plan(
     progress: Callable[[int, int], None] | None = None,
     multifunction: bool | None = None,
     form: str = DEFAULT_WEIGHT_FORM,
+    reuse: str | os.PathLike | None = None,
 ) -> dict:
     """Export the ANE's share of `plan` into `out`: each of its slices as the programs it cuts them into, attention
     for every context bucket in `contexts`; returns the manifest (also written there).
@@ -386,7 +404,8 @@ def export_plan(
 
     `loaded` = (model, path, config) of the checkpoint the plan is for: its weights are exported as they are in
     memory. Packages whose key matches the existing manifest's entry are reused; packages no longer in the plan
-    are removed.
+    are removed. `reuse`: another export directory (the same split before its ranges grew) whose packages of a
+    matching key are hard-linked (else copied) in instead of built.
     """
     from coreml_graphs.package import save_functions, save_program  # first: quiets coremltools' import warnings
 
@@ -405,6 +424,10 @@ def export_plan(
         previous = {p["file"]: p for p in read_manifest(out)["programs"]}
     except HeteroError:  # none, damaged or another format: nothing reused, but its packages are still removed
         previous = {f: {} for f in _listed_files(out)}
+    try:
+        donor = {p["file"]: p for p in read_manifest(reuse)["programs"]} if reuse is not None else {}
+    except HeteroError:
+        donor = {}
 
     if multifunction is None:
         from hetero.backends.coreml_macos import macos_version, multifunction_packages
@@ -434,6 +457,9 @@ def export_plan(
         suffix = f"_ctx{ctxs[0]}" if ctxs[0] and not multi else ""
         file = f"layer{s.layer:02d}_{s.piece}_part{part}{suffix}.mlpackage"
         reused = previous.get(file, {}).get("key") == key and (out / file / "Manifest.json").is_file()
+        if not reused and donor.get(file, {}).get("key") == key and (Path(reuse) / file / "Manifest.json").is_file():
+            remove_export(out / file)
+            reused = _link_package(Path(reuse) / file, out / file)
         if not reused:
             remove_export(out / file)
             if multi:  # built one at a time as the save consumes them

@@ -90,3 +90,53 @@ def save_outlier_checkpoint(path: Path, gain: float | None, seed: int = 0) -> Pa
     config_file = path / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "full_attention_interval": 4}, indent=1))
     return path
+
+
+# A massive activation that only one token fires: the calibration text never holds it, a user's prompt may.
+TRIGGER = "@"  # a byte the tiny tokenizer has as a token, absent from the calibration text (`hetero.pipeline.run`)
+TRIGGER_DIM = 11  # the residual channel only the trigger token's embedding writes
+TRIGGER_CHANNEL = 3 * 64 + 5  # layer 0's MLP channel that reads it: in the first half, so any ANE share of it holds it
+TRIGGER_GAIN = 100.0  # silu(g) x g with g = 100 x ~16 (the normed trigger channel): ~2.6e6, past fp16's 65,504
+
+
+def inject_trigger(weights: dict[str, np.ndarray], token: int) -> dict[str, np.ndarray]:
+    """`weights` with one outlier that only `token` fires: its embedding alone writes residual channel `TRIGGER_DIM`
+    (layer 0's mixer writes nothing there), so layer 0's normed MLP input holds ~16 there on that token and exactly 0
+    on every other; MLP channel `TRIGGER_CHANNEL` reads it through gate and up with `TRIGGER_GAIN`, and its
+    down_proj column is scaled down by the same square, so its share of the output is an ordinary channel's."""
+    out = dict(weights)
+    embed = out["model.embed_tokens.weight"].copy()  # [V, hidden]
+    embed[:, TRIGGER_DIM] = 0.0
+    embed[token, TRIGGER_DIM] = 50.0  # the embeddings' other values are ~0.2: this one sets the token's norm
+    out["model.embed_tokens.weight"] = embed
+    o = out["model.layers.0.linear_attn.out_proj.weight"].copy()  # [hidden, nv*dv]
+    o[TRIGGER_DIM] = 0.0
+    out["model.layers.0.linear_attn.out_proj.weight"] = o
+    norm = out["model.layers.0.post_attention_layernorm.weight"].copy()
+    norm[TRIGGER_DIM] = 0.0  # zero-centred: scale 1
+    out["model.layers.0.post_attention_layernorm.weight"] = norm
+    p = "model.layers.0.mlp."
+    gate, up, down = (out[p + n].copy() for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    gate[TRIGGER_CHANNEL], up[TRIGGER_CHANNEL] = 0.0, 0.0
+    gate[TRIGGER_CHANNEL, TRIGGER_DIM] = up[TRIGGER_CHANNEL, TRIGGER_DIM] = TRIGGER_GAIN
+    down[:, TRIGGER_CHANNEL] /= (16 * TRIGGER_GAIN) ** 2
+    out[p + "gate_proj.weight"], out[p + "up_proj.weight"], out[p + "down_proj.weight"] = gate, up, down
+    return out
+
+
+def save_trigger_checkpoint(path: Path, seed: int = 0) -> Path:
+    """The outlier-free checkpoint of `save_outlier_checkpoint` with `inject_trigger`'s outlier on the token of
+    `TRIGGER`, rewritten in place."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import tokenizers
+
+    save_outlier_checkpoint(path, None, seed)
+    token = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(TRIGGER)
+    (file,) = path.glob("*.safetensors")
+    state = load_file(file)
+    edited = inject_trigger({k: v.numpy() for k, v in state.items()}, token)
+    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in edited.items()}, file,
+              metadata={"format": "pt"})
+    return path

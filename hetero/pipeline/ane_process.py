@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from hetero.backends.arena import pack, packed_bytes, views
-from hetero.errors import AneLaneLost
+from hetero.errors import AneLaneLost, AneNonFinite
 from hetero.pipeline.lanes import Trace
 
 JOB_TIMEOUT_S = 120.0  # one program call; the slowest seen here is well under a second
@@ -112,7 +112,7 @@ class AneProcess:
                 self._send(("arena", "out", self._arenas["out"].name), f"a job of {name}")
                 msg = self._reply(self.timeout_s, f"a job of {name}")
             if msg[0] == "garbage":
-                self._lose(f"returned non-finite values in {msg[1]!r} of {name}")
+                self._lose(f"returned non-finite values in {msg[1]!r} of {name}", AneNonFinite)
             _, out_layout, compute_s, copy_s = msg
             outputs = views(out_layout, self._arenas["out"].buf)
             done = time.perf_counter()
@@ -204,10 +204,10 @@ class AneProcess:
             if self.lost is None:
                 self._check()
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, kind: type[AneLaneLost] = AneLaneLost) -> None:
         self.lost = reason
         self._shut(kill=True)
-        raise AneLaneLost(f"the ANE lane's worker (pid {getattr(self, 'pid', self.proc.pid)}) {reason}")
+        raise kind(f"the ANE lane's worker (pid {getattr(self, 'pid', self.proc.pid)}) {reason}")
 
     def _shut(self, kill: bool) -> None:
         _LIVE.discard(self)

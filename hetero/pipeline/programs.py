@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from hetero.backends import platform_backend
-from hetero.errors import HeteroError
+from hetero.errors import AneNonFinite, HeteroError
 from hetero.export import DEFAULT_WEIGHT_FORM, export_plan, read_manifest
 from hetero.planner import OFFLOADABLE, Plan, context_buckets
 from hetero.progress import ProgressBar
@@ -35,13 +35,14 @@ def model_dir(key: str) -> Path:
 
 
 def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = DEFAULT_WEIGHT_FORM,
-                  check: Callable[[], None] | None = None) -> Path:
+                  check: Callable[[], None] | None = None, reuse: Path | None = None) -> Path:
     """The export directory of `plan` for the loaded model (model, path, config) whose weights `key` names, and a
     context `bucket`: exported on first use with a progress bar, attention programs for every context bucket up to
     `bucket` (each chunk runs the smallest that holds it), quantized weights in the form `form` (`--ane-weights`).
     The directory is named by (key, the plan's sliced fraction, chunk and piece kinds, bucket, weight form).
     `check` runs after every program and may raise to stop the export there (a stopping server); the manifest is
-    written last, so a stopped export is never read as finished."""
+    written last, so a stopped export is never read as finished. `reuse`: an earlier export (a split re-planned
+    when its ranges grew) whose packages the new plan leaves unchanged are linked in, not built again."""
     contexts = context_buckets(bucket, plan.chunk)
     tag = "" if set(plan.offload) == set(OFFLOADABLE) else "_" + "+".join(plan.offload)
     if plan.ranges is not None:  # the channels and output scales the ranges chose
@@ -65,7 +66,7 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = 
         if check is not None:
             check()
 
-    export_plan(plan, loaded, out, contexts, progress=progress, form=form)
+    export_plan(plan, loaded, out, contexts, progress=progress, form=form, reuse=reuse)
     return out
 
 
@@ -112,9 +113,33 @@ def _unscaled(run: Callable, factor: float) -> Callable:
     return lambda inputs: {k: v * np.float32(factor) for k, v in run(inputs).items()}
 
 
-def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs:
+class _Guarded:
+    """A loaded program as the split calls it: its outputs unscaled, and non-finite ones raising `AneNonFinite` that
+    names its layer and piece (looked for here when `check`: a program run in this process; the worker looks
+    itself, `hetero.backends.ane_worker`, and its error gains them). `lane` and `key` are the worker's program's
+    (None in this process): the doctor checks it there."""
+
+    def __init__(self, run: Callable, loaded, name: str, layer: int, piece: str, check: bool):
+        self.run, self.name, self.layer, self.piece, self.check = run, name, layer, piece, check
+        self.lane, self.key = getattr(loaded, "lane", None), getattr(loaded, "key", None)
+
+    def __call__(self, inputs: dict) -> dict:
+        try:
+            out = self.run(inputs)
+        except AneNonFinite as e:
+            raise AneNonFinite(str(e), self.layer, self.piece) from None
+        if self.check:
+            bad = next((k for k, a in out.items() if not np.isfinite(a).all()), None)
+            if bad is not None:
+                raise AneNonFinite(f"the ANE lane's program {self.name} returned non-finite values in {bad!r}",
+                                   self.layer, self.piece)
+        return out
+
+
+def load_programs(export_dir: Path, loader: Callable[..., Callable], check: bool = False) -> Programs:
     """Every program of an export, loaded by `loader` (path[, function]) -> callable: the platform's backend in
-    this process, or `AneProcess.load` into the ANE lane's worker."""
+    this process, or `AneProcess.load` into the ANE lane's worker. Each raises `AneNonFinite` (with its layer and
+    piece) on NaN or inf: `check` makes it look (a loader in this process; the worker looks itself)."""
     from coreml_graphs.attention import AttentionShape
 
     manifest = read_manifest(export_dir)
@@ -127,9 +152,9 @@ def load_programs(export_dir: Path, loader: Callable[..., Callable]) -> Programs
                 progs.weight_forms[kind] = progs.weight_forms.get(kind, 0) + n
             progs.blockwise_capable += p.get("blockwise_capable", 0)
         path, function = export_dir / p["file"], p.get("function")  # a multifunction package names its function
-        run, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
-        if p["out_shift"]:
-            run = _unscaled(run, 2.0 ** p["out_shift"])
+        loaded, units = (loader(path) if function is None else loader(path, function)), range(*p["part"])
+        run = _unscaled(loaded, 2.0 ** p["out_shift"]) if p["out_shift"] else loaded
+        run = _Guarded(run, loaded, p["file"], p["layer"], p["piece"], check)
         if "channels" in p:
             key = (p["piece"], p["layer"])
             progs.channels[key] = np.concatenate([progs.channels.get(key, np.zeros(0, np.int64)), p["channels"]])

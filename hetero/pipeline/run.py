@@ -11,11 +11,11 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.cache import LayerCache
-from hetero.errors import AneLaneLost, HeteroError
+from hetero.errors import AneLaneLost, AneNonFinite, HeteroError
 from hetero.models.args import SUPPORTED_MODEL_TYPES
 from hetero.fingerprint import checkpoint_identity, weights_fingerprint
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
-from hetero.pipeline.calibrate import cached_ranges, saved_ranges
+from hetero.pipeline.calibrate import RANGES_FILE, cached_ranges, calibrate, merge_ranges, plan_shares, saved_ranges
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.export import DEFAULT_WEIGHT_FORM, check_weight_form
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
@@ -52,7 +52,11 @@ class PipelineRun:
     ane_loader: str | None = None  # "module:callable" the worker loads programs with instead of the platform's
     ane_timeout_s: float = JOB_TIMEOUT_S  # a worker job that takes longer is a hung worker
     weights: str = DEFAULT_WEIGHT_FORM  # `--ane-weights`: how quantized weights are exported (hetero.export.WEIGHT_FORMS)
+    unranged: Plan | None = None  # the plan before its measured ranges cut it (re-cut when they grow)
+    range_tokens: int = 0  # the calibration sample's length (names the saved ranges)
+    replans: int = 0  # times the ranges grew past what the split's programs were exported for, and it was re-planned
     _splits: dict = field(default_factory=dict)
+    _exports: dict = field(default_factory=dict)  # context bucket -> the export directory its split loaded
     _gpu_only_next: bool = False  # `prepare` lost the worker: the prompt it prepared is prefilled GPU-only
 
     @property
@@ -88,10 +92,12 @@ class PipelineRun:
             gone.check_alive()  # one that died since its last job is a lost worker (AneLaneLost), reported as such
         if bucket not in self._splits:
             e = self.engine
-            out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket, self.weights, check)
+            out = ensure_export((e.model, e.path, e.config), export_key(e), self.plan, bucket, self.weights, check,
+                                reuse=self._exports.get(bucket))
+            self._exports[bucket] = out
             name, loader = ane_backend()
             worker = shared_worker(self.ane_loader, self.ane_timeout_s) if self.lane == "process" else None
-            programs = load_programs(out, worker.load if worker is not None else loader)
+            programs = load_programs(out, worker.load if worker is not None else loader, check=worker is None)
             self._splits[bucket] = SplitPrefill(e.model, programs, name, worker=worker)
         return self._splits[bucket]
 
@@ -132,9 +138,13 @@ class PipelineRun:
                               worker_bytes, split.copied_bytes())
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
                                   on_chunk=on_chunk)
+        except AneNonFinite as e:  # the prompt passed the planned ranges: measured, merged, re-planned; GPU-only now
+            self.out_of_range(e, ids[:-1])
+            return model.make_cache(), 0, None
         except AneLaneLost as e:  # nothing of the split is kept: the engine prefills from scratch, GPU-only
             self.lost(e)
             return model.make_cache(), 0, None
+        self.refresh(split.observed())
         return cache, len(ids) - 1, self.last.hidden
 
     def lost(self, e: AneLaneLost) -> None:
@@ -142,11 +152,70 @@ class PipelineRun:
         self.lane_failures, self.last_failure, self.last = self.lane_failures + 1, str(e), None
         print(f"warning: {e}; this prompt is prefilled GPU-only, the next split starts a new worker", file=sys.stderr)
 
+    def ranges_dir(self):
+        """Where the split's ranges are saved (beside its exports)."""
+        return model_dir(export_key(self.engine))
+
+    def refresh(self, seen: dict) -> None:
+        """Merge what the GPU lane tracked on a prompt's chunks (`SplitPrefill.observed`) into the saved ranges when
+        a value passed its saved one (`Ranges.grown`); re-plan when that changes the programs (an output scale)."""
+        grown = self.plan.ranges.grown(seen) if self.plan.ranges is not None and self.unranged is not None else None
+        if grown is not None:
+            self.replan(self._merged(grown))
+
+    def out_of_range(self, e: AneNonFinite, ids: list[int]) -> None:
+        """A program returned non-finite values on the prompt `ids`: measure its piece's ranges on the prompt on
+        the GPU lane, merge them into the saved ranges, re-plan the split with them (the channels and output scales
+        change; only the programs they change are exported again), and say so in one line."""
+        self.lane_failures, self.last_failure, self.last = self.lane_failures + 1, str(e), None
+        if self.unranged is None or self.plan.ranges is None:
+            print(f"warning: {e}; this prompt is prefilled GPU-only", file=sys.stderr)
+            return
+        shares = plan_shares(self.unranged)
+        if e.layer is not None:
+            shares = {k: v for k, v in shares.items() if k == (e.layer, e.piece)} or shares
+        measured = calibrate(self.engine.model, ids, shares, prior=self.plan.ranges)
+        merged = self._merged(measured)
+        before = self.plan.ranges.kept_on_gpu()
+        changed = self.replan(merged)
+        where = f"layer {e.layer}'s {e.piece}" if e.layer is not None else "its pieces"
+        kept = {k: v - before.get(k, 0) for k, v in self.plan.ranges.kept_on_gpu().items() if v > before.get(k, 0)}
+        what = (f"the split was re-planned ({', '.join(f'{v} more {k} units' for k, v in kept.items())} kept on the "
+                f"GPU lane, output scales re-chosen)" if kept else "the split was re-planned (output scales re-chosen)")
+        print(f"warning: {e}; this prompt is prefilled GPU-only, its values in {where} were measured and merged "
+              f"into {self.ranges_dir() / RANGES_FILE}, and "
+              + (what if changed else "they need no other plan (the split is unchanged)"), file=sys.stderr)
+
+    def _merged(self, grown: Ranges) -> Ranges:
+        """`grown` merged into the saved ranges (`merge_ranges`); where they cannot be written, into this split's
+        alone, said in one warning line."""
+        try:
+            return merge_ranges(self.ranges_dir(), self.unranged, self.range_tokens, grown, self.plan.ranges)
+        except OSError as e:
+            print(f"warning: the activation ranges could not be saved in {self.ranges_dir()} ({e}); this split "
+                  f"uses them until it ends", file=sys.stderr)
+            return self.plan.ranges.merge(grown)
+
+    def replan(self, ranges: Ranges) -> bool:
+        """Cut the plan with `ranges`; True when that changes the programs (channels or output scales): the
+        splits loaded so far are dropped with their worker, and the next prompt exports and loads the new plan's
+        programs (reusing every package the change leaves as it was) into a fresh one."""
+        plan = within_range(self.unranged, ranges)
+        changed = plan.ranges.digest() != self.plan.ranges.digest() or plan.slices != self.plan.slices
+        self.plan = plan
+        if changed:
+            self.replans += 1
+            for worker in {s.worker for s in self._splits.values() if s.worker is not None}:
+                worker.close()  # its programs are the old plan's: the next split loads the new ones into a fresh one
+            self._splits.clear()
+            self.effective_fraction = plan.effective_fraction
+        return changed
+
     def ane_block(self) -> dict:
         return {"backend": self.backend, "lane": self.lane, "weights": self.weights,
                 "requested_fraction": self.requested_fraction,
                 "effective_fraction": round(self.effective_fraction, 6), "caps": self.caps,
-                "lane_failures": self.lane_failures, "last_failure": self.last_failure,
+                "lane_failures": self.lane_failures, "last_failure": self.last_failure, "replans": self.replans,
                 **({"fp16_headroom_bits": self.plan.ranges.headroom(),
                     "kept_on_gpu_for_range": self.plan.ranges.kept_on_gpu()} if self.plan.ranges is not None else {})}
 
@@ -174,11 +243,13 @@ def configure(
     context = min(4096, engine.model.args.max_position_embeddings)
     if lane not in ("process", "thread"):
         raise HeteroError(f"the ANE lane runs in a 'process' or a 'thread', not {lane!r}")
-    plan = split_plan(engine.config, profile, fraction, context, chunk, offload=offload)
+    plan = unranged = split_plan(engine.config, profile, fraction, context, chunk, offload=offload)
+    ids = calibration_ids(engine) if plan.slices else []
     if plan.slices:  # keep the ANE inside fp16: ranges measured on the GPU lane (hetero.planner.ranges)
-        ranges = cached_ranges(model_dir(export_key(engine)), engine.model, calibration_ids(engine), plan)
+        ranges = cached_ranges(model_dir(export_key(engine)), engine.model, ids, plan)
         plan = within_range(plan, ranges)
-    return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane, weights=weights)
+    return PipelineRun(engine, plan, ane_backend()[0], plan.effective_fraction, trace, lane=lane, weights=weights,
+                       unranged=unranged if plan.slices else None, range_tokens=len(ids))
 
 
 def export_key(engine) -> str:

@@ -81,6 +81,9 @@ class SplitPrefill:
         self.gdn_rest: dict[int, GpuGDNRest] = {}
         self.moe_rest: dict[int, GpuMoERest] = {}  # MoE layers whose shared expert the ANE takes a share of
         self._tables: dict = {}  # chunk start -> {program shape: RoPE tables and masks} (filled on the ANE lane)
+        # (layer, piece) -> running largest |normed input| and |ANE output| over a run's chunks: MLX scalars, each
+        # evaluated with its chunk on the GPU lane and read once the run is done (`observed`)
+        self._seen: dict[tuple[int, str], list] = {}
         args = model.args
         for i, layer in enumerate(model.layers):
             k, c, zr = programs.share("attention", i), programs.share("mlp", i), programs.share("gdn_in_proj", i)
@@ -164,7 +167,8 @@ class SplitPrefill:
         rank = lambda step: (ch.index, i, step)  # noqa: E731
         if layer.is_linear and i in self.gdn_rest:
             rest, parts = self.gdn_rest[i], progs.gdn_in_proj[i]
-            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0))
+            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0),
+                                (i, "gdn_in_proj"))
             state = (norm,) if prev is None else (norm, prev)  # the recurrence continues the last chunk's state
 
             def gpu() -> None:
@@ -179,18 +183,21 @@ class SplitPrefill:
                 o, z_rest = ch.parts.pop((i, "gdn"))
                 ch.parts.pop((i, "x"))
                 dtype = ch.h.dtype
-                z = mx.array(ch.parts.pop((i, "z")))[None].astype(dtype)  # [1, s, zr]
+                z = mx.array(ch.parts.pop((i, "z")))[None]  # [1, s, zr] fp32
+                seen = self._track((i, "gdn_in_proj"), 1, z)
+                z = z.astype(dtype)
                 if z_rest is not None:
                     z = mx.concatenate([z, z_rest], axis=-1)  # [1, s, nv*dv]
                 ch.h = ch.h + rest.finish(o, z, dtype)
-                mx.eval(ch.h)
+                mx.eval(ch.h, seen)
 
             g, a = Job(label, "gpu", gpu, state, rank(0)), Job(f"{label} z", "ane", ane, (norm,), rank(0))
             return [g, norm, a, Job(f"{label} merge", "gpu", merge, (g, a), rank(1))]
         if not layer.is_linear and i in progs.attention:
             rest, parts = self.attn_rest.get(i), progs.attention_at(i, ch.start)
             theta = self.model.args.rope_theta
-            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0))
+            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0),
+                                (i, "attention"))
             state = (norm,) if prev is None else (norm, prev)  # both read the cache as the last chunk left it
 
             def ane() -> None:
@@ -259,7 +266,8 @@ class SplitPrefill:
 
             return [Job(label, "gpu", whole, (h_job,), rank(2))]
         rest, parts = self.mlp_rest.get(i), progs.mlp[i]
-        norm = self._normed(f"{label} norm", layer.post_attention_layernorm, ch, (i, "mlp x"), (h_job,), rank(2))
+        norm = self._normed(f"{label} norm", layer.post_attention_layernorm, ch, (i, "mlp x"), (h_job,), rank(2),
+                            (i, "mlp"))
 
         def ane() -> None:
             x = to_bc1s(ch.parts[i, "mlp x"][1], size)
@@ -272,9 +280,11 @@ class SplitPrefill:
 
         def merge() -> None:
             ch.parts.pop((i, "mlp x"))
-            out = mx.array(ch.parts.pop((i, "mlp ane")))[None].astype(ch.h.dtype)  # [1, s, hidden]
+            out = mx.array(ch.parts.pop((i, "mlp ane")))[None]  # [1, s, hidden] fp32
+            seen = self._track((i, "mlp"), 1, out)
+            out = out.astype(ch.h.dtype)
             ch.h = ch.h + (out if rest is None else out + ch.parts.pop((i, "mlp gpu")))
-            mx.eval(ch.h)
+            mx.eval(ch.h, seen)
 
         shares = [Job(f"{label} channels", "ane", ane, (norm,), rank(2))]
         if rest is not None:
@@ -290,7 +300,7 @@ class SplitPrefill:
         rank = lambda step: (ch.index, i, step)  # noqa: E731
 
         norm = self._normed(f"{label} norm", self.model.layers[i].post_attention_layernorm, ch, (i, "moe x"),
-                            (h_job,), rank(2))
+                            (h_job,), rank(2), (i, "shared_expert"))
 
         def ane() -> None:
             x = to_bc1s(ch.parts[i, "moe x"][1], size)
@@ -302,29 +312,46 @@ class SplitPrefill:
         def merge() -> None:
             ch.parts.pop((i, "moe x"))
             routed, shared_rest, gate = ch.parts.pop((i, "moe gpu"))
-            shared = mx.array(ch.parts.pop((i, "shared ane")))[None].astype(ch.h.dtype)  # [1, s, hidden]
+            shared = mx.array(ch.parts.pop((i, "shared ane")))[None]  # [1, s, hidden] fp32
+            seen = self._track((i, "shared_expert"), 1, shared)
+            shared = shared.astype(ch.h.dtype)
             if shared_rest is not None:
                 shared = shared + shared_rest  # the shared expert's partial down_proj sums add up
             ch.h = ch.h + rest.finish(routed, shared, gate)
-            mx.eval(ch.h)
+            mx.eval(ch.h, seen)
 
         shares = [Job(f"{label} shared channels", "ane", ane, (norm,), rank(2)),
                   Job(label, "gpu", gpu, (norm,), rank(2))]
         return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
 
-    @staticmethod
-    def _normed(label: str, norm, ch: Chunk, key: tuple, after: tuple, rank: tuple) -> Job:
+    def _normed(self, label: str, norm, ch: Chunk, key: tuple, after: tuple, rank: tuple, piece: tuple) -> Job:
         """A GPU job leaving a piece's normed input in `ch.parts[key]`: (x in the model's dtype for the GPU's share,
         x in fp32 for the ANE lane to read without an MLX op). The programs read normed inputs: bounded however
-        large the residual stream grows, and no epsilon enters them."""
+        large the residual stream grows, and no epsilon enters them. Its largest value is tracked for `piece`."""
 
         def job() -> None:
             x = norm(ch.h)  # [1, s, hidden]
             x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
-            mx.eval(x, x32)
+            mx.eval(x, x32, self._track(piece, 0, x32))
             ch.parts[key] = (x, x32)
 
         return Job(label, "gpu", job, after, rank)
+
+    def _track(self, piece: tuple, which: int, a: mx.array) -> mx.array:
+        """Fold max|a| into `piece`'s running maximum `which` (0: normed input, 1: ANE output): one lazy reduction,
+        returned for the caller to evaluate with its chunk (GPU lane only; nothing waits on it)."""
+        seen = self._seen.setdefault(piece, [None, None])
+        m = mx.abs(a).max()
+        seen[which] = m if seen[which] is None else mx.maximum(seen[which], m)
+        return seen[which]
+
+    def observed(self) -> dict[tuple[int, str], tuple[float, float]]:
+        """(layer, piece) -> the largest |normed input| and |ANE output| (0 where not tracked) over the last run's
+        chunks: one read of values evaluated with the chunks."""
+        keys = sorted(self._seen)
+        flat = [v if v is not None else mx.array(0.0) for k in keys for v in self._seen[k]]
+        values = np.array(mx.stack(flat)).reshape(-1, 2).tolist() if flat else []
+        return {k: (v[0], v[1]) for k, v in zip(keys, values)}
 
     def run(self, tokens: list[int], cache: list[LayerCache], mtp: bool = False, carry: mx.array | None = None,
             logits: bool = True, trace: Trace | None = None, decode: DecodeQueue | None = None,
@@ -339,6 +366,7 @@ class SplitPrefill:
         where = "worker process" if self.worker is not None else "in-thread"
         gpu, ane = Lane("GPU (MLX)", 1, trace, dedicated=True), Lane(f"ANE ({self.backend}, {where})", 2, trace)
         out: dict = {}
+        self._seen = {}
         before = self.worker.stats.since(LaneStats()) if self.worker is not None else None
         if self.worker is not None:
             self.worker.trace = trace
