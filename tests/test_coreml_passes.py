@@ -74,3 +74,23 @@ def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints,
             assert trimmed[file] == default[file], f"{name}: {file} differs from the default pipeline's"
         compared += 1
     assert compared == 5
+
+
+def test_vision_programs_are_the_default_pipelines_too(tmp_path):
+    """The vision tower's programs (patch embedding, a block, the merger; both GELU forms) convert with the trimmed
+    pipeline to the default pipeline's packages byte for byte."""
+    from hetero.export_vision import vision_pieces
+    from hetero.models.qwen3_5_vision.args import VisionArgs
+    from hetero.models.qwen3_5_vision.model import VisionModel
+
+    compared = 0
+    for act in ("gelu_pytorch_tanh", "gelu"):
+        tower = VisionModel(VisionArgs(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                                       out_hidden_size=48, num_position_embeddings=16, hidden_act=act))
+        for piece, shape, weights, builder in vision_pieces(tower, 256):
+            trimmed = package_bytes(save_program(builder(shape, weights), tmp_path / f"{act}-{piece}-t.mlpackage"))
+            default = package_bytes(save_program(builder(shape, weights), tmp_path / f"{act}-{piece}-d.mlpackage",
+                                                 ct.PassPipeline()))
+            assert trimmed == default, f"{act} {piece}: differs from the default pipeline's package"
+            compared += 1
+    assert compared == 6
