@@ -6,6 +6,7 @@ to one bucket, two images packed in one bucket, padding that never reaches real 
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -95,8 +96,8 @@ def test_each_block_program_matches_mlx(exported, size):
     for i, block in enumerate(tower.blocks):
         x = mx.array(fp16_exact(x))
         ref = np.array(block(x, mx.cos(angles), mx.sin(angles), frames=1))
-        out = executor(exported, f"block{i:02d}")({"x": bc1s(np.array(x), BUCKET), **{k: inputs[k] for k in
-                                                                                       ("cos", "sin", "mask")}})
+        feed = {"x": bc1s(np.array(x), BUCKET), **{k: inputs[k] for k in ("cos", "sin", "mask")}}
+        out = executor(exported, f"block{i:02d}")(feed)
         assert_close(out["x_out"][0, :, 0, : len(pixels)].T, ref, f"block {i}")
         x = mx.array(ref)
 
@@ -156,12 +157,21 @@ def test_programs_pass_the_ane_lint(exported):
         assert not report.errors, report.lines()
 
 
-def test_reexport_reuses_every_package_and_a_new_bucket_replaces_them(exported, tmp_path):
+def test_reexport_reuses_every_unchanged_package_and_rebuilds_a_changed_one(exported, tmp_path):
     tower, _, out, first = exported
     again = export_vision(tower, out, [BUCKET])
     assert all(p["reused"] for p in again["programs"])
     assert [p["key"] for p in again["programs"]] == [p["key"] for p in first["programs"]]
-    assert read_vision_manifest(out)["buckets"] == [BUCKET]
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    bias = tower.blocks[0].norm1.bias
+    try:
+        tower.blocks[0].norm1.bias = bias + 0.5
+        changed = export_vision(tower, copy, [BUCKET])
+    finally:
+        tower.blocks[0].norm1.bias = bias
+    assert [p["piece"] for p in changed["programs"] if not p["reused"]] == ["block00"]
+    assert read_vision_manifest(copy)["programs"][1]["key"] != first["programs"][1]["key"]
 
 
 def test_bad_buckets_and_too_many_patches_are_one_line(exported):
@@ -169,10 +179,9 @@ def test_bad_buckets_and_too_many_patches_are_one_line(exported):
     with pytest.raises(HeteroError, match="multiple of 256 patches"):
         export_vision(tower, exported[2] / "bad", [320])
     pixels, grid = proc(draw_image(*SIZES[0]))
-    twice = np.concatenate([pixels] * 2)
-    if 2 * len(pixels) > BUCKET:
-        with pytest.raises(HeteroError, match="do not fit the vision bucket"):
-            programs(exported).run(twice, [grid, grid])
+    copies = BUCKET // len(pixels) + 1
+    with pytest.raises(HeteroError, match="do not fit the vision bucket of 256"):
+        programs(exported).run(np.concatenate([pixels] * copies), [grid] * copies)
 
 
 @pytest.mark.parametrize("mode", ["EXACT", "TANH_APPROXIMATION", "SIGMOID_APPROXIMATION"])
