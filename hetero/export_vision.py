@@ -84,7 +84,7 @@ def check_vision_bucket(tower: VisionModel, bucket: int) -> None:
     try:
         check_bucket(bucket, tower.args.merge_unit)
     except ValueError as e:
-        raise HeteroError(f"{e}; pick another --vision-bucket") from None
+        raise HeteroError(f"{e}: pick another bucket") from None
     if tower.args.hidden_act not in GELU_MODES:
         raise HeteroError(f"vision hidden_act {tower.args.hidden_act!r} has no Core ML program; the tower stays on the GPU")
 
