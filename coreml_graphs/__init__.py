@@ -7,6 +7,7 @@ Everything here is built directly with coremltools' MIL builder (no tracing), in
 - `attention`  the attention-layer prefill graph for a slice of whole KV-head groups
 - `mlp`        the MLP slice graph (a share of intermediate channels, partial sum)
 - `gdn`        the GDN input-projection graph (`gdn_in_proj`: z rows only)
+- `vision`     the vision tower's programs: patch embedding, one ViT block, the patch merger (per bucket of patches)
 - `palette`    MLX's affine-quantized weights as per-group lookup tables (exact; `constexpr_lut_to_dense`), and
                as `constexpr_blockwise_shift_scale` where every group of a matrix has an exact scale and offset
 - `package`    save a program as an .mlpackage and read its MIL back

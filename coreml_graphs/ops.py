@@ -50,16 +50,18 @@ def fp16(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(np.float16))
 
 
-def conv1x1(x: Var, weight: np.ndarray | Palettized, name: str) -> Var:
-    """A projection in BC1S layout: x (1, Cin, 1, S), weight [Cout, Cin] -> (1, Cout, 1, S).
+def conv1x1(x: Var, weight: np.ndarray | Palettized, name: str, bias: np.ndarray | None = None) -> Var:
+    """A projection in BC1S layout: x (1, Cin, 1, S), weight [Cout, Cin] (and an optional bias [Cout], fp16) ->
+    (1, Cout, 1, S).
 
     A `Palettized` weight is embedded as its indices and per-group tables (`constexpr_lut_to_dense`), or, where it
     carries an exact shift-scale form for every block (`Palettized.shift_scale`), as `constexpr_blockwise_shift_scale`:
     Core ML expands either to the same fp16 weight, which the conv then reads."""
     cout, cin = weight.shape
+    extra = {} if bias is None else {"bias": fp16(bias)}
     if isinstance(weight, Palettized):
-        return mb.conv(x=x, weight=compressed_weight(weight, f"{name}_weight"), name=name)  # (1, Cout, 1, S)
-    return mb.conv(x=x, weight=fp16(weight).reshape(cout, cin, 1, 1), name=name)  # (1, Cout, 1, S)
+        return mb.conv(x=x, weight=compressed_weight(weight, f"{name}_weight"), name=name, **extra)  # (1, Cout, 1, S)
+    return mb.conv(x=x, weight=fp16(weight).reshape(cout, cin, 1, 1), name=name, **extra)  # (1, Cout, 1, S)
 
 
 def compressed_weight(w: Palettized, name: str) -> Var:

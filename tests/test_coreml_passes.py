@@ -74,3 +74,22 @@ def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints,
             assert trimmed[file] == default[file], f"{name}: {file} differs from the default pipeline's"
         compared += 1
     assert compared == 5
+
+
+def test_vision_programs_are_the_default_pipelines_too(tmp_path):
+    """The vision tower's programs (patch embedding, a block with tanh GELU, the merger with exact GELU) convert with
+    the trimmed pipeline to the default pipeline's packages byte for byte."""
+    from hetero.export_vision import vision_pieces
+    from hetero.models.qwen3_5_vision.args import VisionArgs
+    from hetero.models.qwen3_5_vision.model import VisionModel
+
+    tower = VisionModel(VisionArgs(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                                   out_hidden_size=48, num_position_embeddings=16, hidden_act="gelu_pytorch_tanh"))
+    compared = 0
+    for piece, shape, weights, builder in vision_pieces(tower, 256):
+        trimmed = package_bytes(save_program(builder(shape, weights), tmp_path / f"{piece}-t.mlpackage"))
+        default = package_bytes(save_program(builder(shape, weights), tmp_path / f"{piece}-d.mlpackage",
+                                             ct.PassPipeline()))
+        assert trimmed == default, f"{piece}: differs from the default pipeline's package"
+        compared += 1
+    assert compared == 3

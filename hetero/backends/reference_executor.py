@@ -8,8 +8,9 @@ as the ANE stores every intermediate tensor in fp16; the rounded values are held
 
 Numpy semantics come from coremltools where they fit: the elementwise-binary and reduction ops' own
 `get_operator()`, and the `value_inference` of the data-movement ops, matmul, exp and sigmoid. conv (1x1 only),
-reshape, silu and layer_norm are written here (layer_norm's result is tested equal to coremltools' own; it
-is here because coremltools' numpy version took a seventh of an MLP program's time). Data-movement ops move
+reshape, silu, gelu and layer_norm are written here (layer_norm's and gelu's results are tested equal to
+coremltools' own; layer_norm is here because coremltools' numpy version took a seventh of an MLP program's time,
+gelu because coremltools' exact mode calls `math.erf` once per element). Data-movement ops move
 the values as they are: no rounding, the same values.
 
 Compressed weights, the two forms `coreml_graphs.palette` exports MLX's quantized weights in, are expanded once at
@@ -36,7 +37,7 @@ DATA_MOVEMENT_OPS = frozenset({"identity", "concat", "slice_by_index", "transpos
 # Ops whose coremltools class exposes its numpy function through `get_operator()`.
 OPERATOR_OPS = frozenset({"add", "sub", "mul", "real_div", "maximum", "minimum"})
 REDUCE_OPS = frozenset({"reduce_max", "reduce_sum"})
-OWN_OPS = frozenset({"const", "conv", "reshape", "silu", "layer_norm"})
+OWN_OPS = frozenset({"const", "conv", "reshape", "silu", "gelu", "layer_norm"})
 # expanded once at load (Core ML: at load or just in time)
 CONSTEXPR_OPS = frozenset({"constexpr_lut_to_dense", "constexpr_blockwise_shift_scale"})
 SUPPORTED_OPS = VALUE_INFERENCE_OPS | OPERATOR_OPS | REDUCE_OPS | OWN_OPS | CONSTEXPR_OPS
@@ -196,6 +197,8 @@ def _run(op: Any, args: dict[str, Any]) -> np.ndarray:
         return np.divide(x, den, out=den)
     if kind == "layer_norm":
         return _layer_norm(args)
+    if kind == "gelu":
+        return gelu(_f32(args["x"]), str(args.get("mode", "EXACT")))
     raise HeteroError(f"op {kind!r} is not implemented by the reference executor")  # unreachable: checked at load
 
 
@@ -238,6 +241,33 @@ def lut_to_dense(indices: np.ndarray, lut: np.ndarray, name: str = "constexpr_lu
         part = idx[a : a + step, ..., None].astype(np.intp)
         out[a : a + step] = np.take_along_axis(grid[a : a + step], part, axis=-1)[..., 0]
     return out.reshape(indices.shape)
+
+
+def gelu(x: np.ndarray, mode: str = "EXACT") -> np.ndarray:
+    """MIL's gelu in fp32: EXACT 0.5 x (1 + erf(x / sqrt 2)), TANH_APPROXIMATION 0.5 x (1 + tanh(sqrt(2/pi)
+    (x + 0.044715 x^3))), SIGMOID_APPROXIMATION x sigmoid(1.702 x). Each written without the cancellation of
+    1 + erf or 1 + tanh near -1 (0.5 (1 + tanh a) = sigmoid(2a); 1 + erf(-z) = erfc(z)), so that tiny negative
+    outputs keep their relative precision as coremltools' float64 semantics do."""
+    with np.errstate(over="ignore"):  # exp overflowing to inf gives the limit, x / inf = 0
+        if mode == "TANH_APPROXIMATION":
+            a = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+            return x / (1.0 + np.exp(np.float32(-2.0) * a))
+        if mode == "SIGMOID_APPROXIMATION":
+            return x / (1.0 + np.exp(np.float32(-1.702) * x))
+    if mode != "EXACT":
+        raise HeteroError(f"op 'gelu' with mode {mode!r} is not implemented by the reference executor")
+    tail = _erfc(np.abs(x) * (1.0 / np.sqrt(2.0)))  # erfc(|x| / sqrt 2), float64
+    return (0.5 * x * np.where(x < 0, tail, 2.0 - tail)).astype(np.float32)
+
+
+def _erfc(z: np.ndarray) -> np.ndarray:
+    """erfc(z) for z >= 0 in float64, to within 1.2e-7 relative (Numerical Recipes' Chebyshev fit): far below fp16's
+    rounding, so an op's fp16 result is the exact one but at a rounding tie."""
+    z = z.astype(np.float64)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))
+    return t * np.exp(poly)
 
 
 def _layer_norm(args: dict[str, Any]) -> np.ndarray:
