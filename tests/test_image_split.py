@@ -117,3 +117,30 @@ def test_hetero_run_image_with_ane_fraction_and_verify(vlm, tmp_path, capsys):
     assert out["tokens"] == want.tokens and out["prompt_tokens"] == want.stats["prompt_tokens"]
     assert out["pipeline"]["ane_busy_s"] > 0
     assert out["verify"]["match"] and out["verify"]["greedy_match_tokens"] == 8, out["verify"]
+
+
+def test_server_prefills_an_image_chat_through_the_split(vlm):
+    """`hetero serve --ane-fraction`: an OpenAI chat with an image goes through the split and answers what the same
+    chat GPU-only (`ane_fraction: 0`) does."""
+    import base64
+
+    import httpx
+
+    from tests.test_server import LiveServer
+
+    engine, _, run = vlm
+    url = "data:image/png;base64," + base64.b64encode(encoded(draw_image(80, 48, seed=9), "PNG")).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": TEXT}]}]
+    server = LiveServer(engine, split=run)
+    try:
+        ask = lambda **extra: server.openai().chat.completions.create(  # noqa: E731
+            model=engine.name, messages=messages, max_tokens=6, temperature=0, extra_body={"mtp": False, **extra})
+        gpu_only = ask(ane_fraction=0)
+        assert httpx.get(server.url + "/health").json()["requests"]["split_prefills"] == 0
+        split = ask()
+        assert httpx.get(server.url + "/health").json()["requests"]["split_prefills"] == 1
+        assert split.choices[0].message.content == gpu_only.choices[0].message.content
+        assert split.usage.prompt_tokens == gpu_only.usage.prompt_tokens
+    finally:
+        server.stop()

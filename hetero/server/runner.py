@@ -191,7 +191,7 @@ class Runner:
 
     def _split(self, job: Job, ticket: object) -> JobSplit | None:
         """The split prefill for this job when the server has one and the job did not opt out."""
-        if self.split is None or job.ane_fraction == 0.0 or _images(job):  # the split carries no images yet
+        if self.split is None or job.ane_fraction == 0.0:
             return None
         return JobSplit(self, ticket)
 
