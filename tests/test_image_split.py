@@ -85,6 +85,29 @@ def test_split_fills_the_caches_at_the_images_positions(vlm):
     assert len(cache.mtp) and cache.mtp[0].offset == n - 1
 
 
+def test_split_chunk_edges_key_images_by_their_pixels(vlm):
+    """The split checkpoints its chunk edges under the image's content keys: the same image again restores past
+    it, another image of the same size matches only the text before it, and every answer is the cold run's."""
+    from hetero.prefix_cache import PrefixCache
+
+    engine, _, run = vlm
+    (png, prompt), (other, _) = image_prompt(engine, "square", seed=1), image_prompt(engine, "square", seed=2)
+    (lo, hi), = prompt.spans
+    turn = lambda image, **kw: engine.generate(TEXT, max_tokens=6, chat=True, images=[image], mtp=False,  # noqa: E731
+                                               prefill_chunk=CHUNK, **kw)
+    cold = {image: turn(image, use_prefix_cache=False).tokens for image in (png, other)}
+    engine.prefix_cache = PrefixCache()
+    try:
+        first = turn(png, split=run)
+        assert first.stats["cached_tokens"] == 0 and first.tokens == cold[png]
+        again = turn(png, split=run)
+        assert again.stats["cached_tokens"] >= hi and again.tokens == cold[png]
+        changed = turn(other, split=run)
+        assert changed.stats["cached_tokens"] <= lo and changed.tokens == cold[other]
+    finally:
+        engine.prefix_cache = None
+
+
 def test_attention_left_whole_on_the_gpu_rotates_by_the_images_positions(vlm):
     """With only the MLPs offloaded, the attention layers run whole on the GPU lane at the 3-D positions."""
     engine, _, _ = vlm
