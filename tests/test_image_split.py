@@ -13,8 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from coreml_graphs.attention import AttentionShape, rope_tables
 from hetero.cli import main
 from hetero.decode.prefill import prefill
+from hetero.models.mrope import apply_mrope, frequency_positions
 from hetero.pipeline import configure, verify
 from tests.vision_checkpoint import add_mtp_head, draw_image, encoded, save_chat_tokenizer, save_vl
 
@@ -39,6 +41,28 @@ def image_prompt(engine, size: str, seed: int = 4):
     prompt = engine.image_prompt(engine.encode_prompt(TEXT, chat=True, images=1), [png])
     engine.vision.encode(prompt)
     return png, prompt
+
+
+def test_rope_tables_from_3d_positions(vlm):
+    """The ANE's RoPE tables from a chunk's 3-D positions: text positions (one in all three streams) give exactly
+    the 1-D tables, image positions the angles `apply_mrope` turns by, frequency by frequency."""
+    engine, _, _ = vlm
+    args = engine.model.args
+    shape = AttentionShape(args.hidden_size, 2, 1, args.head_dim, args.rotary_dims, CHUNK, CHUNK, 1e-6)
+    text = np.broadcast_to(np.arange(CHUNK, CHUNK + 50), (3, 50))  # a text chunk of 50 tokens at 64..113
+    at = frequency_positions(text, args.rotary_dims, args.mrope_section, CHUNK)
+    plain = rope_tables(CHUNK, shape, args.rope_theta)
+    for name, table in rope_tables(CHUNK, shape, args.rope_theta, at).items():
+        assert np.array_equal(table, plain[name])  # padding rows too: they count on from the last position
+    _, prompt = image_prompt(engine, "non-square")
+    positions = prompt.positions[:, :CHUNK]  # [3, 64]: text, then image tokens at (t, row, column)
+    tables = rope_tables(0, shape, args.rope_theta, frequency_positions(positions, args.rotary_dims,
+                                                                        args.mrope_section, CHUNK))
+    half = args.rotary_dims // 2
+    x = mx.concatenate([mx.ones((1, 1, CHUNK, half)), mx.zeros((1, 1, CHUNK, args.head_dim - half))], -1)
+    turned = np.array(apply_mrope(x, mx.array(positions), args.rotary_dims, args.rope_theta, args.mrope_section))
+    np.testing.assert_allclose(tables["cos"][0, 0].T, turned[0, 0, :, :half], atol=1e-3)  # (1, 0) -> (cos, sin)
+    np.testing.assert_allclose(tables["sin"][0, 0].T, turned[0, 0, :, half : 2 * half], atol=1e-3)
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))
