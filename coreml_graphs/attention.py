@@ -172,14 +172,23 @@ def _attend(q: Var, keys: list[Var], vals: list[Var], masks: list[Var], name: st
 # Host side: the inputs a caller feeds for the chunk at positions [start, start + S)
 
 
-def rope_tables(start: int, shape: AttentionShape, theta: float) -> dict[str, np.ndarray]:
-    """cos and sin (1, 1, R/2, S) fp16 for positions start..start+S-1, as MLX's nn.RoPE computes them (fp32)."""
+def rope_tables(start: int, shape: AttentionShape, theta: float, positions: np.ndarray | None = None
+                ) -> dict[str, np.ndarray]:
+    """cos and sin (1, 1, R/2, S) fp16 for positions start..start+S-1, as MLX's nn.RoPE computes them (fp32).
+
+    `positions` [R/2, S] (a prompt with images: each rotary frequency's own position, from its mrope stream)
+    replaces them; the program is the same, only its tables change."""
     half = shape.rotary_dims // 2
     if not half:
         return {}
     inv_freq = theta ** (-np.arange(0, half, dtype=np.float32) / half)  # [R/2]
-    pos = np.arange(start, start + shape.chunk, dtype=np.float32)  # [S]
-    angle = inv_freq[:, None] * pos[None, :]  # [R/2, S]
+    if positions is None:
+        pos = np.arange(start, start + shape.chunk, dtype=np.float32)[None, :]  # [1, S]
+    else:
+        if positions.shape != (half, shape.chunk):
+            raise ValueError(f"positions {positions.shape}: the program rotates {half} frequencies of {shape.chunk}")
+        pos = positions.astype(np.float32)  # [R/2, S]
+    angle = inv_freq[:, None] * pos  # [R/2, S]
     return {"cos": fp16(np.cos(angle))[None, None], "sin": fp16(np.sin(angle))[None, None]}
 
 

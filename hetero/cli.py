@@ -46,9 +46,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             return status
     prompt, images = read_prompt(args.prompt), read_images(args.image)
     chat = args.chat or bool(images)  # the images go before the prompt in one user turn
-    if images and not args.ane_fraction.gpu_only:
-        raise HeteroError("--image with --ane-fraction: a prompt with images prefills GPU-only (the split does not "
-                          "carry images yet); leave one of them out")
     if args.ane_fraction.gpu_only:  # before the model loads
         for flag in ("verify", "trace"):
             if getattr(args, flag):
@@ -59,8 +56,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = hetero.load(args.model, args.dtype, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     engine.memory_gb = args.memory_gb
     split = None if args.ane_fraction.gpu_only else _split_run(engine, args)
-    if split is not None:
-        split.prepare(engine.encode_prompt(prompt, chat))  # export on first use, before the clock starts
+    vision = None  # the split's prompt with its images (planned here: its length picks the programs to export)
+    if images and split is not None:
+        vision = engine.image_prompt(engine.encode_prompt(prompt, chat, images=len(images)), images)
+    if split is not None:  # export on first use, before the clock starts (for the prompt with its images' tokens)
+        split.prepare(vision.tokens if vision is not None else engine.encode_prompt(prompt, chat))
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -93,7 +93,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if split.trace is not None:
             split.trace.write(args.trace)
         if args.verify:
-            extra["verify"] = verify(split, engine.encode_prompt(prompt, chat), args.verify_tol, args.verify_tokens)
+            if vision is not None:  # against GPU-only with the same images
+                engine.vision.encode(vision)
+            ids = vision.tokens if vision is not None else engine.encode_prompt(prompt, chat)
+            extra["verify"] = verify(split, ids, args.verify_tol, args.verify_tokens, images=vision)
             status = 0 if extra["verify"]["match"] else 3
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, **result.stats, **extra}))

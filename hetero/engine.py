@@ -250,10 +250,10 @@ class Engine:
             self.vision.encode(vision, start=skip)  # the images that came back from the cache are not encoded again
 
         def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a split prefill's chunk edge
-            pc.capture(model, key, ids[:n], at, hidden)
+            pc.capture(model, key, keys[:n], at, hidden)  # images keyed by their pixels, as `on_chunk` keys them
 
         if r.split is not None and skip == 0 and r.prompt_cache is None:
-            cache, skip, carry = r.split.prefill(ids, on_chunk=on_edge if pc is not None else None)
+            cache, skip, carry = r.split.prefill(ids, on_chunk=on_edge if pc is not None else None, images=vision)
 
         def on_chunk(n: int, hidden: mx.array) -> None:
             pc.capture(model, key, keys[:n], cache, hidden)
@@ -324,9 +324,6 @@ class Engine:
             return None
         if r.prompt_cache is not None:
             raise HeteroError("images cannot follow an mlx-lm prompt_cache yet: send the whole prompt with its images")
-        if r.split is not None:
-            raise HeteroError("a prompt with images prefills GPU-only: the ANE split does not carry images yet "
-                              "(send ane_fraction 0)")
         if isinstance(r.images, ImagePrompt):  # planned already (the server checks the images while parsing)
             if not isinstance(r.prompt, list) or list(r.prompt) != r.images.tokens:
                 raise HeteroError("an ImagePrompt's request must carry its expanded tokens as the prompt")

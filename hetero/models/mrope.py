@@ -30,3 +30,12 @@ def apply_mrope(x: mx.array, positions: mx.array, rotary_dims: int, theta: float
     cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:rotary_dims], x[..., rotary_dims:]
     return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def frequency_positions(positions: np.ndarray, rotary_dims: int, section: Sequence[int], length: int) -> np.ndarray:
+    """[rotary_dims / 2, length] float32: each rotary frequency's position (its stream's) for positions [3, S],
+    S <= length; the padding after them counts on from the largest position (rows nobody reads, kept finite)."""
+    S = positions.shape[1]
+    pad = int(positions.max(initial=-1)) + 1 + np.arange(length - S)  # [length - S]
+    full = np.concatenate([positions, np.broadcast_to(pad, (3, length - S))], axis=1)  # [3, length]
+    return full[frequency_streams(rotary_dims, section)].astype(np.float32)  # [R/2, length]

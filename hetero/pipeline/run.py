@@ -14,6 +14,7 @@ from hetero.cache import LayerCache
 from hetero.errors import AneLaneLost, AneNonFinite, HeteroError
 from hetero.models.args import SUPPORTED_MODEL_TYPES
 from hetero.fingerprint import checkpoint_identity, weights_fingerprint
+from hetero.image_prompt import ImagePrompt
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
 from hetero.pipeline.calibrate import RANGES_FILE, cached_ranges, calibrate, merge_ranges, plan_shares, saved_ranges
 from hetero.pipeline.lanes import DecodeQueue, Trace
@@ -115,13 +116,15 @@ class PipelineRun:
             self.effective_fraction = self.plan.effective_fraction_at(len(ids) - 1)
 
     def prefill(
-        self, ids: list[int], decode: DecodeQueue | None = None, on_chunk: EdgeFn | None = None
+        self, ids: list[int], decode: DecodeQueue | None = None, on_chunk: EdgeFn | None = None,
+        images: ImagePrompt | None = None,
     ) -> tuple[list[LayerCache], int, mx.array | None]:
         """Split-prefill all but the last prompt token (which the decode path runs, giving the first logits).
 
         Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.stream`. With
         `decode`, the GPU lane interleaves other requests' work while the ANE computes its share; `on_chunk(n,
-        cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them).
+        cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them). `images`: the prompt's
+        `ImagePrompt` (`ids` are its tokens, its images encoded), prefilled at its 3-D positions.
         """
 
         model = self.engine.model
@@ -137,7 +140,7 @@ class PipelineRun:
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
                               worker_bytes, split.copied_bytes())
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
-                                  on_chunk=on_chunk)
+                                  on_chunk=on_chunk, images=images)
         except AneNonFinite as e:  # the prompt passed the planned ranges: measured, merged, re-planned; GPU-only now
             self.out_of_range(e, ids[:-1])
             return model.make_cache(), 0, None

@@ -14,6 +14,7 @@ from hetero.errors import HeteroError
 from hetero.fp16 import fp16_values
 from hetero.models import activations as act
 from hetero.models.attention import attend
+from hetero.models.mrope import apply_mrope
 from hetero.models.qwen3_5 import DecoderLayer
 
 
@@ -99,16 +100,21 @@ class GpuAttentionRest:
         self.o = _cols(attn.o_proj, k * group * D, attn.n_heads * D)
         self.copied = copied_bytes(self.q, self.k_proj, self.v_proj, self.o)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> tuple[mx.array, mx.array, mx.array]:
-        """The normed input x [1, S, hidden] -> (partial o_proj sum, the GPU's heads' new keys and values)."""
+    def __call__(self, x: mx.array, cache: KVCache, positions: mx.array | None = None
+                 ) -> tuple[mx.array, mx.array, mx.array]:
+        """The normed input x [1, S, hidden] -> (partial o_proj sum, the GPU's heads' new keys and values); with
+        `positions` [3, S] (a prompt with images) the heads rotate by those 3-D positions (`mrope`)."""
         a, D = self.attn, self.attn.head_dim
         B, S, _ = x.shape
         qg = self.q(x).reshape(B, S, self.heads, 2 * D)  # [B, S, Hr, 2D]
         q, gate = qg[..., :D], qg[..., D:]
         keys = a.k_norm(self.k_proj(x).reshape(B, S, self.kv, D)).transpose(0, 2, 1, 3)  # [B, Kr, S, D]
         values = self.v_proj(x).reshape(B, S, self.kv, D).transpose(0, 2, 1, 3)  # [B, Kr, S, D]
-        q = a.rope(a.q_norm(q).transpose(0, 2, 1, 3), offset=cache.offset)  # [B, Hr, S, D]
-        keys = a.rope(keys, offset=cache.offset)
+        q = a.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hr, S, D]
+        if positions is not None:
+            q, keys = apply_mrope(q, positions, *a.rope_args), apply_mrope(keys, positions, *a.rope_args)
+        else:
+            q, keys = a.rope(q, offset=cache.offset), a.rope(keys, offset=cache.offset)
         all_k, all_v = keys, values
         if cache.offset:
             all_k = mx.concatenate([cache.keys[:, self.k :, : cache.offset], keys], axis=2)  # [B, Kr, T+S, D]

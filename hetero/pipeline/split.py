@@ -19,6 +19,8 @@ import numpy as np
 
 from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, cache_arrays
 from hetero.decode.prefill import mtp_pairs
+from hetero.image_prompt import ImagePrompt
+from hetero.models.mrope import frequency_positions
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.ane_process import AneProcess, LaneStats
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
@@ -61,6 +63,8 @@ class Chunk:
     start: int
     h: mx.array | None = None  # [1, s, hidden]
     piece: mx.array | None = None  # [1, s] token ids
+    images: ImagePrompt | None = None  # the prompt's images (None: a text prompt)
+    positions: mx.array | None = None  # [3, s] 3-D rotary positions (with images; None: 1-D from `start`)
     parts: dict = field(default_factory=dict)  # (layer, piece) -> a share's output, until its merge
     gdn: dict = field(default_factory=dict)  # GDN layer -> (conv, recurrent) as this chunk left them (edge hooks)
 
@@ -102,8 +106,12 @@ class SplitPrefill:
         return sum(r.copied for r in rests)
 
     def jobs(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
-             logits: bool, on_chunk: EdgeFn | None = None) -> list[Job]:
+             logits: bool, on_chunk: EdgeFn | None = None, images: ImagePrompt | None = None) -> list[Job]:
         """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`.
+
+        `images` (the prompt's `ImagePrompt`, its images encoded) puts the images' embeddings in place of their
+        tokens and gives every chunk its 3-D rotary positions: the GPU lane's attention and MTP head rotate by them,
+        the ANE's attention programs get RoPE tables computed from them (the same programs).
 
         `on_chunk(n, cache_at_n, hidden)` sees the state at every chunk edge n, as `decode.prefill.prefill`'s hook does
         (the prefix cache checkpoints it), on the GPU lane once the chunk is done: layers below may already hold
@@ -112,16 +120,20 @@ class SplitPrefill:
         model, size = self.model, self.programs.chunk
         base = cache[0].offset
         st = {"carry": carry}
+        self._tables.clear()  # none left by a run that failed: tables are per prompt (its images' positions)
         jobs: list[Job] = []
         state: dict[int, Job] = {}  # layer -> the job that last advanced its cache
         finished: list[Job] = []  # per chunk: its final-norm job
         for c, lo in enumerate(range(0, len(tokens), size)):
-            ch = Chunk(c, tokens[lo : lo + size], base + lo)
+            ch = Chunk(c, tokens[lo : lo + size], base + lo, images=images)
 
             def embed(ch=ch) -> None:  # every MLX op runs on the GPU lane's thread (streams are per thread)
                 ch.piece = mx.array(ch.ids)[None]  # [1, s]
-                ch.h = model.model.embed_tokens(ch.piece)  # [1, s, hidden]
-                mx.eval(ch.h, ch.piece)  # nothing lazy outlives a job: each may run on another thread
+                if images is None:
+                    ch.h = model.model.embed_tokens(ch.piece)  # [1, s, hidden]
+                else:  # the images' rows in place, and the chunk's 3-D positions [3, s]
+                    ch.h, ch.positions = images.inputs(model.model.embed_tokens, ch.start, ch.start + ch.s)
+                mx.eval(ch.h, ch.piece, *([] if ch.positions is None else [ch.positions]))  # nothing lazy outlives a job
 
             window = (finished[c - self.in_flight],) if c >= self.in_flight else ()
             h_job = Job(f"embed @{ch.start}", "gpu", embed, window, (c, -1, 0))
@@ -142,13 +154,17 @@ class SplitPrefill:
             def finish(ch=ch, last=last) -> None:
                 h, piece = model.model.norm(ch.h), ch.piece  # [1, s, hidden], [1, s]
                 if mtp and model.has_mtp:  # the MTP head's KV: (t_{p+1}, h_p) pairs, as `decode.prefill.prefill` fills it
-                    mtp_pairs(model, piece, h, st["carry"], cache)
+                    pairs = None
+                    if images is not None:  # the 3-D positions of the pairs' p
+                        first = ch.start - (st["carry"] is not None)
+                        pairs = mx.array(images.positions[:, first : ch.start + ch.s - 1])  # [3, m]
+                    mtp_pairs(model, piece, h, st["carry"], cache, pairs)
                 out["hidden"] = st["carry"] = h[0, -1:]  # evaluated below: the next job may run on another thread
                 out["logits"] = model.logits(h[:, -1:])[0] if (logits and last) else None
                 mx.eval(out["hidden"], *([out["logits"]] if out["logits"] is not None else []), *cache_arrays(cache))
                 if on_chunk is not None:
                     on_chunk(ch.start + ch.s, _view_at(cache, ch), out["hidden"])
-                ch.h = ch.piece = None  # the chunk's buffers go now
+                ch.h = ch.piece = ch.positions = None  # the chunk's buffers go now
                 ch.parts.clear()
                 ch.gdn.clear()
                 self._tables.pop(ch.start, None)
@@ -212,7 +228,8 @@ class SplitPrefill:
                     key = (ch.start, shape)  # every attention layer of a chunk shares its RoPE tables and masks
                     tables = self._tables.setdefault(ch.start, {})
                     if key not in tables:
-                        tables[key] = {**rope_tables(ch.start, shape, theta), **attention_masks(ch.start, shape)}
+                        tables[key] = {**rope_tables(ch.start, shape, theta, self._rope_positions(ch, shape)),
+                                       **attention_masks(ch.start, shape)}
                     r = run({"x": x, **tables[key], **cache_inputs(keys, vals, shape)})
                     part = from_bc1s(r["out"], ch.s)  # [s, hidden]
                     total = part if total is None else total + part  # partial o_proj sums add up
@@ -223,7 +240,7 @@ class SplitPrefill:
                 ch.parts[i, "ane"] = total, k_all, v_all
 
             def gpu() -> None:
-                ch.parts[i, "gpu"] = rest(ch.parts[i, "x"][0], c)
+                ch.parts[i, "gpu"] = rest(ch.parts[i, "x"][0], c, ch.positions)
 
             def merge() -> None:
                 dtype = ch.h.dtype
@@ -246,11 +263,22 @@ class SplitPrefill:
             return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(1))]
 
         def whole() -> None:
-            mixer = layer.linear_attn if layer.is_linear else layer.self_attn
-            ch.h = ch.h + mixer(layer.input_layernorm(ch.h), c)
+            x = layer.input_layernorm(ch.h)
+            if layer.is_linear:
+                ch.h = ch.h + layer.linear_attn(x, c)
+            else:
+                ch.h = ch.h + layer.self_attn(x, c, ch.positions)  # None: 1-D positions from the cache's offset
             mx.eval(ch.h, *c.state)
 
         return [Job(label, "gpu", whole, after, rank(0))]
+
+    def _rope_positions(self, ch: Chunk, shape) -> np.ndarray | None:
+        """Each rotary frequency's positions [R/2, S] for chunk `ch`'s attention programs (from its stream of the
+        prompt's 3-D positions, numpy only: this runs on the ANE lane), or None for a text prompt (1-D tables)."""
+        if ch.images is None or not shape.rotary_dims // 2:
+            return None
+        positions = ch.images.positions[:, ch.start : ch.start + ch.s]  # [3, s]
+        return frequency_positions(positions, shape.rotary_dims, self.model.args.mrope_section, shape.chunk)
 
     def _mlp(self, i: int, layer: DecoderLayer, ch: Chunk, h_job: Job) -> list[Job]:
         """Jobs of layer i's MLP for chunk `ch` after `h_job`; the last one leaves the layer's output in `ch.h`."""
@@ -355,14 +383,22 @@ class SplitPrefill:
 
     def run(self, tokens: list[int], cache: list[LayerCache], mtp: bool = False, carry: mx.array | None = None,
             logits: bool = True, trace: Trace | None = None, decode: DecodeQueue | None = None,
-            on_chunk: EdgeFn | None = None) -> SplitResult:
+            on_chunk: EdgeFn | None = None, images: ImagePrompt | None = None) -> SplitResult:
         """Prefill `tokens` into `cache` with both lanes; returns the last position's logits and hidden.
 
         With `decode`, the GPU lane interleaves decode rounds of other requests (see `DecodeQueue`); `on_chunk`
-        sees the cache at every chunk edge (see `jobs`).
+        sees the cache at every chunk edge (see `jobs`). `images`: the prompt's `ImagePrompt` (its images encoded,
+        `tokens` a prefix of its tokens); the attention caches then hold its position shift, as after
+        `decode.prefill.prefill`.
         """
         if not tokens:
             raise ValueError("prefill needs at least one token")
+        if images is not None:
+            if list(tokens) != images.tokens[cache[0].offset : cache[0].offset + len(tokens)]:
+                raise ValueError("the split's tokens are not its ImagePrompt's")
+            for c in cache:
+                if isinstance(c, KVCache):
+                    c.shift = images.delta  # decoding continues at the positions after the images
         where = "worker process" if self.worker is not None else "in-thread"
         gpu, ane = Lane("GPU (MLX)", 1, trace, dedicated=True), Lane(f"ANE ({self.backend}, {where})", 2, trace)
         out: dict = {}
@@ -372,7 +408,7 @@ class SplitPrefill:
             self.worker.trace = trace
         start = time.perf_counter()
         try:
-            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits, on_chunk), gpu, ane, decode)
+            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits, on_chunk, images), gpu, ane, decode)
         finally:
             gpu.close()
             if self.worker is not None:

@@ -30,6 +30,7 @@ from hetero.decode.prefill import prefill
 from hetero.decode.state import Decoder
 from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost
+from hetero.image_prompt import ImagePrompt
 from hetero.models.qwen3_5 import Model
 from hetero.planner import physical_memory_bytes
 from hetero.sampling import Sampler, SamplingParams
@@ -112,15 +113,17 @@ def reference_model(engine) -> Model | None:
     return copy
 
 
-def reference_arrays(engine, reference: Model, ids: list[int], chunk: int) -> dict[str, np.ndarray]:
-    """The fp32 reference's compared arrays for `ids`; the last prompt's are kept on the engine (`auto` and a
-    defect hunt verify the same prompt again)."""
-    key = (tuple(ids), chunk)
+def reference_arrays(engine, reference: Model, ids: list[int], chunk: int, images: ImagePrompt | None = None
+                     ) -> dict[str, np.ndarray]:
+    """The fp32 reference's compared arrays for `ids` (with `images`: the prompt's images, their embeddings as the
+    engine's tower made them); the last prompt's are kept on the engine (`auto` and a defect hunt verify the same
+    prompt again)."""
+    key = (tuple(ids if images is None else images.cache_keys()), chunk)  # images by their pixels
     kept = getattr(engine, "_fp32_truth", None)
     if kept is not None and kept[0] == key:
         return kept[1]
     cache = reference.make_cache()
-    truth = arrays_of(prefill(reference, ids, cache, chunk)[0], cache.backbone)
+    truth = arrays_of(prefill(reference, ids, cache, chunk, images=images)[0], cache.backbone)
     try:
         engine._fp32_truth = (key, truth)
     except AttributeError:
@@ -145,9 +148,21 @@ def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array,
     return row.tokens
 
 
-def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32) -> dict:
+def _logits_after(model: Model, ids: list[int], more: list[int], chunk: int, images: ImagePrompt | None) -> mx.array:
+    """GPU-only last logits [1, V] of the prompt `ids` followed by the tokens `more` (with `images`: the prompt's,
+    the tokens after it at the positions its shift gives them)."""
+    if images is None:
+        return prefill(model, ids + more, model.make_cache(), chunk)[0]
+    cache = model.make_cache()
+    prefill(model, ids, cache, chunk, images=images)
+    return prefill(model, more, cache, chunk)[0]
+
+
+def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, images: ImagePrompt | None = None
+           ) -> dict:
     """Split prefill of `ids` against the GPU-only prefill (module docstring): the last logits, every cache array,
-    and a greedy continuation of `n_tokens` tokens, identical up to a near-tie.
+    and a greedy continuation of `n_tokens` tokens, identical up to a near-tie. `images`: the prompt's
+    `ImagePrompt` (`ids` its tokens, its images encoded), which both prefills take.
 
     A worker lost during the split answers {"match": False, "lane_lost": why} (the split could not be judged).
     `match` is true when the arrays pass (against the fp32 reference, or `tol`'s fixed comparison) and the
@@ -158,12 +173,12 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32) ->
     model = run.engine.model
     split_cache = model.make_cache()
     try:
-        res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True)
+        res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True, images=images)
     except AneLaneLost as e:  # nothing to judge: said once (as any lost worker is), and no match
         run.lost(e)
         return {"match": False, "lane_lost": str(e)}
     gpu_cache = model.make_cache()
-    ref, _ = prefill(model, ids, gpu_cache, run.chunk)
+    ref, _ = prefill(model, ids, gpu_cache, run.chunk, images=images)
     split, gpu = arrays_of(res.logits, split_cache.backbone), arrays_of(ref, gpu_cache.backbone)
     rel, _ = max_relative({"last logits": split["last logits"]}, {"last logits": gpu["last logits"]}, rms=False)
     cache_rel, worst = max_relative({k: v for k, v in split.items() if k != "last logits"},
@@ -179,7 +194,7 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32) ->
         arrays_ok, bound = rel <= tol and cache_rel <= tol, tol
         report.update(reference=basis, tolerance=tol)
     else:
-        truth = gpu if reference is model else reference_arrays(run.engine, reference, ids, run.chunk)
+        truth = gpu if reference is model else reference_arrays(run.engine, reference, ids, run.chunk, images)
         d_split, where = max_relative(split, truth, rms=True)
         d_gpu, _ = max_relative(gpu, truth, rms=True)
         bound = K * d_gpu + ANE_FLOOR
@@ -191,7 +206,7 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32) ->
     same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
     gap = None
     if same < n_tokens:  # the GPU-only logits where the two parted (the same tokens before it on both sides)
-        step = ref if same == 0 else prefill(model, ids + theirs[:same], model.make_cache(), run.chunk)[0]
+        step = ref if same == 0 else _logits_after(model, ids, theirs[:same], run.chunk, images)
         s = np.array(step[-1].astype(mx.float32))  # [V]
         gap = float(s[theirs[same]] - s[ours[same]]) / max(float(np.abs(s).max()), 1e-30)
     tie = gap is not None and gap <= 2 * bound

@@ -191,7 +191,7 @@ class Runner:
 
     def _split(self, job: Job, ticket: object) -> JobSplit | None:
         """The split prefill for this job when the server has one and the job did not opt out."""
-        if self.split is None or job.ane_fraction == 0.0 or _images(job):  # the split carries no images yet
+        if self.split is None or job.ane_fraction == 0.0:
             return None
         return JobSplit(self, ticket)
 
@@ -371,14 +371,16 @@ class JobSplit:
     def __init__(self, runner: Runner, ticket: object) -> None:
         self.runner, self.ticket = runner, ticket
 
-    def prefill(self, ids: list[int], on_chunk=None):
-        """`PipelineRun.prefill` for this job, or an empty cache (0 tokens in it) when the split is busy."""
+    def prefill(self, ids: list[int], on_chunk=None, images=None):
+        """`PipelineRun.prefill` for this job (`images`: its `ImagePrompt`, or None), or an empty cache (0 tokens
+        in it) when the split is busy."""
         runner = self.runner
         if not runner._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
             return runner.engine.model.make_cache(), 0, None
         try:
             runner.split.prepare(ids, check=runner.refuse_if_stopping)  # a first-use export stops between programs
-            out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk)
+            out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk,
+                                       images=images)
             runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
             last = runner.split.last
             runner.ane_busy_s += last.ane_busy_s if out[1] and last is not None else 0.0
