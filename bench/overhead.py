@@ -17,6 +17,7 @@ greedy, EOS ignored (the engine's `eos_ids` emptied), --tokens tokens after each
                 read by an httpx client in this process;
   serve_xN      N concurrent streamed requests (--concurrency), the aggregate;
   batch_xN      the stepper alone with N rows (`Batch.step`), the aggregate, for the batched rows.
+Each run starts SETTLE_S after the last one (the idle process's BLAS threads spin for a while after their work).
 Decode tok/s counts the tokens after the first over the time from the first token's arrival to the last one's
 (the aggregate rows: all requests' tokens after their first, from the earliest first token to the latest last
 one). Layers alternate within each round, each prompt once per layer per round; reported: medians over rounds and
@@ -52,6 +53,10 @@ PROMPTS = [  # short code prompts: what the issue's run decoded after
     "#include <stdio.h>\n\nint main(void) {\n",
     "async function fetchJson(url) {\n",
 ]
+
+# Intel OpenMP's threads spin for 200 ms (KMP_BLOCKTIME) after their last parallel region: the bench process and the
+# server process alternate, so each run starts once the other's threads are asleep, not sharing the cores with them
+SETTLE_S = 0.3
 
 SERVER = """
 import hetero  # first: the BLAS under MLX
@@ -253,6 +258,7 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
                     for k, fn in layers.items():
                         if "_x" in k and i:  # the concurrent rows run all their prompts at once: once a round
                             continue
+                        time.sleep(SETTLE_S)  # the other process's BLAS threads stop spinning first
                         out, rate = fn(i)
                         runs[k].append(rate)
                         outputs[k][i] = out
