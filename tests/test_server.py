@@ -564,3 +564,35 @@ def test_serving_beyond_loopback_without_a_key_warns(tmp_path, args, warned):
                           "--no-session-cache"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1 and "must hold a JSON object" in out.stderr, out.stderr
     assert ("without --api-key" in out.stderr) == warned, out.stderr
+
+
+def test_a_stream_hands_the_event_loop_everything_emitted_since_its_last_wake(model_dir):
+    """The job's pieces reach the event loop in lists, one wake-up per list, not one per token: while the event
+    loop is busy, all that the job emits meanwhile (its text, then its Outcome) comes as one list, in order, and the
+    lists joined are the generation's whole text."""
+    import asyncio
+
+    from hetero.server.requests import Job
+    from hetero.server.runner import Outcome, Runner, Started
+
+    engine = hetero.load(model_dir)
+    ids = engine.encode_prompt("the stream of pieces")
+    expected = engine.generate(ids, max_tokens=24, mtp=False, use_prefix_cache=False).text
+    runner = Runner(engine, max_concurrent=1)
+
+    async def read() -> list[list]:
+        stream = runner.stream(Job(ids, 24, mtp=False))
+        lists = [await stream.__anext__()]  # Started (and whatever came with it)
+        # the event loop is busy (blocked here) while the job runs to its end: its one worker takes this no-op only
+        # once the job's Future is done and its callbacks (the Outcome's hand-off) have run
+        runner.pool.submit(lambda: None).result(timeout=120)
+        lists += [batch async for batch in stream]
+        return lists
+
+    lists = asyncio.run(read())
+    assert isinstance(lists[0][0], Started)
+    assert len(lists) == 2, [len(b) for b in lists]  # the whole rest in one hand-off
+    assert isinstance(lists[-1][-1], Outcome)
+    text = "".join(x for b in lists for x in b if isinstance(x, str))
+    assert text == lists[-1][-1].text == expected
+    assert sum(isinstance(x, str) for x in lists[1]) > 1  # many pieces in the one list

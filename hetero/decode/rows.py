@@ -70,6 +70,7 @@ class Round:
     copied: list[bool]
     accepted: list[int] = field(default_factory=list)
     next: list[int] = field(default_factory=list)
+    traced: list[mx.array | None] | None = None  # a plain round's hidden [1, H] per traced row, evaluated early
 
     def mtp_ran(self, i: int) -> bool:
         return bool(self.drafts[i]) and not self.copied[i]

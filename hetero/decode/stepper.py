@@ -149,8 +149,7 @@ class Batch:
         if request in self.rows:
             self.rows.remove(request)
         self._stacked, self._stacked_for = {}, []  # rebuilt from the remaining rows' own caches
-        if request.decoder is not None:
-            mx.eval(cache_arrays(request.decoder.cache))  # its caches may move to another thread
+        _settle([request])
 
     def drain(self) -> Iterator[dict[Row, list[int]]]:
         """Rounds until every request is done (`step`'s results)."""
@@ -193,7 +192,7 @@ class Batch:
         self.rows = [r for r in self.rows if not r.done]
         if len(self.rows) < len(rows):  # the queued pass ran a finished row one token too far
             self._drop_ahead()
-            mx.eval([cache_arrays(r.decoder.cache) for r in rows if r.done])  # its caches go to another thread
+            _settle([r for r in rows if r.done])
         if not self.rows:
             self._stacked, self._stacked_for = {}, []
         return emitted
@@ -216,7 +215,10 @@ class Batch:
         target, hidden, gdn = (ahead.target, ahead.hidden, ahead.gdn) if ahead is not None else self._verify(rows, rnd)
         drawn = mx.stack([r.sampler(target[i, 0] if r.penalizer is None else r.penalizer(target[i, :1])[0])
                           for i, r in enumerate(rows)]).reshape(-1, 1)  # [B, 1]
-        mx.async_eval(drawn)  # its own evaluation: reading it must not wait for the pass queued next
+        # the traced rows' hiddens are sliced and evaluated with the draw, ahead of the next pass: evaluating them
+        # after it is queued would wait for that pass and leave the model idle while the host reads this round
+        rnd.traced = [hidden[i, :1] if r.trace is not None else None for i, r in enumerate(rows)]  # [1, H] each
+        mx.async_eval(drawn, [h for h in rnd.traced if h is not None])  # reading them never waits for the next pass
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
         self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
         mx.async_eval(self._ahead.target, self._ahead.hidden)
@@ -265,9 +267,11 @@ class Batch:
         return [RaggedKV([r.decoder.mtp_cache[j] for r in rows], lengths)
                 for j in range(len(rows[0].decoder.mtp_cache))]
 
-    def _draft(self, rows: list[Row], ks: list[int]) -> tuple[list[list[int]], list[mx.array | None]]:
+    def _draft(self, rows: list[Row], ks: list[int]) -> tuple[list[list[mx.array]], list[mx.array | None]]:
         """k_i drafts per row from the MTP head, each row with its own sampler: the catch-up over each row's pending
-        pairs, then one step per depth for the rows whose k_i goes that far."""
+        pairs, then one step per depth for the rows whose k_i goes that far. The drafts stay lazy scalars (a
+        grammar's row reads each one as it goes): the verify pass is queued on them, and the round reads them
+        with its acceptance, one wait on the model per round."""
         model = self.model
         pending = [r.decoder.pending_tokens + [r.decoder.x] for r in rows]  # pairs with pending_hidden
         m = [len(p) for p in pending]
@@ -309,9 +313,7 @@ class Batch:
             z = z if len(keep) == len(live) else z[mx.array(keep)]
             z = model.mtp_hidden(d, z, self._mtp_caches(live_rows, [1] * len(keep)))  # fed its own post-norm output
             live = [live[b] for b in keep]
-        mx.eval(drafts, logprobs)
-        return ([[int(d.item()) for d in row] for row in drafts],
-                [mx.stack(lp) if lp else None for lp in logprobs])
+        return drafts, [mx.stack(lp) if lp else None for lp in logprobs]
 
     def _gdn_rows(self, rows: list[Row], layer: int) -> tuple[mx.array, mx.array]:
         """The rows' conv windows and states of one GDN layer, stacked [B, ...] (kept from the last round when the
@@ -330,8 +332,11 @@ class Batch:
         [B, S, V], hiddens [B, S, H], GDN caches)."""
         lengths = [len(d) + 1 for d in rnd.drafts]
         S = max(lengths)
-        if tokens is None:
+        if tokens is None and all(isinstance(t, int) for d in rnd.drafts for t in d):
             tokens = mx.array([[r.decoder.x] + d + [0] * (S - n) for r, d, n in zip(rows, rnd.drafts, lengths)])
+        elif tokens is None:  # MTP drafts still lazy: the pass is queued on them [B, S]
+            tokens = mx.stack([mx.concatenate([mx.array([r.decoder.x], mx.int32), _ids(d), mx.zeros((S - n,), mx.int32)])
+                               for r, d, n in zip(rows, rnd.drafts, lengths)])
         caches: list[GDNCache | RaggedKV] = []
         gdn: dict[int, GDNCache] = {}
         for l, layer in enumerate(self.model.layers):
@@ -362,7 +367,7 @@ class Batch:
                 row = r.penalizer(row, rnd.drafts[i])
             if r.constraint is not None:  # position j given x and the drafts before it (the masks they were drawn under)
                 row = mx.where(r.constraint.recent_masks(len(rnd.drafts[i]) + 1), row, -mx.inf)
-            d = mx.array(rnd.drafts[i], dtype=mx.int32)
+            d = _ids(rnd.drafts[i])  # [k_i]
             if r.depth == 0:  # plain decoding: one draw from the (masked, penalized) row
                 decided.append((mx.array(0), r.sampler(row[-1])))
             elif r.sampler.params.greedy:
@@ -370,7 +375,8 @@ class Batch:
             else:
                 q = rnd.draft_logprobs[i]
                 decided.append(accept_drafts(warp(row, r.sampler.params), d, q, r.sampler.next_key()))
-        mx.eval(decided)
+        mx.eval(decided, rnd.drafts)  # the one wait of an MTP round: the drafts, the pass and the acceptance
+        rnd.drafts = [[int(t) if isinstance(t, int) else int(t.item()) for t in d] for d in rnd.drafts]
         rnd.accepted = [int(n.item()) for n, _ in decided]
         rnd.next = [int(t.item()) for _, t in decided]
         for i, r in enumerate(rows):
@@ -417,7 +423,7 @@ class Batch:
                 c.trim_to(c.offset - (len(drafts) - 1 if rnd.mtp_ran(i) else 0))
             if r.trace is not None and not r.depth:
                 r.trace.tokens.append(mx.array(d.x))
-                r.trace.hidden.append(hidden[i, :1])
+                r.trace.hidden.append(rnd.traced[i] if rnd.traced is not None else hidden[i, :1])
             if r.depth:
                 if not rnd.mtp_ran(i):
                     d.pending_tokens.append(d.x)
@@ -429,5 +435,20 @@ class Batch:
         if self._ahead is not None:  # the caches feed the queued pass: evaluated there, or when their row leaves
             mx.eval([r.trace.hidden[-1] for r in rows if r.trace is not None])  # read on the request's thread
             return
-        mx.eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows],
-                [r.trace.hidden[-1] for r in rows if r.trace is not None])  # a row's arrays may move to another thread
+        # computed while the host prepares the next round; a row's arrays are settled (`_settle`) before they may
+        # move to another thread, when it leaves
+        mx.async_eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows],
+                      [r.trace.hidden[-1] for r in rows if r.trace is not None])
+
+
+def _settle(rows: list[Row]) -> None:
+    """Evaluate the leaving rows' state (caches, pending hiddens, trace): it may move to another thread."""
+    mx.eval([(cache_arrays(r.decoder.cache), r.decoder.pending_hidden, r.trace.hidden[-1:] if r.trace else [])
+             for r in rows if r.decoder is not None])
+
+
+def _ids(drafts: list[int | mx.array]) -> mx.array:
+    """A row's drafts (ints, or lazy scalars from the MTP head) as token ids [k] (int32)."""
+    if all(isinstance(t, int) for t in drafts):
+        return mx.array(drafts, dtype=mx.int32)
+    return mx.stack([mx.array(t, mx.int32) if isinstance(t, int) else t.astype(mx.int32) for t in drafts])

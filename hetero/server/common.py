@@ -194,22 +194,22 @@ async def respond(runner: Runner, request: Request, job: Job, out: Output) -> Re
     if items is None:
         return Response(status_code=499)
 
+    def encode(item) -> list[str]:
+        if isinstance(item, Started):
+            return out.start(item)
+        if isinstance(item, str):
+            return out.text(item)
+        if isinstance(item, TokenLogprobs):
+            return out.logprob(item)
+        request.scope[USAGE] = item
+        return out.finish(item)
+
     async def events() -> AsyncIterator[str]:
         try:
-            async for item in paced(items):
-                if item is None:
-                    sent = out.keepalive()
-                elif isinstance(item, Started):
-                    sent = out.start(item)
-                elif isinstance(item, str):
-                    sent = out.text(item)
-                elif isinstance(item, TokenLogprobs):
-                    sent = out.logprob(item)
-                else:
-                    request.scope[USAGE] = item
-                    sent = out.finish(item)
-                for event in sent:
-                    yield event
+            async for batch in paced(items):  # what the job emitted since the last batch: one write for all of it
+                sent = out.keepalive() if batch is None else [event for item in batch for event in encode(item)]
+                if sent:
+                    yield "".join(sent)
         except Exception as e:  # headers are sent: the error travels as an event (the SDKs raise on it)
             for event in out.stream_error(failure(e, out.id)):
                 yield event

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -310,31 +310,49 @@ class Runner:
                 cancelled.set()
         return fut.result()
 
-    async def stream(self, job: Job) -> AsyncIterator[str | Started | TokenLogprobs | Outcome]:
-        """Started, text pieces as they come, then the Outcome; closing the iterator (client gone) cancels the job."""
+    async def stream(self, job: Job) -> AsyncIterator[list[str | Started | TokenLogprobs | Outcome]]:
+        """Started, text pieces as they come, then the Outcome, in lists: each list holds every item the job
+        emitted since the event loop last took some (one wake-up of the event loop per list, not per token, so the
+        decoding thread is not slowed by a hand-off per token). Closing the iterator (client gone) cancels the job."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        ready = asyncio.Event()
+        pending: list = []  # emitted on the worker thread, not taken by the event loop yet
+        lock = threading.Lock()
         cancelled = threading.Event()
 
-        def emit(piece: str | Started | TokenLogprobs) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, piece)
+        def emit(piece) -> None:
+            with lock:
+                pending.append(piece)
+                first = len(pending) == 1
+            if first:  # the event loop takes everything up to here when it wakes: one wake-up for all of it
+                loop.call_soon_threadsafe(ready.set)
 
         fut = self.submit(job, emit, cancelled)
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, f))
+        fut.add_done_callback(emit)  # the Future last: its Outcome (or its exception)
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, (str, Started, TokenLogprobs)):
-                    yield item
+                await ready.wait()
+                with lock:
+                    items, pending[:] = list(pending), []
+                    ready.clear()  # a piece emitted after this sets it again
+                if not items:
                     continue
-                yield item.result()
+                if not isinstance(items[-1], Future):
+                    yield items
+                    continue
+                end = items.pop()
+                if end.cancelled() or end.exception() is not None:
+                    if items:  # what it streamed before it failed goes out first, as it came
+                        yield items
+                    end.result()  # raises the job's exception
+                yield items + [end.result()]
                 return
         finally:
             cancelled.set()
 
     async def stream_started(self, job: Job, request: Request
-                             ) -> AsyncIterator[str | Started | TokenLogprobs | Outcome] | None:
-        """`stream(job)` once its first item is in, so that a job failing before it generates anything fails
+                             ) -> AsyncIterator[list[str | Started | TokenLogprobs | Outcome]] | None:
+        """`stream(job)` once its first items are in, so that a job failing before it generates anything fails
         before the response's first byte (a 4xx/5xx, not a 200 that breaks off). None: the client went away."""
         items = self.stream(job)
         first = asyncio.ensure_future(items.__anext__())
@@ -346,11 +364,11 @@ class Runner:
                 return None
         head = first.result()  # the job's own exception, when it failed first
 
-        async def chained() -> AsyncIterator[str | Started | TokenLogprobs | Outcome]:
+        async def chained() -> AsyncIterator[list[str | Started | TokenLogprobs | Outcome]]:
             try:
                 yield head
-                async for item in items:
-                    yield item
+                async for batch in items:
+                    yield batch
             finally:
                 await items.aclose()  # now, not at garbage collection: closing the stream is what cancels the job
 
