@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -273,9 +274,21 @@ def measure(spec: dict, threads: int, timeout: float) -> dict:
         return {"error": f"timed out after {timeout:.0f} s"}
     lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
     if out.returncode != 0 or not lines:
-        tail = [line.strip() for line in (out.stderr + out.stdout).splitlines() if line.strip()]
-        return {"error": (tail[-1] if tail else f"exit status {out.returncode}")[:300]}
+        return {"error": failure_line(out.stderr + out.stdout, out.returncode)}
     return json.loads(lines[-1][len(RESULT):])
+
+
+def failure_line(output: str, status: int) -> str:
+    """One line for a failed worker: its last line (the exception), with where a traceback says it was raised."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if not lines:
+        return f"exit status {status}"
+    frames = [m for line in lines if (m := re.match(r'File "(.+)", line (\d+), in (\S+)', line))]
+    where = ""
+    if frames:
+        file, line, func = frames[-1].groups()
+        where = f" (in {func}, {'/'.join(Path(file).parts[-2:])}:{line})"
+    return (lines[-1] + where)[:300]
 
 
 # ---------------------------------------------------------------- the run
@@ -343,11 +356,11 @@ def run_model(name: str, path: Path, args: argparse.Namespace, workdir: Path) ->
         for label, a, b in RATIOS:
             if "decode_tps" in table.get(a, {}) and "decode_tps" in table.get(b, {}):
                 ratios[label] = table[a]["decode_tps"]["median"] / table[b]["decode_tps"]["median"]
-        rows[str(t)] = {"engines": table, "ratios": ratios}
-    blas = sorted({b for t in rows.values() for row in t["engines"].values() for b in row.get("blas", [])})
+        blas = sorted({b for row in table.values() for b in row.get("blas", [])})
+        rows[str(t)] = {"engines": table, "ratios": ratios, "blas": blas, "same_blas": len(blas) == 1}
     return {"model": name, "path": str(path), "prompts": list(PROMPTS), "prompt_tokens": [len(p) for p in prompts],
             "tokens": args.tokens, "depth": args.depth, "rounds": args.rounds, "threads": rows,
-            "same_blas_everywhere": len(blas) == 1, "blas": blas, "mismatches": problems}
+            "mismatches": problems}
 
 
 def report(result: dict) -> None:
@@ -365,8 +378,7 @@ def report(result: dict) -> None:
             same = "same tokens" if row["greedy_identical"] else "TOKENS DIFFER"
             log(f"    {e:16s} {d['median']:7.1f}  ({d['min']:.1f}-{d['max']:.1f})  {same}{acc}")
         log("    " + ", ".join(f"{k} {v:.2f}x" for k, v in block["ratios"].items()))
-    if not result["same_blas_everywhere"]:
-        log(f"  NOTE: the processes ran on different BLAS: {result['blas']}")
+        log(f"    BLAS: {block['blas'][0]}" if block["same_blas"] else f"    NOTE: DIFFERENT BLAS: {block['blas']}")
     for m in result["mismatches"]:
         log(f"  MISMATCH: {json.dumps(m)}")
 
@@ -378,7 +390,7 @@ def plot(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     threads = list(result["threads"])
-    engines = list(ENGINES)
+    engines = [e for e in ENGINES if e in result["threads"][threads[0]]["engines"]]
     width = 0.8 / len(engines)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, e in enumerate(engines):

@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not installed: import it from the tree
 from bench.peers import (  # noqa: E402
     decode_rate,
+    failure_line,
     first_difference,
     mismatches,
     mlx_vlm_checkpoint,
@@ -97,3 +98,18 @@ def test_thread_command_pins_cores_only_where_there_are_more():
     if shutil.which("taskset"):
         assert prefix == ["taskset", "-c", "0"]
     assert thread_command(2, 2) == ([], {"MKL_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"})
+
+
+def test_failure_line_is_the_exception_and_where_it_was_raised():
+    traceback = """WARNING: something loud first
+Traceback (most recent call last):
+  File "/work/bench/peers.py", line 260, in worker
+    generate(ids)
+  File "/venv/lib/python3.11/site-packages/mlx_vlm/tokenizer_utils.py", line 232, in add_token
+    v = self.tokenmap[token]
+IndexError: list index out of range
+"""
+    assert failure_line(traceback, 1) == "IndexError: list index out of range (in add_token, mlx_vlm/tokenizer_utils.py:232)"
+    assert failure_line("no such model\n", 2) == "no such model"
+    assert failure_line("", -9) == "exit status -9"
+    assert len(failure_line("x" * 1000, 1)) == 300
