@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--image", action="append", metavar="FILE",
                      help="an image file (PNG, JPEG or WebP) for a model with a vision tower, placed before the "
-                     "prompt in one chat-template user turn (implies --chat; repeatable, in order)")
+                     "prompt in one chat-template user turn (implies --chat; repeatable, in order; default: none)")
     run.add_argument("--max-tokens", type=POSITIVE_INT, default=256, help="most tokens to generate")
     run.add_argument("--temp", type=TEMPERATURE, default=0.0, help="sampling temperature (0 = greedy)")
     run.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling: keep the most likely tokens up to this mass")
