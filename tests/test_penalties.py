@@ -16,8 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_speculative import (
-    DIST_PROMPT, FAIL, GREEDY, agreeing_model, assert_warp_unambiguous, clone_cache, random_model, recorded_rounds,
-    tv,
+    DIST_PROMPT, FAIL, GREEDY, agreeing_model, assert_warp_unambiguous, first_round, random_model, tv,
 )
 
 from hetero.decode.loop import DecodeLoop
@@ -26,8 +25,6 @@ from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats
 from hetero.decode.request import GenerationRequest
 from hetero.decode.solo import batch_generate, decode_tokens
-from hetero.decode.state import Decoder
-from hetero.decode.stepper import Batch
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
 from hetero.sampling import Sampler, SamplingParams, warp
@@ -183,15 +180,7 @@ def test_mtp_sampling_matches_exact_penalized_distribution(dist_model, case):
         sampler, pen = Sampler(params, seed), Penalizer(p, DIST_PROMPT, V)
         x1 = sampler(pen(logits[-1:])[0]).item()  # as state.start does
         pen.add([x1])
-        decoder = Decoder(model, clone_cache(cache), x1, last_hidden)
-        batch = Batch(model, max_batch=1)
-        row = batch.admit(batch.row(decoder, sampler, 1000, set(), depth=2, penalizer=pen))
-        rounds = recorded_rounds(batch)
-        batch.step()
-        (drafts, a, copied), = rounds
-        assert len(drafts) == 2 and not copied
-        block = drafts[:a] + [decoder.x]
-        assert row.tokens == [x1] + block
+        drafts, a, block = first_round(model, cache, x1, last_hidden, sampler, penalizer=pen)
         rows.append((x1, block[0], block[1] if a >= 1 else -1))
         accepted.append(a)
         if seed < 20:  # this harness is exactly decode_tokens' first round for the same seed

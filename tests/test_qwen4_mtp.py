@@ -17,13 +17,12 @@ from hetero.cache import GDNCache
 from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats
 from hetero.decode.solo import decode_tokens
-from hetero.decode.state import Decoder
 from hetero.decode.stepper import Batch
 from hetero.errors import HeteroError
 from hetero.loader import load_model
 from hetero.sampling import Sampler, SamplingParams, warp
 from qwen4_oracle64 import Oracle
-from test_speculative import assert_warp_unambiguous, clone_cache, recorded_rounds, tv
+from test_speculative import assert_warp_unambiguous, first_round, tv
 
 GREEDY = SamplingParams()
 PROMPT = 40  # 10 index blocks of 4 against a budget of 2 blocks: the backbone's and the head's QSA drop keys
@@ -338,15 +337,7 @@ def test_sampled_mtp_matches_the_exact_law(law_model):
     for seed in range(LAW_DRAWS):
         sampler = Sampler(params, seed)
         x1 = sampler(logits[-1]).item()
-        decoder = Decoder(model, clone_cache(cache), x1, last_hidden)
-        batch = Batch(model, max_batch=1)
-        row = batch.admit(batch.row(decoder, sampler, 1000, set(), depth=2))
-        rounds = recorded_rounds(batch)
-        batch.step()
-        (drafts, a, copied), = rounds
-        assert len(drafts) == 2 and not copied
-        block = drafts[:a] + [decoder.x]
-        assert row.tokens == [x1] + block
+        drafts, a, block = first_round(model, cache, x1, last_hidden, sampler)
         rows.append((x1, block[0], block[1] if a >= 1 else -1))
         accepted.append(a)
         outside += p2[x1, drafts[0]] == 0

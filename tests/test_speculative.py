@@ -324,15 +324,7 @@ def test_mtp_sampling_matches_exact_target_distribution(dist_model, params):
     for seed in range(DIST_DRAWS):
         sampler = Sampler(params, seed)
         x1 = sampler(logits[-1]).item()  # as state.start does
-        decoder = Decoder(model, clone_cache(cache), x1, last_hidden)
-        batch = Batch(model, max_batch=1)
-        row = batch.admit(batch.row(decoder, sampler, 1000, set(), depth=2))
-        rounds = recorded_rounds(batch)
-        batch.step()
-        (drafts, a, copied), = rounds
-        assert len(drafts) == 2 and not copied
-        block = drafts[:a] + [decoder.x]
-        assert row.tokens == [x1] + block
+        drafts, a, block = first_round(model, cache, x1, last_hidden, sampler)
         rows.append((x1, block[0], block[1] if a >= 1 else -1))
         accepted.append(a)
         outside += p2[x1, drafts[0]] == 0
@@ -521,6 +513,21 @@ def test_rollback_leaves_exactly_the_committed_state(rejecting, data):
 
 # ----------------------------------------------------------------------------------------------------------
 # 5. Edge cases
+
+
+def first_round(model, cache, x1: int, last_hidden, sampler: Sampler, **row_options) -> tuple[list[int], int, list[int]]:
+    """One depth-2 speculative round of a row started at x1 over a copy of `cache` -> (its drafts, how many were
+    accepted, the tokens it committed); asserts the round drafted 2 MTP tokens and the row holds x1 + the block."""
+    decoder = Decoder(model, clone_cache(cache), x1, last_hidden)
+    batch = Batch(model, max_batch=1)
+    row = batch.admit(batch.row(decoder, sampler, 1000, set(), depth=2, **row_options))
+    rounds = recorded_rounds(batch)
+    batch.step()
+    (drafts, a, copied), = rounds
+    assert len(drafts) == 2 and not copied
+    block = drafts[:a] + [decoder.x]
+    assert row.tokens == [x1] + block
+    return drafts, a, block
 
 
 def recorded_rounds(batch: Batch, into: list | None = None) -> list[tuple[list[int], int, bool]]:
