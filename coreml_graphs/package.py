@@ -4,9 +4,11 @@ package's MIL program back (any OS)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,12 +32,50 @@ def pass_pipeline() -> ct.PassPipeline:
     return ct.PassPipeline(pass_names=list(PASSES), pipeline_name="hetero")
 
 
+_converting = threading.local()  # `.on` while this thread converts inside `lean_conversion`
+_validate_each_time = Program.validate
+_describe = Program.__str__
+
+
+def _validate_unless_converting(prog: Program, *args, **kwargs) -> None:
+    if not getattr(_converting, "on", False):
+        _validate_each_time(prog, *args, **kwargs)
+
+
+def _describe_unless_converting(prog: Program) -> str:
+    if getattr(_converting, "on", False):
+        return f"<MIL program: functions {', '.join(prog.functions)}>"
+    return _describe(prog)
+
+
+@contextlib.contextmanager
+def lean_conversion():
+    """Within it, this thread's coremltools conversions skip the work that does not shape the package.
+
+    Around each of its passes, a conversion validates the whole program (a walk over every op's inputs and users)
+    and prints it whole into a debug log message, built even when nothing logs it; after it, a full `gc.collect()`.
+    Together, about three quarters of an export's time (bench/export_passes.py). Here the program is described by
+    its function names, objects made before the conversion are out of the collector's reach, and validation is
+    left to the caller, once, on the converted program (`save_program` does: a pass that breaks the program still
+    fails the export). Validating and printing only read a program, so the package is the same byte for byte
+    (tests/test_coreml_passes.py). Other threads keep coremltools' own behaviour."""
+    Program.validate = _validate_unless_converting  # idempotent: both delegate whenever the flag is off
+    Program.__str__ = _describe_unless_converting
+    _converting.on = True
+    gc.freeze()  # each collect walks only what the conversion made, not the whole process's heap
+    try:
+        yield
+    finally:
+        _converting.on = False
+        gc.unfreeze()
+
+
 def save_program(prog: Program, path: str | os.PathLike, pipeline: ct.PassPipeline | None = None) -> Path:
     """Convert `prog` to an fp16 ML Program and write it to `path` (.mlpackage); needs no Core ML runtime. The
     package's minimum OS is the newest opset among its functions (macOS 15 for lookup-table weights).
     `pipeline`: the main pass pipeline (default `pass_pipeline()`; coremltools' own is `ct.PassPipeline()`)."""
     target = max((f.opset_version or DEPLOYMENT_TARGET for f in prog.functions.values()), default=DEPLOYMENT_TARGET)
-    with contextlib.redirect_stderr(io.StringIO()):  # coremltools' per-pass tqdm bars; the export draws its own
+    with contextlib.redirect_stderr(io.StringIO()), lean_conversion():  # stderr: coremltools' per-pass tqdm bars
         model = ct.convert(
             prog,
             convert_to="mlprogram",
@@ -44,6 +84,7 @@ def save_program(prog: Program, path: str | os.PathLike, pipeline: ct.PassPipeli
             skip_model_load=True,  # compiling needs macOS; the package is complete without it
             pass_pipeline=pipeline or pass_pipeline(),
         )
+    _validate_each_time(model._mil_program)  # once, on what the passes made (they ran unchecked)
     path = Path(path)
     model.save(str(path))
     return path
@@ -63,7 +104,7 @@ def save_functions(progs: Iterable[tuple[str, Program]], path: str | os.PathLike
         if not names:
             raise ValueError("save_functions needs at least one program")
         desc.default_function_name = names[0]
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), lean_conversion():  # it reads back functions validated here
             ct.utils.save_multifunction(desc, str(path))
     return path
 

@@ -8,12 +8,16 @@ belongs in `PASSES`."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import coremltools as ct
 import numpy as np
 import pytest
+from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+from coremltools.converters.mil.mil.passes.pass_registry import register_pass
 
+from coreml_graphs import package
 from coreml_graphs.package import PASSES, save_program
 from hetero.export import PieceSlice, build_piece, in_form, mlp_weights
 from hetero.loader import load_model
@@ -60,6 +64,14 @@ def build(shape, weights, builder):
     return builder(shape, weights)
 
 
+def stock(program, path: Path) -> Path:
+    """Saved the way coremltools converts by itself: its default pipeline, the program validated around every
+    pass, a gc after the convert (not within `package.lean_conversion`)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(package, "lean_conversion", contextlib.nullcontext)
+        return save_program(program, path, ct.PassPipeline())
+
+
 @pytest.mark.parametrize("checkpoint,form", [("float", "lut"), ("q4", "lut"), ("q4", "blockwise")])
 def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints, form, checkpoint, tmp_path):
     default_pipeline = ct.PassPipeline()
@@ -68,7 +80,7 @@ def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints,
     compared = 0
     for name, program in programs(checkpoints[checkpoint], form):
         trimmed = package_bytes(save_program(program(), tmp_path / f"{name}-trimmed.mlpackage"))
-        default = package_bytes(save_program(program(), tmp_path / f"{name}-default.mlpackage", ct.PassPipeline()))
+        default = package_bytes(stock(program(), tmp_path / f"{name}-default.mlpackage"))
         assert trimmed.keys() == default.keys(), name
         for file in default:
             assert trimmed[file] == default[file], f"{name}: {file} differs from the default pipeline's"
@@ -88,8 +100,28 @@ def test_vision_programs_are_the_default_pipelines_too(tmp_path):
     compared = 0
     for piece, shape, weights, builder in vision_pieces(tower, 256):
         trimmed = package_bytes(save_program(builder(shape, weights), tmp_path / f"{piece}-t.mlpackage"))
-        default = package_bytes(save_program(builder(shape, weights), tmp_path / f"{piece}-d.mlpackage",
-                                             ct.PassPipeline()))
+        default = package_bytes(stock(builder(shape, weights), tmp_path / f"{piece}-d.mlpackage"))
         assert trimmed == default, f"{piece}: differs from the default pipeline's package"
         compared += 1
     assert compared == 3
+
+
+@register_pass(namespace="hetero_test")
+class use_before_definition(AbstractGraphPass):
+    """A broken pass: it moves the main function's last op first, so it reads values not yet computed."""
+
+    def apply(self, prog):
+        ops = prog.functions["main"].operations
+        last = ops[-1]
+        ops.remove(last)
+        ops.insert_op_before(last, before_op=ops[0])
+
+
+def test_a_pass_that_breaks_the_program_still_fails_the_export(checkpoints, tmp_path):
+    """The export validates each converted program once, after its passes, instead of around every pass: a pass
+    that leaves the program invalid is still caught, and nothing is written."""
+    _, make = next(programs(checkpoints["float"], "lut"))
+    broken = ct.PassPipeline(pass_names=[*PASSES, "hetero_test::use_before_definition"], pipeline_name="broken")
+    with pytest.raises(ValueError, match="not visible"):
+        save_program(make(), tmp_path / "broken.mlpackage", broken)
+    assert not (tmp_path / "broken.mlpackage").exists()
