@@ -100,15 +100,38 @@ def with_mrope_section(config: dict) -> dict:
 
 
 def mlx_vlm_checkpoint(src: Path, dst: Path) -> Path:
-    """A copy of checkpoint `src` at `dst` that mlx-vlm loads: config.json rewritten by `with_mrope_section`, every
-    other file a symbolic link to `src`'s (nothing under `src` is written)."""
+    """A copy of checkpoint `src` at `dst` that mlx-vlm loads: config.json rewritten by `with_mrope_section`, the
+    tokenizer's files by `padded_tokenizer`, every other file a symbolic link to `src`'s (nothing under `src` is
+    written)."""
     dst.mkdir(parents=True, exist_ok=True)
+    rewritten = ("config.json", "tokenizer.json", "tokenizer_config.json")
     for f in Path(src).iterdir():
-        if f.name != "config.json" and f.is_file() and not (dst / f.name).exists():
+        if f.name not in rewritten and f.is_file() and not (dst / f.name).exists():
             (dst / f.name).symlink_to(f.resolve())
     config = json.loads((Path(src) / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(with_mrope_section(config), indent=2))
+    files = {name: json.loads((Path(src) / name).read_text()) for name in rewritten[1:]}
+    padded = padded_tokenizer(*files.values(), (config.get("text_config") or config)["vocab_size"])
+    for name, content in zip(files, padded):
+        (dst / name).write_text(json.dumps(content))
     return dst
+
+
+def padded_tokenizer(tokenizer: dict, tokenizer_config: dict, vocab_size: int) -> tuple[dict, dict]:
+    """A tokenizer's tokenizer.json and tokenizer_config.json with special tokens added so that it names every id
+    below `vocab_size`. The large random checkpoint borrows the bundled tokenizer (4,096 tokens) for a vocabulary
+    of 8,192, and its greedy tokens go past the tokenizer's end, where mlx-vlm's streaming detokenizer indexes out
+    of its list. No id the tokenizer had changes, so every engine still decodes the same token ids."""
+    tokenizer, tokenizer_config = json.loads(json.dumps(tokenizer)), json.loads(json.dumps(tokenizer_config))
+    known = set(tokenizer["model"]["vocab"].values()) | {t["id"] for t in tokenizer["added_tokens"]}
+    decoder = tokenizer_config.setdefault("added_tokens_decoder", {})
+    for i in range(vocab_size):
+        if i not in known:
+            token = {"content": f"<|bench_pad_{i}|>", "single_word": False, "lstrip": False, "rstrip": False,
+                     "normalized": False, "special": True}
+            tokenizer["added_tokens"].append({"id": i, **token})
+            decoder[str(i)] = token
+    return tokenizer, tokenizer_config
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -55,12 +55,33 @@ def test_mlx_vlm_checkpoint_links_the_weights_and_never_writes_the_original(tmp_
     mlx_vlm_checkpoint(src, tmp_path / "vlm")  # a second call over the same folder is fine
     assert _digests(src) == before
     assert sorted(p.name for p in copy.iterdir()) == sorted(before)
+    rewritten = ("config.json", "tokenizer.json", "tokenizer_config.json")
     for name in before:
-        if name != "config.json":
+        if name not in rewritten:
             assert (copy / name).is_symlink() and (copy / name).resolve() == (src / name).resolve()
-    assert not (copy / "config.json").is_symlink()
+    assert not any((copy / name).is_symlink() for name in rewritten)
     config = json.loads((copy / "config.json").read_text())
     assert config["text_config"]["rope_parameters"]["mrope_section"] == [3, 3, 2]
+
+
+def test_the_mlx_vlm_copy_names_every_id_of_a_vocabulary_larger_than_its_tokenizer(tmp_path):
+    """The large random checkpoint borrows the bundled tokenizer for twice its vocabulary: the copy's tokenizer, as
+    transformers loads it, names every id below the config's vocab_size, and encodes text to the same ids."""
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(BUNDLED_MODEL, src)
+    config = json.loads((src / "config.json").read_text())
+    vocab = config["text_config"]["vocab_size"]
+    config["text_config"]["vocab_size"] = 2 * vocab
+    (src / "config.json").write_text(json.dumps(config))
+    original = AutoTokenizer.from_pretrained(str(src))
+    padded = AutoTokenizer.from_pretrained(str(mlx_vlm_checkpoint(src, tmp_path / "vlm")))
+    assert len(original) == vocab and len(padded) == 2 * vocab
+    assert sorted(padded.get_vocab().values()) == list(range(2 * vocab))
+    text = "def f(x):\n    return x + 1  # <|im_end|>"
+    assert padded.encode(text) == original.encode(text)
+    assert padded.decode(list(range(vocab, vocab + 3))) == "".join(f"<|bench_pad_{i}|>" for i in range(vocab, vocab + 3))
 
 
 def test_first_difference():
