@@ -138,8 +138,8 @@ class GDNCache:
         an integer array holds token ids."""
         conv_dim = (2 * args.linear_num_key_heads * args.linear_key_head_dim
                     + args.linear_num_value_heads * args.linear_value_head_dim)
-        return [("conv", (1, args.linear_conv_kernel_dim - 1, conv_dim), dtype),
-                ("rec", (1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim), mx.float32)]
+        state = (1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        return [("conv", (1, args.linear_conv_kernel_dim - 1, conv_dim), dtype), ("rec", state, mx.float32)]
 
     def checkpoint(self) -> tuple[mx.array, ...]:
         """The state as it stands, in `checkpoint_layout` order: conv window [1, K-1, C], recurrent [1, Hv, Dk, Dv]

@@ -11,7 +11,7 @@ Each cache class says what its state is (`layout` / `rows` / `install`, `checkpo
 `restore`); this module and the session store only copy what they are given.
 The trie is a radix tree: an edge holds its tokens and the rows of exactly those positions, so a transcript
 that grows turn by turn stores each position's rows once; a node holds the fixed-size state when it is a
-checkpoint. Restoring concatenates the K/V rows along the path into fresh buffers (a live KVCache writes in
+checkpoint. Restoring concatenates the rows along the path into fresh buffers (a live KVCache writes in
 place by slice assignment, so a checkpoint never shares a buffer with a live cache). A layer's rows are the arrays
 its cache stores (`KVCache.rows`): keys and values, or with `--kv-bits` their packed values, scales and biases, so a
 quantized cache is checkpointed and restored as stored, bit for bit.
@@ -59,13 +59,13 @@ class Checkpoint:
 
 @dataclass
 class Snapshot:
-    """A whole-path state at n tokens: K/V rows 0..n-1 (MTP: 0..n-2) of every attention layer plus a Checkpoint.
+    """A whole-path state at n tokens: the rows 0..n-1 (MTP: 0..n-2) of every attention layer plus a Checkpoint.
 
     `kv` follows the order of the model's KVCaches in `make_cache()` (backbone attention layers, then MTP).
     """
 
     tokens: list[int]
-    kv: list[tuple[mx.array, ...]]  # per layer its rows [1, Hkv, n, *] each; the last n_mtp (MTP layers) n-1 rows
+    kv: list[tuple[mx.array, ...]]  # per layer its rows [1, heads, n, *] each; the last n_mtp (MTP layers) n-1 rows
     checkpoint: Checkpoint
     n_mtp: int
 

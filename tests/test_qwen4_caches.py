@@ -213,7 +213,8 @@ LAYOUTS = {
     "no index keys": (lambda a: [a.pop(k) for k in [k for k in a if k.endswith(".index")]], r"no tensor kv\.0\.index"),
     "a GDN layer too many": (lambda a: a.update({"cp.0.gdn.5.conv": a["cp.0.gdn.0.conv"]}),
                             r"unexpected tensor cp\.0\.gdn\.5\.conv"),
-    "context outside the vocabulary": (lambda a: a.update({"cp.0.gdn.0.ple.context": a["cp.0.gdn.0.ple.context"] + qc.VOCAB}),
+    "context outside the vocabulary": (lambda a: a.update({"cp.0.gdn.0.ple.context": a["cp.0.gdn.0.ple.context"]
+                                                           + qc.VOCAB}),
                                        r"ple\.context holds token ids outside the vocabulary"),
 }
 
