@@ -54,7 +54,7 @@ def decoding(mtp: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def flat(tmp_path_factory):
     """A flat checkpoint with PLE on layers 0 and 1, QSA on layer 2, an MTP head (whose QSA layer drops keys too),
     and a tokenizer; with transformers' model of it."""
     path = tmp_path_factory.mktemp("q4caches")
@@ -64,24 +64,33 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpt):
-    return hetero.load(str(ckpt[0]))
+def nested(tmp_path_factory):
+    """A nested (`qwen4_exp`, vision weights skipped) checkpoint with PLE on layers 1 and 3 (the last), an MTP head
+    and a tokenizer; with transformers' model of it."""
+    path = tmp_path_factory.mktemp("q4caches_nested")
+    hf = qc.build(path, nested=True, ple_layer_ids=(2, 4), seed=1, mtp=True)
+    qc.add_tokenizer(path)
+    return path, hf
 
 
-@pytest.mark.parametrize("mtp", [False, True])
-def test_a_second_request_resumes_from_the_prefix_cache(engine, ckpt, mtp):
+@pytest.fixture(scope="module")
+def engine(flat):
+    return hetero.load(str(flat[0]))
+
+
+@pytest.mark.parametrize("layout,mtp", [("flat", False), ("flat", True), ("nested", False), ("nested", True)])
+def test_a_second_request_resumes_from_the_prefix_cache(request, layout, mtp):
     """The second turn of a growing transcript restores the first turn's end (prompt + reply but its last token,
     which never ran): greedy tokens are transformers', and so are the logits of every position run after it."""
-    _, hf = ckpt
+    path, hf = request.getfixturevalue(layout)
+    engine = hetero.load(str(path))
     first = _tokens(PROMPT, 1)
     grown_tail = _tokens(MORE, 2)
     engine.prefix_cache = pc = PrefixCache()
-    try:
-        turn1 = engine.generate(first, max_tokens=REPLY, prefill_chunk=CHUNK, **decoding(mtp))
-        grown = first + turn1.tokens + grown_tail
-        turn2 = engine.generate(grown, max_tokens=MORE, prefill_chunk=CHUNK, **decoding(mtp))
-    finally:
-        engine.prefix_cache = None
+    turn1 = engine.generate(first, max_tokens=REPLY, prefill_chunk=CHUNK, **decoding(mtp))
+    grown = first + turn1.tokens + grown_tail
+    turn2 = engine.generate(grown, max_tokens=MORE, prefill_chunk=CHUNK, **decoding(mtp))
+    engine.prefix_cache = None
     held = len(first) + REPLY - 1
     assert turn1.stats["cached_tokens"] == 0 and turn2.stats["cached_tokens"] == held
     assert turn1.tokens == hf_greedy(hf, first, REPLY)
@@ -93,12 +102,12 @@ def test_a_second_request_resumes_from_the_prefix_cache(engine, ckpt, mtp):
     _close(np.array(logits), qc.hf_logits(hf, grown)[held:])
 
 
-def test_restores_inside_a_compressed_block_and_an_ngram_window_stay_exact(engine, ckpt):
+def test_restores_inside_a_compressed_block_and_an_ngram_window_stay_exact(engine, flat):
     """Chunk edges every 7 tokens put checkpoints inside QSA's blocks of 4 and between the PLE's dilation-3 taps:
     at 7 (the PLE conv window of 9 not yet full) and at 35 (two tokens after an EOS, so the n-gram context spans
     the restart). Continuing from either gives the cold run's logits bit for bit, within 1e-4 of transformers,
     and a prompt that branches there gets transformers' greedy tokens."""
-    model, (_, hf) = engine.model, ckpt
+    model, (_, hf) = engine.model, flat
     ids = _tokens(56, 7)
     ids[33] = qc.EOS
     chunk = 7
@@ -126,12 +135,12 @@ def test_restores_inside_a_compressed_block_and_an_ngram_window_stay_exact(engin
     assert warm.tokens == hf_greedy(hf, branch, MORE)
 
 
-def test_mtp_after_a_restore_equals_plain_greedy(ckpt):
+def test_mtp_after_a_restore_equals_plain_greedy(flat):
     """With a head whose drafts are mostly accepted, MTP decoding resumed from a checkpoint (the head's QSA cache and
     the pending streams restored) gives plain greedy decoding's tokens."""
     from test_qwen4_mtp import agreeing
 
-    engine = hetero.load(str(ckpt[0]))
+    engine = hetero.load(str(flat[0]))
     agreeing(engine.model, alpha=0.02)
     first = _tokens(PROMPT, 5)
     reply = engine.generate(first, max_tokens=REPLY, prefill_chunk=CHUNK, mtp=False).tokens
@@ -156,22 +165,24 @@ def restart(path, store_dir) -> hetero.Engine:
     return engine
 
 
-@pytest.mark.parametrize("mtp", [False, True])
-def test_a_session_restart_resumes_from_disk(ckpt, tmp_path, mtp):
+@pytest.mark.parametrize("layout,mtp", [("flat", False), ("flat", True), ("nested", False), ("nested", True)])
+def test_a_session_restart_resumes_from_disk(request, tmp_path, layout, mtp):
     """The first turn's end goes to disk with every part of the state; a new engine resumes the second turn there,
     with transformers' greedy tokens."""
-    path, hf = ckpt
+    path, hf = request.getfixturevalue(layout)
     first = _tokens(PROMPT, 3)
     reply = restart(path, tmp_path).generate(first, max_tokens=REPLY, prefill_chunk=CHUNK, **decoding(mtp)).tokens
     assert sorted(p.suffix for p in tmp_path.glob("*/*")) == [".json", ".safetensors"]  # one entry, no temporary
     stored = mx.load(str(next(tmp_path.glob("*/*.safetensors"))))
-    hc_d = qc.TEXT["hc_count"] * qc.TEXT["hidden_size"]
-    assert stored["cp.0.hidden"].shape == (1, hc_d)
+    assert stored["cp.0.hidden"].shape == (1, qc.TEXT["hc_count"] * qc.TEXT["hidden_size"])  # the streams
     assert stored["kv.0.index"].shape == (1, 1, len(first) + REPLY - 1, qc.TEXT["indexer_head_dim"])  # backbone QSA
     assert stored["kv.1.index"].shape[2] == len(first) + REPLY - 2  # the MTP layer's, its pairs
-    assert {k.split(".", 4)[4] for k in stored if k.startswith("cp.0.gdn.")} == {"conv", "rec", "ple.conv",
-                                                                                   "ple.context"}
-    assert "cp.0.gdn.2.ple.conv" not in stored  # the third GDN layer has no PLE
+    gdn = [i for i, kind in enumerate(qc.TEXT["layer_types"]) if kind == "linear_attention"]
+    ple = json.loads((path / "config.json").read_text())
+    ple = (ple.get("text_config") or ple)["ple_layer_ids"]
+    for l, layer in enumerate(gdn):
+        names = {k.split(".", 4)[4] for k in stored if k.startswith(f"cp.0.gdn.{l}.")}
+        assert names == ({"conv", "rec", "ple.conv", "ple.context"} if layer + 1 in ple else {"conv", "rec"})
 
     engine = restart(path, tmp_path)
     grown = first + reply + _tokens(MORE, 4)
@@ -183,11 +194,11 @@ def test_a_session_restart_resumes_from_disk(ckpt, tmp_path, mtp):
 
 
 @pytest.fixture(scope="module")
-def saved(ckpt, tmp_path_factory):
+def saved(flat, tmp_path_factory):
     """A session directory holding one entry: the end of a turn over a prompt of PROMPT tokens."""
     store = tmp_path_factory.mktemp("q4session")
     prompt = _tokens(PROMPT, 9)
-    restart(ckpt[0], store).generate(prompt, max_tokens=REPLY, prefill_chunk=CHUNK, mtp=False)
+    restart(flat[0], store).generate(prompt, max_tokens=REPLY, prefill_chunk=CHUNK, mtp=False)
     return store, prompt
 
 
@@ -220,10 +231,10 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_session_file_of_another_layout_is_refused_in_one_line(ckpt, saved, tmp_path, caplog, layout):
+def test_a_session_file_of_another_layout_is_refused_in_one_line(flat, saved, tmp_path, caplog, layout):
     """Right size and checksum, wrong layout: skipped with one warning line naming what differs, removed, and the
     prompt recomputed with transformers' tokens."""
-    path, hf = ckpt
+    path, hf = flat
     source, prompt = saved
     store = tmp_path / "sessions"
     shutil.copytree(source, store)
@@ -240,12 +251,12 @@ def test_a_session_file_of_another_layout_is_refused_in_one_line(ckpt, saved, tm
     assert not damaged.exists() and not damaged.with_suffix(".json").exists()  # removed, never served later
 
 
-def test_serve_answers_the_second_turn_from_the_cache(ckpt, tmp_path):
+def test_serve_answers_the_second_turn_from_the_cache(flat, tmp_path):
     """`hetero serve` with the prefix and session caches on this checkpoint (MTP on, the default here): the second
     turn of a chat reports cached tokens and answers as a server without caches does."""
     from test_server import LiveServer
 
-    path, _ = ckpt
+    path, _ = flat
     warm_engine = restart(path, tmp_path)
     cold_engine = hetero.load(str(path))
     warm, cold = LiveServer(warm_engine, max_batch=1), LiveServer(cold_engine, max_batch=1)
