@@ -57,12 +57,13 @@ class KVCache:
         """Forget every position at or after n."""
         self.offset = min(self.offset, n)
 
-    # Rows: the arrays that hold positions, as the prefix and session caches copy them. Each is [B, Hkv, n, *] with
+    # Rows: the arrays that hold positions, as the prefix and session caches copy them. Each is [B, heads, n, *] with
     # the positions on axis 2, so a slice, a concatenation or a file keeps them as they are (here: keys, values).
 
-    def layout(self, head_dim: int, dtype: mx.Dtype) -> list[tuple[str, int, mx.Dtype]]:
-        """(name, last dimension, dtype) of each row array, in `rows` order."""
-        return [("k", head_dim, dtype), ("v", head_dim, dtype)]
+    def layout(self, args, dtype: mx.Dtype) -> list[tuple[str, int, int, mx.Dtype]]:
+        """(name, heads, last dimension, dtype) of each row array, in `rows` order, for a model of `args` computing
+        in `dtype`."""
+        return [(name, args.num_key_value_heads, args.head_dim, dtype) for name in ("k", "v")]
 
     def rows(self, lo: int, hi: int) -> tuple[mx.array, ...]:
         """The row arrays of positions lo..hi-1 (views of the live buffers: copy them to keep them)."""
@@ -128,6 +129,27 @@ class GDNCache:
         self.offset -= total - n
         self.recording = False
         self.recorded_states, self.recorded_conv_in = [], None
+
+    # Checkpoint: the fixed-size state at n tokens, as the prefix and session caches copy it (one request, B = 1).
+    # A subclass that carries more (Qwen4-Exp's PLE state) appends its arrays to all three.
+
+    def checkpoint_layout(self, args, dtype: mx.Dtype) -> list[tuple[str, tuple[int, ...], mx.Dtype]]:
+        """(name, shape, dtype) of each array `checkpoint` returns, for a model of `args` computing in `dtype`;
+        an integer array holds token ids."""
+        conv_dim = (2 * args.linear_num_key_heads * args.linear_key_head_dim
+                    + args.linear_num_value_heads * args.linear_value_head_dim)
+        state = (1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        return [("conv", (1, args.linear_conv_kernel_dim - 1, conv_dim), dtype), ("rec", state, mx.float32)]
+
+    def checkpoint(self) -> tuple[mx.array, ...]:
+        """The state as it stands, in `checkpoint_layout` order: conv window [1, K-1, C], recurrent [1, Hv, Dk, Dv]
+        (the live arrays: copy them to keep them)."""
+        return self.conv, self.recurrent
+
+    def restore(self, arrays: list[mx.array], n: int) -> None:
+        """Hold `arrays` (a `checkpoint`, arrays nothing else writes) as the state after n tokens."""
+        self.conv, self.recurrent = arrays
+        self.offset = n
 
     @property
     def state(self) -> list[mx.array]:

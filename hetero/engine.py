@@ -234,9 +234,7 @@ class Engine:
         times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix
         mx.reset_peak_memory()
         mtp_stats = MTPStats(depth) if depth else None
-        # Qwen4-Exp: checkpoints do not carry its PLE and QSA index state yet, so it runs without the prefix cache
-        cacheable = getattr(self.model, "prefix_cacheable", True)
-        pc = self.prefix_cache if r.use_prefix_cache and r.prompt_cache is None and cacheable else None
+        pc = self.prefix_cache if r.use_prefix_cache and r.prompt_cache is None else None
         key, model = self.cache_key, self.model
         cache, skip, carry = model.make_cache(), 0, None
         if r.prompt_cache is not None:  # prefill continues at its offset: chunk edges stay those of a cold run

@@ -131,9 +131,10 @@ class QuantizedKVCache(KVCache):
         """The valid K/V [B, Hkv, offset, D] as attention reads them."""
         return tuple(dequantize(*(a[:, :, : self.offset] for a in part), self.quant) for part in (self.keys, self.values))
 
-    def layout(self, head_dim: int, dtype: mx.Dtype) -> list[tuple[str, int, mx.Dtype]]:
+    def layout(self, args, dtype: mx.Dtype) -> list[tuple[str, int, int, mx.Dtype]]:
+        heads, head_dim = args.num_key_value_heads, args.head_dim
         packed, groups = head_dim * self.quant.bits // 32, head_dim // self.quant.group_size
-        return [(f"{part}{suffix}", dim, dt) for part in ("k", "v")
+        return [(f"{part}{suffix}", heads, dim, dt) for part in ("k", "v")
                 for suffix, dim, dt in (("", packed, mx.uint32), (".scales", groups, dtype), (".biases", groups, dtype))]
 
     def like(self) -> QuantizedKVCache:

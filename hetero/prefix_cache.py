@@ -1,12 +1,17 @@
 """Prefix cache: a token trie of hybrid-state checkpoints, bounded by bytes in RAM, least recently used first out.
 
 A checkpoint at n tokens is everything needed to continue after tokens[:n] as if they had just been prefilled:
-  - every attention layer's K/V for positions 0..n-1 (backbone) and the MTP layer's K/V for its pairs 0..n-2,
-  - every GDN layer's conv window and recurrent state exactly at n,
-  - the backbone's post-norm hidden h_{n-1}: the MTP head pairs it with the next token t_n.
-The trie is a radix tree: an edge holds its tokens and the K/V rows of exactly those positions, so a transcript
-that grows turn by turn stores each position's K/V once; a node holds the fixed-size GDN state when it is a
-checkpoint. Restoring concatenates the K/V rows along the path into fresh buffers (a live KVCache writes in
+  - every attention layer's rows for positions 0..n-1 (backbone) and the MTP layer's for its pairs 0..n-2: K/V,
+    and whatever else the layer's cache keeps per position (`KVCache.rows`: a QSA layer's raw index keys),
+  - every other layer's fixed-size state exactly at n (`GDNCache.checkpoint`: conv window and recurrent state,
+    and on a Qwen4-Exp PLE layer the PLE's token context and dilated conv window),
+  - the backbone's hidden h_{n-1} (`model.hidden_width` wide: Qwen4-Exp's hc streams), which the MTP head pairs
+    with the next token t_n.
+Each cache class says what its state is (`layout` / `rows` / `install`, `checkpoint_layout` / `checkpoint` /
+`restore`); this module and the session store only copy what they are given.
+The trie is a radix tree: an edge holds its tokens and the rows of exactly those positions, so a transcript
+that grows turn by turn stores each position's rows once; a node holds the fixed-size state when it is a
+checkpoint. Restoring concatenates the rows along the path into fresh buffers (a live KVCache writes in
 place by slice assignment, so a checkpoint never shares a buffer with a live cache). A layer's rows are the arrays
 its cache stores (`KVCache.rows`): keys and values, or with `--kv-bits` their packed values, scales and biases, so a
 quantized cache is checkpointed and restored as stored, bit for bit.
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, ModelCache
+from hetero.cache import KVCache, ModelCache
 
 DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB of RAM for checkpoints unless told otherwise
 
@@ -38,25 +43,29 @@ def _own(x: mx.array) -> mx.array:
 
 @dataclass
 class Checkpoint:
-    """The fixed-size part of the state at n tokens: GDN (conv, recurrent) per GDN layer and h_{n-1}."""
+    """The fixed-size part of the state at n tokens: each non-attention layer's `checkpoint()` and h_{n-1}."""
 
-    gdn: list[tuple[mx.array, mx.array]]  # per GDN layer: conv [1, K-1, C], recurrent [1, Hv, Dk, Dv] fp32
-    hidden: mx.array  # [1, H] backbone post-norm hidden at position n-1
+    layers: list[tuple[mx.array, ...]]  # per GDN layer (make_cache order): conv [1, K-1, C], recurrent fp32, [PLE]
+    hidden: mx.array  # [1, hidden_width] the backbone's hidden at position n-1
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.hidden, *(a for layer in self.layers for a in layer)]
 
     @property
     def nbytes(self) -> int:
-        return self.hidden.nbytes + sum(c.nbytes + r.nbytes for c, r in self.gdn)
+        return sum(a.nbytes for a in self.arrays)
 
 
 @dataclass
 class Snapshot:
-    """A whole-path state at n tokens: K/V rows 0..n-1 (MTP: 0..n-2) of every attention layer plus a Checkpoint.
+    """A whole-path state at n tokens: the rows 0..n-1 (MTP: 0..n-2) of every attention layer plus a Checkpoint.
 
     `kv` follows the order of the model's KVCaches in `make_cache()` (backbone attention layers, then MTP).
     """
 
     tokens: list[int]
-    kv: list[tuple[mx.array, ...]]  # per layer its rows [1, Hkv, n, *] each; the last n_mtp (MTP layers) n-1 rows
+    kv: list[tuple[mx.array, ...]]  # per layer its rows [1, heads, n, *] each; the last n_mtp (MTP layers) n-1 rows
     checkpoint: Checkpoint
     n_mtp: int
 
@@ -90,13 +99,12 @@ class _Node:
 
 
 def _kv(model, c: KVCache) -> tuple[mx.array, ...]:
-    """The row arrays of a KV cache (whole buffers: callers slice); [1, Hkv, 0, *] each when it holds none yet (the
-    MTP layer after a 1-token prompt)."""
+    """The row arrays of a KV cache (views of its valid positions: callers slice and copy); [1, heads, 0, *] each
+    when it holds none yet (the MTP layer after a 1-token prompt)."""
     if c.keys is not None:
-        return tuple(c.state)
-    args = model.args
-    return tuple(mx.zeros((1, args.num_key_value_heads, 0, dim), dtype)
-                 for _, dim, dtype in c.layout(args.head_dim, model.model.norm.weight.dtype))
+        return c.rows(0, c.offset)
+    return tuple(mx.zeros((1, heads, 0, dim), dtype)
+                 for _, heads, dim, dtype in c.layout(model.args, model.model.norm.weight.dtype))
 
 
 def _rows(lo: int, hi: int, mtp: bool) -> tuple[int, int]:
@@ -166,13 +174,13 @@ class PrefixCache:
         last = path[-1]
         cache = model.make_cache()
         kv_caches = [c for c in cache if isinstance(c, KVCache)]
-        gdn_caches = [c for c in cache if isinstance(c, GDNCache)]
+        fixed = [c for c in cache if not isinstance(c, KVCache)]
         for i, c in enumerate(kv_caches):
             parts = [p.kv[i] for p in path if p.kv[i][0].shape[2]]
             if parts:
                 c.install(parts)  # fresh buffers with room to grow, never a view of the trie's rows
-        for c, (conv, rec) in zip(gdn_caches, last.checkpoint.gdn):
-            c.conv, c.recurrent, c.offset = _own(conv), _own(rec), last.end
+        for c, arrays in zip(fixed, last.checkpoint.layers, strict=True):
+            c.restore([_own(a) for a in arrays], last.end)
         mx.eval(*[a for c in cache for a in c.state])
         return cache
 
@@ -210,8 +218,8 @@ class PrefixCache:
             mtp = copies
         kv = [_kv(model, c) for c in backbone if isinstance(c, KVCache)] + [_kv(model, c) for c in mtp]
         n_mtp = len(mtp)
-        gdn = [(_own(c.conv), _own(c.recurrent)) for c in backbone if isinstance(c, GDNCache)]
-        checkpoint = Checkpoint(gdn, _own(pending_hidden[-1:]))
+        layers = [tuple(_own(a) for a in c.checkpoint()) for c in backbone if not isinstance(c, KVCache)]
+        checkpoint = Checkpoint(layers, _own(pending_hidden[-1:]))
         with self._lock:
             self._insert(key, tokens, kv, n_mtp, checkpoint)
 
@@ -251,7 +259,7 @@ class PrefixCache:
             self.nbytes += leaf.kv_bytes
             node = leaf
         if node.checkpoint is None:
-            mx.eval(checkpoint.hidden, *[a for pair in checkpoint.gdn for a in pair])
+            mx.eval(checkpoint.arrays)
             node.checkpoint = checkpoint
             self.nbytes += checkpoint.nbytes
         self._touch(node)

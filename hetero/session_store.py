@@ -3,14 +3,18 @@
 One entry = two files in DIR/<model key hash>/, the key being `Engine.cache_key` (name, config hash, the loaded
 weights' fingerprint, dtype: new weights under the same name never see old entries):
   <id>.safetensors  tokens int32 [n] (an image's tokens as content keys: `image_prompt.content_keys`);
-                    kv.<i>.k / kv.<i>.v the K/V rows 0..n-1 of every attention layer (MTP layers:
-                    0..n-2; with --kv-bits also kv.<i>.k.scales / .biases and the same for v, the K/V as stored);
-                    cp.<j>.hidden [1, H] and cp.<j>.gdn.<l>.conv / .rec: the fixed-size state of checkpoint j
+                    kv.<i>.<name> the rows 0..n-1 of every attention layer (MTP layers: 0..n-2), named by its
+                    cache's `layout`: k / v (with --kv-bits also k.scales / .biases and the same for v, the K/V as
+                    stored; a Qwen4-Exp QSA layer also `index`, its raw index keys [1, 1, n, Di]);
+                    cp.<j>.hidden [1, hidden_width] and cp.<j>.gdn.<l>.<name>: the fixed-size state of checkpoint j,
+                    named by the GDN layer's `checkpoint_layout` (conv / rec; on a Qwen4-Exp PLE layer also
+                    ple.conv / ple.context)
   <id>.json         {"format", "model", "n", "checkpoints": [positions], "n_mtp", "bytes", "sha256"}
 Never pickle. Each file is written under a temporary name and renamed into place; the manifest goes last, so an
 entry without a manifest never existed. Before an entry is used its bytes are checked against the manifest's
-sha256 and its tensors against the model's shapes: a truncated, damaged or foreign entry is skipped with a warning
-(and removed), and the prefix is recomputed, never served. Least recently used entries go first (file mtime)
+sha256 and its tensors, every name, shape and dtype, against the layout the model's caches give: a truncated,
+damaged or foreign entry (or one with a tensor too many or too few) is skipped with a one-line warning (and
+removed), and the prefix is recomputed, never served. Least recently used entries go first (file mtime)
 when the directory holds more than `max_bytes`.
 """
 
@@ -183,15 +187,16 @@ class SessionStore:
         if manifest in self.entries:
             os.utime(tensors)
             return
+        kv_layout, fixed_layout = _layouts(model)
         arrays = {"tokens": mx.array(deepest.tokens, dtype=mx.int32)}
-        for i, (names, rows) in enumerate(zip(_kv_names(model), deepest.kv)):
-            arrays.update({f"kv.{i}.{name}": a for name, a in zip(names, rows)})
+        for i, (layout, rows) in enumerate(zip(kv_layout, deepest.kv, strict=True)):
+            arrays.update({f"kv.{i}.{name}": a for (name, *_), a in zip(layout, rows, strict=True)})
         positions = []
         for j, s in enumerate(sorted(snaps, key=lambda s: len(s.tokens))):
             positions.append(len(s.tokens))
             arrays[f"cp.{j}.hidden"] = s.checkpoint.hidden
-            for l, (conv, rec) in enumerate(s.checkpoint.gdn):
-                arrays[f"cp.{j}.gdn.{l}.conv"], arrays[f"cp.{j}.gdn.{l}.rec"] = conv, rec
+            for l, (layout, layer) in enumerate(zip(fixed_layout, s.checkpoint.layers, strict=True)):
+                arrays.update({f"cp.{j}.gdn.{l}.{name}": a for (name, *_), a in zip(layout, layer, strict=True)})
         tmp = folder / f".{eid}.{os.getpid()}.tmp.safetensors"
         mx.save_safetensors(str(tmp), arrays, metadata={"format": FORMAT})
         digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
@@ -255,24 +260,33 @@ def _common_prefix(a, b, limit: int) -> int:
     return i
 
 
-def _kv_names(model) -> list[list[str]]:
-    """Per attention layer (`make_cache` order), the names of its row arrays in the file."""
-    dtype = model.model.norm.weight.dtype
-    return [[name for name, _, _ in c.layout(model.args.head_dim, dtype)] for c in model.make_cache()
-            if isinstance(c, KVCache)]
+def _layouts(model) -> tuple[list[list[tuple]], list[list[tuple]]]:
+    """What the model's caches (`make_cache` order) store: per attention layer its rows' (name, heads, dim, dtype)
+    (`KVCache.layout`), per other layer its checkpoint's (name, shape, dtype) (`GDNCache.checkpoint_layout`)."""
+    args, dtype = model.args, model.model.norm.weight.dtype  # the compute dtype (a quantized embedding's is uint32)
+    cache = model.make_cache()
+    return ([c.layout(args, dtype) for c in cache if isinstance(c, KVCache)],
+            [c.checkpoint_layout(args, dtype) for c in cache if not isinstance(c, KVCache)])
 
 
 def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
-    """Snapshots from an entry's tensors, every shape and dtype checked against the model (ValueError if not)."""
+    """Snapshots from an entry's tensors, every name, shape and dtype checked against the model's cache layouts
+    (ValueError if one differs, is missing or is left over)."""
     args, n = model.args, e.n
     dtype = model.model.norm.weight.dtype  # the compute dtype (a quantized embedding's weight is uint32)
-    cache = model.make_cache()
-    kv_layers = sum(isinstance(c, KVCache) for c in cache)
-    gdn_layers = len(cache) - kv_layers
-    if e.n_mtp != len(cache.mtp) or sorted(e.checkpoints) != e.checkpoints or not e.checkpoints:
+    kv_layout, fixed_layout = _layouts(model)
+    n_mtp = len(model.make_cache().mtp)
+    if e.n_mtp != n_mtp or sorted(e.checkpoints) != e.checkpoints or not e.checkpoints:
         raise ValueError("layer counts or checkpoint list differ from this model")
     if e.checkpoints[-1] != n or e.checkpoints[0] < 1:
         raise ValueError("checkpoint positions out of range")
+    expected = {"tokens"} | {f"kv.{i}.{name}" for i, layout in enumerate(kv_layout) for name, *_ in layout}
+    for j in range(len(e.checkpoints)):
+        expected |= {f"cp.{j}.hidden"} | {f"cp.{j}.gdn.{l}.{name}" for l, layout in enumerate(fixed_layout)
+                                          for name, *_ in layout}
+    if set(arrays) != expected:
+        extra, missing = sorted(set(arrays) - expected), sorted(expected - set(arrays))
+        raise ValueError(f"unexpected tensor {extra[0]}" if extra else f"no tensor {missing[0]}")
 
     def get(name: str, shape: tuple, want: mx.Dtype) -> mx.array:
         a = arrays[name]
@@ -283,21 +297,22 @@ def _unpack(arrays: dict[str, mx.array], e: _Entry, model) -> list[Snapshot]:
     tokens = get("tokens", (n,), mx.int32).tolist()
     if any(not (0 <= t < args.vocab_size or IMAGE_KEY_BASE <= t < 2 * IMAGE_KEY_BASE) for t in tokens):
         raise ValueError("token ids outside the vocabulary (and not image content keys)")
-    kv = []
-    for i, c in enumerate(c for c in cache if isinstance(c, KVCache)):
-        rows = n - 1 if i >= kv_layers - e.n_mtp else n
-        kv.append(tuple(get(f"kv.{i}.{name}", (1, args.num_key_value_heads, rows, dim), dt)
-                        for name, dim, dt in c.layout(args.head_dim, dtype)))
-    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+
+    def state(name: str, shape: tuple, want: mx.Dtype) -> mx.array:
+        """A checkpoint array; an integer one holds token ids (a PLE layer's context), each in the vocabulary."""
+        a = get(name, shape, want)
+        if mx.issubdtype(want, mx.integer) and a.size and not bool(mx.all((a >= 0) & (a < args.vocab_size))):
+            raise ValueError(f"{name} holds token ids outside the vocabulary")
+        return a
+
+    mtp_from = len(kv_layout) - e.n_mtp
+    kv = [tuple(get(f"kv.{i}.{name}", (1, heads, n - 1 if i >= mtp_from else n, dim), dt)
+                for name, heads, dim, dt in layout) for i, layout in enumerate(kv_layout)]
     snaps = []
     for j, p in enumerate(e.checkpoints):
-        gdn = [
-            (get(f"cp.{j}.gdn.{l}.conv", (1, args.linear_conv_kernel_dim - 1, conv_dim), dtype),
-             get(f"cp.{j}.gdn.{l}.rec", (1, args.linear_num_value_heads, args.linear_key_head_dim,
-                                         args.linear_value_head_dim), mx.float32))
-            for l in range(gdn_layers)
-        ]
-        hidden = get(f"cp.{j}.hidden", (1, args.hidden_size), dtype)
-        rows = [tuple(a[:, :, : (p - 1 if i >= kv_layers - e.n_mtp else p)] for a in arrays) for i, arrays in enumerate(kv)]
-        snaps.append(Snapshot(tokens[:p], rows, Checkpoint(gdn, hidden), e.n_mtp))
+        layers = [tuple(state(f"cp.{j}.gdn.{l}.{name}", shape, dt) for name, shape, dt in layout)
+                  for l, layout in enumerate(fixed_layout)]
+        hidden = get(f"cp.{j}.hidden", (1, model.hidden_width), dtype)
+        rows = [tuple(a[:, :, : (p - 1 if i >= mtp_from else p)] for a in arrays) for i, arrays in enumerate(kv)]
+        snaps.append(Snapshot(tokens[:p], rows, Checkpoint(layers, hidden), e.n_mtp))
     return snaps

@@ -389,6 +389,11 @@ class Model(nn.Module):
     def has_mtp(self) -> bool:
         return self.mtp is not None
 
+    @property
+    def hidden_width(self) -> int:
+        """Width of the hidden `__call__` returns, which the MTP head reads and prefix checkpoints carry."""
+        return self.args.hidden_size
+
     def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:
         """tokens [B, S] -> (logits [B, S, vocab], post-norm hidden [B, S, hidden]); `cache` is `make_cache()`."""
         hidden = self.model(tokens, cache.backbone if cache is not None else None)

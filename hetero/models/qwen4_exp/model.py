@@ -41,11 +41,23 @@ class GatedDeltaNetQ4(GatedDeltaNet):
 
 
 class PLEGDNCache(GDNCache):
-    """A GDN layer's cache plus, on PLE layers, the PLE state (`ple`)."""
+    """A GDN layer's cache plus, on PLE layers, the PLE state (`ple`); a checkpoint holds both, the GDN's first."""
 
     def __init__(self, with_ple: bool) -> None:
         super().__init__()
         self.ple = PLECache() if with_ple else None
+
+    def checkpoint_layout(self, args: Qwen4Args, dtype: mx.Dtype) -> list[tuple[str, tuple[int, ...], mx.Dtype]]:
+        ple = self.ple.checkpoint_layout(args, dtype) if self.ple is not None else []
+        return super().checkpoint_layout(args, dtype) + ple
+
+    def checkpoint(self) -> tuple[mx.array, ...]:
+        return super().checkpoint() + (self.ple.checkpoint() if self.ple is not None else ())
+
+    def restore(self, arrays: list[mx.array], n: int) -> None:
+        super().restore(arrays[:2], n)
+        if self.ple is not None:
+            self.ple.restore(*arrays[2:])
 
     @property
     def state(self) -> list[mx.array]:
@@ -149,7 +161,6 @@ class MTPHead(nn.Module):
 class Model(nn.Module):
     """The causal LM: `model` (backbone), `lm_head` (unless tied) and, when the checkpoint has one, `mtp`."""
 
-    prefix_cacheable = False  # prefix-cache checkpoints hold no PLE / QSA index state yet: the engine skips them
     batchable = False  # no ragged (batched) decode yet: a server decodes its requests one per pass, by turns
 
     def __init__(self, args: Qwen4Args, with_mtp: bool = False):
@@ -163,6 +174,11 @@ class Model(nn.Module):
     @property
     def has_mtp(self) -> bool:
         return self.mtp is not None
+
+    @property
+    def hidden_width(self) -> int:
+        """Width of the hidden `__call__` returns, which the MTP head reads and prefix checkpoints carry: hc*d."""
+        return self.args.hc_count * self.args.hidden_size
 
     @property
     def ple_disk_bytes(self) -> int:

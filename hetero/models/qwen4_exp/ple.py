@@ -9,7 +9,8 @@ row of one shared table (`ngram_embedding`, the heads' vocabularies laid end to 
     v = sigmoid(g) * value_proj(e)                                [B, S, hc, d]
     out = v + silu(dilated_depthwise_conv(N_group(v)))            kernel K, dilation ngram_size, causal
 
-The cache (`PLECache`) carries the last ngram_size-1 tokens and the conv's last (K-1)*ngram_size inputs.
+The cache (`PLECache`) carries the last ngram_size-1 tokens and the conv's last (K-1)*ngram_size inputs; a prefix-cache
+checkpoint copies both.
 """
 
 from __future__ import annotations
@@ -138,6 +139,20 @@ class PLECache:
         self.conv = self.recorded_conv_in[:, n : n + self.conv.shape[1]]
         self.recording = False
         self.recorded_history, self.recorded_conv_in = None, None
+
+    def checkpoint_layout(self, args: Qwen4Args, dtype: mx.Dtype) -> list[tuple[str, tuple[int, ...], mx.Dtype]]:
+        """(name, shape, dtype) of what `checkpoint` returns (as `GDNCache.checkpoint_layout`)."""
+        window = (args.ple_conv_kernel_size - 1) * args.ngram_size
+        return [("ple.conv", (1, window, args.hc_count * args.hidden_size), dtype),
+                ("ple.context", (1, args.ngram_size - 1), mx.int32)]
+
+    def checkpoint(self) -> tuple[mx.array, mx.array]:
+        """(conv window [1, (K-1)*dilation, hc*d], token context [1, n-1] int32) as they stand."""
+        return self.conv, mx.array(self.context.astype(np.int32))
+
+    def restore(self, conv: mx.array, context: mx.array) -> None:
+        """Hold a `checkpoint`'s state: the conv window (an array nothing else writes) and the token context."""
+        self.conv, self.context = conv, np.array(context, dtype=np.int64)
 
     @property
     def state(self) -> list[mx.array]:

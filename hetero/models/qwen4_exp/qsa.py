@@ -5,7 +5,8 @@ Per query at position p (tokens 0..p visible, c = indexer_compress_ratio, k = in
     score_b = sum_heads relu(q_h . K_b) / sqrt(Di)      q = rope(N(index q), pos p), Di = indexer_head_dim
     selected = tokens of the k best blocks + the tail tokens after the last complete block
 The attention proper (Qwen3.5's gated attention) then runs with the causal mask ANDed with `selected`.
-`QSACache` keeps the layer's keys and values and the raw index keys (the block keys are recomputed from them).
+`QSACache` keeps the layer's keys and values and the raw index keys (the block keys are recomputed from them), and
+checkpoints all three as rows.
 """
 
 from __future__ import annotations
@@ -39,6 +40,25 @@ class QSACache(KVCache):
         super().trim_to(n)
         if self.index_keys is not None:
             self.index_keys = self.index_keys[:, : self.offset]
+
+    # Rows (`KVCache.rows`): K and V, then with an indexer its raw keys as one head [B, 1, n, Di]; the block keys
+    # follow from them (`Indexer.select` pools them again), so a checkpoint needs no more.
+
+    def layout(self, args, dtype: mx.Dtype) -> list[tuple[str, int, int, mx.Dtype]]:
+        index = [("index", 1, args.indexer_head_dim, dtype)] if args.qsa else []
+        return super().layout(args, dtype) + index
+
+    def rows(self, lo: int, hi: int) -> tuple[mx.array, ...]:
+        kv = (self.keys[:, :, lo:hi], self.values[:, :, lo:hi])
+        return kv if self.index_keys is None else (*kv, self.index_keys[:, None, lo:hi])
+
+    def install(self, parts: list[tuple[mx.array, ...]]) -> None:
+        super().install([p[:2] for p in parts])
+        with_index = len(parts[0]) > 2
+        self.index_keys = mx.concatenate([p[2][:, 0] for p in parts], axis=1) if with_index else None  # [B, n, Di]
+
+    def like(self) -> QSACache:
+        return QSACache()
 
     @property
     def state(self) -> list[mx.array]:
