@@ -344,8 +344,8 @@ class Batch:
                 c = gdn[l] = GDNCache()
                 c.conv, c.recurrent = self._gdn_rows(rows, l)
                 ple = getattr(rows[0].decoder.cache[l], "ple", None)
-                if ple is not None:  # Qwen4-Exp PLE state (one row): the pass runs on a fork, committed with the GDN's
-                    c.ple = ple.fork()
+                if ple is not None:  # Qwen4-Exp PLE state: the pass runs on the rows' stacked copy, split at commit
+                    c.ple = ple.stack([r.decoder.cache[l].ple for r in rows])
                 if S > 1:
                     c.start_recording()
                     if ple is not None:
@@ -404,10 +404,9 @@ class Batch:
                 own.conv, own.recurrent = (conv, state) if len(rows) == 1 else (conv[i : i + 1], state[i : i + 1])
                 own.offset += kept[i]
             ple = getattr(c, "ple", None)
-            if ple is not None:  # Qwen4-Exp (one row): its PLE state as after its last kept token
-                if ple.recording:
-                    ple.commit(kept[0])
-                rows[0].decoder.cache[l].ple = ple
+            if ple is not None:  # Qwen4-Exp: each row's PLE state as after its own last kept token
+                for r, own_ple in zip(rows, ple.split(kept)):
+                    r.decoder.cache[l].ple = own_ple
         self._stacked_for = list(rows)
         for l, layer in enumerate(self.model.layers):
             if not layer.is_linear:
