@@ -16,7 +16,8 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
           A row's penalties (`hetero.decode.penalties`) penalize each verify position for the drafts before it,
           as they penalize each MTP draft step, so the output law stays plain penalized decoding's.
   commit  row by row: KV trimmed to the row's length, GDN state and conv window as recorded after the row's
-          own last kept token (one gather per layer re-stacks them), MTP KV trimmed, pending pairs queued.
+          own last kept token (one gather per layer re-stacks them; Qwen4-Exp's PLE token context and conv
+          window, stacked for the pass, split back the same way), MTP KV trimmed, pending pairs queued.
 
 Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
 row at one token (plain decoding, or no drafts anywhere) the pass records nothing, and plain rows without a
