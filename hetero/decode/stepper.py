@@ -11,7 +11,8 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
           depth for the rows whose depth k_i goes that far.
   verify  one backbone pass over tokens [B, S], row i = [x_i, d_i...] padded to S = max(k_i + 1). GDN layers
           run on the rows' states stacked [B, ...], recording every step; attention layers write and read
-          each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`).
+          each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`;
+          Qwen4-Exp's QSA selects its keys row by row too, `QSAAttention._ragged`).
   accept  row by row, `accept_greedy` / `accept_drafts` with the row's own sampler; depth 0 draws its token.
           A row's penalties (`hetero.decode.penalties`) penalize each verify position for the drafts before it,
           as they penalize each MTP draft step, so the output law stays plain penalized decoding's.

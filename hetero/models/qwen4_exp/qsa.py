@@ -6,6 +6,7 @@ Per query at position p (tokens 0..p visible, c = indexer_compress_ratio, k = in
     selected = tokens of the k best blocks + the tail tokens after the last complete block
 The attention proper (Qwen3.5's gated attention) then runs with the causal mask ANDed with `selected`.
 `QSACache` keeps the layer's keys and values and the raw index keys (the block keys are recomputed from them).
+A batch of requests (`RaggedKV`) selects and attends row by row, each row over its own `QSACache`.
 """
 
 from __future__ import annotations
