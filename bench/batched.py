@@ -2,8 +2,10 @@
 
     python bench/batched.py                          # both models; JSON under bench/results/batched.json
     python bench/batched.py --models bundled --batch-sizes 1 2 --tokens 4 --repeats 1   # a smoke run
+    python bench/batched.py --models qwen4 --part decode --out bench/results/batched_qwen4.json
 
-For each model (the bundled one, and bench/checkpoints.py's ~540 MB random one), each decode mode (plain, and MTP
+For each model (the bundled one, bench/checkpoints.py's ~540 MB random one, or `qwen4`: a random scaled-down
+Qwen4-Exp built in memory, `QWEN4`), each decode mode (plain, and MTP
 at --depth) and each number n of concurrent requests (prompts of different lengths, every request decoding
 --tokens tokens):
   batched      one `Batch`: every round runs one backbone pass for all n requests;
@@ -56,6 +58,32 @@ from hetero.decode.solo import decode_tokens  # noqa: E402
 
 GREEDY = SamplingParams()
 
+# Qwen4-Exp (Flash-Next's layout) scaled down: 4 hyper-connection streams, QSA on every fourth layer (a budget of 64
+# tokens, so the prompts here attend sparsely), PLE on the first two GDN layers, 16 experts top-4 plus a shared one,
+# one MTP layer. Random weights in memory (the routed experts start at zero, as SwitchLinear does): the model
+# proper, whose decode is what the batch changes, not a checkpoint's loading.
+QWEN4 = dict(
+    model_type="qwen4_exp_text", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+    vocab_size=8192, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+    shared_expert_intermediate_size=256, hc_count=4, hc_lowrank=32, ple_layer_ids=[1, 2], ple_embed_dim=128,
+    ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=20_000, split_ngram_parts=1, indexer_n_heads=8,
+    indexer_head_dim=64, indexer_budget=64, indexer_compress_ratio=4, output_gate_type="sigmoid",
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    mtp_num_hidden_layers=1, eos_token_id=1,  # pads the n-gram context; the runs here stop at their length
+)
+
+
+def qwen4_model():
+    """The random `QWEN4` model with its MTP head, fp32."""
+    from hetero.models.qwen4_exp.args import Qwen4Args
+    from hetero.models.qwen4_exp.model import Model as Qwen4Model
+
+    mx.random.seed(0)
+    model = Qwen4Model(Qwen4Args.from_config(QWEN4), with_mtp=True)
+    mx.eval(model.parameters())
+    return model
+
 
 def prompts_for(vocab: int, n: int, base: int) -> list[list[int]]:
     """n prompts of different lengths (base, base + 37, ...) of random ids (the models are random or tiny)."""
@@ -100,9 +128,11 @@ def round_robin(model, prompts: list[list[int]], tokens: int, depth: int) -> dic
 
 
 def model_part(name: str, args: argparse.Namespace) -> dict:
-    path = None if name == "bundled" else str(checkpoint(name, Path(args.workdir)))
-    engine = load(path, dtype=mx.float32)  # as bench/mtp.py: fp32 runs fastest on the CPU backend
-    model = engine.model
+    if name == "qwen4":
+        model = qwen4_model()
+    else:
+        path = None if name == "bundled" else str(checkpoint(name, Path(args.workdir)))
+        model = load(path, dtype=mx.float32).model  # as bench/mtp.py: fp32 runs fastest on the CPU backend
     kinds = {"plain": ("plain", 0), "mtp": (f"mtp depth {args.depth}", args.depth)}
     modes = dict(kinds[k] for k in args.modes)
     base = args.prompt_tokens
@@ -270,7 +300,7 @@ def serve_part(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", choices=["bundled", "large"], default=["bundled", "large"])
+    ap.add_argument("--models", nargs="+", choices=["bundled", "large", "qwen4"], default=["bundled", "large"])
     ap.add_argument("--part", choices=["decode", "attention", "linear", "serve", "all"], default="all")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")

@@ -197,32 +197,35 @@ def test_attention_without_qsa_fields_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_server_serves_concurrent_requests_by_turns(tmp_path, capsys):
-    """`hetero serve`'s default --max-batch 4 on qwen4_exp (no batched decode yet): concurrent chat requests through
-    the real openai SDK take turns, one per decode pass, and each gets its solo greedy answer; none is refused."""
+def test_server_batches_concurrent_requests(tmp_path):
+    """`hetero serve --max-batch 4` on qwen4_exp: four concurrent chat requests through the real openai SDK decode in
+    one batch (the server's /health shows rounds of several requests) and each gets its solo greedy answer."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import httpx
     from test_server import LiveServer
 
     qc.build(tmp_path, seed=8)
     qc.add_tokenizer(tmp_path)
-    live = LiveServer(hetero.load(str(tmp_path)), max_batch=4)
+    live = LiveServer(hetero.load(str(tmp_path)), max_batch=4, max_concurrent=4)
     try:
-        assert "no batched decode yet" in capsys.readouterr().err
         client = live.openai()
         model = client.models.list().data[0].id
 
         def ask(text: str) -> str:
             out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                                 max_tokens=8, temperature=0)
+                                                 max_tokens=16, temperature=0)
             return out.choices[0].message.content
 
         prompts = ["hello there", "write a function", "what is two and two", "explain the code"]
         solo = [ask(p) for p in prompts]
+        assert max(httpx.get(live.url + "/health").json()["batch"]["recent_batch_sizes"]) == 1
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(ask, prompts)) == solo
+        batch = httpx.get(live.url + "/health").json()["batch"]
     finally:
         live.stop()
+    assert batch["max_batch"] == 4 and max(batch["recent_batch_sizes"]) >= 2
 
 
 def test_the_governor_counts_qsa_kv_and_leaves_ple_on_disk(flat):

@@ -263,10 +263,15 @@ def test_rollback_leaves_exactly_the_committed_state(agreeing_model):
     while len(row.tokens) < 14:
         batch.step()
     assert row.stats.mtp_rounds > row.stats.accepted[-1] > 0  # rounds that kept all drafts, and some that did not
-    committed = prompt + row.tokens[:-1]  # the backbone has run all but x
+    assert_committed_state(model, row.decoder, prompt + row.tokens[:-1])  # the backbone has run all but x
+
+
+def assert_committed_state(model, d, committed: list[int], mtp: bool = True) -> None:
+    """Every backbone cache of decoder `d` (GDN state and conv window, PLE token context and conv window, QSA keys,
+    values and index keys) and, for a row that drafted (`mtp`), its head's QSA cache and its pending streams equal
+    a fresh run over `committed`."""
     ref = model.make_cache()
-    _, hidden = prefill(model, committed, ref, chunk=16, all_logits=True, mtp=True)
-    d = row.decoder
+    _, hidden = prefill(model, committed, ref, chunk=16, all_logits=True, mtp=mtp)
     for i, (c, r) in enumerate(zip(d.backbone, ref.backbone, strict=True)):
         assert c.offset == r.offset == len(committed), f"layer {i}"
         if isinstance(c, GDNCache):
@@ -280,6 +285,8 @@ def test_rollback_leaves_exactly_the_committed_state(agreeing_model):
             for got, want in ((c.keys[:, :, :n], r.keys[:, :, :n]), (c.values[:, :, :n], r.values[:, :, :n]),
                               (c.index_keys, r.index_keys)):
                 assert rel(got, np.array(want, np.float64)) <= 1e-5, f"layer {i}"
+    if not mtp:
+        return
     (c,), (r,) = d.mtp_cache, ref.mtp
     consumed = c.offset  # the head has consumed every pair but the pending ones
     assert consumed == len(committed) - 1 - len(d.pending_tokens)

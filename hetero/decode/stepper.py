@@ -11,12 +11,14 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
           depth for the rows whose depth k_i goes that far.
   verify  one backbone pass over tokens [B, S], row i = [x_i, d_i...] padded to S = max(k_i + 1). GDN layers
           run on the rows' states stacked [B, ...], recording every step; attention layers write and read
-          each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`).
+          each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`;
+          Qwen4-Exp's QSA selects its keys row by row too, `QSAAttention._ragged`).
   accept  row by row, `accept_greedy` / `accept_drafts` with the row's own sampler; depth 0 draws its token.
           A row's penalties (`hetero.decode.penalties`) penalize each verify position for the drafts before it,
           as they penalize each MTP draft step, so the output law stays plain penalized decoding's.
   commit  row by row: KV trimmed to the row's length, GDN state and conv window as recorded after the row's
-          own last kept token (one gather per layer re-stacks them), MTP KV trimmed, pending pairs queued.
+          own last kept token (one gather per layer re-stacks them; Qwen4-Exp's PLE token context and conv
+          window, stacked for the pass, split back the same way), MTP KV trimmed, pending pairs queued.
 
 Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
 row at one token (plain decoding, or no drafts anywhere) the pass records nothing, and plain rows without a
@@ -344,8 +346,8 @@ class Batch:
                 c = gdn[l] = GDNCache()
                 c.conv, c.recurrent = self._gdn_rows(rows, l)
                 ple = getattr(rows[0].decoder.cache[l], "ple", None)
-                if ple is not None:  # Qwen4-Exp PLE state (one row): the pass runs on a fork, committed with the GDN's
-                    c.ple = ple.fork()
+                if ple is not None:  # Qwen4-Exp PLE state: the pass runs on the rows' stacked copy, split at commit
+                    c.ple = ple.stack([r.decoder.cache[l].ple for r in rows])
                 if S > 1:
                     c.start_recording()
                     if ple is not None:
@@ -404,10 +406,9 @@ class Batch:
                 own.conv, own.recurrent = (conv, state) if len(rows) == 1 else (conv[i : i + 1], state[i : i + 1])
                 own.offset += kept[i]
             ple = getattr(c, "ple", None)
-            if ple is not None:  # Qwen4-Exp (one row): its PLE state as after its last kept token
-                if ple.recording:
-                    ple.commit(kept[0])
-                rows[0].decoder.cache[l].ple = ple
+            if ple is not None:  # Qwen4-Exp: each row's PLE state as after its own last kept token
+                for r, own_ple in zip(rows, ple.split(kept)):
+                    r.decoder.cache[l].ple = own_ple
         self._stacked_for = list(rows)
         for l, layer in enumerate(self.model.layers):
             if not layer.is_linear:

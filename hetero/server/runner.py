@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -115,10 +114,6 @@ class Runner:
             raise HeteroError(f"--max-concurrent must be at least 1, got {max_concurrent}")
         if max_batch < 1:
             raise HeteroError(f"--max-batch must be at least 1, got {max_batch}")
-        if max_batch > 1 and not getattr(engine.model, "batchable", True):
-            print(f"note: {engine.model.args.model_type} has no batched decode yet: requests take turns, one per "
-                  f"decode pass (--max-batch {max_batch} -> 1)", file=sys.stderr)
-            max_batch = 1
         self.engine, self.split = engine, split  # split: a configured `hetero.pipeline.PipelineRun` or None
         self.prefill_chunk = prefill_chunk
         self.draft_depth = draft_depth

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hetero.cache import GDNCache, ModelCache, RaggedKV
+from hetero.cache import GDNCache, ModelCache
 from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.linear import Linear
@@ -65,7 +65,10 @@ class PLEGDNCache(GDNCache):
 
 
 class DecoderLayer(nn.Module):
-    """h += PLE(h) (PLE layers); h = attn_hc.around(h, mixer); h = mlp_hc.around(h, moe); h is [B, S, hc*d]."""
+    """h += PLE(h) (PLE layers); h = attn_hc.around(h, mixer); h = mlp_hc.around(h, moe); h is [B, S, hc*d].
+
+    A batch of requests (the stepper's rows, padding after each row's real tokens) passes stacked GDN and PLE
+    states and, on the QSA layer, a `RaggedKV` of the rows' own caches (`QSAAttention`)."""
 
     def __init__(self, args: Qwen4Args, index: int):
         super().__init__()
@@ -87,8 +90,6 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(**hc)
 
     def __call__(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
-        if isinstance(cache, RaggedKV) or (cache is not None and h.shape[0] > 1):
-            raise HeteroError("qwen4_exp runs one request at a time for now: batched decoding is not implemented")
         if self.ple is not None:
             h = h + self.ple(h, tokens, cache.ple if cache is not None else None)
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -160,8 +161,6 @@ class MTPHead(nn.Module):
 
 class Model(nn.Module):
     """The causal LM: `model` (backbone), `lm_head` (unless tied) and, when the checkpoint has one, `mtp`."""
-
-    batchable = False  # no ragged (batched) decode yet: a server decodes its requests one per pass, by turns
 
     def __init__(self, args: Qwen4Args, with_mtp: bool = False):
         super().__init__()

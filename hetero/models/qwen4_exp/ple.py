@@ -108,7 +108,7 @@ class PLECache:
     """One PLE layer's carried state: the last ngram_size-1 tokens and the dilated conv's last inputs.
 
     While `recording` (a speculative verify pass) the layer also keeps the pass's whole token history and conv
-    inputs, so `commit(n)` can install the state as it stood after the pass's first n tokens."""
+    inputs, so `split` can give each row the state as it stood after its own last kept token."""
 
     def __init__(self) -> None:
         self.context: np.ndarray | None = None  # [B, n-1] int64
@@ -117,27 +117,36 @@ class PLECache:
         self.recorded_history: np.ndarray | None = None  # [B, n-1+S]: the context before the pass + its tokens
         self.recorded_conv_in: mx.array | None = None  # [B, (K-1)*dilation+S, hc*d]: the window + the pass's inputs
 
-    def fork(self) -> "PLECache":
-        """A new cache holding this one's state (the arrays are never written in place): a verify pass runs on the
-        fork, and the fork, committed, replaces the row's own."""
-        other = PLECache()
-        other.context, other.conv = self.context, self.conv
-        return other
+    @staticmethod
+    def stack(caches: list["PLECache"]) -> "PLECache":
+        """A new cache holding the rows' states stacked [B, ...] (the arrays are never written in place): a batched
+        pass runs on it, and `split` gives each row its own state back."""
+        out = PLECache()
+        if len(caches) == 1:
+            out.context, out.conv = caches[0].context, caches[0].conv
+        else:
+            out.context = np.concatenate([c.context for c in caches])  # [B, n-1]
+            out.conv = mx.concatenate([c.conv for c in caches])  # [B, (K-1)*dilation, hc*d]
+        return out
+
+    def split(self, kept: list[int]) -> list["PLECache"]:
+        """One cache per row of a stacked pass: row i's state as after its first kept[i] tokens (a recorded pass,
+        padding after each row's real tokens), or as after the pass (not recording: every row kept its one token)."""
+        if not self.recording:
+            views = [(self.context[i : i + 1], self.conv[i : i + 1]) for i in range(len(kept))]
+        else:
+            ctx, window = self.context.shape[1], self.conv.shape[1]
+            views = [(self.recorded_history[i : i + 1, n : n + ctx], self.recorded_conv_in[i : i + 1, n : n + window])
+                     for i, n in enumerate(kept)]
+        out = []
+        for context, conv in views:
+            own = PLECache()
+            own.context, own.conv = context, conv
+            out.append(own)
+        return out
 
     def start_recording(self) -> None:
         self.recording = True
-        self.recorded_history, self.recorded_conv_in = None, None
-
-    def commit(self, n: int) -> None:
-        """Keep the first n tokens of the recorded pass: token context and conv window as they were after token n."""
-        if not self.recording:
-            raise RuntimeError("commit() without a recorded pass")
-        total = self.recorded_history.shape[1] - self.context.shape[1]
-        if not 1 <= n <= total:
-            raise ValueError(f"commit({n}) of a {total}-token pass")
-        self.context = self.recorded_history[:, n : n + self.context.shape[1]]
-        self.conv = self.recorded_conv_in[:, n : n + self.conv.shape[1]]
-        self.recording = False
         self.recorded_history, self.recorded_conv_in = None, None
 
     def checkpoint_layout(self, args: Qwen4Args, dtype: mx.Dtype) -> list[tuple[str, tuple[int, ...], mx.Dtype]]:

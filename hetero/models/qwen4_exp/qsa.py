@@ -7,6 +7,7 @@ Per query at position p (tokens 0..p visible, c = indexer_compress_ratio, k = in
 The attention proper (Qwen3.5's gated attention) then runs with the causal mask ANDed with `selected`.
 `QSACache` keeps the layer's keys and values and the raw index keys (the block keys are recomputed from them), and
 checkpoints all three as rows.
+A batch of requests (`RaggedKV`) selects and attends row by row, each row over its own `QSACache`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from hetero.cache import KVCache
+from hetero.cache import KVCache, RaggedKV
 from hetero.models.linear import Linear
 from hetero.models.qwen3_5 import Attention, RMSNorm
 from hetero.models.qwen4_exp.args import Qwen4Args
@@ -136,19 +137,44 @@ class QSAAttention(Attention):
         super().__init__(args)
         self.indexer = Indexer(args) if args.qsa else None
 
-    def __call__(self, x: mx.array, cache: QSACache | None) -> mx.array:
-        """x [B, S, hidden] -> [B, S, hidden]; `cache` gets the chunk's keys, values and index keys."""
-        B, S, _ = x.shape
+    def __call__(self, x: mx.array, cache: QSACache | RaggedKV | None) -> mx.array:
+        """x [B, S, hidden] -> [B, S, hidden]; `cache` gets the chunk's keys, values and index keys. A `RaggedKV`
+        (a batch of requests, row i with cache.lengths[i] real tokens, padding after them) runs the projections over
+        the whole batch and the selection and attention row by row over the row's own `QSACache`."""
+        if isinstance(cache, RaggedKV):
+            return self._ragged(x, cache)
         offset = cache.offset if cache is not None else 0
         queries, keys, values, gate = self.project(x, offset)  # [B, H, S, D], [B, Hkv, S, D] x2, [B, S, H, D]
+        index = self.indexer.project(x) if self.indexer is not None else None
+        return self.finish(self._attend(queries, keys, values, index, cache, offset), gate)  # [B, S, hidden]
+
+    def _ragged(self, x: mx.array, cache: RaggedKV) -> mx.array:
+        """Each row's indexer sees its own keys and positions only: the tokens it selects, and its causal mask,
+        are exactly those of the request decoding alone."""
+        B, S, _ = x.shape
+        offsets = [c.offset for c in cache.rows]
+        queries, keys, values, gate = self.project(x, mx.array(offsets))  # [B, H, S, D], [B, Hkv, S, D] x2, ...
+        index = self.indexer.project(x) if self.indexer is not None else None  # [B, S, Hi, Di], [B, S, Di]
+        outs = []
+        for i, (c, n, offset) in enumerate(zip(cache.rows, cache.lengths, offsets)):
+            own = None if index is None else (index[0][i : i + 1, :n], index[1][i : i + 1, :n])
+            out = self._attend(queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n], own, c,
+                               offset)  # [1, H, n, D]
+            outs.append(out if n == S else mx.pad(out, [(0, 0), (0, 0), (0, S - n), (0, 0)]))
+        return self.finish(mx.concatenate(outs) if B > 1 else outs[0], gate)  # zeros past each row's real tokens
+
+    def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, index: tuple[mx.array, mx.array] | None,
+                cache: QSACache | None, offset: int) -> mx.array:
+        """One request's queries [B, H, S, D] at positions offset.., its new keys and values [B, Hkv, S, D] and
+        index (queries, raw keys) -> attention [B, H, S, D] over the keys the indexer selects; writes `cache`."""
+        S = queries.shape[2]
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, T, D]
         T = keys.shape[2]
-        if self.indexer is None:
+        if index is None:
             mask = mx.arange(T)[None, :] <= mx.arange(offset, offset + S)[:, None]  # [S, T]
         else:
-            q_index, k_index = self.indexer.project(x)
+            q_index, k_index = index
             all_keys = cache.update_index(k_index) if cache is not None else k_index  # [B, T, Di]
             mask = self.indexer.select(q_index, all_keys, offset)[:, None]  # [B, 1, S, T]
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.head_dim**-0.5, mask=mask)
-        return self.finish(out, gate)  # [B, S, hidden]
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.head_dim**-0.5, mask=mask)
