@@ -7,6 +7,8 @@ tower (as `hetero run --verify` does). One tiny checkpoint and one export (text 
 
 from __future__ import annotations
 
+import json
+
 import hetero  # noqa: F401  (before torch: the fast BLAS under MLX)
 import mlx.core as mx
 import numpy as np
@@ -154,3 +156,47 @@ def test_verify_checks_the_lanes_embeddings_against_the_gpu_tower(vlm, monkeypat
     monkeypatch.setattr(lane, "encoder", lambda images, i: (lambda: real(images, i)() * 1.05))
     check = verify(run, prompt.tokens, n_tokens=8, images=prompt)
     assert not check["vision"][0]["ok"] and not check["match"], check
+
+
+def test_tower_prediction_counts_each_lanes_work():
+    """The tower's predicted seconds, counted by hand for a small tower: the GPU over the image's own patches, the
+    ANE over its whole bucket plus one call per program."""
+    from hetero.models.qwen3_5_vision.args import VisionArgs
+    from hetero.planner.predict import Lanes
+    from hetero.planner.vision import predict_tower, vision_bucket
+
+    a = VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8, out_hidden_size=32)
+    lanes = Lanes(gpu_flops=1e12, gpu_bw=None, ane_flops=4e12, ane_bw=None, ane_call_s=1e-3)
+    p = predict_tower(a, lanes, 80, 48)  # 80x48 -> 10 x 6 patches of 8 pixels (multiples of 16): 60 patches
+    assert (p.patches, p.bucket, p.tokens) == (60, 256, 15)
+    assert [vision_bucket(n, 4) for n in (1, 256, 257, 1024, 1025)] == [256, 256, 512, 1024, 2048]
+
+    def flops(n: int, window: int) -> float:
+        D, I = 64, 128
+        embed = 2 * 3 * 2 * 8 * 8 * D * n
+        blocks = 2 * (2 * (4 * D * D + 2 * D * I) * n + 2 * 2 * D * n * window)  # projections + QK^T and AV
+        merger = 2 * (4 * D) * (4 * D + 32) * n / 4
+        return embed + blocks + merger
+
+    assert p.gpu_s == pytest.approx(flops(60, 60) / 1e12)
+    assert p.ane_s == pytest.approx(flops(256, 256) / 4e12 + 4 * 1e-3)
+
+
+def test_hetero_plan_predicts_the_tower_per_image_bucket(capsys):
+    """`hetero plan` on a checkpoint with a vision tower: a line per image size (patches, bucket, tokens, GPU and
+    ANE-lane seconds), and the same in `--json`."""
+    from pathlib import Path
+
+    from hetero.cli import main
+
+    config = str(Path(__file__).parent / "data" / "qwen3.5-27b.json")
+    assert main(["plan", "--model", config, "--ane-fraction", "0.5", "--profile", "m4-max"]) == 0
+    text = capsys.readouterr().out
+    assert "vision tower (depth 27, hidden 1152" in text
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("1024x1024"))
+    assert row[1:4] == ["4096", "4096", "1024"] and row[4] != "unknown" and row[6] != "unknown"
+    assert main(["plan", "--model", config, "--ane-fraction", "0.5", "--profile", "m4-max", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["vision"]
+    assert [r["image"] for r in rows] == ["448x448", "1024x1024", "1920x1080"]
+    assert all(r["bucket"] >= r["patches"] and r["gpu_s"] > 0 and r["ane_s"] > 0 for r in rows)
+    assert rows[1]["gpu_s"] < rows[2]["gpu_s"] and rows[1]["ane_s"] < rows[2]["ane_s"]
