@@ -118,6 +118,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
                   f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
                   f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
+            for v in p.get("vision", []):
+                where = "the ANE lane" if v["lane"] == "ane" else "the GPU"
+                print(f"[image {v['image']}: {v['tokens']} tokens encoded on {where} in {v['seconds']:.3f}s]",
+                      file=sys.stderr)
         if "verify" in extra and "lane_lost" in extra["verify"]:
             print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
         elif "verify" in extra:
