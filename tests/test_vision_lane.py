@@ -2,8 +2,9 @@
 is encoded by the tower's Core ML programs on the ANE lane while the GPU lane prefills the text before it, and the
 answer is the GPU-only one: greedy tokens, and the last logits within the split's tolerance of transformers'. A lane
 that fails (its worker killed, a non-finite output) leaves the image to the GPU tower with the GPU-only answer, an
-image the prefix cache holds is never sent to the lane, and `--verify` checks the lane's embeddings against the GPU
-tower (as `hetero run --verify` does). One tiny checkpoint and one export (text and vision programs) serve every test."""
+image the prefix cache holds is never sent to the lane, and `verify` (`hetero run --verify`) checks the lane's
+embeddings against the GPU tower. One tiny checkpoint and one export (text and vision programs) serve every test;
+`hetero plan`'s prediction of the tower is checked by hand."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_lane_prefill_logits_match_transformers(vlm):
 @pytest.mark.parametrize("fault", ["dies", "garbage"])
 def test_a_failing_lane_gives_the_gpu_only_answer(vlm, fault, monkeypatch, capsys):
     """The lane's worker killed, or its vision program returning NaN, during the tower's first program: one warning
-    line, the prompt prefilled GPU-only with the GPU tower (the lane's embeddings taken back out), the GPU-only tokens."""
+    line, the prompt prefilled GPU-only with the GPU tower (the lane's embeddings taken back out): GPU-only tokens."""
     engine, _, _ = vlm
     monkeypatch.setenv("HETERO_TEST_FAULT_AT", "1")  # the first job of the new worker: the tower's patch embedding
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))

@@ -139,7 +139,7 @@ class SplitPrefill:
             needs = [i for i, (a, b) in enumerate(images.spans) if a < ch.start + ch.s and b > ch.start
                      and images.embeddings[i] is None] if images is not None else []
 
-            def embed(ch=ch, needs=needs) -> None:  # every MLX op runs on the GPU lane's thread (streams are per thread)
+            def embed(ch=ch, needs=needs) -> None:  # every MLX op runs on the GPU lane's thread (per-thread streams)
                 ch.piece = mx.array(ch.ids)[None]  # [1, s]
                 if images is None:
                     ch.h = model.model.embed_tokens(ch.piece)  # [1, s, hidden]
@@ -225,7 +225,8 @@ class SplitPrefill:
             raise ValueError(f"image {i} is not encoded and the split has no tower for it")
         start = time.perf_counter()
         images.encode_image(tower, i)
-        out.setdefault("vision", []).append({"image": i, "lane": "gpu", "tokens": images.spans[i][1] - images.spans[i][0],
+        lo, hi = images.spans[i]
+        out.setdefault("vision", []).append({"image": i, "lane": "gpu", "tokens": hi - lo,
                                              "seconds": round(time.perf_counter() - start, 6)})
 
     def _mixer(self, i: int, layer: DecoderLayer, c: LayerCache, ch: Chunk, h_job: Job, prev: Job | None) -> list[Job]:
