@@ -115,8 +115,9 @@ class SplitPrefill:
              encoders: dict | None = None, tower=None) -> list[Job]:
         """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`.
 
-        `images` (the prompt's `ImagePrompt`, its images encoded) puts the images' embeddings in place of their
-        tokens and gives every chunk its 3-D rotary positions: the GPU lane's attention and MTP head rotate by them,
+        `images` (the prompt's `ImagePrompt`) puts the images' embeddings in place of their tokens (an image not
+        encoded yet: by its `encoders` job on the ANE lane, else by `tower` on the GPU lane; see `run`) and gives
+        every chunk its 3-D rotary positions: the GPU lane's attention and MTP head rotate by them,
         the ANE's attention programs get RoPE tables computed from them (the same programs).
 
         `on_chunk(n, cache_at_n, hidden)` sees the state at every chunk edge n, as `decode.prefill.prefill`'s hook does

@@ -169,8 +169,8 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     continuations agree and (with `images`, on a checkpoint with a tower) each image's embeddings from the vision
     tower's programs on the ANE lane agree with the GPU tower's (`vision`: cosine and PSNR per image,
     `hetero.pipeline.vision_lane.COSINE` / `PSNR`). A near-tie: where the continuations first part, the GPU-only
-    run's token leads the split's by at most 2 x the accepted distance x max |logit|; two runs within it of each other may order such a pair
-    either way, so the comparison stops there (`greedy_tie_at`).
+    run's token leads the split's by at most 2 x the accepted distance x max |logit|; two runs within it of each
+    other may order such a pair either way, so the comparison stops there (`greedy_tie_at`).
     """
     model = run.engine.model
     split_cache = model.make_cache()
