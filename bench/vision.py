@@ -41,7 +41,7 @@ TEXT = dict(vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_
             eos_token_id=None, pad_token_id=None, bos_token_id=None, full_attention_interval=2,
             max_position_embeddings=32768)
 # Qwen3.5's tower scaled down (16-pixel patches merged 2x2): 1024x1024 is 4096 patches, 1024 tokens
-VISION = dict(depth=2, hidden_size=256, intermediate_size=1024, num_heads=1, patch_size=16, temporal_patch_size=2,
+VISION = dict(depth=1, hidden_size=512, intermediate_size=2048, num_heads=1, patch_size=16, temporal_patch_size=2,
               spatial_merge_size=2, num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
 
 
