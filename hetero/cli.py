@@ -22,7 +22,10 @@ from hetero.pipeline import Trace, split_for, verify
 from hetero.pipeline.run import measured_ranges
 from hetero.planner.ranges import within_range
 from hetero.planner import model_shape, plan_lines, read_model_config, recommend
+from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.planner.plan import parse_pieces
+from hetero.planner.predict import Lanes
+from hetero.planner.vision import PLAN_SIZES, predict_tower, tower_lines
 from hetero.planner.recommend import split_plan
 from hetero.profiles import default_profile_name, load_profile
 from hetero.progress import ProgressBar
@@ -60,7 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if images and split is not None:
         vision = engine.image_prompt(engine.encode_prompt(prompt, chat, images=len(images)), images)
     if split is not None:  # export on first use, before the clock starts (for the prompt with its images' tokens)
-        split.prepare(vision.tokens if vision is not None else engine.encode_prompt(prompt, chat))
+        split.prepare(vision.tokens if vision is not None else engine.encode_prompt(prompt, chat), images=vision)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -115,6 +118,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
                   f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
                   f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
+            for v in p.get("vision", []):
+                where = "the ANE lane" if v["lane"] == "ane" else "the GPU"
+                print(f"[image {v['image']}: {v['tokens']} tokens encoded on {where} in {v['seconds']:.3f}s]",
+                      file=sys.stderr)
         if "verify" in extra and "lane_lost" in extra["verify"]:
             print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
         elif "verify" in extra:
@@ -217,17 +224,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               "fraction the profile recommends")
         plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
     plan = with_measured_ranges(plan, args.model, name, config)
+    vision = config.get("vision_config")  # the tower's shape (a checkpoint's own, or transformers' defaults)
+    tower = VisionArgs.from_config(vision) if isinstance(vision, dict) else None
     if args.json:
         out = plan.to_dict()
         if args.recommend:
             out["recommended_fraction"] = fraction
+        if tower is not None:  # the tower's seconds per image size on either lane
+            out["vision"] = [predict_tower(tower, Lanes.of(profile), w, h).to_dict() for w, h in PLAN_SIZES]
         print(json.dumps(out, indent=1))
         return 0
     if args.recommend:
         print(f"recommended ANE fraction: {fraction:.2f} (shortest predicted split prefill on {profile.name})")
     if args.profile is None:
         print(f"(profile {profile_name}: default; pass --profile, or run `hetero tune --devices` to measure this machine)")
-    print("\n".join(plan_lines(plan)))
+    print("\n".join(plan_lines(plan) + (tower_lines(tower, Lanes.of(profile)) if tower is not None else [])))
     return 0
 
 

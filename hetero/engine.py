@@ -244,14 +244,15 @@ class Engine:
             if restored is not None:
                 cache, skip, carry = restored.cache, restored.n, restored.hidden
         cached = skip + held  # what `cached_tokens` reports: only tokens read from a cache, never ones prefilled here
-        if vision is not None:
-            self.vision.encode(vision, start=skip)  # the images that came back from the cache are not encoded again
+        split = r.split is not None and skip == 0 and r.prompt_cache is None
 
         def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a split prefill's chunk edge
             pc.capture(model, key, keys[:n], at, hidden)  # images keyed by their pixels, as `on_chunk` keys them
 
-        if r.split is not None and skip == 0 and r.prompt_cache is None:
+        if split:  # its ANE lane encodes the images while its GPU lane prefills the text before them
             cache, skip, carry = r.split.prefill(ids, on_chunk=on_edge if pc is not None else None, images=vision)
+        if vision is not None:  # the images that came back from the cache are not encoded again (nor the split's)
+            self.vision.encode(vision, start=skip)
 
         def on_chunk(n: int, hidden: mx.array) -> None:
             pc.capture(model, key, keys[:n], cache, hidden)

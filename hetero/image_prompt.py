@@ -59,8 +59,12 @@ class ImagePrompt:
         """Run the tower over the images that have tokens at or after `start` (those before come from a cache)."""
         for i, (lo, hi) in enumerate(self.spans):
             if hi > start and self.embeddings[i] is None:
-                self.embeddings[i] = tower(mx.array(self.patches[i]), [self.grids[i]])  # [tokens, out_hidden]
-                mx.eval(self.embeddings[i])
+                self.encode_image(tower, i)
+
+    def encode_image(self, tower: VisionModel, i: int) -> None:
+        """Run the tower over image i."""
+        self.embeddings[i] = tower(mx.array(self.patches[i]), [self.grids[i]])  # [tokens, out_hidden]
+        mx.eval(self.embeddings[i])
 
     def cache_keys(self) -> list[int]:
         """The tokens as the prefix and session caches key them: each image token replaced by a key drawn from its

@@ -22,6 +22,7 @@ from hetero.export import DEFAULT_WEIGHT_FORM, check_weight_form
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
 from hetero.planner.ranges import Ranges, within_range
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
+from hetero.pipeline.vision_lane import VisionLane
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.profiles import Profile
 from hetero.validate import AneSplit
@@ -59,6 +60,8 @@ class PipelineRun:
     _splits: dict = field(default_factory=dict)
     _exports: dict = field(default_factory=dict)  # context bucket -> the export directory its split loaded
     _gpu_only_next: bool = False  # `prepare` lost the worker: the prompt it prepared is prefilled GPU-only
+    lane_images: int = 0  # images the ANE lane's vision tower encoded (the others: the GPU tower)
+    _vision: tuple | None = None  # (the worker its programs are loaded in, VisionLane)
 
     @property
     def requested_fraction(self) -> float:
@@ -102,13 +105,29 @@ class PipelineRun:
             self._splits[bucket] = SplitPrefill(e.model, programs, name, worker=worker)
         return self._splits[bucket]
 
-    def prepare(self, ids: list[int], check: Callable[[], None] | None = None) -> None:
-        """Export and load the programs the prompt `ids` needs now, so the first token's time excludes it; the
-        effective fraction is then the share of this prompt's prefill FLOPs. `check` runs after each program a
-        first-use export writes, and may raise to stop it (a server's stop signal)."""
+    def vision_lane(self, split: SplitPrefill) -> VisionLane | None:
+        """The vision tower's programs on `split`'s ANE lane (None for a checkpoint without a tower)."""
+        vision = getattr(self.engine, "vision", None)
+        if vision is None:
+            return None
+        if self._vision is None or self._vision[0] is not split.worker:  # a new worker: load them into it
+            loader = split.worker.load if split.worker is not None else ane_backend()[1]
+            self._vision = (split.worker, VisionLane(vision.tower, model_dir(export_key(self.engine)), loader,
+                                                     check=split.worker is None))
+        return self._vision[1]
+
+    def prepare(self, ids: list[int], check: Callable[[], None] | None = None, images: ImagePrompt | None = None
+                ) -> None:
+        """Export and load the programs the prompt `ids` needs now (with `images`, its images' vision programs),
+        so the first token's time excludes it; the effective fraction is then the share of this prompt's prefill
+        FLOPs. `check` runs after each program a first-use export writes, and may raise to stop it (a server's
+        stop signal)."""
         if len(ids) >= 2:
             try:
-                self.splitter(len(ids) - 1, check)
+                split = self.splitter(len(ids) - 1, check)
+                lane = self.vision_lane(split) if images is not None else None
+                if lane is not None:
+                    lane.encoders(images)  # exported and loaded now; encoded when the prompt runs
             except AneLaneLost as e:  # the worker died while its programs loaded: this prompt goes GPU-only
                 self.lost(e)
                 self._gpu_only_next = True
@@ -124,7 +143,10 @@ class PipelineRun:
         Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.stream`. With
         `decode`, the GPU lane interleaves other requests' work while the ANE computes its share; `on_chunk(n,
         cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them). `images`: the prompt's
-        `ImagePrompt` (`ids` are its tokens, its images encoded), prefilled at its 3-D positions.
+        `ImagePrompt` (`ids` are its tokens), prefilled at its 3-D positions; the images not encoded yet are encoded
+        by the vision tower's programs on the ANE lane while the GPU lane prefills the text before them (the GPU
+        tower encodes any the lane cannot take). When the split fails (0 tokens returned), the lane's embeddings
+        are taken back out of `images`: the GPU-only prefill encodes them with the GPU tower.
         """
 
         model = self.engine.model
@@ -139,8 +161,12 @@ class PipelineRun:
             worker_bytes = (split.worker.resident_bytes() or 0) if split.worker is not None else 0  # None: unknown
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
                               worker_bytes, split.copied_bytes())
+            lane = self.vision_lane(split) if images is not None else None
+            encoders = lane.encoders(images) if lane is not None else {}
+            tower = self.engine.vision.tower if images is not None else None
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
-                                  on_chunk=on_chunk, images=images)
+                                  on_chunk=on_chunk, images=images, encoders=encoders, tower=tower)
+            self.lane_images += sum(v["lane"] == "ane" for v in self.last.vision)
         except AneNonFinite as e:  # the prompt passed the planned ranges: measured, merged, re-planned; GPU-only now
             self.out_of_range(e, ids[:-1])
             return model.make_cache(), 0, None

@@ -9,6 +9,7 @@ chunk. At most `in_flight` chunks are in progress at once (each holds its hidden
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
+from hetero.errors import AneLaneLost, AneNonFinite
 from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, cache_arrays
 from hetero.decode.prefill import mtp_pairs
 from hetero.image_prompt import ImagePrompt
@@ -41,6 +43,7 @@ class SplitResult:
     ipc_s: float = 0.0  # of the ANE lane's busy time, what crossing to its worker process cost (0 in-thread)
     worker_s: float = 0.0  # the worker's own compute time
     lane: str = "thread"  # where the ANE lane's programs ran: "process" (the worker) or "thread" (in-process)
+    vision: list[dict] = field(default_factory=list)  # per image encoded here: where ("ane" / "gpu"), seconds
 
     @property
     def overlap(self) -> float:
@@ -51,7 +54,8 @@ class SplitResult:
     def to_dict(self) -> dict:
         return {"gpu_busy_s": round(self.gpu_busy_s, 6), "ane_busy_s": round(self.ane_busy_s, 6),
                 "wall_s": round(self.wall_s, 6), "overlap": round(self.overlap, 4), "lane": self.lane,
-                "ipc_s": round(self.ipc_s, 6), "worker_s": round(self.worker_s, 6)}
+                "ipc_s": round(self.ipc_s, 6), "worker_s": round(self.worker_s, 6),
+                **({"vision": self.vision} if self.vision else {})}
 
 
 @dataclass(eq=False)
@@ -67,6 +71,7 @@ class Chunk:
     positions: mx.array | None = None  # [3, s] 3-D rotary positions (with images; None: 1-D from `start`)
     parts: dict = field(default_factory=dict)  # (layer, piece) -> a share's output, until its merge
     gdn: dict = field(default_factory=dict)  # GDN layer -> (conv, recurrent) as this chunk left them (edge hooks)
+    whole: bool = False  # every piece on the GPU lane: text before an image while the ANE lane runs the tower
 
     @property
     def s(self) -> int:
@@ -106,11 +111,13 @@ class SplitPrefill:
         return sum(r.copied for r in rests)
 
     def jobs(self, tokens: list[int], cache: list[LayerCache], out: dict, mtp: bool, carry: mx.array | None,
-             logits: bool, on_chunk: EdgeFn | None = None, images: ImagePrompt | None = None) -> list[Job]:
+             logits: bool, on_chunk: EdgeFn | None = None, images: ImagePrompt | None = None,
+             encoders: dict | None = None, tower=None) -> list[Job]:
         """The whole prefill of `tokens` (appended to `cache`) as a job graph; results land in `out`.
 
-        `images` (the prompt's `ImagePrompt`, its images encoded) puts the images' embeddings in place of their
-        tokens and gives every chunk its 3-D rotary positions: the GPU lane's attention and MTP head rotate by them,
+        `images` (the prompt's `ImagePrompt`) puts the images' embeddings in place of their tokens (an image not
+        encoded yet: by its `encoders` job on the ANE lane, else by `tower` on the GPU lane; see `run`) and gives
+        every chunk its 3-D rotary positions: the GPU lane's attention and MTP head rotate by them,
         the ANE's attention programs get RoPE tables computed from them (the same programs).
 
         `on_chunk(n, cache_at_n, hidden)` sees the state at every chunk edge n, as `decode.prefill.prefill`'s hook does
@@ -124,18 +131,28 @@ class SplitPrefill:
         jobs: list[Job] = []
         state: dict[int, Job] = {}  # layer -> the job that last advanced its cache
         finished: list[Job] = []  # per chunk: its final-norm job
+        lane = self._tower_jobs(images, encoders or {}, out)
+        jobs += lane.values()
+        first = min((images.spans[i][0] for i in lane), default=0)  # the first image the ANE lane encodes
         for c, lo in enumerate(range(0, len(tokens), size)):
             ch = Chunk(c, tokens[lo : lo + size], base + lo, images=images)
+            ch.whole = ch.start + ch.s <= first  # text before it: the GPU lane alone, meanwhile
+            needs = [i for i, (a, b) in enumerate(images.spans) if a < ch.start + ch.s and b > ch.start
+                     and images.embeddings[i] is None] if images is not None else []
 
-            def embed(ch=ch) -> None:  # every MLX op runs on the GPU lane's thread (streams are per thread)
+            def embed(ch=ch, needs=needs) -> None:  # every MLX op runs on the GPU lane's thread (per-thread streams)
                 ch.piece = mx.array(ch.ids)[None]  # [1, s]
                 if images is None:
                     ch.h = model.model.embed_tokens(ch.piece)  # [1, s, hidden]
                 else:  # the images' rows in place, and the chunk's 3-D positions [3, s]
+                    for i in needs:  # the lane's embeddings, or (no lane for it, or it failed) the GPU tower's
+                        if images.embeddings[i] is None:  # (an image across a chunk edge: the first chunk's job)
+                            self._take_image(images, i, out, tower)
                     ch.h, ch.positions = images.inputs(model.model.embed_tokens, ch.start, ch.start + ch.s)
                 mx.eval(ch.h, ch.piece, *([] if ch.positions is None else [ch.positions]))  # nothing lazy outlives a job
 
             window = (finished[c - self.in_flight],) if c >= self.in_flight else ()
+            window += tuple(lane[i] for i in needs if i in lane)
             h_job = Job(f"embed @{ch.start}", "gpu", embed, window, (c, -1, 0))
             jobs.append(h_job)
             for i, layer in enumerate(model.layers):
@@ -174,6 +191,45 @@ class SplitPrefill:
             jobs.append(finished[-1])
         return jobs
 
+    def _tower_jobs(self, images: ImagePrompt | None, encoders: dict, out: dict) -> dict[int, Job]:
+        """Image -> the ANE job that encodes it (`encoders[i]()` -> [tokens, out_hidden] fp32) ahead of every other
+        ANE job: it starts as the prefill does, while the GPU lane prefills the text before the image. A
+        non-finite result from a lane still alive (in this process) leaves the image to the GPU tower; a lost
+        worker is the split's failure."""
+        if images is None:
+            return {}
+        out["lane images"], out["vision"] = {}, []
+
+        def job(i: int, encode) -> None:
+            start = time.perf_counter()
+            try:
+                out["lane images"][i] = encode()
+            except AneNonFinite as e:
+                if self.worker is not None:  # the worker killed itself on them: the lane is lost
+                    raise AneLaneLost(str(e)) from None
+                print(f"warning: {e}; the GPU tower encodes it", file=sys.stderr)
+                return
+            out["vision"].append({"image": i, "lane": "ane", "tokens": len(out["lane images"][i]),
+                                  "seconds": round(time.perf_counter() - start, 6)})
+
+        return {i: Job(f"vision image {i}", "ane", lambda i=i, e=e: job(i, e), (), (-1, i, 0))
+                for i, e in encoders.items() if images.embeddings[i] is None}
+
+    def _take_image(self, images: ImagePrompt, i: int, out: dict, tower) -> None:
+        """Image i's embeddings into the prompt (GPU lane): the lane's, else the GPU tower's (`tower`)."""
+        rows = out.get("lane images", {}).pop(i, None)
+        if rows is not None:
+            images.embeddings[i] = mx.array(rows)  # [tokens, out_hidden] fp32 (fp16 values)
+            out.setdefault("from lane", []).append(i)
+            return
+        if tower is None:
+            raise ValueError(f"image {i} is not encoded and the split has no tower for it")
+        start = time.perf_counter()
+        images.encode_image(tower, i)
+        lo, hi = images.spans[i]
+        out.setdefault("vision", []).append({"image": i, "lane": "gpu", "tokens": hi - lo,
+                                             "seconds": round(time.perf_counter() - start, 6)})
+
     def _mixer(self, i: int, layer: DecoderLayer, c: LayerCache, ch: Chunk, h_job: Job, prev: Job | None) -> list[Job]:
         """Jobs of layer i's mixer for chunk `ch`, after `h_job` (its input) and `prev` (the layer's last state
         update); the last job returned leaves the mixer's output in `ch.h`."""
@@ -181,7 +237,7 @@ class SplitPrefill:
         label = f"L{i} {'gdn' if layer.is_linear else 'attn'} @{ch.start}"
         after = (h_job,) if prev is None else (h_job, prev)
         rank = lambda step: (ch.index, i, step)  # noqa: E731
-        if layer.is_linear and i in self.gdn_rest:
+        if layer.is_linear and i in self.gdn_rest and not ch.whole:
             rest, parts = self.gdn_rest[i], progs.gdn_in_proj[i]
             norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0),
                                 (i, "gdn_in_proj"))
@@ -209,7 +265,7 @@ class SplitPrefill:
 
             g, a = Job(label, "gpu", gpu, state, rank(0)), Job(f"{label} z", "ane", ane, (norm,), rank(0))
             return [g, norm, a, Job(f"{label} merge", "gpu", merge, (g, a), rank(1))]
-        if not layer.is_linear and i in progs.attention:
+        if not layer.is_linear and i in progs.attention and not ch.whole:
             rest, parts = self.attn_rest.get(i), progs.attention_at(i, ch.start)
             theta = self.model.args.rope_theta
             norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0),
@@ -285,9 +341,9 @@ class SplitPrefill:
         progs, size = self.programs, self.programs.chunk
         label = f"L{i} mlp @{ch.start}"
         rank = lambda step: (ch.index, i, step)  # noqa: E731
-        if i in self.moe_rest:
+        if i in self.moe_rest and not ch.whole:
             return self._moe(i, ch, h_job)
-        if i not in progs.mlp:
+        if i not in progs.mlp or ch.whole:
             def whole() -> None:
                 ch.h = ch.h + layer.mlp(layer.post_attention_layernorm(ch.h))
                 mx.eval(ch.h)
@@ -383,13 +439,17 @@ class SplitPrefill:
 
     def run(self, tokens: list[int], cache: list[LayerCache], mtp: bool = False, carry: mx.array | None = None,
             logits: bool = True, trace: Trace | None = None, decode: DecodeQueue | None = None,
-            on_chunk: EdgeFn | None = None, images: ImagePrompt | None = None) -> SplitResult:
+            on_chunk: EdgeFn | None = None, images: ImagePrompt | None = None, encoders: dict | None = None,
+            tower=None) -> SplitResult:
         """Prefill `tokens` into `cache` with both lanes; returns the last position's logits and hidden.
 
         With `decode`, the GPU lane interleaves decode rounds of other requests (see `DecodeQueue`); `on_chunk`
         sees the cache at every chunk edge (see `jobs`). `images`: the prompt's `ImagePrompt` (its images encoded,
         `tokens` a prefix of its tokens); the attention caches then hold its position shift, as after
-        `decode.prefill.prefill`.
+        `decode.prefill.prefill`. `encoders` (image -> a callable the ANE lane runs: `VisionLane.encoders`) encode
+        those of its images not encoded yet on the ANE lane as the prefill starts; the chunks of text before them
+        run whole on the GPU lane meanwhile. Any other image not encoded yet is encoded by `tower` (the GPU tower)
+        when its chunk is reached. If the prefill fails, the lane's embeddings are taken back out of `images`.
         """
         if not tokens:
             raise ValueError("prefill needs at least one token")
@@ -408,13 +468,19 @@ class SplitPrefill:
             self.worker.trace = trace
         start = time.perf_counter()
         try:
-            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits, on_chunk, images), gpu, ane, decode)
+            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits, on_chunk, images, encoders, tower),
+                      gpu, ane, decode)
+        except BaseException:
+            for i in out.get("from lane", []):  # a GPU-only rerun encodes them with the GPU tower
+                images.embeddings[i] = None
+            raise
         finally:
             gpu.close()
             if self.worker is not None:
                 self.worker.trace = None
         wall = time.perf_counter() - start
-        res = SplitResult(out.get("logits"), out["hidden"], gpu.busy_s, ane.busy_s, wall)
+        res = SplitResult(out.get("logits"), out["hidden"], gpu.busy_s, ane.busy_s, wall,
+                          vision=sorted(out.get("vision", []), key=lambda v: v["image"]))
         if before is not None:
             spent = self.worker.stats.since(before)
             res.ipc_s, res.worker_s, res.lane = spent.ipc_s, spent.compute_s, "process"

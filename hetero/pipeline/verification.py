@@ -165,15 +165,22 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     `ImagePrompt` (`ids` its tokens, its images encoded), which both prefills take.
 
     A worker lost during the split answers {"match": False, "lane_lost": why} (the split could not be judged).
-    `match` is true when the arrays pass (against the fp32 reference, or `tol`'s fixed comparison) and the
-    continuations agree. A near-tie: where the continuations first part, the GPU-only run's token leads the split's
-    by at most 2 x the accepted distance x max |logit|; two runs within it of each other may order such a pair
-    either way, so the comparison stops there (`greedy_tie_at`).
+    `match` is true when the arrays pass (against the fp32 reference, or `tol`'s fixed comparison), the
+    continuations agree and (with `images`, on a checkpoint with a tower) each image's embeddings from the vision
+    tower's programs on the ANE lane agree with the GPU tower's (`vision`: cosine and PSNR per image,
+    `hetero.pipeline.vision_lane.COSINE` / `PSNR`). A near-tie: where the continuations first part, the GPU-only
+    run's token leads the split's by at most 2 x the accepted distance x max |logit|; two runs within it of each
+    other may order such a pair either way, so the comparison stops there (`greedy_tie_at`).
     """
     model = run.engine.model
     split_cache = model.make_cache()
+    vision = None
     try:
-        res = run.splitter(len(ids)).run(ids, split_cache, mtp=False, logits=True, images=images)
+        split = run.splitter(len(ids))
+        res = split.run(ids, split_cache, mtp=False, logits=True, images=images)
+        lane = run.vision_lane(split) if images is not None else None
+        if lane is not None:  # the ANE lane's vision tower against the GPU tower, image by image
+            vision = lane.verify(images)
     except AneLaneLost as e:  # nothing to judge: said once (as any lost worker is), and no match
         run.lost(e)
         return {"match": False, "lane_lost": str(e)}
@@ -210,6 +217,9 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
         s = np.array(step[-1].astype(mx.float32))  # [V]
         gap = float(s[theirs[same]] - s[ours[same]]) / max(float(np.abs(s).max()), 1e-30)
     tie = gap is not None and gap <= 2 * bound
-    return {"match": bool(arrays_ok and (same == n_tokens or tie)), **report,
+    if vision is not None:
+        report["vision"] = vision
+    vision_ok = vision is None or all(v["ok"] for v in vision)
+    return {"match": bool(arrays_ok and (same == n_tokens or tie) and vision_ok), **report,
             "greedy_match_tokens": same, "greedy_compared_tokens": n_tokens, "greedy_tie_at": same if tie else None,
             "greedy_gap": None if gap is None else round(gap, 6)}

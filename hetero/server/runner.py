@@ -391,7 +391,8 @@ class JobSplit:
         if not runner._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
             return runner.engine.model.make_cache(), 0, None
         try:
-            runner.split.prepare(ids, check=runner.refuse_if_stopping)  # a first-use export stops between programs
+            # a first-use export (text programs, the images' vision programs) stops between programs
+            runner.split.prepare(ids, check=runner.refuse_if_stopping, images=images)
             out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk,
                                        images=images)
             runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path

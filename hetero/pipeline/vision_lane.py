@@ -1,0 +1,125 @@
+"""The vision tower on the ANE lane: its Core ML programs (`hetero.export_vision`), exported per bucket of patches on
+first use beside the split's text programs, loaded into the lane's worker (or run in this process), and one image's
+encoding as a job the ANE lane runs while the GPU lane prefills the text before the image.
+
+An image the lane cannot take (no programs for its tower, a bucket that failed to export) is said in one warning
+line and encoded by the GPU tower instead; a lane that fails mid-prompt (worker lost, non-finite output) is the
+split's failure: the prompt is prefilled GPU-only, its images encoded by the GPU tower (`PipelineRun.prefill`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from hetero.errors import AneNonFinite, HeteroError
+from hetero.image_prompt import ImagePrompt
+from hetero.planner.vision import vision_bucket
+from hetero.progress import ProgressBar
+
+COSINE, PSNR = 0.9999, 60.0  # `--verify`: the lane's embeddings against the GPU tower's (as the programs' tests)
+
+
+def image_bucket(images: ImagePrompt, i: int, merge_unit: int) -> int:
+    t, h, w = images.grids[i]
+    return vision_bucket(t * h * w, merge_unit)
+
+
+def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None] | None = None) -> Path:
+    """The tower's programs for `bucket` in `out` (their own directory): exported on first use with a progress bar,
+    reused while the manifest lists every package."""
+    from hetero.export_vision import export_vision, read_vision_manifest
+
+    try:
+        manifest = read_vision_manifest(out)
+        if manifest["buckets"] == [bucket] and all((out / p["file"] / "Manifest.json").is_file()
+                                                   for p in manifest["programs"]):
+            return out
+    except HeteroError:
+        pass
+    bar = ProgressBar("export Core ML (vision tower)")
+
+    def progress(done: int, total: int) -> None:
+        bar(done, total)
+        if check is not None:
+            check()
+
+    export_vision(tower, out, [bucket], progress=progress)
+    return out
+
+
+class VisionLane:
+    """The tower's programs per bucket, loaded by `loader` (path -> callable: the worker's `load`, or the platform's
+    backend in this process) from `root / vision_s<bucket>`. `check`: look for non-finite outputs here (a loader in
+    this process; the worker looks itself)."""
+
+    def __init__(self, tower, root: Path, loader: Callable, check: bool):
+        from hetero.backends.reference_vision import VisionPrograms
+
+        self.tower, self.root, self.loader, self.check = tower, Path(root), loader, check
+        self._programs: dict[int, VisionPrograms] = {}
+        self._pos = np.array(tower.pos_embed.weight.astype(mx.float32))
+
+    def programs(self, bucket: int, check: Callable[[], None] | None = None):
+        """The loaded programs of `bucket` (exported and loaded on first use)."""
+        from hetero.backends.reference_vision import VisionPrograms
+
+        if bucket not in self._programs:
+            out = ensure_vision_export(self.tower, self.root / f"vision_s{bucket}", bucket, check)
+            self._programs[bucket] = VisionPrograms(out, bucket, self.tower.args, self._pos, runner=self.loader)
+        return self._programs[bucket]
+
+    def encoder(self, images: ImagePrompt, i: int) -> Callable[[], np.ndarray]:
+        """Image i's encoding through the programs, as a callable for the ANE lane: -> [tokens, out_hidden] fp32
+        (fp16 values), a copy (a worker's outputs are views of a buffer its next job reuses). Raises AneNonFinite on
+        NaN or inf (the worker raises it itself)."""
+        progs = self.programs(image_bucket(images, i, self.tower.args.merge_unit))
+        patches, grid = images.patches[i], images.grids[i]
+
+        def run() -> np.ndarray:
+            out = np.array(progs.run(patches, [grid]), np.float32)  # [tokens, out_hidden]
+            if self.check and not np.isfinite(out).all():
+                raise AneNonFinite(f"the ANE lane's vision tower returned non-finite embeddings for image {i}")
+            return out
+
+        return run
+
+    def encoders(self, images: ImagePrompt | None, warn: Callable[[str], None] | None = None
+                 ) -> dict[int, Callable[[], np.ndarray]]:
+        """Image index -> its lane encoder, for the prompt's images not encoded yet; an image whose programs cannot be
+        had is left to the GPU tower, said in one line."""
+        if images is None:
+            return {}
+        out = {}
+        for i, rows in enumerate(images.embeddings):
+            if rows is not None:
+                continue
+            try:
+                out[i] = self.encoder(images, i)
+            except HeteroError as e:
+                (warn or _stderr)(f"warning: image {i} is encoded on the GPU: the ANE lane has no vision programs "
+                                  f"for it ({e})")
+        return out
+
+    def verify(self, images: ImagePrompt) -> list[dict]:
+        """`--verify`'s vision check: each image through the lane's programs against the GPU tower (the prompt's
+        embeddings where the GPU tower made them, else made now): cosine, PSNR, max |diff|, ok."""
+        from hetero.backends.accuracy import compare
+
+        out = []
+        for i in range(len(images.grids)):
+            lane = self.encoder(images, i)()
+            gpu = self.tower(mx.array(images.patches[i]), [images.grids[i]])  # [tokens, out_hidden]
+            m = compare(lane, np.array(gpu.astype(mx.float32)))
+            out.append({"image": i, "bucket": image_bucket(images, i, self.tower.args.merge_unit),
+                        "cosine": round(m["cosine"], 8), "psnr_db": round(m["psnr_db"], 2),
+                        "max_abs": round(m["max_abs"], 6), "ok": m["cosine"] >= COSINE and m["psnr_db"] >= PSNR})
+        return out
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)

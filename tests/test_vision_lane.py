@@ -1,0 +1,203 @@
+"""The vision tower on the ANE lane (the reference executor in the lane's worker process here): a split prompt's image
+is encoded by the tower's Core ML programs on the ANE lane while the GPU lane prefills the text before it, and the
+answer is the GPU-only one: greedy tokens, and the last logits within the split's tolerance of transformers'. A lane
+that fails (its worker killed, a non-finite output) leaves the image to the GPU tower with the GPU-only answer, an
+image the prefix cache holds is never sent to the lane, and `verify` (`hetero run --verify`) checks the lane's
+embeddings against the GPU tower. One tiny checkpoint and one export (text and vision programs) serve every test;
+`hetero plan`'s prediction of the tower is checked by hand."""
+
+from __future__ import annotations
+
+import json
+
+import hetero  # noqa: F401  (before torch: the fast BLAS under MLX)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hetero.pipeline import configure, verify
+from hetero.pipeline.verification import ANE_FLOOR
+from tests.vision_checkpoint import add_mtp_head, draw_image, encoded, save_chat_tokenizer, save_vl
+
+CHUNK = 64
+BEFORE = "Here is a long preamble of text before the picture that we show, for the GPU lane to prefill. " * 2
+AFTER = "What is in the picture? Tell me."
+SIZE = (80, 48)  # non-square: 60 image tokens, 240 patches in the 256-patch bucket
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(engine, path, split at 0.5 with its programs and the tower's exported and loaded in its worker)."""
+    path = tmp_path_factory.mktemp("vlm-lane")
+    save_vl(path, "small")
+    save_chat_tokenizer(path)
+    add_mtp_head(path)
+    engine = hetero.load(path)
+    run = configure(engine, 0.5, CHUNK, offload=("mlp",))
+    ids, png = prompt_ids(engine), picture()
+    run.prepare(engine.image_prompt(ids, [png]).tokens, images=engine.image_prompt(ids, [png]))
+    return engine, path, run
+
+
+def prompt_ids(engine) -> list[int]:
+    """A chat turn whose image comes after two chunks of text (the GPU lane's work while the lane encodes it)."""
+    return engine.encode_prompt(BEFORE + engine.image_marker + AFTER, chat=True)
+
+
+def picture(seed: int = 4) -> bytes:
+    return encoded(draw_image(*SIZE, seed=seed), "PNG")
+
+
+def generate(engine, run=None, png=None, **kw):
+    common = dict(max_tokens=8, images=[png or picture()], mtp=False, use_prefix_cache=False, prefill_chunk=CHUNK)
+    return engine.generate(prompt_ids(engine), split=run, **{**common, **kw})
+
+
+def test_the_lane_encodes_the_image_and_the_tokens_are_gpu_only(vlm):
+    """The image is encoded on the ANE lane (not the GPU tower) while the chunks before it run on the GPU lane, and
+    plain and MTP decoding give the GPU-only tokens."""
+    engine, _, run = vlm
+    prompt = engine.image_prompt(prompt_ids(engine), [picture()])
+    (lo, _), = prompt.spans
+    assert lo >= 2 * CHUNK  # two whole chunks of text before the image
+    want = generate(engine)
+    before = run.lane_images
+    got = generate(engine, run)
+    assert run.lane_images == before + 1
+    assert [v["lane"] for v in run.last.vision] == ["ane"] and run.last.ane_busy_s > 0
+    assert got.tokens == want.tokens and got.stats["prompt_tokens"] == want.stats["prompt_tokens"]
+    assert generate(engine, run, mtp=True, draft_depth=2).tokens == want.tokens
+
+
+def test_lane_prefill_logits_match_transformers(vlm):
+    """The split prefill with the lane's embeddings against transformers' own forward (its processor's inputs): the
+    GPU-only run's last logits are within 1e-4 relative of transformers', the split's with the lane's fp16 tower
+    within the split's fp16 allowance (`verification.ANE_FLOOR`), with the same argmax."""
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from tests.vision_checkpoint import hf_processor
+
+    engine, path, run = vlm
+    ids = prompt_ids(engine)
+    image = draw_image(*SIZE, seed=4)
+    prompt = engine.image_prompt(ids, [encoded(image, "PNG")])
+    hf = hf_processor(path)(images=[image], return_tensors="pt")
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        tokens = torch.tensor([prompt.tokens])
+        ref = model(input_ids=tokens, mm_token_type_ids=(tokens == engine.vision.image_token).int(),
+                    pixel_values=hf["pixel_values"], image_grid_thw=hf["image_grid_thw"]).logits[0, -1].numpy()
+    cache, n, carry = run.prefill(prompt.tokens, images=prompt)
+    assert [v["lane"] for v in run.last.vision] == ["ane"]
+    logits = engine.model.logits(engine.model.model(mx.array([prompt.tokens[n:]]), cache.backbone,
+                                                    positions=mx.array(prompt.positions[:, n:])))
+    ours = np.array(logits[0, -1].astype(mx.float32))
+    gpu = np.array(engine.logits(ids, chunk=CHUNK, images=[encoded(image, "PNG")])[-1])
+    scale = np.abs(ref).max()
+    assert np.abs(gpu - ref).max() / scale < 1e-4  # the GPU-only path: transformers' within 1e-4
+    assert np.abs(ours - ref).max() / scale < ANE_FLOOR  # the lane's fp16 tower and MLP shares: the split's allowance
+    assert int(np.argmax(ours)) == int(np.argmax(ref))
+
+
+@pytest.mark.parametrize("fault", ["dies", "garbage"])
+def test_a_failing_lane_gives_the_gpu_only_answer(vlm, fault, monkeypatch, capsys):
+    """The lane's worker killed, or its vision program returning NaN, during the tower's first program: one warning
+    line, the prompt prefilled GPU-only with the GPU tower (the lane's embeddings taken back out): GPU-only tokens."""
+    engine, _, _ = vlm
+    monkeypatch.setenv("HETERO_TEST_FAULT_AT", "1")  # the first job of the new worker: the tower's patch embedding
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    run = configure(engine, 0.5, CHUNK, offload=("mlp",))
+    run.ane_loader = f"ane_faults:{fault}"
+    want = generate(engine)
+    got = generate(engine, run)
+    assert got.tokens == want.tokens
+    assert run.lane_failures == 1 and run.lane_images == 0
+    assert "prefilled GPU-only" in capsys.readouterr().err
+
+
+def test_a_cached_image_is_not_sent_to_the_lane(vlm):
+    """The same prompt again with the prefix cache: its image comes back from the cache, neither the lane nor the
+    GPU tower encodes it, and the answer is the first one's."""
+    from hetero.prefix_cache import PrefixCache
+
+    engine, _, run = vlm
+    engine.prefix_cache = PrefixCache()
+    try:
+        first = generate(engine, run, use_prefix_cache=True)
+        assert run.last.vision[0]["lane"] == "ane"
+        encoded_before = run.lane_images
+        calls = []
+        tower = engine.vision.tower
+        real = tower.encode
+        tower.encode = lambda *a: calls.append(a) or real(*a)
+        try:
+            again = generate(engine, run, use_prefix_cache=True)
+        finally:
+            del tower.encode
+        assert again.stats["cached_tokens"] > prompt_ids(engine).index(engine.vision.image_token)
+        assert run.lane_images == encoded_before and not calls
+        assert again.tokens == first.tokens
+    finally:
+        engine.prefix_cache = None
+
+
+def test_verify_checks_the_lanes_embeddings_against_the_gpu_tower(vlm, monkeypatch):
+    """`verify` (`--verify`) runs the image through the lane's programs and the GPU tower: cosine >= 0.9999 and
+    PSNR >= 60 dB pass; a lane whose embeddings are 5% off fails the check, and with it the match."""
+    engine, _, run = vlm
+    prompt = engine.image_prompt(prompt_ids(engine), [picture()])
+    engine.vision.encode(prompt)
+    check = verify(run, prompt.tokens, n_tokens=8, images=prompt)
+    (vision,) = check["vision"]
+    assert vision["ok"] and vision["cosine"] >= 0.9999 and vision["psnr_db"] >= 60, vision
+    assert check["match"], check
+    lane = run.vision_lane(run.splitter(len(prompt.tokens)))
+    real = lane.encoder
+    monkeypatch.setattr(lane, "encoder", lambda images, i: (lambda: real(images, i)() * 1.05))
+    check = verify(run, prompt.tokens, n_tokens=8, images=prompt)
+    assert not check["vision"][0]["ok"] and not check["match"], check
+
+
+def test_tower_prediction_counts_each_lanes_work():
+    """The tower's predicted seconds, counted by hand for a small tower: the GPU over the image's own patches, the
+    ANE over its whole bucket plus one call per program."""
+    from hetero.models.qwen3_5_vision.args import VisionArgs
+    from hetero.planner.predict import Lanes
+    from hetero.planner.vision import predict_tower, vision_bucket
+
+    a = VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8, out_hidden_size=32)
+    lanes = Lanes(gpu_flops=1e12, gpu_bw=None, ane_flops=4e12, ane_bw=None, ane_call_s=1e-3)
+    p = predict_tower(a, lanes, 80, 48)  # 80x48 -> 10 x 6 patches of 8 pixels (multiples of 16): 60 patches
+    assert (p.patches, p.bucket, p.tokens) == (60, 256, 15)
+    assert [vision_bucket(n, 4) for n in (1, 256, 257, 1024, 1025)] == [256, 256, 512, 1024, 2048]
+
+    def flops(n: int, window: int) -> float:
+        D, I = 64, 128
+        embed = 2 * 3 * 2 * 8 * 8 * D * n
+        blocks = 2 * (2 * (4 * D * D + 2 * D * I) * n + 2 * 2 * D * n * window)  # projections + QK^T and AV
+        merger = 2 * (4 * D) * (4 * D + 32) * n / 4
+        return embed + blocks + merger
+
+    assert p.gpu_s == pytest.approx(flops(60, 60) / 1e12)
+    assert p.ane_s == pytest.approx(flops(256, 256) / 4e12 + 4 * 1e-3)
+
+
+def test_hetero_plan_predicts_the_tower_per_image_bucket(capsys):
+    """`hetero plan` on a checkpoint with a vision tower: a line per image size (patches, bucket, tokens, GPU and
+    ANE-lane seconds), and the same in `--json`."""
+    from pathlib import Path
+
+    from hetero.cli import main
+
+    config = str(Path(__file__).parent / "data" / "qwen3.5-27b.json")
+    assert main(["plan", "--model", config, "--ane-fraction", "0.5", "--profile", "m4-max"]) == 0
+    text = capsys.readouterr().out
+    assert "vision tower (depth 27, hidden 1152" in text
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("1024x1024"))
+    assert row[1:4] == ["4096", "4096", "1024"] and row[4] != "unknown" and row[6] != "unknown"
+    assert main(["plan", "--model", config, "--ane-fraction", "0.5", "--profile", "m4-max", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["vision"]
+    assert [r["image"] for r in rows] == ["448x448", "1024x1024", "1920x1080"]
+    assert all(r["bucket"] >= r["patches"] and r["gpu_s"] > 0 and r["ane_s"] > 0 for r in rows)
+    assert rows[1]["gpu_s"] < rows[2]["gpu_s"] and rows[1]["ane_s"] < rows[2]["ane_s"]
