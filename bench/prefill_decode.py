@@ -11,9 +11,9 @@ one forward pass, then one cached step per token) and mlx-vlm (its `language_mod
 steps of 2048 tokens as its server prefills, then one step per token); mlx-lm has no qwen4_exp. Every engine loads the
 same files, runs in fp32 (the CPU's fast dtype), gets the same prompts (random token ids), the same threads and BLAS,
 a warm-up, and they alternate A B C A B C. Greedy decoding, no EOS stop. Prints the ratios (hetero / the best peer)
-and writes JSON to bench/results/prefill_decode[_MODELS].json. Every engine must produce the same tokens: a row
-where they differ is reported and the run exits with status 1 (a speed of wrong output is no result), except where
-experts route (see ROUTING_NEAR_TIES).
+and writes JSON to bench/results/prefill_decode.json (`--models qwen4`: prefill_decode_qwen4.json). Every engine
+must produce the same tokens: a row where they differ is reported and the run exits with status 1 (a speed of wrong
+output is no result), except where experts route (see ROUTING_NEAR_TIES).
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="measured runs per contender (after one warm-up)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
-    ap.add_argument("--out", default=None, help="JSON file (default: bench/results/prefill_decode.json for the "
-                    "default models, else prefill_decode_<models>.json)")
+    ap.add_argument("--out", default=None, help="JSON file (default: bench/results/prefill_decode.json; "
+                    "--models qwen4 alone: prefill_decode_qwen4.json)")
     args = ap.parse_args()
     reexec_with_fast_blas()
 
@@ -211,9 +211,8 @@ def main() -> None:
                 flush=True,
             )
         del ours, peers
-    if args.out is None:  # the default set of models writes prefill_decode.json, a chosen set its own file
-        default = args.models == ap.get_default("models")
-        args.out = f"bench/results/prefill_decode{'' if default else '_' + '_'.join(args.models)}.json"
+    if args.out is None:  # Qwen4-Exp's peers differ: its rows get their own file
+        args.out = f"bench/results/prefill_decode{'_qwen4' if args.models == ['qwen4'] else ''}.json"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = environment()
