@@ -118,7 +118,11 @@ def test_planner_counts_equal_the_model_parameters():
     assert n.mtp_total == sum(v for k, v in sizes.items() if k.startswith("mtp."))
 
 
-def test_hosts_on_qwen4_is_one_line(capsys):
-    assert main(["plan", "--model", str(FLASH_NEXT), "--hosts", "2"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["hetero: error: --hosts: the pipeline across hosts does not run qwen4_exp checkpoints yet; plan one host"]
+@pytest.mark.parametrize("flags,message", [
+    (["--hosts", "2"], "--hosts: the pipeline across hosts does not run qwen4_exp checkpoints yet; plan one host"),
+    (["--kv-bits", "8"], "--kv-bits: qwen4_exp models keep full-precision KV only; leave --kv-bits out"),
+])
+def test_what_qwen4_cannot_run_is_one_line(capsys, flags, message):
+    """The planner refuses what the runtime refuses for this architecture, instead of planning it."""
+    assert main(["plan", "--model", str(FLASH_NEXT), *flags]) != 0
+    assert capsys.readouterr().err.strip().splitlines() == [f"hetero: error: {message}"]

@@ -183,6 +183,8 @@ def make_plan(
     """
     quant = kv_quant(kv_bits, kv_group_size)
     args, moe = model_shape(config)
+    if quant is not None and isinstance(args, Qwen4Args):  # as `kv_quant.use_kv_quant` refuses at load
+        raise HeteroError("--kv-bits: qwen4_exp models keep full-precision KV only; leave --kv-bits out")
     if quant is not None:
         quant.check(args.head_dim)
     storage = storage_for(config, bits, group_size)
