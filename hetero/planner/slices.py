@@ -94,8 +94,10 @@ def _aligned(x: float, step: int, total: int) -> int:
     return max(0, min(total, int(math.floor(x / step + 0.5)) * step))
 
 
-def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
-    """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap)."""
+def pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
+    """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap). Qwen4-Exp
+    adds its hyper-connections, PLE projections (the n-gram tables stay on disk: `shape.ple_table_params`), the QSA
+    indexer in its attention pieces and its own MTP head, and keeps every share on the GPU (`NO_SPLIT`)."""
     if not 0.0 <= fraction <= 1.0:
         raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
     if isinstance(args, Qwen4Args):  # no programs for its pieces: every share stays on the GPU, and says why
