@@ -126,3 +126,18 @@ def test_what_qwen4_cannot_run_is_one_line(capsys, flags, message):
     """The planner refuses what the runtime refuses for this architecture, instead of planning it."""
     assert main(["plan", "--model", str(FLASH_NEXT), *flags]) != 0
     assert capsys.readouterr().err.strip().splitlines() == [f"hetero: error: {message}"]
+
+
+def test_coreml_export_of_qwen4_is_one_line(tmp_path, capsys):
+    """The planner plans qwen4_exp GPU-only, so `convert --coreml` would write no program: it says so instead."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import qwen4_checkpoint as qc
+
+    qc.build(tmp_path / "ckpt")
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["convert", "--model", str(tmp_path / "ckpt"), "--coreml", "--ane-fraction", "0.5",
+                 "--out", str(tmp_path / "out")]) != 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "hetero: error: --coreml: the split has no Core ML programs for qwen4_exp_text checkpoints yet; run them "
+        "without --ane-fraction (GPU-only)"]
+    assert not (tmp_path / "out").exists()
