@@ -67,7 +67,7 @@ def run_transformers(model, prompt: list[int], n_tokens: int) -> tuple[float, fl
         tokens = [int(out.logits[0, -1].argmax())]
         prefilled = time.perf_counter()
         for _ in range(n_tokens - 1):
-            out = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=torch.tensor([tokens[-1:]]), cache=out.cache, use_cache=True)  # 5.25: `cache`
             tokens.append(int(out.logits[0, -1].argmax()))
         done = time.perf_counter()
     return len(prompt) / (prefilled - start), (n_tokens - 1) / (done - prefilled), tokens
