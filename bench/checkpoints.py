@@ -5,6 +5,7 @@ down."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -90,8 +91,44 @@ def moe_checkpoint(workdir: Path) -> Path:
     return out
 
 
+# Qwen3.8-Flash-Next (docs/qwen4_flash_next/config.json) scaled down with its structure: 4 hc streams with a
+# low-rank mixer, QSA on every 4th layer (the indexer's budget of 512 tokens drops keys from a 4K prompt), one PLE
+# layer (16 n-gram heads per token, a 5M-parameter table), 128 routed experts top-10 plus a shared expert, the
+# sigmoid GDN gate, partial rotary 0.25, and an MTP head; about 60M parameters, so transformers prefills 4K tokens
+# on two cores in well under a minute.
+QWEN4 = dict(
+    vocab_size=8192, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+    num_experts=128, num_experts_per_tok=10, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+    hc_count=4, hc_lowrank=64, ple_layer_ids=[1], ple_embed_dim=256, ngram_size=3, heads_per_ngram=8,
+    ngram_vocab_size_base=20_000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=4, indexer_n_heads=4,
+    indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=512, indexer_compress_ratio=4, output_gate_type="sigmoid",
+    eos_token_id=1, max_position_embeddings=65536,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)],
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10]},
+)
+
+
+def qwen4_checkpoint(workdir: Path) -> Path:
+    """Write (once) a random QWEN4-shaped `qwen4_exp` checkpoint (nested, a tiny vision tower beside it) with
+    transformers' own classes and an MTP head under the shipped `mtp.*` names (tests/qwen4_checkpoint.py builds both;
+    torch and transformers are test-only). Its attention layers are named `full_attention`, as the released config
+    names them (transformers writes `indexed_attention`, which mlx-vlm 0.7.10 refuses; both read `full_attention`)."""
+    out = Path(workdir) / "qwen4"
+    if (out / "config.json").is_file():
+        return out
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from qwen4_checkpoint import build, patch_config
+
+    build(out, nested=True, ple_layer_ids=QWEN4["ple_layer_ids"], mtp=True,
+          **{k: v for k, v in QWEN4.items() if k != "ple_layer_ids"})
+    patch_config(out, layer_types=QWEN4["layer_types"])
+    return out
+
+
 CHECKPOINTS = {"bundled": lambda workdir: BUNDLED_MODEL, "large": large_checkpoint, "moe": moe_checkpoint,
-               "real27": lambda workdir: _random_checkpoint(workdir, "real27", REAL27)}
+               "real27": lambda workdir: _random_checkpoint(workdir, "real27", REAL27), "qwen4": qwen4_checkpoint}
 
 
 def checkpoint(name: str, workdir: Path) -> Path:

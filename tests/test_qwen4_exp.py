@@ -244,3 +244,24 @@ def test_the_governor_counts_qsa_kv_and_leaves_ple_on_disk(flat):
     fixed = sum(b for n, b in budget.lines if not n.startswith(("KV cache", "unused")))
     tight = loaded_budget(model, memory_gb=(fixed + per_token * 2048 + 100) / 0.75 / 1e9)
     assert tight.context_window == 2048 < args.max_position_embeddings
+
+
+@pytest.mark.parametrize("queries,keys", [(48, 48), (40, 300), (8, 300)])
+def test_selected_attention_equals_masked_sdpa(queries, keys):
+    """QSA's attention over the indexer's keys (on the CPU a prefill chunk's softmax runs in numpy) equals MLX's
+    masked scaled-dot-product attention, with the dropped keys weighing nothing, GQA heads and a cache before the
+    chunk included."""
+    from hetero.models.qwen4_exp.qsa import attend_selected
+
+    rng = np.random.default_rng(queries + keys)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))
+               for s in ((1, 4, queries, 16), (1, 2, keys, 16), (1, 2, keys, 16)))
+    pos = np.arange(keys - queries, keys)[:, None]
+    allowed = (rng.random((queries, keys)) < 0.3) & (np.arange(keys) <= pos) | (np.arange(keys) == pos)
+    mask = mx.array(allowed)[None, None]  # [1, 1, L, T]
+    ours = np.array(attend_selected(q, k, v, 0.25, mask))
+    ref = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask))
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+    v_dropped = np.array(v)
+    v_dropped[..., ~allowed.any(0), :] = 1e6  # keys no query may see change nothing
+    assert np.abs(np.array(attend_selected(q, k, mx.array(v_dropped), 0.25, mask)) - ours).max() < 1e-5

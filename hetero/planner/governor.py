@@ -24,7 +24,8 @@ def prefill_buffer_bytes(args: ModelArgs, chunk: int, moe: MoE | None = None) ->
     if moe is not None:
         k = moe.per_token
         mlp = max(mlp, moe.experts + k * (3 * moe.intermediate + args.hidden_size) + 3 * moe.shared_intermediate)
-    return chunk * 4 * (6 * args.hidden_size + mlp + 2 * conv) + 4 * args.vocab_size
+    streams = getattr(args, "hc_count", 1) * args.hidden_size  # Qwen4-Exp's residual: hc streams of hidden_size
+    return chunk * 4 * (6 * streams + mlp + 2 * conv) + 4 * args.vocab_size
 
 
 def physical_memory_bytes() -> int:
@@ -48,6 +49,13 @@ class Budget:
     def wirable_bytes(self) -> int:
         return int(self.memory_bytes * self.wired_fraction)
 
+    @property
+    def memory_tokens(self) -> int:
+        """Tokens of KV the memory left after the fixed costs would hold, were the model's maximum no limit."""
+        kv = next((b for n, b in self.lines if n.startswith("KV cache")), 0)
+        unused = next((b for n, b in self.lines if n.startswith("unused")), 0)
+        return (kv + unused) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
+
     def to_dict(self) -> dict:
         return {
             "memory_gb": round(self.memory_bytes / 1e9, 3),
@@ -56,6 +64,7 @@ class Budget:
             "context_window": self.context_window,
             "model_max_context": self.model_max,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "memory_tokens": self.memory_tokens,
             "lines": [{"name": n, "bytes": b} for n, b in self.lines],
             "on_disk": [{"name": n, "bytes": b} for n, b in self.on_disk],
         }
@@ -65,7 +74,11 @@ class Budget:
         out = [f"memory: {self.memory_bytes / 1e9:.1f} GB RAM, GPU may wire {self.wired_fraction:.0%} = {self.wirable_bytes / 1e9:.2f} GB"]
         out += [f"  {gb(b)}  {n}" for n, b in self.lines]
         out += [f"  {gb(b)}  {n} (on disk, memory-mapped: not counted)" for n, b in self.on_disk]
-        limit = " (the model's maximum)" if self.context_window == self.model_max else ""
+        limit = ""
+        if self.context_window == self.model_max and self.kv_bytes_per_token:
+            limit = f" (the model's maximum; the memory would hold {self.memory_tokens:,})"
+        elif self.context_window == self.model_max:
+            limit = " (the model's maximum)"
         out.append(f"context window: {self.context_window} tokens{limit}")
         return out
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from hetero.errors import HeteroError
 from hetero.kv_quant import kv_quant
 from hetero.models.qwen3_5 import ModelArgs
+from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.planner.cost import chunk_spans, piece_flops
 from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
 from hetero.planner.hosts import HostPlan, Link, plan_hosts
@@ -23,7 +24,7 @@ from hetero.planner.predict import (
     verify_cost,
 )
 from hetero.planner.ranges import Ranges
-from hetero.planner.shape import MoE, Storage, model_shape, storage_for
+from hetero.planner.shape import MoE, Storage, model_shape, ple_table_params, storage_for
 from hetero.planner.slices import (
     ALIGN,
     OFFLOADABLE,
@@ -182,6 +183,8 @@ def make_plan(
     """
     quant = kv_quant(kv_bits, kv_group_size)
     args, moe = model_shape(config)
+    if quant is not None and isinstance(args, Qwen4Args):  # as `kv_quant.use_kv_quant` refuses at load
+        raise HeteroError("--kv-bits: qwen4_exp models keep full-precision KV only; leave --kv-bits out")
     if quant is not None:
         quant.check(args.head_dim)
     storage = storage_for(config, bits, group_size)
@@ -253,6 +256,8 @@ def make_plan(
     if memory_gb is not None and memory_gb <= 0:
         raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
     host_plan = None
+    if hosts is not None and isinstance(args, Qwen4Args):
+        raise HeteroError("--hosts: the pipeline across hosts does not run qwen4_exp checkpoints yet; plan one host")
     if hosts is not None:
         for flag, v in (("--link-gbps", link_gbps), ("--link-latency-ms", link_latency_ms)):
             if v is not None and (v < 0 or (flag == "--link-gbps" and v == 0)):
@@ -272,10 +277,18 @@ def make_plan(
                              profile.gpu_wired_fraction, storage.label, SPLIT_IN_FLIGHT if split else 1, moe=moe,
                              coreml_label=f"Core ML programs (ANE share, {ane_weights_label(storage)})",
                              kv_label=kv_label)
+        plan.memory.on_disk = disk_lines(args)
         if split:  # the window the same memory leaves GPU-only: the split's cost, shown next to its own
             plan.gpu_only_memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, 0,
                                           profile.gpu_wired_fraction, storage.label, 1, moe=moe, kv_label=kv_label)
     return plan
+
+
+def disk_lines(args) -> list[tuple[str, int]]:
+    """What the model reads from its files as needed instead of holding: Qwen4-Exp's PLE n-gram tables, which a
+    converted checkpoint keeps as the original stores them (bf16, unquantized) and the engine memory-maps."""
+    params = ple_table_params(args)
+    return [(f"PLE n-gram tables, {params / 1e9:.2f}B parameters in bf16", 2 * params)] if params else []
 
 
 def parse_pieces(text: str) -> tuple[str, ...]:

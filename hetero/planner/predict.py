@@ -134,7 +134,9 @@ def decode_weight_bytes(args: ModelArgs, moe: MoE | None, storage: Storage) -> f
     for p in pieces(args, moe, 0.0):
         if p.kind == "mtp":
             continue
-        params = args.vocab_size * args.hidden_size if p.kind == "lm_head" else p.token_params  # lm_head's matrix
+        params = p.token_params
+        if p.kind == "lm_head" and not args.tie_word_embeddings:  # the embedding: one row, not its matrix
+            params -= args.vocab_size * args.hidden_size
         weights += p.layers * storage.nbytes(params)
     return weights
 

@@ -35,7 +35,11 @@ def parameter_lines(plan: Plan) -> list[str]:
         return []
     b = lambda x: f"{x / 1e9:.2f}B"  # noqa: E731
     mtp = f" (MTP head {b(n.mtp_total)})" if n.mtp_total else ""
-    out = [f"parameters: {b(n.total)} total{mtp}, {b(n.active)} active per token"]
+    if n.on_disk:  # Qwen4-Exp: the PLE tables count in the model's total but stay in its files
+        out = [f"parameters: {b(n.total + n.on_disk)} total: {b(n.total)} weights{mtp} + {b(n.on_disk)} PLE n-gram "
+               f"tables on disk (memory-mapped, rows read as the n-grams hash); {b(n.active)} active per token"]
+    else:
+        out = [f"parameters: {b(n.total)} total{mtp}, {b(n.active)} active per token"]
     if m is not None:
         shared = " + 1 shared" if m.shared_intermediate else ""
         out.append(f"experts: {m.experts} per MoE layer ({len(plan.args.moe_layers)} layers), {m.per_token} routed{shared} "
@@ -50,19 +54,19 @@ def plan_lines(plan: Plan) -> list[str]:
     a, pr = plan.args, plan.predicted
     fmt = lambda v, unit="s": "unknown" if v is None else f"{v:.3f} {unit}" if unit else f"{v}"  # noqa: E731
     out = [
-        f"model: {plan.model} ({a.num_hidden_layers} layers: {a.layer_types.count('full_attention')} attention, "
+        f"model: {plan.model} ({a.num_hidden_layers} layers: {a.num_hidden_layers - a.layer_types.count('linear_attention')} attention, "
         f"{a.layer_types.count('linear_attention')} GDN; hidden {a.hidden_size}), weights {plan.storage.label}",
         *parameter_lines(plan),
         f"profile: {plan.profile.name} ({plan.profile.chip})",
         f"context {plan.context} tokens, chunk {plan.chunk}, prompt {plan.prompt_tokens}",
         f"ANE fraction: requested {plan.requested_fraction:.2f}, effective {plan.effective_fraction:.3f} of the prefill's FLOPs",
         "",
-        f"{'piece':<15} {'layers':>6} {'requested':>9} {'effective':>9} {'FLOP share':>10}  ANE slice",
+        f"{'piece':<17} {'layers':>6} {'requested':>9} {'effective':>9} {'FLOP share':>10}  ANE slice",
     ]
     total = sum(t for t, _ in plan.flops.values())
     for p in plan.pieces:
         slice_ = f"{p.ane_units}/{p.units} {p.unit}" if p.units else "-"
-        out.append(f"{p.kind:<15} {p.layers:>6} {p.requested:>9.2f} {p.ane_share:>9.2f} {plan.flops[p.kind][0] / total:>10.3f}  {slice_}")
+        out.append(f"{p.kind:<17} {p.layers:>6} {p.requested:>9.2f} {p.ane_share:>9.2f} {plan.flops[p.kind][0] / total:>10.3f}  {slice_}")
     out += headroom_lines(plan)
     if plan.programs:
         out += ["", program_line(plan)]

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
+from hetero.models.qwen4_exp.args import Qwen4Args
 from coreml_graphs.palette import LUT_BITS, lut_bytes_per_weight
-from hetero.planner.shape import MoE, Storage
+from hetero.planner.shape import MoE, Storage, ple_table_params
 from hetero.profiles import Profile
 
 ALIGN = 64  # channel and row slices come in multiples of 64 (the exporter's BC1S channel tile)
@@ -26,7 +27,8 @@ DELTA_BLOCK = 64  # the chunked delta rule's block size: its intra-block matmuls
 # Weights per exported ANE program: below the documented ~2 GB per program (a weights.bin past 2^31 bytes fails
 # to load), with room for the package's own metadata. The exporter splits a larger share into several programs.
 PROGRAM_WEIGHT_BUDGET = int(1.5 * 2**30)
-KINDS = ("attention", "mlp", "moe", "shared_expert", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "lm_head", "mtp")
+KINDS = ("attention", "mlp", "moe", "shared_expert", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "hyper_connections",
+         "ple", "lm_head", "mtp")
 OFFLOADABLE = ("attention", "mlp", "gdn_in_proj", "shared_expert")  # the kinds that may give the ANE a share
 EXACT_PATH = {
     "gdn_recurrence": "conv and delta-rule recurrence carry state across the whole context: exact GPU path",
@@ -34,7 +36,11 @@ EXACT_PATH = {
     "lm_head": "embeddings, final norm and lm_head (last row only) stay on the GPU",
     "mtp": "the MTP head stays on the GPU: its KV feeds speculative decoding",
     "moe": "routed experts stay on the GPU: each token picks its own experts, a static ANE program cannot gather them",
+    "hyper_connections": "the hyper-connection mixers read and write the residual streams: exact GPU path",
+    "ple": "PLE gathers hashed n-gram rows from disk and carries a conv window: exact GPU path",
 }
+# Qwen4-Exp: the split has no Core ML programs for it yet (hetero/pipeline/run.py refuses --ane-fraction on it)
+NO_SPLIT = "the ANE split has no programs for qwen4_exp yet: GPU-only"
 
 
 @dataclass(frozen=True)
@@ -88,23 +94,37 @@ def _aligned(x: float, step: int, total: int) -> int:
     return max(0, min(total, int(math.floor(x / step + 0.5)) * step))
 
 
-def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
-    """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap)."""
+def pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
+    """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap). Qwen4-Exp
+    adds its hyper-connections, PLE projections (the n-gram tables stay on disk: `shape.ple_table_params`), the QSA
+    indexer in its attention pieces and its own MTP head, and keeps every share on the GPU (`NO_SPLIT`)."""
     if not 0.0 <= fraction <= 1.0:
         raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
+    if isinstance(args, Qwen4Args):  # no programs for its pieces: every share stays on the GPU, and says why
+        return [p if not p.units else Piece(**{**asdict(p), "ane_units": 0, "cap_reason": NO_SPLIT if fraction else None})
+                for p in _pieces(args, moe, fraction)]
+    return _pieces(args, moe, fraction)
+
+
+def _pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
     h, H, Hkv, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
-    n_attn = args.layer_types.count("full_attention")
+    n_attn = sum(t != "linear_attention" for t in args.layer_types)  # full attention (Qwen4-Exp: QSA)
     n_gdn = args.num_hidden_layers - n_attn
     group = H // Hkv
+    q4 = isinstance(args, Qwen4Args)
     out: list[Piece] = []
 
     attn_params = h * (2 * H * D + 2 * Hkv * D + H * D)  # q + gate, k, v, o
+    index_params = h * (args.indexer_n_heads + 1) * args.indexer_head_dim if q4 and args.qsa else 0
+    # QSA's indexer scores each query against every compressed block (one per indexer_compress_ratio keys)
+    index_pair_flops = 2.0 * args.indexer_n_heads * args.indexer_head_dim / args.indexer_compress_ratio if index_params else 0.0
     kv = _aligned(fraction * Hkv, 1, Hkv)
     cap = None
     if kv != fraction * Hkv:
         cap = f"heads go in whole KV groups ({group} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
     if n_attn:
-        out.append(Piece("attention", n_attn, Hkv, "kv_groups", kv, attn_params, 2.0 * attn_params, 4.0 * H * D,
+        out.append(Piece("attention", n_attn, Hkv, "kv_groups", kv, attn_params + index_params,
+                         2.0 * (attn_params + index_params), 4.0 * H * D + index_pair_flops,
                          attn_params // Hkv, fraction, cap, pair_scores=H))
 
     dense_layers = args.num_hidden_layers - len(args.moe_layers)
@@ -145,10 +165,27 @@ def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
         out.append(Piece("gdn_out_proj", n_gdn, 0, "", 0, z * h, 2.0 * z * h + 8.0 * z, requested=fraction,
                          cap_reason=EXACT_PATH["gdn_out_proj"] if fraction else None))
 
+    if q4:
+        hc = hyper_params(args)
+        out.append(Piece("hyper_connections", args.num_hidden_layers, 0, "", 0, 2 * hc, 4.0 * hc, requested=fraction,
+                         cap_reason=EXACT_PATH["hyper_connections"] if fraction else None))
+        if args.ple_layer_ids:  # the n-gram tables stay on disk (`shape.ple_table_params`): not among the weights
+            E, S = args.ple_embed_dim, args.hc_count * h
+            ple = E * S + E * h + S * args.ple_conv_kernel_size  # key_proj, value_proj, the dilated conv
+            out.append(Piece("ple", len(args.ple_layer_ids), 0, "", 0, ple, 2.0 * ple, requested=fraction,
+                             cap_reason=EXACT_PATH["ple"] if fraction else None))
     head_params = args.vocab_size * h * (1 if args.tie_word_embeddings else 2)
+    head_params += hyper_params(args, final=True) if q4 else 0  # Qwen4-Exp's final mixer in place of the final norm
     out.append(Piece("lm_head", 1, 0, "", 0, head_params, 2.0 * h * args.vocab_size, requested=fraction,
                      cap_reason=EXACT_PATH["lm_head"] if fraction else None))
-    if args.mtp_num_hidden_layers:
+    if q4 and args.mtp_num_hidden_layers:  # fc_embedding, fc_hidden; one QSA + MoE layer with hc; its own mixer
+        routed, active = moe_params(h, moe)
+        base = 2 * h * h + attn_params + index_params + 3 * h * moe.shared_intermediate + 2 * hyper_params(args)
+        base += hyper_params(args, final=True)
+        out.append(Piece("mtp", 1, 0, "", 0, base + routed, 2.0 * (base + active), 4.0 * H * D + index_pair_flops,
+                         requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None,
+                         pair_scores=H, active_params=base + active))
+    elif args.mtp_num_hidden_layers:
         n = args.mtp_num_hidden_layers
         mtp_params = mtp_active = n * attn_params + 2 * h * h  # + fc
         for j in range(n):  # an MTP layer's MLP is an MoE block where the backbone's rule says so (vLLM's layout)
@@ -165,16 +202,25 @@ def pieces(args: ModelArgs, moe: MoE | None, fraction: float) -> list[Piece]:
     return out
 
 
+def hyper_params(args: Qwen4Args, final: bool = False) -> int:
+    """Weights of one Qwen4-Exp hyper-connection (two per decoder layer): the low-rank input mixer (down, up) and,
+    unless it is a `final` mixer, the per-stream injection weights."""
+    S = args.hc_count * args.hidden_size
+    return 2 * S * args.hc_lowrank + (0 if final else S * args.hc_count)
+
+
 @dataclass(frozen=True)
 class Parameters:
     """Weight counts (matrices; norm vectors aside): all of them, and those one token uses (MoE: the router, its
     top-k experts and the shared expert); `mtp_*` is the MTP head's part of each. The embedding and lm_head
-    matrices both count, as model cards count them."""
+    matrices both count, as model cards count them. `on_disk`: Qwen4-Exp's PLE n-gram tables, read from the
+    checkpoint's files and never held, so not in `total` (a model card's total includes them)."""
 
     total: int
     active: int
     mtp_total: int
     mtp_active: int
+    on_disk: int = 0
 
 
 def parameter_counts(args: ModelArgs, moe: MoE | None) -> Parameters:
@@ -182,7 +228,7 @@ def parameter_counts(args: ModelArgs, moe: MoE | None) -> Parameters:
     ps = pieces(args, moe, 0.0)
     mtp = next((p for p in ps if p.kind == "mtp"), None)
     return Parameters(sum(p.layers * p.params for p in ps), sum(p.layers * p.token_params for p in ps),
-                      mtp.params if mtp else 0, mtp.token_params if mtp else 0)
+                      mtp.params if mtp else 0, mtp.token_params if mtp else 0, ple_table_params(args))
 
 
 def moe_params(hidden: int, moe: MoE) -> tuple[int, int]:

@@ -16,8 +16,10 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from hetero.cache import KVCache, RaggedKV
+from hetero.models import attention
 from hetero.models.linear import Linear
 from hetero.models.qwen3_5 import Attention, RMSNorm
 from hetero.models.qwen4_exp.args import Qwen4Args
@@ -177,4 +179,42 @@ class QSAAttention(Attention):
             q_index, k_index = index
             all_keys = cache.update_index(k_index) if cache is not None else k_index  # [B, T, Di]
             mask = self.indexer.select(q_index, all_keys, offset)[:, None]  # [B, 1, S, T]
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.head_dim**-0.5, mask=mask)
+        return attend_selected(queries, keys, values, self.head_dim**-0.5, mask)
+
+
+def attend_selected(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """Attention of queries [B, H, L, D] (the last L of T positions) over keys/values [B, Hkv, T, D], each query to
+    the keys `mask` [B, 1, L, T] or [L, T] allows -> [B, H, L, D].
+
+    On MLX's CPU backend a prefill chunk's softmax runs in numpy (`attention.py` says why: MLX's scalar exp there
+    cost a 4K-token prefill of the bench model more than its attention matmuls); elsewhere, and for a few queries,
+    `mx.fast.scaled_dot_product_attention` with the mask."""
+    if mx.default_device() != mx.cpu or queries.shape[2] < attention.MIN_QUERIES:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    B, H, L, D = queries.shape
+    _, Hkv, T, Dv = values.shape
+    G = H // Hkv
+    offset = T - L  # position of the first query
+    allowed = np.broadcast_to(np.array(mask).reshape(-1, L, T), (B, L, T))  # [B, L, T]
+    q = (queries.astype(mx.float32) * scale).reshape(B, Hkv, G, L, D)  # [B, Hkv, G, L, D]
+    k_t = keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, D, T]
+    v_sum = mx.concatenate([values.astype(mx.float32), mx.ones((B, Hkv, T, 1), mx.float32)], axis=-1)  # sums column
+    step = max(1, min(L, attention.BLOCK_SCORES // (B * H * T)))  # query positions per block
+    outs = []
+    for i0 in range(0, L, step):
+        n = min(step, L - i0)
+        end = offset + i0 + n  # keys visible to the block's last query (the mask is causal)
+        scores = q[:, :, :, i0 : i0 + n].reshape(B, Hkv, G * n, D) @ k_t[..., :end]  # [B, Hkv, G*n, end]
+        s = attention._writable(scores).reshape(B, Hkv, G, n, end)
+        keep = allowed[:, None, None, i0 : i0 + n, :end]  # [B, 1, 1, n, end]
+        np.copyto(s, -np.inf, where=~keep)
+        s -= s.max(axis=-1, keepdims=True)  # every query keeps at least one key
+        np.maximum(s, attention.FLOOR, out=s)  # no subnormal reaches the matmul
+        np.exp(s, out=s)
+        s *= keep  # dropped keys weigh exactly 0
+        o = scores @ v_sum[:, :, :end]  # [B, Hkv, G*n, Dv+1]
+        o = (o[..., :Dv] / o[..., Dv:]).reshape(B, Hkv, G, n, Dv)
+        mx.eval(o)  # frees this block's scores before the next block's
+        outs.append(o)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, H, L, Dv).astype(queries.dtype)
