@@ -345,7 +345,11 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     report.total_bytes = sum(t.nbytes for t in tensors.values())
     report.has_mtp = checkpoint_has_mtp(tensors)
     if args.mtp_num_hidden_layers and not report.has_mtp:
-        report.warnings.append("config declares an MTP head but the checkpoint has no mtp.* tensors (converted without it?)")
+        drafter = path.with_name(path.name + "-mtp")  # where `mlx_vlm convert --mtp` writes the head
+        where = (f"mlx-vlm's drafter folder {drafter} holds it, which hetero does not read" if drafter.is_dir()
+                 else f"mlx-vlm would write it to {drafter}, absent")
+        report.warnings.append(f"config declares an MTP head but the checkpoint has no mtp.* tensors ({where}): "
+                               "plain decoding only")
     bad_dtype = [t for t in tensors.values() if report.shapes_checked and t.dtype not in ST_DTYPES
                  and not qwen4.is_hash_buffer(t.name)]
     for t in bad_dtype:

@@ -16,16 +16,20 @@ from hetero.models.args import ModelArgs
 _NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 _MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "model.language_model.visual.")
+# Qwen4-Exp PLE shards as mlx-vlm 0.7.10 converts them (`...ngram_embedding.shards.{i}.*`, a list of embeddings)
+_MLX_VLM_PLE_SHARD = re.compile(r"\.ngram_embedding\.shards\.(\d+)\.")
 
 
 def canonical_name(key: str) -> str | None:
     """Map a checkpoint tensor name onto this model's naming; None for tensors we deliberately skip (vision).
 
-    Accepts HF nested (`model.language_model.*`), mlx-lm nested (`language_model.model.*`) and flat (`model.*`).
-    Unknown names come back unchanged so that the pre-flight check can report them.
+    Accepts HF nested (`model.language_model.*`), mlx-lm / mlx-vlm nested (`language_model.model.*`) and flat
+    (`model.*`); mlx-vlm's Qwen4-Exp PLE shards `ngram_embedding.shards.{i}.*` become transformers'
+    `ngram_embedding.shard_{i}.*`. Unknown names come back unchanged so that the pre-flight check can report them.
     """
     if key.startswith(_SKIPPED_PREFIXES):
         return None
+    key = _MLX_VLM_PLE_SHARD.sub(r".ngram_embedding.shard_\1.", key)
     for prefix, repl in (
         ("model.language_model.", "model."),
         ("language_model.model.", "model."),

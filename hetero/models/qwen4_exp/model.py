@@ -240,17 +240,21 @@ def is_zero_centred_norm(name: str) -> bool:
 def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Checkpoint tensors -> parameters: canonical names (vision skipped), PLE shards concatenated (their hash
     buffers dropped: recomputed from the config), experts stacked, conv layout, the norms' +1 once."""
-    out = {}
+    out, hash_buffers = {}, False
     for key, value in weights.items():
         name = canonical_name(key)
-        if name is not None and not is_hash_buffer(name):
+        if name is not None and is_hash_buffer(name):
+            hash_buffers = True
+        elif name is not None:
             out[name] = value
     _check_hc(args, out)
     _join_ple_shards(args, out)
-    hf_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
+    hf_conv = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
-    return finish(out, args.num_experts, hf_layout, is_zero_centred_norm)
+    # The norms are stored zero-centred (+1 to apply) by transformers (its conv layout) and by mlx-vlm (MLX conv
+    # layout, hash buffers kept); only hetero's own converted copies drop the buffers and store 1 + w.
+    return finish(out, args.num_experts, hf_conv or hash_buffers, is_zero_centred_norm)
 
 
 def _check_hc(args: Qwen4Args, out: dict[str, mx.array]) -> None:
@@ -263,6 +267,12 @@ def _check_hc(args: Qwen4Args, out: dict[str, mx.array]) -> None:
 def _join_ple_shards(args: Qwen4Args, out: dict[str, mx.array]) -> None:
     """`...ngram_embedding.shard_{i}.weight` (split along rows) -> `...ngram_embedding.weight`; one line if any
     PLE layer's table is absent or incomplete."""
+    quantized = sorted(n for n in out if ".ngram_embedding." in n and n.endswith(".scales"))
+    if quantized:
+        layer = quantized[0].split(".")[2]
+        raise HeteroError(f"layer {layer}'s PLE n-gram table is quantized ({quantized[0]}; mlx-vlm's `convert -q` "
+                          "does this): hetero reads PLE tables in F32/F16/BF16 only, so convert from the float "
+                          "checkpoint without -q, or with `hetero convert --quantize 4 --out DIR`, which keeps them as stored")
     shards: dict[str, dict[int, mx.array]] = {}
     for name in [n for n in out if _PLE_SHARD.match(n)]:
         m = _PLE_SHARD.match(name)

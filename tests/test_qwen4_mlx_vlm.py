@@ -1,0 +1,160 @@
+"""Qwen4-Exp checkpoints as the MLX community converts them: mlx-vlm 0.7.10's own converter (`mlx_vlm.convert`),
+run here on tiny nested checkpoints that transformers writes, float and 4-bit, and loaded by hetero.
+
+What mlx-vlm writes (read from its real output, not from its code): `language_model.model.*` / `language_model.lm_head`
+names, experts stacked as `mlp.switch_mlp.*`, the MLX conv layout, the norms still zero-centred, the PLE hash
+buffers kept, PLE shards as `ngram_embedding.shards.{i}.*`, layer_types spelled `qwen_sparse_attention`, no `mtp.*`
+tensors (its `convert --mtp` writes the head to a separate drafter folder, `<out>-mtp`), and with `-q` a 4-bit
+affine table for every PLE shard whose rows are a multiple of 32 wide. mlx-vlm 0.7.10's config rejects
+transformers' `indexed_attention` layer name, so its input is a copy whose config spells it `qwen_sparse_attention`
+(the only change). mlx-vlm's greedy decoding on the converted folder is the oracle, with transformers' greedy on the
+original for the float conversion.
+"""
+
+from __future__ import annotations
+
+import hetero  # before mlx: the fast BLAS
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import qwen4_checkpoint as qc
+import torch
+
+from hetero.errors import HeteroError
+from hetero.loader import load_model, preflight
+
+pytest.importorskip("mlx_vlm")
+
+PROMPT, NEW = 30, 12
+WIDE = dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)  # 4-bit groups of 64 fit
+
+
+def _convert(tmp_path_factory, name: str, quantize: bool, **overrides):
+    """(transformers model, mlx-vlm's converted folder) for a tiny nested checkpoint built with `overrides`."""
+    from mlx_vlm.convert import convert
+
+    src = tmp_path_factory.mktemp(f"{name}-hf")
+    hf = qc.build(src, nested=True, ple_layer_ids=(2, 4), seed=1, mtp=True, **overrides)
+    qc.add_tokenizer(src)
+    vlm_src = tmp_path_factory.mktemp(f"{name}-vlm-src")
+    shutil.copytree(src, vlm_src, dirs_exist_ok=True)
+    config = json.loads((vlm_src / "config.json").read_text())
+    text = config["text_config"]
+    text["layer_types"] = ["qwen_sparse_attention" if t == "indexed_attention" else t for t in text["layer_types"]]
+    (vlm_src / "config.json").write_text(json.dumps(config))
+    out = tmp_path_factory.mktemp(f"{name}-mlx") / "model"
+    convert(str(vlm_src), str(out), quantize=quantize, q_bits=4)
+    return hf, out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return _convert(tmp_path_factory, "q4vlm", quantize=False)
+
+
+@pytest.fixture(scope="module")
+def converted_4bit(tmp_path_factory):
+    return _convert(tmp_path_factory, "q4vlm4", quantize=True, **WIDE)
+
+
+def _prompt() -> list[int]:
+    return [int(t) for t in np.random.default_rng(3).integers(2, qc.VOCAB, PROMPT)]
+
+
+def _hetero_greedy(path) -> list[int]:
+    model = load_model(path)[0]
+    cache, out = model.make_cache(), []
+    logits, _ = model(mx.array([_prompt()]), cache)
+    for _ in range(NEW):
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits, _ = model(mx.array([[out[-1]]]), cache)
+    return out
+
+
+def _mlx_vlm_greedy(path) -> list[int]:
+    """mlx-vlm's own greedy decoding of the folder (fp32, EOS ignored)."""
+    from mlx_vlm import load, stream_generate
+
+    model, processor = load(str(path))
+    model.set_dtype(mx.float32)
+    getattr(processor, "tokenizer", processor).stopping_criteria = lambda token: False
+    stream = stream_generate(model, processor, "", input_ids=mx.array([_prompt()]), max_tokens=NEW, temperature=0.0)
+    return [r.token for r in stream if r.finish_reason is None]  # the closing result repeats the last token
+
+
+def test_float_conversion_greedy_equals_mlx_vlm_and_transformers(converted):
+    hf, path = converted
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".ngram_embedding.shards.1.weight" in n for n in names)  # mlx-vlm's PLE naming really is exercised
+    assert any(".mlp.switch_mlp." in n for n in names) and not any(n.startswith("mtp.") for n in names)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([_prompt()]), max_new_tokens=NEW, do_sample=False)[0, PROMPT:].tolist()
+    ours = _hetero_greedy(path)
+    assert ours == ref
+    assert ours == _mlx_vlm_greedy(path)
+
+
+def test_float_conversion_logits_match_transformers(converted):
+    """The norms mlx-vlm leaves zero-centred get their +1 once (not twice, not never): logits within 1e-4."""
+    hf, path = converted
+    tokens = _prompt() + _prompt()  # 60 tokens: QSA drops keys
+    ours = np.array(load_model(path)[0](mx.array([tokens]))[0][0])
+    ref = qc.hf_logits(hf, tokens)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_float_conversion_keeps_ple_shards_on_disk(converted):
+    """mlx-vlm's `ngram_embedding.shards.{i}` stay in the converted file, memory-mapped, rows equal to the stored."""
+    from mlx.utils import tree_flatten
+    from safetensors.numpy import load_file
+
+    _, path = converted
+    model = load_model(path)[0]
+    assert not [k for k, _ in tree_flatten(model.parameters()) if "ngram_embedding" in k]
+    stored = load_file(path / "model.safetensors")
+    for i, layer in enumerate(model.layers):
+        if layer.ple is None:
+            continue
+        prefix = f"language_model.model.layers.{i}.ple.ple_embedding.ngram_embedding.shards"
+        whole = np.concatenate([stored[f"{prefix}.{k}.weight"] for k in range(2)])  # [rows, width]
+        rows = np.random.default_rng(i).integers(0, len(whole), (2, 5, 4))
+        np.testing.assert_array_equal(np.array(layer.ple.ple_embedding.table(rows)), whole[rows])
+
+
+def test_check_names_the_layout_and_where_the_mtp_head_would_be(converted):
+    """`hetero check` on mlx-vlm's folder: supported, the PLE tables counted, and one line saying the MTP head the
+    config declares is not in the folder and where mlx-vlm's `convert --mtp` would put it."""
+    _, path = converted
+    report = preflight(path)
+    text = "\n".join(report.lines())
+    assert report.ok, text
+    assert "Qwen4ExpForConditionalGeneration (model_type qwen4_exp): supported" in text
+    assert "PLE n-gram tables:" in text and "on layers [1, 3]" in text
+    assert not report.has_mtp
+    assert [w for w in report.warnings if "no mtp.* tensors" in w and f"{path}-mtp" in w]
+
+
+def test_4bit_conversion_greedy_equals_mlx_vlm(converted_4bit):
+    """mlx-vlm's `-q --q-bits 4` (groups of 64; its rule leaves 8-bit routers, and these 4-wide PLE rows float)
+    loads quantized in hetero, and hetero's greedy tokens equal mlx-vlm's own on the same folder."""
+    import mlx.nn as nn
+
+    _, path = converted_4bit
+    assert json.loads((path / "config.json").read_text())["quantization"]["bits"] == 4
+    model = load_model(path, fuse_projections=False)[0]
+    assert isinstance(model.layers[0].linear_attn.in_proj_qkv, nn.QuantizedLinear)
+    assert _hetero_greedy(path) == _mlx_vlm_greedy(path)
+
+
+def test_quantized_ple_table_is_refused_in_one_line(tmp_path_factory):
+    """With PLE rows 32 wide mlx-vlm quantizes the n-gram tables too (4-bit, groups of 32): hetero refuses them in
+    one line that says what to do, at check time and at load time."""
+    _, path = _convert(tmp_path_factory, "q4vlmple", quantize=True, **WIDE, ple_embed_dim=128)
+    report = preflight(path)
+    assert not report.ok and "PLE n-gram table is quantized" in report.first_problem()
+    with pytest.raises(HeteroError, match=r"layer 1's PLE n-gram table is quantized.*without -q") as e:
+        load_model(path)
+    assert "\n" not in str(e.value)
