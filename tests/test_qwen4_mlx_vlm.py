@@ -5,7 +5,8 @@ What mlx-vlm writes (read from its real output, not from its code): `language_mo
 names, experts stacked as `mlp.switch_mlp.*`, the MLX conv layout, the norms still zero-centred, the PLE hash
 buffers kept, PLE shards as `ngram_embedding.shards.{i}.*`, layer_types spelled `qwen_sparse_attention`, no `mtp.*`
 tensors (its `convert --mtp` writes the head to a separate drafter folder, `<out>-mtp`), and with `-q` a 4-bit
-affine table for every PLE shard whose rows are a multiple of 32 wide. mlx-vlm 0.7.10's config rejects
+affine table (groups of 32) for every PLE shard whose rows are a multiple of 32 wide, which hetero
+reads where it lies and dequantizes per gathered row. mlx-vlm 0.7.10's config rejects
 transformers' `indexed_attention` layer name, so its input is a copy whose config spells it `qwen_sparse_attention`
 (the only change). mlx-vlm's greedy decoding on the converted folder is the oracle, with transformers' greedy on the
 original for the float conversion.
@@ -29,7 +30,8 @@ from hetero.loader import load_model, preflight
 pytest.importorskip("mlx_vlm")
 
 PROMPT, NEW = 30, 12
-WIDE = dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)  # 4-bit groups of 64 fit
+# 4-bit groups of 64 fit the projections; PLE rows 128 / 4 heads = 32 wide, so mlx-vlm quantizes the n-gram tables
+WIDE = dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64, ple_embed_dim=128)
 
 
 def _convert(tmp_path_factory, name: str, quantize: bool, **overrides):
@@ -138,8 +140,8 @@ def test_check_names_the_layout_and_where_the_mtp_head_would_be(converted):
 
 
 def test_4bit_conversion_greedy_equals_mlx_vlm(converted_4bit):
-    """mlx-vlm's `-q --q-bits 4` (groups of 64; its rule leaves 8-bit routers, and these 4-wide PLE rows float)
-    loads quantized in hetero, and hetero's greedy tokens equal mlx-vlm's own on the same folder."""
+    """mlx-vlm's `-q --q-bits 4` (groups of 64, the PLE tables in groups of 32) loads quantized in hetero, and
+    hetero's greedy tokens equal mlx-vlm's own on the same folder."""
     import mlx.nn as nn
 
     _, path = converted_4bit
@@ -149,12 +151,43 @@ def test_4bit_conversion_greedy_equals_mlx_vlm(converted_4bit):
     assert _hetero_greedy(path) == _mlx_vlm_greedy(path)
 
 
-def test_quantized_ple_table_is_refused_in_one_line(tmp_path_factory):
-    """With PLE rows 32 wide mlx-vlm quantizes the n-gram tables too (4-bit, groups of 32): hetero refuses them in
-    one line that says what to do, at check time and at load time."""
-    _, path = _convert(tmp_path_factory, "q4vlmple", quantize=True, **WIDE, ple_embed_dim=128)
-    report = preflight(path)
-    assert not report.ok and "PLE n-gram table is quantized" in report.first_problem()
-    with pytest.raises(HeteroError, match=r"layer 1's PLE n-gram table is quantized.*without -q") as e:
-        load_model(path)
-    assert "\n" not in str(e.value)
+def test_quantized_ple_rows_are_read_exactly_from_disk(converted_4bit):
+    """mlx-vlm's 4-bit PLE shards stay in the file (no table among the parameters, the governor counts their
+    packed bytes as on disk) and a gather returns exactly the stored rows dequantized."""
+    from mlx.utils import tree_flatten
+
+    from hetero.models.qwen4_exp.ple_table import QuantizedDiskTable
+
+    _, path = converted_4bit
+    model = load_model(path)[0]
+    assert not [k for k, _ in tree_flatten(model.parameters()) if "ngram_embedding" in k]
+    stored = mx.load(str(path / "model.safetensors"))
+    packed = 0
+    for i, layer in enumerate(model.layers):
+        if layer.ple is None:
+            continue
+        table = layer.ple.ple_embedding.table
+        assert isinstance(table, QuantizedDiskTable) and (table.bits, table.group_size) == (4, 32)
+        prefix = f"language_model.model.layers.{i}.ple.ple_embedding.ngram_embedding.shards"
+        whole = mx.concatenate([mx.dequantize(stored[f"{prefix}.{k}.weight"], stored[f"{prefix}.{k}.scales"],
+                                              stored[f"{prefix}.{k}.biases"], group_size=32, bits=4)
+                                for k in range(2)])  # [rows, 32]
+        packed += sum(stored[f"{prefix}.{k}.{kind}"].nbytes for k in range(2) for kind in ("weight", "scales", "biases"))
+        rows = np.random.default_rng(i).integers(0, whole.shape[0], (2, 5, 4))
+        np.testing.assert_array_equal(np.array(table(rows)), np.array(whole[mx.array(rows)]))
+    assert model.ple_disk_bytes == packed
+
+
+def test_quantized_ple_table_in_another_mode_is_one_line(converted_4bit, tmp_path):
+    """A PLE table quantized in a mode hetero does not read (mxfp4 here, declared in config.json) is refused in one
+    line at check time."""
+    _, path = converted_4bit
+    copy = tmp_path / "mxfp4"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    for key, value in config["quantization"].items():
+        if ".ngram_embedding.shards." in key:
+            value["mode"] = "mxfp4"
+    (copy / "config.json").write_text(json.dumps(config))
+    problem = preflight(copy).first_problem()
+    assert "quantized in mode 'mxfp4'" in problem and "--q-mode affine" in problem and "\n" not in problem

@@ -17,7 +17,7 @@ _NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "
 _MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "model.language_model.visual.")
 # Qwen4-Exp PLE shards as mlx-vlm 0.7.10 converts them (`...ngram_embedding.shards.{i}.*`, a list of embeddings)
-_MLX_VLM_PLE_SHARD = re.compile(r"\.ngram_embedding\.shards\.(\d+)\.")
+_MLX_VLM_PLE_SHARD = re.compile(r"\.ngram_embedding\.shards\.(\d+)(?=\.|$)")
 
 
 def canonical_name(key: str) -> str | None:
@@ -29,7 +29,7 @@ def canonical_name(key: str) -> str | None:
     """
     if key.startswith(_SKIPPED_PREFIXES):
         return None
-    key = _MLX_VLM_PLE_SHARD.sub(r".ngram_embedding.shard_\1.", key)
+    key = _MLX_VLM_PLE_SHARD.sub(r".ngram_embedding.shard_\1", key)
     for prefix, repl in (
         ("model.language_model.", "model."),
         ("language_model.model.", "model."),
