@@ -41,8 +41,8 @@ class DiskTable:
             raise ValueError("a DiskTable needs at least one block of rows")
         dtypes, widths = {b.dtype for b in blocks}, {b.shape[1] for b in blocks}
         if len(dtypes) != 1 or len(widths) != 1 or next(iter(dtypes)) not in _DTYPES:
-            raise HeteroError(f"PLE table blocks in {blocks[0].file.name} must share one dtype (F32, F16, BF16, or "
-                              f"U32 when quantized) and width; found {sorted(dtypes)} and widths {sorted(widths)}")
+            raise HeteroError(f"PLE table blocks in {blocks[0].file.name} must share one float dtype (F32, F16, BF16; "
+                              f"U32 packed when quantized) and width; found {sorted(dtypes)} and widths {sorted(widths)}")
         self.dtype, self.width = dtypes.pop(), widths.pop()
         maps = {file: _map(file) for file in {b.file for b in blocks}}
         np_dtype = _DTYPES[self.dtype]
