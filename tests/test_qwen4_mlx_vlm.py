@@ -34,8 +34,9 @@ PROMPT, NEW = 30, 12
 WIDE = dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64, ple_embed_dim=128)
 
 
-def _convert(tmp_path_factory, name: str, quantize: bool, **overrides):
-    """(transformers model, mlx-vlm's converted folder) for a tiny nested checkpoint built with `overrides`."""
+def _convert(tmp_path_factory, name: str, quantize: bool, mtp: bool = False, **overrides):
+    """(transformers model, mlx-vlm's converted folder, the original folder) for a tiny nested checkpoint with an MTP
+    head built with `overrides`; with `mtp`, mlx-vlm also writes the head to its drafter folder `<out>-mtp`."""
     from mlx_vlm.convert import convert
 
     src = tmp_path_factory.mktemp(f"{name}-hf")
@@ -48,8 +49,8 @@ def _convert(tmp_path_factory, name: str, quantize: bool, **overrides):
     text["layer_types"] = ["qwen_sparse_attention" if t == "indexed_attention" else t for t in text["layer_types"]]
     (vlm_src / "config.json").write_text(json.dumps(config))
     out = tmp_path_factory.mktemp(f"{name}-mlx") / "model"
-    convert(str(vlm_src), str(out), quantize=quantize, q_bits=4)
-    return hf, out
+    convert(str(vlm_src), str(out), quantize=quantize, q_bits=4, mtp=mtp)
+    return hf, out, src
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,11 @@ def converted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted_4bit(tmp_path_factory):
     return _convert(tmp_path_factory, "q4vlm4", quantize=True, **WIDE)
+
+
+@pytest.fixture(scope="module")
+def converted_mtp(tmp_path_factory):
+    return _convert(tmp_path_factory, "q4vlmmtp", quantize=False, mtp=True)
 
 
 def _prompt() -> list[int]:
@@ -88,7 +94,7 @@ def _mlx_vlm_greedy(path) -> list[int]:
 
 
 def test_float_conversion_greedy_equals_mlx_vlm_and_transformers(converted):
-    hf, path = converted
+    hf, path, _ = converted
     names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(".ngram_embedding.shards.1.weight" in n for n in names)  # mlx-vlm's PLE naming really is exercised
     assert any(".mlp.switch_mlp." in n for n in names) and not any(n.startswith("mtp.") for n in names)
@@ -101,7 +107,7 @@ def test_float_conversion_greedy_equals_mlx_vlm_and_transformers(converted):
 
 def test_float_conversion_logits_match_transformers(converted):
     """The norms mlx-vlm leaves zero-centred get their +1 once (not twice, not never): logits within 1e-4."""
-    hf, path = converted
+    hf, path, _ = converted
     tokens = _prompt() + _prompt()  # 60 tokens: QSA drops keys
     ours = np.array(load_model(path)[0](mx.array([tokens]))[0][0])
     ref = qc.hf_logits(hf, tokens)
@@ -113,7 +119,7 @@ def test_float_conversion_keeps_ple_shards_on_disk(converted):
     from mlx.utils import tree_flatten
     from safetensors.numpy import load_file
 
-    _, path = converted
+    _, path, _ = converted
     model = load_model(path)[0]
     assert not [k for k, _ in tree_flatten(model.parameters()) if "ngram_embedding" in k]
     stored = load_file(path / "model.safetensors")
@@ -129,7 +135,7 @@ def test_float_conversion_keeps_ple_shards_on_disk(converted):
 def test_check_names_the_layout_and_where_the_mtp_head_would_be(converted):
     """`hetero check` on mlx-vlm's folder: supported, the PLE tables counted, and one line saying the MTP head the
     config declares is not in the folder and where mlx-vlm's `convert --mtp` would put it."""
-    _, path = converted
+    _, path, _ = converted
     report = preflight(path)
     text = "\n".join(report.lines())
     assert report.ok, text
@@ -144,7 +150,7 @@ def test_4bit_conversion_greedy_equals_mlx_vlm(converted_4bit):
     hetero's greedy tokens equal mlx-vlm's own on the same folder."""
     import mlx.nn as nn
 
-    _, path = converted_4bit
+    _, path, _ = converted_4bit
     assert json.loads((path / "config.json").read_text())["quantization"]["bits"] == 4
     model = load_model(path, fuse_projections=False)[0]
     assert isinstance(model.layers[0].linear_attn.in_proj_qkv, nn.QuantizedLinear)
@@ -158,7 +164,7 @@ def test_quantized_ple_rows_are_read_exactly_from_disk(converted_4bit):
 
     from hetero.models.qwen4_exp.ple_table import QuantizedDiskTable
 
-    _, path = converted_4bit
+    _, path, _ = converted_4bit
     model = load_model(path)[0]
     assert not [k for k, _ in tree_flatten(model.parameters()) if "ngram_embedding" in k]
     stored = mx.load(str(path / "model.safetensors"))
@@ -181,7 +187,7 @@ def test_quantized_ple_rows_are_read_exactly_from_disk(converted_4bit):
 def test_quantized_ple_table_in_another_mode_is_one_line(converted_4bit, tmp_path):
     """A PLE table quantized in a mode hetero does not read (mxfp4 here, declared in config.json) is refused in one
     line at check time."""
-    _, path = converted_4bit
+    _, path, _ = converted_4bit
     copy = tmp_path / "mxfp4"
     shutil.copytree(path, copy)
     config = json.loads((copy / "config.json").read_text())
@@ -191,3 +197,24 @@ def test_quantized_ple_table_in_another_mode_is_one_line(converted_4bit, tmp_pat
     (copy / "config.json").write_text(json.dumps(config))
     problem = preflight(copy).first_problem()
     assert "quantized in mode 'mxfp4'" in problem and "--q-mode affine" in problem and "\n" not in problem
+
+
+def test_mtp_head_is_read_from_mlx_vlms_drafter_folder(converted_mtp):
+    """`mlx_vlm convert --mtp` writes the head to `<out>-mtp` (its tensors without the `mtp.` prefix): hetero finds it
+    there, `hetero check` says so, and its draft logits equal those of the head read from the original checkpoint's
+    `mtp.*` tensors (which test_qwen4_mtp holds against a float64 oracle)."""
+    _, path, src = converted_mtp
+    drafter = path.with_name(path.name + "-mtp")
+    assert json.loads((drafter / "config.json").read_text())["model_type"] == "qwen4_exp_mtp"
+    assert not any(n.startswith("mtp.") for n in mx.load(str(drafter / "model.safetensors")))
+    report = preflight(path)
+    assert report.ok and report.has_mtp
+    assert f"MTP head: present, read from mlx-vlm's drafter folder {drafter}" in "\n".join(report.lines())
+    tokens = mx.array([_prompt()])
+    draft = []
+    for folder in (path, src):
+        model = load_model(folder)[0]
+        assert model.has_mtp
+        _, streams = model(tokens[:, :-1])
+        draft.append(np.array(model.draft_logits(model.mtp_hidden(tokens[:, 1:], streams))))
+    assert np.abs(draft[0] - draft[1]).max() <= 1e-5 * np.abs(draft[1]).max()
