@@ -34,7 +34,7 @@ PROMPT, NEW = 30, 12
 WIDE = dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64, ple_embed_dim=128)
 
 
-def _convert(tmp_path_factory, name: str, quantize: bool, mtp: bool = False, **overrides):
+def _convert(tmp_path_factory, name: str, quantize: bool, mtp: bool = False, dtype: str | None = None, **overrides):
     """(transformers model, mlx-vlm's converted folder, the original folder) for a tiny nested checkpoint with an MTP
     head built with `overrides`; with `mtp`, mlx-vlm also writes the head to its drafter folder `<out>-mtp`."""
     from mlx_vlm.convert import convert
@@ -49,7 +49,7 @@ def _convert(tmp_path_factory, name: str, quantize: bool, mtp: bool = False, **o
     text["layer_types"] = ["qwen_sparse_attention" if t == "indexed_attention" else t for t in text["layer_types"]]
     (vlm_src / "config.json").write_text(json.dumps(config))
     out = tmp_path_factory.mktemp(f"{name}-mlx") / "model"
-    convert(str(vlm_src), str(out), quantize=quantize, q_bits=4, mtp=mtp)
+    convert(str(vlm_src), str(out), quantize=quantize, q_bits=4, mtp=mtp, dtype=dtype)
     return hf, out, src
 
 
@@ -143,6 +143,17 @@ def test_check_names_the_layout_and_where_the_mtp_head_would_be(converted):
     assert "PLE n-gram tables:" in text and "on layers [1, 3]" in text
     assert not report.has_mtp
     assert [w for w in report.warnings if "no mtp.* tensors" in w and f"{path}-mtp" in w]
+
+
+def test_bf16_conversion_greedy_equals_mlx_vlm(tmp_path_factory):
+    """`convert --dtype bfloat16`: every tensor (the PLE shards too, read from the file as BF16) stored in bf16;
+    both engines compute in fp32 from those weights and pick the same greedy tokens."""
+    from hetero.loader import checkpoint_tensors
+
+    _, path, _ = _convert(tmp_path_factory, "q4vlmbf16", quantize=False, dtype="bfloat16")
+    tensors = checkpoint_tensors(path)[0]
+    assert {t.dtype for n, t in tensors.items() if "ngram_embedding.shards" in n} == {"BF16"}
+    assert _hetero_greedy(path) == _mlx_vlm_greedy(path)
 
 
 def test_4bit_conversion_greedy_equals_mlx_vlm(converted_4bit):
