@@ -378,7 +378,7 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     for t in bad_dtype:
         report.errors.append(f"tensor {t.name} in {t.file} has dtype {t.dtype}; hetero loads F32, F16, BF16 (and U32 quantized) weights")
 
-    quantized = {canonical_name(n) or n for n in tensors}
+    quantized = {u for n in tensors for u in unfused_names(canonical_name(n) or n)}  # per-expert: their switch_mlp
     quantized = {n[: -len(".scales")] for n in quantized if n.endswith(".scales")}
     try:
         expected = dict(tree_flatten(build_lazy_model(args, report.has_mtp, quantized).parameters()))

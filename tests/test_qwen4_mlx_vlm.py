@@ -60,7 +60,7 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted_4bit(tmp_path_factory):
-    return _convert(tmp_path_factory, "q4vlm4", quantize=True, **WIDE)
+    return _convert(tmp_path_factory, "q4vlm4", quantize=True, mtp=True, **WIDE)
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +229,21 @@ def test_mtp_head_is_read_from_mlx_vlms_drafter_folder(converted_mtp):
         _, streams = model(tokens[:, :-1])
         draft.append(np.array(model.draft_logits(model.mtp_hidden(tokens[:, 1:], streams))))
     assert np.abs(draft[0] - draft[1]).max() <= 1e-5 * np.abs(draft[1]).max()
+
+
+def test_4bit_drafter_folder_loads_quantized_and_greedy_mtp_equals_plain(converted_4bit):
+    """`convert -q --mtp` quantizes the drafter too, its routed experts one by one (`experts.{e}.*.scales`): hetero
+    stacks them quantized, and greedy speculative decoding with that head equals plain greedy decoding."""
+    from hetero.decode.records import MTPStats
+    from hetero.decode.solo import decode_tokens
+    from hetero.sampling import Sampler, SamplingParams
+
+    _, path, _ = converted_4bit
+    drafter = mx.load(str(path.with_name(path.name + "-mtp") / "model.safetensors"))
+    assert "layers.0.mlp.experts.0.gate_proj.scales" in drafter
+    model = load_model(path)[0]
+    assert model.has_mtp and "scales" in model.mtp.layers[0].mlp.switch_mlp.gate_proj  # stacked, still 4-bit
+    greedy, stats = Sampler(SamplingParams()), MTPStats(2)
+    plain = list(decode_tokens(model, _prompt(), greedy, 16, set()))
+    assert list(decode_tokens(model, _prompt(), greedy, 16, set(), depth=2, copy=False, stats=stats)) == plain
+    assert stats.mtp_rounds > 0

@@ -48,8 +48,9 @@ def is_zero_centred_norm(name: str) -> bool:
 
 
 _FUSED = re.compile(r"(.*linear_attn)\.in_proj_(qkvz|ba)\.(weight|scales|biases)$")
-# Routed experts as HF writes them: one tensor per expert (save_pretrained, the released checkpoints) ...
-_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Routed experts as HF writes them: one tensor per expert (save_pretrained, the released checkpoints; quantized one
+# by one in mlx-vlm's 4-bit MTP drafters, with scales and biases) ...
+_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 # ... or transformers 5's in-memory layout, all experts in one tensor: gate_up_proj [E, 2I, H], down_proj [E, H, I]
 _EXPERTS_FUSED = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -63,7 +64,7 @@ def unfused_names(name: str) -> list[str]:
         return [f"{m.group(1)}.in_proj_{p}.{m.group(3)}" for p in parts]
     m = _EXPERT.match(name)
     if m:
-        return [f"{m.group(1)}.switch_mlp.{m.group(3)}.weight"]
+        return [f"{m.group(1)}.switch_mlp.{m.group(3)}.{m.group(4)}"]
     m = _EXPERTS_FUSED.match(name)
     if m:
         parts = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
@@ -72,8 +73,8 @@ def unfused_names(name: str) -> list[str]:
 
 
 class ExpertStacker:
-    """Stacks per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, canonical names) into `switch_mlp`
-    parameters [experts, out, in] as each projection's experts arrive, so a loader that feeds it shard by shard
+    """Stacks per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, or its `.scales` / `.biases`, canonical
+    names) into `switch_mlp` parameters [experts, out, in] as each projection's experts arrive, so a loader that feeds it shard by shard
     holds at most the unfinished groups' tensors besides the stacked ones.
     """
 
