@@ -287,15 +287,16 @@ def checkpoint_tensors(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
 
 
 def mtp_drafter(path: Path) -> Path | None:
-    """The MTP head's folder that mlx-vlm writes beside a checkpoint it converts (`mlx_vlm convert --mtp`:
-    `<dir>-mtp`, config model_type `*_mtp`, the head's tensors without their `mtp.` prefix), or None. A checkpoint
-    without `mtp.*` tensors reads its head from there."""
+    """The MTP head's folder that mlx-vlm writes beside a Qwen4-Exp checkpoint it converts (`mlx_vlm convert --mtp`:
+    `<dir>-mtp`, config model_type `qwen4_exp_mtp`, the head's tensors without their `mtp.` prefix), or None. A
+    checkpoint without `mtp.*` tensors reads its head from there. (mlx-vlm's drafters of other families are not
+    read: their names are untested here.)"""
     folder = drafter_path(path)
     try:
         kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
-    return folder if isinstance(kind, str) and kind.endswith("_mtp") else None
+    return folder if kind == "qwen4_exp_mtp" else None
 
 
 def drafter_path(path: Path) -> Path:
