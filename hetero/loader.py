@@ -370,10 +370,14 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     report.total_bytes = sum(t.nbytes for t in tensors.values())
     report.has_mtp = checkpoint_has_mtp(tensors)
     if args.mtp_num_hidden_layers and not report.has_mtp:
-        report.warnings.append(f"config declares an MTP head but the checkpoint has no mtp.* tensors, nor is there an "
-                               f"mlx-vlm drafter folder at {drafter_path(path)} (`mlx_vlm convert --mtp` writes it): "
+        drafter = (f", nor is there an mlx-vlm drafter folder at {drafter_path(path)} (`mlx_vlm convert --mtp` "
+                   "writes it)" if isinstance(args, Qwen4Args) else " (converted without it?)")
+        report.warnings.append(f"config declares an MTP head but the checkpoint has no mtp.* tensors{drafter}: "
                                "plain decoding only")
-    report.mtp_folder = str(mtp_drafter(path)) if report.has_mtp and mtp_drafter(path) else None
+    drafter_folder = mtp_drafter(path)
+    if drafter_folder is not None and any(os.path.normpath(path / t.file).startswith(str(drafter_folder) + os.sep)
+                                          for t in tensors.values()):  # the head's tensors were read from there
+        report.mtp_folder = str(drafter_folder)
     bad_dtype = [t for t in tensors.values() if report.shapes_checked and t.dtype not in ST_DTYPES
                  and not qwen4.is_hash_buffer(t.name)]
     for t in bad_dtype:
