@@ -13,7 +13,7 @@ import re
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -191,6 +191,7 @@ class Preflight:
     total_bytes: int = 0
     peak_memory_bytes: int = 0
     has_mtp: bool = False
+    mtp_folder: str | None = None  # where the MTP head is read from when not the checkpoint (mlx-vlm's drafter)
     quantization: dict | None = None
     shapes_checked: bool = False
     experts: int = 0  # routed experts per MoE layer (0: dense model)
@@ -230,7 +231,8 @@ class Preflight:
         out.append(f"tensors: {self.n_tensors}, {gb(self.total_bytes)} on disk" + ("" if self.shapes_checked else " (shapes not checked: shards not local)"))
         if self.peak_memory_bytes:
             out.append(f"estimated peak memory: {gb(self.peak_memory_bytes)}")
-        out.append(f"MTP head: {'present' if self.has_mtp else 'absent (speculative decoding unavailable)'}")
+        mtp = f"present, read from mlx-vlm's drafter folder {self.mtp_folder}" if self.mtp_folder else "present"
+        out.append(f"MTP head: {mtp if self.has_mtp else 'absent (speculative decoding unavailable)'}")
         if self.experts:
             shared = f" + {self.shared_experts} shared" if self.shared_experts else ""
             out.append(f"experts: {self.experts} routed{shared}, {self.experts_per_token} active per token, "
@@ -276,7 +278,30 @@ def checkpoint_tensors(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
             if f == shard and name not in header:
                 raise HeteroError(f"tensor {name} is listed for {shard} in the index but that file does not hold it")
         tensors.update(header)
+    drafter = mtp_drafter(path)
+    if drafter is not None and not checkpoint_has_mtp(tensors):
+        for file in sorted(drafter.glob("*.safetensors")):
+            tensors.update({f"mtp.{n}": replace(t, name=f"mtp.{n}", file=os.path.relpath(file, path))
+                            for n, t in read_header(file).items()})
     return tensors, absent
+
+
+def mtp_drafter(path: Path) -> Path | None:
+    """The MTP head's folder that mlx-vlm writes beside a Qwen4-Exp checkpoint it converts (`mlx_vlm convert --mtp`:
+    `<dir>-mtp`, config model_type `qwen4_exp_mtp`, the head's tensors without their `mtp.` prefix), or None. A
+    checkpoint without `mtp.*` tensors reads its head from there. (mlx-vlm's drafters of other families are not
+    read: their names are untested here.)"""
+    folder = drafter_path(path)
+    try:
+        kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return folder if kind == "qwen4_exp_mtp" else None
+
+
+def drafter_path(path: Path) -> Path:
+    """Where mlx-vlm puts the MTP drafter of the checkpoint at `path`: `<path>-mtp`, beside it."""
+    return path.with_name(path.name + "-mtp")
 
 
 def _weight_map(index_file: Path) -> dict[str, str]:
@@ -345,13 +370,20 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     report.total_bytes = sum(t.nbytes for t in tensors.values())
     report.has_mtp = checkpoint_has_mtp(tensors)
     if args.mtp_num_hidden_layers and not report.has_mtp:
-        report.warnings.append("config declares an MTP head but the checkpoint has no mtp.* tensors (converted without it?)")
+        drafter = (f", nor is there an mlx-vlm drafter folder at {drafter_path(path)} (`mlx_vlm convert --mtp` "
+                   "writes it)" if isinstance(args, Qwen4Args) else " (converted without it?)")
+        report.warnings.append(f"config declares an MTP head but the checkpoint has no mtp.* tensors{drafter}: "
+                               "plain decoding only")
+    drafter_folder = mtp_drafter(path)
+    if drafter_folder is not None and any(os.path.normpath(path / t.file).startswith(str(drafter_folder) + os.sep)
+                                          for t in tensors.values()):  # the head's tensors were read from there
+        report.mtp_folder = str(drafter_folder)
     bad_dtype = [t for t in tensors.values() if report.shapes_checked and t.dtype not in ST_DTYPES
                  and not qwen4.is_hash_buffer(t.name)]
     for t in bad_dtype:
         report.errors.append(f"tensor {t.name} in {t.file} has dtype {t.dtype}; hetero loads F32, F16, BF16 (and U32 quantized) weights")
 
-    quantized = {canonical_name(n) or n for n in tensors}
+    quantized = {u for n in tensors for u in unfused_names(canonical_name(n) or n)}  # per-expert: their switch_mlp
     quantized = {n[: -len(".scales")] for n in quantized if n.endswith(".scales")}
     try:
         expected = dict(tree_flatten(build_lazy_model(args, report.has_mtp, quantized).parameters()))
@@ -464,14 +496,15 @@ def load_weights(path: Path, args: ModelArgs | None = None) -> dict[str, mx.arra
     )
     stacker = ExpertStacker(args.num_experts) if args is not None and args.num_experts else None
     weights: dict[str, mx.array] = {}
-    for shard in shards:
+
+    def read(file: Path, prefix: str) -> None:
         try:
-            tensors = mx.load(str(path / shard))
+            tensors = mx.load(str(file))
         except (RuntimeError, ValueError) as e:
-            raise HeteroError(f"cannot read {path / shard}: {e}; re-download it") from None
+            raise HeteroError(f"cannot read {file}: {e}; re-download it") from None
         for key in list(tensors):
             value = tensors.pop(key)  # the shard's dict must not keep a stacked expert's single tensors alive
-            name = canonical_name(key)
+            name = canonical_name(prefix + key)
             if name is None:
                 continue
             if stacker is None or not is_expert_tensor(name):
@@ -479,6 +512,13 @@ def load_weights(path: Path, args: ModelArgs | None = None) -> dict[str, mx.arra
             elif (done := stacker.add(name, value)) is not None:
                 mx.eval(done[1])  # reads this projection's experts now; their single tensors are dropped
                 weights[done[0]] = done[1]
+
+    for shard in shards:
+        read(path / shard, "")
+    drafter = mtp_drafter(path)
+    if drafter is not None and not checkpoint_has_mtp(weights):  # mlx-vlm's drafter folder: the head, unprefixed
+        for file in sorted(drafter.glob("*.safetensors")):
+            read(file, "mtp.")
     if stacker is not None:
         stacker.check_complete()
     return weights

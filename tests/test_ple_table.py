@@ -50,3 +50,31 @@ def test_bad_blocks_and_rows_are_refused(tmp_path):
         DiskTable([blocks[0], StoredRows(blocks[1].file, "F16", blocks[1].shape, blocks[1].offset)])
     with pytest.raises(IndexError, match="out of range"):
         DiskTable(blocks)(np.array([13]))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_quantized_rows_are_the_stored_rows_dequantized(tmp_path, dtype):
+    """`QuantizedDiskTable` over 4-bit affine shards (packed U32 rows, scales, biases; two shards in two files, as
+    mlx-vlm's `convert -q` writes PLE tables): a gather equals MLX's own dequantization of the whole stored table."""
+    from hetero.models.qwen4_exp.ple_table import QuantizedDiskTable
+
+    rng = np.random.default_rng(1)
+    parts = {kind: [] for kind in ("weight", "scales", "biases")}
+    reference = []
+    for f, n in enumerate((7, 5)):
+        w, s, b = mx.quantize(mx.array(rng.standard_normal((n, 64)).astype(np.float32)).astype(dtype), 32, 4)
+        file = tmp_path / f"q{f}.safetensors"
+        mx.save_safetensors(str(file), {"weight": w, "scales": s, "biases": b})
+        header = read_header(file)
+        for kind in parts:
+            parts[kind].append(StoredRows(file, header[kind].dtype, header[kind].shape, header[kind].offset))
+        reference.append(mx.dequantize(w, s, b, group_size=32, bits=4))
+    whole = np.array(mx.concatenate(reference).astype(mx.float32))  # [12, 64]
+    table = QuantizedDiskTable(*(DiskTable(parts[k]) for k in ("weight", "scales", "biases")), bits=4, group_size=32)
+    assert (table.rows, table.width) == whole.shape
+    rows = np.array([[0, 6, 7, 11], [11, 3, 3, 8]])  # both shards, repeats
+    got = table(rows)
+    assert got.dtype == dtype and got.shape == (2, 4, 64)
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), whole[rows])
+    with pytest.raises(HeteroError, match="do not fit 8-bit groups of 32"):
+        QuantizedDiskTable(*(DiskTable(parts[k]) for k in ("weight", "scales", "biases")), bits=8, group_size=32)

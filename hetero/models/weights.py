@@ -16,16 +16,20 @@ from hetero.models.args import ModelArgs
 _NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 _MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "model.language_model.visual.")
+# Qwen4-Exp PLE shards as mlx-vlm 0.7.10 converts them (`...ngram_embedding.shards.{i}.*`, a list of embeddings)
+_MLX_VLM_PLE_SHARD = re.compile(r"\.ngram_embedding\.shards\.(\d+)(?=\.|$)")
 
 
 def canonical_name(key: str) -> str | None:
     """Map a checkpoint tensor name onto this model's naming; None for tensors we deliberately skip (vision).
 
-    Accepts HF nested (`model.language_model.*`), mlx-lm nested (`language_model.model.*`) and flat (`model.*`).
-    Unknown names come back unchanged so that the pre-flight check can report them.
+    Accepts HF nested (`model.language_model.*`), mlx-lm / mlx-vlm nested (`language_model.model.*`) and flat
+    (`model.*`); mlx-vlm's Qwen4-Exp PLE shards `ngram_embedding.shards.{i}.*` become transformers'
+    `ngram_embedding.shard_{i}.*`. Unknown names come back unchanged so that the pre-flight check can report them.
     """
     if key.startswith(_SKIPPED_PREFIXES):
         return None
+    key = _MLX_VLM_PLE_SHARD.sub(r".ngram_embedding.shard_\1", key)
     for prefix, repl in (
         ("model.language_model.", "model."),
         ("language_model.model.", "model."),
@@ -44,8 +48,9 @@ def is_zero_centred_norm(name: str) -> bool:
 
 
 _FUSED = re.compile(r"(.*linear_attn)\.in_proj_(qkvz|ba)\.(weight|scales|biases)$")
-# Routed experts as HF writes them: one tensor per expert (save_pretrained, the released checkpoints) ...
-_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Routed experts as HF writes them: one tensor per expert (save_pretrained, the released checkpoints; quantized one
+# by one in mlx-vlm's 4-bit MTP drafters, with scales and biases) ...
+_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 # ... or transformers 5's in-memory layout, all experts in one tensor: gate_up_proj [E, 2I, H], down_proj [E, H, I]
 _EXPERTS_FUSED = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -59,7 +64,7 @@ def unfused_names(name: str) -> list[str]:
         return [f"{m.group(1)}.in_proj_{p}.{m.group(3)}" for p in parts]
     m = _EXPERT.match(name)
     if m:
-        return [f"{m.group(1)}.switch_mlp.{m.group(3)}.weight"]
+        return [f"{m.group(1)}.switch_mlp.{m.group(3)}.{m.group(4)}"]
     m = _EXPERTS_FUSED.match(name)
     if m:
         parts = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
@@ -68,8 +73,8 @@ def unfused_names(name: str) -> list[str]:
 
 
 class ExpertStacker:
-    """Stacks per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, canonical names) into `switch_mlp`
-    parameters [experts, out, in] as each projection's experts arrive, so a loader that feeds it shard by shard
+    """Stacks per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, or its `.scales` / `.biases`, canonical
+    names) into `switch_mlp` parameters [experts, out, in] as each projection's experts arrive, so a loader that feeds it shard by shard
     holds at most the unfinished groups' tensors besides the stacked ones.
     """
 

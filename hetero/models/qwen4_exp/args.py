@@ -75,7 +75,9 @@ class Qwen4Args:
             layer_types = get("layer_types") or [
                 "indexed_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
             ]
-            layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
+            # full_attention: older configs; qwen_sparse_attention: mlx-vlm 0.7.10's name for the same QSA layer
+            layer_types = ["indexed_attention" if t in ("full_attention", "qwen_sparse_attention") else t
+                           for t in layer_types]
             rope = get("rope_parameters") or get("rope_scaling") or {}
             if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
                 raise HeteroError(f"unsupported rope type {rope.get('rope_type')!r} in config.json: only default "

@@ -20,7 +20,7 @@ from hetero.models.qwen3_5 import MLP, GatedDeltaNet, RMSNorm, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual
 from hetero.models.qwen4_exp.ple import PLECache, PLELayer
-from hetero.models.qwen4_exp.ple_table import DiskTable, StoredRows
+from hetero.models.qwen4_exp.ple_table import DiskTable, QuantizedDiskTable, StoredRows
 from hetero.models.qwen4_exp.qsa import QSAAttention, QSACache
 from hetero.models.weights import canonical_name, finish
 
@@ -222,7 +222,8 @@ class Model(nn.Module):
                           [QSACache() for _ in self.mtp.layers] if self.mtp is not None else [])
 
 
-_PLE_SHARD = re.compile(r"(.*\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
+# a PLE table's row blocks: transformers' `shard_{i}.weight`, and (mlx-vlm `convert -q`) `.scales` / `.biases` too
+_PLE_SHARD = re.compile(r"(.*\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.(weight|scales|biases)$")
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
 
 
@@ -240,17 +241,21 @@ def is_zero_centred_norm(name: str) -> bool:
 def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Checkpoint tensors -> parameters: canonical names (vision skipped), PLE shards concatenated (their hash
     buffers dropped: recomputed from the config), experts stacked, conv layout, the norms' +1 once."""
-    out = {}
+    out, hash_buffers = {}, False
     for key, value in weights.items():
         name = canonical_name(key)
-        if name is not None and not is_hash_buffer(name):
+        if name is not None and is_hash_buffer(name):
+            hash_buffers = True
+        elif name is not None:
             out[name] = value
     _check_hc(args, out)
     _join_ple_shards(args, out)
-    hf_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
+    hf_conv = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
-    return finish(out, args.num_experts, hf_layout, is_zero_centred_norm)
+    # The norms are stored zero-centred (+1 to apply) by transformers (its conv layout) and by mlx-vlm (MLX conv
+    # layout, hash buffers kept); only hetero's own converted copies drop the buffers and store 1 + w.
+    return finish(out, args.num_experts, hf_conv or hash_buffers, is_zero_centred_norm)
 
 
 def _check_hc(args: Qwen4Args, out: dict[str, mx.array]) -> None:
@@ -261,29 +266,57 @@ def _check_hc(args: Qwen4Args, out: dict[str, mx.array]) -> None:
 
 
 def _join_ple_shards(args: Qwen4Args, out: dict[str, mx.array]) -> None:
-    """`...ngram_embedding.shard_{i}.weight` (split along rows) -> `...ngram_embedding.weight`; one line if any
-    PLE layer's table is absent or incomplete."""
-    shards: dict[str, dict[int, mx.array]] = {}
+    """`...ngram_embedding.shard_{i}.weight` (split along rows) -> `...ngram_embedding.weight`, dequantized (lazily:
+    `keep_ple_on_disk` drops it unread) when the shards are quantized; one line if any PLE layer's table is absent
+    or incomplete."""
+    shards: dict[str, dict[str, dict[int, mx.array]]] = {}  # table -> weight / scales / biases -> shard -> rows
     for name in [n for n in out if _PLE_SHARD.match(n)]:
         m = _PLE_SHARD.match(name)
-        shards.setdefault(m.group(1), {})[int(m.group(2))] = out.pop(name)
+        shards.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = out.pop(name)
     for layer in args.ple_layer_ids:
         base = f"model.layers.{layer - 1}.ple.ple_embedding.ngram_embedding"
         if f"{base}.weight" in out:
             continue
-        parts = shards.pop(base, {})
-        if len(parts) != args.split_ngram_parts or set(parts) != set(range(args.split_ngram_parts)):
-            raise HeteroError(f"layer {layer - 1}'s PLE n-gram table has {len(parts)} of its {args.split_ngram_parts} "
-                              f"shards ({base}.shard_*.weight): the checkpoint is incomplete, download the missing "
-                              "PLE shards")
-        out[f"{base}.weight"] = mx.concatenate([parts[i] for i in range(args.split_ngram_parts)], axis=0)
+        kinds = shards.pop(base, {})
+        weight = _joined_rows(args, base, kinds, "weight")
+        if "scales" in kinds or "biases" in kinds:
+            scales, biases = _joined_rows(args, base, kinds, "scales"), _joined_rows(args, base, kinds, "biases")
+            bits, group = ple_quantization(args, base)
+            if weight.shape[1] * 32 // bits != scales.shape[1] * group or scales.shape != biases.shape:
+                raise HeteroError(f"layer {layer - 1}'s quantized PLE table does not fit config.json's quantization "
+                                  f"({bits}-bit, groups of {group}): packed {list(weight.shape)}, scales "
+                                  f"{list(scales.shape)}, biases {list(biases.shape)}; re-convert the checkpoint")
+            weight = mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
+        out[f"{base}.weight"] = weight
+
+
+def _joined_rows(args: Qwen4Args, base: str, kinds: dict[str, dict[int, mx.array]], kind: str) -> mx.array:
+    """Table `base`'s `kind` (weight, scales, biases) shards concatenated along rows; one line when some are missing."""
+    parts, layer = kinds.get(kind, {}), base.split(".")[2]
+    if len(parts) != args.split_ngram_parts or set(parts) != set(range(args.split_ngram_parts)):
+        raise HeteroError(f"layer {layer}'s PLE n-gram table has {len(parts)} of its {args.split_ngram_parts} "
+                          f"shards ({base}.shard_*.{kind}): the checkpoint is incomplete, download the missing "
+                          "PLE shards")
+    return mx.concatenate([parts[i] for i in range(args.split_ngram_parts)], axis=0)
+
+
+def ple_quantization(args: Qwen4Args, base: str) -> tuple[int, int]:
+    """(bits, group_size) of a quantized PLE table: config.json's entry for its first shard (mlx-vlm writes one per
+    shard, groups of 32) or the global one; one line for a mode other than affine."""
+    q = args.quantization or {}
+    own = [v for k, v in q.items() if isinstance(v, dict) and canonical_name(k) == f"{base}.shard_0"]
+    params = own[0] if own else q
+    if params.get("mode", "affine") != "affine":
+        raise HeteroError(f"{base} is quantized in mode {params['mode']!r}; hetero reads affine-quantized PLE tables "
+                          "only: convert with `--q-mode affine` or without -q")
+    return int(params.get("bits", 4)), int(params.get("group_size", 64))
 
 
 def keep_ple_on_disk(model: Model, weights: dict[str, mx.array], path: Path, tensors: dict) -> None:
     """Point each PLE layer at its n-gram table where the checkpoint stores it (memory-mapped row blocks,
-    `ple_table.DiskTable`) and drop the table from the loaded `weights` unread. `tensors`: the checkpoint's
-    tensor name -> `loader.TensorInfo` (file, dtype, shape, data offset)."""
-    blocks: dict[str, dict[int, StoredRows]] = {}
+    `ple_table.DiskTable`, or `QuantizedDiskTable` for quantized shards) and drop the table from the loaded
+    `weights` unread. `tensors`: the checkpoint's tensor name -> `loader.TensorInfo` (file, dtype, shape, offset)."""
+    blocks: dict[str, dict[str, dict[int, StoredRows]]] = {}  # table -> weight / scales / biases -> shard -> rows
     for raw, info in tensors.items():
         name = canonical_name(raw)
         if name is None or "ngram_embedding" not in name:
@@ -291,16 +324,21 @@ def keep_ple_on_disk(model: Model, weights: dict[str, mx.array], path: Path, ten
         stored = StoredRows(path / info.file, info.dtype, tuple(info.shape), info.offset)
         shard = _PLE_SHARD.match(name)
         if shard is not None:
-            blocks.setdefault(shard.group(1), {})[int(shard.group(2))] = stored
+            blocks.setdefault(shard.group(1), {}).setdefault(shard.group(3), {})[int(shard.group(2))] = stored
         elif name.endswith(".ngram_embedding.weight"):  # stored whole (a converted checkpoint)
-            blocks.setdefault(name[: -len(".weight")], {})[0] = stored
+            blocks.setdefault(name[: -len(".weight")], {}).setdefault("weight", {})[0] = stored
     for i, layer in enumerate(model.layers):
         if layer.ple is None:
             continue
         base = f"model.layers.{i}.ple.ple_embedding.ngram_embedding"
-        parts = blocks.get(base, {})
+        tables = {kind: DiskTable([parts[k] for k in sorted(parts)]) for kind, parts in blocks.get(base, {}).items()}
         weights.pop(f"{base}.weight", None)
-        layer.ple.ple_embedding.use_table(DiskTable([parts[k] for k in sorted(parts)]))
+        if "scales" in tables:
+            bits, group = ple_quantization(model.args, base)
+            table = QuantizedDiskTable(tables["weight"], tables["scales"], tables["biases"], bits, group)
+        else:
+            table = tables["weight"]
+        layer.ple.ple_embedding.use_table(table)
 
 
 def stored_ple_blocks(path: Path, tensors: dict) -> dict[str, mx.array]:

@@ -19,8 +19,8 @@ import numpy as np
 
 from hetero.errors import HeteroError
 
-# safetensors dtype -> how its bytes are read (bf16 as its 16 bits, reinterpreted in MLX)
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+# safetensors dtype -> how its bytes are read (bf16 as its 16 bits, reinterpreted in MLX; U32: packed quantized rows)
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32}
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ class DiskTable:
             raise ValueError("a DiskTable needs at least one block of rows")
         dtypes, widths = {b.dtype for b in blocks}, {b.shape[1] for b in blocks}
         if len(dtypes) != 1 or len(widths) != 1 or next(iter(dtypes)) not in _DTYPES:
-            raise HeteroError(f"PLE table blocks in {blocks[0].file.name} must share one float dtype (F32, F16, "
-                              f"BF16) and width; found {sorted(dtypes)} and widths {sorted(widths)}")
+            raise HeteroError(f"PLE table blocks in {blocks[0].file.name} must share one float dtype (F32, F16, BF16; "
+                              f"U32 packed when quantized) and width; found {sorted(dtypes)} and widths {sorted(widths)}")
         self.dtype, self.width = dtypes.pop(), widths.pop()
         maps = {file: _map(file) for file in {b.file for b in blocks}}
         np_dtype = _DTYPES[self.dtype]
@@ -66,6 +66,30 @@ class DiskTable:
         if self.dtype == "BF16":
             gathered = gathered.view(mx.bfloat16)
         return gathered.reshape(*np.shape(rows), self.width)
+
+
+class QuantizedDiskTable:
+    """A table stored affine-quantized, as mlx-vlm's `convert -q` writes PLE shards: packed `weight` rows
+    [rows, width * bits / 32] (U32) with `scales` and `biases` [rows, width / group_size]. `table(rows)` gathers the
+    packed rows a chunk asks for and dequantizes only those, exactly as the stored values say."""
+
+    def __init__(self, weight: DiskTable, scales: DiskTable, biases: DiskTable, bits: int, group_size: int):
+        self.rows, self.width = weight.rows, weight.width * 32 // bits
+        if weight.dtype != "U32" or {scales.rows, biases.rows} != {self.rows} or \
+                {scales.width, biases.width} != {self.width // group_size}:
+            raise HeteroError(f"a quantized PLE table's packed rows ({weight.dtype}, {weight.rows} x {weight.width}), "
+                              f"scales ({scales.rows} x {scales.width}) and biases ({biases.rows} x {biases.width}) do "
+                              f"not fit {bits}-bit groups of {group_size}: the checkpoint does not match its config.json")
+        self.weight, self.scales, self.biases = weight, scales, biases
+        self.bits, self.group_size = bits, group_size
+        self.nbytes = weight.nbytes + scales.nbytes + biases.nbytes
+
+    def __call__(self, rows: np.ndarray) -> mx.array:
+        """rows [...] -> [..., width] in the scales' dtype."""
+        flat = np.asarray(rows, np.int64).reshape(-1)  # [N]
+        values = mx.dequantize(self.weight(flat), self.scales(flat), self.biases(flat),
+                               group_size=self.group_size, bits=self.bits)  # [N, width]
+        return values.reshape(*np.shape(rows), self.width)
 
 
 def _map(file: Path) -> mmap.mmap:
