@@ -83,9 +83,13 @@ class Round:
 
 @dataclass
 class Ahead:
-    """A plain round's backbone pass queued over the tokens the previous round drew, before they were read."""
+    """A plain round's backbone pass queued over the tokens the previous round drew, before they were read.
+
+    A batch's pass runs on fresh GDN caches (`gdn`), committed into the rows' own next round; a lone row's pass
+    (`Batch._solo_pass`) runs on the row's own caches, and `undo` holds each GDN cache's state before it."""
 
     rows: list[Row]
     target: mx.array  # [B, 1, V]
     hidden: mx.array  # [B, 1, H]
-    gdn: dict[int, GDNCache]
+    gdn: dict[int, GDNCache] | None = None
+    undo: list[tuple[GDNCache, mx.array, mx.array]] | None = None  # (cache, conv, recurrent) before the pass

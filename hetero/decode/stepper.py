@@ -163,6 +163,21 @@ class Batch:
             return {}
         if self._ahead is not None and self._ahead.rows != rows:  # a request joined or left since it was queued
             self._drop_ahead()
+        if len(rows) == 1 and self._alone(rows[0]):
+            emitted = {rows[0]: self._solo_round(rows[0])}
+        else:
+            emitted = self._batch_round(rows)
+        self.rounds += 1
+        self.rows = [r for r in self.rows if not r.done]
+        if len(self.rows) < len(rows):  # the queued pass ran a finished row one token too far
+            self._drop_ahead()
+            _settle([r for r in rows if r.done])
+        if not self.rows:
+            self._stacked, self._stacked_for = {}, []
+        return emitted
+
+    def _batch_round(self, rows: list[Row]) -> dict[Row, list[int]]:
+        """One round of several rows, or of a row with drafts or options a plain lone round does not take."""
         if all(self._overlaps(r) for r in rows):
             rnd, target, hidden = self._plain_round(rows)
         else:
@@ -176,7 +191,6 @@ class Batch:
             if r.logprobs is not None:  # the raw target rows of the kept drafts and the new token
                 r.logprobs.add(target[i, : rnd.accepted[i] + 1], rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
         self._commit_rows(rows, rnd, hidden)
-        self.rounds += 1
         emitted = {}
         for i, r in enumerate(rows):
             if r.stats is not None:
@@ -189,12 +203,6 @@ class Batch:
             emitted[r] = r.take(new)
             if r.stats is not None:
                 r.stats.emitted += len(emitted[r])
-        self.rows = [r for r in self.rows if not r.done]
-        if len(self.rows) < len(rows):  # the queued pass ran a finished row one token too far
-            self._drop_ahead()
-            _settle([r for r in rows if r.done])
-        if not self.rows:
-            self._stacked, self._stacked_for = {}, []
         return emitted
 
     # ------------------------------------------------------------------------------------------------------
@@ -204,6 +212,53 @@ class Batch:
         """Whether the row's next pass may be queued before its token is read: plain decoding, where every round
         keeps its one token whatever it is (a grammar's mask and a commit hook need the value first)."""
         return r.depth == 0 and r.constraint is None and r.on_commit is None
+
+    def _alone(self, r: Row) -> bool:
+        """Whether a lone row takes the solo plain round (`_solo_round`): it overlaps, and its GDN caches carry no
+        state beyond (conv, recurrent) that a dropped pass would have to restore (Qwen4-Exp's PLE)."""
+        return self._overlaps(r) and all(getattr(c, "ple", None) is None for c in r.decoder.cache.backbone)
+
+    def _solo_round(self, r: Row) -> list[int]:
+        """A plain round of a lone row, on its own caches: no round record, no GDN caches rebuilt or committed.
+
+        This round's pass (queued by the last round, or run now) gives the logits; the draw is queued, then the
+        next round's pass over it, and only then is the draw read: `drawn.item()` waits for the draw alone, and
+        the host does this token's bookkeeping (and its caller's, until the next `step`) while the model runs
+        the next pass. The queued pass leaves the row's caches one token ahead; `_drop_ahead` puts them back."""
+        self._stacked, self._stacked_for = {}, []  # the batched rounds' stacked GDN states: stale from here on
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            ahead = self._solo_pass(r, mx.array([[r.decoder.x]]))
+        target, hidden = ahead.target, ahead.hidden  # [1, 1, V], [1, 1, H]
+        drawn = r.sampler(target[0, 0] if r.penalizer is None else r.penalizer(target[0, :1])[0]).reshape(1, 1)
+        traced = hidden[0, :1] if r.trace is not None else None  # [1, H]: evaluated with the draw, ahead of the pass
+        mx.async_eval(drawn, [] if traced is None else traced)
+        self._ahead = self._solo_pass(r, drawn)
+        mx.async_eval(self._ahead.target, self._ahead.hidden)
+        t = drawn.item()  # the draw itself: an op on it (a slice) would queue behind the pass and wait for it
+        d = r.decoder
+        if r.logprobs is not None:  # the raw target row of the new token
+            r.logprobs.add(target[0, :1], [t])
+        if r.trace is not None:
+            r.trace.tokens.append(mx.array(d.x))
+            r.trace.hidden.append(traced)
+            mx.eval(traced)  # read on the request's thread
+        d.x = t
+        if r.stats is not None:
+            r.stats.record(0, 0, False)
+        if r.penalizer is not None:
+            r.penalizer.add([t])
+        out = r.take([t])
+        if r.stats is not None:
+            r.stats.emitted += len(out)
+        return out
+
+    def _solo_pass(self, r: Row, tokens: mx.array) -> Ahead:
+        """The backbone pass of a lone row over `tokens` [1, 1], queued on its own caches (see `_solo_round`)."""
+        cache = r.decoder.cache.backbone
+        undo = [(c, c.conv, c.recurrent) for c in cache if isinstance(c, GDNCache)]
+        hidden = self.model.model(tokens, cache)  # [1, 1, H]
+        return Ahead([r], self.model.logits(hidden), hidden, undo=undo)
 
     def _plain_round(self, rows: list[Row]) -> tuple[Round, mx.array, mx.array]:
         """A round of plain rows, overlapped: this round's pass (queued by
@@ -222,7 +277,7 @@ class Batch:
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
         self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
         mx.async_eval(self._ahead.target, self._ahead.hidden)
-        rnd.next = [int(t) for t in drawn[:, 0].tolist()]
+        rnd.next = [int(t) for (t,) in drawn.tolist()]  # `drawn` itself: a slice of it would queue behind the pass
         rnd.accepted = [0] * len(rows)
         return rnd, target, hidden
 
@@ -231,6 +286,8 @@ class Batch:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
+        for c, conv, recurrent in ahead.undo or ():  # a lone row's GDN caches, as before the pass
+            c.conv, c.recurrent, c.offset = conv, recurrent, c.offset - 1
         for l, layer in enumerate(self.model.layers):
             if not layer.is_linear:
                 for r in ahead.rows:
