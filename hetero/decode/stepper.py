@@ -66,6 +66,7 @@ class Batch:
         self._stacked_for: list[Row] = []  # the rows (in order) that `_stacked` holds
         self._stacked: dict[int, tuple[mx.array, mx.array]] = {}  # GDN layer -> (conv [B, K-1, C], state [B, ...])
         self._ahead: Ahead | None = None  # the next plain round's pass, already computing
+        self._solo: tuple[Row, list[GDNCache]] | None = None  # the last lone plain row and its GDN caches
 
     @property
     def full(self) -> bool:
@@ -149,6 +150,7 @@ class Batch:
         if request in self.rows:
             self.rows.remove(request)
         self._stacked, self._stacked_for = {}, []  # rebuilt from the remaining rows' own caches
+        self._solo = None
         _settle([request])
 
     def drain(self) -> Iterator[dict[Row, list[int]]]:
@@ -173,7 +175,7 @@ class Batch:
             self._drop_ahead()
             _settle([r for r in rows if r.done])
         if not self.rows:
-            self._stacked, self._stacked_for = {}, []
+            self._stacked, self._stacked_for, self._solo = {}, [], None
         return emitted
 
     def _batch_round(self, rows: list[Row]) -> dict[Row, list[int]]:
@@ -215,34 +217,41 @@ class Batch:
 
     def _alone(self, r: Row) -> bool:
         """Whether a lone row takes the solo plain round (`_solo_round`): it overlaps, and its GDN caches carry no
-        state beyond (conv, recurrent) that a dropped pass would have to restore (Qwen4-Exp's PLE)."""
-        return self._overlaps(r) and all(getattr(c, "ple", None) is None for c in r.decoder.cache.backbone)
+        state beyond (conv, recurrent) that a dropped pass would have to restore (Qwen4-Exp's PLE). Decided once
+        per row (`_solo` keeps the row and its GDN caches)."""
+        if self._solo is not None and self._solo[0] is r:
+            return True
+        backbone = r.decoder.cache.backbone
+        if not self._overlaps(r) or any(getattr(c, "ple", None) is not None for c in backbone):
+            return False
+        self._solo = (r, [c for c in backbone if isinstance(c, GDNCache)])
+        return True
 
     def _solo_round(self, r: Row) -> list[int]:
-        """A plain round of a lone row, on its own caches: no round record, no GDN caches rebuilt or committed.
+        """A plain round of a lone row, on its own caches, shaped as the bare step loop: no round record, no GDN
+        caches rebuilt or committed, one `async_eval` per token.
 
-        This round's pass (queued by the last round, or run now) gives the logits; the draw is queued, then the
-        next round's pass over it, and only then is the draw read: `drawn.item()` waits for the draw alone, and
-        the host does this token's bookkeeping (and its caller's, until the next `step`) while the model runs
-        the next pass. The queued pass leaves the row's caches one token ahead; `_drop_ahead` puts them back."""
+        The pass over x, queued by the last round (or run now), drew this round's token with it; the next pass is
+        queued over that draw before it is read, so `drawn.item()` waits for the draw alone and the host does this
+        token's bookkeeping (and its caller's, until the next `step`) while the model runs the next pass. The
+        queued pass leaves the row's caches one token ahead; `_drop_ahead` puts them (and the sampler's key) back."""
         self._stacked, self._stacked_for = {}, []  # the batched rounds' stacked GDN states: stale from here on
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             ahead = self._solo_pass(r, mx.array([[r.decoder.x]]))
-        target, hidden = ahead.target, ahead.hidden  # [1, 1, V], [1, 1, H]
-        drawn = r.sampler(target[0, 0] if r.penalizer is None else r.penalizer(target[0, :1])[0]).reshape(1, 1)
-        traced = hidden[0, :1] if r.trace is not None else None  # [1, H]: evaluated with the draw, ahead of the pass
-        mx.async_eval(drawn, [] if traced is None else traced)
+        drawn = ahead.drawn
+        if drawn is None:  # a penalizer counts x first: the draw is made now, queued ahead of the next pass
+            drawn = r.sampler(r.penalizer(ahead.target[0, :1])[0]).reshape(1, 1)  # [1, 1]
+            mx.async_eval(drawn)
         self._ahead = self._solo_pass(r, drawn)
-        mx.async_eval(self._ahead.target, self._ahead.hidden)
         t = drawn.item()  # the draw itself: an op on it (a slice) would queue behind the pass and wait for it
         d = r.decoder
         if r.logprobs is not None:  # the raw target row of the new token
-            r.logprobs.add(target[0, :1], [t])
+            r.logprobs.add(ahead.target[0, :1], [t])
         if r.trace is not None:
             r.trace.tokens.append(mx.array(d.x))
-            r.trace.hidden.append(traced)
-            mx.eval(traced)  # read on the request's thread
+            r.trace.hidden.append(ahead.traced)
+            mx.eval(ahead.traced)  # read on the request's thread (evaluated already, with its pass)
         d.x = t
         if r.stats is not None:
             r.stats.record(0, 0, False)
@@ -254,11 +263,17 @@ class Batch:
         return out
 
     def _solo_pass(self, r: Row, tokens: mx.array) -> Ahead:
-        """The backbone pass of a lone row over `tokens` [1, 1], queued on its own caches (see `_solo_round`)."""
-        cache = r.decoder.cache.backbone
-        undo = [(c, c.conv, c.recurrent) for c in cache if isinstance(c, GDNCache)]
-        hidden = self.model.model(tokens, cache)  # [1, 1, H]
-        return Ahead([r], self.model.logits(hidden), hidden, undo=undo)
+        """The backbone pass of a lone row over `tokens` [1, 1] on its own caches, with its draw (unless a
+        penalizer draws it) and its trace's hidden, all queued (`mx.async_eval`) at once (see `_solo_round`)."""
+        undo = [(c, c.conv, c.recurrent) for c in self._solo[1]]
+        hidden = self.model.model(tokens, r.decoder.cache.backbone)  # [1, 1, H]
+        target = self.model.logits(hidden)  # [1, 1, V]
+        key = r.sampler.key
+        drawn = r.sampler(target[0, 0]).reshape(1, 1) if r.penalizer is None else None  # [1, 1]
+        traced = hidden[0] if r.trace is not None else None  # [1, H]
+        mx.async_eval(drawn if drawn is not None else target, [] if traced is None else traced,
+                      target if r.logprobs is not None else [])
+        return Ahead([r], target, hidden, undo=undo, drawn=drawn, key=key, traced=traced)
 
     def _plain_round(self, rows: list[Row]) -> tuple[Round, mx.array, mx.array]:
         """A round of plain rows, overlapped: this round's pass (queued by
@@ -286,8 +301,10 @@ class Batch:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        for c, conv, recurrent in ahead.undo or ():  # a lone row's GDN caches, as before the pass
-            c.conv, c.recurrent, c.offset = conv, recurrent, c.offset - 1
+        if ahead.undo is not None:  # a lone row's GDN caches and sampler, as before the pass and its draw
+            for c, conv, recurrent in ahead.undo:
+                c.conv, c.recurrent, c.offset = conv, recurrent, c.offset - 1
+            ahead.rows[0].sampler.key = ahead.key
         for l, layer in enumerate(self.model.layers):
             if not layer.is_linear:
                 for r in ahead.rows:
