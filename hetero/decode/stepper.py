@@ -21,7 +21,9 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
 Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
 row at one token (plain decoding, or no drafts anywhere) the pass records nothing, and plain rows without a
 grammar or a commit hook queue the next round's pass before their tokens are read (`_plain_round`), so the model
-computes while the caller detokenizes. Rows join (prefilled
+computes while the caller detokenizes. A lone such row (solo decoding, `Engine.stream`) needs none of a round's
+records: it decodes on its own caches, its draw made and queued with its pass, as the bare step loop runs
+(`_solo_round`). Rows join (prefilled
 alone, `start`) and leave between rounds; the rows' caches always hold their committed state (views into the
 batch's stacked GDN arrays), so a request that leaves takes a complete cache with it.
 
