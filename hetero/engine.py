@@ -257,7 +257,7 @@ class Engine:
         def on_chunk(n: int, hidden: mx.array) -> None:
             pc.capture(model, key, keys[:n], cache, hidden)
 
-        trace = Trace()
+        trace = Trace() if pc is not None else None  # what the end-of-turn checkpoint needs; nothing without one
         committed = list(keys)
         state: list[Decoder] = []
         last_mark = [len(ids) // r.prefill_chunk]

@@ -167,6 +167,31 @@ def test_overlapped_plain_rounds_under_churn(models):
     assert batch._ahead is None
 
 
+def test_lone_plain_row_gives_way_to_joining_rows(models):
+    """A lone plain row decodes on its own caches with its next pass and draw queued (`Batch._solo_round`): a row
+    joining drops that pass, putting back the row's GDN state and its sampler's key, and the row goes on in the
+    batch and alone again with exactly its solo tokens (seeded sampling), until a cancel leaves its caches holding
+    only its committed tokens."""
+    model = models["rejecting"]
+    sampled = SamplingParams(temperature=0.9, top_p=0.95)
+    batch = Batch(model, max_batch=2)
+    a = batch.join(PROMPTS[0], Sampler(sampled, 3), 40, set(), depth=0)
+    for _ in range(3):
+        batch.step()
+    assert batch._ahead is not None and batch._ahead.drawn is not None  # queued with its draw
+    b = batch.join(PROMPTS[2], Sampler(GREEDY), 6, set(), depth=0)  # drops a's queued pass and draw
+    while not b.done:
+        batch.step()
+    assert batch.rows == [a]
+    for _ in range(4):  # alone again
+        batch.step()
+    batch.leave(a)  # cancelled with a queued pass
+    assert batch._ahead is None and not a.done
+    assert a.tokens == solo(model, PROMPTS[0], 40, 0, Sampler(sampled, 3))[: len(a.tokens)]
+    assert b.tokens == solo(model, PROMPTS[2], 6, 0)
+    assert_backbone_matches(model, a.decoder, PROMPTS[0] + a.tokens)
+
+
 def assert_backbone_matches(model: Model, decoder, committed: list[int]) -> None:
     """A plain row's backbone caches hold exactly committed[:-1] (decoder.x last): the float64 oracle's arrays of
     them within the fp32 bound (batched rows run other matmul shapes, and so other summation orders, than any

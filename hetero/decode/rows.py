@@ -83,9 +83,17 @@ class Round:
 
 @dataclass
 class Ahead:
-    """A plain round's backbone pass queued over the tokens the previous round drew, before they were read."""
+    """A plain round's backbone pass queued over the tokens the previous round drew, before they were read.
+
+    A batch's pass runs on fresh GDN caches (`gdn`), committed into the rows' own next round. A lone row's pass
+    (`Batch._solo_pass`) runs on the row's own caches (`undo` holds each GDN cache's state before it) and draws
+    the row's next token with it (`drawn`, `key` the sampler's key before that draw), as the bare step loop does."""
 
     rows: list[Row]
     target: mx.array  # [B, 1, V]
     hidden: mx.array  # [B, 1, H]
-    gdn: dict[int, GDNCache]
+    gdn: dict[int, GDNCache] | None = None
+    undo: list[tuple[GDNCache, mx.array, mx.array]] | None = None  # (cache, conv, recurrent) before the pass
+    drawn: mx.array | None = None  # [1, 1] the token drawn from `target` (None: a penalizer draws it next round)
+    key: mx.array | None = None  # the sampler's key before `drawn` was drawn
+    traced: mx.array | None = None  # [1, H] the trace's hidden, made with the pass

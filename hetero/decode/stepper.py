@@ -23,7 +23,9 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
 Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
 row at one token (plain decoding, or no drafts anywhere) the pass records nothing, and plain rows without a
 grammar or a commit hook queue the next round's pass before their tokens are read (`_plain_round`), so the model
-computes while the caller detokenizes. Rows join (prefilled
+computes while the caller detokenizes. A lone such row (solo decoding, `Engine.stream`) needs none of a round's
+records: it decodes on its own caches, its draw made and queued with its pass, as the bare step loop runs
+(`_solo_round`). Rows join (prefilled
 alone, `start`) and leave between rounds; the rows' caches always hold their committed state (views into the
 batch's stacked GDN arrays), so a request that leaves takes a complete cache with it.
 
@@ -68,6 +70,7 @@ class Batch:
         self._stacked_for: list[Row] = []  # the rows (in order) that `_stacked` holds
         self._stacked: dict[int, tuple[mx.array, mx.array]] = {}  # GDN layer -> (conv [B, K-1, C], state [B, ...])
         self._ahead: Ahead | None = None  # the next plain round's pass, already computing
+        self._solo: tuple[Row, list[GDNCache]] | None = None  # the last lone plain row and its GDN caches
 
     @property
     def full(self) -> bool:
@@ -151,6 +154,7 @@ class Batch:
         if request in self.rows:
             self.rows.remove(request)
         self._stacked, self._stacked_for = {}, []  # rebuilt from the remaining rows' own caches
+        self._solo = None
         _settle([request])
 
     def drain(self) -> Iterator[dict[Row, list[int]]]:
@@ -165,6 +169,21 @@ class Batch:
             return {}
         if self._ahead is not None and self._ahead.rows != rows:  # a request joined or left since it was queued
             self._drop_ahead()
+        if len(rows) == 1 and self._alone(rows[0]):
+            emitted = {rows[0]: self._solo_round(rows[0])}
+        else:
+            emitted = self._batch_round(rows)
+        self.rounds += 1
+        self.rows = [r for r in self.rows if not r.done]
+        if len(self.rows) < len(rows):  # the queued pass ran a finished row one token too far
+            self._drop_ahead()
+            _settle([r for r in rows if r.done])
+        if not self.rows:
+            self._stacked, self._stacked_for, self._solo = {}, [], None
+        return emitted
+
+    def _batch_round(self, rows: list[Row]) -> dict[Row, list[int]]:
+        """One round of several rows, or of a row with drafts or options a plain lone round does not take."""
         if all(self._overlaps(r) for r in rows):
             rnd, target, hidden = self._plain_round(rows)
         else:
@@ -178,7 +197,6 @@ class Batch:
             if r.logprobs is not None:  # the raw target rows of the kept drafts and the new token
                 r.logprobs.add(target[i, : rnd.accepted[i] + 1], rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
         self._commit_rows(rows, rnd, hidden)
-        self.rounds += 1
         emitted = {}
         for i, r in enumerate(rows):
             if r.stats is not None:
@@ -191,12 +209,6 @@ class Batch:
             emitted[r] = r.take(new)
             if r.stats is not None:
                 r.stats.emitted += len(emitted[r])
-        self.rows = [r for r in self.rows if not r.done]
-        if len(self.rows) < len(rows):  # the queued pass ran a finished row one token too far
-            self._drop_ahead()
-            _settle([r for r in rows if r.done])
-        if not self.rows:
-            self._stacked, self._stacked_for = {}, []
         return emitted
 
     # ------------------------------------------------------------------------------------------------------
@@ -206,6 +218,66 @@ class Batch:
         """Whether the row's next pass may be queued before its token is read: plain decoding, where every round
         keeps its one token whatever it is (a grammar's mask and a commit hook need the value first)."""
         return r.depth == 0 and r.constraint is None and r.on_commit is None
+
+    def _alone(self, r: Row) -> bool:
+        """Whether a lone row takes the solo plain round (`_solo_round`): it overlaps, and its GDN caches carry no
+        state beyond (conv, recurrent) that a dropped pass would have to restore (Qwen4-Exp's PLE). Decided once
+        per row (`_solo` keeps the row and its GDN caches)."""
+        if self._solo is not None and self._solo[0] is r:
+            return True
+        backbone = r.decoder.cache.backbone
+        if not self._overlaps(r) or any(getattr(c, "ple", None) is not None for c in backbone):
+            return False
+        self._solo = (r, [c for c in backbone if isinstance(c, GDNCache)])
+        return True
+
+    def _solo_round(self, r: Row) -> list[int]:
+        """A plain round of a lone row, on its own caches, shaped as the bare step loop: no round record, no GDN
+        caches rebuilt or committed, one `async_eval` per token.
+
+        The pass over x, queued by the last round (or run now), drew this round's token with it; the next pass is
+        queued over that draw before it is read, so `drawn.item()` waits for the draw alone and the host does this
+        token's bookkeeping (and its caller's, until the next `step`) while the model runs the next pass. The
+        queued pass leaves the row's caches one token ahead; `_drop_ahead` puts them (and the sampler's key) back."""
+        self._stacked, self._stacked_for = {}, []  # the batched rounds' stacked GDN states: stale from here on
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            ahead = self._solo_pass(r, mx.array([[r.decoder.x]]))
+        drawn = ahead.drawn
+        if drawn is None:  # a penalizer counts x first: the draw is made now, queued ahead of the next pass
+            drawn = r.sampler(r.penalizer(ahead.target[0, :1])[0]).reshape(1, 1)  # [1, 1]
+            mx.async_eval(drawn)
+        self._ahead = self._solo_pass(r, drawn)
+        t = drawn.item()  # the draw itself: an op on it (a slice) would queue behind the pass and wait for it
+        d = r.decoder
+        if r.logprobs is not None:  # the raw target row of the new token
+            r.logprobs.add(ahead.target[0, :1], [t])
+        if r.trace is not None:
+            r.trace.tokens.append(mx.array(d.x))
+            r.trace.hidden.append(ahead.traced)
+            mx.eval(ahead.traced)  # read on the request's thread (evaluated already, with its pass)
+        d.x = t
+        if r.stats is not None:
+            r.stats.record(0, 0, False)
+        if r.penalizer is not None:
+            r.penalizer.add([t])
+        out = r.take([t])
+        if r.stats is not None:
+            r.stats.emitted += len(out)
+        return out
+
+    def _solo_pass(self, r: Row, tokens: mx.array) -> Ahead:
+        """The backbone pass of a lone row over `tokens` [1, 1] on its own caches, with its draw (unless a
+        penalizer draws it) and its trace's hidden, all queued (`mx.async_eval`) at once (see `_solo_round`)."""
+        undo = [(c, c.conv, c.recurrent) for c in self._solo[1]]
+        hidden = self.model.model(tokens, r.decoder.cache.backbone)  # [1, 1, H]
+        target = self.model.logits(hidden)  # [1, 1, V]
+        key = r.sampler.key
+        drawn = r.sampler(target[0, 0]).reshape(1, 1) if r.penalizer is None else None  # [1, 1]
+        traced = hidden[0] if r.trace is not None else None  # [1, H]
+        mx.async_eval(drawn if drawn is not None else target, [] if traced is None else traced,
+                      target if r.logprobs is not None else [])
+        return Ahead([r], target, hidden, undo=undo, drawn=drawn, key=key, traced=traced)
 
     def _plain_round(self, rows: list[Row]) -> tuple[Round, mx.array, mx.array]:
         """A round of plain rows, overlapped: this round's pass (queued by
@@ -224,7 +296,7 @@ class Batch:
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
         self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
         mx.async_eval(self._ahead.target, self._ahead.hidden)
-        rnd.next = [int(t) for t in drawn[:, 0].tolist()]
+        rnd.next = [int(t) for (t,) in drawn.tolist()]  # `drawn` itself: a slice of it would queue behind the pass
         rnd.accepted = [0] * len(rows)
         return rnd, target, hidden
 
@@ -233,6 +305,10 @@ class Batch:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
+        if ahead.undo is not None:  # a lone row's GDN caches and sampler, as before the pass and its draw
+            for c, conv, recurrent in ahead.undo:
+                c.conv, c.recurrent, c.offset = conv, recurrent, c.offset - 1
+            ahead.rows[0].sampler.key = ahead.key
         for l, layer in enumerate(self.model.layers):
             if not layer.is_linear:
                 for r in ahead.rows:
