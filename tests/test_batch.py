@@ -526,7 +526,9 @@ def test_server_batches_concurrent_requests(engine):
                                 use_prefix_cache=False)
         assert text == alone.text
     assert health["batch"]["max_batch"] == 3 and health["batch"]["rounds"] > 0
-    assert max(health["batch"]["recent_batch_sizes"]) >= 2
+    # some rounds were shared: over every round so far (the history holds 512), not only the latest 32, which the
+    # longest request may have decoded alone after the others ended
+    assert health["batch"]["rounds"] <= 512 and health["batch"]["mean_batch_size"] > 1
 
 
 # ----------------------------------------------------------------------------------------------------------

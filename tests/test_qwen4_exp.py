@@ -219,13 +219,15 @@ def test_server_batches_concurrent_requests(tmp_path):
 
         prompts = ["hello there", "write a function", "what is two and two", "explain the code"]
         solo = [ask(p) for p in prompts]
-        assert max(httpx.get(live.url + "/health").json()["batch"]["recent_batch_sizes"]) == 1
+        assert httpx.get(live.url + "/health").json()["batch"]["mean_batch_size"] == 1  # one at a time so far
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(ask, prompts)) == solo
         batch = httpx.get(live.url + "/health").json()["batch"]
     finally:
         live.stop()
-    assert batch["max_batch"] == 4 and max(batch["recent_batch_sizes"]) >= 2
+    # some rounds were shared: the mean over every round (the history holds 512), not only the latest 32, which the
+    # longest request may have decoded alone after the others ended
+    assert batch["max_batch"] == 4 and batch["rounds"] <= 512 and batch["mean_batch_size"] > 1
 
 
 def test_the_governor_counts_qsa_kv_and_leaves_ple_on_disk(flat):
