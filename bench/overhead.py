@@ -82,10 +82,11 @@ def tps(times: list[float]) -> float:
 class Layers:
     """Each layer of one model and mode: `run(layer, prompt index)` -> (tokens or text, tok/s)."""
 
-    def __init__(self, engine, depth: int, tokens: int, url: str | None):
+    def __init__(self, engine, depth: int, tokens: int, url: str | None, served: str = ""):
         from hetero.sampling import SamplingParams
 
         self.engine, self.model, self.depth, self.n, self.url = engine, engine.model, depth, tokens, url
+        self.served = served  # the model name the server answers to
         self.ids = [engine.encode_prompt(p) for p in PROMPTS]
         self.greedy = SamplingParams()
 
@@ -191,7 +192,7 @@ class Layers:
         """One streamed completion: its text and each text chunk's arrival time."""
         import httpx
 
-        body = {"model": "bundled", "prompt": self.ids[i], "max_tokens": self.n, "temperature": 0, "stream": True,
+        body = {"model": self.served, "prompt": self.ids[i], "max_tokens": self.n, "temperature": 0, "stream": True,
                 "mtp": bool(self.depth)}
         text, times = [], []
         with httpx.stream("POST", self.url, json=body, timeout=600) as r:
@@ -206,7 +207,8 @@ class Layers:
         return "".join(text), times
 
 
-def start_server(path: str | None, depth: int, batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(path: str | None, depth: int, batch: int) -> tuple[subprocess.Popen, str, str]:
+    """A `hetero serve` process on a free port: (process, its completions URL, the model name it serves)."""
     import socket
 
     import httpx
@@ -219,7 +221,8 @@ def start_server(path: str | None, depth: int, batch: int) -> tuple[subprocess.P
     for _ in range(600):
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base + "/v1/completions"
+                served = httpx.get(base + "/v1/models", timeout=5).json()["data"][0]["id"]  # the checkpoint's name
+                return proc, base + "/v1/completions", served
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
@@ -238,12 +241,12 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
     path = None if name == "bundled" else str(checkpoint(name, Path(args.workdir)))
     engine = load(path, dtype=mx.float32)
     engine.eos_ids = set()  # EOS ignored: every run decodes --tokens tokens
-    server, url = start_server(path, args.depth, max(args.concurrency))
+    server, url, served = start_server(path, args.depth, max(args.concurrency))
     result: dict = {}
     identical = True
     try:
         for mode, depth in (("plain", 0), (f"mtp depth {args.depth}", args.depth)):
-            L = Layers(engine, depth, args.tokens, url)
+            L = Layers(engine, depth, args.tokens, url, served)
             solo = ["step_loop", "decode_tokens", "stream", "generate", "serve"]
             layers = {k: (lambda i, k=k: getattr(L, k)(i)) for k in solo}
             for n in args.concurrency:
