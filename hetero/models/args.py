@@ -11,6 +11,25 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer (and the MTP layer) is mixture-of-experts
 
 
+
+class ConfigFields:
+    """Reads a checkpoint config's fields, from its text_config first, then its top level; remembers the last field
+    read, so that a value that fails its conversion (int(), float()) is reported by name (`bad_value`)."""
+
+    def __init__(self, config: dict):
+        self.text, self.config, self.last = config.get("text_config") or config, config, None
+
+    def __call__(self, key: str, default=None):
+        self.last = key
+        return self.text.get(key, self.config.get(key, default))
+
+    def bad_value(self, error: Exception) -> HeteroError:
+        """One line naming the field read last (the one whose value failed) and what was wrong with it."""
+        value = self(self.last) if self.last is not None else None
+        what = "is missing" if value is None else f"has a bad value ({value!r}: {error})"
+        return HeteroError(f"config.json: the field {self.last!r} {what}; fix config.json (the checkpoint's own, as "
+                           "transformers saves it)")
+
 @dataclass
 class ModelArgs:
     """The text model's shape, read from an HF config (any of the three layouts)."""
@@ -62,8 +81,7 @@ class ModelArgs:
             raise HeteroError(
                 f"unsupported model_type {model_type!r}: hetero runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
             )
-        text = config.get("text_config") or config
-        get = lambda key, default=None: text.get(key, config.get(key, default))  # noqa: E731
+        get = ConfigFields(config)
         try:
             n_layers = int(get("num_hidden_layers"))
             hidden = int(get("hidden_size"))
@@ -111,7 +129,7 @@ class ModelArgs:
                 quantization=config.get("quantization") or config.get("quantization_config"),
             )
         except (TypeError, ValueError) as e:
-            raise HeteroError(f"config.json is missing or has a bad value for a required field: {e}") from None
+            raise get.bad_value(e) from None
         if len(args.layer_types) != n_layers or set(args.layer_types) - {"linear_attention", "full_attention"}:
             raise HeteroError("config.json layer_types must list 'linear_attention'/'full_attention' once per layer")
         if args.linear_num_value_heads % args.linear_num_key_heads:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
+from hetero.models.args import ConfigFields
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 
@@ -65,8 +66,7 @@ class Qwen4Args:
         model_type = config.get("model_type")
         if model_type not in MODEL_TYPES:
             raise HeteroError(f"unsupported model_type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}")
-        text = config.get("text_config") or config
-        get = lambda key, default=None: text.get(key, config.get(key, default))  # noqa: E731
+        get = ConfigFields(config)
         try:
             n_layers = int(get("num_hidden_layers"))
             hidden = int(get("hidden_size"))
@@ -130,7 +130,7 @@ class Qwen4Args:
                 quantization=config.get("quantization") or config.get("quantization_config"),
             )
         except (TypeError, ValueError) as e:
-            raise HeteroError(f"config.json is missing or has a bad value for a required field: {e}") from None
+            raise get.bad_value(e) from None
         args.validate(get)
         return args
 
