@@ -25,6 +25,7 @@ from hetero.planner import model_shape, plan_lines, read_model_config, recommend
 from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.planner.plan import parse_pieces
 from hetero.planner.predict import Lanes
+from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES
 from hetero.planner.vision import PLAN_SIZES, predict_tower, tower_lines
 from hetero.planner.recommend import split_plan
 from hetero.profiles import default_profile_name, load_profile
@@ -225,7 +226,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
     plan = with_measured_ranges(plan, args.model, name, config)
     vision = config.get("vision_config")  # the tower's shape (a checkpoint's own, or transformers' defaults)
-    tower = VisionArgs.from_config(vision) if isinstance(vision, dict) else None
+    takes_images = config.get("model_type") not in QWEN4_TYPES  # qwen4_exp's tower is not read yet: no image lines
+    tower = VisionArgs.from_config(vision) if isinstance(vision, dict) and takes_images else None
     if args.json:
         out = plan.to_dict()
         if args.recommend:

@@ -81,6 +81,7 @@ def test_plan_text_says_the_tables_are_on_disk_and_the_window(capsys):
     assert "PLE n-gram tables, 51.20B parameters in bf16 (on disk, memory-mapped: not counted)" in out
     assert "context window: 262144 tokens (the model's maximum; the memory would hold" in out
     assert "the ANE split has no programs for qwen4_exp yet: GPU-only" in out  # default fraction 0.5: capped
+    assert "vision tower" not in out  # its config has one, but hetero reads no qwen4_exp tower: nothing to predict
 
 
 def test_flash_next_config_matches_the_published_totals():
