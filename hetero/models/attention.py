@@ -23,7 +23,7 @@ The numpy kernel evaluates mid-graph and has no gradient, so training runs insid
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -67,6 +67,29 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
 
 
 def _numpy_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    B, H, L, _ = queries.shape
+    step = block_queries(B, H, L, keys.shape[2])
+    below = np.tril(np.ones((step, step), np.float32))  # 1 where key <= query inside the diagonal block
+    future = np.where(below > 0, 0.0, -np.inf).astype(np.float32)  # additive mask of the same block
+
+    def softmax(s: np.ndarray, i0: int) -> None:
+        n = s.shape[-2]
+        _softmax_in_place(s, below[:n, :n], future[:n, :n])
+
+    return blocked_numpy(queries, keys, values, scale, softmax)
+
+
+def block_queries(B: int, H: int, L: int, S: int) -> int:
+    """Query positions per block of `blocked_numpy`: its scores [B, H, n, S] stay within BLOCK_SCORES."""
+    return max(1, min(L, BLOCK_SCORES // (B * H * S)))
+
+
+def blocked_numpy(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                  softmax: Callable[[np.ndarray, int], None]) -> mx.array:
+    """Attention of queries [B, H, L, D] (the last L of S positions) over keys/values [B, Hkv, S, D] -> [B, H, L, Dv]
+    by blocks of queries: MLX's matmuls around a softmax numpy computes in place. `softmax(s, i0)` turns the scores
+    s [B, Hkv, G, n, end] of queries i0..i0+n (over the keys up to the block's last query) into unnormalized weights,
+    in place; the ones column appended to V sums them."""
     B, H, L, D = queries.shape
     _, Hkv, S, Dv = values.shape
     G = H // Hkv
@@ -75,16 +98,14 @@ def _numpy_causal(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     k_t = keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, D, S]
     ones = mx.ones((B, Hkv, S, 1), mx.float32)
     v_sum = mx.concatenate([values.astype(mx.float32), ones], axis=-1)  # [B, Hkv, S, Dv+1]: last column sums
-    step = max(1, min(L, BLOCK_SCORES // (B * H * S)))  # query positions per block
-    below = np.tril(np.ones((step, step), np.float32))  # 1 where key <= query inside the diagonal block
-    future = np.where(below > 0, 0.0, -np.inf).astype(np.float32)  # additive mask of the same block
+    step = block_queries(B, H, L, S)
     outs = []
     for i0 in range(0, L, step):
         n = min(step, L - i0)
         end = offset + i0 + n  # keys visible to the block's last query
         qb = q[:, :, :, i0 : i0 + n].reshape(B, Hkv, G * n, D)  # [B, Hkv, G*n, D]
         scores = qb @ k_t[..., :end]  # [B, Hkv, G*n, end]
-        _softmax_in_place(_writable(scores).reshape(B, Hkv, G, n, end), below[:n, :n], future[:n, :n])
+        softmax(_writable(scores).reshape(B, Hkv, G, n, end), i0)
         o = scores @ v_sum[:, :, :end]  # [B, Hkv, G*n, Dv+1]
         o = (o[..., :Dv] / o[..., Dv:]).reshape(B, Hkv, G, n, Dv)
         mx.eval(o)  # frees this block's scores before the next block's

@@ -191,30 +191,17 @@ def attend_selected(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     `mx.fast.scaled_dot_product_attention` with the mask."""
     if mx.default_device() != mx.cpu or queries.shape[2] < attention.MIN_QUERIES:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-    B, H, L, D = queries.shape
-    _, Hkv, T, Dv = values.shape
-    G = H // Hkv
-    offset = T - L  # position of the first query
+    B, _, L, _ = queries.shape
+    T = keys.shape[2]
     allowed = np.broadcast_to(np.array(mask).reshape(-1, L, T), (B, L, T))  # [B, L, T]
-    q = (queries.astype(mx.float32) * scale).reshape(B, Hkv, G, L, D)  # [B, Hkv, G, L, D]
-    k_t = keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, D, T]
-    v_sum = mx.concatenate([values.astype(mx.float32), mx.ones((B, Hkv, T, 1), mx.float32)], axis=-1)  # sums column
-    step = max(1, min(L, attention.BLOCK_SCORES // (B * H * T)))  # query positions per block
-    outs = []
-    for i0 in range(0, L, step):
-        n = min(step, L - i0)
-        end = offset + i0 + n  # keys visible to the block's last query (the mask is causal)
-        scores = q[:, :, :, i0 : i0 + n].reshape(B, Hkv, G * n, D) @ k_t[..., :end]  # [B, Hkv, G*n, end]
-        s = attention._writable(scores).reshape(B, Hkv, G, n, end)
+
+    def softmax(s: np.ndarray, i0: int) -> None:  # s [B, Hkv, G, n, end]
+        n, end = s.shape[-2:]
         keep = allowed[:, None, None, i0 : i0 + n, :end]  # [B, 1, 1, n, end]
         np.copyto(s, -np.inf, where=~keep)
         s -= s.max(axis=-1, keepdims=True)  # every query keeps at least one key
         np.maximum(s, attention.FLOOR, out=s)  # no subnormal reaches the matmul
         np.exp(s, out=s)
         s *= keep  # dropped keys weigh exactly 0
-        o = scores @ v_sum[:, :, :end]  # [B, Hkv, G*n, Dv+1]
-        o = (o[..., :Dv] / o[..., Dv:]).reshape(B, Hkv, G, n, Dv)
-        mx.eval(o)  # frees this block's scores before the next block's
-        outs.append(o)
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
-    return out.reshape(B, H, L, Dv).astype(queries.dtype)
+
+    return attention.blocked_numpy(queries, keys, values, scale, softmax)
