@@ -213,16 +213,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
               accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
               link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms, kv_bits=args.kv_bits,
               kv_group_size=args.kv_group_size)
+    args.recommend = args.recommend or args.ane_fraction.auto  # the fraction `--ane-fraction auto` starts from
     if args.pieces is not None:
         if args.recommend:
-            raise HeteroError("--pieces with --recommend: --recommend chooses the piece kinds itself; pass one of them")
+            raise HeteroError("--pieces with --recommend (or --ane-fraction auto): it chooses the piece kinds itself; "
+                              "pass one of them")
         kw["offload"] = parse_pieces(args.pieces)
     if args.recommend:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
     else:
-        if args.ane_fraction.auto:
-            raise HeteroError("hetero plan --ane-fraction auto: plan a given F in [0, 1], or pass --recommend for the "
-                              "fraction the profile recommends")
         plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
     plan = with_measured_ranges(plan, args.model, name, config)
     vision = config.get("vision_config")  # the tower's shape (a checkpoint's own, or transformers' defaults)

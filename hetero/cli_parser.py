@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", help="hardware profile (m4-pro, m3-ultra, m5-max, ..., this-machine; "
                       "default: this-machine when `hetero tune --devices` has measured it, else m4-pro)")
     plan.add_argument("--ane-fraction", type=ane_split_arg, default=HALF,
-                      help="requested ANE share of each offloadable piece (0: GPU-only)")
+                      help="requested ANE share of each offloadable piece (0: GPU-only; auto: as --recommend, the "
+                      "fraction `--ane-fraction auto` starts from)")
     plan.add_argument("--recommend", action="store_true", help="pick the fraction that balances both devices")
     plan.add_argument("--pieces", metavar="KINDS",
                       help="comma-separated piece kinds that take the ANE share (attention, mlp, gdn_in_proj or z, "

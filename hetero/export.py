@@ -31,7 +31,7 @@ import numpy as np
 from hetero.backends.coreml_macos import compiled_owner, remove_compiled
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
-from hetero.models.args import SUPPORTED_MODEL_TYPES
+from hetero.planner.slices import SPLIT_MODEL_TYPES
 from hetero.planner import PieceSlice, Plan
 from hetero.planner.recommend import split_plan
 from hetero.profiles import default_profile_name, load_profile
@@ -377,7 +377,7 @@ def export_coreml(
     check_weight_form(form)
     loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     net, _, config = loaded
-    if net.args.model_type not in SUPPORTED_MODEL_TYPES:  # the planner plans it GPU-only: nothing to export
+    if net.args.model_type not in SPLIT_MODEL_TYPES:  # the planner plans it GPU-only: nothing to export
         raise HeteroError(f"--coreml: the split has no Core ML programs for {net.args.model_type} checkpoints yet; "
                           "run them without --ane-fraction (GPU-only)")
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer

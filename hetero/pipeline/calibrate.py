@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.models import activations as act
+from hetero.pipeline.layer_io import embed, mixer_io, mlp_io, ple
 from hetero.planner.ranges import BLOCK, CHANNEL_PIECES, PieceRange, Ranges, shift_for
 
 RANGES_FILE = "ranges.json"
@@ -83,14 +84,20 @@ def calibrate(model, ids: list[int], shares: dict[tuple[int, str], int], prior: 
     Layer by layer over the whole text, each layer in steps of `step` tokens (through the layer's cache, as a
     prefill runs them: a long prompt's intermediates never exist all at once); the layers above the last piece
     measured are not run. With `prior`, channel blocks are chosen by the larger of its maxima and these, so the
-    share whose output is measured is the one `prior.merge(result)` chooses."""
+    share whose output is measured is the one `prior.merge(result)` chooses. The pieces' inputs are what the split's
+    programs read (`layer_io`: the normed input, or Qwen4-Exp's hyper-connection mix after its PLE update)."""
     tokens = mx.array(ids)[None]  # [1, T]
-    hs = [model.model.embed_tokens(tokens[:, lo : lo + step]) for lo in range(0, len(ids), step)]  # [1, t, hidden]
+    steps = range(0, len(ids), step)
+    hs = [embed(model, tokens[:, lo : lo + step]) for lo in steps]  # [1, t, hidden] (Qwen4-Exp: [1, t, hc*d])
+    host = [np.array(ids[lo : lo + step], dtype=np.int64)[None] for lo in steps]  # [1, t]
     cache = model.make_cache()
     pieces: dict[tuple[int, str], PieceRange] = {}
     last = max((layer for layer, _ in shares), default=-1)
     for i, layer in enumerate(model.layers[: last + 1]):
-        xs = [layer.input_layernorm(h) for h in hs]  # [1, t, hidden] each
+        for k in range(len(hs)):  # in order: each step's PLE continues the state the last one left
+            hs[k] = ple(layer, hs[k], host[k], cache[i])
+        io = mixer_io(layer)
+        xs, ctxs = zip(*[io.read(h) for h in hs])  # [1, t, hidden] each
         if (i, "gdn_in_proj") in shares:
             m = layer.linear_attn
             z = max(_max(m.in_proj_z(x)[..., : shares[i, "gdn_in_proj"]]) for x in xs)  # over [1, t, zr]
@@ -102,16 +109,17 @@ def calibrate(model, ids: list[int], shares: dict[tuple[int, str], int], prior: 
                                                 max(_max(x) for x in xs))
         mixer = layer.linear_attn if layer.is_linear else layer.self_attn
         for k, x in enumerate(xs):  # in order: each step continues the cache the last one left
-            hs[k] = hs[k] + mixer(x, cache[i])
+            hs[k] = io.write(hs[k], mixer(x, cache[i]), ctxs[k])
             mx.eval(hs[k], *[a for a in cache[i].state if a is not None])
-        xs = [layer.post_attention_layernorm(h) for h in hs]
+        io = mlp_io(layer)
+        xs, ctxs = zip(*[io.read(h) for h in hs])
         for piece in CHANNEL_PIECES:
             if (i, piece) in shares:
                 mlp = layer.mlp.shared_expert if piece == "shared_expert" else layer.mlp
                 pieces[i, piece] = _channel_range(mlp, xs, mlp.gate_proj.weight.shape[0], shares[i, piece],
                                                   prior.get(i, piece) if prior is not None else None)
         for k, x in enumerate(xs):
-            hs[k] = hs[k] + layer.mlp(x)
+            hs[k] = io.write(hs[k], layer.mlp(x), ctxs[k])
             mx.eval(hs[k])
     return Ranges(pieces, len(ids))
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from hetero.cache import LayerCache
 from hetero.errors import AneLaneLost, AneNonFinite, HeteroError
-from hetero.models.args import SUPPORTED_MODEL_TYPES
+from hetero.planner.slices import SPLIT_MODEL_TYPES
 from hetero.fingerprint import checkpoint_identity, weights_fingerprint
 from hetero.image_prompt import ImagePrompt
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
@@ -265,7 +265,7 @@ def configure(
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     if engine.model.args.attention_bias:
         raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
-    if engine.model.args.model_type not in SUPPORTED_MODEL_TYPES:  # the planner and programs know only these
+    if engine.model.args.model_type not in SPLIT_MODEL_TYPES:  # the planner and programs know only these
         raise HeteroError(f"--ane-fraction: the split prefill does not support {engine.model.args.model_type} "
                           f"checkpoints yet; run without --ane-fraction (GPU-only)")
     profile = profile or load_profile(default_profile_name())

@@ -9,6 +9,7 @@ chunk. At most `in_flight` chunks are in progress at once (each holds its hidden
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from hetero.models.mrope import frequency_positions
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.ane_process import AneProcess, LaneStats
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
+from hetero.pipeline.layer_io import embed as embed_streams, final_hidden, has_ple, mixer_io, mlp_io, ple
 from hetero.pipeline.programs import Programs
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, GpuMoERest, from_bc1s, host, to_bc1s
 from hetero.planner import SPLIT_IN_FLIGHT
@@ -67,6 +69,7 @@ class Chunk:
     start: int
     h: mx.array | None = None  # [1, s, hidden]
     piece: mx.array | None = None  # [1, s] token ids
+    host: np.ndarray | None = None  # [1, s] int64 token ids on the host (Qwen4-Exp's PLE hashes them)
     images: ImagePrompt | None = None  # the prompt's images (None: a text prompt)
     positions: mx.array | None = None  # [3, s] 3-D rotary positions (with images; None: 1-D from `start`)
     parts: dict = field(default_factory=dict)  # (layer, piece) -> a share's output, until its merge
@@ -142,8 +145,9 @@ class SplitPrefill:
 
             def embed(ch=ch, needs=needs) -> None:  # every MLX op runs on the GPU lane's thread (per-thread streams)
                 ch.piece = mx.array(ch.ids)[None]  # [1, s]
+                ch.host = np.array(ch.ids, dtype=np.int64)[None]  # [1, s]
                 if images is None:
-                    ch.h = model.model.embed_tokens(ch.piece)  # [1, s, hidden]
+                    ch.h = embed_streams(model, ch.piece)  # [1, s, hidden] (Qwen4-Exp: its hc streams [1, s, hc*d])
                 else:  # the images' rows in place, and the chunk's 3-D positions [3, s]
                     for i in needs:  # the lane's embeddings, or (no lane for it, or it failed) the GPU tower's
                         if images.embeddings[i] is None:  # (an image across a chunk edge: the first chunk's job)
@@ -169,7 +173,7 @@ class SplitPrefill:
             last = lo + size >= len(tokens)
 
             def finish(ch=ch, last=last) -> None:
-                h, piece = model.model.norm(ch.h), ch.piece  # [1, s, hidden], [1, s]
+                h, piece = final_hidden(model, ch.h), ch.piece  # [1, s, hidden] (Qwen4-Exp: [1, s, hc*d]), [1, s]
                 if mtp and model.has_mtp:  # the MTP head's KV: (t_{p+1}, h_p) pairs, as `decode.prefill.prefill` fills it
                     pairs = None
                     if images is not None:  # the 3-D positions of the pairs' p
@@ -181,7 +185,7 @@ class SplitPrefill:
                 mx.eval(out["hidden"], *([out["logits"]] if out["logits"] is not None else []), *cache_arrays(cache))
                 if on_chunk is not None:
                     on_chunk(ch.start + ch.s, _view_at(cache, ch), out["hidden"])
-                ch.h = ch.piece = ch.positions = None  # the chunk's buffers go now
+                ch.h = ch.piece = ch.positions = ch.host = None  # the chunk's buffers go now
                 ch.parts.clear()
                 ch.gdn.clear()
                 self._tables.pop(ch.start, None)
@@ -239,8 +243,8 @@ class SplitPrefill:
         rank = lambda step: (ch.index, i, step)  # noqa: E731
         if layer.is_linear and i in self.gdn_rest and not ch.whole:
             rest, parts = self.gdn_rest[i], progs.gdn_in_proj[i]
-            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0),
-                                (i, "gdn_in_proj"))
+            norm = self._normed(f"{label} norm", mixer_io(layer), ch, (i, "x"), self._ple_after(layer, h_job, prev),
+                                rank(0), (i, "gdn_in_proj"), self._ple(layer, c, ch))
             state = (norm,) if prev is None else (norm, prev)  # the recurrence continues the last chunk's state
 
             def gpu() -> None:
@@ -253,14 +257,14 @@ class SplitPrefill:
 
             def merge() -> None:
                 o, z_rest = ch.parts.pop((i, "gdn"))
-                ch.parts.pop((i, "x"))
+                ctx = ch.parts.pop((i, "x"))[2]
                 dtype = ch.h.dtype
                 z = mx.array(ch.parts.pop((i, "z")))[None]  # [1, s, zr] fp32
                 seen = self._track((i, "gdn_in_proj"), 1, z)
                 z = z.astype(dtype)
                 if z_rest is not None:
                     z = mx.concatenate([z, z_rest], axis=-1)  # [1, s, nv*dv]
-                ch.h = ch.h + rest.finish(o, z, dtype)
+                ch.h = mixer_io(layer).write(ch.h, rest.finish(o, z, dtype), ctx)
                 mx.eval(ch.h, seen)
 
             g, a = Job(label, "gpu", gpu, state, rank(0)), Job(f"{label} z", "ane", ane, (norm,), rank(0))
@@ -268,8 +272,7 @@ class SplitPrefill:
         if not layer.is_linear and i in progs.attention and not ch.whole:
             rest, parts = self.attn_rest.get(i), progs.attention_at(i, ch.start)
             theta = self.model.args.rope_theta
-            norm = self._normed(f"{label} norm", layer.input_layernorm, ch, (i, "x"), (h_job,), rank(0),
-                                (i, "attention"))
+            norm = self._normed(f"{label} norm", mixer_io(layer), ch, (i, "x"), (h_job,), rank(0), (i, "attention"))
             state = (norm,) if prev is None else (norm, prev)  # both read the cache as the last chunk left it
 
             def ane() -> None:
@@ -300,7 +303,7 @@ class SplitPrefill:
 
             def merge() -> None:
                 dtype = ch.h.dtype
-                ch.parts.pop((i, "x"))
+                ctx = ch.parts.pop((i, "x"))[2]
                 total, k_ane, v_ane = ch.parts.pop((i, "ane"))
                 keys, values = mx.array(k_ane).astype(dtype), mx.array(v_ane).astype(dtype)
                 out = mx.array(total)[None].astype(dtype)  # [1, s, hidden]
@@ -310,7 +313,7 @@ class SplitPrefill:
                     values = mx.concatenate([values, g_v], axis=1)
                     out = out + g_out
                 c.update_and_fetch(keys, values)  # the GPU cache stays the single source of truth
-                ch.h = ch.h + out
+                ch.h = mixer_io(layer).write(ch.h, out, ctx)
                 mx.eval(ch.h, *c.state)
 
             shares = [Job(f"{label} heads", "ane", ane, state, rank(0))]
@@ -319,11 +322,16 @@ class SplitPrefill:
             return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(1))]
 
         def whole() -> None:
-            x = layer.input_layernorm(ch.h)
+            io = mixer_io(layer)
+            ch.h = ple(layer, ch.h, ch.host, c)  # Qwen4-Exp's PLE layers: before the mixer
+            x, ctx = io.read(ch.h)
             if layer.is_linear:
-                ch.h = ch.h + layer.linear_attn(x, c)
+                out = layer.linear_attn(x, c)
+            elif ch.positions is not None:
+                out = layer.self_attn(x, c, ch.positions)
             else:
-                ch.h = ch.h + layer.self_attn(x, c, ch.positions)  # None: 1-D positions from the cache's offset
+                out = layer.self_attn(x, c)  # 1-D positions from the cache's offset
+            ch.h = io.write(ch.h, out, ctx)
             mx.eval(ch.h, *c.state)
 
         return [Job(label, "gpu", whole, after, rank(0))]
@@ -345,13 +353,14 @@ class SplitPrefill:
             return self._moe(i, ch, h_job)
         if i not in progs.mlp or ch.whole:
             def whole() -> None:
-                ch.h = ch.h + layer.mlp(layer.post_attention_layernorm(ch.h))
+                io = mlp_io(layer)
+                x, ctx = io.read(ch.h)
+                ch.h = io.write(ch.h, layer.mlp(x), ctx)
                 mx.eval(ch.h)
 
             return [Job(label, "gpu", whole, (h_job,), rank(2))]
         rest, parts = self.mlp_rest.get(i), progs.mlp[i]
-        norm = self._normed(f"{label} norm", layer.post_attention_layernorm, ch, (i, "mlp x"), (h_job,), rank(2),
-                            (i, "mlp"))
+        norm = self._normed(f"{label} norm", mlp_io(layer), ch, (i, "mlp x"), (h_job,), rank(2), (i, "mlp"))
 
         def ane() -> None:
             x = to_bc1s(ch.parts[i, "mlp x"][1], size)
@@ -363,11 +372,11 @@ class SplitPrefill:
             ch.parts[i, "mlp gpu"] = out
 
         def merge() -> None:
-            ch.parts.pop((i, "mlp x"))
+            ctx = ch.parts.pop((i, "mlp x"))[2]
             out = mx.array(ch.parts.pop((i, "mlp ane")))[None]  # [1, s, hidden] fp32
             seen = self._track((i, "mlp"), 1, out)
             out = out.astype(ch.h.dtype)
-            ch.h = ch.h + (out if rest is None else out + ch.parts.pop((i, "mlp gpu")))
+            ch.h = mlp_io(layer).write(ch.h, out if rest is None else out + ch.parts.pop((i, "mlp gpu")), ctx)
             mx.eval(ch.h, seen)
 
         shares = [Job(f"{label} channels", "ane", ane, (norm,), rank(2))]
@@ -383,8 +392,8 @@ class SplitPrefill:
         label = f"L{i} moe @{ch.start}"
         rank = lambda step: (ch.index, i, step)  # noqa: E731
 
-        norm = self._normed(f"{label} norm", self.model.layers[i].post_attention_layernorm, ch, (i, "moe x"),
-                            (h_job,), rank(2), (i, "shared_expert"))
+        io = mlp_io(self.model.layers[i])
+        norm = self._normed(f"{label} norm", io, ch, (i, "moe x"), (h_job,), rank(2), (i, "shared_expert"))
 
         def ane() -> None:
             x = to_bc1s(ch.parts[i, "moe x"][1], size)
@@ -394,32 +403,48 @@ class SplitPrefill:
             ch.parts[i, "moe gpu"] = rest(ch.parts[i, "moe x"][0])
 
         def merge() -> None:
-            ch.parts.pop((i, "moe x"))
+            ctx = ch.parts.pop((i, "moe x"))[2]
             routed, shared_rest, gate = ch.parts.pop((i, "moe gpu"))
             shared = mx.array(ch.parts.pop((i, "shared ane")))[None]  # [1, s, hidden] fp32
             seen = self._track((i, "shared_expert"), 1, shared)
             shared = shared.astype(ch.h.dtype)
             if shared_rest is not None:
                 shared = shared + shared_rest  # the shared expert's partial down_proj sums add up
-            ch.h = ch.h + rest.finish(routed, shared, gate)
+            ch.h = io.write(ch.h, rest.finish(routed, shared, gate), ctx)
             mx.eval(ch.h, seen)
 
         shares = [Job(f"{label} shared channels", "ane", ane, (norm,), rank(2)),
                   Job(label, "gpu", gpu, (norm,), rank(2))]
         return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(3))]
 
-    def _normed(self, label: str, norm, ch: Chunk, key: tuple, after: tuple, rank: tuple, piece: tuple) -> Job:
+    def _normed(self, label: str, io, ch: Chunk, key: tuple, after: tuple, rank: tuple, piece: tuple,
+                pre=None) -> Job:
         """A GPU job leaving a piece's normed input in `ch.parts[key]`: (x in the model's dtype for the GPU's share,
-        x in fp32 for the ANE lane to read without an MLX op). The programs read normed inputs: bounded however
-        large the residual stream grows, and no epsilon enters them. Its largest value is tracked for `piece`."""
+        x in fp32 for the ANE lane to read without an MLX op, what `io.write` needs to merge the output back: see
+        `layer_io`). The programs read normed inputs (Qwen4-Exp: the hyper-connection's mixed input): bounded
+        however large the residual stream grows, and no epsilon enters them. Its largest value is tracked for
+        `piece`. `pre` (h -> h) runs first: a Qwen4-Exp PLE layer's update before its mixer."""
 
         def job() -> None:
-            x = norm(ch.h)  # [1, s, hidden]
+            if pre is not None:
+                ch.h = pre(ch.h)
+            x, ctx = io.read(ch.h)  # [1, s, hidden]
             x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
-            mx.eval(x, x32, self._track(piece, 0, x32))
-            ch.parts[key] = (x, x32)
+            mx.eval(ch.h, x, x32, self._track(piece, 0, x32), *([] if ctx is None else [ctx]))
+            ch.parts[key] = (x, x32, ctx)
 
         return Job(label, "gpu", job, after, rank)
+
+    @staticmethod
+    def _ple(layer, c: LayerCache, ch: Chunk):
+        """h -> h + PLE(h) on a Qwen4-Exp PLE layer (None elsewhere): advances its PLE cache."""
+        return (lambda h: ple(layer, h, ch.host, c)) if has_ple(layer) else None
+
+    @staticmethod
+    def _ple_after(layer, h_job: Job, prev: Job | None) -> tuple:
+        """What a mixer's input job waits for: its input, and on a PLE layer the last chunk's state update too (the
+        PLE cache carries the last chunk's tokens and conv inputs)."""
+        return (h_job,) if prev is None or not has_ple(layer) else (h_job, prev)
 
     def _track(self, piece: tuple, which: int, a: mx.array) -> mx.array:
         """Fold max|a| into `piece`'s running maximum `which` (0: normed input, 1: ANE output): one lazy reduction,
@@ -496,7 +521,8 @@ def _then_keep_state(fn: Callable[[], None], ch: Chunk, i: int, c: GDNCache) -> 
 
     def job() -> None:
         fn()
-        ch.gdn[i] = (c.conv, c.recurrent)
+        p = getattr(c, "ple", None)  # Qwen4-Exp's PLE layers: their PLE state too
+        ch.gdn[i] = (c.conv, c.recurrent, None if p is None else (p.context, p.conv))
 
     return job
 
@@ -504,15 +530,21 @@ def _then_keep_state(fn: Callable[[], None], ch: Chunk, i: int, c: GDNCache) -> 
 def _view_at(cache: ModelCache, ch: Chunk) -> ModelCache:
     """The cache as it stood at chunk `ch`'s end n: backbone caches at offset n (attention K/V are only appended
     to, so the live buffers read up to n; GDN layers from the chunk's snapshots) and the live MTP caches (their
-    edge is this chunk's, as their pairs are filled chunk by chunk)."""
+    edge is this chunk's, as their pairs are filled chunk by chunk). Qwen4-Exp's: GDN layers with their PLE state
+    from the snapshots, QSA layers with their index keys up to n."""
     n, view = ch.start + ch.s, []
     for i, c in enumerate(cache.backbone):
         if isinstance(c, GDNCache):
-            at = GDNCache()
-            at.conv, at.recurrent = ch.gdn[i]
+            at = copy.copy(c)  # its own class (Qwen4-Exp's carries the PLE state)
+            at.conv, at.recurrent, ple_state = ch.gdn[i]
+            if ple_state is not None:
+                at.ple = copy.copy(c.ple)
+                at.ple.context, at.ple.conv = ple_state
         else:
-            at = KVCache()
+            at = c.like() if hasattr(c, "index_keys") else KVCache()  # a QSA layer's keeps its index keys
             at.keys, at.values = c.keys, c.values
+            if getattr(c, "index_keys", None) is not None:
+                at.index_keys = c.index_keys[:, :n]  # [1, n, Di]
         at.offset = n
         view.append(at)
     return ModelCache(view, cache.mtp)

@@ -38,6 +38,7 @@ from hetero.planner.slices import (
     fit_ane_memory,
     largest_program_bytes,
     layer_slices,
+    never_split,
     parameter_counts,
     program_budget,
     split_for_budget,
@@ -197,6 +198,11 @@ def make_plan(
         raise HeteroError(f"--prompt-tokens {prompt}: must be between 1 and the context ({context})")
     if accepted_length < 1:
         raise HeteroError(f"--accepted-length {accepted_length}: a verify pass yields at least one token")
+    cannot = never_split(args)
+    if fraction and offload != OFFLOADABLE and all(k in cannot for k in offload):
+        raise HeteroError(f"--pieces {','.join(offload)}: a {args.model_type} checkpoint gives the ANE none of it ("
+                          f"{'; '.join(f'{k}: {cannot[k]}' for k in offload)}); offload "
+                          f"{', '.join(k for k in OFFLOADABLE if k not in cannot)} (or all)")
     limit = profile.ane_process_weight_limit_gb * 1e9 if profile.ane_process_weight_limit_gb else None
     ps, sliced = fit_ane_memory(args, moe, fraction, limit, storage)
     lanes = Lanes.of(profile, ane_instances)

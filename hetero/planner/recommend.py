@@ -9,13 +9,14 @@ from itertools import combinations
 from hetero.errors import HeteroError
 from hetero.planner.plan import PIECE_ALIASES, Plan, make_plan
 from hetero.planner.shape import model_shape
-from hetero.planner.slices import OFFLOADABLE, pieces
+from hetero.planner.slices import OFFLOADABLE, never_split, pieces
 from hetero.profiles import Profile
 
 
 def kind_subsets(config: dict) -> list[tuple[str, ...]]:
     """Every set of piece kinds a split of this model may offload: all of them first, then smaller sets."""
-    present = {p.kind for p in pieces(*model_shape(config), 0.0)}
+    args, moe = model_shape(config)
+    present = {p.kind for p in pieces(args, moe, 0.0)} - set(never_split(args))
     kinds = tuple(k for k in OFFLOADABLE if k in present)  # a dense model has no shared expert to try
     return [OFFLOADABLE] + [c for n in range(len(kinds) - 1, 0, -1) for c in combinations(kinds, n)]
 

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
-from hetero.models.qwen4_exp.args import Qwen4Args
+from hetero.models.args import SUPPORTED_MODEL_TYPES
+from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES, Qwen4Args
 from coreml_graphs.palette import LUT_BITS, lut_bytes_per_weight
 from hetero.planner.shape import MoE, Storage, ple_table_params
 from hetero.profiles import Profile
@@ -39,8 +40,20 @@ EXACT_PATH = {
     "hyper_connections": "the hyper-connection mixers read and write the residual streams: exact GPU path",
     "ple": "PLE gathers hashed n-gram rows from disk and carries a conv window: exact GPU path",
 }
-# Qwen4-Exp: the split has no Core ML programs for it yet (hetero/pipeline/run.py refuses --ane-fraction on it)
-NO_SPLIT = "the ANE split has no programs for qwen4_exp yet: GPU-only"
+SPLIT_MODEL_TYPES = SUPPORTED_MODEL_TYPES + QWEN4_TYPES  # the checkpoints the split prefill has programs for
+# Qwen4-Exp: the ANE takes shared-expert channels and GDN z rows (the hyper-connection mixers, PLE, the GDN recurrence
+# and the QSA indexer stay on the GPU lane); its attention stays whole on the GPU for this reason
+QSA_ATTENTION = ("QSA attention stays on the GPU: the indexer picks each query's keys from the GPU's index keys, and "
+                 "the attention programs take no per-query selection (they attend causally to every key)")
+
+
+def never_split(args: ModelArgs | Qwen4Args) -> dict[str, str]:
+    """Offloadable piece kinds this architecture never gives the ANE, with the reason: Qwen4-Exp's QSA attention,
+    and its dense MLP, which it has none of (every layer is MoE: its shared expert is the `shared_expert` piece)."""
+    if not isinstance(args, Qwen4Args):
+        return {}
+    return {"attention": QSA_ATTENTION,
+            "mlp": "every qwen4_exp layer is mixture-of-experts: its shared expert is the shared_expert piece"}
 
 
 @dataclass(frozen=True)
@@ -97,12 +110,13 @@ def _aligned(x: float, step: int, total: int) -> int:
 def pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
     """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap). Qwen4-Exp
     adds its hyper-connections, PLE projections (the n-gram tables stay on disk: `shape.ple_table_params`), the QSA
-    indexer in its attention pieces and its own MTP head, and keeps every share on the GPU (`NO_SPLIT`)."""
+    indexer in its attention pieces and its own MTP head; its QSA attention keeps its share on the GPU
+    (`QSA_ATTENTION`), its shared experts and GDN z rows split as Qwen3.5's do."""
     if not 0.0 <= fraction <= 1.0:
         raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
-    if isinstance(args, Qwen4Args):  # no programs for its pieces: every share stays on the GPU, and says why
-        return [p if not p.units else Piece(**{**asdict(p), "ane_units": 0, "cap_reason": NO_SPLIT if fraction else None})
-                for p in _pieces(args, moe, fraction)]
+    if isinstance(args, Qwen4Args):
+        return [Piece(**{**asdict(p), "ane_units": 0, "cap_reason": QSA_ATTENTION if fraction else None})
+                if p.kind == "attention" else p for p in _pieces(args, moe, fraction)]
     return _pieces(args, moe, fraction)
 
 

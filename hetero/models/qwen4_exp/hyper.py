@@ -57,10 +57,17 @@ class GatedResidual(nn.Module):
         """The final mixer: streams [B, S, hc*d] -> [B, S, d]."""
         return self.mix(h)[0]
 
-    def around(self, h: mx.array, block) -> mx.array:
-        """h' = h + inject * block(mixed input), per stream: h [B, S, hc*d] -> [B, S, hc*d]."""
-        x, n = self.mix(h)
-        inject = 2 * act.sigmoid(self.block_inject_weight(n) / self.hc)  # [B, S, hc]
-        out = block(x)  # [B, S, d]
+    def inject(self, n: mx.array) -> mx.array:
+        """Normed streams n [B, S, hc*d] -> the per-stream weights of the block's output [B, S, hc]."""
+        return 2 * act.sigmoid(self.block_inject_weight(n) / self.hc)
+
+    def write(self, h: mx.array, inject: mx.array, out: mx.array) -> mx.array:
+        """h [B, S, hc*d] plus the block's output out [B, S, d] weighted per stream by inject [B, S, hc]."""
         B, S, _ = h.shape
         return h + (inject[..., None] * out[..., None, :]).reshape(B, S, -1)
+
+    def around(self, h: mx.array, block) -> mx.array:
+        """h' = h + inject * block(mixed input), per stream: h [B, S, hc*d] -> [B, S, hc*d]. (The split prefill
+        runs the three steps as separate jobs: `mix`, `inject`, then `write` once the block's shares are merged.)"""
+        x, n = self.mix(h)
+        return self.write(h, self.inject(n), block(x))
