@@ -213,11 +213,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
               accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
               link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms, kv_bits=args.kv_bits,
               kv_group_size=args.kv_group_size)
+    flag = "--recommend" if args.recommend else "--ane-fraction auto"
     args.recommend = args.recommend or args.ane_fraction.auto  # the fraction `--ane-fraction auto` starts from
     if args.pieces is not None:
         if args.recommend:
-            raise HeteroError("--pieces with --recommend (or --ane-fraction auto): it chooses the piece kinds itself; "
-                              "pass one of them")
+            raise HeteroError(f"--pieces with {flag}: {flag} chooses the piece kinds itself; pass one of them")
         kw["offload"] = parse_pieces(args.pieces)
     if args.recommend:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
