@@ -135,3 +135,31 @@ def test_convert_coreml_writes_the_shared_expert_and_z_programs(checkpoint, tmp_
     want = {(i, "shared_expert") for i in range(len(types))}
     want |= {(i, "gdn_in_proj") for i, t in enumerate(types) if t == "linear_attention"}
     assert {(p["layer"], p["piece"]) for p in programs} == want
+
+
+def test_chunk_edges_see_the_state_at_each_edge(engine):
+    """`on_chunk` (the prefix cache's hook) sees at every chunk edge n the cache as it stood at n, while layers
+    below already hold later chunks: each GDN layer's state and PLE state as its chunk left them, each QSA layer's
+    K, V and index keys up to n. Layer 0's (exact path) equal a GPU-only prefill of the first n tokens; the QSA
+    layer's are within the fp16 share's rounding of it."""
+    model = engine.model
+    ids = _prompt(TOKENS, model.args.vocab_size, 3)
+    views = {}
+    split = configure(engine, 0.5, 64, lane="thread").splitter(TOKENS)
+    split.run(ids, model.make_cache(), logits=False, on_chunk=lambda n, cache, hidden: views.setdefault(n, cache))
+    assert sorted(views) == [64, 128, TOKENS]
+    qsa = model.args.layer_types.index("indexed_attention")
+    for n in (64, 128):
+        gpu = model.make_cache()
+        prefill(model, ids[:n], gpu, 64)
+        at = views[n].backbone
+        assert all(c.offset == n for c in at)
+        exact = [(at[0].recurrent, gpu[0].recurrent), (at[0].conv, gpu[0].conv), (at[0].ple.conv, gpu[0].ple.conv)]
+        for got, want in exact:
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+        assert np.array_equal(at[0].ple.context, gpu[0].ple.context)
+        got, want = at[qsa].rows(0, n), gpu[qsa].rows(0, n)
+        assert len(got) == 3  # K, V and the index keys
+        for x, y in zip(got, want):
+            x, y = np.array(x), np.array(y)
+            assert x.shape == y.shape and np.abs(x - y).max() <= 1e-2 * np.abs(y).max()
