@@ -212,6 +212,25 @@ def attention_masks(start: int, shape: AttentionShape) -> dict[str, np.ndarray]:
     return out
 
 
+def selected_masks(start: int, shape: AttentionShape, chosen: np.ndarray) -> dict[str, np.ndarray]:
+    """Masks for a chunk at `start` whose queries see only the positions `chosen` [s, start + s] (bool, a QSA
+    indexer's selection, causal included) marks: the same program then attends as QSA does. Padded query rows
+    (s..S-1) see themselves only, so every softmax row has a finite max."""
+    S, s = shape.chunk, chosen.shape[0]
+    if start > shape.cache_slots:
+        raise ValueError(f"chunk at position {start} needs {start} cache slots; this program has {shape.cache_slots}")
+    cache = np.zeros((shape.cache_slots, S), bool)  # [slot, query]
+    cache[:start, :s] = chosen[:, :start].T
+    chunk = np.eye(S, dtype=bool)  # [key, query]
+    chunk[:s, :s] = chosen[:, start : start + s].T
+    out, offset = {}, 0
+    for b, tb in enumerate(shape.cache_blocks):
+        out[f"mask_cache_{b}"] = np.where(cache[offset : offset + tb], 0.0, MASK_NEG).astype(np.float16)[None, None]
+        offset += tb
+    out["mask_chunk"] = np.where(chunk, 0.0, MASK_NEG).astype(np.float16)[None, None]
+    return out
+
+
 def cache_inputs(keys: np.ndarray, values: np.ndarray, shape: AttentionShape) -> dict[str, np.ndarray]:
     """The slice's cache [1, Hkv, n, D] (n <= T valid slots) zero-padded to T and split into the input blocks."""
     n = keys.shape[2]

@@ -1,6 +1,7 @@
-"""The two-lane split on Qwen4-Exp (issue 32, item 5): the ANE takes channels of every layer's shared expert and the
-z rows of every GDN layer (Core ML programs run by the reference executor); the hyper-connection mixers, PLE, the
-GDN recurrence, the router and routed experts and QSA attention (its indexer and index keys) stay on the GPU lane.
+"""The two-lane split on Qwen4-Exp (issue 32, item 5): the ANE takes KV-head groups of every QSA layer (attending to
+the keys the GPU's indexer selects), channels of every layer's shared expert and the z rows of every GDN layer
+(Core ML programs run by the reference executor); the hyper-connection mixers, PLE, the GDN recurrence, the router
+and routed experts and QSA's indexer and index keys stay on the GPU lane.
 Split prefill against the GPU-only run (logits, caches, greedy continuation), the exact path's state, `hetero run
 --ane-fraction 0.5 --verify`, and `hetero convert --coreml`.
 
@@ -64,9 +65,9 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_split_prefill_matches_gpu_only(engine, seed):
-    """Every layer gives the ANE half of its shared expert, every GDN layer all of its z rows, QSA attention
-    nothing; the split's logits and caches pass verify against the fp32 reference and 16 greedy tokens are the
-    GPU-only run's."""
+    """Every layer gives the ANE half of its shared expert, every GDN layer all of its z rows, the QSA layer one of
+    its two KV groups; the split's logits and caches pass verify against the fp32 reference and 16 greedy tokens
+    are the GPU-only run's."""
     model = engine.model
     args = model.args
     assert args.model_type.startswith("qwen4_exp") and TOKENS >= 4 * args.indexer_budget  # QSA drops keys
@@ -75,7 +76,8 @@ def test_split_prefill_matches_gpu_only(engine, seed):
     progs = split.programs
     for i, layer in enumerate(model.layers):
         assert progs.share("shared_expert", i) == SHARED // 2, i
-        assert progs.share("attention", i) == 0 and progs.share("mlp", i) == 0
+        assert progs.share("attention", i) == (0 if layer.is_linear else 1) and progs.share("mlp", i) == 0
+        assert (i in split.attn_rest) == (not layer.is_linear)  # the other KV group on the GPU lane
         assert progs.share("gdn_in_proj", i) == (args.linear_num_value_heads * args.linear_value_head_dim
                                                  if layer.is_linear else 0)
         assert split.moe_rest[i].shared is not None  # the other half on the GPU lane
@@ -120,9 +122,9 @@ def test_run_split_verify_cli(engine, checkpoint, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] == out["tokens"]
 
 
-def test_convert_coreml_writes_the_shared_expert_and_z_programs(checkpoint, tmp_path, capsys):
-    """`hetero convert --coreml --ane-fraction 0.5` writes one shared-expert program per layer and one z program per
-    GDN layer, no attention program."""
+def test_convert_coreml_writes_the_split_programs(checkpoint, tmp_path, capsys):
+    """`hetero convert --coreml --ane-fraction 0.5` writes one shared-expert program per layer, one z program per GDN
+    layer and one attention program per QSA layer."""
     from hetero.export import read_manifest
 
     out = tmp_path / "coreml"
@@ -133,7 +135,7 @@ def test_convert_coreml_writes_the_shared_expert_and_z_programs(checkpoint, tmp_
     config = json.loads((checkpoint / "config.json").read_text())
     types = (config.get("text_config") or config)["layer_types"]
     want = {(i, "shared_expert") for i in range(len(types))}
-    want |= {(i, "gdn_in_proj") for i, t in enumerate(types) if t == "linear_attention"}
+    want |= {(i, "gdn_in_proj" if t == "linear_attention" else "attention") for i, t in enumerate(types)}
     assert {(p["layer"], p["piece"]) for p in programs} == want
 
 

@@ -80,7 +80,7 @@ def test_plan_text_says_the_tables_are_on_disk_and_the_window(capsys):
     assert "51.20B PLE n-gram tables on disk" in out
     assert "PLE n-gram tables, 51.20B parameters in bf16 (on disk, memory-mapped: not counted)" in out
     assert "context window: 262144 tokens (the model's maximum; the memory would hold" in out
-    assert "QSA attention stays on the GPU" in out  # default fraction 0.5: its attention capped, with the reason
+    assert "only the z rows may leave" in out  # default fraction 0.5: the split's caps, with their reasons
     assert "vision tower" not in out  # its config has one, but hetero reads no qwen4_exp tower: nothing to predict
 
 
@@ -134,10 +134,10 @@ def split_json(capsys, *flags: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_plan_splits_the_shared_expert_and_z_rows_only(capsys):
-    """At F = 0.5 the ANE takes half of every layer's shared expert (256 of 512 channels, 16 layers) and the z rows
-    of every GDN layer, capped at z / (qkv + z + b + a); QSA attention, the routed experts, the hyper-connection
-    mixers, PLE and the GDN recurrence keep everything, each with its reason."""
+def test_plan_splits_attention_heads_shared_experts_and_z_rows(capsys):
+    """At F = 0.5 the ANE takes one of the two KV groups of every QSA layer, half of every layer's shared expert (256
+    of 512 channels, 16 layers) and the z rows of every GDN layer, capped at z / (qkv + z + b + a); the routed
+    experts, the hyper-connection mixers, PLE and the GDN recurrence keep everything, each with its reason."""
     plan = split_json(capsys, "--ane-fraction", "0.5")
     by = plan["pieces"]
     nk, nv, dk, dv = (TEXT[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -145,12 +145,15 @@ def test_plan_splits_the_shared_expert_and_z_rows_only(capsys):
     z, rows = nv * dv, 2 * nk * dk + 2 * nv * dv + 2 * nv
     assert (by["shared_expert"]["layers"], by["shared_expert"]["ane_units"]) == (16, TEXT["shared_expert_intermediate_size"] // 2)
     assert (by["gdn_in_proj"]["layers"], by["gdn_in_proj"]["ane_units"], by["gdn_in_proj"]["units"]) == (12, z, rows)
-    for kind in ("attention", "moe", "hyper_connections", "ple", "gdn_recurrence", "gdn_out_proj", "mtp"):
+    assert (by["attention"]["layers"], by["attention"]["ane_units"], by["attention"]["units"]) == (4, 1, 2)
+    for kind in ("moe", "hyper_connections", "ple", "gdn_recurrence", "gdn_out_proj", "mtp"):
         assert by[kind]["ane_units"] == 0 and by[kind]["cap_reason"], kind
-    assert "QSA" in by["attention"]["cap_reason"] and "hyper-connection" in by["hyper_connections"]["cap_reason"]
+    assert "hyper-connection" in by["hyper_connections"]["cap_reason"] and "PLE" in by["ple"]["cap_reason"]
     slices = {(s["layer"], s["piece"]) for s in plan["layers"]}
     gdn = [i for i, t in enumerate(TEXT["layer_types"]) if t == "linear_attention"]
-    assert slices == {(i, "shared_expert") for i in range(16)} | {(i, "gdn_in_proj") for i in gdn}
+    qsa = [i for i, t in enumerate(TEXT["layer_types"]) if t != "linear_attention"]
+    assert slices == ({(i, "shared_expert") for i in range(16)} | {(i, "gdn_in_proj") for i in gdn}
+                      | {(i, "attention") for i in qsa})
 
 
 def test_plan_ane_fraction_auto_predicts_the_split(capsys):
@@ -162,13 +165,13 @@ def test_plan_ane_fraction_auto_predicts_the_split(capsys):
     assert 0 < auto["recommended_fraction"] <= 1 and auto["layers"]
     predicted = auto["predicted"]
     assert predicted["split_prefill_s"] < predicted["gpu_only_prefill_s"]
-    assert {s["piece"] for s in auto["layers"]} <= {"shared_expert", "gdn_in_proj"}
+    assert {s["piece"] for s in auto["layers"]} <= {"attention", "shared_expert", "gdn_in_proj"}
 
 
 def test_plan_pieces_qwen4_cannot_split_is_one_line(capsys):
-    """Asking for QSA attention alone (a fraction this layout cannot take): one line saying why and what can
-    leave, not a plan of nothing."""
-    assert main(["plan", "--model", str(FLASH_NEXT), "--ane-fraction", "0.5", "--pieces", "attention"]) != 0
+    """Asking for the dense MLP alone (a share this layout cannot take: every layer is MoE): one line saying why and
+    what can leave, not a plan of nothing."""
+    assert main(["plan", "--model", str(FLASH_NEXT), "--ane-fraction", "0.5", "--pieces", "mlp"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("hetero: error: --pieces attention: a qwen4_exp checkpoint gives")
-    assert "QSA attention stays on the GPU" in err[0] and err[0].endswith("offload gdn_in_proj, shared_expert (or all)")
+    assert len(err) == 1 and err[0].startswith("hetero: error: --pieces mlp: a qwen4_exp checkpoint gives")
+    assert "mixture-of-experts" in err[0] and err[0].endswith("offload attention, gdn_in_proj, shared_expert (or all)")

@@ -16,6 +16,7 @@ from hetero.models import activations as act
 from hetero.models.attention import attend
 from hetero.models.mrope import apply_mrope
 from hetero.models.qwen3_5 import DecoderLayer
+from hetero.models.qwen4_exp.qsa import attend_selected
 
 
 def _runs(idx: np.ndarray) -> slice | None:
@@ -100,10 +101,11 @@ class GpuAttentionRest:
         self.o = _cols(attn.o_proj, k * group * D, attn.n_heads * D)
         self.copied = copied_bytes(self.q, self.k_proj, self.v_proj, self.o)
 
-    def __call__(self, x: mx.array, cache: KVCache, positions: mx.array | None = None
+    def __call__(self, x: mx.array, cache: KVCache, positions: mx.array | None = None, chosen: mx.array | None = None
                  ) -> tuple[mx.array, mx.array, mx.array]:
         """The normed input x [1, S, hidden] -> (partial o_proj sum, the GPU's heads' new keys and values); with
-        `positions` [3, S] (a prompt with images) the heads rotate by those 3-D positions (`mrope`)."""
+        `positions` [3, S] (a prompt with images) the heads rotate by those 3-D positions (`mrope`); with `chosen`
+        [1, S, T] (a QSA layer's selection, causal included) each query attends to those keys only."""
         a, D = self.attn, self.attn.head_dim
         B, S, _ = x.shape
         qg = self.q(x).reshape(B, S, self.heads, 2 * D)  # [B, S, Hr, 2D]
@@ -119,7 +121,10 @@ class GpuAttentionRest:
         if cache.offset:
             all_k = mx.concatenate([cache.keys[:, self.k :, : cache.offset], keys], axis=2)  # [B, Kr, T+S, D]
             all_v = mx.concatenate([cache.values[:, self.k :, : cache.offset], values], axis=2)
-        out = attend(q, all_k, all_v, scale=D**-0.5)  # [B, Hr, S, D]
+        if chosen is None:
+            out = attend(q, all_k, all_v, scale=D**-0.5)  # [B, Hr, S, D]
+        else:
+            out = attend_selected(q, all_k, all_v, D**-0.5, chosen[:, None])  # [B, Hr, S, D]
         out = out.transpose(0, 2, 1, 3) * act.sigmoid(gate)  # [B, S, Hr, D]
         partial = self.o(out.reshape(B, S, -1))  # [B, S, hidden]
         mx.eval(partial, keys, values)

@@ -274,9 +274,12 @@ class SplitPrefill:
             theta = self.model.args.rope_theta
             norm = self._normed(f"{label} norm", mixer_io(layer), ch, (i, "x"), (h_job,), rank(0), (i, "attention"))
             state = (norm,) if prev is None else (norm, prev)  # both read the cache as the last chunk left it
+            indexer = getattr(layer.self_attn, "indexer", None)  # Qwen4-Exp's QSA: its selection comes first
+            if indexer is not None:
+                state = (self._select(f"{label} index", indexer, c, ch, i, state, rank(0)),)
 
             def ane() -> None:
-                from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables
+                from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables, selected_masks
 
                 x = to_bc1s(ch.parts[i, "x"][1], size)
                 D = parts[0][1].head_dim
@@ -289,7 +292,8 @@ class SplitPrefill:
                     if key not in tables:
                         tables[key] = {**rope_tables(ch.start, shape, theta, self._rope_positions(ch, shape)),
                                        **attention_masks(ch.start, shape)}
-                    r = run({"x": x, **tables[key], **cache_inputs(keys, vals, shape)})
+                    masks = {} if indexer is None else selected_masks(ch.start, shape, ch.parts[i, "index"][2])
+                    r = run({"x": x, **tables[key], **masks, **cache_inputs(keys, vals, shape)})
                     part = from_bc1s(r["out"], ch.s)  # [s, hidden]
                     total = part if total is None else total + part  # partial o_proj sums add up
                     # copied out before the next program runs: a worker's outputs are views of a reused buffer
@@ -299,7 +303,8 @@ class SplitPrefill:
                 ch.parts[i, "ane"] = total, k_all, v_all
 
             def gpu() -> None:
-                ch.parts[i, "gpu"] = rest(ch.parts[i, "x"][0], c, ch.positions)
+                chosen = None if indexer is None else ch.parts[i, "index"][1]
+                ch.parts[i, "gpu"] = rest(ch.parts[i, "x"][0], c, ch.positions, chosen)
 
             def merge() -> None:
                 dtype = ch.h.dtype
@@ -313,13 +318,16 @@ class SplitPrefill:
                     values = mx.concatenate([values, g_v], axis=1)
                     out = out + g_out
                 c.update_and_fetch(keys, values)  # the GPU cache stays the single source of truth
+                if indexer is not None:
+                    c.update_index(ch.parts.pop((i, "index"))[0])  # the chunk's raw index keys [1, s, Di]
                 ch.h = mixer_io(layer).write(ch.h, out, ctx)
                 mx.eval(ch.h, *c.state)
 
             shares = [Job(f"{label} heads", "ane", ane, state, rank(0))]
             if rest is not None:
                 shares.append(Job(label, "gpu", gpu, state, rank(0)))
-            return [norm] + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(1))]
+            first = [norm] if indexer is None else [norm, state[0]]
+            return first + shares + [Job(f"{label} merge", "gpu", merge, tuple(shares), rank(1))]
 
         def whole() -> None:
             io = mixer_io(layer)
@@ -432,6 +440,23 @@ class SplitPrefill:
             x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
             mx.eval(ch.h, x, x32, self._track(piece, 0, x32), *([] if ctx is None else [ctx]))
             ch.parts[key] = (x, x32, ctx)
+
+        return Job(label, "gpu", job, after, rank)
+
+    @staticmethod
+    def _select(label: str, indexer, c: LayerCache, ch: Chunk, i: int, after: tuple, rank: tuple) -> Job:
+        """A GPU job leaving a QSA layer's selection for chunk `ch` in `ch.parts[i, "index"]`: (the chunk's raw
+        index keys [1, s, Di], which the merge appends to the cache; the keys each query may attend to [1, s, T]
+        (causal included), and the same on the host [s, T] for the ANE's masks). The indexer reads the mixer's
+        input and the cache's index keys as the last chunk left them, exactly as the layer does."""
+
+        def job() -> None:
+            q, k = indexer.project(ch.parts[i, "x"][0])  # [1, s, Hi, Di], [1, s, Di]
+            old = c.index_keys[:, : ch.start] if c.index_keys is not None and ch.start else None
+            keys = k if old is None else mx.concatenate([old, k], axis=1)  # [1, T, Di]
+            chosen = indexer.select(q, keys, ch.start)  # [1, s, T]
+            mx.eval(k, chosen)
+            ch.parts[i, "index"] = (k, chosen, np.array(chosen[0]))
 
         return Job(label, "gpu", job, after, rank)
 

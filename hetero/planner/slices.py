@@ -41,19 +41,14 @@ EXACT_PATH = {
     "ple": "PLE gathers hashed n-gram rows from disk and carries a conv window: exact GPU path",
 }
 SPLIT_MODEL_TYPES = SUPPORTED_MODEL_TYPES + QWEN4_TYPES  # the checkpoints the split prefill has programs for
-# Qwen4-Exp: the ANE takes shared-expert channels and GDN z rows (the hyper-connection mixers, PLE, the GDN recurrence
-# and the QSA indexer stay on the GPU lane); its attention stays whole on the GPU for this reason
-QSA_ATTENTION = ("QSA attention stays on the GPU: the indexer picks each query's keys from the GPU's index keys, and "
-                 "the attention programs take no per-query selection (they attend causally to every key)")
 
 
 def never_split(args: ModelArgs | Qwen4Args) -> dict[str, str]:
-    """Offloadable piece kinds this architecture never gives the ANE, with the reason: Qwen4-Exp's QSA attention,
-    and its dense MLP, which it has none of (every layer is MoE: its shared expert is the `shared_expert` piece)."""
+    """Offloadable piece kinds this architecture never gives the ANE, with the reason: Qwen4-Exp's dense MLP, which it
+    has none of (every layer is MoE: its shared expert is the `shared_expert` piece)."""
     if not isinstance(args, Qwen4Args):
         return {}
-    return {"attention": QSA_ATTENTION,
-            "mlp": "every qwen4_exp layer is mixture-of-experts: its shared expert is the shared_expert piece"}
+    return {"mlp": "every qwen4_exp layer is mixture-of-experts: its shared expert is the shared_expert piece"}
 
 
 @dataclass(frozen=True)
@@ -110,13 +105,10 @@ def _aligned(x: float, step: int, total: int) -> int:
 def pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
     """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap). Qwen4-Exp
     adds its hyper-connections, PLE projections (the n-gram tables stay on disk: `shape.ple_table_params`), the QSA
-    indexer in its attention pieces and its own MTP head; its QSA attention keeps its share on the GPU
-    (`QSA_ATTENTION`), its shared experts and GDN z rows split as Qwen3.5's do."""
+    indexer in its attention pieces (the indexer itself stays on the GPU: the ANE's heads attend to the keys it
+    selects) and its own MTP head; its attention heads, shared experts and GDN z rows split as Qwen3.5's do."""
     if not 0.0 <= fraction <= 1.0:
         raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
-    if isinstance(args, Qwen4Args):
-        return [Piece(**{**asdict(p), "ane_units": 0, "cap_reason": QSA_ATTENTION if fraction else None})
-                if p.kind == "attention" else p for p in _pieces(args, moe, fraction)]
     return _pieces(args, moe, fraction)
 
 
@@ -387,7 +379,7 @@ def layer_slices(args: ModelArgs, ps: list[Piece]) -> list[PieceSlice]:
     moe_layers = set(args.moe_layers)
     out = []
     for i, kind in enumerate(args.layer_types):
-        if kind == "full_attention" and by_kind.get("attention") and by_kind["attention"].ane_units:
+        if kind != "linear_attention" and by_kind.get("attention") and by_kind["attention"].ane_units:
             out.append(PieceSlice(i, "attention", 0, by_kind["attention"].ane_units))
         if kind == "linear_attention" and by_kind.get("gdn_in_proj") and by_kind["gdn_in_proj"].ane_units:
             out.append(PieceSlice(i, "gdn_in_proj", 0, by_kind["gdn_in_proj"].ane_units))
