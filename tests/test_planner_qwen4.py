@@ -137,7 +137,8 @@ def split_json(capsys, *flags: str) -> dict:
 def test_plan_splits_attention_heads_shared_experts_and_z_rows(capsys):
     """At F = 0.5 the ANE takes one of the two KV groups of every QSA layer, half of every layer's shared expert (256
     of 512 channels, 16 layers) and the z rows of every GDN layer, capped at z / (qkv + z + b + a); the routed
-    experts, the hyper-connection mixers, PLE and the GDN recurrence keep everything, each with its reason."""
+    experts, the QSA indexer, the hyper-connection mixers, PLE and the GDN recurrence keep everything, each with its
+    reason."""
     plan = split_json(capsys, "--ane-fraction", "0.5")
     by = plan["pieces"]
     nk, nv, dk, dv = (TEXT[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -146,7 +147,7 @@ def test_plan_splits_attention_heads_shared_experts_and_z_rows(capsys):
     assert (by["shared_expert"]["layers"], by["shared_expert"]["ane_units"]) == (16, TEXT["shared_expert_intermediate_size"] // 2)
     assert (by["gdn_in_proj"]["layers"], by["gdn_in_proj"]["ane_units"], by["gdn_in_proj"]["units"]) == (12, z, rows)
     assert (by["attention"]["layers"], by["attention"]["ane_units"], by["attention"]["units"]) == (4, 1, 2)
-    for kind in ("moe", "hyper_connections", "ple", "gdn_recurrence", "gdn_out_proj", "mtp"):
+    for kind in ("qsa_indexer", "moe", "hyper_connections", "ple", "gdn_recurrence", "gdn_out_proj", "mtp"):
         assert by[kind]["ane_units"] == 0 and by[kind]["cap_reason"], kind
     assert "hyper-connection" in by["hyper_connections"]["cap_reason"] and "PLE" in by["ple"]["cap_reason"]
     slices = {(s["layer"], s["piece"]) for s in plan["layers"]}

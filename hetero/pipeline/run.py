@@ -84,7 +84,8 @@ class PipelineRun:
     @property
     def caps(self) -> list[str]:
         """The plan's caps on the pieces that may split (the others never leave the GPU: no news)."""
-        return [c for c in self.plan.caps() if not c.startswith(("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp"))]
+        never = ("gdn_recurrence", "gdn_out_proj", "lm_head", "mtp", "qsa_indexer", "hyper_connections", "ple")
+        return [c for c in self.plan.caps() if not c.startswith(never)]
 
     def splitter(self, n_tokens: int, check: Callable[[], None] | None = None) -> SplitPrefill:
         """The split prefill for a prompt of `n_tokens` (programs exported for its context bucket on first use;

@@ -28,8 +28,8 @@ DELTA_BLOCK = 64  # the chunked delta rule's block size: its intra-block matmuls
 # Weights per exported ANE program: below the documented ~2 GB per program (a weights.bin past 2^31 bytes fails
 # to load), with room for the package's own metadata. The exporter splits a larger share into several programs.
 PROGRAM_WEIGHT_BUDGET = int(1.5 * 2**30)
-KINDS = ("attention", "mlp", "moe", "shared_expert", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj", "hyper_connections",
-         "ple", "lm_head", "mtp")
+KINDS = ("attention", "qsa_indexer", "mlp", "moe", "shared_expert", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj",
+         "hyper_connections", "ple", "lm_head", "mtp")
 OFFLOADABLE = ("attention", "mlp", "gdn_in_proj", "shared_expert")  # the kinds that may give the ANE a share
 EXACT_PATH = {
     "gdn_recurrence": "conv and delta-rule recurrence carry state across the whole context: exact GPU path",
@@ -39,6 +39,8 @@ EXACT_PATH = {
     "moe": "routed experts stay on the GPU: each token picks its own experts, a static ANE program cannot gather them",
     "hyper_connections": "the hyper-connection mixers read and write the residual streams: exact GPU path",
     "ple": "PLE gathers hashed n-gram rows from disk and carries a conv window: exact GPU path",
+    "qsa_indexer": "the QSA indexer's keys and selection decide which keys every query reads (the ANE's heads "
+                   "included): exact GPU path",
 }
 SPLIT_MODEL_TYPES = SUPPORTED_MODEL_TYPES + QWEN4_TYPES  # the checkpoints the split prefill has programs for
 
@@ -105,8 +107,8 @@ def _aligned(x: float, step: int, total: int) -> int:
 def pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
     """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap). Qwen4-Exp
     adds its hyper-connections, PLE projections (the n-gram tables stay on disk: `shape.ple_table_params`), the QSA
-    indexer in its attention pieces (the indexer itself stays on the GPU: the ANE's heads attend to the keys it
-    selects) and its own MTP head; its attention heads, shared experts and GDN z rows split as Qwen3.5's do."""
+    indexer (on the GPU: the ANE's heads attend to the keys it selects) and its own MTP head; its attention heads,
+    shared experts and GDN z rows split as Qwen3.5's do."""
     if not 0.0 <= fraction <= 1.0:
         raise HeteroError(f"--ane-fraction {fraction}: must be between 0 and 1")
     return _pieces(args, moe, fraction)
@@ -129,9 +131,11 @@ def _pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> li
     if kv != fraction * Hkv:
         cap = f"heads go in whole KV groups ({group} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
     if n_attn:
-        out.append(Piece("attention", n_attn, Hkv, "kv_groups", kv, attn_params + index_params,
-                         2.0 * (attn_params + index_params), 4.0 * H * D + index_pair_flops,
+        out.append(Piece("attention", n_attn, Hkv, "kv_groups", kv, attn_params, 2.0 * attn_params, 4.0 * H * D,
                          attn_params // Hkv, fraction, cap, pair_scores=H))
+    if n_attn and index_params:  # the ANE's heads attend to the keys it selects: it never leaves the GPU
+        out.append(Piece("qsa_indexer", n_attn, 0, "", 0, index_params, 2.0 * index_params, index_pair_flops,
+                         requested=fraction, cap_reason=EXACT_PATH["qsa_indexer"] if fraction else None))
 
     dense_layers = args.num_hidden_layers - len(args.moe_layers)
     if dense_layers:
