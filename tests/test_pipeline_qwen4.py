@@ -31,6 +31,7 @@ from hetero.pipeline import configure, verify
 SHARED = 128  # shared-expert channels: 2 units of 64
 ROUTER_SPREAD = 8.0
 LAYOUTS = {"flat": dict(ple_layer_ids=(1, 2)), "nested": dict(nested=True, ple_layer_ids=(1, 4), mtp=True)}
+KINDS = ("attention", "gdn_in_proj", "shared_expert")  # every kind a qwen4_exp layer can give the ANE
 TOKENS = 150  # 3 chunks of 64 (the last padded): QSA keeps 8 of up to 150 keys per query
 
 
@@ -63,24 +64,25 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_split_prefill_matches_gpu_only(engine, seed):
-    """Every layer gives the ANE half of its shared expert, every GDN layer all of its z rows, the QSA layer one of
-    its two KV groups; the split's logits and caches pass verify against the fp32 reference and 16 greedy tokens
-    are the GPU-only run's."""
+@pytest.mark.parametrize("fraction, seed", [(0.5, 0), (0.5, 1), (1.0, 2)])
+def test_split_prefill_matches_gpu_only(engine, fraction, seed):
+    """At 0.5 every layer gives the ANE half of its shared expert, the QSA layer one of its two KV groups (at 1.0 all
+    of both: no GPU share to merge), every GDN layer all of its z rows; the split's logits and caches pass verify
+    against the fp32 reference and 16 greedy tokens are the GPU-only run's."""
     model = engine.model
     args = model.args
     assert args.model_type.startswith("qwen4_exp") and TOKENS >= 4 * args.indexer_budget  # QSA drops keys
-    run = configure(engine, 0.5, 64, lane="thread")
+    run = configure(engine, fraction, 64, offload=KINDS, lane="thread")
     split = run.splitter(TOKENS)
     progs = split.programs
+    whole = fraction == 1.0
     for i, layer in enumerate(model.layers):
-        assert progs.share("shared_expert", i) == SHARED // 2, i
-        assert progs.share("attention", i) == (0 if layer.is_linear else 1) and progs.share("mlp", i) == 0
-        assert (i in split.attn_rest) == (not layer.is_linear)  # the other KV group on the GPU lane
+        assert progs.share("shared_expert", i) == SHARED * fraction, i
+        assert progs.share("attention", i) == (0 if layer.is_linear else 2 * fraction) and progs.share("mlp", i) == 0
+        assert (i in split.attn_rest) == (not layer.is_linear and not whole)  # the other KV group on the GPU lane
         assert progs.share("gdn_in_proj", i) == (args.linear_num_value_heads * args.linear_value_head_dim
                                                  if layer.is_linear else 0)
-        assert split.moe_rest[i].shared is not None  # the other half on the GPU lane
+        assert (split.moe_rest[i].shared is None) == whole  # the other shared channels on the GPU lane
     check = verify(run, _prompt(TOKENS, args.vocab_size, seed), n_tokens=16)
     assert check["match"], check
     assert check["greedy_match_tokens"] == 16 and check["reference"] == "fp32"
@@ -93,7 +95,7 @@ def test_exact_path_state_is_the_gpu_only_runs(engine):
     model = engine.model
     ids = _prompt(TOKENS, model.args.vocab_size, 2)
     split_cache, gpu_cache = model.make_cache(), model.make_cache()
-    res = configure(engine, 0.5, 64, lane="thread").splitter(TOKENS).run(ids, split_cache, logits=True)
+    res = configure(engine, 0.5, 64, offload=KINDS, lane="thread").splitter(TOKENS).run(ids, split_cache, logits=True)
     logits, hidden = prefill(model, ids, gpu_cache, 64)
     a, b = split_cache[0], gpu_cache[0]
     for got, want in [(a.recurrent, b.recurrent), (a.conv, b.conv), (a.ple.conv, b.ple.conv)]:
@@ -147,7 +149,7 @@ def test_chunk_edges_see_the_state_at_each_edge(engine):
     model = engine.model
     ids = _prompt(TOKENS, model.args.vocab_size, 3)
     views = {}
-    split = configure(engine, 0.5, 64, lane="thread").splitter(TOKENS)
+    split = configure(engine, 0.5, 64, offload=KINDS, lane="thread").splitter(TOKENS)
     split.run(ids, model.make_cache(), logits=False, on_chunk=lambda n, cache, hidden: views.setdefault(n, cache))
     assert sorted(views) == [64, 128, TOKENS]
     qsa = model.args.layer_types.index("indexed_attention")
