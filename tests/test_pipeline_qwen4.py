@@ -167,3 +167,26 @@ def test_chunk_edges_see_the_state_at_each_edge(engine):
         for x, y in zip(got, want):
             x, y = np.array(x), np.array(y)
             assert x.shape == y.shape and np.abs(x - y).max() <= 1e-2 * np.abs(y).max()
+
+
+def test_quantized_split_matches_gpu_only(checkpoint):
+    """4-bit weights (group 32, so the shared expert's down_proj and o_proj split at column 64 and 32; the routed
+    experts, 16 channels wide, stay float): the exporter writes the ANE's rows and columns as exact lookup tables and
+    the GPU rest slices the packed weights; verify passes and 16 greedy tokens are the GPU-only run's."""
+    import types
+
+    import mlx.nn as nn
+
+    engine = hetero.load(str(checkpoint))
+    nn.quantize(engine.model, group_size=32, bits=4,
+                class_predicate=lambda path, m: isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 32 == 0)
+    mx.eval(engine.model.parameters())  # on this thread: the lanes evaluate on their own
+    layer = engine.model.layers[2]
+    assert isinstance(layer.self_attn.o_proj, nn.QuantizedLinear)
+    assert isinstance(layer.mlp.shared_expert.down_proj, nn.QuantizedLinear)
+    engine = types.SimpleNamespace(model=engine.model, config=engine.config, path=engine.path,
+                                   identity=f"{engine.identity}-q4", weights_fingerprint="q4g32")
+    run = configure(engine, 0.5, 64, offload=KINDS, lane="thread")
+    assert run.splitter(TOKENS).programs.weight_forms.get("lut", 0) > 0  # the quantized matrices as lookup tables
+    check = verify(run, _prompt(TOKENS, engine.model.args.vocab_size, 1), n_tokens=16)
+    assert check["match"] and check["greedy_match_tokens"] == 16, check
