@@ -77,6 +77,7 @@ def ple(layer, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
 
 
 def has_ple(layer) -> bool:
+    """A Qwen4-Exp PLE layer: its PLE cache carries the last chunk's tokens and conv inputs into the next."""
     return getattr(layer, "ple", None) is not None
 
 
