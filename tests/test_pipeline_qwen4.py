@@ -178,8 +178,8 @@ def test_quantized_split_matches_gpu_only(checkpoint):
     import mlx.nn as nn
 
     engine = hetero.load(str(checkpoint))
-    nn.quantize(engine.model, group_size=32, bits=4,
-                class_predicate=lambda path, m: isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 32 == 0)
+    grouped = lambda path, m: isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 32 == 0  # noqa: E731
+    nn.quantize(engine.model, group_size=32, bits=4, class_predicate=grouped)
     mx.eval(engine.model.parameters())  # on this thread: the lanes evaluate on their own
     layer = engine.model.layers[2]
     assert isinstance(layer.self_attn.o_proj, nn.QuantizedLinear)

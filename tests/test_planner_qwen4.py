@@ -144,7 +144,8 @@ def test_plan_splits_attention_heads_shared_experts_and_z_rows(capsys):
     nk, nv, dk, dv = (TEXT[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                         "linear_value_head_dim"))
     z, rows = nv * dv, 2 * nk * dk + 2 * nv * dv + 2 * nv
-    assert (by["shared_expert"]["layers"], by["shared_expert"]["ane_units"]) == (16, TEXT["shared_expert_intermediate_size"] // 2)
+    shared = TEXT["shared_expert_intermediate_size"]
+    assert (by["shared_expert"]["layers"], by["shared_expert"]["ane_units"]) == (16, shared // 2)
     assert (by["gdn_in_proj"]["layers"], by["gdn_in_proj"]["ane_units"], by["gdn_in_proj"]["units"]) == (12, z, rows)
     assert (by["attention"]["layers"], by["attention"]["ane_units"], by["attention"]["units"]) == (4, 1, 2)
     for kind in ("qsa_indexer", "moe", "hyper_connections", "ple", "gdn_recurrence", "gdn_out_proj", "mtp"):

@@ -31,7 +31,8 @@ class PreNorm:
 
 
 class Hyper:
-    """Streams h [1, S, hc*d] -> (the block input [1, S, d], the injection weights [1, S, hc]); h' = h + inject (x) out."""
+    """Streams h [1, S, hc*d] -> (the block input [1, S, d], the injection weights [1, S, hc]);
+    h' = h + inject (x) out."""
 
     def __init__(self, hc: GatedResidual):
         self.hc = hc
@@ -51,7 +52,9 @@ def is_hyper(model) -> bool:
 
 def mixer_io(layer) -> PreNorm | Hyper:
     """How layer's mixer (GDN or attention) meets the residual stream."""
-    return Hyper(layer.attn_hyper_connection) if hasattr(layer, "attn_hyper_connection") else PreNorm(layer.input_layernorm)
+    if hasattr(layer, "attn_hyper_connection"):
+        return Hyper(layer.attn_hyper_connection)
+    return PreNorm(layer.input_layernorm)
 
 
 def mlp_io(layer) -> PreNorm | Hyper:
