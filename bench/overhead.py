@@ -24,8 +24,9 @@ one). The server streams text, not tokens: each SSE piece is counted as the toke
 index in the step loop's greedy tokens, detokenized as the engine does), since a token often decodes to no text
 alone (a multibyte character split across tokens; about half the random large model's tokens): counting pieces
 as tokens read its server at half speed. Layers alternate within each round, each prompt once per layer per
-round; reported: medians over rounds and prompts, and each layer's ratio to the step loop of the same mode. Every layer's tokens must equal the step loop's
-(the server's text the step loop's text); the run exits with status 1 after writing its JSON otherwise.
+round; reported: medians over rounds and prompts, and each layer's ratio to the step loop of the same mode.
+Every layer's tokens must equal the step loop's (the server's text the step loop's text); the run exits with
+status 1 after writing its JSON otherwise.
 The BLAS and its threads are recorded (hetero.blas.environment); the server process inherits them.
 """
 
