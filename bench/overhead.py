@@ -20,9 +20,13 @@ greedy, EOS ignored (the engine's `eos_ids` emptied), --tokens tokens after each
 Each run starts SETTLE_S after the last one (the idle process's BLAS threads spin for a while after their work).
 Decode tok/s counts the tokens after the first over the time from the first token's arrival to the last one's
 (the aggregate rows: all requests' tokens after their first, from the earliest first token to the latest last
-one). Layers alternate within each round, each prompt once per layer per round; reported: medians over rounds and
-prompts, and each layer's ratio to the step loop of the same mode. Every layer's tokens must equal the step loop's
-(the server's text the step loop's text); the run exits with status 1 after writing its JSON otherwise.
+one). The server streams text, not tokens: each SSE piece is counted as the tokens its text needed (its token
+index in the step loop's greedy tokens, detokenized as the engine does), since a token often decodes to no text
+alone (a multibyte character split across tokens; about half the random large model's tokens): counting pieces
+as tokens read its server at half speed. Layers alternate within each round, each prompt once per layer per
+round; reported: medians over rounds and prompts, and each layer's ratio to the step loop of the same mode.
+Every layer's tokens must equal the step loop's (the server's text the step loop's text); the run exits with
+status 1 after writing its JSON otherwise.
 The BLAS and its threads are recorded (hetero.blas.environment); the server process inherits them.
 """
 
@@ -89,12 +93,15 @@ class Layers:
         self.served = served  # the model name the server answers to
         self.ids = [engine.encode_prompt(p) for p in PROMPTS]
         self.greedy = SamplingParams()
+        self.reference: dict[int, list[int]] = {}  # prompt -> greedy tokens (the step loop's, the batch's rows)
 
     # -- the layers ---------------------------------------------------------------------------------------------
 
     def step_loop(self, i: int):
         if self.depth:
-            return self._stepper([self.ids[i]])
+            out, rate = self._stepper([self.ids[i]])
+            self.reference[i] = out
+            return out, rate
         import mlx.core as mx
 
         from hetero.decode.prefill import prefill
@@ -115,6 +122,7 @@ class Layers:
             out.append(y.item())
             times.append(time.perf_counter())
             y = nxt
+        self.reference[i] = out
         return out, tps(times)
 
     def decode_tokens(self, i: int):
@@ -150,18 +158,21 @@ class Layers:
         return r.tokens, tps(times)
 
     def serve(self, i: int):
-        text, times = self._sse(i)
-        return text, tps(times)
+        text, times, marks = self._sse(i)
+        return text, (marks[-1] - marks[0]) / (times[-1] - times[0])
 
     def serve_many(self, n: int):
         with ThreadPoolExecutor(n) as pool:
             runs = list(pool.map(self._sse, [k % len(PROMPTS) for k in range(n)]))
-        first = min(t[0] for _, t in runs)
-        last = max(t[-1] for _, t in runs)
-        return [text for text, _ in runs], sum(len(t) - 1 for _, t in runs) / (last - first)
+        first = min(t[0] for _, t, _ in runs)
+        last = max(t[-1] for _, t, _ in runs)
+        return [text for text, _, _ in runs], sum(m[-1] - m[0] for _, _, m in runs) / (last - first)
 
     def batch_many(self, n: int):
-        return self._stepper([self.ids[k % len(PROMPTS)] for k in range(n)])
+        out, rate = self._stepper([self.ids[k % len(PROMPTS)] for k in range(n)])
+        for k, tokens in enumerate(out):
+            self.reference.setdefault(k % len(PROMPTS), tokens)
+        return out, rate
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
@@ -188,8 +199,9 @@ class Layers:
         rate = sum(len(t) - 1 for t in out) / seconds
         return (out[0] if len(prompts) == 1 else out), rate
 
-    def _sse(self, i: int) -> tuple[str, list[float]]:
-        """One streamed completion: its text and each text chunk's arrival time."""
+    def _sse(self, i: int) -> tuple[str, list[float], list[int]]:
+        """One streamed completion: its text, each text chunk's arrival time and the index of the token whose
+        decoding completed it (`_marks`)."""
         import httpx
 
         body = {"model": self.served, "prompt": self.ids[i], "max_tokens": self.n, "temperature": 0, "stream": True,
@@ -204,7 +216,25 @@ class Layers:
                 if piece and piece[0].get("text"):
                     text.append(piece[0]["text"])
                     times.append(time.perf_counter())
-        return "".join(text), times
+        return "".join(text), times, self._marks(i, text)
+
+    def _marks(self, i: int, pieces: list[str]) -> list[int]:
+        """For each received text piece, the index of the token after which the engine's detokenizer had its text:
+        the prompt's reference tokens (which the served text must equal) detokenized one by one, as the server
+        does. A piece needs every token up to the first one whose text reaches its end."""
+        import bisect
+
+        tokens = self.reference[i]  # set by the step loop or the batch, which run before the server each round
+        detok, ends, emitted = self.engine.tokenizer.detokenizer(), [], 0
+        for t in tokens:
+            emitted += len(detok.add(t))
+            ends.append(emitted)
+        ends[-1] += len(detok.finalize())  # the tail the stream sends after the last token
+        marks, done = [], 0
+        for piece in pieces:
+            done += len(piece)
+            marks.append(min(bisect.bisect_left(ends, done), len(tokens) - 1))
+        return marks
 
 
 def start_server(path: str | None, depth: int, batch: int) -> tuple[subprocess.Popen, str, str]:

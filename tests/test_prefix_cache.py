@@ -229,3 +229,39 @@ def test_the_next_turn_resumes_from_a_mark_inside_a_chunk(engine, mtp):
     restored, _ = prefill(model, turn2[100:], r.cache, CHUNK, all_logits=True, mtp=True, carry=r.hidden, marks=[mark2])
     whole, _ = prefill(model, turn2, model.make_cache(), CHUNK, all_logits=True, mtp=True, marks=[mark2])
     np.testing.assert_allclose(np.array(restored), np.array(whole)[100:], rtol=0, atol=1e-5)  # 1e-6 measured
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_plain_turn_with_the_prefix_cache_decodes_in_the_solo_round(engine, monkeypatch, shared):
+    """The prefix cache's trace (what a plain turn's end-of-turn checkpoint is built from) keeps a lone plain row
+    on the solo round (`Batch._solo_round`), alone and in the server's shared decode loop (`shared`): no round of
+    it takes the batch round, and the next turn resumes from its checkpoint with a cold run's tokens."""
+    from hetero.decode.loop import DecodeLoop, Seat
+    from hetero.decode.stepper import Batch
+
+    calls = {"solo": 0, "batch": 0}
+
+    def counted(kind, method):
+        def wrapper(self, *args):
+            calls[kind] += 1
+            return method(self, *args)
+        return wrapper
+
+    monkeypatch.setattr(Batch, "_solo_round", counted("solo", Batch._solo_round))
+    monkeypatch.setattr(Batch, "_batch_round", counted("batch", Batch._batch_round))
+    loop = DecodeLoop(engine.model, max_batch=4) if shared else None
+    options = dict(mtp=False, prefill_chunk=CHUNK, batch=Seat(loop) if shared else None)
+    first = tokens(150, 7)
+    engine.prefix_cache = PrefixCache()
+    try:
+        turn1 = engine.generate(first, max_tokens=20, **options)
+        rounds = dict(calls)
+        grown = first + turn1.tokens + tokens(40, 8)
+        turn2 = engine.generate(grown, max_tokens=20, **options)
+    finally:
+        engine.prefix_cache = None
+        if loop is not None:
+            loop.close()
+    assert rounds == {"solo": 19, "batch": 0}  # the first token comes from the prefill, each other from a round
+    cold = engine.generate(grown, max_tokens=20, mtp=False, prefill_chunk=CHUNK)
+    assert turn2.stats["cached_tokens"] == len(first) + len(turn1.tokens) - 1 and turn2.tokens == cold.tokens
