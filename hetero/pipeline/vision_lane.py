@@ -105,19 +105,27 @@ class VisionLane:
                                   f"for it ({e})")
         return out
 
-    def verify(self, images: ImagePrompt) -> list[dict]:
+    def verify(self, images: ImagePrompt, warn: Callable[[str], None] | None = None) -> list[dict]:
         """`--verify`'s vision check: each image through the lane's programs against the GPU tower (the prompt's
-        embeddings where the GPU tower made them, else made now): cosine, PSNR, max |diff|, ok."""
+        embeddings where the GPU tower made them, else made now): cosine, PSNR, max |diff|, ok. Non-finite
+        embeddings from the lane are said in one line and fail the check (`non_finite`); the prompt keeps the GPU
+        tower's, and the images after it are not checked (a worker that returned them is gone)."""
         from hetero.backends.accuracy import compare
 
         out = []
         for i in range(len(images.grids)):
-            lane = self.encoder(images, i)()
+            bucket = image_bucket(images, i, self.tower.args.merge_unit)
+            try:
+                lane = self.encoder(images, i)()
+            except AneNonFinite as e:
+                (warn or _stderr)(f"warning: --verify: image {i}: {e}; its embeddings are the GPU tower's")
+                out.append({"image": i, "bucket": bucket, "non_finite": True, "ok": False})
+                break
             gpu = self.tower(mx.array(images.patches[i]), [images.grids[i]])  # [tokens, out_hidden]
             m = compare(lane, np.array(gpu.astype(mx.float32)))
-            out.append({"image": i, "bucket": image_bucket(images, i, self.tower.args.merge_unit),
-                        "cosine": round(m["cosine"], 8), "psnr_db": round(m["psnr_db"], 2),
-                        "max_abs": round(m["max_abs"], 6), "ok": m["cosine"] >= COSINE and m["psnr_db"] >= PSNR})
+            out.append({"image": i, "bucket": bucket, "cosine": round(m["cosine"], 8),
+                        "psnr_db": round(m["psnr_db"], 2), "max_abs": round(m["max_abs"], 6),
+                        "ok": m["cosine"] >= COSINE and m["psnr_db"] >= PSNR})
         return out
 
 
