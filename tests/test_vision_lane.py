@@ -189,6 +189,44 @@ def test_verify_says_non_finite_lane_embeddings_in_one_line(vlm, monkeypatch, ca
     np.testing.assert_array_equal(np.array(prompt.embeddings[0]), gpu)
 
 
+def test_lane_choice_follows_the_prediction_both_ways():
+    """`lane_choice` by hand: an image ready before the GPU lane reaches it, or late by less than the GPU tower's
+    seconds, goes to the lane; a tiny image right at the start (the lane's padded bucket slower than the GPU) and a
+    second image queued behind the first until too late go to the GPU; an unknown rate leaves the lane."""
+    from hetero.planner.vision import TowerTime, lane_choice
+
+    def t(ane: float | None, gpu: float | None) -> TowerTime:
+        return TowerTime(64, 64, 16, 256, 4, gpu, ane)
+
+    assert lane_choice([t(2.0, 1.0)], [3.0]) == [True]  # ready before the text is prefilled
+    assert lane_choice([t(3.5, 1.0)], [3.0]) == [True]  # 0.5 s late: a shorter wait than encoding it on the GPU
+    assert lane_choice([t(4.5, 1.0)], [3.0]) == [False]  # 1.5 s late: the GPU encodes it in 1 s
+    assert lane_choice([t(0.01, 0.001)], [0.0]) == [False]  # tiny, and no text to hide it behind
+    assert lane_choice([t(2.0, 1.0), t(2.0, 1.0)], [2.0, 2.5]) == [True, False]  # the second, queued: 1.5 s late
+    assert lane_choice([t(2.0, 2.0), t(2.0, 2.0)], [2.0, 2.5]) == [True, True]  # 1.5 s late < 2 s on the GPU
+    assert lane_choice([t(None, 1.0), t(4.5, 1.0)], [None, 3.0]) == [True, False]
+
+
+def test_the_prediction_sends_a_tiny_image_at_the_start_to_the_gpu(vlm):
+    """A 16x16 image (4 tokens: 16 patches in a 256-patch bucket) right after the chat template's first tokens:
+    the prediction gives it to the GPU tower, which encodes it; the answer is the GPU-only one. The fixture's
+    image after two chunks of text goes to the lane (the prediction's other way)."""
+    engine, _, run = vlm
+    ids = engine.encode_prompt(engine.image_marker + AFTER, chat=True)
+    tiny = encoded(draw_image(16, 16, seed=2), "PNG")
+    want = engine.generate(ids, images=[tiny], max_tokens=6, mtp=False, use_prefix_cache=False, prefill_chunk=CHUNK)
+    got = engine.generate(ids, images=[tiny], max_tokens=6, mtp=False, use_prefix_cache=False, prefill_chunk=CHUNK,
+                          split=run)
+    (choice,) = run.vision_choice
+    assert choice["lane"] == "gpu" and choice["predicted_text_before_s"] == 0.0
+    assert choice["predicted_ane_s"] > choice["predicted_gpu_s"]
+    assert [v["lane"] for v in run.last.vision] == ["gpu"] and got.tokens == want.tokens
+    generate(engine, run)
+    (choice,) = run.vision_choice
+    assert choice["lane"] == "ane" and choice["predicted_ane_s"] < choice["predicted_text_before_s"]
+    assert [v["lane"] for v in run.last.vision] == ["ane"]
+
+
 def test_tower_prediction_counts_each_lanes_work():
     """The tower's predicted seconds, counted by hand for a small tower: the GPU over the image's own patches, the
     ANE over its whole bucket plus one call per program."""

@@ -10,7 +10,7 @@ split's failure: the prompt is prefilled GPU-only, its images encoded by the GPU
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import mlx.core as mx
@@ -88,15 +88,15 @@ class VisionLane:
 
         return run
 
-    def encoders(self, images: ImagePrompt | None, warn: Callable[[str], None] | None = None
-                 ) -> dict[int, Callable[[], np.ndarray]]:
-        """Image index -> its lane encoder, for the prompt's images not encoded yet; an image whose programs cannot be
-        had is left to the GPU tower, said in one line."""
+    def encoders(self, images: ImagePrompt | None, warn: Callable[[str], None] | None = None,
+                 which: Collection[int] | None = None) -> dict[int, Callable[[], np.ndarray]]:
+        """Image index -> its lane encoder, for the prompt's images not encoded yet (of `which`, when given); an
+        image whose programs cannot be had is left to the GPU tower, said in one line."""
         if images is None:
             return {}
         out = {}
         for i, rows in enumerate(images.embeddings):
-            if rows is not None:
+            if rows is not None or (which is not None and i not in which):
                 continue
             try:
                 out[i] = self.encoder(images, i)
