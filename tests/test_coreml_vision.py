@@ -283,3 +283,24 @@ def test_layer_norm_is_exact_for_any_row_in_fp16s_range(tmp_path):
     np.testing.assert_array_equal(ours[0], fp16_exact(beta))  # a zero row gives beta
     no_eps = centred[1] / np.sqrt((centred[1] ** 2).mean()) * gamma + beta
     assert np.abs(no_eps - want[1]).max() > 50 * err[1] * np.abs(want[1]).max()  # where the epsilon counts
+
+
+def test_programs_of_an_older_builder_are_exported_again(exported, tmp_path):
+    """`ensure_vision_export` (the lane's first use) reuses a current export as it is, and exports again the
+    programs of an older builder version (version 1's LayerNorm overflowed past 4096), never running them."""
+    from hetero.export_vision import VISION_BUILDER_VERSION
+    from hetero.pipeline.vision_lane import ensure_vision_export
+
+    tower, _, out, _ = exported
+    copy = tmp_path / "vision"
+    shutil.copytree(out, copy)
+    stamp = (copy / "vision.json").stat().st_mtime_ns
+    assert ensure_vision_export(tower, copy, BUCKET) == copy and (copy / "vision.json").stat().st_mtime_ns == stamp
+    old = json.loads((copy / "vision.json").read_text())
+    old["builder_version"] = 1
+    for p in old["programs"]:
+        p["key"] = "written by builder version 1"
+    (copy / "vision.json").write_text(json.dumps(old))
+    ensure_vision_export(tower, copy, BUCKET)
+    again = read_vision_manifest(copy)
+    assert again["builder_version"] == VISION_BUILDER_VERSION and not any(p["reused"] for p in again["programs"])

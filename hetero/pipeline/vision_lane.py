@@ -31,13 +31,14 @@ def image_bucket(images: ImagePrompt, i: int, merge_unit: int) -> int:
 
 def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None] | None = None) -> Path:
     """The tower's programs for `bucket` in `out` (their own directory): exported on first use with a progress bar,
-    reused while the manifest lists every package."""
-    from hetero.export_vision import export_vision, read_vision_manifest
+    reused while the manifest lists every package and was written by this builder version (an older one's programs
+    are exported again: e.g. version 1's LayerNorm overflowed past a residual of 4096)."""
+    from hetero.export_vision import VISION_BUILDER_VERSION, export_vision, read_vision_manifest
 
     try:
         manifest = read_vision_manifest(out)
-        if manifest["buckets"] == [bucket] and all((out / p["file"] / "Manifest.json").is_file()
-                                                   for p in manifest["programs"]):
+        if (manifest["buckets"] == [bucket] and manifest.get("builder_version") == VISION_BUILDER_VERSION
+                and all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"])):
             return out
     except HeteroError:
         pass
