@@ -119,7 +119,8 @@ def main() -> None:
         if split is not None:
             vision = split.last.vision if split.last is not None else []
             if [v["lane"] for v in vision] != ["ane"]:
-                sys.exit(f"the tower did not run on the ANE lane: {vision}")
+                sys.exit(f"the tower did not run on the ANE lane: {vision}; the plan's prediction: "
+                         f"{split.vision_choice}")
             res.update(encode_s=vision[0]["seconds"], wall_s=split.last.wall_s, gpu_busy_s=split.last.gpu_busy_s,
                        ane_busy_s=split.last.ane_busy_s)
         return res
@@ -150,6 +151,7 @@ def main() -> None:
         "median_encode_lane_s": med(lambda r: r["lane"]["encode_s"]),
         "median_text_prefill_s": med(lambda r: r["text_prefill_s"]),
         "sizing": "the tower on the ANE lane ~ the text before the image on the GPU (all measured here)",
+        "lane_choice": run.vision_choice,  # the plan's prediction that sent the image to the lane
         "rounds": rounds, "environment": environment(), "mlx": mx.__version__,
     }
     RESULTS.mkdir(exist_ok=True)

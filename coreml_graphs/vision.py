@@ -11,8 +11,10 @@ the MLP with the checkpoint's GELU, the residual. The mask is an input: 0 where 
 of the same image), MASK_NEG elsewhere, so several images (or a clip's frames) packed in one bucket never see one
 another, and padding patches (past the last image) are seen by none: real patches' outputs do not depend on them.
 
-The LayerNorms' epsilon (1e-6, subnormal in fp16) is made normal exactly as the text programs do: the input is
-scaled by 2^k and the epsilon by 4^k (`norm_shift`), which gives the same norm (and a zero padding row stays zero).
+The residual stream lives in these programs (the text programs read the GPU lane's normed inputs instead), and a
+real ViT's residual carries outliers in the thousands: each LayerNorm scales every patch's row by its own largest
+value first (`layer_norm`: exact, its epsilon folded per row), so any residual inside fp16's range normalizes
+without overflow, and the tower's 1e-6 epsilon (subnormal in fp16) is never a constant.
 The softmax scale Dh^-0.5 rides on q's weights and bias. The merger's row gathering is a reshape and a transpose:
 patch j of merged row a (S index a*m + j) becomes channels [j*D, (j+1)*D) of column a, as the tower's
 `reshape(-1, D*m)` orders them.
@@ -28,7 +30,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Program, Var
 
 from coreml_graphs.attention import _attend, _head, _rope
-from coreml_graphs.ops import MASK_NEG, SEQ_MULTIPLE, build_program, conv1x1, fp16, norm_shift
+from coreml_graphs.ops import MASK_NEG, SEQ_MULTIPLE, build_program, conv1x1, fp16
 
 GELU_MODES = {"gelu_pytorch_tanh": "TANH_APPROXIMATION", "gelu": "EXACT"}  # checkpoint hidden_act -> MIL mode
 VISION_EPS = 1e-6  # the tower's LayerNorms
@@ -110,13 +112,38 @@ class VisionBlockWeights:
     fc2_bias: np.ndarray  # [D]
 
 
+NORM_TOP = 2.0**8  # each row's largest |value| as the LayerNorm reads it
+NORM_FLOOR = 2.0**-6  # rows whose largest |value| is below this are scaled as if it were this (zero rows too)
+NORM_OP_EPS = 2.0**-13  # the fused op's own epsilon: normal in fp16, negligible against a row scaled to NORM_TOP
+
+
 def layer_norm(x: Var, weight: np.ndarray, bias: np.ndarray, eps: float, name: str) -> Var:
-    """LayerNorm over the channels of (1, C, 1, S), its epsilon made a normal fp16 number exactly: LN(2^k x; 4^k eps)
-    = LN(x; eps). (|x| must stay below 65504 / 2^k: 4096 for the tower's 1e-6.)"""
-    k = norm_shift(eps)
-    up = mb.mul(x=x, y=np.float16(2.0**k), name=f"{name}_up") if k else x
-    return mb.layer_norm(x=up, axes=[1], gamma=fp16(weight), beta=fp16(bias), epsilon=np.float16(eps * 4.0**k),
-                         name=name)
+    """LayerNorm over the channels of (1, C, 1, S) for any finite fp16 x (a residual up to fp16's 65504).
+
+    Each row (patch) is scaled by its own c = NORM_TOP / max(max|x|, NORM_FLOOR) before the fused layer_norm, and
+    LN(c x; c^2 eps) = LN(x; eps) exactly. The row's epsilon c^2 eps cannot be the op's constant, so it enters as
+    two extra channels m +- e (m the row's mean, e = c sqrt(C eps / 2)): over the C + 2 channels the mean stays m
+    and the variance is C / (C + 2) (var + c^2 eps), whose factor rides on gamma; the extra channels are then
+    dropped. The op's own epsilon (NORM_OP_EPS, normal in fp16) adds 2^-13 to a variance of a row whose largest
+    value is 2^8 (about 2^16 / C for a row of one outlier), and a zero row (padding) gives beta, finite. c is not
+    a power of two: c x rounds once, at 2^-11 of the row's largest value, as any fp16 op on the residual does.
+    """
+    C = x.shape[1]
+    top = mb.reduce_max(x=x, axes=[1], keep_dims=True, name=f"{name}_top")  # (1, 1, 1, S)
+    bottom = mb.reduce_min(x=x, axes=[1], keep_dims=True, name=f"{name}_bottom")
+    peak = mb.maximum(x=mb.maximum(x=top, y=mb.mul(x=bottom, y=np.float16(-1.0), name=f"{name}_neg"),
+                                   name=f"{name}_absmax"), y=np.float16(NORM_FLOOR), name=f"{name}_peak")
+    c = mb.real_div(x=np.float16(NORM_TOP), y=peak, name=f"{name}_c")  # (1, 1, 1, S): |c x| <= NORM_TOP
+    y = mb.mul(x=x, y=c, name=f"{name}_scaled")  # (1, C, 1, S)
+    m = mb.reduce_mean(x=y, axes=[1], keep_dims=True, name=f"{name}_mean")  # (1, 1, 1, S)
+    e = mb.mul(x=c, y=np.float16(np.sqrt(C * eps / 2)), name=f"{name}_eps")  # c sqrt(C eps / 2): <= 2^14 x 0.09
+    both = mb.concat(values=[y, mb.add(x=m, y=e, name=f"{name}_hi"), mb.sub(x=m, y=e, name=f"{name}_lo")], axis=1,
+                     name=f"{name}_cat")  # (1, C + 2, 1, S)
+    gamma = np.concatenate([np.asarray(weight, np.float32) * np.sqrt(C / (C + 2)), np.zeros(2, np.float32)])
+    beta = np.concatenate([np.asarray(bias, np.float32), np.zeros(2, np.float32)])
+    normed = mb.layer_norm(x=both, axes=[1], gamma=fp16(gamma), beta=fp16(beta), epsilon=np.float16(NORM_OP_EPS),
+                           name=f"{name}_ln")
+    return mb.slice_by_index(x=normed, begin=[0, 0, 0, 0], end=[1, C, 1, x.shape[3]], name=name)  # (1, C, 1, S)
 
 
 def gelu(x: Var, act: str, name: str) -> Var:

@@ -42,7 +42,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if distributed.launched():  # started by mlx.launch: the layers split across the ranks
         if args.image:
-            raise HeteroError("--image under mlx.launch: the ranks prefill text only; run it in one process")
+            raise HeteroError("--image under mlx.launch: the ranks prefill text only; run the same hetero run "
+                              "command without mlx.launch (one process, the vision tower included)")
         if args.kv_bits is not None:
             raise HeteroError("--kv-bits under mlx.launch: the ranks keep full-precision KV only; leave --kv-bits out")
         status = run_pipelined(args)

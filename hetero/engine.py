@@ -322,7 +322,9 @@ class Engine:
         if not r.images:
             return None
         if r.prompt_cache is not None:
-            raise HeteroError("images cannot follow an mlx-lm prompt_cache yet: send the whole prompt with its images")
+            raise HeteroError("images cannot follow an mlx-lm prompt_cache (it holds no image positions): leave "
+                              "prompt_cache out and send the whole conversation with its images; to reuse its "
+                              "prefix, set engine.prefix_cache = hetero.prefix_cache.PrefixCache() (images included)")
         if isinstance(r.images, ImagePrompt):  # planned already (the server checks the images while parsing)
             if not isinstance(r.prompt, list) or list(r.prompt) != r.images.tokens:
                 raise HeteroError("an ImagePrompt's request must carry its expanded tokens as the prompt")

@@ -26,7 +26,7 @@ from hetero.models.qwen3_5_vision.model import VisionModel
 
 VISION_MANIFEST = "vision.json"
 VISION_FORMAT = 1
-VISION_BUILDER_VERSION = 1  # bump when a vision builder's graph changes
+VISION_BUILDER_VERSION = 2  # bump when a vision builder's graph changes
 
 
 def _np(a: mx.array) -> np.ndarray:

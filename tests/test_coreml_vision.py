@@ -197,3 +197,110 @@ def test_gelu_equals_coremltools_value_inference(mode):
     ours = gelu(x, mode).astype(np.float16)
     assert (np.abs(ours.astype(np.float32) - want) <= np.spacing(np.abs(want))).all()
     assert (ours == want).mean() >= 0.99
+
+
+RESIDUAL_WRITERS = ("patch_embed.proj", "pos_embed", "attn.proj", "mlp.linear_fc2")  # what adds into the residual
+
+
+def residual_max(tower, pixels: np.ndarray, grid) -> float:
+    """The largest |value| the MLX tower's residual stream holds (block inputs and the merger's input)."""
+    a = tower.args
+    _, h, w = grid
+    x = mlx_embedded(tower, pixels, grid)
+    angles = rotary_angles(h, w, a.spatial_merge_size, a.head_dim, a.rope_theta)
+    angles = mx.concatenate([angles, angles], axis=-1)[:, None, :]
+    largest = float(mx.abs(x).max())
+    for block in tower.blocks:
+        x = block(x, mx.cos(angles), mx.sin(angles), frames=1)
+        largest = max(largest, float(mx.abs(x).max()))
+    return largest
+
+
+def with_residual_scaled(tower, k: float):
+    """The tower with every weight that writes into the residual stream times k: its residual is k times the
+    original's everywhere, and (LayerNorm being scale-invariant up to its epsilon) its embeddings nearly the same."""
+    from mlx.utils import tree_flatten
+
+    from hetero.models.qwen3_5_vision.model import VisionModel
+
+    params = [(n, p * k if any(w in n for w in RESIDUAL_WRITERS) else p) for n, p in tree_flatten(tower.parameters())]
+    out = VisionModel(tower.args)
+    out.load_weights(params, strict=True)
+    return out
+
+
+@pytest.mark.parametrize("target", [6000.0, 40000.0])  # past the old LayerNorm's 4096 bound, and near fp16's end
+def test_programs_hold_a_residual_up_to_fp16s_range(exported, target, tmp_path):
+    """Real ViTs carry residual outliers in the thousands: a tower whose residual reaches `target` (its residual
+    writers scaled) runs through its programs without overflow and matches the MLX tower within the verify
+    tolerance (`vision_lane.COSINE` / `PSNR`)."""
+    from hetero.pipeline.vision_lane import COSINE as VERIFY_COSINE, PSNR as VERIFY_PSNR
+
+    tower, proc, _, _ = exported
+    pixels, grid = proc(draw_image(*SIZES[1]))
+    k = target / residual_max(tower, pixels, grid)
+    big = with_residual_scaled(tower, k)
+    assert target * 0.99 < residual_max(big, pixels, grid) < 65504
+    export_vision(big, tmp_path, [BUCKET])
+    ours = VisionPrograms(tmp_path, BUCKET, big.args, np.array(big.pos_embed.weight)).run(pixels, [grid])
+    ref = np.array(big(mx.array(pixels), [grid]))
+    assert np.isfinite(ours).all(), f"{int((~np.isfinite(ours)).sum())} non-finite embedding values"
+    m = compare(ours, ref)
+    assert m["cosine"] >= VERIFY_COSINE and m["psnr_db"] >= VERIFY_PSNR, m
+
+
+def test_layer_norm_is_exact_for_any_row_in_fp16s_range(tmp_path):
+    """The programs' LayerNorm on rows from zero (padding) through tiny ones (where the 1e-6 epsilon counts) to an
+    outlier of 60000, against float64 LayerNorm with the same epsilon: each row within a few fp16 roundings of its
+    largest output, a zero row exactly beta, and the epsilon counted where it matters."""
+    from coremltools.converters.mil import Builder as mb
+
+    from coreml_graphs.ops import build_program
+    from coreml_graphs.package import save_program
+    from coreml_graphs.vision import VISION_EPS, layer_norm
+
+    C, S = 48, 64
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((S, C))
+    rows *= np.geomspace(3e-4, 3e3, S)[:, None]  # spread from below the epsilon's scale to past 4096
+    rows[0] = 0.0  # a padding row
+    rows[1] = 2e-3 * rows[1] / np.abs(rows[1]).max()  # variance near the epsilon
+    rows[2, 5] = 60000.0  # one outlier near fp16's end
+    rows[3] = 8.0 + rng.standard_normal(C)  # a common offset (LayerNorm centres it)
+    x = fp16_exact(rows)
+    gamma, beta = 1 + 0.1 * rng.standard_normal(C), 0.1 * rng.standard_normal(C)
+    prog = build_program({"x": (1, C, 1, S)}, lambda inp: {
+        "y": mb.identity(x=layer_norm(inp["x"], gamma, beta, VISION_EPS, "ln"), name="y_out")})
+    save_program(prog, tmp_path / "ln.mlpackage")
+    ours = ReferenceExecutor(tmp_path / "ln.mlpackage")({"x": x.T[None, :, None, :].astype(np.float16)})["y"]
+    ours = ours[0, :, 0, :].T  # [S, C]
+    xd = x.astype(np.float64)
+    centred = xd - xd.mean(axis=1, keepdims=True)
+    want = centred / np.sqrt((centred**2).mean(axis=1, keepdims=True) + VISION_EPS) * gamma + beta
+    assert np.isfinite(ours).all()
+    err = np.abs(ours - want).max(axis=1) / np.abs(want).max(axis=1)  # per row, relative to its largest output
+    assert err.max() < 2**-9, (err.argmax(), err.max())  # a few fp16 roundings
+    np.testing.assert_array_equal(ours[0], fp16_exact(beta))  # a zero row gives beta
+    no_eps = centred[1] / np.sqrt((centred[1] ** 2).mean()) * gamma + beta
+    assert np.abs(no_eps - want[1]).max() > 50 * err[1] * np.abs(want[1]).max()  # where the epsilon counts
+
+
+def test_programs_of_an_older_builder_are_exported_again(exported, tmp_path):
+    """`ensure_vision_export` (the lane's first use) reuses a current export as it is, and exports again the
+    programs of an older builder version (version 1's LayerNorm overflowed past 4096), never running them."""
+    from hetero.export_vision import VISION_BUILDER_VERSION
+    from hetero.pipeline.vision_lane import ensure_vision_export
+
+    tower, _, out, _ = exported
+    copy = tmp_path / "vision"
+    shutil.copytree(out, copy)
+    stamp = (copy / "vision.json").stat().st_mtime_ns
+    assert ensure_vision_export(tower, copy, BUCKET) == copy and (copy / "vision.json").stat().st_mtime_ns == stamp
+    old = json.loads((copy / "vision.json").read_text())
+    old["builder_version"] = 1
+    for p in old["programs"]:
+        p["key"] = "written by builder version 1"
+    (copy / "vision.json").write_text(json.dumps(old))
+    ensure_vision_export(tower, copy, BUCKET)
+    again = read_vision_manifest(copy)
+    assert again["builder_version"] == VISION_BUILDER_VERSION and not any(p["reused"] for p in again["programs"])

@@ -266,3 +266,15 @@ def test_bad_launch_environment(tmp_path):
         "hetero: error: a distributed run needs both MLX_RANK and MLX_HOSTFILE (got MLX_RANK='0', MLX_HOSTFILE=''): "
         "start every rank with `mlx.launch --backend ring --hosts IP1,IP2 -- hetero run ...`"
     ]
+
+
+def test_an_image_under_mlx_launch_says_to_run_without_it(tmp_path):
+    """`hetero run --image` under mlx.launch is refused in one line saying what to run instead (before any rank
+    connects or the image is read)."""
+    proc = subprocess.run([sys.executable, "-m", "hetero", "run", "--prompt", "hi", "--image", "x.png"], cwd=ROOT,
+                          env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": os.devnull}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "hetero: error: --image under mlx.launch: the ranks prefill text only; run the same hetero run command "
+        "without mlx.launch (one process, the vision tower included)"], proc.stderr

@@ -112,6 +112,30 @@ def test_bad_images_are_one_line(vlm, tmp_path):
         text_only.generate("<|image_pad|>", max_tokens=1, images=[draw_image(64, 64)])
 
 
+def test_images_after_an_mlx_lm_prompt_cache_say_what_to_do_and_that_works(vlm):
+    """Images after an mlx-lm prompt_cache are refused in one line that says what to do instead: leave the
+    prompt_cache out, send the whole conversation, and let the prefix cache reuse its prefix; done that way, the
+    second turn's prefix (its image included) comes from the cache."""
+    from hetero.library import prefill
+
+    engine, _, _ = vlm
+    png = encoded(draw_image(64, 64, seed=6), "PNG")
+    cache = prefill(engine, engine.encode_prompt("Earlier turn.", chat=True))
+    with pytest.raises(HeteroError) as e:
+        engine.generate("Look.", max_tokens=1, chat=True, images=[png], prompt_cache=cache)
+    line = str(e.value)
+    assert "\n" not in line and "leave prompt_cache out" in line and "engine.prefix_cache = " in line
+    exec(line.split("set ", 1)[1].split(" (", 1)[0], {"hetero": hetero, "engine": engine})  # the advice, as given
+    try:
+        assert isinstance(engine.prefix_cache, PrefixCache)
+        turn = dict(max_tokens=3, chat=True, images=[png], mtp=False, prefill_chunk=16)
+        first, again = engine.generate("Look.", **turn), engine.generate("Look.", **turn)
+        (_, hi), = engine.image_prompt(engine.encode_prompt("Look.", chat=True, images=1), [png]).spans
+        assert again.stats["cached_tokens"] >= hi and again.tokens == first.tokens  # the image came from the cache
+    finally:
+        engine.prefix_cache = None
+
+
 def test_mlx_lm_shaped_stream_generate_takes_images(vlm):
     """`hetero.library.stream_generate` with images: the engine's tokens, and the expanded prompt's size."""
     from hetero.library import stream_generate

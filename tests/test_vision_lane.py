@@ -9,6 +9,7 @@ embeddings against the GPU tower. One tiny checkpoint and one export (text and v
 from __future__ import annotations
 
 import json
+import os
 
 import hetero  # noqa: F401  (before torch: the fast BLAS under MLX)
 import mlx.core as mx
@@ -46,6 +47,15 @@ def prompt_ids(engine) -> list[int]:
 
 def picture(seed: int = 4) -> bytes:
     return encoded(draw_image(*SIZE, seed=seed), "PNG")
+
+
+def faults_at(monkeypatch, job: int) -> None:
+    """The lane's worker can import tests/ane_faults.py (its loaders' faults), which strike at its `job`th job."""
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("HETERO_TEST_FAULT_AT", str(job))
 
 
 def generate(engine, run=None, png=None, **kw):
@@ -105,14 +115,14 @@ def test_a_failing_lane_gives_the_gpu_only_answer(vlm, fault, monkeypatch, capsy
     """The lane's worker killed, or its vision program returning NaN, during the tower's first program: one warning
     line, the prompt prefilled GPU-only with the GPU tower (the lane's embeddings taken back out): GPU-only tokens."""
     engine, _, _ = vlm
-    monkeypatch.setenv("HETERO_TEST_FAULT_AT", "1")  # the first job of the new worker: the tower's patch embedding
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    faults_at(monkeypatch, 1)  # the first job of the new worker: the tower's patch embedding
     run = configure(engine, 0.5, CHUNK, offload=("mlp",))
     run.ane_loader = f"ane_faults:{fault}"
     want = generate(engine)
     got = generate(engine, run)
     assert got.tokens == want.tokens
     assert run.lane_failures == 1 and run.lane_images == 0
+    assert "vision_patch_embed" in run.last_failure  # the fault struck the tower's program (not the worker's start)
     assert "prefilled GPU-only" in capsys.readouterr().err
 
 
@@ -157,6 +167,64 @@ def test_verify_checks_the_lanes_embeddings_against_the_gpu_tower(vlm, monkeypat
     monkeypatch.setattr(lane, "encoder", lambda images, i: (lambda: real(images, i)() * 1.05))
     check = verify(run, prompt.tokens, n_tokens=8, images=prompt)
     assert not check["vision"][0]["ok"] and not check["match"], check
+
+
+def test_verify_says_non_finite_lane_embeddings_in_one_line(vlm, monkeypatch, capsys):
+    """A lane whose vision program returns NaN (its worker's first job here: no text on the lane) under `verify`:
+    one warning line naming the image, the check fails as non-finite, no traceback, and the prompt keeps the GPU
+    tower's embeddings."""
+    engine, _, _ = vlm
+    faults_at(monkeypatch, 1)
+    run = configure(engine, 0.0, CHUNK)
+    run.ane_loader = "ane_faults:garbage"
+    prompt = engine.image_prompt(prompt_ids(engine), [picture()])
+    engine.vision.encode(prompt)
+    gpu = np.array(prompt.embeddings[0])
+    capsys.readouterr()
+    check = verify(run, prompt.tokens, n_tokens=4, images=prompt)
+    assert not check["match"] and check["vision"] == [{"image": 0, "bucket": 256, "non_finite": True, "ok": False}]
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "non-finite" in line] == [next(
+        line for line in err.splitlines() if line.startswith("warning: --verify: image 0:"))] and "Traceback" not in err
+    np.testing.assert_array_equal(np.array(prompt.embeddings[0]), gpu)
+
+
+def test_lane_choice_follows_the_prediction_both_ways():
+    """`lane_choice` by hand: an image ready before the GPU lane reaches it, or late by less than the GPU tower's
+    seconds, goes to the lane; a tiny image right at the start (the lane's padded bucket slower than the GPU) and a
+    second image queued behind the first until too late go to the GPU; an unknown rate leaves the lane."""
+    from hetero.planner.vision import TowerTime, lane_choice
+
+    def t(ane: float | None, gpu: float | None) -> TowerTime:
+        return TowerTime(64, 64, 16, 256, 4, gpu, ane)
+
+    assert lane_choice([t(2.0, 1.0)], [3.0]) == [True]  # ready before the text is prefilled
+    assert lane_choice([t(3.5, 1.0)], [3.0]) == [True]  # 0.5 s late: a shorter wait than encoding it on the GPU
+    assert lane_choice([t(4.5, 1.0)], [3.0]) == [False]  # 1.5 s late: the GPU encodes it in 1 s
+    assert lane_choice([t(0.01, 0.001)], [0.0]) == [False]  # tiny, and no text to hide it behind
+    assert lane_choice([t(2.0, 1.0), t(2.0, 1.0)], [2.0, 2.5]) == [True, False]  # the second, queued: 1.5 s late
+    assert lane_choice([t(2.0, 2.0), t(2.0, 2.0)], [2.0, 2.5]) == [True, True]  # 1.5 s late < 2 s on the GPU
+    assert lane_choice([t(None, 1.0), t(4.5, 1.0)], [None, 3.0]) == [True, False]
+
+
+def test_the_prediction_sends_a_tiny_image_at_the_start_to_the_gpu(vlm):
+    """A 16x16 image (4 tokens: 16 patches in a 256-patch bucket) right after the chat template's first tokens:
+    the prediction gives it to the GPU tower, which encodes it; the answer is the GPU-only one. The fixture's
+    image after two chunks of text goes to the lane (the prediction's other way)."""
+    engine, _, run = vlm
+    ids = engine.encode_prompt(engine.image_marker + AFTER, chat=True)
+    tiny = encoded(draw_image(16, 16, seed=2), "PNG")
+    want = engine.generate(ids, images=[tiny], max_tokens=6, mtp=False, use_prefix_cache=False, prefill_chunk=CHUNK)
+    got = engine.generate(ids, images=[tiny], max_tokens=6, mtp=False, use_prefix_cache=False, prefill_chunk=CHUNK,
+                          split=run)
+    (choice,) = run.vision_choice
+    assert choice["lane"] == "gpu" and choice["predicted_text_before_s"] == 0.0
+    assert choice["predicted_ane_s"] > choice["predicted_gpu_s"]
+    assert [v["lane"] for v in run.last.vision] == ["gpu"] and got.tokens == want.tokens
+    generate(engine, run)
+    (choice,) = run.vision_choice
+    assert choice["lane"] == "ane" and choice["predicted_ane_s"] < choice["predicted_text_before_s"]
+    assert [v["lane"] for v in run.last.vision] == ["ane"]
 
 
 def test_tower_prediction_counts_each_lanes_work():

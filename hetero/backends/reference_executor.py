@@ -36,7 +36,7 @@ VALUE_INFERENCE_OPS = frozenset({"identity", "concat", "slice_by_index", "transp
 DATA_MOVEMENT_OPS = frozenset({"identity", "concat", "slice_by_index", "transpose", "reshape"})
 # Ops whose coremltools class exposes its numpy function through `get_operator()`.
 OPERATOR_OPS = frozenset({"add", "sub", "mul", "real_div", "maximum", "minimum"})
-REDUCE_OPS = frozenset({"reduce_max", "reduce_sum"})
+REDUCE_OPS = frozenset({"reduce_max", "reduce_min", "reduce_mean", "reduce_sum"})
 OWN_OPS = frozenset({"const", "conv", "reshape", "silu", "gelu", "layer_norm"})
 # expanded once at load (Core ML: at load or just in time)
 CONSTEXPR_OPS = frozenset({"constexpr_lut_to_dense", "constexpr_blockwise_shift_scale"})

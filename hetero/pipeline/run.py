@@ -20,7 +20,9 @@ from hetero.pipeline.calibrate import RANGES_FILE, cached_ranges, calibrate, mer
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.export import DEFAULT_WEIGHT_FORM, check_weight_form
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
+from hetero.planner.predict import Lanes, gpu_chunk_seconds
 from hetero.planner.ranges import Ranges, within_range
+from hetero.planner.vision import lane_choice, predict_grid
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
 from hetero.pipeline.vision_lane import VisionLane
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
@@ -62,6 +64,7 @@ class PipelineRun:
     _gpu_only_next: bool = False  # `prepare` lost the worker: the prompt it prepared is prefilled GPU-only
     lane_images: int = 0  # images the ANE lane's vision tower encoded (the others: the GPU tower)
     _vision: tuple | None = None  # (the worker its programs are loaded in, VisionLane)
+    vision_choice: list[dict] = field(default_factory=list)  # the last prompt's images: which lane, predicted seconds
 
     @property
     def requested_fraction(self) -> float:
@@ -117,6 +120,29 @@ class PipelineRun:
                                                      check=split.worker is None))
         return self._vision[1]
 
+    def lane_encoders(self, lane: VisionLane, images: ImagePrompt) -> dict:
+        """The lane's encoders for the images not encoded yet that the plan's prediction gives the ANE lane
+        (`planner.vision.lane_choice`: each image's tower on either lane, against the GPU lane's prefill of the
+        text before it); the others are left to the GPU tower. `vision_choice` says, per image, where and why."""
+        todo = [i for i, rows in enumerate(images.embeddings) if rows is None]
+        lanes, a = Lanes.of(self.plan.profile), lane.tower.args
+        times = [predict_grid(a, lanes, images.grids[i]) for i in todo]
+        reach = [self.text_before_s(images.spans[i][0], lanes) for i in todo]
+        take = lane_choice(times, reach)
+        self.vision_choice = [{"image": i, "lane": "ane" if k else "gpu", "predicted_ane_s": t.ane_s,
+                               "predicted_gpu_s": t.gpu_s, "predicted_text_before_s": r}
+                              for i, t, r, k in zip(todo, times, reach, take)]
+        return lane.encoders(images, which={i for i, k in zip(todo, take) if k})
+
+    def text_before_s(self, start: int, lanes: Lanes) -> float | None:
+        """The predicted seconds of the GPU lane's prefill of the whole chunks before token `start` (the text the
+        lane's tower runs beside), all of every piece on the GPU; None where the profile lacks a rate."""
+        tokens = start // self.chunk * self.chunk
+        if tokens == 0:
+            return 0.0
+        per_chunk = gpu_chunk_seconds(self.plan.pieces, self.plan.storage, lanes, tokens, self.chunk)
+        return None if per_chunk is None else float(per_chunk.sum())
+
     def prepare(self, ids: list[int], check: Callable[[], None] | None = None, images: ImagePrompt | None = None
                 ) -> None:
         """Export and load the programs the prompt `ids` needs now (with `images`, its images' vision programs),
@@ -128,7 +154,7 @@ class PipelineRun:
                 split = self.splitter(len(ids) - 1, check)
                 lane = self.vision_lane(split) if images is not None else None
                 if lane is not None:
-                    lane.encoders(images)  # exported and loaded now; encoded when the prompt runs
+                    self.lane_encoders(lane, images)  # exported and loaded now; encoded when the prompt runs
             except AneLaneLost as e:  # the worker died while its programs loaded: this prompt goes GPU-only
                 self.lost(e)
                 self._gpu_only_next = True
@@ -163,7 +189,7 @@ class PipelineRun:
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
                               worker_bytes, split.copied_bytes())
             lane = self.vision_lane(split) if images is not None else None
-            encoders = lane.encoders(images) if lane is not None else {}
+            encoders = self.lane_encoders(lane, images) if lane is not None else {}
             tower = self.engine.vision.tower if images is not None else None
             self.last = split.run(ids[:-1], cache, mtp=model.has_mtp, logits=False, trace=self.trace, decode=decode,
                                   on_chunk=on_chunk, images=images, encoders=encoders, tower=tower)

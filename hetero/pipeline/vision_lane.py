@@ -10,7 +10,7 @@ split's failure: the prompt is prefilled GPU-only, its images encoded by the GPU
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,13 +31,14 @@ def image_bucket(images: ImagePrompt, i: int, merge_unit: int) -> int:
 
 def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None] | None = None) -> Path:
     """The tower's programs for `bucket` in `out` (their own directory): exported on first use with a progress bar,
-    reused while the manifest lists every package."""
-    from hetero.export_vision import export_vision, read_vision_manifest
+    reused while the manifest lists every package and was written by this builder version (an older one's programs
+    are exported again: e.g. version 1's LayerNorm overflowed past a residual of 4096)."""
+    from hetero.export_vision import VISION_BUILDER_VERSION, export_vision, read_vision_manifest
 
     try:
         manifest = read_vision_manifest(out)
-        if manifest["buckets"] == [bucket] and all((out / p["file"] / "Manifest.json").is_file()
-                                                   for p in manifest["programs"]):
+        if (manifest["buckets"] == [bucket] and manifest.get("builder_version") == VISION_BUILDER_VERSION
+                and all((out / p["file"] / "Manifest.json").is_file() for p in manifest["programs"])):
             return out
     except HeteroError:
         pass
@@ -88,15 +89,15 @@ class VisionLane:
 
         return run
 
-    def encoders(self, images: ImagePrompt | None, warn: Callable[[str], None] | None = None
-                 ) -> dict[int, Callable[[], np.ndarray]]:
-        """Image index -> its lane encoder, for the prompt's images not encoded yet; an image whose programs cannot be
-        had is left to the GPU tower, said in one line."""
+    def encoders(self, images: ImagePrompt | None, warn: Callable[[str], None] | None = None,
+                 which: Collection[int] | None = None) -> dict[int, Callable[[], np.ndarray]]:
+        """Image index -> its lane encoder, for the prompt's images not encoded yet (of `which`, when given); an
+        image whose programs cannot be had is left to the GPU tower, said in one line."""
         if images is None:
             return {}
         out = {}
         for i, rows in enumerate(images.embeddings):
-            if rows is not None:
+            if rows is not None or (which is not None and i not in which):
                 continue
             try:
                 out[i] = self.encoder(images, i)
@@ -105,19 +106,27 @@ class VisionLane:
                                   f"for it ({e})")
         return out
 
-    def verify(self, images: ImagePrompt) -> list[dict]:
+    def verify(self, images: ImagePrompt, warn: Callable[[str], None] | None = None) -> list[dict]:
         """`--verify`'s vision check: each image through the lane's programs against the GPU tower (the prompt's
-        embeddings where the GPU tower made them, else made now): cosine, PSNR, max |diff|, ok."""
+        embeddings where the GPU tower made them, else made now): cosine, PSNR, max |diff|, ok. Non-finite
+        embeddings from the lane are said in one line and fail the check (`non_finite`); the prompt keeps the GPU
+        tower's, and the images after it are not checked (a worker that returned them is gone)."""
         from hetero.backends.accuracy import compare
 
         out = []
         for i in range(len(images.grids)):
-            lane = self.encoder(images, i)()
+            bucket = image_bucket(images, i, self.tower.args.merge_unit)
+            try:
+                lane = self.encoder(images, i)()
+            except AneNonFinite as e:
+                (warn or _stderr)(f"warning: --verify: image {i}: {e}; its embeddings are the GPU tower's")
+                out.append({"image": i, "bucket": bucket, "non_finite": True, "ok": False})
+                break
             gpu = self.tower(mx.array(images.patches[i]), [images.grids[i]])  # [tokens, out_hidden]
             m = compare(lane, np.array(gpu.astype(mx.float32)))
-            out.append({"image": i, "bucket": image_bucket(images, i, self.tower.args.merge_unit),
-                        "cosine": round(m["cosine"], 8), "psnr_db": round(m["psnr_db"], 2),
-                        "max_abs": round(m["max_abs"], 6), "ok": m["cosine"] >= COSINE and m["psnr_db"] >= PSNR})
+            out.append({"image": i, "bucket": bucket, "cosine": round(m["cosine"], 8),
+                        "psnr_db": round(m["psnr_db"], 2), "max_abs": round(m["max_abs"], 6),
+                        "ok": m["cosine"] >= COSINE and m["psnr_db"] >= PSNR})
         return out
 
 

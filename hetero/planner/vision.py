@@ -4,7 +4,7 @@ the predicted seconds on either lane with the planner's rates (`Lanes`, the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -67,7 +67,14 @@ class TowerTime:
 def predict_tower(a: VisionArgs, lanes: Lanes, width: int, height: int, bytes_per_weight: float = 2.0) -> TowerTime:
     """The tower's seconds for one `width` x `height` image on the GPU (its own patches) and on the ANE lane (its
     bucket's programs, padding and all, plus the fixed cost of each program call)."""
-    t, h, w = image_grid(width, height, a)
+    return replace(predict_grid(a, lanes, image_grid(width, height, a), bytes_per_weight), width=width, height=height)
+
+
+def predict_grid(a: VisionArgs, lanes: Lanes, grid: tuple[int, int, int], bytes_per_weight: float = 2.0
+                 ) -> TowerTime:
+    """`predict_tower` for an image (or clip) of `grid` (t, h, w) patches, as the processor made it; each frame
+    attends to itself."""
+    t, h, w = (int(d) for d in grid)
     n = t * h * w
     bucket = vision_bucket(n, a.merge_unit)
     weights = tower_params(a)
@@ -85,7 +92,35 @@ def predict_tower(a: VisionArgs, lanes: Lanes, width: int, height: int, bytes_pe
         gpu += a.depth * a.num_heads * n * h * w * lanes.gpu_score_s
     if ane is not None:
         ane += a.depth * a.num_heads * bucket * bucket * lanes.ane_score_s + (a.depth + 2) * lanes.ane_call_s
-    return TowerTime(width, height, n, bucket, n // a.merge_unit, gpu, ane)
+    return TowerTime(w * a.patch_size, h * a.patch_size, n, bucket, n // a.merge_unit, gpu, ane)
+
+
+def lane_choice(times: list[TowerTime], reach_s: list[float | None]) -> list[bool]:
+    """Which of a prompt's images (in prompt order) the ANE lane encodes, from the predicted seconds: `times` each
+    image's tower on either lane, `reach_s` the GPU lane's prefill of the text before each image (None: unknown).
+
+    The lane encodes its images one after another from the prefill's start while the GPU lane prefills the text;
+    when the GPU lane reaches image i it waits for the lane's embeddings, if they are not ready, or encodes the
+    image itself. The lane takes an image whose wait (its finish past the GPU lane's arrival) is shorter than the
+    GPU tower's seconds on it: one that is ready in time, or late by less than the GPU would spend. A tiny image
+    right after little text (the lane's whole padded bucket and per-program calls against a few patches on the
+    GPU), or a tower that would keep the GPU lane waiting longer than encoding it, goes to the GPU. The GPU lane's
+    arrival at each image includes its waits and encodes for the images before. An unknown rate: the lane.
+    """
+    out: list[bool] = []
+    lane_done = delay = 0.0  # the lane's last embeddings ready at; the GPU lane's time spent on images so far
+    for t, reach in zip(times, reach_s):
+        if t.ane_s is None or t.gpu_s is None or reach is None:
+            out.append(True)
+            lane_done += t.ane_s or 0.0
+            continue
+        wait = max(0.0, lane_done + t.ane_s - (reach + delay))
+        take = wait < t.gpu_s
+        out.append(take)
+        if take:
+            lane_done += t.ane_s
+        delay += wait if take else t.gpu_s
+    return out
 
 
 def tower_lines(a: VisionArgs, lanes: Lanes, sizes=PLAN_SIZES) -> list[str]:
