@@ -60,7 +60,14 @@ class GatedResidual(nn.Module):
     def around(self, h: mx.array, block) -> mx.array:
         """h' = h + inject * block(mixed input), per stream: h [B, S, hc*d] -> [B, S, hc*d]."""
         x, n = self.mix(h)
-        inject = 2 * act.sigmoid(self.block_inject_weight(n) / self.hc)  # [B, S, hc]
-        out = block(x)  # [B, S, d]
+        return self.add(h, self.inject(n), block(x))
+
+    def inject(self, n: mx.array) -> mx.array:
+        """Normed streams n [B, S, hc*d] -> each stream's weight on the block's output [B, S, hc]."""
+        return 2 * act.sigmoid(self.block_inject_weight(n) / self.hc)
+
+    @staticmethod
+    def add(h: mx.array, inject: mx.array, out: mx.array) -> mx.array:
+        """h [B, S, hc*d] + inject [B, S, hc] x the block's output [B, S, d], per stream -> [B, S, hc*d]."""
         B, S, _ = h.shape
         return h + (inject[..., None] * out[..., None, :]).reshape(B, S, -1)
