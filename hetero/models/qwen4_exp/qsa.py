@@ -196,17 +196,23 @@ class QSAAttention(Attention):
     def _ragged(self, x: mx.array, cache: RaggedKV) -> mx.array:
         """Each row's indexer sees its own keys and positions only: the tokens it selects, and its causal mask,
         are exactly those of the request decoding alone."""
-        B, S, _ = x.shape
         offsets = [c.offset for c in cache.rows]
         queries, keys, values, gate = self.project(x, mx.array(offsets))  # [B, H, S, D], [B, Hkv, S, D] x2, ...
         index = self.indexer.project(x) if self.indexer is not None else None  # [B, S, Hi, Di], [B, S, Di]
+        return self.finish(self.attend_rows(queries, keys, values, index, cache), gate)
+
+    def attend_rows(self, queries: mx.array, keys: mx.array, values: mx.array, index: tuple[mx.array, mx.array] | None,
+                    cache: RaggedKV) -> mx.array:
+        """A batch's projections (queries [B, H, S, D], keys and values [B, Hkv, S, D], index queries and raw keys)
+        -> attention [B, H, S, D], row i over its own cache and its first cache.lengths[i] tokens (zeros after)."""
+        S = queries.shape[2]
         outs = []
-        for i, (c, n, offset) in enumerate(zip(cache.rows, cache.lengths, offsets)):
+        for i, (c, n) in enumerate(zip(cache.rows, cache.lengths)):
             own = None if index is None else (index[0][i : i + 1, :n], index[1][i : i + 1, :n])
             out = self._attend(queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n], own, c,
-                               offset)  # [1, H, n, D]
+                               c.offset)  # [1, H, n, D]
             outs.append(out if n == S else mx.pad(out, [(0, 0), (0, 0), (0, S - n), (0, 0)]))
-        return self.finish(mx.concatenate(outs) if B > 1 else outs[0], gate)  # zeros past each row's real tokens
+        return mx.concatenate(outs) if len(outs) > 1 else outs[0]  # zeros past each row's real tokens
 
     def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, index: tuple[mx.array, mx.array] | None,
                 cache: QSACache | None, offset: int) -> mx.array:

@@ -9,7 +9,8 @@ what changes shape every step runs as one compiled function per shape:
               the PLE update, both hyper-connections, the delta rule and the MoE block; the PLE's n-grams are
               hashed and their rows gathered on the host first (`PLELayer.embed`), as outside the step.
   QSA layer   `attention_in`: h -> the attention's and the indexer's projections and the streams' injection
-              weights; then the indexer's choice and the attention over the grown cache (uncompiled: T grows);
+              weights; then the indexer's choice and the attention over the grown cache (uncompiled: T grows;
+              a batch's rows each over their own cache, `QSAAttention.attend_rows`);
               `attention_out`: the output gate, o_proj, the injection, and the MLP hyper-connection around the MoE.
 
 Same ops as the uncompiled layer (`DecoderLayer.__call__` runs them for prefill chunks and cold caches), fused.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import GDNCache
+from hetero.cache import GDNCache, RaggedKV
 from hetero.models.compiled import PerThread
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS
 from hetero.models.qwen4_exp.qsa import QSACache
@@ -40,14 +41,15 @@ class LayerSteps:
             self._attention_out = PerThread(self._finish)
 
     def takes(self, h: mx.array, cache) -> bool:
-        """Whether the step runs compiled: a few tokens over a warm cache of this layer's own kind (a batch's
-        `RaggedKV` and cold caches take the uncompiled layer)."""
+        """Whether the step runs compiled: a few tokens over a warm cache of this layer's own kind, or a batch's
+        rows' (`RaggedKV`) all warm (cold caches take the uncompiled layer)."""
         if cache is None or h.shape[1] > RECURRENT_MAX_TOKENS:
             return False
         if self.layer.is_linear:
             ple = getattr(cache, "ple", None)
             return cache.conv is not None and (ple is None or ple.conv is not None)
-        return isinstance(cache, QSACache) and cache.keys is not None
+        rows = cache.rows if isinstance(cache, RaggedKV) else [cache]
+        return all(isinstance(c, QSACache) and c.keys is not None for c in rows)
 
     def run(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
         """h [B, S, hc*d] and the chunk's token ids [B, S] over `cache` -> h' [B, S, hc*d]; updates `cache`."""
@@ -89,10 +91,15 @@ class LayerSteps:
 
     # QSA layers -------------------------------------------------------------------------------------------
 
-    def _qsa_step(self, h: mx.array, cache) -> mx.array:
-        attn, offset = self.layer.self_attn, cache.offset
+    def _qsa_step(self, h: mx.array, cache: QSACache | RaggedKV) -> mx.array:
+        attn, ragged = self.layer.self_attn, isinstance(cache, RaggedKV)
+        offset = [c.offset for c in cache.rows] if ragged else cache.offset  # a batch: each row's own
         queries, keys, values, gate, inject, *index = self._attention_in(h, mx.array(offset))
-        out = attn._attend(queries, keys, values, tuple(index) if index else None, cache, offset)  # [B, H, S, D]
+        index = tuple(index) if index else None
+        if ragged:
+            out = attn.attend_rows(queries, keys, values, index, cache)  # [B, H, S, D]
+        else:
+            out = attn._attend(queries, keys, values, index, cache, offset)  # [B, H, S, D]
         return self._attention_out(h, inject, out, gate)
 
     def _project(self, h: mx.array, offset: mx.array) -> list[mx.array]:
