@@ -16,12 +16,14 @@ from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.linear import Linear
 from hetero.models.moe import SparseMoeBlock
-from hetero.models.qwen3_5 import MLP, GatedDeltaNet, RMSNorm, rms_norm
+from hetero.models.compiled import PerThread
+from hetero.models.qwen3_5 import MLP, RECURRENT_MAX_TOKENS, GatedDeltaNet, RMSNorm, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual
 from hetero.models.qwen4_exp.ple import PLECache, PLELayer
 from hetero.models.qwen4_exp.ple_table import DiskTable, QuantizedDiskTable, StoredRows
 from hetero.models.qwen4_exp.qsa import QSAAttention, QSACache
+from hetero.models.qwen4_exp.step import LayerSteps
 from hetero.models.weights import canonical_name, finish
 
 
@@ -88,8 +90,11 @@ class DecoderLayer(nn.Module):
         hc = dict(hidden=args.hidden_size, hc=args.hc_count, lowrank=args.hc_lowrank, eps=args.rms_norm_eps)
         self.attn_hyper_connection = GatedResidual(**hc)
         self.mlp_hyper_connection = GatedResidual(**hc)
+        self._steps = LayerSteps(self)
 
     def __call__(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
+        if self._steps.takes(h, cache):  # decode, verify and draft steps: compiled (`step.py`)
+            return self._steps.run(h, tokens, cache)
         if self.ple is not None:
             h = h + self.ple(h, tokens, cache.ple if cache is not None else None)
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -169,6 +174,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp = MTPHead(args) if with_mtp else None
+        self._step_logits = PerThread(self._logits)  # a few positions (decode, verify): compiled, see `step.py`
 
     @property
     def has_mtp(self) -> bool:
@@ -202,6 +208,9 @@ class Model(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """The backbone's streams [B, S, hc*d] -> logits [B, S, vocab], through the final mixer."""
+        return (self._step_logits if hidden.shape[1] <= RECURRENT_MAX_TOKENS else self._logits)(hidden)
+
+    def _logits(self, hidden: mx.array) -> mx.array:
         return self.head(self.model.hyper_connection_mixer(hidden))
 
     def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:

@@ -218,29 +218,44 @@ class PLELayer(nn.Module):
 
     def __call__(self, h: mx.array, tokens: np.ndarray, cache: PLECache | None) -> mx.array:
         """Streams h [B, S, hc*d], the chunk's token ids [B, S] -> the PLE update [B, S, hc*d]."""
-        B, S, _ = h.shape
+        emb = self.embed(tokens, cache, h.shape[0]).astype(h.dtype)  # [B, S, E]
+        prev = cache.conv if cache is not None and cache.conv is not None else None
+        if prev is None:
+            prev = mx.zeros((h.shape[0], self.state_len, h.shape[-1]), dtype=h.dtype)
+        update, conv_in = self.mix(h, emb, prev)
+        if cache is not None:
+            cache.conv = conv_in[:, -self.state_len :]
+            if cache.recording:
+                cache.recorded_conv_in = conv_in
+        return update
+
+    def embed(self, tokens: np.ndarray, cache: PLECache | None, batch: int) -> mx.array:
+        """The chunk's token ids [B, S] -> their n-gram rows [B, S, E] (hashed and gathered on the host); moves the
+        cache's token context on (and records the pass's history while it records)."""
         context = cache.context if cache is not None and cache.context is not None else None
         if context is None:
-            context = np.full((B, self.context_len), self.eos, dtype=np.int64)
-        emb = self.ple_embedding(context, tokens).astype(h.dtype)  # [B, S, E]
+            context = np.full((batch, self.context_len), self.eos, dtype=np.int64)
+        emb = self.ple_embedding(context, tokens)  # [B, S, E]
+        if cache is not None:
+            history = np.concatenate([context, np.asarray(tokens, np.int64)], axis=1)  # [B, n-1+S]
+            cache.context = history[:, -self.context_len :]
+            if cache.recording:
+                cache.recorded_history = history
+        return emb
+
+    def mix(self, h: mx.array, emb: mx.array, prev: mx.array) -> tuple[mx.array, mx.array]:
+        """Streams h [B, S, hc*d], n-gram rows emb [B, S, E], the conv's previous inputs prev [B, (K-1)*dilation, hc*d]
+        -> (the PLE update [B, S, hc*d], the conv's inputs [B, (K-1)*dilation+S, hc*d]). Device ops only: a decode
+        step compiles it (`qwen4_exp.step`)."""
+        B, S, _ = h.shape
         key = self.norm_key(self.key_proj(emb)).reshape(B, S, self.hc, self.hidden)  # [B, S, hc, d]
         query = self.norm_query(h).reshape(B, S, self.hc, self.hidden)  # [B, S, hc, d]
         gate = (key * query).sum(axis=-1, keepdims=True) / math.sqrt(self.hidden)  # [B, S, hc, 1]
         gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6)) * mx.sign(gate)
         value = act.sigmoid(gate) * self.value_proj(emb)[:, :, None, :]  # [B, S, hc, d]
         value = value.reshape(B, S, -1)  # [B, S, hc*d]
-        normed = self.norm_conv(value)
-        prev = cache.conv if cache is not None and cache.conv is not None else None
-        if prev is None:
-            prev = mx.zeros((B, self.state_len, normed.shape[-1]), dtype=normed.dtype)
-        conv_in = mx.concatenate([prev, normed], axis=1)  # [B, state_len+S, C]
-        if cache is not None:
-            history = np.concatenate([context, np.asarray(tokens, np.int64)], axis=1)  # [B, n-1+S]
-            cache.conv = conv_in[:, -self.state_len :]
-            cache.context = history[:, -self.context_len :]
-            if cache.recording:
-                cache.recorded_history, cache.recorded_conv_in = history, conv_in
-        return value + act.silu(dilated_causal_conv(conv_in, self.conv1d.weight, self.dilation))
+        conv_in = mx.concatenate([prev, self.norm_conv(value)], axis=1)  # [B, state_len+S, C]
+        return value + act.silu(dilated_causal_conv(conv_in, self.conv1d.weight, self.dilation)), conv_in
 
 
 def dilated_causal_conv(x: mx.array, weight: mx.array, dilation: int) -> mx.array:

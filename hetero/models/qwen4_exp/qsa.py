@@ -31,18 +31,31 @@ class QSACache(KVCache):
     def __init__(self) -> None:
         super().__init__()
         self.index_keys: mx.array | None = None
+        self._blocks: mx.array | None = None  # [B, m, Di] fp32: the indexer's first m block keys (`Indexer.pick`)
+        self._blocks_from = 0  # index keys unchanged since `_blocks` was kept: blocks within them still hold
 
     def update_index(self, keys: mx.array) -> mx.array:
         """Append index keys [B, S, Di] at positions offset-S.. (call after `update_and_fetch`) -> all [B, T, Di]."""
         start = self.offset - keys.shape[1]
         old = self.index_keys[:, :start] if self.index_keys is not None and start > 0 else None
         self.index_keys = keys if old is None else mx.concatenate([old, keys], axis=1)
+        self._blocks_from = min(self._blocks_from, start)
         return self.index_keys
 
     def trim_to(self, n: int) -> None:
         super().trim_to(n)
         if self.index_keys is not None:
             self.index_keys = self.index_keys[:, : self.offset]
+        self._blocks_from = min(self._blocks_from, self.offset)
+
+    def index_blocks(self, ratio: int) -> mx.array | None:
+        """The kept block keys [B, m, Di] whose `ratio` index keys are all unchanged since (None: none)."""
+        m = 0 if self._blocks is None else min(self._blocks.shape[1], self._blocks_from // ratio)
+        return self._blocks[:, :m] if m else None
+
+    def keep_index_blocks(self, blocks: mx.array) -> None:
+        """Keep the block keys [B, m, Di] of the index keys as they stand (a decode step pools only new blocks)."""
+        self._blocks, self._blocks_from = blocks, self.index_keys.shape[1]
 
     # Rows (`KVCache.rows`): K and V, then with an indexer its raw keys as one head [B, 1, n, Di]; the block keys
     # follow from them (`Indexer.select` pools them again), so a checkpoint needs no more.
@@ -59,6 +72,7 @@ class QSACache(KVCache):
         super().install([p[:2] for p in parts])
         with_index = len(parts[0]) > 2
         self.index_keys = mx.concatenate([p[2][:, 0] for p in parts], axis=1) if with_index else None  # [B, n, Di]
+        self._blocks, self._blocks_from = None, 0
 
     def like(self) -> QSACache:
         return QSACache()
@@ -111,11 +125,8 @@ class Indexer(nn.Module):
         n_blocks = T // self.ratio
         if n_blocks == 0:
             return mx.broadcast_to(causal, (B, L, T))
-        pooled = keys[:, : n_blocks * self.ratio].astype(mx.float32).reshape(B, n_blocks, self.ratio, self.dim)
-        pooled = self.k_layernorm(pooled.mean(axis=2).astype(keys.dtype))  # [B, NB, Di]
-        starts = mx.arange(n_blocks) * self.ratio
-        block_keys = rope_at(pooled[:, :, None, :], starts, self.rotary_dims, self.base)[:, :, 0]  # [B, NB, Di]
-        scores = mx.maximum(q @ block_keys.astype(mx.float32)[:, None].swapaxes(-1, -2), 0.0)  # [B, L, Hi, NB]
+        block_keys = self.pool(keys, 0, n_blocks)  # [B, NB, Di]
+        scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, L, Hi, NB]
         scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, L, NB]
         complete = (pos + 1) // self.ratio  # [L] complete blocks each query sees
         valid = mx.arange(n_blocks)[None, :] < complete[:, None]  # [L, NB]
@@ -130,6 +141,38 @@ class Indexer(nn.Module):
         in_blocks = t[None, :] < (complete * self.ratio)[:, None]  # [L, T]
         picked = mx.take(chosen, block_of, axis=-1)  # [B, L, T]
         return mx.where(in_blocks, picked, causal)
+
+    def pool(self, keys: mx.array, lo: int, hi: int) -> mx.array:
+        """Raw index keys [B, T, Di] -> the keys of blocks lo..hi-1 [B, hi-lo, Di] fp32: each block's mean, normed,
+        rotated at the block's first position. A block's key depends on its own raw keys alone."""
+        B = keys.shape[0]
+        raw = keys[:, lo * self.ratio : hi * self.ratio].astype(mx.float32).reshape(B, hi - lo, self.ratio, self.dim)
+        pooled = self.k_layernorm(raw.mean(axis=2).astype(keys.dtype))  # [B, hi-lo, Di]
+        starts = mx.arange(lo, hi) * self.ratio
+        return rope_at(pooled[:, :, None, :], starts, self.rotary_dims, self.base)[:, :, 0].astype(mx.float32)
+
+    def pick(self, q: mx.array, keys: mx.array, cache: QSACache) -> mx.array | None:
+        """`select` for one query at the newest position T-1 (a decode step), as token ids rather than a mask:
+        normed query [B, 1, Hi, Di] and all raw keys [B, T, Di] -> the positions it attends to [B, N] (the k best
+        blocks' tokens, then the tail after the last complete block), or None when it sees every key. The blocks'
+        keys are kept in `cache` (`QSACache.keep_index_blocks`), so a step pools only the block it completes."""
+        B, T = keys.shape[:2]
+        n_blocks = T // self.ratio
+        if n_blocks <= self.blocks:  # every complete block is chosen: the whole causal prefix
+            return None
+        block_keys = cache.index_blocks(self.ratio)  # [B, m, Di] or None
+        m = 0 if block_keys is None else block_keys.shape[1]
+        if m < n_blocks:
+            new = self.pool(keys, m, n_blocks)  # [B, NB-m, Di]
+            block_keys = new if block_keys is None else mx.concatenate([block_keys, new], axis=1)
+            cache.keep_index_blocks(block_keys)
+        q = rope_at(q, mx.array([T - 1]), self.rotary_dims, self.base).astype(mx.float32)  # [B, 1, Hi, Di]
+        scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, 1, Hi, NB]
+        scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, 1, NB]: every block is complete for this query
+        top = mx.argsort(-scores, axis=-1)[:, 0, : self.blocks].astype(mx.int32)  # [B, k] as `select` orders them
+        tokens = (top[..., None] * self.ratio + mx.arange(self.ratio, dtype=mx.int32)).reshape(B, -1)  # [B, k*c]
+        tail = mx.arange(n_blocks * self.ratio, T, dtype=mx.int32)  # the incomplete block's tokens
+        return mx.concatenate([tokens, mx.broadcast_to(tail, (B, tail.size))], axis=1)  # [B, N]
 
 
 class QSAAttention(Attention):
@@ -153,17 +196,23 @@ class QSAAttention(Attention):
     def _ragged(self, x: mx.array, cache: RaggedKV) -> mx.array:
         """Each row's indexer sees its own keys and positions only: the tokens it selects, and its causal mask,
         are exactly those of the request decoding alone."""
-        B, S, _ = x.shape
         offsets = [c.offset for c in cache.rows]
         queries, keys, values, gate = self.project(x, mx.array(offsets))  # [B, H, S, D], [B, Hkv, S, D] x2, ...
         index = self.indexer.project(x) if self.indexer is not None else None  # [B, S, Hi, Di], [B, S, Di]
+        return self.finish(self.attend_rows(queries, keys, values, index, cache), gate)
+
+    def attend_rows(self, queries: mx.array, keys: mx.array, values: mx.array, index: tuple[mx.array, mx.array] | None,
+                    cache: RaggedKV) -> mx.array:
+        """A batch's projections (queries [B, H, S, D], keys and values [B, Hkv, S, D], index queries and raw keys)
+        -> attention [B, H, S, D], row i over its own cache and its first cache.lengths[i] tokens (zeros after)."""
+        S = queries.shape[2]
         outs = []
-        for i, (c, n, offset) in enumerate(zip(cache.rows, cache.lengths, offsets)):
+        for i, (c, n) in enumerate(zip(cache.rows, cache.lengths)):
             own = None if index is None else (index[0][i : i + 1, :n], index[1][i : i + 1, :n])
             out = self._attend(queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n], own, c,
-                               offset)  # [1, H, n, D]
+                               c.offset)  # [1, H, n, D]
             outs.append(out if n == S else mx.pad(out, [(0, 0), (0, 0), (0, S - n), (0, 0)]))
-        return self.finish(mx.concatenate(outs) if B > 1 else outs[0], gate)  # zeros past each row's real tokens
+        return mx.concatenate(outs) if len(outs) > 1 else outs[0]  # zeros past each row's real tokens
 
     def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, index: tuple[mx.array, mx.array] | None,
                 cache: QSACache | None, offset: int) -> mx.array:
@@ -178,8 +227,23 @@ class QSAAttention(Attention):
         else:
             q_index, k_index = index
             all_keys = cache.update_index(k_index) if cache is not None else k_index  # [B, T, Di]
+            if S == 1 and cache is not None:  # a decode step: attend to the picked keys alone, no mask
+                return attend_picked(queries, keys, values, self.head_dim**-0.5,
+                                     self.indexer.pick(q_index, all_keys, cache))
             mask = self.indexer.select(q_index, all_keys, offset)[:, None]  # [B, 1, S, T]
         return attend_selected(queries, keys, values, self.head_dim**-0.5, mask)
+
+
+def attend_picked(queries: mx.array, keys: mx.array, values: mx.array, scale: float, picked: mx.array | None
+                  ) -> mx.array:
+    """One query per row [B, H, 1, D] over the keys/values [B, Hkv, T, D] at `picked` [B, N] (None: all T) ->
+    [B, H, 1, D]. Equal to the masked attention over all T (the keys it drops weigh exactly 0 there), at the cost of
+    N keys: the indexer keeps ~budget of them however long the context."""
+    if picked is not None:
+        B, Hkv, _, D = keys.shape
+        at = mx.broadcast_to(picked[:, None, :, None], (B, Hkv, picked.shape[1], 1))  # [B, Hkv, N, 1]
+        keys, values = mx.take_along_axis(keys, at, axis=2), mx.take_along_axis(values, at, axis=2)  # [B, Hkv, N, D]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
 
 
 def attend_selected(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
