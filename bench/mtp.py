@@ -205,11 +205,12 @@ def large_part(args: argparse.Namespace) -> dict:
         tps = forced_tps(model, prompt, 3, rates, args.forced_rounds, rng)
         curve.append({"rates": rates, "mean_accepted_length": 1 + sum(rates), "tps": tps, "speedup": tps / plain_tps})
         print(f"large forced acceptance {rates}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x plain", flush=True)
-    return {"plain_step_s": plain_s, "plain_tps": plain_tps, "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost,
+    return {"load_average": os.getloadavg(), "plain_step_s": plain_s, "plain_tps": plain_tps,
+            "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost,
             "blas_rows_vs_one_row": floor, "forced_acceptance": curve}
 
 
-QWEN4_AGREEING_ALPHA = 0.1  # the backbone's blocks scaled by this: the constructed head's drafts are mostly kept
+QWEN4_AGREEING_ALPHA = 0.06  # the backbone's blocks scaled by this: the constructed head's drafts are mostly kept
 
 
 def extended_rates(published: tuple[float, ...], depth: int) -> tuple[float, ...]:
@@ -246,6 +247,7 @@ def qwen4_part(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     for depth in depths:
         rates = extended_rates(PUBLISHED_RATES, depth)
+        forced_tps(model, prompt, depth, rates, 2, rng)  # warm-up: a depth's first rounds compile its shapes
         tps = forced_tps(model, prompt, depth, rates, args.forced_rounds, rng)
         forced[depth] = {"rates": rates, "mean_accepted_length": 1 + sum(rates), "tps": tps, "speedup": tps / plain_tps}
         print(f"qwen4 forced depth {depth} {[round(r, 3) for r in rates]}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x",
@@ -261,7 +263,8 @@ def qwen4_part(args: argparse.Namespace) -> dict:
         tokens = list(decode_tokens(model, p, sampler, n, set(), depth=depth, copy=False, times=times, stats=stats))
         return tokens, {"decode_tps": times.decode_tps, **({"mtp": stats.to_dict()} if stats else {})}
 
-    generate(prompts[0], 16, 0), generate(prompts[0], 16, 3)  # warm-up
+    for depth in (0, *depths):  # warm-up: each depth's first rounds compile its shapes
+        generate(prompts[0], 16, depth)
     for _ in range(args.repeats):
         for p in prompts:
             for s in settings:  # alternate the contenders on the same prompt
@@ -283,7 +286,8 @@ def qwen4_part(args: argparse.Namespace) -> dict:
         extra = (f"  accepted length {row['mean_accepted_length']:.2f}  by depth "
                  f"{[round(a, 2) for a in row['acceptance_by_depth']]}" if s != "plain" else "")
         print(f"qwen4 agreeing head {s:8s} {tps:7.1f} tok/s  {row['speedup']:5.2f}x{extra}", flush=True)
-    return {"plain_step_s": plain_s, "plain_tps": plain_tps, "verify_cost_vs_plain": verify_cost,
+    return {"load_average": os.getloadavg(), "plain_step_s": plain_s, "plain_tps": plain_tps,
+            "verify_cost_vs_plain": verify_cost,
             "forced_acceptance": forced,
             "forced_rates_note": "depths 1-3: the published 27B Qwen3.5 rates; 4 and 5 continue their last fall",
             "agreeing_head": {"alpha": QWEN4_AGREEING_ALPHA, "settings": real, "prompt_tokens": 256,

@@ -11,6 +11,7 @@ think block (its reasoning is then split from the answer). Each test fails if th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import qwen4_checkpoint as qc
@@ -22,7 +23,7 @@ import hetero
 from converters.tokenizer_train import save_tokenizer
 from tiny_checkpoint import TEXT as CORPUS
 
-TEMPLATE = (qc.Path(__file__).parent / "data" / "qwen3.6_chat_template.jinja").read_text(encoding="utf-8")
+TEMPLATE = (Path(__file__).parent / "data" / "qwen3.6_chat_template.jinja").read_text(encoding="utf-8")
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -35,18 +36,16 @@ BUDGET = 8  # thinking tokens before the budget closes the block
 def engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("q4serve")
     tok = train_tokenizer([CORPUS * 2, "<think>\nLet me see.\n</think>\n\nThe answer."], vocab_size=400)
+    qc.build(path, nested=True, ple_layer_ids=(1, 2), seed=21, mtp=True, vocab_size=64 * -(-tok.get_vocab_size() // 64),
+             eos_token_id=tok.token_to_id("<|im_end|>"))
     save_tokenizer(tok, path)
     config = path / "tokenizer_config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": TEMPLATE}))
-    vocab = 64 * -(-tok.get_vocab_size() // 64)
-    qc.build(path, nested=True, ple_layer_ids=(1, 2), seed=21, mtp=True, vocab_size=vocab,
-             eos_token_id=tok.token_to_id("<|im_end|>"))
-    save_tokenizer(tok, path)  # save_pretrained wrote no tokenizer, but keep ours last whatever it writes
     config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": TEMPLATE}))
     return hetero.load(str(path))
 
 
-def test_the_served_model_is_qwen4_exp(engine):
+def test_the_served_model_is_qwen4_exp_with_its_template(engine):
+    assert engine.tokenizer.chat_template == TEMPLATE
     assert engine.model.__class__.__module__.startswith("hetero.models.qwen4_exp") and engine.model.has_mtp
 
 
