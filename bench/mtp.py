@@ -240,6 +240,7 @@ def qwen4_part(args: argparse.Namespace) -> dict:
     for k in depths:  # one stepper round over [x, k fixed drafts], none kept: a verify pass and its commit
         batch = Forced(model, (0.0,) * k, np.random.default_rng(0), drafts=[3] * k)
         batch.join(prompt, sampler, 10**6, set(), k)
+        batch.step(), batch.step()  # warm-up: the first rounds of a shape compile it
         verify_cost[k + 1] = median_seconds(batch.step, args.repeats * 3) / plain_s
     print(f"qwen4: plain step {plain_s * 1e3:.1f} ms; verify cost vs plain step "
           f"{json.dumps({k: round(v, 3) for k, v in verify_cost.items()})}", flush=True)
