@@ -3,6 +3,7 @@
     python bench/mtp.py                 # both parts; JSON + PNGs under bench/results/
     python bench/mtp.py --part bundled  # 1. the bundled model on code prompts
     python bench/mtp.py --part large    # 2. a ~540 MB random model: step costs and forced-acceptance speed
+    python bench/mtp.py --part qwen4 --tokens 64 --out bench/results/mtp_qwen4.json  # 3. depths 1..5 on Qwen4-Exp
 
 Part 1 (bundled model, greedy, code-like prompts from the standard library): decode tok/s with MTP at depths
 1..4 and with --no-mtp, alternating, median of the repeats; acceptance by depth and mean accepted length; and
@@ -12,6 +13,14 @@ Part 2 (large random model, where a decode step reads ~1 GB of weights): the cos
 tokens and of one draft step, each relative to a plain decode step; then tokens/s when drafts are accepted at
 forced per-depth rates (a benchmark-only mode that decides acceptance by coin flips and discards the output)
 against plain decoding: the speed-vs-acceptance curve. Copy lane off throughout, so MTP alone is measured.
+Part 3 (the random scaled-down Flash-Next of bench/checkpoints.py, `qwen4_exp`; not in `both`): draft depths 1..5.
+No trained Qwen4-Exp head exists here, and a random head accepts nothing, so two stand-ins: (a) the random model's
+own step costs (verify over k+1 tokens, one draft step) and its speed under acceptance forced to the published
+27B Qwen3.5 rates, continued at depths 4 and 5 by the same fall per position (an assumption, said in the JSON); (b)
+real greedy decoding with a constructed head that agrees with the backbone (tests/test_qwen4_mtp.py `agreeing`:
+the backbone's blocks scaled down so that it mostly says f(last token), the head built to draft f), whose
+acceptance is real but whose fall with depth is not a trained head's. Greedy output at every depth must equal
+plain decoding's.
 """
 
 from __future__ import annotations
@@ -196,8 +205,95 @@ def large_part(args: argparse.Namespace) -> dict:
         tps = forced_tps(model, prompt, 3, rates, args.forced_rounds, rng)
         curve.append({"rates": rates, "mean_accepted_length": 1 + sum(rates), "tps": tps, "speedup": tps / plain_tps})
         print(f"large forced acceptance {rates}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x plain", flush=True)
-    return {"plain_step_s": plain_s, "plain_tps": plain_tps, "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost,
+    return {"load_average": os.getloadavg(), "plain_step_s": plain_s, "plain_tps": plain_tps,
+            "verify_cost_vs_plain": verify_cost, "draft_step_cost_vs_plain": draft_cost,
             "blas_rows_vs_one_row": floor, "forced_acceptance": curve}
+
+
+QWEN4_AGREEING_ALPHA = 0.06  # the backbone's blocks scaled by this: the constructed head's drafts are mostly kept
+
+
+def extended_rates(published: tuple[float, ...], depth: int) -> tuple[float, ...]:
+    """Cumulative acceptance by position up to `depth`: the published rates, then each further position kept with
+    the last published conditional rate (0.80 / 0.88 for the 27B head)."""
+    rates, fall = list(published), published[-1] / published[-2]
+    while len(rates) < depth:
+        rates.append(rates[-1] * fall)
+    return tuple(rates[:depth])
+
+
+def qwen4_part(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_qwen4_mtp import agreeing
+
+    from hetero.decode.records import MTPStats
+    from hetero.loader import load_model
+
+    model = load_model(checkpoint("qwen4", Path(args.workdir)), dtype=mx.float32)[0]  # no tokenizer: token ids in
+    sampler = Sampler(SamplingParams())
+    depths = (1, 2, 3, 4, 5)
+    prompt = np.random.default_rng(0).integers(3, model.args.vocab_size, 256).tolist()
+
+    plain_tps = statistics.median(_plain_decode_tps(model, prompt, sampler) for _ in range(args.repeats + 1))
+    plain_s = 1.0 / plain_tps
+    verify_cost = {}
+    for k in depths:  # one stepper round over [x, k fixed drafts], none kept: a verify pass and its commit
+        batch = Forced(model, (0.0,) * k, np.random.default_rng(0), drafts=[3] * k)
+        batch.join(prompt, sampler, 10**6, set(), k)
+        batch.step(), batch.step()  # warm-up: the first rounds of a shape compile it
+        verify_cost[k + 1] = median_seconds(batch.step, args.repeats * 3) / plain_s
+    print(f"qwen4: plain step {plain_s * 1e3:.1f} ms; verify cost vs plain step "
+          f"{json.dumps({k: round(v, 3) for k, v in verify_cost.items()})}", flush=True)
+    forced = {}
+    rng = np.random.default_rng(0)
+    for depth in depths:
+        rates = extended_rates(PUBLISHED_RATES, depth)
+        forced_tps(model, prompt, depth, rates, 2, rng)  # warm-up: a depth's first rounds compile its shapes
+        tps = forced_tps(model, prompt, depth, rates, args.forced_rounds, rng)
+        forced[depth] = {"rates": rates, "mean_accepted_length": 1 + sum(rates), "tps": tps, "speedup": tps / plain_tps}
+        print(f"qwen4 forced depth {depth} {[round(r, 3) for r in rates]}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x",
+              flush=True)
+
+    agreeing(model, QWEN4_AGREEING_ALPHA)
+    settings = ["plain"] + [f"depth {d}" for d in depths]
+    samples: dict[str, list[dict]] = {s: [] for s in settings}
+    outputs: dict[str, list[list[int]]] = {s: [] for s in settings}
+    prompts = [np.random.default_rng(i + 1).integers(3, model.args.vocab_size, 256).tolist() for i in range(2)]
+    def generate(p: list[int], n: int, depth: int) -> tuple[list[int], dict]:
+        times, stats = DecodeTimes(), MTPStats(depth) if depth else None
+        tokens = list(decode_tokens(model, p, sampler, n, set(), depth=depth, copy=False, times=times, stats=stats))
+        return tokens, {"decode_tps": times.decode_tps, **({"mtp": stats.to_dict()} if stats else {})}
+
+    for depth in (0, *depths):  # warm-up: each depth's first rounds compile its shapes
+        generate(prompts[0], 16, depth)
+    for _ in range(args.repeats):
+        for p in prompts:
+            for s in settings:  # alternate the contenders on the same prompt
+                tokens, stats = generate(p, args.tokens, 0 if s == "plain" else int(s.split()[1]))
+                samples[s].append(stats)
+                outputs[s].append(tokens)
+    differ = [s for s in settings if outputs[s] != outputs["plain"]]
+    real = {}
+    head_plain = statistics.median(r["decode_tps"] for r in samples["plain"])
+    for s in settings:
+        tps = statistics.median(r["decode_tps"] for r in samples[s])
+        row = {"decode_tps": tps, "speedup": tps / head_plain}
+        if s != "plain":
+            mtp = [r["mtp"] for r in samples[s]]
+            row["acceptance_by_depth"] = [statistics.mean(m["acceptance_by_depth"][i] for m in mtp)
+                                          for i in range(mtp[0]["depth"])]
+            row["mean_accepted_length"] = statistics.mean(m["mean_accepted_length"] for m in mtp)
+        real[s] = row
+        extra = (f"  accepted length {row['mean_accepted_length']:.2f}  by depth "
+                 f"{[round(a, 2) for a in row['acceptance_by_depth']]}" if s != "plain" else "")
+        print(f"qwen4 agreeing head {s:8s} {tps:7.1f} tok/s  {row['speedup']:5.2f}x{extra}", flush=True)
+    return {"load_average": os.getloadavg(), "plain_step_s": plain_s, "plain_tps": plain_tps,
+            "verify_cost_vs_plain": verify_cost,
+            "forced_acceptance": forced,
+            "forced_rates_note": "depths 1-3: the published 27B Qwen3.5 rates; 4 and 5 continue their last fall",
+            "agreeing_head": {"alpha": QWEN4_AGREEING_ALPHA, "settings": real, "prompt_tokens": 256,
+                              "decode_tokens": args.tokens, "greedy_identical_to_plain": not differ,
+                              "differing_settings": differ}}
 
 
 def plot(result: dict, out_dir: Path) -> list[str]:
@@ -239,7 +335,7 @@ def plot(result: dict, out_dir: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["bundled", "large", "both"], default="both")
+    ap.add_argument("--part", choices=["bundled", "large", "qwen4", "both"], default="both")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=192, help="tokens decoded per run")
     ap.add_argument("--repeats", type=int, default=2)
@@ -254,13 +350,17 @@ def main() -> None:
         result["bundled"] = bundled_part(args)
     if args.part in ("large", "both"):
         result["large"] = large_part(args)
+    if args.part == "qwen4":
+        result["qwen4"] = qwen4_part(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plot(result, out.parent)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} and {', '.join(result['plots'])}")
-    if "bundled" in result and not result["bundled"]["greedy_identical_to_plain"]:  # a speed of wrong output is no result
-        sys.exit(f"FAILED: greedy output differs from plain decoding at {', '.join(result['bundled']['differing_settings'])}")
+    for part in ("bundled", "qwen4"):  # a speed of wrong output is no result
+        checked = result.get(part, {}).get("agreeing_head", result.get(part, {}))
+        if part in result and not checked["greedy_identical_to_plain"]:
+            sys.exit(f"FAILED: greedy output differs from plain decoding at {', '.join(checked['differing_settings'])}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,13 @@ CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the c
 DecodeFn = Callable[[int, int], tuple[float, float | None]]  # (depth, tokens) -> (decode tok/s, mean accepted length)
 
 
+def accepted_any(mean_accepted_length: float | None) -> bool:
+    """Whether speculative decoding kept any draft (a mean accepted length above 1). One that kept none cannot pay:
+    each of its rounds costs a plain step's pass, over more tokens, plus the drafts, for the one token plain decoding
+    gets. So it never wins a measurement, whatever the clock said on a busy machine (a random head, e.g.)."""
+    return mean_accepted_length is not None and mean_accepted_length > 1.0
+
+
 def stepper_decode(engine) -> DecodeFn:
     """Greedy decoding of the code prompt straight through the stepper (never through `Engine.generate`, which is
     what asks for this calibration): (depth 0 is plain, tokens) -> (decode tokens/s, mean accepted length)."""
@@ -36,7 +43,8 @@ def stepper_decode(engine) -> DecodeFn:
 def calibrate(engine, depth: int, report: Callable[[str], None] = print, decode: DecodeFn | None = None) -> int | str:
     """First use of a model with an MTP head on this machine (`engine` a `hetero.engine.Engine`, which calls this):
     decode one code prompt plainly and at draft `depth` (greedy, after a warm-up of each; `decode` defaults to the
-    stepper, `stepper_decode`), save the faster as if `hetero tune` had, and return it (`depth`, or PLAIN).
+    stepper, `stepper_decode`), save the faster as if `hetero tune` had, and return it (`depth`, or PLAIN; PLAIN too
+    when no draft was accepted, `accepted_any`).
     `hetero tune` measures every depth on more prompts and replaces this decision.
     """
     report(f"hetero: first run of {engine.name} on this machine: measuring MTP against plain decoding "
@@ -46,7 +54,7 @@ def calibrate(engine, depth: int, report: Callable[[str], None] = print, decode:
     decode(depth, 8)
     plain, _ = decode(0, CALIBRATION_TOKENS)
     drafted, accepted_length = decode(depth, CALIBRATION_TOKENS)
-    choice = depth if drafted > plain else PLAIN
+    choice = depth if drafted > plain and accepted_any(accepted_length) else PLAIN
     result = {
         "plain_tps": round(plain, 2),
         "depths": {depth: {"decode_tps": round(drafted, 2), "mean_accepted_length": accepted_length}},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from hetero.calibrate import CODE_PROMPT
+from hetero.calibrate import CODE_PROMPT, accepted_any
 from hetero.engine import Engine
 from hetero.settings import PLAIN, save_tuning
 
@@ -23,7 +23,8 @@ def tune(
     report: Callable[[str], None] = print,
 ) -> dict:
     """Decode the same prompts plainly and at each depth (greedy, after a warm-up) and save the winner: the fastest
-    depth, or PLAIN ("off") when plain decoding beat them all, so that `hetero run` then decodes plainly.
+    depth, or PLAIN ("off") when plain decoding beat them all, so that `hetero run` then decodes plainly. A depth
+    whose drafts were never accepted is never the winner (`accepted_any`), whatever the clock said.
 
     Returns {"plain_tps", "depths": {depth: {"decode_tps", "mean_accepted_length"}}, "draft_depth"}.
     """
@@ -45,8 +46,10 @@ def tune(
         tps, accepted = measure(mtp=True, draft_depth=depth)
         table[depth] = {"decode_tps": round(tps, 2), "mean_accepted_length": accepted}
         report(f"{'depth ' + str(depth):>8}  {tps:8.1f} tok/s  {tps / plain:5.2f}x  accepted length {accepted:.2f}")
-    best = max(table, key=lambda d: table[d]["decode_tps"])
-    mtp_wins = table[best]["decode_tps"] > round(plain, 2)  # compare what is saved: the file explains the choice
+    paying = [d for d in table if accepted_any(table[d]["mean_accepted_length"])]
+    best = max(paying or table, key=lambda d: table[d]["decode_tps"])
+    # compare what is saved: the file explains the choice
+    mtp_wins = bool(paying) and table[best]["decode_tps"] > round(plain, 2)
     result = {"plain_tps": round(plain, 2), "depths": table, "draft_depth": best if mtp_wins else PLAIN}
     path = save_tuning(engine.identity, result)
     if mtp_wins:

@@ -128,3 +128,53 @@ def test_tune_on_a_tiny_model_saves_what_it_measured(model_dir):
     expected = best if result["depths"][best]["decode_tps"] > result["plain_tps"] else PLAIN
     assert result["draft_depth"] == expected and tuned_depth(engine.identity) == expected
     assert all(v["mean_accepted_length"] >= 1.0 for v in result["depths"].values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Qwen4-Exp: the same tuner and first-use calibration on a qwen4_exp checkpoint (hyper-connection streams, QSA, PLE,
+# and its own MTP head), with the random head (its drafts rejected) and with a head built to agree with the model
+
+
+@pytest.fixture(scope="module")
+def qwen4_dir(tmp_path_factory):
+    import qwen4_checkpoint as qc
+
+    path = tmp_path_factory.mktemp("tune-qwen4") / "q4"
+    qc.build(path, nested=True, ple_layer_ids=(1, 2), seed=0, mtp=True)
+    qc.add_tokenizer(path)
+    return path
+
+
+def test_tune_cli_on_qwen4_saves_plain_when_its_head_is_rejected(qwen4_dir, capsys):
+    """`hetero tune` on a qwen4_exp checkpoint whose random head keeps no draft on the tune prompts: every depth is
+    measured, none may win (a head that keeps nothing cannot pay), "off" is saved and `hetero run` decodes plainly."""
+    assert main(["tune", "--model", str(qwen4_dir), "--tokens", "12"]) == 0
+    assert "plain decoding was fastest" in capsys.readouterr().out
+    entry = saved(hetero.load(qwen4_dir).identity)
+    assert sorted(entry["depths"]) == ["1", "2", "3", "4"]
+    assert all(d["mean_accepted_length"] == 1.0 for d in entry["depths"].values())  # the head's drafts: all rejected
+    assert entry["draft_depth"] == PLAIN
+    assert "mtp" not in run_json(qwen4_dir, capsys)
+
+
+def test_first_use_calibration_on_qwen4_with_a_rejected_head_decodes_plainly(qwen4_dir, capsys):
+    """An untuned qwen4_exp run calibrates through the stepper (plain against depth 3 on the code prompt) and, its
+    head's drafts rejected, saves plain decoding and decodes plainly from the first run on."""
+    first = run_json(qwen4_dir, capsys)
+    entry = saved(hetero.load(qwen4_dir).identity)
+    assert entry["calibrated"] == "first use" and entry["depths"]["3"]["mean_accepted_length"] == 1.0
+    assert entry["draft_depth"] == PLAIN and "mtp" not in first
+
+
+def test_tune_on_qwen4_with_an_agreeing_head_measures_what_it_saves(qwen4_dir):
+    """The head built to agree with the backbone (tests/test_qwen4_mtp.py `agreeing`): every depth keeps most drafts
+    (so each may win), and the saved choice is the fastest measured, or plain where plain was faster."""
+    from test_qwen4_mtp import agreeing
+
+    engine = hetero.load(qwen4_dir)
+    agreeing(engine.model, alpha=0.02)
+    result = tune(engine, depths=(1, 2, 3), tokens=16, report=lambda line: None)
+    assert all(result["depths"][d]["mean_accepted_length"] > 1 + 0.6 * d for d in (1, 2, 3))
+    best = max(result["depths"], key=lambda d: result["depths"][d]["decode_tps"])
+    expected = best if result["depths"][best]["decode_tps"] > result["plain_tps"] else PLAIN
+    assert result["draft_depth"] == expected and tuned_depth(engine.identity) == expected
