@@ -205,6 +205,8 @@ def test_activations_keep_low_precision_dtypes(ours, theirs, oracle):
 
 PREFILL_ACTIVATIONS = [  # ours (numpy's exp on a large array), float64 oracle
     (act.sigmoid_now, lambda x: 1 / (1 + np.exp(-x))),
+    (act.exp_now, np.exp),
+    (act.silu_now, lambda x: x / (1 + np.exp(-x))),
     (lambda x: act.silu_mul_now(x, x * 0.5 + 1), lambda x: x / (1 + np.exp(-x)) * (x * 0.5 + 1)),
 ]
 

@@ -89,6 +89,35 @@ def sigmoid_now(x: mx.array) -> mx.array:
     return out
 
 
+def exp_now(x: mx.array) -> mx.array:
+    """`exp(x)` of a prefill chunk's array, evaluated now (the chunked delta rule's decays)."""
+    if not _eager(x):
+        return exp(x)
+    out = x + 0.0  # [...] a new buffer the result is written into
+    view = _host_buffer(out)
+    if view is None:
+        return exp(x)
+    with np.errstate(over="ignore"):
+        np.exp(view, out=view)
+    return out
+
+
+def silu_now(x: mx.array) -> mx.array:
+    """`silu(x)` of a prefill chunk's array, evaluated now (the GDN's convolution output)."""
+    if not _eager(x):
+        return silu(x)
+    out = -x  # [...] a new buffer: exp(-x), then the result
+    view = _host_buffer(out)
+    if view is None:
+        return silu(x)
+    mx.eval(x)
+    with np.errstate(over="ignore"):
+        np.exp(view, out=view)
+    view += 1.0
+    np.divide(np.asarray(x), view, out=view)
+    return out
+
+
 def silu_mul_now(gate: mx.array, up: mx.array) -> mx.array:
     """`silu(gate) * up` of a prefill chunk's arrays (same shape), evaluated now (the routed experts' SwiGLU)."""
     if not _eager(gate) or gate.shape != up.shape:
