@@ -201,3 +201,37 @@ def test_activations_keep_low_precision_dtypes(ours, theirs, oracle):
     got = ours(x)
     assert got.dtype == mx.bfloat16
     assert mx.array_equal(got, theirs(x))  # bf16 takes MLX's own kernel
+
+
+PREFILL_ACTIVATIONS = [  # ours (numpy's exp on a large array), float64 oracle
+    (act.sigmoid_now, lambda x: 1 / (1 + np.exp(-x))),
+    (act.exp_now, np.exp),
+    (act.silu_now, lambda x: x / (1 + np.exp(-x))),
+    (lambda x: act.silu_mul_now(x, x * 0.5 + 1), lambda x: x / (1 + np.exp(-x)) * (x * 0.5 + 1)),
+]
+
+
+@pytest.mark.parametrize("ours, oracle", PREFILL_ACTIVATIONS)
+def test_prefill_activations_are_as_accurate_and_leave_their_inputs(ours, oracle, monkeypatch):
+    """The prefill forms (numpy's exp, written into a new MLX buffer) are as accurate as MLX's own kernels, read
+    their inputs without writing them, and run in numpy only from EAGER_MIN elements on."""
+    x = mx.concatenate([mx.linspace(-87, 87, 20001), mx.random.normal((19999,)) * 4]).reshape(-1, 8)
+    assert x.size >= act.EAGER_MIN
+    before = np.array(x)
+    want = oracle(before.astype(np.float64))
+    got = np.array(ours(x))
+    assert (np.abs(got - want) / np.maximum(np.abs(want), 1e-30)).max() <= 1e-6
+    np.testing.assert_array_equal(np.array(x), before)
+    exps, exp = [], np.exp
+    monkeypatch.setattr(act.np, "exp", lambda *a, **k: exps.append(1) or exp(*a, **k))
+    ours(x)
+    ours(x[:100])  # small: the lazy power form
+    assert len(exps) == 1
+
+
+def test_prefill_activations_stay_lazy_and_differentiable_in_training():
+    x = mx.random.normal((64, 1024))
+    with attention.differentiable():
+        grad = mx.grad(lambda t: act.sigmoid_now(t).sum())(x)
+    s = 1 / (1 + np.exp(-np.array(x).astype(np.float64)))
+    np.testing.assert_allclose(np.array(grad), s * (1 - s), rtol=1e-5, atol=1e-7)

@@ -267,3 +267,21 @@ def test_selected_attention_equals_masked_sdpa(queries, keys):
     v_dropped = np.array(v)
     v_dropped[..., ~allowed.any(0), :] = 1e6  # keys no query may see change nothing
     assert np.abs(np.array(attend_selected(q, k, mx.array(v_dropped), 0.25, mask)) - ours).max() < 1e-5
+
+
+@pytest.mark.parametrize("k", [1, 5, 16, 31])
+def test_top_blocks_keeps_what_a_stable_sort_keeps(k):
+    """The indexer's block choice by threshold equals the k first of a stable descending sort, ties (repeated
+    scores, relu's zeros, -inf of blocks a query cannot see yet) taken lower index first."""
+    from hetero.models.qwen4_exp.qsa import top_blocks
+
+    rng = np.random.default_rng(k)
+    scores = rng.integers(0, 6, (2, 7, 32)).astype(np.float32)  # many ties
+    scores[0, 0] = 0.0  # a row of zeros only
+    scores[1, 2, 20:] = -np.inf  # fewer finite scores than k for the larger k
+    order = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+    want = np.zeros(scores.shape, bool)
+    np.put_along_axis(want, order, True, axis=-1)
+    got = np.array(top_blocks(mx.array(scores), k))
+    assert got.sum(-1).tolist() == [[k] * 7] * 2
+    np.testing.assert_array_equal(got, want)

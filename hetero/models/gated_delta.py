@@ -27,9 +27,10 @@ def _decay(log_decay: mx.array) -> mx.array:
     """exp(log_decay) for log_decay <= 0, flushed to 0 below TINY (no subnormal results).
 
     Positive inputs (the upper triangle, masked out by the caller) are clipped to 0 so that exp never
-    overflows: inf there would make the masked gradient inf * 0 = NaN in training.
+    overflows: inf there would make the masked gradient inf * 0 = NaN in training. Only the chunked form (more than
+    RECURRENT_MAX_TOKENS tokens, never compiled) calls it: large decays take numpy's exp (`act.exp_now`).
     """
-    return mx.where(log_decay < -41.0, 0.0, act.exp(mx.clip(log_decay, -41.0, 0.0)))
+    return mx.where(log_decay < -41.0, 0.0, act.exp_now(mx.clip(log_decay, -41.0, 0.0)))
 
 
 def _recurrent_step(

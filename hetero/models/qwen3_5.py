@@ -167,7 +167,8 @@ class GatedDeltaNet(nn.Module):
         if prev is None:
             prev = mx.zeros((B, self.kernel - 1, self.conv_dim), dtype=qkv.dtype)
         conv_in = mx.concatenate([prev, qkv], axis=1)  # [B, K-1+S, C]
-        conv_out = act.silu(causal_depthwise_conv(conv_in, self.conv1d.weight))  # [B, S, C]
+        silu = act.silu_now if S >= act.EAGER_MIN_TOKENS else act.silu  # a prefill chunk: numpy's exp
+        conv_out = silu(causal_depthwise_conv(conv_in, self.conv1d.weight))  # [B, S, C]
 
         key_dim = self.nk * self.dk
         q = conv_out[..., :key_dim].reshape(B, S, self.nk, self.dk)

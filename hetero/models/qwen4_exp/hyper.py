@@ -47,9 +47,10 @@ class GatedResidual(nn.Module):
 
     def mix(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """Streams h [B, S, hc*d] -> (block input [B, S, d], normed streams [B, S, hc*d])."""
-        n = self.hc_norm(h)  # [B, S, hc*d]
-        w = act.sigmoid(self.input_mix_weight_up(act.silu(self.input_mix_weight_down(n) / self.hc)))  # [B, S, hc*d]
         B, S, _ = h.shape
+        n = self.hc_norm(h)  # [B, S, hc*d]
+        sigmoid = act.sigmoid_now if S >= act.EAGER_MIN_TOKENS else act.sigmoid  # a prefill chunk: numpy's exp
+        w = sigmoid(self.input_mix_weight_up(act.silu(self.input_mix_weight_down(n) / self.hc)))  # [B, S, hc*d]
         mixed = (w * n).reshape(B, S, self.hc, self.hidden).mean(axis=-2)  # [B, S, d]
         return mixed, n
 

@@ -38,7 +38,9 @@ class GatedDeltaNetQ4(GatedDeltaNet):
         """core [B, S, Hv, Dv] fp32, z [B, S, Hv*Dv] -> out_proj(w * rmsnorm(core) * gate(z)) [B, S, hidden]."""
         B, S = core.shape[:2]
         z = z.reshape(B, S, self.nv, self.dv)
-        out = rms_norm(core, self.norm.weight.astype(mx.float32), self.eps) * self.gate_act(z.astype(mx.float32))
+        gate = self.gate_act(z.astype(mx.float32)) if S < act.EAGER_MIN_TOKENS or self.gate_act is not act.sigmoid \
+            else act.sigmoid_now(z.astype(mx.float32))  # a prefill chunk's sigmoid: numpy's exp
+        out = rms_norm(core, self.norm.weight.astype(mx.float32), self.eps) * gate
         return self.out_proj(out.astype(dtype).reshape(B, S, -1))
 
 

