@@ -254,7 +254,8 @@ def qwen4_part(args: argparse.Namespace) -> dict:
         print(f"qwen4 forced depth {depth} {[round(r, 3) for r in rates]}: {tps:6.2f} tok/s = {tps / plain_tps:4.2f}x",
               flush=True)
 
-    agreeing(model, QWEN4_AGREEING_ALPHA)
+    # a fresh model: the decode above compiled its steps around the original weights (`hetero.models.compiled`)
+    model = agreeing(load_model(checkpoint("qwen4", Path(args.workdir)), dtype=mx.float32)[0], QWEN4_AGREEING_ALPHA)
     settings = ["plain"] + [f"depth {d}" for d in depths]
     samples: dict[str, list[dict]] = {s: [] for s in settings}
     outputs: dict[str, list[list[int]]] = {s: [] for s in settings}

@@ -10,6 +10,11 @@ pipeline's worker threads at exit), that cache's destructor takes the GIL and ML
 compiled in the thread that runs it lives in that thread's `threading.local`, which Python clears while the
 thread still holds the GIL; dropping the function empties its cache entry, and the destructor has nothing
 left to do (0 aborts in 24 runs of the same repro).
+
+The weights are the model's as of each function's first call: `mx.compile` keeps the arrays a function closes over
+(a layer's parameters) as constants of its trace. A loaded model's weights never change, so nothing in hetero
+meets it; code that edits a model's weights (tests, benches building a draft head that agrees) must do so before
+the model's first decode step, or on a freshly loaded model.
 """
 
 from __future__ import annotations
