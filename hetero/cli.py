@@ -218,7 +218,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     args.recommend = args.recommend or args.ane_fraction.auto  # the fraction `--ane-fraction auto` starts from
     if args.pieces is not None:
         if args.recommend:
-            raise HeteroError(f"--pieces with {flag}: {flag} chooses the piece kinds itself; pass --pieces with a fraction in [0, 1], or {flag} alone")
+            raise HeteroError(f"--pieces with {flag}: {flag} chooses the piece kinds itself; pass --pieces with a "
+                              f"fraction in [0, 1], or {flag} alone")
         kw["offload"] = parse_pieces(args.pieces)
     if args.recommend:
         fraction, plan = recommend(config, profile, context, args.chunk, **kw)
