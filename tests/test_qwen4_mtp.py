@@ -146,8 +146,14 @@ def test_compiled_draft_steps_equal_the_uncompiled_head(ckpt, monkeypatch):
     model, tokens = load(ckpt), _tokens(PROMPT + 1, 3)
     taken = []
     takes = step.LayerSteps.takes
-    monkeypatch.setattr(step.LayerSteps, "takes", lambda self, h, cache: (
-        taken.append(takes(self, h, cache)) or taken[-1]) if self.layer is model.mtp.layers[0] else takes(self, h, cache))
+
+    def head_takes(self, h, cache) -> bool:  # records the head layer's choices
+        took = takes(self, h, cache)
+        if self.layer is model.mtp.layers[0]:
+            taken.append(took)
+        return took
+
+    monkeypatch.setattr(step.LayerSteps, "takes", head_takes)
     compiled = _draft_chain(model, tokens, 4)
     assert taken == [False, True] + [True] * 4  # the cold pass uncompiled; the catch-up and every draft step compiled
     for fn in (model.mtp._step_inputs, model._step_draft_logits):
