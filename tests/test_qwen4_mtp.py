@@ -121,6 +121,50 @@ def test_mtp_head_matches_float64_oracle(ckpt, rejecting):
     assert rel(z2[0], chain_logits[-1:]) <= TOL
 
 
+def _draft_chain(model, tokens: list[int], depth: int) -> list[np.ndarray]:
+    """The head over the pairs of `tokens` (a cold pass, then a catch-up over the last 3 pairs over its cache), then
+    `depth` greedy draft steps fed its own streams: each pass's draft logits and streams, and its caches' arrays."""
+    cache = model.make_cache()
+    _, streams = model(mx.array([tokens[:-1]]), cache)  # [1, S, hc*d]
+    n = len(tokens) - 1
+    model.mtp_hidden(mx.array([tokens[1 : n - 2]]), streams[:, : n - 3], cache.mtp)
+    z = model.mtp_hidden(mx.array([tokens[n - 2 :]]), streams[:, n - 3 :], cache.mtp)[:, -1:]  # [1, 1, hc*d]
+    out = [np.array(z)]
+    for _ in range(depth):
+        logits = model.draft_logits(z)  # [1, 1, V]
+        z = model.mtp_hidden(mx.argmax(logits[:, -1], axis=-1)[:, None], z, cache.mtp)
+        out += [np.array(logits), np.array(z)]
+    return out + [np.array(a) for c in cache.mtp for a in c.state]
+
+
+def test_compiled_draft_steps_equal_the_uncompiled_head(ckpt, monkeypatch):
+    """The head's catch-up and draft steps run compiled (its inputs, its layer's `LayerSteps`, its mixer and lm_head)
+    and give the uncompiled head's draft logits, streams and caches, over a prompt where its QSA drops keys."""
+    from hetero.models.compiled import PerThread
+    from hetero.models.qwen4_exp import step
+
+    model, tokens = load(ckpt), _tokens(PROMPT + 1, 3)
+    taken = []
+    takes = step.LayerSteps.takes
+
+    def head_takes(self, h, cache) -> bool:  # records the head layer's choices
+        took = takes(self, h, cache)
+        if self.layer is model.mtp.layers[0]:
+            taken.append(took)
+        return took
+
+    monkeypatch.setattr(step.LayerSteps, "takes", head_takes)
+    compiled = _draft_chain(model, tokens, 4)
+    assert taken == [False, True] + [True] * 4  # the cold pass uncompiled; the catch-up and every draft step compiled
+    for fn in (model.mtp._step_inputs, model._step_draft_logits):
+        assert getattr(fn._local, "compiled", None) is not None
+    monkeypatch.setattr(step.LayerSteps, "takes", lambda self, h, cache: False)
+    monkeypatch.setattr(PerThread, "__call__", lambda self, *args: self._fn(*args))
+    plain = _draft_chain(model, tokens, 4)
+    for a, b in zip(compiled, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_backbone_streams_are_transformers_last_layer_output(tmp_path):
     """What the head reads, h_p: the last decoder layer's hc streams before the final mixer, as transformers computes
     them (captured from its last Qwen4ExpTextDecoderLayer), over a prompt where QSA drops keys."""

@@ -89,6 +89,53 @@ def test_picked_keys_equal_the_selection_mask_through_a_rollback(model):
     check()
 
 
+def _selected_rows(indexer, q: mx.array, keys: mx.array) -> list[set[int]]:
+    """The positions `select`'s mask lets each of the newest L queries (positions T-L..T-1) attend to."""
+    T, L = keys.shape[1], q.shape[1]
+    return [set(np.flatnonzero(row).tolist()) for row in np.array(indexer.select(q, keys, T - L)[0])]
+
+
+def test_each_querys_picked_keys_equal_its_selection_mask_row(model):
+    """A verify pass's queries each pick exactly the keys of its row of `select`'s mask (no key twice), over a long
+    context, through a rollback, and where the earlier queries see fewer complete blocks than the budget."""
+    indexer = next(l.self_attn.indexer for l in model.layers if not l.is_linear)
+    rng = np.random.default_rng(4)
+    cache = QSACache()
+
+    def write(n: int) -> None:
+        kv = mx.zeros((1, 2, n, 16))
+        cache.update_and_fetch(kv, kv)
+        cache.update_index(mx.array(rng.standard_normal((1, n, indexer.dim)).astype(np.float32)))
+
+    def check(L: int) -> None:
+        q = mx.array(rng.standard_normal((1, L, indexer.heads, indexer.dim)).astype(np.float32))
+        picked, kept = (np.array(a[0]) for a in indexer.pick_rows(q, cache.index_keys, cache))
+        for row, keep, want in zip(picked, kept, _selected_rows(indexer, q, cache.index_keys), strict=True):
+            assert sorted(row[keep].tolist()) == sorted(want)
+
+    short = (indexer.blocks + 1) * indexer.ratio  # one block over the budget: the first queries see fewer
+    write(short)
+    check(2 * indexer.ratio)
+    write(PROMPT - short)
+    for L in (2, 5):  # verify passes, the drafts then rolled back
+        write(L)
+        check(L)
+        cache.trim_to(cache.offset - L + 1)
+    write(7)
+    check(7)
+
+
+def test_a_verify_pass_over_picked_keys_equals_the_whole_prompts_pass(model):
+    """Logits of a few tokens over a warm cache where QSA drops keys (each query its picked keys) equal those of one
+    uncached pass over the whole sequence (`select`'s mask)."""
+    tokens = _prompt(5)
+    whole, _ = model(mx.array([tokens]))
+    cache = model.make_cache()
+    model(mx.array([tokens[:-5]]), cache)
+    verify, _ = model(mx.array([tokens[-5:]]), cache)
+    np.testing.assert_allclose(np.array(verify[0]), np.array(whole[0, -5:]), rtol=1e-5, atol=1e-5)
+
+
 def test_a_short_context_picks_every_key(model):
     indexer = next(l.self_attn.indexer for l in model.layers if not l.is_linear)
     cache = QSACache()

@@ -154,16 +154,23 @@ class MTPHead(nn.Module):
         # 0.7.10 (which reads it) builds one layer and takes that field as the draft depth instead.
         self.layers = [DecoderLayer(layer_args, 0)]
         self.hyper_connection_mixer = GatedResidual(d, hc, args.hc_lowrank, args.rms_norm_eps, final=True)
+        # a draft step and a catch-up over a round's accepted pairs: compiled as the backbone's steps are (`step.py`;
+        # the layer's own step is its `LayerSteps`)
+        self._step_inputs = PerThread(self._inputs)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
         """embeds [B, S, d] (of t_{p+1}), hidden [B, S, hc*d] (h_p) at positions cache.offset.. -> streams [B, S, hc*d]."""
-        B, S, _ = hidden.shape
-        e = self.fc_embedding(self.pre_fc_norm_embedding(embeds))  # [B, S, d]
-        h = self.pre_fc_norm_hidden(hidden).reshape(B, S, self.hc, self.hidden)  # [B, S, hc, d]
-        z = (self.fc_hidden(h) + e[:, :, None, :]).reshape(B, S, -1)  # [B, S, hc*d]
+        z = (self._step_inputs if hidden.shape[1] <= RECURRENT_MAX_TOKENS else self._inputs)(embeds, hidden)
         for i, layer in enumerate(self.layers):
             z = layer(z, None, cache[i] if cache is not None else None)
         return z
+
+    def _inputs(self, embeds: mx.array, hidden: mx.array) -> mx.array:
+        """embeds [B, S, d], hidden [B, S, hc*d] -> the layer's input streams [B, S, hc*d]."""
+        B, S, _ = hidden.shape
+        e = self.fc_embedding(self.pre_fc_norm_embedding(embeds))  # [B, S, d]
+        h = self.pre_fc_norm_hidden(hidden).reshape(B, S, self.hc, self.hidden)  # [B, S, hc, d]
+        return (self.fc_hidden(h) + e[:, :, None, :]).reshape(B, S, -1)  # [B, S, hc*d]
 
 
 class Model(nn.Module):
@@ -177,6 +184,7 @@ class Model(nn.Module):
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp = MTPHead(args) if with_mtp else None
         self._step_logits = PerThread(self._logits)  # a few positions (decode, verify): compiled, see `step.py`
+        self._step_draft_logits = PerThread(self._draft_logits)  # the same for the MTP head's drafts
 
     @property
     def has_mtp(self) -> bool:
@@ -224,6 +232,9 @@ class Model(nn.Module):
 
     def draft_logits(self, z: mx.array) -> mx.array:
         """The MTP head's streams [B, S, hc*d] -> draft logits [B, S, vocab], through the head's own mixer."""
+        return (self._step_draft_logits if z.shape[1] <= RECURRENT_MAX_TOKENS else self._draft_logits)(z)
+
+    def _draft_logits(self, z: mx.array) -> mx.array:
         return self.head(self.mtp.hyper_connection_mixer(z))
 
     def make_cache(self) -> ModelCache:

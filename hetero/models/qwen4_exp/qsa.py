@@ -21,7 +21,7 @@ import numpy as np
 from hetero.cache import KVCache, RaggedKV
 from hetero.models import attention
 from hetero.models.linear import Linear
-from hetero.models.qwen3_5 import Attention, RMSNorm
+from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Attention, RMSNorm
 from hetero.models.qwen4_exp.args import Qwen4Args
 
 
@@ -157,12 +157,7 @@ class Indexer(nn.Module):
         n_blocks = T // self.ratio
         if n_blocks <= self.blocks:  # every complete block is chosen: the whole causal prefix
             return None
-        block_keys = cache.index_blocks(self.ratio)  # [B, m, Di] or None
-        m = 0 if block_keys is None else block_keys.shape[1]
-        if m < n_blocks:
-            new = self.pool(keys, m, n_blocks)  # [B, NB-m, Di]
-            block_keys = new if block_keys is None else mx.concatenate([block_keys, new], axis=1)
-            cache.keep_index_blocks(block_keys)
+        block_keys = self.kept_blocks(keys, cache)  # [B, NB, Di]
         q = rope_at(q, mx.array([T - 1]), self.rotary_dims, self.base).astype(mx.float32)  # [B, 1, Hi, Di]
         scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, 1, Hi, NB]
         scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, 1, NB]: every block is complete for this query
@@ -170,6 +165,46 @@ class Indexer(nn.Module):
         tokens = (top[..., None] * self.ratio + mx.arange(self.ratio, dtype=mx.int32)).reshape(B, -1)  # [B, k*c]
         tail = mx.arange(n_blocks * self.ratio, T, dtype=mx.int32)  # the incomplete block's tokens
         return mx.concatenate([tokens, mx.broadcast_to(tail, (B, tail.size))], axis=1)  # [B, N]
+
+
+    def pick_rows(self, q: mx.array, keys: mx.array, cache: QSACache) -> tuple[mx.array, mx.array] | None:
+        """`pick` for L queries at the newest positions T-L..T-1 (a verify pass, the MTP head's catch-up): normed
+        queries [B, L, Hi, Di] and all raw keys [B, T, Di] -> (positions [B, L, N], kept [B, L, N] bool), N = k*c +
+        c-1: each query's k best complete blocks' tokens, then its own tail, the places it does not fill (fewer
+        complete blocks than k, a shorter tail) not kept; or None when every query sees every key. The keys each
+        query keeps are those of `select`'s mask row."""
+        B, L = q.shape[:2]
+        T = keys.shape[1]
+        n_blocks = T // self.ratio
+        if n_blocks <= self.blocks:  # every query's complete blocks are all chosen: the whole causal prefix
+            return None
+        block_keys = self.kept_blocks(keys, cache)  # [B, NB, Di]
+        pos = mx.arange(T - L, T)  # [L]
+        q = rope_at(q, pos, self.rotary_dims, self.base).astype(mx.float32)  # [B, L, Hi, Di]
+        scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, L, Hi, NB]
+        scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, L, NB]
+        complete = ((pos + 1) // self.ratio).astype(mx.int32)  # [L] complete blocks each query sees
+        scores = mx.where(mx.arange(n_blocks)[None, :] < complete[:, None], scores, -mx.inf)
+        top = mx.argsort(-scores, axis=-1)[..., : self.blocks].astype(mx.int32)  # [B, L, k] as `pick` orders them
+        c = mx.arange(self.ratio, dtype=mx.int32)
+        tokens = (top[..., None] * self.ratio + c).reshape(B, L, -1)  # [B, L, k*c]
+        in_blocks = mx.repeat(top < complete[:, None], self.ratio, axis=-1)  # [B, L, k*c] a complete block's
+        tail = complete[:, None] * self.ratio + c[: self.ratio - 1]  # [L, c-1] the incomplete block's tokens
+        picked = mx.concatenate([tokens, mx.broadcast_to(tail, (B, L, self.ratio - 1))], axis=-1)  # [B, L, N]
+        kept = mx.concatenate([in_blocks, mx.broadcast_to(tail <= pos[:, None], (B, L, self.ratio - 1))], axis=-1)
+        return mx.where(kept, picked, 0), kept
+
+    def kept_blocks(self, keys: mx.array, cache: QSACache) -> mx.array:
+        """The block keys [B, NB, Di] of the raw keys [B, T, Di] (NB = T // c), those kept in `cache` reused and
+        the new ones pooled and kept (`QSACache.keep_index_blocks`)."""
+        n_blocks = keys.shape[1] // self.ratio
+        block_keys = cache.index_blocks(self.ratio)  # [B, m, Di] or None
+        m = 0 if block_keys is None else block_keys.shape[1]
+        if m < n_blocks:
+            new = self.pool(keys, m, n_blocks)  # [B, NB-m, Di]
+            block_keys = new if block_keys is None else mx.concatenate([block_keys, new], axis=1)
+            cache.keep_index_blocks(block_keys)
+        return block_keys
 
 
 def top_blocks(scores: mx.array, k: int) -> mx.array:
@@ -241,7 +276,13 @@ class QSAAttention(Attention):
             if S == 1 and cache is not None:  # a decode step: attend to the picked keys alone, no mask
                 return attend_picked(queries, keys, values, self.head_dim**-0.5,
                                      self.indexer.pick(q_index, all_keys, cache))
-            mask = self.indexer.select(q_index, all_keys, offset)[:, None]  # [B, 1, S, T]
+            if cache is not None and S <= RECURRENT_MAX_TOKENS:  # verify, catch-up: each query its picked keys
+                picked = self.indexer.pick_rows(q_index, all_keys, cache)
+                if picked is not None:
+                    return attend_picked_rows(queries, keys, values, self.head_dim**-0.5, *picked)
+                mask = mx.arange(T)[None, :] <= mx.arange(offset, offset + S)[:, None]  # [S, T]: what `select` keeps
+            else:
+                mask = self.indexer.select(q_index, all_keys, offset)[:, None]  # [B, 1, S, T]
         return attend_selected(queries, keys, values, self.head_dim**-0.5, mask)
 
 
@@ -255,6 +296,24 @@ def attend_picked(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         at = mx.broadcast_to(picked[:, None, :, None], (B, Hkv, picked.shape[1], 1))  # [B, Hkv, N, 1]
         keys, values = mx.take_along_axis(keys, at, axis=2), mx.take_along_axis(values, at, axis=2)  # [B, Hkv, N, D]
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+
+def attend_picked_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: float, picked: mx.array,
+                       kept: mx.array) -> mx.array:
+    """Queries [B, H, L, D], each over the keys/values [B, Hkv, T, D] at its own `picked` [B, L, N] where `kept`
+    [B, L, N] -> [B, H, L, D]: `attend_picked` per query, one attention over B*L rows of one query each."""
+    B, Hkv, _, D = keys.shape
+    H, L, N = queries.shape[1], queries.shape[2], picked.shape[-1]
+    at = mx.broadcast_to(picked.reshape(B, 1, L * N, 1), (B, Hkv, L * N, 1))
+
+    def rows(x: mx.array) -> mx.array:  # [B, Hkv, T, D] -> each query's own [B*L, Hkv, N, D]
+        x = mx.take_along_axis(x, at, axis=2).reshape(B, Hkv, L, N, D)
+        return x.transpose(0, 2, 1, 3, 4).reshape(B * L, Hkv, N, D)
+
+    q = queries.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+    out = mx.fast.scaled_dot_product_attention(q, rows(keys), rows(values), scale=scale,
+                                               mask=kept.reshape(B * L, 1, 1, N))  # [B*L, H, 1, D]
+    return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
 def attend_selected(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
