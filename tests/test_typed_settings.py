@@ -124,13 +124,20 @@ def test_library_prefill_refuses_a_bad_fraction_before_it_runs(tiny):
     (["convert", "--coreml", "--out", "x", "--ane-fraction", "0"], "hetero convert --coreml needs --ane-fraction F"),
     (["convert", "--coreml", "--out", "x", "--ane-fraction", "auto"], "hetero convert --coreml needs a given"),
     (["convert", "--coreml", "--out", "x"], "hetero convert --coreml needs --ane-fraction F with 0 < F <= 1"),
-    (["plan", "--ane-fraction", "auto"], "pass --recommend"),
     (["prefill", "--prompt-file", "p.txt", "--out", "c.safetensors", "--ane-fraction", "0", "--verify"],
      "--verify needs --ane-fraction F"),
     (["run", "--prompt", "x", "--ane-fraction", "0", "--trace", "t.json"], "--trace needs --ane-fraction F"),
 ])
 def test_commands_that_need_a_given_split_say_so_in_one_line(capsys, argv, needle):
     assert needle in one_line(*cli(capsys, *argv))
+
+
+def test_plan_takes_auto_as_the_recommended_plan(capsys):
+    """`hetero plan --ane-fraction auto` plans the fraction `--recommend` picks (it used to be refused)."""
+    assert main(["plan", "--ane-fraction", "auto", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--recommend", "--json"]) == 0
+    assert auto == json.loads(capsys.readouterr().out) and auto["requested_fraction"] > 0
 
 
 def test_plan_takes_0_as_a_gpu_only_plan(capsys):
