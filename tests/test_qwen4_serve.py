@@ -104,3 +104,31 @@ def test_responses_reasoning_streamed_and_not(oai, model, server):
     assert events[-1].type == f"response.{response.status}" and done.status == response.status
     assert done.output[0].content[0].text == response.output[0].content[0].text
     assert done.output_text == response.output_text
+
+
+def test_an_in_process_server_in_a_background_thread_exits_cleanly(tmp_path):
+    """uvicorn run in a daemon thread (as a library user or a test embeds the server) makes the runner's workers
+    daemon threads too. Left alive until interpreter exit (a pytest fixture's server, freed at exit), a worker that
+    ran the compiled qwen4 steps dropped MLX's per-thread compile cache without the GIL and the process aborted
+    ("terminate called without an active exception", status 134) after every test had passed. The server's lifespan
+    now ends its workers when it stops (`Runner.close`). Run as its own pytest session, which is where it struck."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt"
+    qc.build(path, ple_layer_ids=(1, 2), seed=0, mtp=True)
+    qc.add_tokenizer(path)
+    module = tmp_path / "test_embedded_server.py"
+    module.write_text(
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import pytest\nimport hetero\nfrom test_server import LiveServer\n\n\n"
+        "@pytest.fixture(scope='module')\ndef live():\n"
+        f"    server = LiveServer(hetero.load({str(path)!r}), max_batch=1, draft_depth=3)\n"
+        "    yield server\n    server.stop()\n\n\n"
+        "def test_two_requests(live):\n    client = live.openai()\n    for _ in range(2):\n"
+        "        client.completions.create(model=client.models.list().data[0].id, prompt='def add(a, b):',\n"
+        "                                  max_tokens=6, temperature=0)\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -11,6 +12,7 @@ import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -215,7 +217,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
                 return openai.ChatOutput.error(e)
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    app = Starlette(routes=[
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        await anyio.to_thread.run_sync(runner.close)  # the server stopped: its worker threads end now
+
+    app = Starlette(lifespan=lifespan, routes=[
         Route("/v1/chat/completions", endpoint(state, openai.parse_chat, openai.ChatOutput), methods=["POST"]),
         Route("/v1/completions", endpoint(state, openai.parse_completion, openai.CompletionOutput), methods=["POST"]),
         Route("/v1/messages", endpoint(state, anthropic.parse_messages, anthropic.MessagesOutput), methods=["POST"]),

@@ -138,6 +138,16 @@ class Runner:
         or prefill chunk (their turn's checkpoint is still written) and fail with `shutting_down()`."""
         self.stopping.set()
 
+    def close(self) -> None:
+        """The server has stopped: end the worker threads (and the batch loop's) now, while the interpreter is
+        whole. A worker that ran compiled steps drops MLX's per-thread compile cache as it ends, which needs the
+        GIL; left to end at interpreter exit (daemon workers, as when uvicorn runs in a background thread), that
+        aborts the process (`hetero.models.compiled`)."""
+        self.stop()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.loop is not None:
+            self.loop.close()
+
     def refuse_if_stopping(self) -> None:
         """Raise the shutting-down error once the server's stop has begun (long work checks it between steps)."""
         if self.stopping.is_set():
