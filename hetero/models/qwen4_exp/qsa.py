@@ -166,7 +166,6 @@ class Indexer(nn.Module):
         tail = mx.arange(n_blocks * self.ratio, T, dtype=mx.int32)  # the incomplete block's tokens
         return mx.concatenate([tokens, mx.broadcast_to(tail, (B, tail.size))], axis=1)  # [B, N]
 
-
     def pick_rows(self, q: mx.array, keys: mx.array, cache: QSACache) -> tuple[mx.array, mx.array] | None:
         """`pick` for L queries at the newest positions T-L..T-1 (a verify pass, the MTP head's catch-up): normed
         queries [B, L, Hi, Di] and all raw keys [B, T, Di] -> (positions [B, L, N], kept [B, L, N] bool), N = k*c +
