@@ -205,16 +205,22 @@ def attention_part(args: argparse.Namespace) -> dict:
     return out
 
 
+def large_weights() -> list[mx.array]:
+    """The large model's weight matrices [out, in], random fp32 (what a CPU decode step multiplies by): every
+    layer's, and the tied lm_head last."""
+    model = Model(ModelArgs.from_config(LARGE), with_mtp=False)
+    weights = [w for name, w in tree_flatten(model.parameters()) if w.ndim == 2 and "embed" not in name]
+    weights.append(model.model.embed_tokens.weight)  # the tied lm_head
+    mx.eval(weights)
+    return weights
+
+
 def linear_part(args: argparse.Namespace) -> dict:
     """Every weight shape of the large model times n rows both ways (hetero.models.linear's choice): x @ W.T, what
     MLX does, against (W @ x.T).T; the products of one decode step, each layer's matrices once."""
     from hetero.models import linear
 
-    args_large = ModelArgs.from_config(LARGE)
-    model = Model(args_large, with_mtp=False)
-    weights = [w for name, w in tree_flatten(model.parameters()) if w.ndim == 2 and "embed" not in name]
-    weights.append(model.model.embed_tokens.weight)  # the tied lm_head
-    mx.eval(weights)
+    weights = large_weights()
     out = {}
     for n in args.batch_sizes + [3, 5, 6]:
         x = {w.shape[1]: mx.random.normal((n, w.shape[1])) for w in weights}
