@@ -3,6 +3,7 @@ rows, through each path a batched decode step could take, on 1 and 2 cores.
 
     python bench/row_kernels.py                      # JSON under bench/results/row_kernels.json
     python bench/row_kernels.py --rounds 1 --calls 1 --threads 1   # a smoke run
+    python bench/row_kernels.py --part step          # only the whole step's bound
 
 A batched round of 4 requests multiplies 4 rows by each weight. Memory-bound, that should cost little more than one
 row: the weights stream once either way. MLX's CPU backend hands it to sgemm, where MKL's 4-row kernel costs about
@@ -30,6 +31,10 @@ workers of one BLAS (Intel OpenMP waits 200 ms) do not steal a core from the nex
 count: median ms of a pass for each row count, its ratio to the same path's one row, and to MLX's one row at that
 thread count (what a decode step pays now for one request); the row counts alternate call by call and each ratio
 is the median over rounds of that round's ratio. The machine is shared: figures are indicative.
+
+--part step (in `all` too) times the batch stepper's rounds on the large checkpoint with 1 and 4 rows, and in the
+same process the products in the step's own form and through the C kernel: the step with the kernel in place of
+the products (step - products + kernel) is the custom-kernel design's bound for 4 concurrent requests.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,6 +58,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.batched import large_weights  # noqa: E402
+from hetero.measure import median_seconds  # noqa: E402
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX, A_MATRIX = 101, 111, 112, 151, 162, 161  # cblas / mkl_cblas.h
 C_SOURCE = Path(__file__).with_name("row_kernel.c")
@@ -235,6 +242,60 @@ def summary(times: dict) -> dict:
     return result
 
 
+def step_part(paths: Paths, args: argparse.Namespace) -> dict:
+    """The whole decode step against its products: the batch stepper (hetero.decode.stepper.Batch) over 1 and 4
+    greedy rows of the large checkpoint, its rounds timed, and in the same process the same weights' products in
+    the step's own form (hetero.models.linear.project) and through the C kernel, 1 and 4 rows, alternated. The
+    step with the C kernel in place of the products is the custom-kernel design's bound: step - products + kernel.
+    """
+    from bench.checkpoints import checkpoint
+    from hetero.decode.stepper import Batch
+    from hetero.engine import load
+    from hetero.models.linear import project
+    from hetero.sampling import Sampler, SamplingParams
+
+    engine = load(str(checkpoint("large", Path(args.workdir))), dtype=mx.float32)
+    prompts = [list(range(10 + 7 * i, 138 + 7 * i)) for i in range(4)]
+
+    def rounds(n: int) -> float:
+        """Median seconds of a steady round (the first two left out: they compile and fill the queue)."""
+        batch = Batch(engine.model, max_batch=n)
+        for p in prompts[:n]:
+            batch.join(p, Sampler(SamplingParams()), args.step_tokens, set(), 0)
+        times, t = [], time.perf_counter()
+        while batch.rows:
+            batch.step()
+            times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+        return statistics.median(times[2:])
+
+    def products(n: int):
+        xs = [mx.random.normal((n, w.shape[1])) for w in paths.mx_w]
+        mx.eval(xs)
+        return lambda: evaluated([project(x, w) for x, w in zip(xs, paths.mx_w)])
+
+    kernel = {n: paths.build("c_kernel", n, 2) for n in (1, 4)}
+    mlx = {n: products(n) for n in (1, 4)}
+    times: dict = {}
+    for _ in range(args.rounds):
+        for n in (1, 4):
+            paths.set_threads("mlx_plain", 2)
+            times.setdefault(("step", n), []).append(rounds(n))
+            times.setdefault(("products", n), []).append(median_seconds(mlx[n], args.calls))
+            time.sleep(0.3)  # Intel OpenMP's spinning workers sleep before the kernel's threads run
+            times.setdefault(("c_kernel", n), []).append(median_seconds(kernel[n], args.calls))
+    ms = {f"{what}_{n}_ms": statistics.median(ts) * 1e3 for (what, n), ts in times.items()}
+    for n in (1, 4):
+        ms[f"design_step_{n}_ms"] = ms[f"step_{n}_ms"] - ms[f"products_{n}_ms"] + ms[f"c_kernel_{n}_ms"]
+    out = {**ms,
+           "step_4_vs_1": ms["step_4_ms"] / ms["step_1_ms"],
+           "aggregate_4_vs_1_now": 4 * ms["step_1_ms"] / ms["step_4_ms"],
+           "design_aggregate_4_vs_1": 4 * ms["design_step_1_ms"] / ms["design_step_4_ms"],
+           "design_aggregate_4_vs_one_row_now": 4 * ms["step_1_ms"] / ms["design_step_4_ms"]}
+    print("step: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=PATHS)
@@ -242,6 +303,10 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3, help="rounds over every path, alternated")
     ap.add_argument("--calls", type=int, default=3, help="timed passes per path, row count and round")
+    ap.add_argument("--part", choices=["products", "step", "all"], default="all",
+                    help="products: every path's pass over the weights; step: the whole decode step's bound")
+    ap.add_argument("--step-tokens", type=int, default=24, help="tokens each row decodes in the step part")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
     ap.add_argument("--out", default="bench/results/row_kernels.json")
     args = ap.parse_args()
     if 1 not in args.rows:
@@ -255,7 +320,7 @@ def main() -> None:
         if wrong:
             sys.exit(f"FAILED: paths that compute something else: {wrong}")
         times: dict = {}  # (threads, path, rows) -> [per-round lists of seconds]
-        for _ in range(args.rounds):
+        for _ in range(args.rounds if args.part != "step" else 0):
             for threads in args.threads:
                 for name in args.paths:
                     paths.set_threads(name, threads)
@@ -272,7 +337,9 @@ def main() -> None:
                     paths.packed.clear()
                     for rows, ts in block.items():
                         times.setdefault((threads, name, rows), []).append(ts)
-    result = summary(times)
+        result = summary(times)
+        if args.part != "products":
+            result["step"] = step_part(paths, args)
     gb = sum(w.nbytes for w in paths.np_w) / 1e9
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
