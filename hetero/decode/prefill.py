@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from hetero.cache import KVCache, ModelCache, cache_arrays, expect_positions
+from hetero.decode import wavefront
 from hetero.image_prompt import ImagePrompt
 from hetero.models.qwen3_5 import Model
 
@@ -62,6 +63,10 @@ def prefill(
     `marks` (absolute positions) end a chunk too: the chunk holding a mark is cut in two there, so `on_chunk`
     sees the state exactly at it (a chat transcript's end, before its generation prompt).
 
+    On the CPU with two cores or more, two chunks or more and neither `on_chunk` nor `marks` nor `images`, the chunks
+    run as a two-lane wavefront (`hetero.decode.wavefront`): the same ops per chunk, the same result up to the
+    BLAS's summation order.
+
     `images` (the prompt's `ImagePrompt`, its images encoded from the cache's offset on) puts the images'
     embeddings in place of their tokens and runs every chunk at its 3-D rotary positions; the attention caches
     then hold the prompt's position shift, so decoding continues at the positions after it.
@@ -72,6 +77,26 @@ def prefill(
     offset = cache[0].offset if cache else 0
     expect_positions(cache, offset + len(tokens))
     edges = chunk_edges(offset, len(tokens), chunk, marks)
+    if images is None and on_chunk is None and not marks and wavefront.applies(model, edges):
+        held = [carry]  # the MTP head's carry, handed from chunk to chunk in chunk order
+
+        def after(k: int, h: mx.array, out: list) -> None:  # chunk k's backbone output h [1, S, hidden]
+            start, stop = edges[k], edges[k + 1]
+            if mtp:
+                held[0] = mtp_pairs(model, mx.array(tokens[start:stop])[None], h, held[0], cache)
+                out += [held[0], *cache_arrays(cache.mtp)]
+            if all_logits:
+                logits.append(model.logits(h)[0])
+                hidden.append(h[0])
+            elif stop >= len(tokens):
+                logits.append(model.logits(h[:, -1:])[0])
+                hidden.append(h[0, -1:])
+            out += logits[-1:] + hidden[-1:]
+            if progress is not None:
+                progress(stop, len(tokens))
+
+        wavefront.run(model, tokens, cache, edges, after)
+        return mx.concatenate(logits), mx.concatenate(hidden)
     if images is not None:
         for c in cache:
             if isinstance(c, KVCache):

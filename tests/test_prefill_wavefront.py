@@ -1,0 +1,152 @@
+"""The CPU prefill wavefront (hetero.decode.wavefront): two chunks in flight on two threads, one layer apart, give
+the sequential prefill's logits, hiddens and caches (backbone and MTP head), on a tiny qwen4_exp checkpoint (PLE,
+QSA dropping keys, numpy attention inside a chunk) and on a tiny qwen3_5 one."""
+
+from __future__ import annotations
+
+import threading
+
+import hetero  # before mlx: the fast BLAS
+import mlx.core as mx
+import numpy as np
+import pytest
+import qwen4_checkpoint as qc
+from tiny_checkpoint import write_tiny_model
+
+from hetero.cache import cache_arrays
+from hetero.decode import wavefront
+from hetero.decode.prefill import chunk_edges, prefill
+from hetero.loader import load_model
+
+CHUNK = 40  # >= attention.MIN_QUERIES: a chunk's attention runs its numpy softmax (a host sync inside the layer)
+
+
+@pytest.fixture(scope="module")
+def qwen4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q4wave")
+    qc.build(path, ple_layer_ids=(1, 2), seed=3, mtp=True)
+    return load_model(path)[0]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return load_model(write_tiny_model(tmp_path_factory.mktemp("q35wave")))[0]
+
+
+def _tokens(n: int, vocab: int, eos: int, seed: int) -> list[int]:
+    toks = [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
+    toks[n // 3] = eos  # the PLE n-gram context restarts there
+    return toks
+
+
+def _lanes(model, monkeypatch) -> dict[int, set[str]]:
+    """Record which thread ran each chunk's layers (chunk = the cache's offset at layer 0 // CHUNK)."""
+    seen: dict[int, set[str]] = {}
+    backbone = model.model
+    inner = type(backbone).run_layer
+
+    def run_layer(self, i, h, ctx, cache):
+        if i == 0:
+            seen.setdefault(cache.offset // CHUNK, set()).add(threading.current_thread().name)
+        return inner(self, i, h, ctx, cache)
+
+    monkeypatch.setattr(type(backbone), "run_layer", run_layer)
+    return seen
+
+
+def _both(model, tokens, monkeypatch, **kw):
+    """(sequential, wavefront) prefill results: (logits, hidden, every cache array as numpy)."""
+    out = []
+    for on in ("0", "1"):
+        monkeypatch.setenv(wavefront.ENV, on)
+        cache = model.make_cache()
+        logits, hidden = prefill(model, tokens, cache, CHUNK, **kw)
+        out.append((np.array(logits), np.array(hidden), [np.array(a) for a in cache_arrays(cache)]))
+    return out
+
+
+def _same(a, b) -> None:
+    (la, ha, ca), (lb, hb, cb) = a, b
+    assert la.shape == lb.shape and ha.shape == hb.shape and len(ca) == len(cb)
+    np.testing.assert_allclose(lb, la, rtol=0, atol=1e-5 * np.abs(la).max())
+    np.testing.assert_allclose(hb, ha, rtol=0, atol=1e-5 * np.abs(ha).max())
+    assert (la.argmax(-1) == lb.argmax(-1)).all()
+    for x, y in zip(ca, cb):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(y, x, rtol=0, atol=1e-5 * max(np.abs(x).max(), 1e-6))
+
+
+def test_qwen4_wavefront_equals_sequential_prefill(qwen4, monkeypatch):
+    """Five full chunks and a short tail (compiled steps, on the calling thread), the MTP head's pairs filled: every
+    position's logits and hidden and every cache array as the sequential run's; both lanes really ran chunks."""
+    assert wavefront.enabled(), "the wavefront needs a CPU device and 2+ cores"
+    tokens = _tokens(5 * CHUNK + 5, qc.VOCAB, qc.EOS, 0)
+    seen = _lanes(qwen4, monkeypatch)
+    seq, wave = _both(qwen4, tokens, monkeypatch, all_logits=True, mtp=True)
+    _same(seq, wave)
+    lanes = set().union(*seen.values())
+    assert "hetero-prefill-lane" in lanes and threading.current_thread().name in lanes
+    assert seen[1] >= {"hetero-prefill-lane"} and seen[5] >= {threading.current_thread().name}
+
+
+def test_qwen4_wavefront_last_logits_and_greedy_continuation(qwen4, monkeypatch):
+    """The default prefill (last position only), then greedy decode steps over each cache: the same tokens."""
+    tokens = _tokens(3 * CHUNK, qc.VOCAB, qc.EOS, 1)
+    runs = []
+    for on in ("0", "1"):
+        monkeypatch.setenv(wavefront.ENV, on)
+        cache = qwen4.make_cache()
+        logits, _ = prefill(qwen4, tokens, cache, CHUNK)
+        out = [int(mx.argmax(logits[-1]))]
+        for _ in range(8):
+            step, _ = qwen4(mx.array([[out[-1]]]), cache)
+            out.append(int(mx.argmax(step[0, -1])))
+        runs.append((np.array(logits), out))
+    assert runs[0][0].shape == runs[1][0].shape == (1, qc.VOCAB)
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=0, atol=1e-5 * np.abs(runs[0][0]).max())
+    assert runs[0][1] == runs[1][1]
+
+
+def test_qwen3_5_wavefront_equals_sequential_prefill(qwen3_5, monkeypatch):
+    vocab = qwen3_5.args.vocab_size
+    tokens = _tokens(4 * CHUNK + 3, vocab, 2, 2)
+    seen = _lanes(qwen3_5, monkeypatch)
+    seq, wave = _both(qwen3_5, tokens, monkeypatch, all_logits=True, mtp=True)
+    _same(seq, wave)
+    assert "hetero-prefill-lane" in set().union(*seen.values())
+
+
+def test_wavefront_applies_only_to_two_long_chunks_or_more(qwen4, monkeypatch):
+    monkeypatch.setenv(wavefront.ENV, "1")
+    assert wavefront.applies(qwen4, chunk_edges(0, 2 * CHUNK, CHUNK))
+    assert not wavefront.applies(qwen4, chunk_edges(0, CHUNK + 16, CHUNK))  # the second chunk runs compiled steps
+    assert not wavefront.applies(qwen4, chunk_edges(0, CHUNK, CHUNK))
+    monkeypatch.setenv(wavefront.ENV, "0")
+    assert not wavefront.applies(qwen4, chunk_edges(0, 4 * CHUNK, CHUNK))
+
+
+def test_chunk_callback_keeps_the_sequential_prefill(qwen4, monkeypatch):
+    """A checkpoint at each chunk edge needs every layer's state after that chunk: no wavefront then."""
+    monkeypatch.setenv(wavefront.ENV, "1")
+    ran = []
+    monkeypatch.setattr(wavefront, "run", lambda *a, **k: ran.append(1))
+    edges = []
+    prefill(qwen4, _tokens(3 * CHUNK, qc.VOCAB, qc.EOS, 3), qwen4.make_cache(), CHUNK,
+            on_chunk=lambda n, h: edges.append(n))
+    assert not ran and edges == [CHUNK, 2 * CHUNK, 3 * CHUNK]
+
+
+def test_a_failing_lane_raises_on_the_caller(qwen4, monkeypatch):
+    """An error in the second lane's chunk reaches the caller; the first lane does not wait forever."""
+    monkeypatch.setenv(wavefront.ENV, "1")
+    backbone = qwen4.model
+    inner = type(backbone).run_layer
+
+    def run_layer(self, i, h, ctx, cache):
+        if threading.current_thread().name == "hetero-prefill-lane" and i == 1:
+            raise RuntimeError("lane broke")
+        return inner(self, i, h, ctx, cache)
+
+    monkeypatch.setattr(type(backbone), "run_layer", run_layer)
+    with pytest.raises(RuntimeError, match="lane broke"):
+        prefill(qwen4, _tokens(4 * CHUNK, qc.VOCAB, qc.EOS, 4), qwen4.make_cache(), CHUNK)
