@@ -13,7 +13,7 @@ import pytest
 import qwen4_checkpoint as qc
 from tiny_checkpoint import write_tiny_model
 
-from hetero.cache import cache_arrays
+from hetero.cache import KVCache, cache_arrays
 from hetero.decode import wavefront
 from hetero.decode.prefill import chunk_edges, prefill
 from hetero.loader import load_model
@@ -52,6 +52,16 @@ def _lanes(model, monkeypatch) -> dict[int, set[str]]:
 
     monkeypatch.setattr(type(backbone), "run_layer", run_layer)
     return seen
+
+
+def _rows(cache) -> list[np.ndarray]:
+    """What a cache holds: attention rows up to its offset, recurrent states, PLE token contexts."""
+    out = []
+    for c in cache:
+        out += [np.array(a) for a in (c.rows(0, c.offset) if isinstance(c, KVCache) else c.state)]
+        if getattr(c, "ple", None) is not None:
+            out.append(c.ple.context)
+    return out
 
 
 def _both(model, tokens, monkeypatch, **kw):
@@ -125,15 +135,49 @@ def test_wavefront_applies_only_to_two_long_chunks_or_more(qwen4, monkeypatch):
     assert not wavefront.applies(qwen4, chunk_edges(0, 4 * CHUNK, CHUNK))
 
 
-def test_chunk_callback_keeps_the_sequential_prefill(qwen4, monkeypatch):
-    """A checkpoint at each chunk edge needs every layer's state after that chunk: no wavefront then."""
+def test_chunk_edges_and_progress_as_the_sequential_prefill(qwen4, monkeypatch):
+    """`on_chunk` (the prefix cache's checkpoints) sees at every edge n the cache as it stood at n, though the other
+    lane has written the next chunk into the first layers already; it and `progress` run on the calling thread, in
+    chunk order. A mark cuts a chunk in two, as it does sequentially."""
+    tokens = _tokens(4 * CHUNK + 7, qc.VOCAB, qc.EOS, 3)
+    runs = []
+    for on in ("0", "1"):
+        monkeypatch.setenv(wavefront.ENV, on)
+        edges, done, threads = {}, [], set()
+
+        def on_chunk(n, at, h):
+            threads.add(threading.current_thread().name)
+            edges[n] = ([c.offset for c in at], _rows(at), np.array(h))
+
+        def progress(n, total):
+            threads.add(threading.current_thread().name)
+            done.append(n)
+
+        prefill(qwen4, tokens, qwen4.make_cache(), CHUNK, mtp=True, on_chunk=on_chunk, progress=progress,
+                marks=[2 * CHUNK + 9])
+        assert threads == {threading.current_thread().name}
+        runs.append((edges, done))
+    (seq, seq_done), (wave, wave_done) = runs
+    assert seq_done == wave_done == [CHUNK, 2 * CHUNK, 2 * CHUNK + 9, 3 * CHUNK, 4 * CHUNK, 4 * CHUNK + 7]
+    assert list(seq) == list(wave) == [n for n in seq_done]
+    for n, (offsets, arrays, h) in seq.items():
+        w_offsets, w_arrays, w_h = wave[n]
+        assert w_offsets == offsets and all(o == n for o in offsets[: len(qwen4.layers)])
+        np.testing.assert_allclose(w_h, h, rtol=0, atol=1e-5 * np.abs(h).max())
+        for x, y in zip(arrays, w_arrays, strict=True):
+            np.testing.assert_allclose(y, x, rtol=0, atol=1e-5 * max(np.abs(x).max(), 1e-6))
+
+
+def test_a_failing_report_stops_both_lanes(qwen4, monkeypatch):
+    """A progress callback that raises (a cancelled request) stops the prefill with its error."""
     monkeypatch.setenv(wavefront.ENV, "1")
-    ran = []
-    monkeypatch.setattr(wavefront, "run", lambda *a, **k: ran.append(1))
-    edges = []
-    prefill(qwen4, _tokens(3 * CHUNK, qc.VOCAB, qc.EOS, 3), qwen4.make_cache(), CHUNK,
-            on_chunk=lambda n, h: edges.append(n))
-    assert not ran and edges == [CHUNK, 2 * CHUNK, 3 * CHUNK]
+
+    def progress(n, total):
+        if n > CHUNK:
+            raise KeyboardInterrupt("cancelled")
+
+    with pytest.raises(KeyboardInterrupt, match="cancelled"):
+        prefill(qwen4, _tokens(6 * CHUNK, qc.VOCAB, qc.EOS, 5), qwen4.make_cache(), CHUNK, progress=progress)
 
 
 def test_a_failing_lane_raises_on_the_caller(qwen4, monkeypatch):

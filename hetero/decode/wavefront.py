@@ -21,16 +21,18 @@ GPU, on one core, or for fewer than two chunks. `HETERO_PREFILL_WAVEFRONT=0` tur
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
 
 from hetero import blas
-from hetero.cache import ModelCache
+from hetero.cache import KVCache, LayerCache, ModelCache
 
 MIN_TOKENS = 17  # chunks of at most 16 tokens run compiled steps (`RECURRENT_MAX_TOKENS`): the calling thread's lane
 ENV = "HETERO_PREFILL_WAVEFRONT"
@@ -71,52 +73,121 @@ class _Aborted(Exception):
     """The other lane failed: this one stops (the other lane's error is raised)."""
 
 
+class _Front:
+    """What the lanes share: the (chunk, layer) pairs done, the reports queued for the calling thread, a failure."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.done: set[tuple[int, int]] = set()
+        self.reports: deque[Callable[[], None]] = deque()
+        self.failed: list[BaseException] = []
+
+    def mark(self, k: int, layer: int) -> None:
+        with self.cond:
+            self.done.add((k, layer))
+            self.cond.notify_all()
+
+    def report(self, fn: Callable[[], None]) -> None:
+        with self.cond:
+            self.reports.append(fn)
+            self.cond.notify_all()
+
+    def fail(self, e: BaseException) -> None:
+        with self.cond:
+            self.failed.append(e)
+            self.cond.notify_all()
+
+    def wait(self, k: int, layer: int, caller: bool) -> None:
+        """Until chunk k finished `layer`; the calling thread (`caller`) runs the queued reports meanwhile."""
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: (k, layer) in self.done or self.failed or (caller and self.reports))
+                if self.failed:
+                    raise _Aborted
+                ready = (k, layer) in self.done
+            if caller:
+                self.drain()
+            if ready:
+                return
+
+    def drain(self) -> None:
+        """Run the queued reports, in order (on the calling thread)."""
+        while True:
+            with self.cond:
+                if not self.reports:
+                    return
+                fn = self.reports.popleft()
+            fn()
+
+
+def frozen(c: LayerCache) -> LayerCache:
+    """Layer cache `c` as it stands, unaffected by the next chunk's writes (the prefix cache's checkpoint reads it
+    while the other lane writes on): a shallow copy, since a chunk rebinds the recurrent states (GDN state and conv
+    window, PLE context and conv window, QSA index keys), with the attention buffers cut at the offset, since a
+    chunk writes those in place (rows past the offset only, but on the array objects themselves)."""
+    at = copy.copy(c)
+    if isinstance(c, KVCache) and c.keys is not None:
+        buffers = c.state if getattr(c, "index_keys", None) is None else c.state[:-1]  # K/V (quantized: 6 arrays)
+        at._set_buffers([a[:, :, : c.offset] for a in buffers])
+        mx.eval(*at.state)  # views, evaluated on this lane (a stream is its thread's): the caller reads them
+    ple = getattr(c, "ple", None)
+    if ple is not None:
+        at.ple = copy.copy(ple)
+    return at
+
+
 def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
-        after: Callable[[int, mx.array, list], None]) -> None:
+        after: Callable[[int, mx.array], Callable[[ModelCache | None], None] | None], views: bool = False) -> None:
     """Prefill tokens[edges[0]:edges[-1]] chunk by chunk (chunk k = tokens[edges[k]:edges[k+1]]) into `cache` on two
-    lanes. `after(k, h, out)` runs on chunk k's lane once its backbone is done (h: `model.model`'s output
-    [1, S, H]), in chunk order (chunk k's after chunk k-1's): it may write caches past the backbone's (the MTP
-    head's) and appends what to evaluate to `out`, which is evaluated before chunk k+1's `after` starts."""
+    lanes. `after(k, h)` runs on chunk k's lane once its backbone is done (h: `model.model`'s output [1, S, H]), in
+    chunk order (chunk k's after chunk k-1's returned): it may write caches past the backbone's (the MTP head's) and
+    must evaluate what it keeps. What it returns, `report(view)` (progress, a checkpoint), runs on the calling
+    thread, in chunk order; an exception there stops both lanes and reaches the caller. `view` is, with `views`, the
+    cache as it stood at chunk k's edge (`frozen` layers, the MTP head's as `after` left them), else None."""
     backbone, layers = model.model, len(model.model.layers)
     chunks = list(zip(edges, edges[1:]))
-    # done[k][l]: chunk k finished layer l (l == layers: its `after`)
-    done = [[threading.Event() for _ in range(layers + 1)] for _ in chunks]
-    failed: list[BaseException] = []
+    front = _Front()
+    caller = threading.current_thread()
+    at_edge: dict[int, list] = {}  # chunk -> its frozen layer caches (with `views`)
 
-    def wait(event: threading.Event) -> None:
-        while not event.wait(0.05):
-            if failed:
-                raise _Aborted
-
-    def chunk(k: int) -> None:
+    def chunk(k: int, mine: bool) -> None:
         start, stop = chunks[k]
         h, ctx = backbone.begin(mx.array(tokens[start:stop])[None])  # [1, S, H]
         for i in range(layers):
             if k:
-                wait(done[k - 1][i])
-            h = backbone.run_layer(i, h, ctx, cache.backbone[i])
-            mx.eval(h, *cache.backbone[i].state)
-            done[k][i].set()
+                front.wait(k - 1, i, mine)
+            c = cache.backbone[i]
+            h = backbone.run_layer(i, h, ctx, c)
+            mx.eval(h, *c.state)
+            if views:
+                at_edge.setdefault(k, []).append(frozen(c))
+            front.mark(k, i)
         if k:
-            wait(done[k - 1][layers])
-        out: list = []
-        after(k, backbone.end(h), out)
-        mx.eval(*out)
-        done[k][layers].set()
+            front.wait(k - 1, layers, mine)
+        report = after(k, backbone.end(h))  # the MTP head's pairs: its caches stand at chunk k's edge now
+        held = at_edge.pop(k, [])
+        if report is not None:
+            view = ModelCache(held, [frozen(c) for c in cache.mtp]) if views else None
+            front.report(lambda: report(view))
+        front.mark(k, layers)
+        if mine:
+            front.drain()
 
     def lane(ks: list[int], own_stream: bool) -> None:
+        mine = threading.current_thread() is caller
         try:
             if own_stream:  # a stream made in this thread: MLX's streams belong to the thread that made them
                 with mx.stream(mx.new_stream(mx.cpu)):
                     for k in ks:
-                        chunk(k)
+                        chunk(k, mine)
             else:
                 for k in ks:
-                    chunk(k)
+                    chunk(k, mine)
+                front.wait(len(chunks) - 1, layers, mine)  # the other lane's last chunk, its reports run here
         except _Aborted:
             pass
         except BaseException as e:  # noqa: BLE001 (raised again on the calling thread)
-            failed.append(e)
+            front.fail(e)
 
     # Chunks alternate between the lanes; a short chunk (compiled steps, which compile once per thread) stays on the
     # calling thread's lane. Each lane takes its chunks in order, so neither waits on work queued behind its own.
@@ -128,5 +199,5 @@ def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
         other.start()
         lane(ks[0], False)
         other.join()
-    if failed:
-        raise failed[0]
+    if front.failed:
+        raise front.failed[0]
