@@ -95,8 +95,8 @@ def test_qwen4_wavefront_equals_sequential_prefill(qwen4, monkeypatch):
     seq, wave = _both(qwen4, tokens, monkeypatch, all_logits=True, mtp=True)
     _same(seq, wave)
     lanes = set().union(*seen.values())
-    assert "hetero-prefill-lane" in lanes and threading.current_thread().name in lanes
-    assert seen[1] >= {"hetero-prefill-lane"} and seen[5] >= {threading.current_thread().name}
+    assert lanes == {wavefront.LANE_THREAD, threading.current_thread().name}
+    assert wavefront.LANE_THREAD in seen[0] and seen[5] == {threading.current_thread().name}  # short: the caller's
 
 
 def test_qwen4_wavefront_last_logits_and_greedy_continuation(qwen4, monkeypatch):
@@ -123,7 +123,7 @@ def test_qwen3_5_wavefront_equals_sequential_prefill(qwen3_5, monkeypatch):
     seen = _lanes(qwen3_5, monkeypatch)
     seq, wave = _both(qwen3_5, tokens, monkeypatch, all_logits=True, mtp=True)
     _same(seq, wave)
-    assert "hetero-prefill-lane" in set().union(*seen.values())
+    assert wavefront.LANE_THREAD in set().union(*seen.values())
 
 
 def test_wavefront_applies_only_to_two_long_chunks_or_more(qwen4, monkeypatch):
@@ -187,10 +187,30 @@ def test_a_failing_lane_raises_on_the_caller(qwen4, monkeypatch):
     inner = type(backbone).run_layer
 
     def run_layer(self, i, h, ctx, cache):
-        if threading.current_thread().name == "hetero-prefill-lane" and i == 1:
+        if threading.current_thread().name == wavefront.LANE_THREAD and i == 1:
             raise RuntimeError("lane broke")
         return inner(self, i, h, ctx, cache)
 
     monkeypatch.setattr(type(backbone), "run_layer", run_layer)
     with pytest.raises(RuntimeError, match="lane broke"):
         prefill(qwen4, _tokens(4 * CHUNK, qc.VOCAB, qc.EOS, 4), qwen4.make_cache(), CHUNK)
+
+
+def test_the_second_lane_is_one_thread_for_the_process(qwen4, monkeypatch):
+    """Every wavefront reuses the same lane thread (a new MLX stream per prefill would leave a thread behind each
+    time), and MKL's thread count is back where it was after each."""
+    import os
+
+    from hetero import blas
+
+    monkeypatch.setenv(wavefront.ENV, "1")
+    tokens = _tokens(3 * CHUNK, qc.VOCAB, qc.EOS, 6)
+    prefill(qwen4, tokens, qwen4.make_cache(), CHUNK)
+    threads = len(os.listdir("/proc/self/task"))
+    mkl = blas._state.handle.MKL_Get_Max_Threads() if blas._state.kind == "mkl" else None
+    for _ in range(4):
+        prefill(qwen4, tokens, qwen4.make_cache(), CHUNK)
+    assert len(os.listdir("/proc/self/task")) == threads
+    assert [t.name for t in threading.enumerate()].count(wavefront.LANE_THREAD) == 1
+    if mkl is not None:
+        assert blas._state.handle.MKL_Get_Max_Threads() == mkl

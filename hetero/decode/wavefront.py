@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import os
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from hetero.cache import KVCache, LayerCache, ModelCache
 
 MIN_TOKENS = 17  # chunks of at most 16 tokens run compiled steps (`RECURRENT_MAX_TOKENS`): the calling thread's lane
 ENV = "HETERO_PREFILL_WAVEFRONT"
+LANE_THREAD = "hetero-prefill-lane"
 
 
 def enabled() -> bool:
@@ -54,19 +56,66 @@ def applies(model, edges: list[int]) -> bool:
     return sum(b - a >= MIN_TOKENS for a, b in zip(edges, edges[1:])) >= 2
 
 
+_blas_lock = threading.Lock()
+_blas_users = [0, None]  # wavefronts running, MKL's thread count before the first of them
+
+
 @contextmanager
 def one_blas_thread() -> Iterator[None]:
-    """MKL at one thread while the lanes run (each lane's matmuls on its own core), its count restored after."""
+    """MKL at one thread while the lanes run (each lane's matmuls on its own core), its count restored when the
+    last wavefront running in this process ends."""
     handle = blas._state.handle if blas._state.kind == "mkl" else None
     if handle is None or blas._state.layer == "sequential":
         yield
         return
-    before = handle.MKL_Get_Max_Threads()
-    handle.MKL_Set_Num_Threads(ctypes.c_int(1))
+    with _blas_lock:
+        if _blas_users[0] == 0:
+            _blas_users[1] = handle.MKL_Get_Max_Threads()
+            handle.MKL_Set_Num_Threads(ctypes.c_int(1))
+        _blas_users[0] += 1
     try:
         yield
     finally:
-        handle.MKL_Set_Num_Threads(ctypes.c_int(before))
+        with _blas_lock:
+            _blas_users[0] -= 1
+            if _blas_users[0] == 0:
+                handle.MKL_Set_Num_Threads(ctypes.c_int(_blas_users[1]))
+
+
+class _Lane:
+    """The second lane: one thread for the process's life with its own MLX stream, running one job at a time. (A
+    stream made per prefill would leave a scheduler thread behind each time: MLX never ends a stream's thread.)"""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has no such thread: it makes its own
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=LANE_THREAD, daemon=True).start()
+
+    def _serve(self) -> None:
+        with mx.stream(mx.new_stream(mx.cpu)):  # MLX's streams belong to the thread that made them
+            while True:
+                job, done = self.jobs.get()
+                try:
+                    job()
+                finally:
+                    done.set()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Queue `job`; the event is set once it ran."""
+        done = threading.Event()
+        self.jobs.put((job, done))
+        return done
+
+
+_lane: list[_Lane] = []
+_lane_lock = threading.Lock()
+
+
+def _second_lane() -> _Lane:
+    with _lane_lock:
+        if not _lane or _lane[0].pid != os.getpid():
+            _lane[:] = [_Lane()]
+        return _lane[0]
 
 
 class _Aborted(Exception):
@@ -173,31 +222,27 @@ def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
         if mine:
             front.drain()
 
-    def lane(ks: list[int], own_stream: bool) -> None:
+    def lane(ks: list[int]) -> None:
         mine = threading.current_thread() is caller
         try:
-            if own_stream:  # a stream made in this thread: MLX's streams belong to the thread that made them
-                with mx.stream(mx.new_stream(mx.cpu)):
-                    for k in ks:
-                        chunk(k, mine)
-            else:
-                for k in ks:
-                    chunk(k, mine)
+            for k in ks:
+                chunk(k, mine)
+            if mine:
                 front.wait(len(chunks) - 1, layers, mine)  # the other lane's last chunk, its reports run here
         except _Aborted:
             pass
         except BaseException as e:  # noqa: BLE001 (raised again on the calling thread)
             front.fail(e)
 
-    # Chunks alternate between the lanes; a short chunk (compiled steps, which compile once per thread) stays on the
-    # calling thread's lane. Each lane takes its chunks in order, so neither waits on work queued behind its own.
+    # Chunks alternate between the lanes, the last one on the calling thread's; so does a short chunk: both run
+    # compiled steps (the last one's logits), which compile once per thread and stay with the caller's. Each lane
+    # takes its chunks in order, so neither waits on work queued behind its own.
     ks = [[], []]
     for k, (a, b) in enumerate(chunks):
-        ks[k % 2 if b - a >= MIN_TOKENS else 0].append(k)
+        ks[(len(chunks) - 1 - k) % 2 if b - a >= MIN_TOKENS else 0].append(k)
     with one_blas_thread():
-        other = threading.Thread(target=lane, args=(ks[1], True), name="hetero-prefill-lane", daemon=True)
-        other.start()
-        lane(ks[0], False)
-        other.join()
+        other = _second_lane().submit(lambda: lane(ks[1]))
+        lane(ks[0])
+        other.wait()
     if front.failed:
         raise front.failed[0]
