@@ -5,9 +5,10 @@
     python bench/prefill_wavefront.py --models qwen4 moe --lengths 4096 --repeats 3
 
 Each run prefills the prompt into a fresh cache (as `hetero run` does: the last position's logits, the MTP head's
-pairs when the checkpoint has a head), alternating one lane / wavefront. Besides tok/s it reports the cores the
-process kept busy (process CPU time / wall time): the one-lane prefill keeps about 1.3 of 2 busy (MKL's second
-thread helps the matmuls only), the wavefront should approach 2. JSON under bench/results/prefill_wavefront.json.
+pairs when the checkpoint has a head), alternating one lane / wavefront. Besides tok/s it reports the process's
+CPU seconds and the cores it kept busy (CPU time / wall time): on a loaded machine the wall times say little, while
+the CPU seconds barely move, and the wavefront's wall time on a quiet machine is at least half of its CPU seconds.
+JSON under bench/results/prefill_wavefront.json.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ from hetero.decode.prefill import prefill  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 
 
-def run(model, prompt: list[int], chunk: int, on: bool) -> tuple[float, float, np.ndarray]:
-    """(tok/s, cores busy, the last logits) of one prefill into a fresh cache."""
+def run(model, prompt: list[int], chunk: int, on: bool) -> tuple[float, float, np.ndarray, float]:
+    """(tok/s, cores busy, the last logits, CPU seconds) of one prefill into a fresh cache."""
     os.environ[wavefront.ENV] = "1" if on else "0"
     cache = model.make_cache()
     cpu, start = time.process_time(), time.perf_counter()
     logits, _ = prefill(model, prompt, cache, chunk, mtp=model.has_mtp)
     mx.eval(logits)
     wall, busy = time.perf_counter() - start, time.process_time() - cpu
-    return len(prompt) / wall, busy / wall, np.array(logits)
+    return len(prompt) / wall, busy / wall, np.array(logits), busy
 
 
 def main() -> None:
@@ -71,12 +72,14 @@ def main() -> None:
                    "same_greedy": all(int(r[2].argmax()) == int(ref.argmax()) for r in got["wavefront"])}
             for who, runs in got.items():
                 row[who] = {"prefill_tps": statistics.median(r[0] for r in runs), "prefill_tps_runs": [r[0] for r in runs],
-                            "cores_busy": statistics.median(r[1] for r in runs)}
+                            "cores_busy": statistics.median(r[1] for r in runs),
+                            "cpu_s": statistics.median(r[3] for r in runs)}
             row["ratio"] = row["wavefront"]["prefill_tps"] / row["one_lane"]["prefill_tps"]
             rows.append(row)
-            print(f"{name:8s} {length:6d} tok | one lane {row['one_lane']['prefill_tps']:8.1f} tok/s "
-                  f"({row['one_lane']['cores_busy']:.2f} cores busy), wavefront {row['wavefront']['prefill_tps']:8.1f} "
-                  f"tok/s ({row['wavefront']['cores_busy']:.2f}) -> {row['ratio']:.2f}x | max logit diff "
+            one, wave = row["one_lane"], row["wavefront"]
+            print(f"{name:8s} {length:6d} tok | one lane {one['prefill_tps']:8.1f} tok/s ({one['cores_busy']:.2f} cores "
+                  f"busy, {one['cpu_s']:.2f} CPU s), wavefront {wave['prefill_tps']:8.1f} tok/s ({wave['cores_busy']:.2f}, "
+                  f"{wave['cpu_s']:.2f} CPU s) -> {row['ratio']:.2f}x | max logit diff "
                   f"{row['max_logit_diff']:.2e}, greedy {'same' if row['same_greedy'] else 'DIFFERS'}", flush=True)
         del model
     out = Path(args.out)
