@@ -7,7 +7,8 @@
 Each run prefills the prompt into a fresh cache (as `hetero run` does: the last position's logits, the MTP head's
 pairs when the checkpoint has a head), alternating one lane / wavefront. Besides tok/s it reports the process's
 CPU seconds and the cores it kept busy (CPU time / wall time): on a loaded machine the wall times say little, while
-the CPU seconds barely move, and the wavefront's wall time on a quiet machine is at least half of its CPU seconds.
+the CPU seconds move less, and the wavefront's wall time on a quiet machine is at least half of its CPU seconds.
+`lanes_waiting`: the share of the wall time a lane spent waiting on the other (their mean), the overlap lost.
 JSON under bench/results/prefill_wavefront.json.
 """
 
@@ -19,6 +20,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,15 +35,35 @@ from hetero.decode.prefill import prefill  # noqa: E402
 from hetero.loader import load_model  # noqa: E402
 
 
-def run(model, prompt: list[int], chunk: int, on: bool) -> tuple[float, float, np.ndarray, float]:
-    """(tok/s, cores busy, the last logits, CPU seconds) of one prefill into a fresh cache."""
+WAITED: dict[str, float] = {}  # seconds each lane's thread spent waiting on the other lane, this run
+
+
+def _timed_wait(wait):
+    def timed(self, k: int, layer: int, caller: bool) -> None:
+        start = time.perf_counter()
+        try:
+            wait(self, k, layer, caller)
+        finally:
+            name = threading.current_thread().name
+            WAITED[name] = WAITED.get(name, 0.0) + time.perf_counter() - start
+    return timed
+
+
+wavefront._Front.wait = _timed_wait(wavefront._Front.wait)
+
+
+def run(model, prompt: list[int], chunk: int, on: bool) -> tuple[float, float, np.ndarray, float, float]:
+    """(tok/s, cores busy, the last logits, CPU seconds, the share of the wall time the lanes waited on each other
+    (mean of the two)) of one prefill into a fresh cache."""
     os.environ[wavefront.ENV] = "1" if on else "0"
     cache = model.make_cache()
+    WAITED.clear()
     cpu, start = time.process_time(), time.perf_counter()
     logits, _ = prefill(model, prompt, cache, chunk, mtp=model.has_mtp)
     mx.eval(logits)
     wall, busy = time.perf_counter() - start, time.process_time() - cpu
-    return len(prompt) / wall, busy / wall, np.array(logits), busy
+    waited = sum(WAITED.values()) / 2 / wall if on else 0.0
+    return len(prompt) / wall, busy / wall, np.array(logits), busy, waited
 
 
 def main() -> None:
@@ -73,13 +95,14 @@ def main() -> None:
             for who, runs in got.items():
                 row[who] = {"prefill_tps": statistics.median(r[0] for r in runs), "prefill_tps_runs": [r[0] for r in runs],
                             "cores_busy": statistics.median(r[1] for r in runs),
-                            "cpu_s": statistics.median(r[3] for r in runs)}
+                            "cpu_s": statistics.median(r[3] for r in runs),
+                            "lanes_waiting": statistics.median(r[4] for r in runs)}
             row["ratio"] = row["wavefront"]["prefill_tps"] / row["one_lane"]["prefill_tps"]
             rows.append(row)
             one, wave = row["one_lane"], row["wavefront"]
             print(f"{name:8s} {length:6d} tok | one lane {one['prefill_tps']:8.1f} tok/s ({one['cores_busy']:.2f} cores "
                   f"busy, {one['cpu_s']:.2f} CPU s), wavefront {wave['prefill_tps']:8.1f} tok/s ({wave['cores_busy']:.2f}, "
-                  f"{wave['cpu_s']:.2f} CPU s) -> {row['ratio']:.2f}x | max logit diff "
+                  f"{wave['cpu_s']:.2f} CPU s, lanes waiting {wave['lanes_waiting']:.0%}) -> {row['ratio']:.2f}x | max logit diff "
                   f"{row['max_logit_diff']:.2e}, greedy {'same' if row['same_greedy'] else 'DIFFERS'}", flush=True)
         del model
     out = Path(args.out)

@@ -12,11 +12,28 @@ cores are now the lanes'). After every layer a lane evaluates the layer's output
 other lane builds its chunk's same layer on those evaluated arrays. Host syncs inside a layer (numpy's exp, the
 softmax, the routing buckets) stay: a lane waits on its own work only. Each chunk runs the same ops in the same
 order as the one-lane `prefill`, so the caches and logits are those of the sequential run up to the BLAS's
-summation order (one thread against two: ~1e-6 relative), and greedy tokens are identical.
+summation order (one thread against two; on the bench model they are equal bit for bit), and greedy tokens are
+identical.
 
-Not used (the sequential `prefill` runs instead) with a chunk callback or marks (a checkpoint needs every layer's
-state after the same chunk, while the wavefront has the next chunk already in its first layers), with images, on a
-GPU, on one core, or for fewer than two chunks. `HETERO_PREFILL_WAVEFRONT=0` turns it off.
+The second lane is one thread for the process's life (MLX never ends a stream's scheduler thread, so a stream per
+prefill would leave one behind each time); the calling thread runs the other lane, the last chunk (its logits take a
+compiled step, compiled once per thread) and any chunk of at most 16 tokens, and it alone runs the reports
+(`progress`, the prefix cache's `on_chunk` checkpoints), in chunk order: the server's progress passes turns between
+requests and may cancel. A checkpoint at chunk k's edge reads `frozen` views of each layer's cache, taken as chunk k
+left the layer, since the other lane has chunk k+1 in the first layers by then.
+
+Not used (the sequential `prefill` runs instead) with images, on a GPU, on one core, or for fewer than two chunks of
+17 tokens or more. `HETERO_PREFILL_WAVEFRONT=0` turns it off.
+
+Why threads and not one lazy graph on two MLX streams: MLX's CPU streams do run concurrently (a toy of two
+elementwise chains: 1.8 s on two streams against 3.1 s on one), but a chunk's host syncs (numpy's exp, the attention
+softmax, the routing buckets), each several times faster than MLX's CPU forms, would all have had to go lazy.
+
+Measured (`bench/prefill_wavefront.py`, the scaled-down Flash-Next, 4K tokens in 512-token chunks, only on a machine
+loaded by other runs): the logits equal the one-lane prefill's bit for bit; the wavefront used 8.4-9.1 CPU s against
+13.7-14.2 for the one lane on two MKL threads and 8.3 against 8.8 for the one lane on one MKL thread, so it adds no
+work and spreads the one-thread total over both cores; the lanes waited on each other 2% of the wall time; its wall
+time was 1.36-2.79x shorter in the same runs (load moves that ratio; the quiet rerun is the lead's).
 """
 
 from __future__ import annotations
