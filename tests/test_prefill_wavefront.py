@@ -214,3 +214,26 @@ def test_the_second_lane_is_one_thread_for_the_process(qwen4, monkeypatch):
     assert [t.name for t in threading.enumerate()].count(wavefront.LANE_THREAD) == 1
     if mkl is not None:
         assert blas._state.handle.MKL_Get_Max_Threads() == mkl
+
+
+def test_a_lazy_restored_prefix_continues_on_both_lanes(qwen4, monkeypatch):
+    """A prefix restored into the cache (the prefix or session cache's arrays, still lazy on the calling thread's
+    stream, which the other lane cannot evaluate) continues by wavefront to the sequential run's result."""
+    tokens = _tokens(5 * CHUNK, qc.VOCAB, qc.EOS, 7)
+    runs = []
+    for on in ("0", "1"):
+        monkeypatch.setenv(wavefront.ENV, "0")
+        cache = qwen4.make_cache()
+        _, carry = prefill(qwen4, tokens[:CHUNK], cache, CHUNK, mtp=True)
+        for c in cache:  # as a restore leaves them: lazy copies built on this thread
+            if isinstance(c, KVCache):
+                c.install([c.rows(0, c.offset)])
+            else:
+                c.conv, c.recurrent = c.conv * 1.0, c.recurrent * 1.0
+        monkeypatch.setenv(wavefront.ENV, on)
+        logits, _ = prefill(qwen4, tokens[CHUNK:], cache, CHUNK, mtp=True, carry=carry * 1.0, all_logits=True)
+        runs.append((np.array(logits), _rows(cache)))
+    (a, ca), (b, cb) = runs
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
+    for x, y in zip(ca, cb, strict=True):
+        np.testing.assert_allclose(y, x, rtol=0, atol=1e-5 * max(np.abs(x).max(), 1e-6))

@@ -103,6 +103,8 @@ def prefill(
 
             return report
 
+        # a restored prefix may still be lazy, on this thread's stream, which the other lane cannot evaluate
+        mx.eval(*cache_arrays(cache), *([] if carry is None else [carry]))
         wavefront.run(model, tokens, cache, edges, after, views=on_chunk is not None)
         return mx.concatenate(logits), mx.concatenate(hidden)
     if images is not None:

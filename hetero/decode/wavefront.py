@@ -209,7 +209,9 @@ def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
     chunk order (chunk k's after chunk k-1's returned): it may write caches past the backbone's (the MTP head's) and
     must evaluate what it keeps. What it returns, `report(view)` (progress, a checkpoint), runs on the calling
     thread, in chunk order; an exception there stops both lanes and reaches the caller. `view` is, with `views`, the
-    cache as it stood at chunk k's edge (`frozen` layers, the MTP head's as `after` left them), else None."""
+    cache as it stood at chunk k's edge (`frozen` layers, the MTP head's as `after` left them), else None.
+    What the lanes read must be evaluated before (`cache`'s arrays, anything `after` reads): a lazy array built on
+    the calling thread's stream cannot be evaluated on the other lane's thread."""
     backbone, layers = model.model, len(model.model.layers)
     chunks = list(zip(edges, edges[1:]))
     front = _Front()
