@@ -131,6 +131,9 @@ def test_wavefront_applies_only_to_two_long_chunks_or_more(qwen4, monkeypatch):
     assert wavefront.applies(qwen4, chunk_edges(0, 2 * CHUNK, CHUNK))
     assert not wavefront.applies(qwen4, chunk_edges(0, CHUNK + 16, CHUNK))  # the second chunk runs compiled steps
     assert not wavefront.applies(qwen4, chunk_edges(0, CHUNK, CHUNK))
+    monkeypatch.setattr(wavefront.os, "sched_getaffinity", lambda pid: {0})  # `taskset -c 0`: one core to run on
+    assert not wavefront.applies(qwen4, chunk_edges(0, 4 * CHUNK, CHUNK))
+    monkeypatch.undo()
     monkeypatch.setenv(wavefront.ENV, "0")
     assert not wavefront.applies(qwen4, chunk_edges(0, 4 * CHUNK, CHUNK))
 

@@ -58,10 +58,12 @@ LANE_THREAD = "hetero-prefill-lane"
 
 
 def enabled() -> bool:
-    """Whether this process may prefill by wavefront: a CPU default device, two cores or more, and not turned off."""
+    """Whether this process may prefill by wavefront: a CPU default device, two cores or more that it may run on, and
+    not turned off."""
     if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return False
-    return mx.default_device() == mx.cpu and (os.cpu_count() or 1) >= 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return mx.default_device() == mx.cpu and cores >= 2
 
 
 def applies(model, edges: list[int]) -> bool:
