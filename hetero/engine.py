@@ -246,16 +246,13 @@ class Engine:
         cached = skip + held  # what `cached_tokens` reports: only tokens read from a cache, never ones prefilled here
         split = r.split is not None and skip == 0 and r.prompt_cache is None
 
-        def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a split prefill's chunk edge
-            pc.capture(model, key, keys[:n], at, hidden)  # images keyed by their pixels, as `on_chunk` keys them
+        def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a chunk edge n, the cache as it stood there
+            pc.capture(model, key, keys[:n], at, hidden)  # images keyed by their pixels
 
         if split:  # its ANE lane encodes the images while its GPU lane prefills the text before them
             cache, skip, carry = r.split.prefill(ids, on_chunk=on_edge if pc is not None else None, images=vision)
         if vision is not None:  # the images that came back from the cache are not encoded again (nor the split's)
             self.vision.encode(vision, start=skip)
-
-        def on_chunk(n: int, hidden: mx.array) -> None:
-            pc.capture(model, key, keys[:n], cache, hidden)
 
         trace = Trace() if pc is not None else None  # what the end-of-turn checkpoint needs; nothing without one
         committed = list(keys)
@@ -274,7 +271,7 @@ class Engine:
         tokens = decode(
             model, ids, sampler, max_tokens, self.eos_ids, depth=depth, copy=r.copy, chunk=r.prefill_chunk,
             progress=r.progress, times=times, stats=mtp_stats, cache=cache, max_context=self.max_context, skip=skip,
-            carry=carry, on_chunk=on_chunk if pc is not None else None, on_commit=on_commit if depth else None,
+            carry=carry, on_chunk=on_edge if pc is not None else None, on_commit=on_commit if depth else None,
             constraint=constraint, logprobs=recorder, marks=() if r.mark is None else (r.mark,), trace=trace,
             mtp_prefill=pc is not None and model.has_mtp, penalties=penalties if penalties.active else None,
             images=vision,

@@ -159,7 +159,7 @@ def test_a_prefill_allocates_each_attention_cache_once(chaotic):
     assert attention
     held = []  # each chunk's buffers, kept alive so that a new buffer can never reuse an old one's identity
     prefill(model, helpers.random_tokens(600, seed=4), cache, chunk=64,
-            on_chunk=lambda n, h: held.append([c.keys for c in attention]))
+            on_chunk=lambda n, at, h: held.append([c.keys for c in attention]))
     assert len(held) == 10 and all(all(a is b for a, b in zip(bufs, held[0])) for bufs in held)
     for t in helpers.random_tokens(KVCache.step, seed=5):
         mx.eval(model(mx.array([[t]]), cache)[0])

@@ -78,7 +78,7 @@ def test_mtp_state_survives_the_restore(engine):
     prefix_cache = pc
     cache = model.make_cache()
     prefill(model, ids[:128], cache, CHUNK, mtp=True,
-            on_chunk=lambda n, h: prefix_cache.capture(model, "k", ids[:n], cache, h))
+            on_chunk=lambda n, at, h: prefix_cache.capture(model, "k", ids[:n], at, h))
     r = pc.restore(model, "k", ids, 139)
     assert r.n == 128
     _, h_warm = prefill(model, ids[128:], r.cache, CHUNK, mtp=True, carry=r.hidden)
@@ -116,7 +116,7 @@ def test_a_checkpoint_never_shares_buffers_with_a_live_cache(engine):
     model, pc = engine.model, PrefixCache()
     ids = tokens(100, 6)
     cache = model.make_cache()
-    prefill(model, ids[:64], cache, CHUNK, mtp=True, on_chunk=lambda n, h: pc.capture(model, "k", ids[:n], cache, h))
+    prefill(model, ids[:64], cache, CHUNK, mtp=True, on_chunk=lambda n, at, h: pc.capture(model, "k", ids[:n], at, h))
     fresh = model.make_cache()
     _, h_fresh = prefill(model, ids[:64], fresh, CHUNK, mtp=True)  # independent: its own cache, never captured
     expected = valid_state(fresh, h_fresh)
@@ -194,7 +194,7 @@ def test_diverging_prompt_restores_the_deepest_checkpoint_at_or_below_the_match(
     model, pc = engine.model, PrefixCache()
     ids = tokens(200, 11)
     cache = model.make_cache()
-    prefill(model, ids, cache, CHUNK, mtp=True, on_chunk=lambda n, h: pc.capture(model, "k", ids[:n], cache, h))
+    prefill(model, ids, cache, CHUNK, mtp=True, on_chunk=lambda n, at, h: pc.capture(model, "k", ids[:n], at, h))
     branch = ids[:150] + tokens(30, 12)
     r = pc.restore(model, "k", branch)
     assert r.n == 128

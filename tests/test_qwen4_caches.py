@@ -113,7 +113,7 @@ def test_restores_inside_a_compressed_block_and_an_ngram_window_stay_exact(engin
     chunk = 7
     pc = PrefixCache()
     cache = model.make_cache()
-    prefill(model, ids, cache, chunk, mtp=True, on_chunk=lambda n, h: pc.capture(model, "k", ids[:n], cache, h))
+    prefill(model, ids, cache, chunk, mtp=True, on_chunk=lambda n, at, h: pc.capture(model, "k", ids[:n], at, h))
     cold, _ = prefill(model, ids, model.make_cache(), chunk, all_logits=True, mtp=True)
     ref = qc.hf_logits(hf, ids)
     for n in (7, 35):

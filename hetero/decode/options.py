@@ -24,7 +24,7 @@ class RowOptions:
 
     Prefill: `cache` already holding prompt[:skip] (a restored prefix, `carry` [1, H] its last hidden), `chunk`
     tokens per prefill step, `progress(done, total)` after every chunk (with `lambda *_: batch.step()` the rows
-    already decoding get a round after every chunk of a new prompt), `on_chunk(n, hidden)` at every chunk edge and
+    already decoding get a round after every chunk of a new prompt), `on_chunk(n, cache_at_n, hidden)` at every chunk edge and
     at `marks` (absolute positions that also end a chunk), `mtp_prefill` to fill the MTP head's KV at depth 0 too,
     `images` (the prompt's `hetero.image_prompt.ImagePrompt`) for a prompt with images.
     Decoding: `max_context` bounds the drafts (default the model's window), `on_commit(decoder, tokens)` sees the

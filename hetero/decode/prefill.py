@@ -7,11 +7,13 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from hetero.cache import KVCache, ModelCache, cache_arrays, expect_positions
+from hetero.decode import wavefront
 from hetero.image_prompt import ImagePrompt
 from hetero.models.qwen3_5 import Model
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
-ChunkFn = Callable[[int, mx.array], None]  # (tokens in the cache, post-norm hidden [1, H] of the last one)
+ChunkFn = Callable[[int, ModelCache, mx.array], None]  # (tokens in the cache n, the cache as it stands at n,
+#                                                        post-norm hidden [1, H] of the last token)
 
 
 def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> list[int]:
@@ -58,9 +60,14 @@ def prefill(
 
     When `cache` already holds n tokens (a restored prefix), chunk edges stay at multiples of `chunk` counted
     from position 0, so the work after a restore at a chunk edge is exactly the cold run's; `carry` [1, H] is
-    then h_{n-1}, which the MTP head pairs with tokens[0]. `on_chunk` sees the cache after every chunk.
+    then h_{n-1}, which the MTP head pairs with tokens[0]. `on_chunk(n, cache_at_n, hidden)` sees the cache after
+    every chunk (read it through `cache_at_n`: the wavefront may have the next chunk in its first layers already).
     `marks` (absolute positions) end a chunk too: the chunk holding a mark is cut in two there, so `on_chunk`
     sees the state exactly at it (a chat transcript's end, before its generation prompt).
+
+    On the CPU with two cores or more, two chunks or more and no `images`, the chunks run as a two-lane wavefront
+    (`hetero.decode.wavefront`): the same ops per chunk, the same result up to the BLAS's summation order; `progress`
+    and `on_chunk` run on the calling thread, in chunk order, as they do otherwise.
 
     `images` (the prompt's `ImagePrompt`, its images encoded from the cache's offset on) puts the images'
     embeddings in place of their tokens and runs every chunk at its 3-D rotary positions; the attention caches
@@ -72,6 +79,34 @@ def prefill(
     offset = cache[0].offset if cache else 0
     expect_positions(cache, offset + len(tokens))
     edges = chunk_edges(offset, len(tokens), chunk, marks)
+    if images is None and wavefront.applies(model, edges):
+        held = [carry]  # the MTP head's carry, handed from chunk to chunk in chunk order
+
+        def after(k: int, h: mx.array):  # on chunk k's lane: h [1, S, hidden], its backbone's output
+            start, stop = edges[k], edges[k + 1]
+            if mtp:
+                held[0] = mtp_pairs(model, mx.array(tokens[start:stop])[None], h, held[0], cache)
+            if all_logits:
+                logits.append(model.logits(h)[0])
+                hidden.append(h[0])
+            elif stop >= len(tokens):
+                logits.append(model.logits(h[:, -1:])[0])
+                hidden.append(h[0, -1:])
+            last = h[0, -1:]
+            mx.eval(last, *logits[-1:], *hidden[-1:], *([held[0], *cache_arrays(cache.mtp)] if mtp else []))
+
+            def report(view: ModelCache | None) -> None:  # on the calling thread
+                if on_chunk is not None:
+                    on_chunk(offset + stop, view, last)
+                if progress is not None:
+                    progress(stop, len(tokens))
+
+            return report
+
+        # a restored prefix may still be lazy, on this thread's stream, which the other lane cannot evaluate
+        mx.eval(*cache_arrays(cache), *([] if carry is None else [carry]))
+        wavefront.run(model, tokens, cache, edges, after, views=on_chunk is not None)
+        return mx.concatenate(logits), mx.concatenate(hidden)
     if images is not None:
         for c in cache:
             if isinstance(c, KVCache):
@@ -100,7 +135,7 @@ def prefill(
         else:
             mx.eval(h[0, -1:], *cache_arrays(cache))  # bound the graph: one chunk at a time
         if on_chunk is not None:
-            on_chunk(offset + stop, h[0, -1:])
+            on_chunk(offset + stop, cache, h[0, -1:])
         if progress is not None:
             progress(stop, len(tokens))
     return mx.concatenate(logits), mx.concatenate(hidden)

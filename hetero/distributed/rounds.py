@@ -74,10 +74,10 @@ def lead(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 0,
     pc, marks = request.prefix_cache, request.marks
     constraint, recorder = last_rank_options(stage, request)
 
-    def on_chunk(n: int, hidden: mx.array) -> None:
+    def on_chunk(n: int, at: list[LayerCache], hidden: mx.array) -> None:
         link.watchdog.pet()  # a chunk done is progress
         if pc:
-            capture(stage, ids[:n], cache, hidden)
+            capture(stage, ids[:n], at, hidden)
 
     def announce(kind: int, tokens: list[int]) -> None:
         link.from_last([kind, len(tokens), *tokens], message_length())
@@ -131,7 +131,7 @@ def follow(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 
     stoppable one answers each COMMIT, once its tokens are handled, with `go_on()` (GO_ON or STOP)."""
     link, ids = stage.link, request.prompt
     pc, top = request.prefix_cache, request.logprobs
-    on_chunk = (lambda n, h: capture(stage, ids[:n], cache, h)) if pc else None
+    on_chunk = (lambda n, at, h: capture(stage, ids[:n], at, h)) if pc else None
     prefill_stage(stage, ids, cache, request.chunk, progress, skip, on_chunk, request.marks)
     committed = list(ids)
     passed = 0  # tokens of the latest recorded (verify) pass, waiting for its commit
@@ -183,7 +183,8 @@ def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: 
                   progress: ProgressFn | None = None, skip: int = 0, on_chunk: ChunkFn | None = None,
                   marks: list[int] = ()) -> None:
     """This (non-last) rank's layers over ids[skip:] (the cache holds ids[:skip]), chunk by chunk at the edges of
-    `decode.prefill.prefill` (`marks` too), each chunk handed on as soon as it is done; `on_chunk(n, last output [1, H])`
+    `decode.prefill.prefill` (`marks` too), each chunk handed on as soon as it is done; `on_chunk(n, cache, last output
+    [1, H])`
     after each."""
     edges = chunk_edges(skip, len(ids) - skip, chunk, marks)
     expect_positions(cache, len(ids))
@@ -191,7 +192,7 @@ def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: 
         out = stage.model(mx.array(ids[skip + start : skip + stop])[None], cache)  # [1, S] -> the send of [1, S, H]
         stage.link.eval(out, *cache_arrays(cache))
         if on_chunk is not None:
-            on_chunk(skip + stop, out[0, -1:])
+            on_chunk(skip + stop, cache, out[0, -1:])
         if progress is not None:
             progress(stop, len(ids) - skip)
 
@@ -199,7 +200,7 @@ def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: 
 def logits_lead(stage: Stage, request: Request) -> None:
     """Last rank: every position's logits of the prompt, sent to rank 0 (`Engine.logits` across ranks)."""
     logits, _ = prefill(stage, request.prompt, stage.make_cache(), request.chunk, all_logits=True,
-                        on_chunk=lambda n, h: stage.link.watchdog.pet())  # [S, V]
+                        on_chunk=lambda n, at, h: stage.link.watchdog.pet())  # [S, V]
     stage.link.send(logits.astype(mx.float32), 0)
 
 

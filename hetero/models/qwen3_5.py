@@ -339,9 +339,25 @@ class TextModel(nn.Module):
                  positions: mx.array | None = None) -> mx.array:
         """tokens [B, S] -> post-norm hidden [B, S, hidden]; `embeddings` [B, S, hidden] replace the token embeddings
         (images placed in the prompt), `positions` [3, S] are the attention layers' 3-D rotary positions."""
-        h = self.embed_tokens(tokens) if embeddings is None else embeddings  # [B, S, hidden]
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cache[i] if cache is not None else None, positions)
+        h, positions = self.begin(tokens, embeddings, positions)
+        for i in range(len(self.layers)):
+            h = self.run_layer(i, h, positions, cache[i] if cache is not None else None)
+        return self.end(h)
+
+    # `__call__` in three steps, which the CPU prefill wavefront (`hetero.decode.wavefront`) runs layer by layer,
+    # two chunks at once: the same ops in the same order per chunk.
+
+    def begin(self, tokens: mx.array, embeddings: mx.array | None = None, positions: mx.array | None = None
+              ) -> tuple[mx.array, mx.array | None]:
+        """tokens [B, S] -> (the hidden entering layer 0 [B, S, hidden], what every layer takes besides: positions)."""
+        return (self.embed_tokens(tokens) if embeddings is None else embeddings), positions
+
+    def run_layer(self, i: int, h: mx.array, positions: mx.array | None, cache: LayerCache | None) -> mx.array:
+        """Layer i: hidden [B, S, hidden] -> [B, S, hidden]; writes `cache` (layer i's own)."""
+        return self.layers[i](h, cache, positions)
+
+    def end(self, h: mx.array) -> mx.array:
+        """After the last layer: the final norm -> post-norm hidden [B, S, hidden]."""
         return self.norm(h)
 
 

@@ -123,10 +123,25 @@ class TextModel(nn.Module):
     def __call__(self, tokens: mx.array, cache: list | None) -> mx.array:
         """tokens [B, S] -> the last layer's streams [B, S, hc*d], before the final mixer (`Model.logits` mixes
         them): the MTP head reads the streams themselves."""
+        h, host_tokens = self.begin(tokens)
+        for i in range(len(self.layers)):
+            h = self.run_layer(i, h, host_tokens, cache[i] if cache is not None else None)
+        return self.end(h)
+
+    # `__call__` in three steps, which the CPU prefill wavefront (`hetero.decode.wavefront`) runs layer by layer,
+    # two chunks at once: the same ops in the same order per chunk.
+
+    def begin(self, tokens: mx.array) -> tuple[mx.array, np.ndarray]:
+        """tokens [B, S] -> (the streams entering layer 0 [B, S, hc*d], the host token ids the PLE layers hash)."""
         host_tokens = np.array(tokens, dtype=np.int64)  # the PLE hashes run on the host
-        h = mx.tile(self.embed_tokens(tokens), (1, 1, self.hc))  # [B, S, hc*d]: every stream starts as e_t
-        for i, layer in enumerate(self.layers):
-            h = layer(h, host_tokens, cache[i] if cache is not None else None)
+        return mx.tile(self.embed_tokens(tokens), (1, 1, self.hc)), host_tokens  # every stream starts as e_t
+
+    def run_layer(self, i: int, h: mx.array, host_tokens: np.ndarray, cache) -> mx.array:
+        """Layer i: streams [B, S, hc*d] -> [B, S, hc*d]; writes `cache` (layer i's own)."""
+        return self.layers[i](h, host_tokens, cache)
+
+    def end(self, h: mx.array) -> mx.array:
+        """After the last layer: the streams as `__call__` returns them (the final mixer runs in `Model.logits`)."""
         return h
 
 

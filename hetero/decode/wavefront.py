@@ -1,0 +1,269 @@
+"""CPU prefill as a two-lane wavefront: chunk c on one thread and chunk c+1 on the other, one layer apart.
+
+On MLX's CPU backend a prefill chunk's matmuls spread over the cores (the BLAS's own threads), but everything else
+does not: MLX's elementwise kernels and the numpy parts of a chunk (the activations' exp, the attention softmax, the
+experts' routing) run on one core. Two chunks in flight fill the second core with that work. Chunk c+1 at layer l
+needs chunk c's layer-l state (GDN state and conv window, PLE token context and conv window, the attention's KV and
+index keys) and its own layer l-1 output, so each lane runs a layer once the other lane's previous chunk has
+finished it: a wavefront, lane b one layer behind lane a.
+
+The lanes are threads, each with its own MLX stream (MLX's default stream is per thread) and one BLAS thread (the
+cores are now the lanes'). After every layer a lane evaluates the layer's output and its cache, then signals; the
+other lane builds its chunk's same layer on those evaluated arrays. Host syncs inside a layer (numpy's exp, the
+softmax, the routing buckets) stay: a lane waits on its own work only. Each chunk runs the same ops in the same
+order as the one-lane `prefill`, so the caches and logits are those of the sequential run up to the BLAS's
+summation order (one thread against two; on the bench model they are equal bit for bit), and greedy tokens are
+identical.
+
+The second lane is one thread for the process's life (MLX never ends a stream's scheduler thread, so a stream per
+prefill would leave one behind each time); the calling thread runs the other lane, the last chunk (its logits take a
+compiled step, compiled once per thread) and any chunk of at most 16 tokens, and it alone runs the reports
+(`progress`, the prefix cache's `on_chunk` checkpoints), in chunk order: the server's progress passes turns between
+requests and may cancel. A checkpoint at chunk k's edge reads `frozen` views of each layer's cache, taken as chunk k
+left the layer, since the other lane has chunk k+1 in the first layers by then.
+
+Not used (the sequential `prefill` runs instead) with images, on a GPU, on one core, or for fewer than two chunks of
+17 tokens or more. `HETERO_PREFILL_WAVEFRONT=0` turns it off.
+
+Why threads and not one lazy graph on two MLX streams: MLX's CPU streams do run concurrently (a toy of two
+elementwise chains: 1.8 s on two streams against 3.1 s on one), but a chunk's host syncs (numpy's exp, the attention
+softmax, the routing buckets), each several times faster than MLX's CPU forms, would all have had to go lazy.
+
+Measured (`bench/prefill_wavefront.py`, the scaled-down Flash-Next, 4K tokens in 512-token chunks, only on a machine
+loaded by other runs): the logits equal the one-lane prefill's bit for bit; the wavefront used 8.4-9.1 CPU s against
+13.7-14.2 for the one lane on two MKL threads and 8.3 against 8.8 for the one lane on one MKL thread, so it adds no
+work and spreads the one-thread total over both cores; the lanes waited on each other 2% of the wall time; its wall
+time was 1.36-2.79x shorter in the same runs (load moves that ratio; the quiet rerun is the lead's).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from hetero import blas
+from hetero.cache import KVCache, LayerCache, ModelCache
+
+MIN_TOKENS = 17  # chunks of at most 16 tokens run compiled steps (`RECURRENT_MAX_TOKENS`): the calling thread's lane
+ENV = "HETERO_PREFILL_WAVEFRONT"
+LANE_THREAD = "hetero-prefill-lane"
+
+
+def enabled() -> bool:
+    """Whether this process may prefill by wavefront: a CPU default device, two cores or more that it may run on, and
+    not turned off."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return mx.default_device() == mx.cpu and cores >= 2
+
+
+def applies(model, edges: list[int]) -> bool:
+    """Whether a prefill cut at `edges` goes by wavefront: `enabled`, a backbone that runs layer by layer
+    (`begin` / `run_layer` / `end`), and at least two chunks long enough for the second lane."""
+    backbone = getattr(model, "model", None)
+    if not enabled() or not all(hasattr(backbone, f) for f in ("begin", "run_layer", "end")):
+        return False
+    return sum(b - a >= MIN_TOKENS for a, b in zip(edges, edges[1:])) >= 2
+
+
+_blas_lock = threading.Lock()
+_blas_users = [0, None]  # wavefronts running, MKL's thread count before the first of them
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """MKL at one thread while the lanes run (each lane's matmuls on its own core), its count restored when the
+    last wavefront running in this process ends."""
+    handle = blas._state.handle if blas._state.kind == "mkl" else None
+    if handle is None or blas._state.layer == "sequential":
+        yield
+        return
+    with _blas_lock:
+        if _blas_users[0] == 0:
+            _blas_users[1] = handle.MKL_Get_Max_Threads()
+            handle.MKL_Set_Num_Threads(ctypes.c_int(1))
+        _blas_users[0] += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users[0] -= 1
+            if _blas_users[0] == 0:
+                handle.MKL_Set_Num_Threads(ctypes.c_int(_blas_users[1]))
+
+
+class _Lane:
+    """The second lane: one thread for the process's life with its own MLX stream, running one job at a time. (A
+    stream made per prefill would leave a scheduler thread behind each time: MLX never ends a stream's thread.)"""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has no such thread: it makes its own
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=LANE_THREAD, daemon=True).start()
+
+    def _serve(self) -> None:
+        with mx.stream(mx.new_stream(mx.cpu)):  # MLX's streams belong to the thread that made them
+            while True:
+                job, done = self.jobs.get()
+                try:
+                    job()
+                finally:
+                    done.set()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Queue `job`; the event is set once it ran."""
+        done = threading.Event()
+        self.jobs.put((job, done))
+        return done
+
+
+_lane: list[_Lane] = []
+_lane_lock = threading.Lock()
+
+
+def _second_lane() -> _Lane:
+    with _lane_lock:
+        if not _lane or _lane[0].pid != os.getpid():
+            _lane[:] = [_Lane()]
+        return _lane[0]
+
+
+class _Aborted(Exception):
+    """The other lane failed: this one stops (the other lane's error is raised)."""
+
+
+class _Front:
+    """What the lanes share: the (chunk, layer) pairs done, the reports queued for the calling thread, a failure."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.done: set[tuple[int, int]] = set()
+        self.reports: deque[Callable[[], None]] = deque()
+        self.failed: list[BaseException] = []
+
+    def mark(self, k: int, layer: int) -> None:
+        with self.cond:
+            self.done.add((k, layer))
+            self.cond.notify_all()
+
+    def report(self, fn: Callable[[], None]) -> None:
+        with self.cond:
+            self.reports.append(fn)
+            self.cond.notify_all()
+
+    def fail(self, e: BaseException) -> None:
+        with self.cond:
+            self.failed.append(e)
+            self.cond.notify_all()
+
+    def wait(self, k: int, layer: int, caller: bool) -> None:
+        """Until chunk k finished `layer`; the calling thread (`caller`) runs the queued reports meanwhile."""
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: (k, layer) in self.done or self.failed or (caller and self.reports))
+                if self.failed:
+                    raise _Aborted
+                ready = (k, layer) in self.done
+            if caller:
+                self.drain()
+            if ready:
+                return
+
+    def drain(self) -> None:
+        """Run the queued reports, in order (on the calling thread)."""
+        while True:
+            with self.cond:
+                if not self.reports:
+                    return
+                fn = self.reports.popleft()
+            fn()
+
+
+def frozen(c: LayerCache) -> LayerCache:
+    """Layer cache `c` as it stands, unaffected by the next chunk's writes (the prefix cache's checkpoint reads it
+    while the other lane writes on): a shallow copy, since a chunk rebinds the recurrent states (GDN state and conv
+    window, PLE context and conv window, QSA index keys), with the attention buffers cut at the offset, since a
+    chunk writes those in place (rows past the offset only, but on the array objects themselves)."""
+    at = copy.copy(c)
+    if isinstance(c, KVCache) and c.keys is not None:
+        buffers = c.state if getattr(c, "index_keys", None) is None else c.state[:-1]  # K/V (quantized: 6 arrays)
+        at._set_buffers([a[:, :, : c.offset] for a in buffers])
+        mx.eval(*at.state)  # views, evaluated on this lane (a stream is its thread's): the caller reads them
+    ple = getattr(c, "ple", None)
+    if ple is not None:
+        at.ple = copy.copy(ple)
+    return at
+
+
+def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
+        after: Callable[[int, mx.array], Callable[[ModelCache | None], None] | None], views: bool = False) -> None:
+    """Prefill tokens[edges[0]:edges[-1]] chunk by chunk (chunk k = tokens[edges[k]:edges[k+1]]) into `cache` on two
+    lanes. `after(k, h)` runs on chunk k's lane once its backbone is done (h: `model.model`'s output [1, S, H]), in
+    chunk order (chunk k's after chunk k-1's returned): it may write caches past the backbone's (the MTP head's) and
+    must evaluate what it keeps. What it returns, `report(view)` (progress, a checkpoint), runs on the calling
+    thread, in chunk order; an exception there stops both lanes and reaches the caller. `view` is, with `views`, the
+    cache as it stood at chunk k's edge (`frozen` layers, the MTP head's as `after` left them), else None.
+    What the lanes read must be evaluated before (`cache`'s arrays, anything `after` reads): a lazy array built on
+    the calling thread's stream cannot be evaluated on the other lane's thread."""
+    backbone, layers = model.model, len(model.model.layers)
+    chunks = list(zip(edges, edges[1:]))
+    front = _Front()
+    caller = threading.current_thread()
+    at_edge: dict[int, list] = {}  # chunk -> its frozen layer caches (with `views`)
+
+    def chunk(k: int, mine: bool) -> None:
+        start, stop = chunks[k]
+        h, ctx = backbone.begin(mx.array(tokens[start:stop])[None])  # [1, S, H]
+        for i in range(layers):
+            if k:
+                front.wait(k - 1, i, mine)
+            c = cache.backbone[i]
+            h = backbone.run_layer(i, h, ctx, c)
+            mx.eval(h, *c.state)
+            if views:
+                at_edge.setdefault(k, []).append(frozen(c))
+            front.mark(k, i)
+        if k:
+            front.wait(k - 1, layers, mine)
+        report = after(k, backbone.end(h))  # the MTP head's pairs: its caches stand at chunk k's edge now
+        held = at_edge.pop(k, [])
+        if report is not None:
+            view = ModelCache(held, [frozen(c) for c in cache.mtp]) if views else None
+            front.report(lambda: report(view))
+        front.mark(k, layers)
+        if mine:
+            front.drain()
+
+    def lane(ks: list[int]) -> None:
+        mine = threading.current_thread() is caller
+        try:
+            for k in ks:
+                chunk(k, mine)
+            if mine:
+                front.wait(len(chunks) - 1, layers, mine)  # the other lane's last chunk, its reports run here
+        except _Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001 (raised again on the calling thread)
+            front.fail(e)
+
+    # Chunks alternate between the lanes, the last one on the calling thread's; so does a short chunk: both run
+    # compiled steps (the last one's logits), which compile once per thread and stay with the caller's. Each lane
+    # takes its chunks in order, so neither waits on work queued behind its own.
+    ks = [[], []]
+    for k, (a, b) in enumerate(chunks):
+        ks[(len(chunks) - 1 - k) % 2 if b - a >= MIN_TOKENS else 0].append(k)
+    with one_blas_thread():
+        other = _second_lane().submit(lambda: lane(ks[1]))
+        lane(ks[0])
+        other.wait()
+    if front.failed:
+        raise front.failed[0]
