@@ -17,6 +17,7 @@ from hetero.calibrate import calibrate
 from hetero.chat_contract import chat_contract
 from hetero.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
 from hetero.decode.depth import decode_depth
+from hetero.decode import wavefront
 from hetero.decode.prefill import prefill
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
@@ -126,7 +127,7 @@ class Engine:
             raise HeteroError(
                 f"the prompt has {n} tokens{cached} but the model's context window is {self.max_context}; shorten it"
             )
-        check_prompt_fits(self.model, held + n, self.memory_gb)
+        check_prompt_fits(self.model, held + n, self.memory_gb, wavefront.chunks_in_flight())
 
     @property
     def image_marker(self) -> str:

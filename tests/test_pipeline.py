@@ -334,19 +334,39 @@ def test_prompt_beyond_the_governors_window_is_refused(tiny_checkpoint, capsys):
     """A memory size that leaves KV room for 1000 tokens: the window is 512 (aligned down to the 512-token chunk),
     and a 600-token prompt is refused with the reason."""
     import hetero
+    from hetero.decode import wavefront
     from hetero.planner import loaded_budget
 
     engine = hetero.load(tiny_checkpoint)
-    b = loaded_budget(engine.model, 100.0)
+    in_flight = wavefront.chunks_in_flight()  # the engine counts both lanes' chunks where it prefills by wavefront
+    b = loaded_budget(engine.model, 100.0, in_flight=in_flight)
     fixed = sum(n for name, n in b.lines if not name.startswith(("KV cache", "unused")))
     engine.memory_gb = (fixed + 1000 * b.kv_bytes_per_token) / 0.75 / 1e9
-    assert loaded_budget(engine.model, engine.memory_gb).context_window == 512  # aligned down to the chunk (512)
+    assert loaded_budget(engine.model, engine.memory_gb, in_flight=in_flight).context_window == 512  # aligned down
     engine.encode_prompt([5] * 100)
     with pytest.raises(HeteroError, match="memory governor's context window is 512"):
         engine.encode_prompt([5] * 600)
     gb = f"{engine.memory_gb:.9f}"
     assert main(["run", "--model", str(tiny_checkpoint), "--prompt", "x " * 700, "--memory-gb", gb]) == 1
     assert "memory governor" in capsys.readouterr().err
+
+
+def test_the_governor_counts_both_wavefront_lanes_chunks(tiny_checkpoint, monkeypatch):
+    """A CPU wavefront prefill holds two chunks' buffers at once: with room for 1000 KV tokens beside two chunks,
+    the window is 512 and a 600-token prompt is refused; the same memory with one lane holds it."""
+    import hetero
+    from hetero.decode import wavefront
+    from hetero.planner import loaded_budget
+
+    engine = hetero.load(tiny_checkpoint)
+    b = loaded_budget(engine.model, 100.0, in_flight=2)
+    fixed = sum(n for name, n in b.lines if not name.startswith(("KV cache", "unused")))
+    engine.memory_gb = (fixed + 1000 * b.kv_bytes_per_token) / 0.75 / 1e9
+    monkeypatch.setattr(wavefront, "enabled", lambda: True)
+    with pytest.raises(HeteroError, match="memory governor's context window is 512"):
+        engine.encode_prompt([5] * 600)
+    monkeypatch.setattr(wavefront, "enabled", lambda: False)
+    assert len(engine.encode_prompt([5] * 600)) == 600
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -66,6 +66,12 @@ def enabled() -> bool:
     return mx.default_device() == mx.cpu and cores >= 2
 
 
+def chunks_in_flight() -> int:
+    """Prefill chunks whose transient buffers live at once in this process: two when `enabled` (one per lane),
+    else one. The memory governor counts this many."""
+    return 2 if enabled() else 1
+
+
 def applies(model, edges: list[int]) -> bool:
     """Whether a prefill cut at `edges` goes by wavefront: `enabled`, a backbone that runs layer by layer
     (`begin` / `run_layer` / `end`), and at least two chunks long enough for the second lane."""
