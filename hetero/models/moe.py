@@ -45,6 +45,7 @@ import mlx.nn as nn
 import numpy as np
 
 from hetero.models import activations as act
+from hetero.models.fused import FusedProjection, products, project_inputs, run_products
 from hetero.models.linear import Linear
 
 # Which form of the routed experts runs (`SwitchGLU.form`; the measurements are in the module docstring)
@@ -132,7 +133,12 @@ class SwitchGLU(nn.Module):
     "sorted": the pairs ordered by expert, `gather_mm(sorted_indices=True)`;
     "grouped": the pairs ordered by expert and padded into `[experts, capacity]` rows, so that each expert's
     tokens are one matrix-matrix product (M = its token count) inside a single `gather_mm`.
+    gate_proj and up_proj run as one `gate|up` product [experts, 2 x hidden, dims] in every form once `fused.fuse`
+    has fused them (at load; module docstring).
     """
+
+    PROJECTIONS = ("gate_proj", "up_proj")
+    fused: FusedProjection | None = None
 
     def __init__(self, dims: int, hidden: int, num_experts: int):
         super().__init__()
@@ -141,8 +147,7 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(hidden, dims, num_experts)
 
     def _glu(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        g = self.gate_proj(x, indices, sorted_indices)  # [..., M, hidden]
-        u = self.up_proj(x, indices, sorted_indices)  # [..., M, hidden]
+        g, u = project_inputs(self, x, indices, sorted_indices)  # [..., M, hidden] each
         return self.down_proj(act.silu(g) * u, indices, sorted_indices)  # [..., M, dims]
 
     def form(self, tokens: int, pairs: int) -> str:
@@ -194,19 +199,20 @@ class SwitchGLU(nn.Module):
             return None
         padded = mx.concatenate([tokens, mx.zeros((1, tokens.shape[1]), dtype=tokens.dtype)])  # [N+1, dims]
         rows = padded[mx.array(layout.source)]  # [R, dims] each bucket's experts' tokens, then zero rows
-        if isinstance(self.gate_proj, QuantizedSwitchLinear):
-            # MLX's CPU gather_qmm runs its own kernel (~2 GFLOP/s here): dequantized once per chunk, the grouped rows
-            # are MKL sgemms (4-bit, bench MoE shape, 512 tokens: 368 ms against 2,837 ms; even near 64 tokens)
-            weights = [dequantized(p).astype(rows.dtype).swapaxes(-1, -2) for p in
-                       (self.gate_proj, self.up_proj, self.down_proj)]  # [E, in, out] each
-        else:
-            weights = [p["weight"].swapaxes(-1, -2) for p in (self.gate_proj, self.up_proj, self.down_proj)]
-        g, u, d = weights
+        def stacked(p: nn.Module) -> mx.array:  # [E, in, out]
+            if isinstance(p, QuantizedSwitchLinear):
+                # MLX's CPU gather_qmm runs its own kernel (~2 GFLOP/s here): dequantized once per chunk, the grouped
+                # rows are MKL sgemms (4-bit, bench MoE shape, 512 tokens: 368 ms against 2,837 ms; even near 64)
+                return dequantized(p).astype(rows.dtype).swapaxes(-1, -2)
+            return p["weight"].swapaxes(-1, -2)
+
+        gate_up = [(stacked(p), offsets) for p, offsets in products(self)]  # gate|up [E, dims, 2*hid] once fused
+        d = stacked(self.down_proj)  # [E, hid, dims]
         outs = []
         for start, experts, cap in layout.buckets:
             xb = rows[start : start + len(experts) * cap].reshape(len(experts), cap, -1)  # [n, cap, dims]
             ids = mx.array(experts)  # [n] each batch's expert
-            gate, up = mx.gather_mm(xb, g, rhs_indices=ids), mx.gather_mm(xb, u, rhs_indices=ids)  # [n, cap, hid]
+            gate, up = run_products(gate_up, lambda w: mx.gather_mm(xb, w, rhs_indices=ids))  # [n, cap, hid] each
             h = act.silu_mul_now(gate, up)  # a prefill chunk's (grouped runs no compiled step): numpy's exp
             outs.append(mx.gather_mm(h, d, rhs_indices=ids).reshape(len(experts) * cap, -1))  # [n*cap, dims]
         y = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [R, dims]
