@@ -200,10 +200,11 @@ def random_experts(dims: int, hidden: int, experts: int, bits: int | None, seed:
     return glu
 
 
-def assert_experts_identical(fused: moe.SwitchGLU, plain: moe.SwitchGLU, experts: int, k: int, dims: int) -> None:
+def assert_experts_identical(fused: moe.SwitchGLU, plain: moe.SwitchGLU, experts: int, k: int, dims: int,
+                             token_counts=(1, 5, 40)) -> None:
     """Every form (decode's pairs, sorted, the CPU prefill's grouped) gives the unfused experts' very numbers."""
     rng = np.random.default_rng(1)
-    for tokens in (1, 5, 40):
+    for tokens in token_counts:
         x = mx.array(rng.standard_normal((1, tokens, dims)).astype(np.float32))  # [1, S, dims]
         idx = mx.array(np.argsort(rng.random((1, tokens, experts)), axis=-1)[..., :k].astype(np.uint32))  # [1, S, k]
         for form in ("pairs", "sorted", "grouped"):
@@ -232,6 +233,19 @@ def test_moe_routed_and_shared_experts_fuse_gate_up(tmp_path):
     assert_experts_identical(glu, plain_glu, experts, block.top_k, dims)
     tokens = list(range(5, 30))
     np.testing.assert_allclose(logits(net, tokens), logits(plain, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_prefill_chunk_takes_numpys_swiglu_with_the_same_numbers(monkeypatch):
+    """A prefill chunk large enough for the grouped form's numpy SwiGLU: the fused product's halves, read in place
+    (`activations.silu_mul_halves_now`), give the separate products' very numbers."""
+    from hetero.models import activations as act
+
+    fused, plain = random_experts(64, 128, 8, bits=None), random_experts(64, 128, 8, bits=None)
+    fuse(fused)
+    halves, halves_now = [], act.silu_mul_halves_now
+    monkeypatch.setattr(act, "silu_mul_halves_now", lambda y: halves.append(y.size) or halves_now(y))
+    assert_experts_identical(fused, plain, 8, 2, 64, token_counts=(700,))
+    assert halves and max(halves) // 2 >= act.EAGER_MIN  # the fused form ran, in numpy
 
 
 def test_quantized_experts_fuse_as_one_quantized_stack():

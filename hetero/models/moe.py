@@ -223,8 +223,11 @@ class SwitchGLU(nn.Module):
         for start, experts, cap in layout.buckets:
             xb = rows[start : start + len(experts) * cap].reshape(len(experts), cap, -1)  # [n, cap, dims]
             ids = mx.array(experts)  # [n] each batch's expert
-            gate, up = run_products(gate_up, lambda w: mx.gather_mm(xb, w, rhs_indices=ids))  # [n, cap, hid] each
-            h = act.silu_mul_now(gate, up)  # a prefill chunk's (grouped runs no compiled step): numpy's exp
+            # a prefill chunk's SwiGLU (grouped runs no compiled step): numpy's exp
+            if len(gate_up) == 1:  # fused: [n, cap, 2*hid], gate|up
+                h = act.silu_mul_halves_now(mx.gather_mm(xb, gate_up[0][0], rhs_indices=ids))
+            else:
+                h = act.silu_mul_now(*run_products(gate_up, lambda w: mx.gather_mm(xb, w, rhs_indices=ids)))
             outs.append(mx.gather_mm(h, d, rhs_indices=ids).reshape(len(experts) * cap, -1))  # [n*cap, dims]
         y = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [R, dims]
         return y[mx.array(layout.pair_row)]  # [P, dims]
