@@ -42,11 +42,17 @@ gate rows and up rows are concatenated into one stack `[experts, 2 x width, dims
 order, whichever layout the checkpoint came in; a quantized stack's packed weight, scales and biases the same way,
 never dequantized), `gate_proj` / `up_proj` become views of its rows under their checkpoint names, and every form
 runs one `gather_mm` (or `gather_qmm`) for both instead of two. Each output channel is the same dot product as
-before, so the numbers are bitwise those of the separate products (tests/test_fused_projections.py). Measured with
-`bench/moe_prefill.py --parts fused` and one-thread CPU time (MKL_NUM_THREADS=1, `time.process_time`; 2-core
-machine shared with other jobs, load 7-10, so indicative), qwen4 bench shape (128 experts, width 128, hidden 256,
-top-10), 512 tokens in buckets: the gate and up products 13.95 ms fused against 14.37 ms separate (0.97x), the
-whole routed-expert block even (27.3 against 27.5 ms); a one-token decode step's experts 0.210 against 0.213 ms.
+before, so the numbers are bitwise those of the separate products (tests/test_fused_projections.py); the grouped
+form's numpy SwiGLU reads the product's two halves in place (`activations.silu_mul_halves_now`). Measured on the
+2-core machine while other jobs loaded it (load 5-10; indicative only, the lead reruns on a quiet machine):
+- `bench/moe_prefill.py --parts fused` (the whole routed-expert block, fastest of alternated runs, two threads):
+  a 512-token chunk at Qwen3.5-35B-A3B's shape 0.79x the unfused time (1,321 against 1,664 ms), at the qwen4
+  bench shape (128 experts, width 128, hidden 256, top-10) even (76.0 against 76.0 ms); one- and four-token calls
+  (decode, verify) 0.95-1.03x, all bitwise equal.
+- one thread, CPU time (MKL_NUM_THREADS=1, `time.process_time`), qwen4 shape, 512 tokens: the gate and up
+  products alone 13.95 ms fused against 14.37 ms separate (0.97x), the whole block 27.9 against 28.2 ms (0.99x);
+  the qwen4 bench model's whole 4K prefill, 8 alternated rounds, median 7.03 s against 7.22 s with only the experts
+  unfused (0.97x; single runs spread 6.8-8.3 s), a decode step 22.2 against 23.4 ms, the same tokens.
 """
 
 from __future__ import annotations
