@@ -7,7 +7,8 @@
   (token, expert) pair, ordered by expert), "grouped" with one capacity for every expert (the largest count), and
   "grouped" in buckets of experts of similar counts (`hetero.models.moe.Buckets`, what hetero runs), at
   Qwen3.5-35B-A3B's expert shape (256 experts) and the bench MoE's (64), top-8, a random router.
-- `fused`: the bound of a further change: gate and up projections as one stacked product per bucket.
+- `fused`: the routed experts with gate and up fused into one stacked product at load (what hetero runs) against
+  the same experts unfused, at a decode step's, a verify pass's and a prefill chunk's token counts.
 - `conv`: the GDN's short convolution over a 512-token chunk, MLX's depthwise `nn.Conv1d` against the shifted
   multiply-adds hetero runs (`causal_depthwise_conv`), at the channel counts of the bundled model, the bench MoE and
   Qwen3.5-35B-A3B.
@@ -37,6 +38,7 @@ from bench.checkpoints import MOE, checkpoint  # noqa: E402
 from bench.coreml_export import alternate  # noqa: E402
 from hetero.loader import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.models import moe  # noqa: E402
+from hetero.models.fused import fuse  # noqa: E402
 from hetero.models.qwen3_5 import ModelArgs, causal_depthwise_conv  # noqa: E402
 
 EXPERT_SHAPES = {  # name: (experts, hidden, expert width, token counts)
@@ -44,6 +46,7 @@ EXPERT_SHAPES = {  # name: (experts, hidden, expert width, token counts)
     "bench-moe": (64, 1024, 256, [128, 512, 1024]),
 }
 TOP_K = 8
+FUSED_SHAPES = {"qwen4": (128, 256, 128, 10), "35b-a3b": (256, 2048, 512, 8)}  # experts, hidden, width, top-k
 
 
 def fastest_ms(fns: dict, repeats: int) -> dict:
@@ -83,39 +86,33 @@ def forms(repeats: int) -> list[dict]:
 
 
 def fused(repeats: int) -> list[dict]:
-    """The bound of one more design change: gate and up projections stored as one [E, 2 x width, hidden] stack, so
-    each bucket runs one wider product instead of two (the weights concatenated beforehand, not timed)."""
+    """The routed experts as hetero loads them, gate and up fused into one [E, 2 x width, hidden] stack
+    (`fused.fuse`), against the same experts unfused (`fuse_projections=False`), on the same weights and routing:
+    a decode step (1 token, "pairs"), a verify pass (4 tokens) and a prefill chunk (512 tokens, "grouped" on the
+    CPU), at Qwen3.5-35B-A3B's expert shape (top-8) and the qwen4 bench model's (128 experts of width 128 over
+    hidden 256, top-10). Also checks that both give the same numbers (bitwise)."""
     rows = []
-    for shape, (experts, dims, width, token_counts) in EXPERT_SHAPES.items():
+    for shape, (experts, dims, width, k) in FUSED_SHAPES.items():
+        plain = moe.SwitchGLU(dims, width, experts)
+        plain.update({n: {"weight": mx.random.normal(p["weight"].shape) * dims**-0.5}
+                      for n, p in plain.children().items()})
+        mx.eval(plain.parameters())
         glu = moe.SwitchGLU(dims, width, experts)
-        glu.update({n: {"weight": mx.random.normal(p["weight"].shape) * dims**-0.5} for n, p in glu.children().items()})
-        g, u, d = (p["weight"].swapaxes(-1, -2) for p in (glu.gate_proj, glu.up_proj, glu.down_proj))  # [E, in, out]
-        gu = mx.concatenate([g, u], axis=-1)  # [E, hidden, 2 x width]
-        mx.eval(glu.parameters(), gu)
-        n = token_counts[-2]
-        idx = mx.argsort(-mx.random.normal((1, n, experts)), axis=-1)[..., :TOP_K].astype(mx.uint32)  # [1, N, k]
-        x = mx.random.normal((n, dims))  # [N, dims]
-        mx.eval(idx, x)
-        layout = moe.Buckets.of(np.array(idx.reshape(-1)), experts, TOP_K)
-        rows_x = mx.concatenate([x, mx.zeros((1, dims))])[mx.array(layout.source)]  # [R, dims]
-        mx.eval(rows_x)
-
-        def run(fuse: bool) -> None:
-            outs = []
-            for start, ids, cap in layout.buckets:
-                xb = rows_x[start : start + len(ids) * cap].reshape(len(ids), cap, dims)  # [n, cap, dims]
-                e = mx.array(ids)
-                if fuse:
-                    gate, up = mx.split(mx.gather_mm(xb, gu, rhs_indices=e), 2, axis=-1)  # [n, cap, width] each
-                else:
-                    gate, up = mx.gather_mm(xb, g, rhs_indices=e), mx.gather_mm(xb, u, rhs_indices=e)
-                outs.append(mx.gather_mm(nn.silu(gate) * up, d, rhs_indices=e))
-            mx.eval(outs)
-
-        ms = fastest_ms({"separate": lambda: run(False), "fused": lambda: run(True)}, repeats)
-        rows.append({"shape": shape, "tokens": n, "ms": ms, "ratio": round(ms["fused"] / ms["separate"], 3)})
-        print(f"fused {shape:9s} {n:5d} tokens: gate and up separate {ms['separate']:7.1f} ms, fused "
-              f"{ms['fused']:7.1f} ms -> {ms['fused'] / ms['separate']:.2f}", flush=True)
+        glu.update(plain.parameters())
+        fuse(glu)
+        for n in (1, 4, 512):
+            idx = mx.argsort(-mx.random.normal((1, n, experts)), axis=-1)[..., :k].astype(mx.uint32)  # [1, N, k]
+            x = mx.random.normal((1, n, dims))  # [1, N, dims]
+            mx.eval(idx, x)
+            same = bool(mx.array_equal(glu(x, idx), plain(x, idx)).item())
+            ms = fastest_ms({"separate": lambda: mx.eval(plain(x, idx)), "fused": lambda: mx.eval(glu(x, idx))},
+                            repeats * (20 if n < 512 else 1))  # a few-token call is short: more runs
+            form = glu.form(n, n * k)
+            rows.append({"shape": shape, "tokens": n, "form": form, "ms": ms, "same": same,
+                         "ratio": round(ms["fused"] / ms["separate"], 3)})
+            print(f"fused {shape:9s} {n:5d} tokens ({form:7s}): routed experts, gate and up separate "
+                  f"{ms['separate']:7.2f} ms, fused {ms['fused']:7.2f} ms -> {ms['fused'] / ms['separate']:.2f} "
+                  f"(same numbers: {same})", flush=True)
     return rows
 
 

@@ -208,6 +208,8 @@ PREFILL_ACTIVATIONS = [  # ours (numpy's exp on a large array), float64 oracle
     (act.exp_now, np.exp),
     (act.silu_now, lambda x: x / (1 + np.exp(-x))),
     (lambda x: act.silu_mul_now(x, x * 0.5 + 1), lambda x: x / (1 + np.exp(-x)) * (x * 0.5 + 1)),
+    (lambda x: act.silu_mul_halves_now(mx.concatenate([x, x * 0.5 + 1], axis=-1)),
+     lambda x: x / (1 + np.exp(-x)) * (x * 0.5 + 1)),
 ]
 
 
@@ -227,6 +229,15 @@ def test_prefill_activations_are_as_accurate_and_leave_their_inputs(ours, oracle
     ours(x)
     ours(x[:100])  # small: the lazy power form
     assert len(exps) == 1
+
+
+def test_silu_mul_of_fused_halves_equals_silu_mul_of_the_split_halves():
+    """A fused gate|up product's SwiGLU read in place gives the very numbers of the split halves' (`moe.SwitchGLU`'s
+    grouped form runs the first once gate and up are one product)."""
+    y = mx.random.normal((40, 45, 256)) * 4  # a routed-expert bucket's [experts, capacity, 2 x width]
+    assert y[..., :128].size >= act.EAGER_MIN
+    gate, up = mx.split(y, [128], axis=-1)
+    assert mx.array_equal(act.silu_mul_halves_now(y), act.silu_mul_now(gate, up))
 
 
 def test_prefill_activations_stay_lazy_and_differentiable_in_training():

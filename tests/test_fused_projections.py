@@ -1,5 +1,6 @@
-"""Each layer's input projections fused at load (`hetero.models.fused`): GDN qkv|z|b|a, attention q|k|v and SwiGLU
-gate|up as one product each, quantized ones as quantized products, the checkpoint's names kept for every reader.
+"""Each layer's input projections fused at load (`hetero.models.fused`): GDN qkv|z|b|a, attention q|k|v, SwiGLU
+gate|up and the routed experts' gate|up as one product each, quantized ones as quantized products, the checkpoint's
+names kept for every reader.
 
 The fused products must give what the separate ones give (per layer, at the row counts that take the CPU's
 transposed path and those that do not), the loaded models the same logits and greedy tokens as loaded unfused,
@@ -12,12 +13,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 import hetero
 from converters.hf_export import hf_config, save_hf_checkpoint
 from hetero.distributed.shard import load_share
 from hetero.loader import load_model, read_config
+from hetero.models import moe
 from hetero.models.args import ModelArgs
 from hetero.models.fused import FusedProjection, fuse, project_inputs, unfuse
 from hetero.models.qwen3_5 import MLP, Attention, GatedDeltaNet, Model
@@ -186,15 +188,80 @@ def test_distributed_share_fuses_only_its_own_layers(tiny):
     assert net.layers[2].linear_attn.fused is None and net.layers[2].mlp.fused is None  # another rank's placeholders
 
 
-def test_moe_shared_expert_fuses_and_routed_experts_stay(tmp_path):
+def random_experts(dims: int, hidden: int, experts: int, bits: int | None, seed: int = 0) -> moe.SwitchGLU:
+    """Routed experts with N(0, 1/dims) weights, 4-bit quantized (group 32) when `bits`, evaluated."""
+    glu = moe.SwitchGLU(dims, hidden, experts)
+    rng = np.random.default_rng(seed)
+    glu.update(tree_unflatten([(n, mx.array((rng.standard_normal(p.shape) / np.sqrt(dims)).astype(np.float32)))
+                               for n, p in tree_flatten(glu.parameters())]))
+    if bits:
+        nn.quantize(glu, group_size=32, bits=bits)
+    mx.eval(glu.parameters())
+    return glu
+
+
+def assert_experts_identical(fused: moe.SwitchGLU, plain: moe.SwitchGLU, experts: int, k: int, dims: int,
+                             token_counts=(1, 5, 40)) -> None:
+    """Every form (decode's pairs, sorted, the CPU prefill's grouped) gives the unfused experts' very numbers."""
+    rng = np.random.default_rng(1)
+    for tokens in token_counts:
+        x = mx.array(rng.standard_normal((1, tokens, dims)).astype(np.float32))  # [1, S, dims]
+        idx = mx.array(np.argsort(rng.random((1, tokens, experts)), axis=-1)[..., :k].astype(np.uint32))  # [1, S, k]
+        for form in ("pairs", "sorted", "grouped"):
+            got, want = np.array(fused(x, idx, form)), np.array(plain(x, idx, form))
+            assert np.array_equal(got, want), (tokens, form, np.abs(got - want).max())
+
+
+def test_moe_routed_and_shared_experts_fuse_gate_up(tmp_path):
     from tests.test_pipeline_moe import write_moe_checkpoint
 
     path = write_moe_checkpoint(tmp_path / "moe") or tmp_path / "moe"
     net, _, _ = load_model(path, dtype=mx.float32)
     plain, _, _ = load_model(path, dtype=mx.float32, fuse_projections=False)
-    moe = net.layers[0].mlp
-    assert moe.shared_expert.fused is not None and len(moe.shared_expert.fused.products) == 1
-    assert getattr(moe.switch_mlp, "fused", None) is None  # routed experts: as they are
-    assert_same_outputs(moe.shared_expert, 3)
+    block, plain_block = net.layers[0].mlp, plain.layers[0].mlp
+    assert block.shared_expert.fused is not None and len(block.shared_expert.fused.products) == 1
+    assert_same_outputs(block.shared_expert, 3)
+    glu, plain_glu = block.switch_mlp, plain_block.switch_mlp
+    assert plain_glu.fused is None
+    experts, width, dims = plain_glu.gate_proj.weight.shape
+    for m in (glu, net.mtp.layers[0].mlp.switch_mlp):  # the MTP head's experts too
+        (product, offsets), = m.fused.products
+        assert isinstance(product, moe.SwitchLinear) and product.weight.shape == (experts, 2 * width, dims)
+        assert offsets == [width] and m.fused.matches(m)
+    for name in ("gate_proj", "up_proj"):  # the parts: views of the product's rows, the checkpoint's values
+        assert np.array_equal(np.array(glu[name].weight), np.array(plain_glu[name].weight)), name
+    assert_experts_identical(glu, plain_glu, experts, block.top_k, dims)
     tokens = list(range(5, 30))
     np.testing.assert_allclose(logits(net, tokens), logits(plain, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_prefill_chunk_takes_numpys_swiglu_with_the_same_numbers(monkeypatch):
+    """A prefill chunk large enough for the grouped form's numpy SwiGLU: the fused product's halves, read in place
+    (`activations.silu_mul_halves_now`), give the separate products' very numbers."""
+    from hetero.models import activations as act
+
+    fused, plain = random_experts(64, 128, 8, bits=None), random_experts(64, 128, 8, bits=None)
+    fuse(fused)
+    halves, halves_now = [], act.silu_mul_halves_now
+    monkeypatch.setattr(act, "silu_mul_halves_now", lambda y: halves.append(y.size) or halves_now(y))
+    assert_experts_identical(fused, plain, 8, 2, 64, token_counts=(700,))
+    assert halves and max(halves) // 2 >= act.EAGER_MIN  # the fused form ran, in numpy
+
+
+def test_quantized_experts_fuse_as_one_quantized_stack():
+    fused, plain = random_experts(64, 32, 6, bits=4), random_experts(64, 32, 6, bits=4)
+    assert fuse(fused) == 1
+    (product, offsets), = fused.fused.products
+    assert isinstance(product, moe.QuantizedSwitchLinear) and (product.bits, product.group_size) == (4, 32)
+    assert product.weight.dtype == mx.uint32 and product.weight.shape == (6, 64, 64 * 4 // 32) and offsets == [32]
+    assert product.scales.shape == product.biases.shape == (6, 64, 2)  # packed rows, scales, biases: one stack
+    assert_experts_identical(fused, plain, 6, 2, 64)
+
+
+def test_experts_replaced_after_fusing_run_their_parts():
+    fused, plain = random_experts(64, 32, 6, bits=None), random_experts(64, 32, 6, bits=None)
+    fuse(fused)
+    for glu in (fused, plain):
+        nn.quantize(glu, group_size=32, bits=4)
+    assert not fused.fused.matches(fused)  # new parts: the float product is stale and never runs
+    assert_experts_identical(fused, plain, 6, 2, 64)

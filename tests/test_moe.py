@@ -270,6 +270,21 @@ def test_expert_layouts_load_to_identical_logits(layouts, forms_run):
         assert only(forms_run, form) and forms_run[form] == len(model.layers), forms_run
 
 
+def test_every_layout_loads_gate_and_up_as_the_checkpoints_fused_product(layouts):
+    """Fused at load, each MoE layer's routed gate|up product is transformers' own gate_up_proj, bit for bit, whichever
+    layout it came from (per expert, fused, switch_mlp), and runs as one product (`hetero.models.fused`)."""
+    from safetensors.numpy import load_file
+
+    written = load_file(str(layouts / "fused" / "model.safetensors"))
+    for layout in ("per_expert", "fused", "switch_mlp"):
+        model, _, _ = load_model(layouts / layout, dtype=mx.float32)
+        for i, layer in enumerate(model.layers):
+            (product, offsets), = layer.mlp.switch_mlp.fused.products
+            want = written[f"model.language_model.layers.{i}.mlp.experts.gate_up_proj"]  # [E, 2I, H]
+            assert np.array_equal(np.array(product.weight), want), (layout, i)
+            assert offsets == [want.shape[1] // 2]
+
+
 def test_mlx_lm_agrees_on_the_switch_mlp_checkpoint(layouts):
     """Oracle sanity: mlx-lm's own model of the converted checkpoint gives the same logits."""
     prompt = helpers.random_tokens(80, seed=3)

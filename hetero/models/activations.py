@@ -108,6 +108,31 @@ def silu_now(x: mx.array) -> mx.array:
     return out
 
 
+def silu_mul_halves_now(y: mx.array) -> mx.array:
+    """`silu(gate) * up` of a fused gate|up product's output y [..., 2 x w] (gate the first w channels, up the
+    rest), evaluated now: numpy reads both halves in place, where `silu_mul_now` on the two split views would
+    first copy the strided gate half (MLX's negation of a strided view: 0.23 ms against 0.09 ms for a routed-expert
+    bucket's [40, 45, 128]). The same numbers as `silu_mul_now(gate, up)`."""
+    w = y.shape[-1] // 2
+    if not _eager(y[..., :w]):  # as `silu_mul_now` decides for the gate half
+        return silu(y[..., :w]) * y[..., w:]
+    mx.eval(y)
+    a = np.asarray(y)
+    out = mx.zeros((*y.shape[:-1], w), dtype=y.dtype)  # [..., w] a fresh buffer for the result
+    mx.eval(out)
+    view = np.asarray(out)
+    if not (a.flags.c_contiguous and view.flags.c_contiguous and view.flags.writeable):
+        return silu(y[..., :w]) * y[..., w:]
+    gate, up = a[..., :w], a[..., w:]
+    np.negative(gate, out=view)
+    with np.errstate(over="ignore"):  # exp overflows to inf: gate / inf = 0, as it should
+        np.exp(view, out=view)
+    view += 1.0
+    np.divide(gate, view, out=view)
+    view *= up
+    return out
+
+
 def silu_mul_now(gate: mx.array, up: mx.array) -> mx.array:
     """`silu(gate) * up` of a prefill chunk's arrays (same shape), evaluated now (the routed experts' SwiGLU)."""
     if gate.shape != up.shape or (done := _exp_now(gate, -1.0)) is None:

@@ -36,6 +36,23 @@ One capacity for every expert (the largest count) ran 1.23x the pairs in rows at
 on (0.35-0.8x at 16-256 tokens, an earlier run), grouping over sorting from about 2 pairs per expert (an A/B run of
 the same code: 0.91x at 2, 0.80x at 64 experts x 8).
 Metal keeps "pairs"/"sorted" (mlx-lm's choice there; its sorted kernel is not measured here).
+
+Gate and up as one product: at load (`hetero.models.fused`, as for the dense layers' projections) each expert's
+gate rows and up rows are concatenated into one stack `[experts, 2 x width, dims]` (transformers' `gate_up_proj`
+order, whichever layout the checkpoint came in; a quantized stack's packed weight, scales and biases the same way,
+never dequantized), `gate_proj` / `up_proj` become views of its rows under their checkpoint names, and every form
+runs one `gather_mm` (or `gather_qmm`) for both instead of two. Each output channel is the same dot product as
+before, so the numbers are bitwise those of the separate products (tests/test_fused_projections.py); the grouped
+form's numpy SwiGLU reads the product's two halves in place (`activations.silu_mul_halves_now`). Measured on the
+2-core machine while other jobs loaded it (load 5-10; indicative only, the lead reruns on a quiet machine):
+- `bench/moe_prefill.py --parts fused` (the whole routed-expert block, fastest of alternated runs, two threads):
+  a 512-token chunk at Qwen3.5-35B-A3B's shape 0.79x the unfused time (1,321 against 1,664 ms), at the qwen4
+  bench shape (128 experts, width 128, hidden 256, top-10) even (76.0 against 76.0 ms); one- and four-token calls
+  (decode, verify) 0.95-1.03x, all bitwise equal.
+- one thread, CPU time (MKL_NUM_THREADS=1, `time.process_time`), qwen4 shape, 512 tokens: the gate and up
+  products alone 13.95 ms fused against 14.37 ms separate (0.97x), the whole block 27.9 against 28.2 ms (0.99x);
+  the qwen4 bench model's whole 4K prefill, 8 alternated rounds, median 7.03 s against 7.22 s with only the experts
+  unfused (0.97x; single runs spread 6.8-8.3 s), a decode step 22.2 against 23.4 ms, the same tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ import mlx.nn as nn
 import numpy as np
 
 from hetero.models import activations as act
+from hetero.models.fused import FusedProjection, products, project_inputs, run_products
 from hetero.models.linear import Linear
 
 # Which form of the routed experts runs (`SwitchGLU.form`; the measurements are in the module docstring)
@@ -132,7 +150,12 @@ class SwitchGLU(nn.Module):
     "sorted": the pairs ordered by expert, `gather_mm(sorted_indices=True)`;
     "grouped": the pairs ordered by expert and padded into `[experts, capacity]` rows, so that each expert's
     tokens are one matrix-matrix product (M = its token count) inside a single `gather_mm`.
+    gate_proj and up_proj run as one `gate|up` product [experts, 2 x hidden, dims] in every form once `fused.fuse`
+    has fused them (at load; module docstring).
     """
+
+    PROJECTIONS = ("gate_proj", "up_proj")
+    fused: FusedProjection | None = None
 
     def __init__(self, dims: int, hidden: int, num_experts: int):
         super().__init__()
@@ -141,8 +164,7 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(hidden, dims, num_experts)
 
     def _glu(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        g = self.gate_proj(x, indices, sorted_indices)  # [..., M, hidden]
-        u = self.up_proj(x, indices, sorted_indices)  # [..., M, hidden]
+        g, u = project_inputs(self, x, indices, sorted_indices)  # [..., M, hidden] each
         return self.down_proj(act.silu(g) * u, indices, sorted_indices)  # [..., M, dims]
 
     def form(self, tokens: int, pairs: int) -> str:
@@ -194,20 +216,24 @@ class SwitchGLU(nn.Module):
             return None
         padded = mx.concatenate([tokens, mx.zeros((1, tokens.shape[1]), dtype=tokens.dtype)])  # [N+1, dims]
         rows = padded[mx.array(layout.source)]  # [R, dims] each bucket's experts' tokens, then zero rows
-        if isinstance(self.gate_proj, QuantizedSwitchLinear):
-            # MLX's CPU gather_qmm runs its own kernel (~2 GFLOP/s here): dequantized once per chunk, the grouped rows
-            # are MKL sgemms (4-bit, bench MoE shape, 512 tokens: 368 ms against 2,837 ms; even near 64 tokens)
-            weights = [dequantized(p).astype(rows.dtype).swapaxes(-1, -2) for p in
-                       (self.gate_proj, self.up_proj, self.down_proj)]  # [E, in, out] each
-        else:
-            weights = [p["weight"].swapaxes(-1, -2) for p in (self.gate_proj, self.up_proj, self.down_proj)]
-        g, u, d = weights
+        def stacked(p: nn.Module) -> mx.array:  # [E, in, out]
+            if isinstance(p, QuantizedSwitchLinear):
+                # MLX's CPU gather_qmm runs its own kernel (~2 GFLOP/s here): dequantized once per chunk, the grouped
+                # rows are MKL sgemms (4-bit, bench MoE shape, 512 tokens: 368 ms against 2,837 ms; even near 64)
+                return dequantized(p).astype(rows.dtype).swapaxes(-1, -2)
+            return p["weight"].swapaxes(-1, -2)
+
+        gate_up = [(stacked(p), offsets) for p, offsets in products(self)]  # gate|up [E, dims, 2*hid] once fused
+        d = stacked(self.down_proj)  # [E, hid, dims]
         outs = []
         for start, experts, cap in layout.buckets:
             xb = rows[start : start + len(experts) * cap].reshape(len(experts), cap, -1)  # [n, cap, dims]
             ids = mx.array(experts)  # [n] each batch's expert
-            gate, up = mx.gather_mm(xb, g, rhs_indices=ids), mx.gather_mm(xb, u, rhs_indices=ids)  # [n, cap, hid]
-            h = act.silu_mul_now(gate, up)  # a prefill chunk's (grouped runs no compiled step): numpy's exp
+            # a prefill chunk's SwiGLU (grouped runs no compiled step): numpy's exp
+            if len(gate_up) == 1:  # fused: [n, cap, 2*hid], gate|up
+                h = act.silu_mul_halves_now(mx.gather_mm(xb, gate_up[0][0], rhs_indices=ids))
+            else:
+                h = act.silu_mul_now(*run_products(gate_up, lambda w: mx.gather_mm(xb, w, rhs_indices=ids)))
             outs.append(mx.gather_mm(h, d, rhs_indices=ids).reshape(len(experts) * cap, -1))  # [n*cap, dims]
         y = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [R, dims]
         return y[mx.array(layout.pair_row)]  # [P, dims]
