@@ -157,6 +157,16 @@ class Batch:
         self._solo = None
         _settle([request])
 
+    def prime(self) -> None:
+        """Queue the next round's pass now when a lone plain row takes the solo round (`_solo_round`): the caller's
+        handling of the tokens the row has already (its first, from the prefill) then overlaps that pass, as it
+        overlaps the next pass in every later round; the bare step loop queues its first step before it reads the
+        prefill's token too. A no-op for anything else; a row that joins or leaves before the next `step` drops
+        the queued pass as it drops any other (`_drop_ahead`)."""
+        if len(self.rows) == 1 and self._ahead is None and self._alone(self.rows[0]):
+            r = self.rows[0]
+            self._ahead = self._solo_pass(r, mx.array([[r.decoder.x]]))
+
     def drain(self) -> Iterator[dict[Row, list[int]]]:
         """Rounds until every request is done (`step`'s results)."""
         while self.rows:
@@ -247,7 +257,8 @@ class Batch:
         if drawn is None:  # a penalizer counts x first: the draw is made now, queued ahead of the next pass
             drawn = r.sampler(r.penalizer(ahead.target[0, :1])[0]).reshape(1, 1)  # [1, 1]
             mx.async_eval(drawn)
-        self._ahead = self._solo_pass(r, drawn)
+        if len(r.tokens) + 1 < r.max_tokens:  # no pass past the row's last token: `_settle` would wait for it
+            self._ahead = self._solo_pass(r, drawn)
         t = drawn.item()  # the draw itself: an op on it (a slice) would queue behind the pass and wait for it
         d = r.decoder
         if r.logprobs is not None:  # the raw target row of the new token
@@ -294,8 +305,9 @@ class Batch:
         rnd.traced = [hidden[i, :1] if r.trace is not None else None for i, r in enumerate(rows)]  # [1, H] each
         mx.async_eval(drawn, [h for h in rnd.traced if h is not None])  # reading them never waits for the next pass
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
-        self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
-        mx.async_eval(self._ahead.target, self._ahead.hidden)
+        if all(len(r.tokens) + 1 < r.max_tokens for r in rows):  # a row ending here would drop the pass unused
+            self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
+            mx.async_eval(self._ahead.target, self._ahead.hidden)
         rnd.next = [int(t) for (t,) in drawn.tolist()]  # `drawn` itself: a slice of it would queue behind the pass
         rnd.accepted = [0] * len(rows)
         return rnd, target, hidden
