@@ -23,8 +23,9 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
 Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
 row at one token (plain decoding, or no drafts anywhere) the pass records nothing, and plain rows without a
 grammar or a commit hook queue the next round's pass before their tokens are read (`_plain_round`), so the model
-computes while the caller detokenizes. A lone such row (solo decoding, `Engine.stream`) needs none of a round's
-records: it decodes on its own caches, its draw made and queued with its pass, as the bare step loop runs
+computes while the caller detokenizes; no pass is queued past a row's last token by length. A lone such row (solo
+decoding, `Engine.stream`) needs none of a round's records: it decodes on its own caches, its draw made and queued
+with its pass, its first pass queued before its first token is handed out (`prime`), as the bare step loop runs
 (`_solo_round`). Rows join (prefilled
 alone, `start`) and leave between rounds; the rows' caches always hold their committed state (views into the
 batch's stacked GDN arrays), so a request that leaves takes a complete cache with it.
@@ -245,8 +246,8 @@ class Batch:
         """A plain round of a lone row, on its own caches, shaped as the bare step loop: no round record, no GDN
         caches rebuilt or committed, one `async_eval` per token.
 
-        The pass over x, queued by the last round (or run now), drew this round's token with it; the next pass is
-        queued over that draw before it is read, so `drawn.item()` waits for the draw alone and the host does this
+        The pass over x, queued by the last round (or by `prime`, or run now), drew this round's token with it; the
+        next pass is queued over that draw before it is read (unless the token is the row's last by length), so `drawn.item()` waits for the draw alone and the host does this
         token's bookkeeping (and its caller's, until the next `step`) while the model runs the next pass. The
         queued pass leaves the row's caches one token ahead; `_drop_ahead` puts them (and the sampler's key) back."""
         self._stacked, self._stacked_for = {}, []  # the batched rounds' stacked GDN states: stale from here on
