@@ -9,7 +9,10 @@ In one run, for plain decoding and MTP at --depth (the copy lane on, as `hetero 
 greedy, EOS ignored (the engine's `eos_ids` emptied), --tokens tokens after each of three short code prompts:
   step_loop     the bare compiled step loop: the model's forward and an argmax per token, the next step queued
                 with `mx.async_eval` before this token is read (mlx-lm's loop); for MTP the stepper's own loop
-                (`Batch.step` on one row), the innermost MTP loop there is;
+                (`Batch.step` on one row), the innermost MTP loop there is. A fair floor for plain decoding: it
+                reads every token id from MLX (what a stop check needs), queues its first step before it reads
+                the prefill's token and no step past its last token, as `decode_tokens` does; what it skips (the
+                EOS and length checks, the sampler object, the row's times) is microseconds a token;
   decode_tokens `hetero.decode.solo.decode_tokens`, the generator every engine path wraps;
   stream        `Engine.stream`: the events a library user reads, text detokenized;
   generate      `Engine.generate` with an `on_text` callback (`should_stop` polled per token, as the server does);

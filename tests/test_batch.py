@@ -192,6 +192,55 @@ def test_lone_plain_row_gives_way_to_joining_rows(models):
     assert_backbone_matches(model, a.decoder, PROMPTS[0] + a.tokens)
 
 
+def test_plain_rounds_queue_no_pass_past_a_last_token(models, monkeypatch):
+    """Plain rounds queue the next backbone pass before reading their tokens, but none past a row's last token by
+    length (it would be dropped unused, and a leaving row's settling waits for it): n tokens alone take n - 1 passes
+    after the prefill, the first queued before the first token is handed out (`Batch.prime`, as `decode_tokens`
+    does), and a batch whose rows end at different lengths runs one pass per round, with every row's solo tokens."""
+    model = models["rejecting"]
+    passes = {"solo": 0, "batch": 0}
+
+    def counted(kind, method):
+        def wrapper(self, *args):
+            passes[kind] += 1
+            return method(self, *args)
+        return wrapper
+
+    expected = solo(model, PROMPTS[0], 10, 0)
+    monkeypatch.setattr(Batch, "_solo_pass", counted("solo", Batch._solo_pass))
+    monkeypatch.setattr(Batch, "_verify", counted("batch", Batch._verify))
+    batch = Batch(model, max_batch=2)
+    a = batch.join(PROMPTS[0], Sampler(GREEDY), 10, set(), depth=0)
+    batch.prime()
+    assert batch._ahead is not None and passes == {"solo": 1, "batch": 0}  # queued before the first token is read
+    for _ in batch.drain():
+        pass
+    assert a.tokens == expected and passes == {"solo": 9, "batch": 0} and batch._ahead is None
+    passes.update(solo=0, batch=0)
+    b = batch.join(PROMPTS[1], Sampler(GREEDY), 6, set(), depth=0)  # 5 rounds together, then c alone for 3
+    c = batch.join(PROMPTS[2], Sampler(GREEDY), 9, set(), depth=0)
+    rounds = sum(1 for _ in batch.drain())
+    assert rounds == 8 and passes == {"solo": 3, "batch": 5}
+    assert b.tokens == solo(model, PROMPTS[1], 6, 0) and c.tokens == solo(model, PROMPTS[2], 9, 0)
+
+
+def test_a_primed_pass_gives_way_to_a_joining_row(models):
+    """The pass `Batch.prime` queues for a lone row, with its draw, is dropped by a row joining before the first
+    round: the row's GDN state and sampler key go back, and both rows get their solo tokens (seeded sampling)."""
+    model = models["rejecting"]
+    sampled = SamplingParams(temperature=0.9, top_p=0.95)
+    batch = Batch(model, max_batch=2)
+    a = batch.join(PROMPTS[0], Sampler(sampled, 3), 20, set(), depth=0)
+    batch.prime()
+    assert batch._ahead is not None and batch._ahead.drawn is not None
+    b = batch.join(PROMPTS[2], Sampler(GREEDY), 6, set(), depth=0)  # the first round drops a's queued pass
+    for _ in batch.drain():
+        pass
+    assert a.tokens == solo(model, PROMPTS[0], 20, 0, Sampler(sampled, 3))
+    assert b.tokens == solo(model, PROMPTS[2], 6, 0)
+    assert_backbone_matches(model, a.decoder, PROMPTS[0] + a.tokens)
+
+
 def assert_backbone_matches(model: Model, decoder, committed: list[int]) -> None:
     """A plain row's backbone caches hold exactly committed[:-1] (decoder.x last): the float64 oracle's arrays of
     them within the fp32 bound (batched rows run other matmul shapes, and so other summation orders, than any

@@ -25,6 +25,7 @@ def decode_tokens(model: Model, prompt: list[int], sampler: Sampler, max_tokens:
     batch = Batch(model, max_batch=1)
     row = batch.join(prompt, sampler, max_tokens, eos_ids, depth, copy, **options)
     try:
+        batch.prime()  # the next pass computes while the caller handles the first token
         yield from list(row.tokens)
         while not row.done:
             yield from batch.step().get(row, [])

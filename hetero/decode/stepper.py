@@ -23,8 +23,9 @@ alone: the same drafts, the same acceptance draws from its own key stream. One r
 Padding sits after a row's real tokens: nothing causal in the row reads it, and it writes no KV. With every
 row at one token (plain decoding, or no drafts anywhere) the pass records nothing, and plain rows without a
 grammar or a commit hook queue the next round's pass before their tokens are read (`_plain_round`), so the model
-computes while the caller detokenizes. A lone such row (solo decoding, `Engine.stream`) needs none of a round's
-records: it decodes on its own caches, its draw made and queued with its pass, as the bare step loop runs
+computes while the caller detokenizes; no pass is queued past a row's last token by length. A lone such row (solo
+decoding, `Engine.stream`) needs none of a round's records: it decodes on its own caches, its draw made and queued
+with its pass, its first pass queued before its first token is handed out (`prime`), as the bare step loop runs
 (`_solo_round`). Rows join (prefilled
 alone, `start`) and leave between rounds; the rows' caches always hold their committed state (views into the
 batch's stacked GDN arrays), so a request that leaves takes a complete cache with it.
@@ -157,6 +158,16 @@ class Batch:
         self._solo = None
         _settle([request])
 
+    def prime(self) -> None:
+        """Queue the next round's pass now when a lone plain row takes the solo round (`_solo_round`): the caller's
+        handling of the tokens the row has already (its first, from the prefill) then overlaps that pass, as it
+        overlaps the next pass in every later round; the bare step loop queues its first step before it reads the
+        prefill's token too. A no-op for anything else; a row that joins or leaves before the next `step` drops
+        the queued pass as it drops any other (`_drop_ahead`)."""
+        if len(self.rows) == 1 and self._ahead is None and self._alone(self.rows[0]):
+            r = self.rows[0]
+            self._ahead = self._solo_pass(r, mx.array([[r.decoder.x]]))
+
     def drain(self) -> Iterator[dict[Row, list[int]]]:
         """Rounds until every request is done (`step`'s results)."""
         while self.rows:
@@ -235,8 +246,8 @@ class Batch:
         """A plain round of a lone row, on its own caches, shaped as the bare step loop: no round record, no GDN
         caches rebuilt or committed, one `async_eval` per token.
 
-        The pass over x, queued by the last round (or run now), drew this round's token with it; the next pass is
-        queued over that draw before it is read, so `drawn.item()` waits for the draw alone and the host does this
+        The pass over x, queued by the last round (or by `prime`, or run now), drew this round's token with it; the
+        next pass is queued over that draw before it is read (unless the token is the row's last by length), so `drawn.item()` waits for the draw alone and the host does this
         token's bookkeeping (and its caller's, until the next `step`) while the model runs the next pass. The
         queued pass leaves the row's caches one token ahead; `_drop_ahead` puts them (and the sampler's key) back."""
         self._stacked, self._stacked_for = {}, []  # the batched rounds' stacked GDN states: stale from here on
@@ -247,7 +258,8 @@ class Batch:
         if drawn is None:  # a penalizer counts x first: the draw is made now, queued ahead of the next pass
             drawn = r.sampler(r.penalizer(ahead.target[0, :1])[0]).reshape(1, 1)  # [1, 1]
             mx.async_eval(drawn)
-        self._ahead = self._solo_pass(r, drawn)
+        if len(r.tokens) + 1 < r.max_tokens:  # no pass past the row's last token: `_settle` would wait for it
+            self._ahead = self._solo_pass(r, drawn)
         t = drawn.item()  # the draw itself: an op on it (a slice) would queue behind the pass and wait for it
         d = r.decoder
         if r.logprobs is not None:  # the raw target row of the new token
@@ -294,8 +306,9 @@ class Batch:
         rnd.traced = [hidden[i, :1] if r.trace is not None else None for i, r in enumerate(rows)]  # [1, H] each
         mx.async_eval(drawn, [h for h in rnd.traced if h is not None])  # reading them never waits for the next pass
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
-        self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
-        mx.async_eval(self._ahead.target, self._ahead.hidden)
+        if all(len(r.tokens) + 1 < r.max_tokens for r in rows):  # a row ending here would drop the pass unused
+            self._ahead = Ahead(rows, *self._verify(rows, rnd, drawn))
+            mx.async_eval(self._ahead.target, self._ahead.hidden)
         rnd.next = [int(t) for (t,) in drawn.tolist()]  # `drawn` itself: a slice of it would queue behind the pass
         rnd.accepted = [0] * len(rows)
         return rnd, target, hidden
