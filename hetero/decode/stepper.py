@@ -356,11 +356,10 @@ class Batch:
         M = max(m)
         tokens = mx.array([p + [0] * (M - len(p)) for p in pending])  # [B, M]
         if len(rows) == 1:  # nothing to pad
-            z = model.mtp_hidden(tokens, rows[0].decoder.pending_hidden[None], self._mtp_caches(rows, m))[:, -1:]
+            hidden = rows[0].decoder.pending_hidden[None]  # [1, M, H]
         else:
             hidden = mx.stack([mx.pad(r.decoder.pending_hidden, [(0, M - n), (0, 0)]) for r, n in zip(rows, m)])
-            z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m))  # [B, M, H]
-            z = z[mx.arange(len(rows)), mx.array(m) - 1][:, None]  # [B, 1, H] each row's last real position
+        z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m), last=True)  # [B, 1, H] each row's last pair
         for r in rows:
             r.decoder.pending_tokens, r.decoder.pending_hidden = [], r.decoder.pending_hidden[:0]
         drafts: list[list[mx.array]] = [[] for _ in rows]
