@@ -210,6 +210,37 @@ def test_catch_up_runs_the_last_pair_alone(ckpt):
     assert rows == [1]
 
 
+def test_prefill_writes_the_heads_keys_alone(ckpt, monkeypatch):
+    """Prefill with the head (chunks of 24 and 16 tokens: 23 pairs past the compiled step's size, then 16 within it)
+    fills the head's cache as the whole head pass over each chunk's pairs does, and runs its MoE for each chunk's last
+    pair alone (the head's outputs over a prompt are never read); over a prompt where its QSA drops keys."""
+    from hetero.models.moe import SparseMoeBlock
+
+    model, tokens = load(ckpt), _tokens(PROMPT, 8)
+    whole, mtp_hidden = model.make_cache(), type(model).mtp_hidden
+    with monkeypatch.context() as mp:
+        mp.setattr(type(model), "mtp_hidden", lambda self, *a, last=False: mtp_hidden(self, *a))
+        prefill(model, tokens, whole, chunk=24, mtp=True)
+    rows, call, head_moe = [], SparseMoeBlock.__call__, model.mtp.layers[0].mlp
+
+    def counted(self, x: mx.array) -> mx.array:
+        if self is head_moe:
+            rows.append(x.shape[1])
+        return call(self, x)
+
+    monkeypatch.setattr(SparseMoeBlock, "__call__", counted)
+    cache = model.make_cache()
+    mx.disable_compile()  # traced or not, the step's Python runs on every call
+    try:
+        prefill(model, tokens, cache, chunk=24, mtp=True)
+    finally:
+        mx.enable_compile()
+    assert rows == [1, 1]
+    assert cache.mtp[0].offset == whole.mtp[0].offset == PROMPT - 1
+    for a, b in zip(cache.mtp[0].state, whole.mtp[0].state, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)
+
+
 def test_batched_catch_up_takes_each_rows_own_last_pair(ckpt):
     """A batch's catch-up (`RaggedKV`, rows of 3 and 1 pending pairs, padded): each row's streams at its own last real
     pair, as the row's catch-up alone gives them, and each row's cache as alone."""

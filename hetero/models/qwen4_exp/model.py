@@ -95,11 +95,12 @@ class DecoderLayer(nn.Module):
         self._steps = LayerSteps(self)
 
     def __call__(self, h: mx.array, tokens: np.ndarray, cache, last: bool = False) -> mx.array:
-        """h [B, S, hc*d] over `cache` -> h' [B, S, hc*d]. `last` (the MTP head's catch-up): h' [B, 1, hc*d] of each
-        row's last real position; the compiled step writes every position's keys and runs the rest (the attention
-        proper, o_proj, the MoE) for that position alone."""
-        if self._steps.takes(h, cache):  # decode, verify and draft steps: compiled (`step.py`)
-            return self._steps.run(h, tokens, cache, last)
+        """h [B, S, hc*d] over `cache` -> h' [B, S, hc*d]. `last` (the MTP head's catch-up and prefill pairs): h'
+        [B, 1, hc*d] of each row's last real position; an attention layer writes every position's keys and runs
+        the rest (the attention proper, o_proj, the MoE) for that position alone (`LayerSteps`, uncompiled past a
+        few tokens)."""
+        if self._steps.takes(h, cache) or (last and not self.is_linear and cache is not None):
+            return self._steps.run(h, tokens, cache, last)  # decode, verify, draft and catch-up steps (`step.py`)
         if self.ple is not None:
             h = h + self.ple(h, tokens, cache.ple if cache is not None else None)
         mixer = self.linear_attn if self.is_linear else self.self_attn
@@ -233,9 +234,9 @@ class Model(nn.Module):
         """MTP step: next_tokens [B, S] (t_{p+1}) with streams [B, S, hc*d] (h_p: the backbone's, or the head's own
         output at the previous depth) -> the head's streams [B, S, hc*d]; `cache` is `make_cache().mtp`.
 
-        `last` (a catch-up before drafting): only [B, 1, hc*d], each row's last real position (a `RaggedKV` row's
-        own length). The head has one layer, so the earlier positions leave only their keys in its cache: over a
-        warm cache the attention, o_proj and the MoE run for the last position alone, not for every pair."""
+        `last` (a catch-up before drafting, a prefill chunk's pairs): only [B, 1, hc*d], each row's last real position
+        (a `RaggedKV` row's own length). The head has one layer, so the earlier positions leave only their keys in
+        its cache: the attention, o_proj and the MoE run for the last position alone, not for every pair."""
         if self.mtp is None:
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
         return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache, last)
