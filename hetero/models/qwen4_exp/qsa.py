@@ -267,6 +267,7 @@ class QSAAttention(Attention):
         `last` (over a cache): every position's keys written, the last query alone attends -> [B, H, 1, D] (the
         MTP head's catch-up, whose earlier positions leave nothing but their keys)."""
         S = queries.shape[2]
+        few = S <= RECURRENT_MAX_TOKENS  # a step (decode, verify, catch-up), not a prefill chunk
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, T, D]
         T = keys.shape[2]
@@ -278,10 +279,13 @@ class QSAAttention(Attention):
         else:
             q_index, k_index = index
             all_keys = cache.update_index(k_index) if cache is not None else k_index  # [B, T, Di]
-            if S == 1 and cache is not None:  # a decode step: attend to the picked keys alone, no mask
+            # A step's queries attend to their picked keys alone (the cache keeps the block keys for the next step);
+            # a prefill chunk's (its last query alone for the MTP head's pairs, whose output nothing reads) keep
+            # nothing in the cache: an unevaluated block key must not outlive the chunk's thread (the split prefill)
+            if S == 1 and cache is not None and few:  # a decode step: attend to the picked keys alone, no mask
                 return attend_picked(queries, keys, values, self.head_dim**-0.5,
                                      self.indexer.pick(q_index, all_keys, cache))
-            if cache is not None and S <= RECURRENT_MAX_TOKENS:  # verify, catch-up: each query its picked keys
+            if cache is not None and few:  # verify, catch-up: each query its picked keys
                 picked = self.indexer.pick_rows(q_index, all_keys, cache)
                 if picked is not None:
                     return attend_picked_rows(queries, keys, values, self.head_dim**-0.5, *picked)
