@@ -239,6 +239,54 @@ def head_pass_costs(model, prompt: list[int], repeats: int) -> dict[str, dict[in
     return out
 
 
+class Timed(Batch):
+    """The stepper with each MTP round's phases timed (`phases`: name -> seconds per round): "head" (the catch-up and
+    draft steps, built and evaluated), "verify build" (the pass's graph, made on the host while the model idles: the
+    PLE hashes the drafts there), "verify pass" (its evaluation and the acceptance), "commit". Evaluating the drafts
+    before the pass is what the round does anyway: the PLE needs their values."""
+
+    def __init__(self, model):
+        super().__init__(model, max_batch=1)
+        self.phases: dict[str, list[float]] = {"head": [], "verify build": [], "verify pass": [], "commit": []}
+        self._t = 0.0
+
+    def _lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name].append(now - self._t)
+        self._t = now
+
+    def _propose(self, rows, plans):
+        self._t = time.perf_counter()
+        rnd = super()._propose(rows, plans)
+        mx.eval([d for ds in rnd.drafts for d in ds if isinstance(d, mx.array)])
+        self._lap("head")
+        return rnd
+
+    def _verify(self, rows, rnd, tokens=None):
+        out = super()._verify(rows, rnd, tokens)
+        if tokens is None:
+            self._lap("verify build")
+        return out
+
+    def _accept(self, rows, rnd, target):
+        super()._accept(rows, rnd, target)
+        self._lap("verify pass")
+
+    def _commit_rows(self, rows, rnd, hidden):
+        super()._commit_rows(rows, rnd, hidden)
+        if rnd.mtp_ran(0):
+            self._lap("commit")
+
+
+def round_phases(model, prompt: list[int], depth: int, tokens: int) -> dict[str, float]:
+    """Median milliseconds of each phase of an MTP round at `depth` (`Timed`), over a greedy decode of `tokens`."""
+    batch = Timed(model)
+    row = batch.join(prompt, Sampler(SamplingParams()), tokens, set(), depth)
+    while not row.done:
+        batch.step()
+    return {name: statistics.median(t) * 1e3 for name, t in batch.phases.items() if t}
+
+
 QWEN4_AGREEING_ALPHA = 0.06  # the backbone's blocks scaled by this: the constructed head's drafts are mostly kept
 
 
@@ -308,6 +356,10 @@ def qwen4_part(args: argparse.Namespace) -> dict:
                 samples[s].append(stats)
                 outputs[s].append(tokens)
     differ = [s for s in settings if outputs[s] != outputs["plain"]]
+    round_phases(model, prompts[0], 3, 16)  # warm-up
+    phases = round_phases(model, prompts[0], 3, args.tokens)
+    print(f"qwen4 agreeing head, a depth-3 round's phases (ms, median): "
+          f"{json.dumps({k: round(v, 2) for k, v in phases.items()})}", flush=True)
     real = {}
     head_plain = statistics.median(r["decode_tps"] for r in samples["plain"])
     for s in settings:
@@ -327,7 +379,8 @@ def qwen4_part(args: argparse.Namespace) -> dict:
             "head_pass_vs_plain": head_cost,
             "forced_acceptance": forced,
             "forced_rates_note": "depths 1-3: the published 27B Qwen3.5 rates; 4 and 5 continue their last fall",
-            "agreeing_head": {"alpha": QWEN4_AGREEING_ALPHA, "settings": real, "prompt_tokens": 256,
+            "agreeing_head": {"alpha": QWEN4_AGREEING_ALPHA, "settings": real, "depth3_round_phases_ms": phases,
+                              "prompt_tokens": 256,
                               "decode_tokens": args.tokens, "greedy_identical_to_plain": not differ,
                               "differing_settings": differ}}
 
