@@ -14,7 +14,8 @@ tokens and of one draft step, each relative to a plain decode step; then tokens/
 forced per-depth rates (a benchmark-only mode that decides acceptance by coin flips and discards the output)
 against plain decoding: the speed-vs-acceptance curve. Copy lane off throughout, so MTP alone is measured.
 Part 3 (the random scaled-down Flash-Next of bench/checkpoints.py, `qwen4_exp`; not in `both`): draft depths 1..5.
-No trained Qwen4-Exp head exists here, and a random head accepts nothing, so two stand-ins: (a) the random model's
+The head's own cost first: a pass over M pending pairs with its draft logits, against a plain step, as the
+catch-up runs it (the last pair alone past its keys) and over every pair. No trained Qwen4-Exp head exists here, and a random head accepts nothing, so two stand-ins: (a) the random model's
 own step costs (verify over k+1 tokens, one draft step) and its speed under acceptance forced to the published
 27B Qwen3.5 rates, continued at depths 4 and 5 by the same fall per position (an assumption, said in the JSON); (b)
 real greedy decoding with a constructed head that agrees with the backbone (tests/test_qwen4_mtp.py `agreeing`:
@@ -26,6 +27,7 @@ plain decoding's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -210,6 +212,81 @@ def large_part(args: argparse.Namespace) -> dict:
             "blas_rows_vs_one_row": floor, "forced_acceptance": curve}
 
 
+def head_pass_costs(model, prompt: list[int], repeats: int) -> dict[str, dict[int, float]]:
+    """Seconds of one MTP head pass over M = 1..6 pending (token, hidden) pairs and its draft logits, over a warm head
+    cache: "last_pair" as the stepper's catch-up runs it (`mtp_hidden(last=True)`: every pair's keys, the rest for
+    the last pair alone; M = 1 is a draft step), "every_pair" the whole pass (what the catch-up ran before). Each
+    call gets fresh random pairs, so its tokens reach other experts than the call before."""
+    batch = Forced(model, (0.0,), np.random.default_rng(0))
+    cache = batch.join(prompt, Sampler(SamplingParams()), 10**6, set(), 1).decoder.mtp_cache
+    rng, width = np.random.default_rng(1), model.hidden_width
+    out: dict[str, dict[int, float]] = {"last_pair": {}, "every_pair": {}}
+    for m in range(1, 7):
+        pairs = [(mx.array(rng.integers(3, model.args.vocab_size, (1, m))), mx.array(rng.standard_normal((1, m, width)),
+                                                                                   mx.float32)) for _ in range(8)]
+        mx.eval(pairs)
+        for form, last in (("last_pair", True), ("every_pair", False)):
+            calls = itertools.count()
+
+            def head_pass() -> None:
+                tokens, hidden = pairs[next(calls) % len(pairs)]
+                z = model.mtp_hidden(tokens, hidden, cache, last=last)
+                mx.eval(model.draft_logits(z[:, -1:]))
+                for c in cache:
+                    c.trim_to(c.offset - m)
+
+            out[form][m] = median_seconds(head_pass, repeats)
+    return out
+
+
+class Timed(Batch):
+    """The stepper with each MTP round's phases timed (`phases`: name -> seconds per round): "head" (the catch-up and
+    draft steps, built and evaluated), "verify build" (the pass's graph, made on the host while the model idles: the
+    PLE hashes the drafts there), "verify pass" (its evaluation and the acceptance), "commit". Evaluating the drafts
+    before the pass is what the round does anyway: the PLE needs their values."""
+
+    def __init__(self, model):
+        super().__init__(model, max_batch=1)
+        self.phases: dict[str, list[float]] = {"head": [], "verify build": [], "verify pass": [], "commit": []}
+        self._t = 0.0
+
+    def _lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name].append(now - self._t)
+        self._t = now
+
+    def _propose(self, rows, plans):
+        self._t = time.perf_counter()
+        rnd = super()._propose(rows, plans)
+        mx.eval([d for ds in rnd.drafts for d in ds if isinstance(d, mx.array)])
+        self._lap("head")
+        return rnd
+
+    def _verify(self, rows, rnd, tokens=None):
+        out = super()._verify(rows, rnd, tokens)
+        if tokens is None:
+            self._lap("verify build")
+        return out
+
+    def _accept(self, rows, rnd, target):
+        super()._accept(rows, rnd, target)
+        self._lap("verify pass")
+
+    def _commit_rows(self, rows, rnd, hidden):
+        super()._commit_rows(rows, rnd, hidden)
+        if rnd.mtp_ran(0):
+            self._lap("commit")
+
+
+def round_phases(model, prompt: list[int], depth: int, tokens: int) -> dict[str, float]:
+    """Median milliseconds of each phase of an MTP round at `depth` (`Timed`), over a greedy decode of `tokens`."""
+    batch = Timed(model)
+    row = batch.join(prompt, Sampler(SamplingParams()), tokens, set(), depth)
+    while not row.done:
+        batch.step()
+    return {name: statistics.median(t) * 1e3 for name, t in batch.phases.items() if t}
+
+
 QWEN4_AGREEING_ALPHA = 0.06  # the backbone's blocks scaled by this: the constructed head's drafts are mostly kept
 
 
@@ -244,6 +321,11 @@ def qwen4_part(args: argparse.Namespace) -> dict:
         verify_cost[k + 1] = median_seconds(batch.step, args.repeats * 3) / plain_s
     print(f"qwen4: plain step {plain_s * 1e3:.1f} ms; verify cost vs plain step "
           f"{json.dumps({k: round(v, 3) for k, v in verify_cost.items()})}", flush=True)
+    head_cost = head_pass_costs(model, prompt, args.repeats * 5)
+    head_cost = {form: {m: t / plain_s for m, t in costs.items()} for form, costs in head_cost.items()}
+    print(f"qwen4: the head over M pending pairs with its draft logits vs plain step (M = 1: a draft step): "
+          f"last pair alone {json.dumps({k: round(v, 3) for k, v in head_cost['last_pair'].items()})}; "
+          f"every pair {json.dumps({k: round(v, 3) for k, v in head_cost['every_pair'].items()})}", flush=True)
     forced = {}
     rng = np.random.default_rng(0)
     for depth in depths:
@@ -274,6 +356,10 @@ def qwen4_part(args: argparse.Namespace) -> dict:
                 samples[s].append(stats)
                 outputs[s].append(tokens)
     differ = [s for s in settings if outputs[s] != outputs["plain"]]
+    round_phases(model, prompts[0], 3, 16)  # warm-up
+    phases = round_phases(model, prompts[0], 3, args.tokens)
+    print(f"qwen4 agreeing head, a depth-3 round's phases (ms, median): "
+          f"{json.dumps({k: round(v, 2) for k, v in phases.items()})}", flush=True)
     real = {}
     head_plain = statistics.median(r["decode_tps"] for r in samples["plain"])
     for s in settings:
@@ -290,9 +376,11 @@ def qwen4_part(args: argparse.Namespace) -> dict:
         print(f"qwen4 agreeing head {s:8s} {tps:7.1f} tok/s  {row['speedup']:5.2f}x{extra}", flush=True)
     return {"load_average": os.getloadavg(), "plain_step_s": plain_s, "plain_tps": plain_tps,
             "verify_cost_vs_plain": verify_cost,
+            "head_pass_vs_plain": head_cost,
             "forced_acceptance": forced,
             "forced_rates_note": "depths 1-3: the published 27B Qwen3.5 rates; 4 and 5 continue their last fall",
-            "agreeing_head": {"alpha": QWEN4_AGREEING_ALPHA, "settings": real, "prompt_tokens": 256,
+            "agreeing_head": {"alpha": QWEN4_AGREEING_ALPHA, "settings": real, "depth3_round_phases_ms": phases,
+                              "prompt_tokens": 256,
                               "decode_tokens": args.tokens, "greedy_identical_to_plain": not differ,
                               "differing_settings": differ}}
 

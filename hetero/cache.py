@@ -182,6 +182,16 @@ class RaggedKV:
     def state(self) -> list[mx.array]:
         return [a for c in self.rows for a in c.state]
 
+    def last(self, x: mx.array) -> mx.array:
+        """x [B, S, ...] over this pass -> [B, 1, ...] each row's last real position."""
+        return x[mx.arange(len(self.rows)), mx.array(self.lengths) - 1][:, None]
+
+
+def last_positions(x: mx.array, cache: KVCache | RaggedKV | None) -> mx.array:
+    """x [B, S, ...] of a pass over `cache` -> [B, 1, ...] each row's last real position (a `RaggedKV`'s rows end at
+    their own lengths; otherwise every row at S)."""
+    return cache.last(x) if isinstance(cache, RaggedKV) else x[:, -1:]
+
 
 LayerCache = KVCache | GDNCache
 

@@ -214,7 +214,7 @@ class PrefixCache:
                 if c.offset:
                     k.install([c.rows(0, c.offset)])  # as stored (a quantized cache is not quantized twice)
                 copies.append(k)
-            model.mtp_hidden(mx.array(tokens[n - m + 1 :])[None], pending_hidden[None, :-1], copies)
+            model.mtp_hidden(mx.array(tokens[n - m + 1 :])[None], pending_hidden[None, :-1], copies, last=True)
             mtp = copies
         kv = [_kv(model, c) for c in backbone if isinstance(c, KVCache)] + [_kv(model, c) for c in mtp]
         n_mtp = len(mtp)

@@ -165,6 +165,108 @@ def test_compiled_draft_steps_equal_the_uncompiled_head(ckpt, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _warm_head(model, tokens: list[int], pending: int):
+    """The backbone's streams over `tokens` and a head cache warm over all pairs but the last `pending` ones."""
+    cache = model.make_cache()
+    _, streams = model(mx.array([tokens[:-1]]), cache)  # [1, S, hc*d]
+    n = len(tokens) - 1
+    model.mtp_hidden(mx.array([tokens[1 : n + 1 - pending]]), streams[:, : n - pending], cache.mtp)
+    return streams, cache.mtp
+
+
+def test_catch_up_runs_the_last_pair_alone(ckpt):
+    """`mtp_hidden(last=True)`, the catch-up before a draft: the last pair's streams as the whole pass gives them, the
+    same keys, values and index keys written for every pair (bit for bit), and the attention's output side (o_proj,
+    the MoE) run for one position, not for each pair; over a prompt where the head's QSA drops keys."""
+    from hetero.models.moe import SparseMoeBlock
+
+    model, tokens = load(ckpt), _tokens(PROMPT + 1, 5)
+    n, m = len(tokens) - 1, 4
+    full, last = [], []
+    for out, flag in ((full, False), (last, True)):
+        streams, cache = _warm_head(model, tokens, m)
+        z = model.mtp_hidden(mx.array([tokens[n + 1 - m :]]), streams[:, n - m :], cache, last=flag)
+        out += [np.array(z[:, -1:]), *[np.array(a) for a in cache[0].state]]
+    assert full[0].shape == last[0].shape == (1, 1, qc.TEXT["hc_count"] * qc.TEXT["hidden_size"])
+    np.testing.assert_allclose(last[0], full[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(full[1:], last[1:], strict=True):
+        assert np.array_equal(a, b)
+
+    rows, call, head_moe = [], SparseMoeBlock.__call__, model.mtp.layers[0].mlp
+    streams, cache = _warm_head(model, tokens, m)
+
+    def counted(self, x: mx.array) -> mx.array:  # the positions [B, S, d] the head's MoE runs
+        if self is head_moe:
+            rows.append(x.shape[1])
+        return call(self, x)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SparseMoeBlock, "__call__", counted)
+        mx.disable_compile()  # traced or not, the step's Python runs on every call
+        try:
+            model.mtp_hidden(mx.array([tokens[n + 1 - m :]]), streams[:, n - m :], cache, last=True)
+        finally:
+            mx.enable_compile()
+    assert rows == [1]
+
+
+def test_prefill_writes_the_heads_keys_alone(ckpt, monkeypatch):
+    """Prefill with the head (chunks of 24 and 16 tokens: 23 pairs past the compiled step's size, then 16 within it)
+    fills the head's cache as the whole head pass over each chunk's pairs does, and runs its MoE for each chunk's last
+    pair alone (the head's outputs over a prompt are never read); over a prompt where its QSA drops keys."""
+    from hetero.models.moe import SparseMoeBlock
+
+    model, tokens = load(ckpt), _tokens(PROMPT, 8)
+    whole, mtp_hidden = model.make_cache(), type(model).mtp_hidden
+    with monkeypatch.context() as mp:
+        mp.setattr(type(model), "mtp_hidden", lambda self, *a, last=False: mtp_hidden(self, *a))
+        prefill(model, tokens, whole, chunk=24, mtp=True)
+    rows, call, head_moe = [], SparseMoeBlock.__call__, model.mtp.layers[0].mlp
+
+    def counted(self, x: mx.array) -> mx.array:
+        if self is head_moe:
+            rows.append(x.shape[1])
+        return call(self, x)
+
+    monkeypatch.setattr(SparseMoeBlock, "__call__", counted)
+    cache = model.make_cache()
+    mx.disable_compile()  # traced or not, the step's Python runs on every call
+    try:
+        prefill(model, tokens, cache, chunk=24, mtp=True)
+    finally:
+        mx.enable_compile()
+    assert rows == [1, 1]
+    assert cache.mtp[0].offset == whole.mtp[0].offset == PROMPT - 1
+    for a, b in zip(cache.mtp[0].state, whole.mtp[0].state, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)
+
+
+def test_batched_catch_up_takes_each_rows_own_last_pair(ckpt):
+    """A batch's catch-up (`RaggedKV`, rows of 3 and 1 pending pairs, padded): each row's streams at its own last real
+    pair, as the row's catch-up alone gives them, and each row's cache as alone."""
+    from hetero.cache import RaggedKV
+
+    model = load(ckpt)
+    prompts, pending = [_tokens(PROMPT + 1, 6), _tokens(PROMPT - 6, 7)], [3, 1]
+    alone, warm = [], []
+    for t, m in zip(prompts, pending):
+        streams, cache = _warm_head(model, t, m)
+        warm.append((streams, _warm_head(model, t, m)[1]))
+        n = len(t) - 1
+        z = model.mtp_hidden(mx.array([t[n + 1 - m :]]), streams[:, n - m :], cache, last=True)
+        alone.append((np.array(z), [np.array(a) for a in cache[0].state]))
+    M = max(pending)
+    tokens = mx.array([t[len(t) - m :] + [0] * (M - m) for t, m in zip(prompts, pending)])  # [2, M]
+    hidden = mx.concatenate([mx.pad(s[:, s.shape[1] - m :], [(0, 0), (0, M - m), (0, 0)])
+                             for (s, _), m in zip(warm, pending)])  # [2, M, hc*d]
+    z = model.mtp_hidden(tokens, hidden, [RaggedKV([c[0] for _, c in warm], pending)], last=True)  # [2, 1, hc*d]
+    assert z.shape[:2] == (2, 1)
+    for i, (ref, ref_state) in enumerate(alone):
+        np.testing.assert_allclose(np.array(z[i : i + 1]), ref, rtol=1e-5, atol=1e-6)
+        for a, b in zip(warm[i][1][0].state, ref_state, strict=True):
+            np.testing.assert_allclose(np.array(a), b, rtol=1e-5, atol=1e-6)
+
+
 def test_backbone_streams_are_transformers_last_layer_output(tmp_path):
     """What the head reads, h_p: the last decoder layer's hc streams before the final mixer, as transformers computes
     them (captured from its last Qwen4ExpTextDecoderLayer), over a prompt where QSA drops keys."""

@@ -34,7 +34,7 @@ def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None
     pairs_t = piece[0, 1:] if carry is None else piece[0]  # [m]
     if pairs_t.size:  # (a pipelined stage's head takes no positions: it never sees images)
         extra = () if positions is None else (positions,)
-        model.mtp_hidden(pairs_t[None], pairs_h[None], cache.mtp, *extra)
+        model.mtp_hidden(pairs_t[None], pairs_h[None], cache.mtp, *extra, last=True)  # its keys are all that is kept
     return h[0, -1:]
 
 

@@ -7,8 +7,9 @@ decoding together read them once per round instead of B times. Each row keeps it
 alone: the same drafts, the same acceptance draws from its own key stream. One round (DESIGN.md section 3):
 
   draft   rows with a copy-lane proposal take it; the rows that draft with the MTP head run it together: the
-          catch-up over each row's pending (token, hidden) pairs, padded to the longest, then one step per
-          depth for the rows whose depth k_i goes that far.
+          catch-up over each row's pending (token, hidden) pairs, padded to the longest (every pair writes its
+          keys; only each row's last pair goes on to the first draft, `mtp_hidden(last=True)`), then one step
+          per depth for the rows whose depth k_i goes that far.
   verify  one backbone pass over tokens [B, S], row i = [x_i, d_i...] padded to S = max(k_i + 1). GDN layers
           run on the rows' states stacked [B, ...], recording every step; attention layers write and read
           each row's own KV at its own length (`RaggedKV`, `DecoderLayer._ragged_attention`;
@@ -369,11 +370,10 @@ class Batch:
         M = max(m)
         tokens = mx.array([p + [0] * (M - len(p)) for p in pending])  # [B, M]
         if len(rows) == 1:  # nothing to pad
-            z = model.mtp_hidden(tokens, rows[0].decoder.pending_hidden[None], self._mtp_caches(rows, m))[:, -1:]
+            hidden = rows[0].decoder.pending_hidden[None]  # [1, M, H]
         else:
             hidden = mx.stack([mx.pad(r.decoder.pending_hidden, [(0, M - n), (0, 0)]) for r, n in zip(rows, m)])
-            z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m))  # [B, M, H]
-            z = z[mx.arange(len(rows)), mx.array(m) - 1][:, None]  # [B, 1, H] each row's last real position
+        z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m), last=True)  # [B, 1, H] each row's last pair
         for r in rows:
             r.decoder.pending_tokens, r.decoder.pending_hidden = [], r.decoder.pending_hidden[:0]
         drafts: list[list[mx.array]] = [[] for _ in rows]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache
+from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, last_positions
 from hetero.distributed.group import Link
 from hetero.distributed.shard import Share
 from hetero.errors import HeteroError
@@ -70,11 +70,13 @@ class Stage:
         """As `Model.draft_logits` (last rank)."""
         return self.logits(z)
 
-    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None,
+                   last: bool = False) -> mx.array:
         """As `Model.mtp_hidden` (last rank): `cache` is the MTP layers' caches."""
         if self.mtp is None:
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
-        return self.mtp(self.embed_tokens(next_tokens), hidden, cache)
+        z = self.mtp(self.embed_tokens(next_tokens), hidden, cache)
+        return last_positions(z, cache[-1] if cache else None) if last else z
 
     def make_cache(self) -> ModelCache:
         """One cache per own layer, then (last rank) one per MTP layer."""

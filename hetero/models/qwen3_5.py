@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV
+from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV, last_positions
 from hetero.errors import HeteroError
 from hetero.kv_quant import KVQuant, QuantizedKVCache
 from hetero.models import activations as act
@@ -423,15 +423,17 @@ class Model(nn.Module):
         return self.lm_head(hidden)
 
     def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list[KVCache] | None = None,
-                   positions: mx.array | None = None) -> mx.array:
+                   positions: mx.array | None = None, last: bool = False) -> mx.array:
         """MTP step: next_tokens [B, S] (t_{p+1}) with hidden [B, S, H] (h_p) -> the head's post-norm output.
 
         `cache` is the MTP layers' caches (`make_cache().mtp`); `positions` [3, S] the 3-D rotary positions of the
-        p's (a prompt with images), else the caches' own.
+        p's (a prompt with images), else the caches' own. `last`: [B, 1, H], each row's last real position (a
+        `RaggedKV` row's own length; Qwen4-Exp's head computes that position alone).
         """
         if self.mtp is None:
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
-        return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache, positions)
+        z = self.mtp(self.model.embed_tokens(next_tokens), hidden, cache, positions)
+        return last_positions(z, cache[-1] if cache else None) if last else z
 
     def draft_logits(self, z: mx.array) -> mx.array:
         """The MTP head's output [B, S, H] -> draft logits [B, S, V]: the shared lm_head (its post-norm output

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hetero.cache import GDNCache, ModelCache
+from hetero.cache import GDNCache, ModelCache, last_positions
 from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.linear import Linear
@@ -94,14 +94,19 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(**hc)
         self._steps = LayerSteps(self)
 
-    def __call__(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
-        if self._steps.takes(h, cache):  # decode, verify and draft steps: compiled (`step.py`)
-            return self._steps.run(h, tokens, cache)
+    def __call__(self, h: mx.array, tokens: np.ndarray, cache, last: bool = False) -> mx.array:
+        """h [B, S, hc*d] over `cache` -> h' [B, S, hc*d]. `last` (the MTP head's catch-up and prefill pairs): h'
+        [B, 1, hc*d] of each row's last real position; an attention layer writes every position's keys and runs
+        the rest (the attention proper, o_proj, the MoE) for that position alone (`LayerSteps`, uncompiled past a
+        few tokens)."""
+        if self._steps.takes(h, cache) or (last and not self.is_linear and cache is not None):
+            return self._steps.run(h, tokens, cache, last)  # decode, verify, draft and catch-up steps (`step.py`)
         if self.ple is not None:
             h = h + self.ple(h, tokens, cache.ple if cache is not None else None)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = self.attn_hyper_connection.around(h, lambda x: mixer(x, cache))
-        return self.mlp_hyper_connection.around(h, self.mlp)
+        h = self.mlp_hyper_connection.around(h, self.mlp)
+        return last_positions(h, cache) if last else h
 
 
 class TextModel(nn.Module):
@@ -173,11 +178,12 @@ class MTPHead(nn.Module):
         # the layer's own step is its `LayerSteps`)
         self._step_inputs = PerThread(self._inputs)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeds [B, S, d] (of t_{p+1}), hidden [B, S, hc*d] (h_p) at positions cache.offset.. -> streams [B, S, hc*d]."""
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list | None, last: bool = False) -> mx.array:
+        """embeds [B, S, d] (of t_{p+1}), hidden [B, S, hc*d] (h_p) at positions cache.offset.. -> streams [B, S, hc*d]
+        (`last`: [B, 1, hc*d], each row's last real position; `Model.mtp_hidden`)."""
         z = (self._step_inputs if hidden.shape[1] <= RECURRENT_MAX_TOKENS else self._inputs)(embeds, hidden)
-        for i, layer in enumerate(self.layers):
-            z = layer(z, None, cache[i] if cache is not None else None)
+        for i, layer in enumerate(self.layers):  # only the last layer's outputs are the head's: it may stop early
+            z = layer(z, None, cache[i] if cache is not None else None, last and i == len(self.layers) - 1)
         return z
 
     def _inputs(self, embeds: mx.array, hidden: mx.array) -> mx.array:
@@ -238,12 +244,17 @@ class Model(nn.Module):
     def _logits(self, hidden: mx.array) -> mx.array:
         return self.head(self.model.hyper_connection_mixer(hidden))
 
-    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list | None = None) -> mx.array:
+    def mtp_hidden(self, next_tokens: mx.array, hidden: mx.array, cache: list | None = None,
+                   last: bool = False) -> mx.array:
         """MTP step: next_tokens [B, S] (t_{p+1}) with streams [B, S, hc*d] (h_p: the backbone's, or the head's own
-        output at the previous depth) -> the head's streams [B, S, hc*d]; `cache` is `make_cache().mtp`."""
+        output at the previous depth) -> the head's streams [B, S, hc*d]; `cache` is `make_cache().mtp`.
+
+        `last` (a catch-up before drafting, a prefill chunk's pairs): only [B, 1, hc*d], each row's last real position
+        (a `RaggedKV` row's own length). The head has one layer, so the earlier positions leave only their keys in
+        its cache: the attention, o_proj and the MoE run for the last position alone, not for every pair."""
         if self.mtp is None:
             raise HeteroError("this checkpoint has no MTP head (no mtp.* tensors): speculative decoding is unavailable")
-        return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache)
+        return self.mtp(self.model.embed_tokens(next_tokens), hidden, cache, last)
 
     def draft_logits(self, z: mx.array) -> mx.array:
         """The MTP head's streams [B, S, hc*d] -> draft logits [B, S, vocab], through the head's own mixer."""

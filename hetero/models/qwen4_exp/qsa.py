@@ -247,35 +247,45 @@ class QSAAttention(Attention):
         return self.finish(self.attend_rows(queries, keys, values, index, cache), gate)
 
     def attend_rows(self, queries: mx.array, keys: mx.array, values: mx.array, index: tuple[mx.array, mx.array] | None,
-                    cache: RaggedKV) -> mx.array:
+                    cache: RaggedKV, last: bool = False) -> mx.array:
         """A batch's projections (queries [B, H, S, D], keys and values [B, Hkv, S, D], index queries and raw keys)
-        -> attention [B, H, S, D], row i over its own cache and its first cache.lengths[i] tokens (zeros after)."""
+        -> attention [B, H, S, D], row i over its own cache and its first cache.lengths[i] tokens (zeros after);
+        `last`: [B, H, 1, D], each row's last real query alone (`_attend`)."""
         S = queries.shape[2]
         outs = []
         for i, (c, n) in enumerate(zip(cache.rows, cache.lengths)):
             own = None if index is None else (index[0][i : i + 1, :n], index[1][i : i + 1, :n])
             out = self._attend(queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n], own, c,
-                               c.offset)  # [1, H, n, D]
-            outs.append(out if n == S else mx.pad(out, [(0, 0), (0, 0), (0, S - n), (0, 0)]))
+                               c.offset, last)  # [1, H, n, D] ([1, H, 1, D] when last)
+            outs.append(out if n == S or last else mx.pad(out, [(0, 0), (0, 0), (0, S - n), (0, 0)]))
         return mx.concatenate(outs) if len(outs) > 1 else outs[0]  # zeros past each row's real tokens
 
     def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, index: tuple[mx.array, mx.array] | None,
-                cache: QSACache | None, offset: int) -> mx.array:
+                cache: QSACache | None, offset: int, last: bool = False) -> mx.array:
         """One request's queries [B, H, S, D] at positions offset.., its new keys and values [B, Hkv, S, D] and
-        index (queries, raw keys) -> attention [B, H, S, D] over the keys the indexer selects; writes `cache`."""
+        index (queries, raw keys) -> attention [B, H, S, D] over the keys the indexer selects; writes `cache`.
+        `last` (over a cache): every position's keys written, the last query alone attends -> [B, H, 1, D] (the
+        MTP head's catch-up, whose earlier positions leave nothing but their keys)."""
         S = queries.shape[2]
+        few = S <= RECURRENT_MAX_TOKENS  # a step (decode, verify, catch-up), not a prefill chunk
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # [B, Hkv, T, D]
         T = keys.shape[2]
+        if last and cache is not None:  # the newest position's query: it is a decode step's from here
+            queries, offset, S = queries[:, :, -1:], offset + S - 1, 1
+            index = None if index is None else (index[0][:, -1:], index[1])  # every raw index key is still written
         if index is None:
             mask = mx.arange(T)[None, :] <= mx.arange(offset, offset + S)[:, None]  # [S, T]
         else:
             q_index, k_index = index
             all_keys = cache.update_index(k_index) if cache is not None else k_index  # [B, T, Di]
-            if S == 1 and cache is not None:  # a decode step: attend to the picked keys alone, no mask
+            # A step's queries attend to their picked keys alone (the cache keeps the block keys for the next step);
+            # a prefill chunk's (its last query alone for the MTP head's pairs, whose output nothing reads) keep
+            # nothing in the cache: an unevaluated block key must not outlive the chunk's thread (the split prefill)
+            if S == 1 and cache is not None and few:  # a decode step: attend to the picked keys alone, no mask
                 return attend_picked(queries, keys, values, self.head_dim**-0.5,
                                      self.indexer.pick(q_index, all_keys, cache))
-            if cache is not None and S <= RECURRENT_MAX_TOKENS:  # verify, catch-up: each query its picked keys
+            if cache is not None and few:  # verify, catch-up: each query its picked keys
                 picked = self.indexer.pick_rows(q_index, all_keys, cache)
                 if picked is not None:
                     return attend_picked_rows(queries, keys, values, self.head_dim**-0.5, *picked)

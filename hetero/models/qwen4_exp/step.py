@@ -14,6 +14,9 @@ what changes shape every step runs as one compiled function per shape:
               `attention_out`: the output gate, o_proj, the injection, and the MLP hyper-connection around the MoE.
 
 Same ops as the uncompiled layer (`DecoderLayer.__call__` runs them for prefill chunks and cold caches), fused.
+The MTP head's layer also runs here when only each row's last position is read (`last`: a catch-up before a draft,
+a prefill chunk's pairs): every position's keys are written, the attention proper, o_proj and the MoE run for that
+position alone (`_project` and `_finish` uncompiled past a few positions).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import GDNCache, RaggedKV
+from hetero.cache import GDNCache, RaggedKV, last_positions
 from hetero.models.compiled import PerThread
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS
 from hetero.models.qwen4_exp.qsa import QSACache
@@ -51,9 +54,13 @@ class LayerSteps:
         rows = cache.rows if isinstance(cache, RaggedKV) else [cache]
         return all(isinstance(c, QSACache) and c.keys is not None for c in rows)
 
-    def run(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
-        """h [B, S, hc*d] and the chunk's token ids [B, S] over `cache` -> h' [B, S, hc*d]; updates `cache`."""
-        return self._gdn_step(h, tokens, cache) if self.layer.is_linear else self._qsa_step(h, cache)
+    def run(self, h: mx.array, tokens: np.ndarray, cache, last: bool = False) -> mx.array:
+        """h [B, S, hc*d] and the chunk's token ids [B, S] over `cache` -> h' [B, S, hc*d]; updates `cache`.
+        `last`: h' [B, 1, hc*d] of each row's last real position alone (`DecoderLayer.__call__`)."""
+        if self.layer.is_linear:
+            h = self._gdn_step(h, tokens, cache)
+            return last_positions(h, cache) if last else h
+        return self._qsa_step(h, cache, last)
 
     # GDN layers -------------------------------------------------------------------------------------------
 
@@ -91,16 +98,20 @@ class LayerSteps:
 
     # QSA layers -------------------------------------------------------------------------------------------
 
-    def _qsa_step(self, h: mx.array, cache: QSACache | RaggedKV) -> mx.array:
+    def _qsa_step(self, h: mx.array, cache: QSACache | RaggedKV, last: bool) -> mx.array:
         attn, ragged = self.layer.self_attn, isinstance(cache, RaggedKV)
         offset = [c.offset for c in cache.rows] if ragged else cache.offset  # a batch: each row's own
-        queries, keys, values, gate, inject, *index = self._attention_in(h, mx.array(offset))
+        few = h.shape[1] <= RECURRENT_MAX_TOKENS  # else a prefill chunk's pairs for the MTP head (`last`): uncompiled
+        project, finish = (self._attention_in, self._attention_out) if few else (self._project, self._finish)
+        queries, keys, values, gate, inject, *index = project(h, mx.array(offset))
         index = tuple(index) if index else None
         if ragged:
-            out = attn.attend_rows(queries, keys, values, index, cache)  # [B, H, S, D]
+            out = attn.attend_rows(queries, keys, values, index, cache, last)  # [B, H, S or 1, D]
         else:
-            out = attn._attend(queries, keys, values, index, cache, offset)  # [B, H, S, D]
-        return self._attention_out(h, inject, out, gate)
+            out = attn._attend(queries, keys, values, index, cache, offset, last)  # [B, H, S or 1, D]
+        if last:  # the rows' last positions alone go on through the output projection and the MoE
+            h, inject, gate = (last_positions(x, cache) for x in (h, inject, gate))
+        return finish(h, inject, out, gate)
 
     def _project(self, h: mx.array, offset: mx.array) -> list[mx.array]:
         """h [B, S, hc*d] at positions offset.. -> [queries, keys, values, gate, injection weights [B, S, hc]
