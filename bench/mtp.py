@@ -445,7 +445,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result["plots"] = plot(result, out.parent)
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out} and {', '.join(result['plots'])}")
+    print(f"wrote {', '.join([str(out), *result['plots']])}")
     for part in ("bundled", "qwen4"):  # a speed of wrong output is no result
         checked = result.get(part, {}).get("agreeing_head", result.get(part, {}))
         if part in result and not checked["greedy_identical_to_plain"]:

@@ -21,21 +21,21 @@ Only the CPU backend takes the transposed form: Metal's kernels are not measured
 
 Neither form streams the weights once from 4 rows, and that bounds 4 batched requests at about 2x one (issue 36's
 target is 2.5x on the large model). Every other path a Python caller reaches was measured on the same weights
-(`python bench/row_kernels.py`, bench/results/row_kernels.json and the run before it in git; two runs on a machine
-loaded by other jobs, so indicative: MLX's own 4-row ratio read 2.5-4.1x there against the 2.0x above), 4 rows
-against 1 row, 1 / 2 threads:
+(`python bench/row_kernels.py`, bench/results/row_kernels.json, a quiet machine), 4 rows against MLX's one row,
+1 / 2 threads:
 
-    MKL through ctypes: sgemm either form, sgemv per row, packed weights    2.5-3.4x / 2.5-3.6x
-    two MLX CPU streams, 2 rows each on one MKL thread each                   - / 2.2-3.4x MLX's one row
-    numpy's bundled OpenBLAS, either form                 one row 2.4-3.4x MKL's; 4 rows 2.1-2.9x MKL's one row
-    a 4-row AVX2 kernel reading each weight once (bench/row_kernel.c)        1.06-1.36x / 1.18x
+    MLX, its better form                                                       2.55x / 1.61x
+    MKL through ctypes: sgemm either form, sgemv per row, packed weights       2.3-3.0x / 1.4-2.3x
+    two MLX CPU streams, 2 rows each on one MKL thread each                    - / 2.71x
+    numpy's bundled OpenBLAS, its better form (a host round trip per product)  2.2x / 1.30x
+    a 4-row AVX2 kernel reading each weight once (bench/row_kernel.c)          1.31x / 0.67x
 
-MKL's packed, gemv and direct forms do no better than MLX's call, two streams pay each stream's 2-row pass on one
-core, and OpenBLAS's single row is slower than MKL's: nothing reachable without compiled code brings 4 rows near
-one. The hand-written kernel shows the hardware allows it (its one row on both cores, 41 ms for the 1.1 GB of
-weights in the quieter run, is about MKL's own speed), so the design that removes the bound is a custom few-row
-kernel: an MLX C++ extension on Linux, Metal's own kernels on a Mac. Its bound for the whole step is in the README
-(issue 36's figures).
+Nothing reachable without compiled code brings 4 rows near one row's cost on MLX's own path, except OpenBLAS on two
+threads, which needs every product to leave MLX's graph. The hand-written kernel shows what the hardware allows
+(1.25x / 1.13x its own one row, and its one row on both cores 36.6 ms for the 1.1 GB of weights against MLX's
+63.6), so the design that removes the bound is a custom few-row kernel: an MLX C++ extension on Linux, Metal's own
+kernels on a Mac. Its bound for the whole step (2.2x for 4 streams: the rest of a 4-row round then dominates) is in
+the README (issue 36's figures).
 """
 
 from __future__ import annotations
