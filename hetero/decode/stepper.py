@@ -248,8 +248,9 @@ class Batch:
         caches rebuilt or committed, one `async_eval` per token.
 
         The pass over x, queued by the last round (or by `prime`, or run now), drew this round's token with it; the
-        next pass is queued over that draw before it is read (unless the token is the row's last by length), so `drawn.item()` waits for the draw alone and the host does this
-        token's bookkeeping (and its caller's, until the next `step`) while the model runs the next pass. The
+        next pass is queued over that draw before it is read (unless the token is the row's last by length), so
+        `drawn.item()` waits for the draw alone and the host does this token's bookkeeping (and its caller's, until
+        the next `step`) while the model runs the next pass. The
         queued pass leaves the row's caches one token ahead; `_drop_ahead` puts them (and the sampler's key) back."""
         self._stacked, self._stacked_for = {}, []  # the batched rounds' stacked GDN states: stale from here on
         ahead, self._ahead = self._ahead, None
