@@ -35,6 +35,9 @@ import os
 import platform
 import struct
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,6 +158,33 @@ def _setup_mkl(handle: ctypes.CDLL, threads: int | None) -> str:
     if threads is not None and layer != "sequential":
         handle.MKL_Set_Num_Threads(ctypes.c_int(threads))
     return layer
+
+
+_one_thread_lock = threading.Lock()
+_one_thread_users = [0, None]  # callers inside `one_thread`, MKL's thread count before the first of them
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """MKL at one thread inside the block (callers that give each core its own BLAS user, as the prefill
+    wavefront's lanes do), its count restored when the last caller inside one ends. Nothing to do for its
+    sequential layer or another BLAS."""
+    handle = _state.handle if _state.kind == "mkl" and _state.layer != "sequential" else None
+    if handle is None:
+        yield
+        return
+    with _one_thread_lock:
+        if _one_thread_users[0] == 0:
+            _one_thread_users[1] = handle.MKL_Get_Max_Threads()
+            handle.MKL_Set_Num_Threads(ctypes.c_int(1))
+        _one_thread_users[0] += 1
+    try:
+        yield
+    finally:
+        with _one_thread_lock:
+            _one_thread_users[0] -= 1
+            if _one_thread_users[0] == 0:
+                handle.MKL_Set_Num_Threads(ctypes.c_int(_one_thread_users[1]))
 
 
 def apply(library: str | os.PathLike | list | None = None) -> bool:

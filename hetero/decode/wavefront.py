@@ -38,13 +38,11 @@ the bundled Qwen3.5 model at 3,082 against 2,296 tok/s (1.34x); logits equal bit
 from __future__ import annotations
 
 import copy
-import ctypes
 import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -78,32 +76,6 @@ def applies(model, edges: list[int]) -> bool:
     if not enabled() or not all(hasattr(backbone, f) for f in ("begin", "run_layer", "end")):
         return False
     return sum(b - a >= MIN_TOKENS for a, b in zip(edges, edges[1:])) >= 2
-
-
-_blas_lock = threading.Lock()
-_blas_users = [0, None]  # wavefronts running, MKL's thread count before the first of them
-
-
-@contextmanager
-def one_blas_thread() -> Iterator[None]:
-    """MKL at one thread while the lanes run (each lane's matmuls on its own core), its count restored when the
-    last wavefront running in this process ends."""
-    handle = blas._state.handle if blas._state.kind == "mkl" else None
-    if handle is None or blas._state.layer == "sequential":
-        yield
-        return
-    with _blas_lock:
-        if _blas_users[0] == 0:
-            _blas_users[1] = handle.MKL_Get_Max_Threads()
-            handle.MKL_Set_Num_Threads(ctypes.c_int(1))
-        _blas_users[0] += 1
-    try:
-        yield
-    finally:
-        with _blas_lock:
-            _blas_users[0] -= 1
-            if _blas_users[0] == 0:
-                handle.MKL_Set_Num_Threads(ctypes.c_int(_blas_users[1]))
 
 
 class _Lane:
@@ -266,7 +238,7 @@ def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
     ks = [[], []]
     for k, (a, b) in enumerate(chunks):
         ks[(len(chunks) - 1 - k) % 2 if b - a >= MIN_TOKENS else 0].append(k)
-    with one_blas_thread():
+    with blas.one_thread():  # each lane's matmuls on its own core
         other = _second_lane().submit(lambda: lane(ks[1]))
         lane(ks[0])
         other.wait()

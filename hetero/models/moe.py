@@ -44,7 +44,7 @@ never dequantized), `gate_proj` / `up_proj` become views of its rows under their
 runs one `gather_mm` (or `gather_qmm`) for both instead of two. Each output channel is the same dot product as
 before, so the numbers are bitwise those of the separate products (tests/test_fused_projections.py); the grouped
 form's numpy SwiGLU reads the product's two halves in place (`activations.silu_mul_halves_now`). Measured on the
-2-core machine while other jobs loaded it (load 5-10; indicative only, the lead reruns on a quiet machine):
+2-core machine while other jobs loaded it (load 5-10; indicative only, not rerun quiet alone):
 - `bench/moe_prefill.py --parts fused` (the whole routed-expert block, fastest of alternated runs, two threads):
   a 512-token chunk at Qwen3.5-35B-A3B's shape 0.79x the unfused time (1,321 against 1,664 ms), at the qwen4
   bench shape (128 experts, width 128, hidden 256, top-10) even (76.0 against 76.0 ms); one- and four-token calls
