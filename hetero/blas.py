@@ -187,6 +187,29 @@ def one_thread() -> Iterator[None]:
                 handle.MKL_Set_Num_Threads(ctypes.c_int(_one_thread_users[1]))
 
 
+def openmp_runtime() -> bool:
+    """Whether Intel's OpenMP runtime (MKL's threading layer) is loaded with its symbols global, loading it from the
+    intel-openmp wheel if MKL runs sequentially: hetero.kernels' parallel loops run on it, in MKL's team."""
+    if _state.kind == "mkl" and _state.layer == "intel":
+        return True
+    omp = _dist_file("intel-openmp", "libiomp5.so")
+    try:
+        if omp is None:
+            return False
+        ctypes.CDLL(str(omp), mode=ctypes.RTLD_GLOBAL)
+        return True
+    except OSError:
+        return False
+
+
+def threads_in_use() -> int:
+    """The BLAS's thread count for one product: MKL's own, else what the environment asks, else every usable core."""
+    if _state.kind == "mkl" and _state.handle is not None:
+        return 1 if _state.layer == "sequential" else int(_state.handle.MKL_Get_Max_Threads())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _requested_threads(_state.kind) or cores
+
+
 def apply(library: str | os.PathLike | list | None = None) -> bool:
     """Put the wheel's BLAS under MLX, once per process; True when MLX uses (or will use) it.
 
@@ -404,6 +427,8 @@ def environment() -> dict:
         versions["mlx_lm"] = mlx_lm.__version__
     except ImportError:
         pass
+    from hetero import kernels
+
     mx.eval(mx.ones((2, 2)) @ mx.ones((2, 2)))  # MKL loads its threading layer on the first call
     return {
         "machine": platform.machine(),
@@ -416,4 +441,5 @@ def environment() -> dict:
         "threads": {k: os.environ.get(k) for k in
                     ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER")},
         "versions": versions,
+        "few_row_kernel": kernels.why_not() or "in use",  # hetero's own 1-8 row products (hetero.kernels)
     }

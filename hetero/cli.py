@@ -8,7 +8,7 @@ import os
 import sys
 
 import hetero
-from hetero import distributed
+from hetero import distributed, kernels
 from hetero.cli_parser import build_parser
 from hetero.distributed.command import run_pipelined
 from hetero.distributed.serve_command import serve_pipelined
@@ -90,7 +90,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         split=split,
         **penalty_options(args),
     )
-    extra, status = {"blas": hetero.blas.describe()}, 0  # the BLAS under MLX: what CPU speed depends on
+    # the BLAS under MLX and hetero's own few-row kernel: what CPU speed depends on
+    extra, status = {"blas": hetero.blas.describe(), "few_row_kernel": kernels.why_not() or "in use"}, 0
     if split is not None:
         extra["ane"] = split.ane_block()
         if split.last is not None:

@@ -33,9 +33,10 @@ target is 2.5x on the large model). Every other path a Python caller reaches was
 Nothing reachable without compiled code brings 4 rows near one row's cost on MLX's own path, except OpenBLAS on two
 threads, which needs every product to leave MLX's graph. The hand-written kernel shows what the hardware allows
 (1.25x / 1.13x its own one row, and its one row on both cores 36.6 ms for the 1.1 GB of weights against MLX's
-63.6), so the design that removes the bound is a custom few-row kernel: an MLX C++ extension on Linux, Metal's own
-kernels on a Mac. Its bound for the whole step (2.2x for 4 streams: the rest of a 4-row round then dominates) is in
-the README (issue 36's figures).
+63.6), so that is the design taken: `hetero.kernels`, the same kernel as an MLX primitive (a C++ extension built
+once on the machine), which `project` runs for 1-8 float32 rows on the CPU wherever it could be built. MLX's forms
+above remain the path for more rows, other dtypes, and a machine without the kernel (HETERO_FEW_ROW_KERNEL=0
+chooses them). Metal's own kernels serve a Mac's GPU.
 """
 
 from __future__ import annotations
@@ -43,13 +44,20 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from hetero import kernels
+
 TRANSPOSED_ROWS = range(4, 49)  # row counts that run as (W @ x.T).T on the CPU
 
 
 def project(x: mx.array, weight: mx.array) -> mx.array:
-    """x [..., in] @ weight [out, in].T -> [..., out], transposed for 4-48 rows on the CPU backend."""
+    """x [..., in] @ weight [out, in].T -> [..., out]. On the CPU backend: 1-8 float32 rows through hetero's own
+    kernel where this machine has it (`hetero.kernels`), else transposed for 4-48 rows."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if rows not in TRANSPOSED_ROWS or mx.default_device() != mx.cpu:
+    if mx.default_device() != mx.cpu:
+        return x @ weight.T
+    if 0 < rows <= kernels.MAX_ROWS and x.dtype == weight.dtype == mx.float32 and (few_rows := kernels.few_rows()):
+        return few_rows(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    if rows not in TRANSPOSED_ROWS:
         return x @ weight.T
     flat = x.reshape(rows, x.shape[-1])  # [rows, in]
     return (weight @ flat.T).T.reshape(*x.shape[:-1], weight.shape[0])  # [out, rows] -> [..., out]

@@ -1,0 +1,135 @@
+"""hetero's own few-row CPU kernel (hetero.kernels) against MLX's products, on whole decode rounds.
+
+    python bench/few_rows.py                                  # the large model, 1 / 2 / 4 / 8 rows, 3 rounds
+    python bench/few_rows.py --models bundled large --rows 1 4 --rounds 2 --tokens 24
+
+A decode round multiplies 1 to 8 rows (a request alone, or a batch of them) by every weight; on two cores MLX's
+sgemm reads the weights about twice for 4 rows, the kernel once. Here the batch stepper (hetero.decode.stepper.Batch,
+what `hetero serve` batches with, and a lone row's solo round, what `Engine.stream` runs) decodes --tokens greedy
+plain tokens for N rows (short distinct prompts, EOS ignored), in a fresh child process per (model, path, round)
+with HETERO_FEW_ROW_KERNEL=1 or 0 (a process decides once), the two paths alternated round by round. Reported per
+model, path and row count: the median steady round in ms (the first two rounds left out: they compile and fill
+the queue) and tok/s; per path the aggregate at N rows against its own one row (issue 36's "4 concurrent requests
+at least 2.5x one" on the large model); the kernel's round against MLX's at the same rows. Identity: every row's
+tokens in a batch equal the same prompt decoded alone on the same path (exit status 1 otherwise); kernel against
+MLX tokens are reported (equal, or the first position where float rounding parts them).
+Writes bench/results/few_rows.json (the environment, the kernel's status in each child included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PATHS = {"kernel": "1", "mlx": "0"}
+
+
+def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
+    """One process, one path (HETERO_FEW_ROW_KERNEL as set by the parent): every row count's rounds and tokens."""
+    from hetero.blas import environment  # noqa: F401  (hetero first: the fast BLAS under MLX)
+
+    import mlx.core as mx
+
+    from bench.checkpoints import checkpoint
+    from hetero.decode.stepper import Batch
+    from hetero.engine import load
+    from hetero.sampling import Sampler, SamplingParams
+    import time
+
+    path = checkpoint(model, Path(workdir)) if model != "bundled" else None
+    engine = load(str(path) if path else None, dtype=mx.float32)
+    prompts = [list(range(10 + 7 * i, 74 + 7 * i)) for i in range(max(rows))]  # 64 tokens each, distinct
+
+    def decode(group: list[list[int]]) -> tuple[float, list[list[int]]]:
+        batch = Batch(engine.model, max_batch=len(group))
+        order = [batch.join(p, Sampler(SamplingParams()), tokens, set(), 0) for p in group]
+        times, t = [], time.perf_counter()
+        while batch.rows:
+            batch.step()
+            times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+        return statistics.median(times[2:]), [r.tokens for r in order]
+
+    out = {"environment": environment(), "rows": {}}
+    for n in rows:
+        seconds, toks = decode(prompts[:n])
+        out["rows"][str(n)] = {"round_ms": seconds * 1e3, "tokens": toks}
+    alone = [out["rows"]["1"]["tokens"][0]] + [decode([p])[1][0] for p in prompts[1:]]  # each prompt alone
+    out["alone"] = alone
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=["bundled", "large"], default=["large"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per row")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds, one child process per path each")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
+    ap.add_argument("--out", default="bench/results/few_rows.json")
+    ap.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    rows = sorted(set(args.rows) | {1})
+    if args.child:
+        print(json.dumps(child(args.child[0], rows, args.tokens, args.workdir)))
+        return
+
+    results: dict = {"args": vars(args), "models": {}}
+    ok = True
+    for model in args.models:
+        runs: dict[str, list[dict]] = {p: [] for p in PATHS}
+        for r in range(args.rounds):
+            for path, flag in (PATHS.items() if r % 2 == 0 else reversed(PATHS.items())):
+                cmd = [sys.executable, __file__, "--child", model, "--rows", *map(str, rows), "--tokens",
+                       str(args.tokens), "--workdir", args.workdir]
+                done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HETERO_FEW_ROW_KERNEL": flag})
+                if done.returncode != 0:
+                    sys.exit(f"the {path} child failed:\n{done.stderr[-3000:]}")
+                runs[path].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"{model} round {r + 1} {path}: " + ", ".join(
+                    f"{n} rows {v['round_ms']:.1f} ms" for n, v in runs[path][-1]["rows"].items()), flush=True)
+        entry: dict = {"environment": {p: runs[p][0]["environment"] for p in PATHS}}
+        for path in PATHS:
+            med = {n: statistics.median(run["rows"][str(n)]["round_ms"] for run in runs[path]) for n in rows}
+            first = runs[path][0]
+            identical = all(first["rows"][str(n)]["tokens"][i] == first["alone"][i] for n in rows for i in range(n))
+            ok &= identical
+            entry[path] = {str(n): {"round_ms": med[n], "tok_s": n * 1e3 / med[n],
+                                    "aggregate_vs_own_one_row": n * med[1] / med[n]} for n in rows}
+            entry[path]["batched_equals_alone"] = identical
+        entry["kernel_vs_mlx_round"] = {str(n): entry["mlx"][str(n)]["round_ms"] / entry["kernel"][str(n)]["round_ms"]
+                                        for n in rows}
+        entry["kernel_vs_mlx_one_row_aggregate"] = {
+            str(n): n * entry["mlx"]["1"]["round_ms"] / entry["kernel"][str(n)]["round_ms"] for n in rows}
+        k, m = runs["kernel"][0], runs["mlx"][0]
+        entry["tokens_kernel_vs_mlx_first_difference"] = [first_difference(a, b) for a, b in zip(k["alone"], m["alone"])]
+        results["models"][model] = entry
+        for n in rows:
+            print(f"{model} {n} rows: kernel {entry['kernel'][str(n)]['round_ms']:.1f} ms "
+                  f"({entry['kernel'][str(n)]['aggregate_vs_own_one_row']:.2f}x its one row), MLX "
+                  f"{entry['mlx'][str(n)]['round_ms']:.1f} ms ({entry['mlx'][str(n)]['aggregate_vs_own_one_row']:.2f}x); "
+                  f"kernel {entry['kernel_vs_mlx_round'][str(n)]:.2f}x MLX's round", flush=True)
+        print(f"{model}: batched equals alone: kernel {entry['kernel']['batched_equals_alone']}, MLX "
+              f"{entry['mlx']['batched_equals_alone']}; kernel vs MLX tokens, first difference per prompt: "
+              f"{entry['tokens_kernel_vs_mlx_first_difference']}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

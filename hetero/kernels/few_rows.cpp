@@ -1,0 +1,113 @@
+// The few-row product of hetero.kernels: y [rows, out] = x [rows, in] @ w [out, in].T for 1-8 rows in float32 on
+// the CPU, as an MLX primitive (so it sits inside lazy and compiled graphs like any op). A decode step's products
+// are bound by reading the weights; MKL's sgemm under MLX reads them about twice for 4 rows (hetero/models/linear.py),
+// this kernel once for all rows: AVX2 + FMA, register-blocked over 2 output channels x up to 4 rows (1 x 5-8), the
+// output channels split in blocks over the threads of the OpenMP runtime MKL already runs (libiomp5, loaded
+// globally by hetero.blas: the symbols are left for it to resolve, so both share one team of threads).
+#include <immintrin.h>
+#include <cstdint>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// C output channels x R rows from channel o: every (channel, row) sums the same 8-lane FMA chain in the same
+// order whatever C and R are, so a row's result does not depend on the rows beside it.
+template <int C, int R>
+static void block(const float* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+  __m256 acc[C][R];
+  for (int c = 0; c < C; c++)
+    for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= in; k += 8) {
+    __m256 wc[C];
+    for (int c = 0; c < C; c++) wc[c] = _mm256_loadu_ps(w + (o + c) * in + k);
+    for (int r = 0; r < R; r++) {
+      __m256 xr = _mm256_loadu_ps(x + r * in + k);
+      for (int c = 0; c < C; c++) acc[c][r] = _mm256_fmadd_ps(wc[c], xr, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < C; c++)
+    for (int r = 0; r < R; r++) {
+      float s = hsum(acc[c][r]);
+      for (int64_t j = k; j < in; j++) s += w[(o + c) * in + j] * x[r * in + j];
+      y[r * out + o + c] = s;
+    }
+}
+
+template <int R>
+static void channels(const float* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+  constexpr int C = R <= 4 ? 2 : 1;
+  int64_t o = o0;
+  for (; o + C <= o1; o += C) block<C, R>(w, x, y, out, in, o);
+  for (; o < o1; o++) block<1, R>(w, x, y, out, in, o);
+}
+
+using kernel_t = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+static int threads = 1;  // set_threads: hetero.kernels sets the BLAS's thread count
+static const kernel_t KERNELS[9] = {nullptr, channels<1>, channels<2>, channels<3>, channels<4>,
+                                    channels<5>, channels<6>, channels<7>, channels<8>};
+constexpr int64_t SHARE = 32;  // output channels per parallel task
+
+static void few_rows_cpu(const float* w, const float* x, float* y, int64_t rows, int64_t out, int64_t in) {
+  kernel_t kern = KERNELS[rows];
+  int64_t tasks = (out + SHARE - 1) / SHARE;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < tasks; t++) {
+    int64_t o0 = t * SHARE, o1 = o0 + SHARE < out ? o0 + SHARE : out;
+    kern(w, x, y, out, in, o0, o1);
+  }
+}
+
+class FewRows : public mx::Primitive {
+ public:
+  explicit FewRows(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& x = inputs[0];
+    auto& w = inputs[1];
+    auto& y = outputs[0];
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(x);
+    enc.set_input_array(w);
+    enc.set_output_array(y);
+    enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = y.data<float>(), rows = x.shape(0),
+                  out = w.shape(0), in = w.shape(1)]() { few_rows_cpu(wp, xp, yp, rows, out, in); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("few_rows runs on the CPU only");
+  }
+  const char* name() const override { return "FewRows"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+};
+
+mx::array few_rows(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
+    throw std::invalid_argument("few_rows: x [rows, in] and w [out, in] expected");
+  if (x.shape(0) < 1 || x.shape(0) > 8) throw std::invalid_argument("few_rows: 1 to 8 rows");
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) throw std::invalid_argument("few_rows: float32 only");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  auto xc = mx::contiguous(x, false, stream);
+  auto wc = mx::contiguous(w, false, stream);
+  return mx::array({x.shape(0), w.shape(0)}, mx::float32, std::make_shared<FewRows>(stream), {xc, wc});
+}
+
+NB_MODULE(_few_rows, m) {
+  m.def("set_threads", [](int n) { threads = n < 1 ? 1 : n; }, nb::arg("n"), "Threads for every later product.");
+  m.def("few_rows", &few_rows, nb::arg("x"), nb::arg("w"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "x [rows, in] @ w [out, in].T -> [rows, out], float32, 1-8 rows, on the CPU.");
+}
