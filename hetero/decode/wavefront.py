@@ -48,6 +48,7 @@ import mlx.core as mx
 
 from hetero import blas
 from hetero.cache import KVCache, LayerCache, ModelCache
+from hetero.switches import switched_on
 
 MIN_TOKENS = 17  # chunks of at most 16 tokens run compiled steps (`RECURRENT_MAX_TOKENS`): the calling thread's lane
 ENV = "HETERO_PREFILL_WAVEFRONT"
@@ -57,7 +58,7 @@ LANE_THREAD = "hetero-prefill-lane"
 def enabled() -> bool:
     """Whether this process may prefill by wavefront: a CPU default device, two cores or more that it may run on, and
     not turned off."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    if not switched_on(ENV):
         return False
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return mx.default_device() == mx.cpu and cores >= 2

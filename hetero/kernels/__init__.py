@@ -34,6 +34,7 @@ from types import ModuleType
 import mlx.core as mx
 
 from hetero import blas
+from hetero.switches import switched_on
 
 MAX_ROWS = 8  # the kernel's row counts: 1 to 8
 SOURCES = ("few_rows.cpp", "CMakeLists.txt")
@@ -73,7 +74,7 @@ def cache_dir() -> Path:
 
 def unsupported() -> str | None:
     """Why this machine or run cannot use the kernel at all (no build is tried), else None."""
-    if os.environ.get("HETERO_FEW_ROW_KERNEL", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not switched_on("HETERO_FEW_ROW_KERNEL"):
         return "turned off (HETERO_FEW_ROW_KERNEL=0)"
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"an x86-64 Linux kernel; this is {platform.system()} {platform.machine()} (MLX's own products run)"
