@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import mlx.core as mx
@@ -122,13 +123,24 @@ def test_a_kernel_that_cannot_be_built_leaves_mlx_products_one_line_and_no_libra
     assert not list(cache.rglob("*.so")) and not list(cache.rglob(".build.*"))
 
 
-def test_a_built_kernel_is_loaded_from_the_cache_by_the_next_process(tmp_path):
+def test_a_build_is_kept_whole_and_loaded_by_the_next_process(tmp_path):
+    """The first process builds (said on stderr) and clears what a killed build left behind, but not a build that
+    may still run in another process; only the finished library has the name a process loads; the next process
+    loads it without building."""
     cache = tmp_path / "kernels"
+    key_dir = cache / kernels._key()
+    abandoned, recent = key_dir / ".build.killed", key_dir / ".build.running"
+    for folder in (abandoned, recent):
+        (folder / "build").mkdir(parents=True)
+        (folder / "build" / "_few_rows.partial.so").write_bytes(b"\x7fELF half")  # never loaded: not the final name
+    old = os.stat(abandoned).st_mtime - 3 * kernels.BUILD_TIMEOUT_S
+    os.utime(abandoned, (old, old))
     first = python(STATUS, {"HETERO_KERNEL_CACHE": str(cache)})
     assert json.loads(first.stdout) == {"loaded": True, "why_not": None}, first.stderr
     assert "building the few-row CPU kernel" in first.stderr
-    (library,) = cache.rglob("_few_rows*.so")
+    assert not abandoned.exists() and recent.exists()
+    library = key_dir / f"_few_rows{sysconfig.get_config_var('EXT_SUFFIX')}"
+    assert [p for p in key_dir.iterdir() if p.name.endswith(".so")] == [library]
     second = python(STATUS, {"HETERO_KERNEL_CACHE": str(cache)})
     assert json.loads(second.stdout) == {"loaded": True, "why_not": None}, second.stderr
     assert "building" not in second.stderr  # loaded, not rebuilt
-    assert list(cache.rglob("_few_rows*.so")) == [library]

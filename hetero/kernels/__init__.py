@@ -13,7 +13,8 @@ kept in `cache_dir()` under a key of the sources and the MLX, nanobind and Pytho
 loads it in milliseconds. A build goes to a temporary folder and only a finished library is moved into place, so
 nothing half-built is ever loaded. Where it cannot be built or does not apply (macOS and its GPU, aarch64, a CPU
 without AVX2, no compiler), `few_rows()` is None, MLX's own products run, and `why_not()` says why (`hetero
-doctor` prints it). HETERO_FEW_ROW_KERNEL=0 turns it off (the baseline the benches compare against).
+run --json` and every bench's environment record it). HETERO_FEW_ROW_KERNEL=0 turns it off (the baseline the
+benches compare against). docs/kernels.md has the design and its figures.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -146,6 +148,7 @@ def _built() -> Path:
     if shutil.which(os.environ.get("CXX", "c++"), path=tools) is None:
         raise BuildError("no C++ compiler found; install one (apt install g++) or set CXX")
     final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(final.parent)
     print("hetero: building the few-row CPU kernel for this MLX (once, about 15 s)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".build.") as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "build"
@@ -164,6 +167,16 @@ def _built() -> Path:
         (library,) = out.glob("_few_rows*.so")
         os.replace(library, final)  # atomic: another process sees the whole library or none
     return final
+
+
+def _remove_abandoned_builds(folder: Path) -> None:
+    """Delete the temporary folders of builds whose process was killed (older than a build may take)."""
+    for stale in folder.glob(".build.*"):
+        try:
+            if time.time() - stale.stat().st_mtime > 2 * BUILD_TIMEOUT_S:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _last_error(log: str) -> str:

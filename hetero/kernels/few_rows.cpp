@@ -1,7 +1,8 @@
 // The few-row product of hetero.kernels: y [rows, out] = x [rows, in] @ w [out, in].T for 1-8 rows in float32 on
 // the CPU, as an MLX primitive (so it sits inside lazy and compiled graphs like any op). A decode step's products
 // are bound by reading the weights; MKL's sgemm under MLX reads them about twice for 4 rows (hetero/models/linear.py),
-// this kernel once for all rows: AVX2 + FMA, register-blocked over 2 output channels x up to 4 rows (1 x 5-8), the
+// this kernel once for all rows: AVX2 + FMA, register-blocked over 8 / 4 / 2 / 1 output channels for 1 / 2 / 3-4 /
+// 5-8 rows (about 8 independent accumulators, each channel one chain whatever the block), the
 // output channels split in blocks over the threads of the OpenMP runtime MKL already runs (libiomp5, loaded
 // globally by hetero.blas: the symbols are left for it to resolve, so both share one team of threads).
 #include <immintrin.h>
@@ -48,7 +49,8 @@ static void block(const float* w, const float* x, float* y, int64_t out, int64_t
 
 template <int R>
 static void channels(const float* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
-  constexpr int C = R <= 4 ? 2 : 1;
+  // channels per block: about 8 independent FMA chains (the FMA's latency hidden) within AVX2's 16 registers
+  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
   int64_t o = o0;
   for (; o + C <= o1; o += C) block<C, R>(w, x, y, out, in, o);
   for (; o < o1; o++) block<1, R>(w, x, y, out, in, o);
