@@ -95,7 +95,8 @@ def main() -> None:
             for path, flag in (PATHS.items() if r % 2 == 0 else reversed(PATHS.items())):
                 cmd = [sys.executable, __file__, "--child", model, "--rows", *map(str, rows), "--tokens",
                        str(args.tokens), "--workdir", args.workdir]
-                done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HETERO_FEW_ROW_KERNEL": flag})
+                env = {**os.environ, "HETERO_FEW_ROW_KERNEL": flag}
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode != 0:
                     sys.exit(f"the {path} child failed:\n{done.stderr[-3000:]}")
                 runs[path].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -115,13 +116,14 @@ def main() -> None:
         entry["kernel_vs_mlx_one_row_aggregate"] = {
             str(n): n * entry["mlx"]["1"]["round_ms"] / entry["kernel"][str(n)]["round_ms"] for n in rows}
         k, m = runs["kernel"][0], runs["mlx"][0]
-        entry["tokens_kernel_vs_mlx_first_difference"] = [first_difference(a, b) for a, b in zip(k["alone"], m["alone"])]
+        entry["tokens_kernel_vs_mlx_first_difference"] = [first_difference(a, b)
+                                                          for a, b in zip(k["alone"], m["alone"])]
         results["models"][model] = entry
         for n in rows:
-            print(f"{model} {n} rows: kernel {entry['kernel'][str(n)]['round_ms']:.1f} ms "
-                  f"({entry['kernel'][str(n)]['aggregate_vs_own_one_row']:.2f}x its one row), MLX "
-                  f"{entry['mlx'][str(n)]['round_ms']:.1f} ms ({entry['mlx'][str(n)]['aggregate_vs_own_one_row']:.2f}x); "
-                  f"kernel {entry['kernel_vs_mlx_round'][str(n)]:.2f}x MLX's round", flush=True)
+            kern, mlx = entry["kernel"][str(n)], entry["mlx"][str(n)]
+            print(f"{model} {n} rows: kernel {kern['round_ms']:.1f} ms ({kern['aggregate_vs_own_one_row']:.2f}x its "
+                  f"one row), MLX {mlx['round_ms']:.1f} ms ({mlx['aggregate_vs_own_one_row']:.2f}x); kernel "
+                  f"{entry['kernel_vs_mlx_round'][str(n)]:.2f}x MLX's round", flush=True)
         print(f"{model}: batched equals alone: kernel {entry['kernel']['batched_equals_alone']}, MLX "
               f"{entry['mlx']['batched_equals_alone']}; kernel vs MLX tokens, first difference per prompt: "
               f"{entry['tokens_kernel_vs_mlx_first_difference']}", flush=True)

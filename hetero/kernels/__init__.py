@@ -66,7 +66,8 @@ def why_not() -> str | None:
 
 
 def cache_dir() -> Path:
-    """$HETERO_KERNEL_CACHE, else $HETERO_HOME/kernels, else $XDG_CACHE_HOME/hetero/kernels, else ~/.cache/hetero/kernels."""
+    """Where built kernels are kept: $HETERO_KERNEL_CACHE, else $HETERO_HOME/kernels, else
+    $XDG_CACHE_HOME/hetero/kernels, else ~/.cache/hetero/kernels."""
     if os.environ.get("HETERO_KERNEL_CACHE"):
         return Path(os.environ["HETERO_KERNEL_CACHE"]).expanduser()
     if os.environ.get("HETERO_HOME"):
@@ -128,7 +129,8 @@ def _key() -> str:
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((here / name).read_bytes())
-    h.update(f"{mx.__version__} {nanobind.__version__} {sys.version_info[:2]} {sysconfig.get_config_var('EXT_SUFFIX')}".encode())
+    versions = (mx.__version__, nanobind.__version__, sys.version_info[:2], sysconfig.get_config_var("EXT_SUFFIX"))
+    h.update(repr(versions).encode())
     return h.hexdigest()[:16]
 
 

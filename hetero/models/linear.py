@@ -1,4 +1,5 @@
-"""Linear layers whose few-row products take the CPU BLAS's fast path.
+"""Linear layers whose few-row products take the CPU's fast paths: hetero's own kernel for 1-8 rows, else the BLAS's
+better form.
 
 A verify pass (MTP) or a batched decode round multiplies a few rows by each weight matrix. On MLX's CPU backend
 `x @ W.T` goes to sgemm with M = rows, and MKL handles most such shapes badly. Computed the other way round,
