@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from hetero import kernels
 from hetero.calibrate import calibrate
 from hetero.chat_contract import chat_contract
 from hetero.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
@@ -427,6 +428,8 @@ def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,
     wire_working_set()
     net, path, config = load_model(model, dtype, fuse_projections)
     use_kv_quant(net, quant)
+    if mx.default_device() == mx.cpu:
+        kernels.few_rows()  # built on a machine's first load (docs/kernels.md), before any request's clock starts
     tokenizer = Tokenizer.from_dir(path)
     name = "bundled" if model is None else str(model)
     return Engine(net, tokenizer, config, path, name)
