@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.peers import first_difference  # noqa: E402
+
 PATHS = {"kernel": "1", "mlx": "0"}
 
 
@@ -66,10 +68,6 @@ def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
     alone = [out["rows"]["1"]["tokens"][0]] + [decode([p])[1][0] for p in prompts[1:]]  # each prompt alone
     out["alone"] = alone
     return out
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def main() -> None:

@@ -206,8 +206,12 @@ def threads_in_use() -> int:
     """The BLAS's thread count for one product: MKL's own, else what the environment asks, else every usable core."""
     if _state.kind == "mkl" and _state.handle is not None:
         return 1 if _state.layer == "sequential" else int(_state.handle.MKL_Get_Max_Threads())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return _requested_threads(_state.kind) or cores
+    return _requested_threads(_state.kind) or usable_cores()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def apply(library: str | os.PathLike | list | None = None) -> bool:

@@ -60,8 +60,7 @@ def enabled() -> bool:
     not turned off."""
     if not switched_on(ENV):
         return False
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return mx.default_device() == mx.cpu and cores >= 2
+    return mx.default_device() == mx.cpu and blas.usable_cores() >= 2
 
 
 def chunks_in_flight() -> int:
