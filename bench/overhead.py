@@ -278,7 +278,8 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
     result: dict = {}
     identical = True
     try:
-        for mode, depth in (("plain", 0), (f"mtp depth {args.depth}", args.depth)):
+        modes = {"plain": ("plain", 0), "mtp": (f"mtp depth {args.depth}", args.depth)}
+        for mode, depth in (modes[m] for m in args.modes):
             L = Layers(engine, depth, args.tokens, url, served)
             solo = ["step_loop", "decode_tokens", "stream", "generate", "serve"]
             layers = {k: (lambda i, k=k: getattr(L, k)(i)) for k in solo}
@@ -343,6 +344,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=3, help="MTP draft depth")
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds (each runs every layer on 3 prompts)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[4, 8], help="concurrent requests / batch rows")
+    ap.add_argument("--modes", nargs="+", choices=["plain", "mtp"], default=["plain", "mtp"],
+                    help="plain decoding, MTP at --depth, or both")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
     ap.add_argument("--out", default="bench/results/overhead.json")
     args = ap.parse_args()

@@ -445,5 +445,5 @@ def environment() -> dict:
         "threads": {k: os.environ.get(k) for k in
                     ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER")},
         "versions": versions,
-        "few_row_kernel": kernels.why_not() or "in use",  # hetero's own 1-8 row products (hetero.kernels)
+        **kernels.status(),  # hetero's own 1-8 row products and delta step (hetero.kernels)
     }

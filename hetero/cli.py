@@ -90,8 +90,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         split=split,
         **penalty_options(args),
     )
-    # the BLAS under MLX and hetero's own few-row kernel: what CPU speed depends on
-    extra, status = {"blas": hetero.blas.describe(), "few_row_kernel": kernels.why_not() or "in use"}, 0
+    # the BLAS under MLX and hetero's own CPU kernels: what CPU speed depends on
+    extra, status = {"blas": hetero.blas.describe(), **kernels.status()}, 0
     if split is not None:
         extra["ane"] = split.ane_block()
         if split.last is not None:

@@ -1,20 +1,22 @@
-"""hetero's own CPU kernel: the few-row product a decode step runs, built once on this machine and loaded as an MLX op.
+"""hetero's own CPU kernels, built once on this machine and loaded as MLX ops: the few-row product and the gated
+delta rule's decode step.
 
 A decode step multiplies 1 to 8 rows (one request, a batch of requests, an MTP verify pass) by every weight matrix,
 and is bound by reading the weights. MLX's CPU backend hands those products to MKL's sgemm, which reads the
 weights about twice over for 4 rows (hetero/models/linear.py has the figures); `few_rows.cpp` reads them once for
-all rows (AVX2 + FMA) as an MLX primitive, so it runs inside lazy and compiled graphs like any other op. Every
-(channel, row) sums the same chain in the same order whatever the other rows are, so a request's tokens in a
-batch are bit for bit the tokens it gets alone.
+all rows (AVX2 + FMA). Each GDN layer's step then updates its recurrent state [rows, Hv, Dk, Dv], which MLX does in
+five passes over memory; `delta_step.cpp` reads and writes it once. Both are MLX primitives, so they run inside lazy
+and compiled graphs like any other op, and both compute every row the same way whatever rows sit beside it, so a
+request's tokens in a batch are bit for bit the tokens it gets alone.
 
-The extension is compiled against the installed MLX the first time a process needs it (`few_rows()`; about 15 s on
+The extension is compiled against the installed MLX the first time a process needs it (`library()`; about 20 s on
 two cores, said on stderr), with CMake, a C++ compiler and nanobind (a Linux x86-64 dependency of hetero), and
 kept in `cache_dir()` under a key of the sources and the MLX, nanobind and Python versions: the next process
 loads it in milliseconds. A build goes to a temporary folder and only a finished library is moved into place, so
 nothing half-built is ever loaded. Where it cannot be built or does not apply (macOS and its GPU, aarch64, a CPU
-without AVX2, no compiler), `few_rows()` is None, MLX's own products run, and `why_not()` says why (`hetero
-run --json` and every bench's environment record it). HETERO_FEW_ROW_KERNEL=0 turns it off (the baseline the
-benches compare against). docs/kernels.md has the design and its figures.
+without AVX2, no compiler), `few_rows()` and `delta_step()` are None, MLX's own ops run, and `why_not()` says why
+(`hetero run --json` and every bench's environment record it). HETERO_FEW_ROW_KERNEL=0 and HETERO_DELTA_KERNEL=0
+turn each off (the baselines the benches compare against). docs/kernels.md has the design and its figures.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ import mlx.core as mx
 from hetero import blas
 from hetero.switches import switched_on
 
-MAX_ROWS = 8  # the kernel's row counts: 1 to 8
-SOURCES = ("few_rows.cpp", "CMakeLists.txt")
+MAX_ROWS = 8  # the few-row kernel's row counts: 1 to 8
+MAX_VALUE_DIM = 512  # the delta step's largest value head
+SOURCES = ("kernels.h", "few_rows.cpp", "delta_step.cpp", "module.cpp", "CMakeLists.txt")
+NAME = "_kernels"  # the extension module
 BUILD_TIMEOUT_S = 600
 
 _lock = threading.Lock()
@@ -49,20 +53,47 @@ _reason: list[str] = []  # why the kernel is not in use, once decided
 
 def few_rows():
     """The kernel `few_rows(x [rows, in], w [out, in]) -> [rows, out]` (float32, 1-8 rows, CPU), built and loaded
-    on first use; None where it does not apply or could not be built (`why_not`)."""
+    on first use; None where it does not apply, could not be built or is turned off (`why_not`)."""
+    return _op("few_rows", "HETERO_FEW_ROW_KERNEL")
+
+
+def delta_step():
+    """The kernel `delta_step(q, k [N, Dk], v [N, Dv], decay, beta [N], state [N, Dk, Dv]) -> [out [N, Dv], state]`
+    (one token of the gated delta rule, float32, Dv up to MAX_VALUE_DIM, CPU); None like `few_rows`."""
+    return _op("delta_step", "HETERO_DELTA_KERNEL")
+
+
+def why_not(switch: str = "HETERO_FEW_ROW_KERNEL") -> str | None:
+    """Why the kernel that `switch` turns off is not in use in this process (None when it is); builds or loads the
+    library first if nothing did yet."""
+    if not switched_on(switch):
+        return f"turned off ({switch}=0)"
+    return None if library() is not None else _reason[0]
+
+
+def status() -> dict[str, str]:
+    """{"few_row_kernel": ..., "delta_kernel": ...}: "in use", or why not (what `hetero run --json` and the benches'
+    environments record)."""
+    return {"few_row_kernel": why_not("HETERO_FEW_ROW_KERNEL") or "in use",
+            "delta_kernel": why_not("HETERO_DELTA_KERNEL") or "in use"}
+
+
+def library() -> ModuleType | None:
+    """The extension module, built and loaded on first use (once per process); None where it does not apply or
+    could not be built (`why_not`)."""
     if _loaded:
         return _loaded[0]
     with _lock:
         if not _loaded:
-            module = _load()
-            _loaded.append(module.few_rows if module is not None else None)
+            _loaded.append(_load())
     return _loaded[0]
 
 
-def why_not() -> str | None:
-    """Why the kernel is not in use in this process (None when it is); decides it first if nothing did yet."""
-    few_rows()
-    return _reason[0] if _reason else None
+def _op(name: str, switch: str):
+    if not switched_on(switch):
+        return None
+    module = library()
+    return getattr(module, name) if module is not None else None
 
 
 def cache_dir() -> Path:
@@ -76,9 +107,7 @@ def cache_dir() -> Path:
 
 
 def unsupported() -> str | None:
-    """Why this machine or run cannot use the kernel at all (no build is tried), else None."""
-    if not switched_on("HETERO_FEW_ROW_KERNEL"):
-        return "turned off (HETERO_FEW_ROW_KERNEL=0)"
+    """Why this machine cannot use the kernels at all (no build is tried), else None."""
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"an x86-64 Linux kernel; this is {platform.system()} {platform.machine()} (MLX's own products run)"
     flags = _cpu_flags()
@@ -94,28 +123,40 @@ def _load() -> ModuleType | None:
     if reason is None:
         try:
             library = _built()
-            spec = importlib.util.spec_from_file_location("_few_rows", library)
+            spec = importlib.util.spec_from_file_location(NAME, library)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             module.set_threads(blas.threads_in_use())
-            _self_check(module.few_rows)
+            _self_check(module)
             return module
         except (OSError, ImportError, TypeError, subprocess.SubprocessError, BuildError) as e:
             reason = f"could not be built or loaded ({e})"
-            print(f"hetero: the few-row CPU kernel {reason}; MLX's own products run (slower for batches)",
+            print(f"hetero: the CPU kernels {reason}; MLX's own ops run (slower decode steps)",
                   file=sys.stderr, flush=True)
     _reason.append(reason)
     return None
 
 
-def _self_check(few_rows) -> None:
-    """The loaded kernel against MLX's product on every row count and an odd shape (a library built for another MLX
+def _self_check(module: ModuleType) -> None:
+    """The loaded kernels against MLX's own ops on odd shapes and every row count (a library built for another MLX
     or nanobind fails here: its arrays would not convert)."""
     w = mx.sin(mx.arange(37 * 29, dtype=mx.float32)).reshape(37, 29)  # [out, in], neither a multiple of 8
     for rows in range(1, MAX_ROWS + 1):
         x = mx.cos(mx.arange(rows * 29, dtype=mx.float32)).reshape(rows, 29)
-        if not mx.allclose(few_rows(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item():
+        if not mx.allclose(module.few_rows(x, w), x @ w.T, rtol=1e-5, atol=1e-5).item():
             raise BuildError(f"its self-check disagrees with MLX's product at {rows} rows")
+    n, dk, dv = 3, 5, 11
+    q, k = (mx.sin(mx.arange(n * dk, dtype=mx.float32) * f).reshape(n, dk) for f in (0.7, 1.3))
+    v = mx.cos(mx.arange(n * dv, dtype=mx.float32)).reshape(n, dv)
+    decay, beta = mx.array([0.9, 0.5, 1.0]), mx.array([0.3, 1.0, 0.7])
+    state = mx.sin(mx.arange(n * dk * dv, dtype=mx.float32)).reshape(n, dk, dv)
+    decayed = state * decay[:, None, None]  # the rule as gated_delta._recurrent_step writes it
+    u = beta[:, None] * (v - (k[:, None, :] @ decayed)[:, 0])  # [n, dv]
+    expected = decayed + k[:, :, None] * u[:, None, :]
+    out, new = module.delta_step(q, k, v, decay, beta, state)
+    if not (mx.allclose(new, expected, rtol=1e-5, atol=1e-5).item()
+            and mx.allclose(out, (q[:, None, :] @ expected)[:, 0], rtol=1e-5, atol=1e-5).item()):
+        raise BuildError("its self-check disagrees with MLX's gated delta step")
 
 
 class BuildError(Exception):
@@ -140,7 +181,7 @@ def _built() -> Path:
         key = _key()
     except ImportError as e:
         raise BuildError(f"nanobind is not installed: {e}") from None
-    final = cache_dir() / key / f"_few_rows{sysconfig.get_config_var('EXT_SUFFIX')}"
+    final = cache_dir() / key / f"{NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
     if final.is_file():
         return final
     tools = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # the venv's cmake, ninja
@@ -151,7 +192,7 @@ def _built() -> Path:
         raise BuildError("no C++ compiler found; install one (apt install g++) or set CXX")
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(final.parent)
-    print("hetero: building the few-row CPU kernel for this MLX (once, about 15 s)...", file=sys.stderr, flush=True)
+    print("hetero: building the CPU kernels for this MLX (once, about 20 s)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".build.") as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "build"
         src.mkdir()
@@ -166,7 +207,7 @@ def _built() -> Path:
             run = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if run.returncode != 0:
                 raise BuildError(_last_error(run.stdout + run.stderr))
-        (library,) = out.glob("_few_rows*.so")
+        (library,) = out.glob(f"{NAME}*.so")
         os.replace(library, final)  # atomic: another process sees the whole library or none
     return final
 

@@ -1,20 +1,19 @@
 // The few-row product of hetero.kernels: y [rows, out] = x [rows, in] @ w [out, in].T for 1-8 rows in float32 on
 // the CPU, as an MLX primitive (so it sits inside lazy and compiled graphs like any op). A decode step's products
 // are bound by reading the weights; MKL's sgemm under MLX reads them about twice for 4 rows (hetero/models/linear.py),
-// this kernel once for all rows: AVX2 + FMA, register-blocked over 8 / 4 / 2 / 1 output channels for 1 / 2 / 3-4 /
-// 5-8 rows (about 8 independent accumulators, each channel one chain whatever the block), the
+// this kernel once for all rows: AVX2 + FMA, register-blocked over 8 / 4 / 3 output channels for 1 / 2-3 / 4-8
+// rows (rows in groups of at most 4; each (channel, row) one chain whatever the block), the
 // output channels split in blocks over the threads of the OpenMP runtime MKL already runs (libiomp5, loaded
 // globally by hetero.blas: the symbols are left for it to resolve, so both share one team of threads).
 #include <immintrin.h>
 #include <cstdint>
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/variant.h>
-#include "mlx/mlx.h"
+#include "kernels.h"
 #include "mlx/primitives.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace mx = mlx::core;
-namespace nb = nanobind;
+
+namespace hetero {
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -47,20 +46,32 @@ static void block(const float* w, const float* x, float* y, int64_t out, int64_t
     }
 }
 
+// Rows in groups of at most 4 over each block of C channels: the block's weights are read from memory once, by the
+// first group, and from the L1 cache by the next.
+template <int C, int R>
+static void rows_of(const float* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+  if constexpr (R <= 4) {
+    block<C, R>(w, x, y, out, in, o);
+  } else {
+    block<C, 4>(w, x, y, out, in, o);
+    block<C, R - 4>(w, x + 4 * in, y + 4 * out, out, in, o);
+  }
+}
+
 template <int R>
 static void channels(const float* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
-  // channels per block: about 8 independent FMA chains (the FMA's latency hidden) within AVX2's 16 registers
-  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+  // channels per block: enough weight rows streaming at once to keep memory busy (2 were too few: 4 rows ran at
+  // 1.5x one), and about 8-12 independent FMA chains (the FMA's latency hidden) within AVX2's 16 registers
+  constexpr int C = R == 1 ? 8 : R <= 3 ? 4 : 3;
   int64_t o = o0;
-  for (; o + C <= o1; o += C) block<C, R>(w, x, y, out, in, o);
-  for (; o < o1; o++) block<1, R>(w, x, y, out, in, o);
+  for (; o + C <= o1; o += C) rows_of<C, R>(w, x, y, out, in, o);
+  for (; o < o1; o++) rows_of<1, R>(w, x, y, out, in, o);
 }
 
 using kernel_t = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-static int threads = 1;  // set_threads: hetero.kernels sets the BLAS's thread count
 static const kernel_t KERNELS[9] = {nullptr, channels<1>, channels<2>, channels<3>, channels<4>,
                                     channels<5>, channels<6>, channels<7>, channels<8>};
-constexpr int64_t SHARE = 32;  // output channels per parallel task
+constexpr int64_t SHARE = 48;  // output channels per parallel task (a multiple of every block's C)
 
 static void few_rows_cpu(const float* w, const float* x, float* y, int64_t rows, int64_t out, int64_t in) {
   kernel_t kern = KERNELS[rows];
@@ -108,8 +119,4 @@ mx::array few_rows(const mx::array& x, const mx::array& w, mx::StreamOrDevice s)
   return mx::array({x.shape(0), w.shape(0)}, mx::float32, std::make_shared<FewRows>(stream), {xc, wc});
 }
 
-NB_MODULE(_few_rows, m) {
-  m.def("set_threads", [](int n) { threads = n < 1 ? 1 : n; }, nb::arg("n"), "Threads for every later product.");
-  m.def("few_rows", &few_rows, nb::arg("x"), nb::arg("w"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "x [rows, in] @ w [out, in].T -> [rows, out], float32, 1-8 rows, on the CPU.");
-}
+}  // namespace hetero

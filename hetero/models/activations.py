@@ -62,7 +62,7 @@ EAGER_MIN_TOKENS = 17  # tokens per sequence from which a caller may use them (c
 def _eager(x: mx.array) -> bool:
     from hetero.models import attention  # its `differentiable()` mode marks training
 
-    return (_power_form(x) and x.size >= EAGER_MIN and not getattr(attention._mode, "differentiable", False))
+    return _power_form(x) and x.size >= EAGER_MIN and not attention.differentiating()
 
 
 def _exp_now(x: mx.array, sign: float) -> tuple[mx.array, np.ndarray] | None:

@@ -50,6 +50,11 @@ def differentiable() -> Iterator[None]:
         _mode.differentiable = before
 
 
+def differentiating() -> bool:
+    """Whether this thread is inside `differentiable()` (training): MLX's own ops only, which autodiff traces."""
+    return getattr(_mode, "differentiable", False)
+
+
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """Causal attention of queries [B, H, L, D] over keys/values [B, Hkv, S, D] -> [B, H, L, Dv].
 
@@ -57,7 +62,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
     H is a multiple of Hkv (grouped-query attention).
     """
     L, S = queries.shape[2], keys.shape[2]
-    if mx.default_device() == mx.cpu and not getattr(_mode, "differentiable", False):
+    if mx.default_device() == mx.cpu and not differentiating():
         if L >= MIN_QUERIES:
             return _numpy_causal(queries, keys, values, scale)
         if S >= MIN_KEYS:

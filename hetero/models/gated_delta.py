@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from hetero import kernels
 from hetero.models import activations as act
+from hetero.models.attention import differentiating
 
 CHUNK = 64
 TINY = 1e-18  # magnitudes below this are flushed to 0 before matmuls (see _flush)
@@ -38,8 +40,19 @@ def _recurrent_step(
 ) -> tuple[mx.array, mx.array]:
     """One token: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv] -> (o [B, H, Dv], state).
 
-    Decode and verify steps run it inside the whole layer's compiled function (`DecoderLayer`, `compiled.py`).
+    Decode and verify steps run it inside the whole layer's compiled function (`DecoderLayer`, `compiled.py`). On the
+    CPU it is hetero's own kernel where this machine has it (`hetero.kernels.delta_step`: the state read and written
+    once, every row alike whatever rows sit beside it; it has no gradient, so not in training), else MLX's ops below.
     """
+    B, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if (mx.default_device() == mx.cpu and state.dtype == mx.float32 and Dv <= kernels.MAX_VALUE_DIM
+            and not differentiating() and (step := kernels.delta_step())):
+        f32 = mx.float32
+        out, state = step(q.astype(f32).reshape(B * H, Dk), k.astype(f32).reshape(B * H, Dk),
+                          v.astype(f32).reshape(B * H, Dv), mx.exp(g).astype(f32).reshape(B * H),
+                          beta.astype(f32).reshape(B * H), state.reshape(B * H, Dk, Dv))  # [BH, Dv], [BH, Dk, Dv]
+        return out.reshape(B, H, Dv), state.reshape(B, H, Dk, Dv)
     state = state * mx.exp(g)[..., None, None]
     kt = k[..., None, :]  # [B, H, 1, Dk]
     remembered = (kt @ state)[..., 0, :]  # [B, H, Dv] = S^T k
