@@ -1,19 +1,23 @@
-"""hetero's own few-row CPU kernel (hetero.kernels) against MLX's products, on whole decode rounds.
+"""hetero's own CPU kernels (hetero.kernels) against MLX's ops, on whole decode rounds.
 
-    python bench/few_rows.py                                  # the large model, 1 / 2 / 4 / 8 rows, 3 rounds
-    python bench/few_rows.py --models bundled large --rows 1 4 --rounds 2 --tokens 24
+    python bench/cpu_kernels.py                               # the large model, 1 / 2 / 4 / 8 rows, 3 rounds
+    python bench/cpu_kernels.py --models bundled large --rows 1 4 --rounds 2 --tokens 24
 
-A decode round multiplies 1 to 8 rows (a request alone, or a batch of them) by every weight; on two cores MLX's
-sgemm reads the weights about twice for 4 rows, the kernel once. Here the batch stepper (hetero.decode.stepper.Batch,
-what `hetero serve` batches with, and a lone row's solo round, what `Engine.stream` runs) decodes --tokens greedy
-plain tokens for N rows (short distinct prompts, EOS ignored), in a fresh child process per (model, path, round)
-with HETERO_FEW_ROW_KERNEL=1 or 0 (a process decides once), the two paths alternated round by round. Reported per
-model, path and row count: the median steady round in ms (the first two rounds left out: they compile and fill
-the queue) and tok/s; per path the aggregate at N rows against its own one row (issue 36's "4 concurrent requests
-at least 2.5x one" on the large model); the kernel's round against MLX's at the same rows. Identity: every row's
-tokens in a batch equal the same prompt decoded alone on the same path (exit status 1 otherwise); kernel against
-MLX tokens are reported (equal, or the first position where float rounding parts them).
-Writes bench/results/few_rows.json (the environment, the kernel's status in each child included).
+A decode round multiplies 1 to 8 rows (a request alone, or a batch of them) by every weight, and steps every GDN
+layer's recurrent state; on two cores MLX's sgemm reads the weights about twice for 4 rows and its delta rule makes
+five passes over the state, the kernels one each. Here the batch stepper (hetero.decode.stepper.Batch, what `hetero
+serve` batches with, and a lone row's solo round, what `Engine.stream` runs) decodes --tokens greedy plain tokens
+for N rows (short distinct prompts, EOS ignored), in a fresh child process per (model, path, round), the paths
+alternated round by round (a process decides its kernels once):
+  kernels    both kernels (the default)
+  few_rows   the few-row product only (HETERO_DELTA_KERNEL=0): what the delta step adds
+  mlx        neither (HETERO_FEW_ROW_KERNEL=0 HETERO_DELTA_KERNEL=0): MLX's own ops
+Reported per model, path and row count: the median steady round in ms (the first two rounds left out: they compile
+and fill the queue) and tok/s; per path the aggregate at N rows against its own one row (issue 36's "4 concurrent
+requests at least 2.5x one" on the large model); the kernels' round against each other path's at the same rows.
+Identity: every row's tokens in a batch equal the same prompt decoded alone on the same path (exit status 1
+otherwise); each path's tokens against the kernels' are reported (equal, or the first position where float rounding
+parts them). Writes bench/results/cpu_kernels.json (the environment, the kernels' status in each child included).
 """
 
 from __future__ import annotations
@@ -32,7 +36,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peers import first_difference  # noqa: E402
 
-PATHS = {"kernel": "1", "mlx": "0"}
+PATHS = {  # path -> its switches
+    "kernels": {"HETERO_FEW_ROW_KERNEL": "1", "HETERO_DELTA_KERNEL": "1"},
+    "few_rows": {"HETERO_FEW_ROW_KERNEL": "1", "HETERO_DELTA_KERNEL": "0"},
+    "mlx": {"HETERO_FEW_ROW_KERNEL": "0", "HETERO_DELTA_KERNEL": "0"},
+}
 
 
 def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
@@ -77,7 +85,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per row")
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds, one child process per path each")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
-    ap.add_argument("--out", default="bench/results/few_rows.json")
+    ap.add_argument("--out", default="bench/results/cpu_kernels.json")
     ap.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     rows = sorted(set(args.rows) | {1})
@@ -90,10 +98,10 @@ def main() -> None:
     for model in args.models:
         runs: dict[str, list[dict]] = {p: [] for p in PATHS}
         for r in range(args.rounds):
-            for path, flag in (PATHS.items() if r % 2 == 0 else reversed(PATHS.items())):
+            for path, switches in (PATHS.items() if r % 2 == 0 else reversed(PATHS.items())):
                 cmd = [sys.executable, __file__, "--child", model, "--rows", *map(str, rows), "--tokens",
                        str(args.tokens), "--workdir", args.workdir]
-                env = {**os.environ, "HETERO_FEW_ROW_KERNEL": flag}
+                env = {**os.environ, **switches}
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode != 0:
                     sys.exit(f"the {path} child failed:\n{done.stderr[-3000:]}")
@@ -109,22 +117,23 @@ def main() -> None:
             entry[path] = {str(n): {"round_ms": med[n], "tok_s": n * 1e3 / med[n],
                                     "aggregate_vs_own_one_row": n * med[1] / med[n]} for n in rows}
             entry[path]["batched_equals_alone"] = identical
-        entry["kernel_vs_mlx_round"] = {str(n): entry["mlx"][str(n)]["round_ms"] / entry["kernel"][str(n)]["round_ms"]
-                                        for n in rows}
-        entry["kernel_vs_mlx_one_row_aggregate"] = {
-            str(n): n * entry["mlx"]["1"]["round_ms"] / entry["kernel"][str(n)]["round_ms"] for n in rows}
-        k, m = runs["kernel"][0], runs["mlx"][0]
-        entry["tokens_kernel_vs_mlx_first_difference"] = [first_difference(a, b)
-                                                          for a, b in zip(k["alone"], m["alone"])]
+        base = entry["kernels"]
+        for other in ("few_rows", "mlx"):
+            entry[f"kernels_vs_{other}_round"] = {str(n): entry[other][str(n)]["round_ms"] / base[str(n)]["round_ms"]
+                                                 for n in rows}
+            entry[f"tokens_{other}_vs_kernels_first_difference"] = [
+                first_difference(a, b) for a, b in zip(runs["kernels"][0]["alone"], runs[other][0]["alone"])]
+        entry["kernels_vs_mlx_one_row_aggregate"] = {
+            str(n): n * entry["mlx"]["1"]["round_ms"] / base[str(n)]["round_ms"] for n in rows}
         results["models"][model] = entry
         for n in rows:
-            kern, mlx = entry["kernel"][str(n)], entry["mlx"][str(n)]
-            print(f"{model} {n} rows: kernel {kern['round_ms']:.1f} ms ({kern['aggregate_vs_own_one_row']:.2f}x its "
-                  f"one row), MLX {mlx['round_ms']:.1f} ms ({mlx['aggregate_vs_own_one_row']:.2f}x); kernel "
-                  f"{entry['kernel_vs_mlx_round'][str(n)]:.2f}x MLX's round", flush=True)
-        print(f"{model}: batched equals alone: kernel {entry['kernel']['batched_equals_alone']}, MLX "
-              f"{entry['mlx']['batched_equals_alone']}; kernel vs MLX tokens, first difference per prompt: "
-              f"{entry['tokens_kernel_vs_mlx_first_difference']}", flush=True)
+            print(f"{model} {n} rows: " + ", ".join(
+                f"{p} {entry[p][str(n)]['round_ms']:.1f} ms ({entry[p][str(n)]['aggregate_vs_own_one_row']:.2f}x "
+                f"its one row)" for p in PATHS) + f"; kernels {entry['kernels_vs_mlx_round'][str(n)]:.2f}x MLX's "
+                f"round, {entry['kernels_vs_few_rows_round'][str(n)]:.2f}x few_rows'", flush=True)
+        print(f"{model}: batched equals alone: " + ", ".join(f"{p} {entry[p]['batched_equals_alone']}" for p in PATHS)
+              + "; tokens against the kernels', first difference per prompt: " + ", ".join(
+                  f"{p} {entry[f'tokens_{p}_vs_kernels_first_difference']}" for p in ("few_rows", "mlx")), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
