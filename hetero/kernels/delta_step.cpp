@@ -51,21 +51,48 @@ static void delta_step_cpu(const float* q, const float* k, const float* v, const
              dk, dv);
 }
 
+// The state as a row-contiguous buffer: its own when it is one (a decode step's state always is), else a copy.
+static const float* row_contiguous(const mx::array& a, std::vector<float>& copy) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  copy.resize(a.size());
+  const float* base = a.data<float>();
+  std::vector<int64_t> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); i++) {
+    int64_t at = 0;
+    for (int d = 0; d < a.ndim(); d++) at += index[d] * a.strides()[d];
+    copy[i] = base[at];
+    for (int d = a.ndim() - 1; d >= 0 && ++index[d] == a.shape(d); d--) index[d] = 0;
+  }
+  return copy.data();
+}
+
 class DeltaStep : public mx::Primitive {
  public:
   explicit DeltaStep(mx::Stream stream) : mx::Primitive(stream) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
-    for (auto& a : outputs) {
-      a.set_data(mx::allocator::malloc(a.nbytes()));
-      enc.set_output_array(a);
-    }
     const auto& state = inputs[5];
+    auto& out = outputs[0];
+    auto& next = outputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    // the new state overwrites the old one in place when nothing else holds it (a decode step's state, as MLX's
+    // own elementwise ops donate their inputs): no fresh buffer of the whole state each step
+    const bool in_place = state.flags().row_contiguous && state.is_donatable();
+    if (in_place)
+      next.copy_shared_buffer(state);
+    else
+      next.set_data(mx::allocator::malloc(next.nbytes()));
+    enc.set_output_array(out);
+    enc.set_output_array(next);
     enc.dispatch([q = inputs[0].data<float>(), k = inputs[1].data<float>(), v = inputs[2].data<float>(),
-                  decay = inputs[3].data<float>(), beta = inputs[4].data<float>(), s = state.data<float>(),
-                  o = outputs[0].data<float>(), t = outputs[1].data<float>(), n = state.shape(0),
-                  dk = state.shape(1), dv = state.shape(2)]() { delta_step_cpu(q, k, v, decay, beta, s, o, t, n, dk, dv); });
+                  decay = inputs[3].data<float>(), beta = inputs[4].data<float>(), state, in_place,
+                  o = out.data<float>(), t = next.data<float>(), n = state.shape(0), dk = state.shape(1),
+                  dv = state.shape(2)]() {
+      std::vector<float> copy;
+      const float* s = in_place ? t : row_contiguous(state, copy);
+      delta_step_cpu(q, k, v, decay, beta, s, o, t, n, dk, dv);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("delta_step runs on the CPU only");
@@ -89,8 +116,9 @@ std::vector<mx::array> delta_step(const mx::array& q, const mx::array& k, const 
   for (auto* a : {&q, &k, &v, &decay, &beta, &state})
     if (a->dtype() != mx::float32) throw std::invalid_argument("delta_step: float32 only");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs;
-  for (auto* a : {&q, &k, &v, &decay, &beta, &state}) inputs.push_back(mx::contiguous(*a, false, stream));
+  std::vector<mx::array> inputs;  // the small ones made contiguous here; the state as it comes (see eval_cpu)
+  for (auto* a : {&q, &k, &v, &decay, &beta}) inputs.push_back(mx::contiguous(*a, false, stream));
+  inputs.push_back(state);
   return mx::array::make_arrays({v.shape(), state.shape()}, {mx::float32, mx::float32},
                                 std::make_shared<DeltaStep>(stream), inputs);
 }
