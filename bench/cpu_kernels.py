@@ -2,6 +2,7 @@
 
     python bench/cpu_kernels.py                               # the large model, 1 / 2 / 4 / 8 rows, 3 rounds
     python bench/cpu_kernels.py --models bundled large --rows 1 4 --rounds 2 --tokens 24
+    python bench/cpu_kernels.py --part ops                    # each kernel alone against MLX's op, one process
 
 A decode round multiplies 1 to 8 rows (a request alone, or a batch of them) by every weight, and steps every GDN
 layer's recurrent state; on two cores MLX's sgemm reads the weights about twice for 4 rows and its delta rule makes
@@ -18,6 +19,11 @@ requests at least 2.5x one" on the large model); the kernels' round against each
 Identity: every row's tokens in a batch equal the same prompt decoded alone on the same path (exit status 1
 otherwise); each path's tokens against the kernels' are reported (equal, or the first position where float rounding
 parts them). Writes bench/results/cpu_kernels.json (the environment, the kernels' status in each child included).
+
+`--part ops` times each kernel alone in one process, alternated with MLX's own op on the same inputs, medians of
+--repeats: the few-row product over every weight matrix of the model in turn (what a round reads) at each row count,
+against MLX's `x @ W.T`; the delta step over every GDN layer's state at each row count, against MLX's five ops
+(`gated_delta._recurrent_step`'s own form). Writes bench/results/cpu_kernels_ops.json.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peers import first_difference  # noqa: E402
 
+DEFAULT_OUT = "bench/results/cpu_kernels.json"
 PATHS = {  # path -> its switches
     "kernels": {"HETERO_FEW_ROW_KERNEL": "1", "HETERO_DELTA_KERNEL": "1"},
     "few_rows": {"HETERO_FEW_ROW_KERNEL": "1", "HETERO_DELTA_KERNEL": "0"},
@@ -78,6 +85,75 @@ def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
     return out
 
 
+def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
+    """Each kernel against MLX's own op in this process (the kernels built or loaded first)."""
+    import time
+
+    import mlx.core as mx
+
+    from bench.checkpoints import checkpoint
+    from hetero import kernels
+    from hetero.blas import environment
+    from hetero.engine import load
+    from mlx.utils import tree_flatten
+
+    few_rows, delta_step = kernels.few_rows(), kernels.delta_step()
+    if few_rows is None or delta_step is None:
+        sys.exit(f"the kernels are not in use here: {kernels.status()}")
+    path = checkpoint(model, Path(workdir)) if model != "bundled" else None
+    engine = load(str(path) if path else None, dtype=mx.float32)
+    weights = [w for name, w in tree_flatten(engine.model.parameters())
+               if w.ndim == 2 and name.endswith("weight") and "embed" not in name and "mtp" not in name]
+    if engine.model.args.tie_word_embeddings:
+        weights.append(engine.model.model.embed_tokens.weight)  # the lm_head
+    gdn = [layer.linear_attn for layer in engine.model.model.layers if layer.is_linear]
+
+    def timed(run) -> float:
+        t = time.perf_counter()
+        mx.eval(run())
+        return (time.perf_counter() - t) * 1e3
+
+    def mlx_step(q, k, v, g, beta, state):  # gated_delta._recurrent_step's MLX form, flattened to [N, ...]
+        state = state * mx.exp(g)[:, None, None]
+        u = beta[:, None] * (v - (k[:, None, :] @ state)[:, 0])
+        state = state + k[:, :, None] * u[:, None, :]
+        return (q[:, None, :] @ state)[:, 0], state
+
+    out: dict = {"environment": environment(), "weights_mb": sum(w.nbytes for w in weights) / 1e6,
+                 "gdn_layers": len(gdn), "few_rows": {}, "delta_step": {}}
+    for n in rows:
+        xs = {w.shape[1]: mx.random.normal((n, w.shape[1])) for w in weights}
+        states = [mx.random.normal((n * g.nv, g.dk, g.dv)) * 0.1 for g in gdn]
+        q, k = (mx.random.normal((n * gdn[0].nv, gdn[0].dk)) * 0.1 for _ in range(2))
+        v = mx.random.normal((n * gdn[0].nv, gdn[0].dv))
+        g, beta = mx.full((n * gdn[0].nv,), -0.1), mx.full((n * gdn[0].nv,), 0.5)
+        mx.eval(xs, states, q, k, v, g, beta)
+        runs = {
+            ("few_rows", "kernel"): lambda: [few_rows(xs[w.shape[1]], w) for w in weights],
+            ("few_rows", "mlx"): lambda: [xs[w.shape[1]] @ w.T for w in weights],
+            ("delta_step", "kernel"): lambda: [delta_step(q, k, v, g, beta, s) for s in states],
+            ("delta_step", "mlx"): lambda: [mlx_step(q, k, v, g, beta, s) for s in states],
+        }
+        times: dict = {key: [] for key in runs}
+        for key, run in runs.items():  # warm-up
+            timed(run)
+        for _ in range(repeats):
+            for key, run in runs.items():
+                times[key].append(timed(run))
+        for op in ("few_rows", "delta_step"):
+            kern, ref = statistics.median(times[(op, "kernel")]), statistics.median(times[(op, "mlx")])
+            out[op][str(n)] = {"kernel_ms": kern, "mlx_ms": ref, "kernel_vs_mlx": ref / kern}
+    for op in ("few_rows", "delta_step"):
+        one = out[op][str(rows[0])]["kernel_ms"]
+        for n in rows:
+            out[op][str(n)]["kernel_vs_its_first_row_count"] = out[op][str(n)]["kernel_ms"] / one
+            print(f"{model} {op} {n} rows: kernel {out[op][str(n)]['kernel_ms']:.2f} ms "
+                  f"({out[op][str(n)]['kernel_vs_its_first_row_count']:.2f}x its {rows[0]} row), MLX "
+                  f"{out[op][str(n)]['mlx_ms']:.2f} ms; kernel {out[op][str(n)]['kernel_vs_mlx']:.2f}x MLX's speed",
+                  flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=["bundled", "large"], default=["large"])
@@ -85,10 +161,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per row")
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds, one child process per path each")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hetero-bench"))
-    ap.add_argument("--out", default="bench/results/cpu_kernels.json")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--part", choices=["rounds", "ops"], default="rounds")
+    ap.add_argument("--repeats", type=int, default=20, help="--part ops: alternated timings per op and row count")
     ap.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     rows = sorted(set(args.rows) | {1})
+    if args.part == "ops":
+        import hetero  # noqa: F401  first: the fast BLAS under MLX
+
+        result = {"args": vars(args), "models": {m: ops_part(m, rows, args.repeats, args.workdir) for m in args.models}}
+        out = Path(args.out if args.out != DEFAULT_OUT else "bench/results/cpu_kernels_ops.json")
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+        return
     if args.child:
         print(json.dumps(child(args.child[0], rows, args.tokens, args.workdir)))
         return

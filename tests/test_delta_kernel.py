@@ -31,20 +31,20 @@ def delta_step():
 
 
 def inputs(rng, n: int, dk: int, dv: int) -> list[np.ndarray]:
-    """q, k (l2-normalised, as the layer feeds them), v, decay in (0, 1], beta in (0, 1), state."""
+    """q, k (l2-normalised, as the layer feeds them), v, g (log decay) in [-3, 0], beta in (0, 1), state."""
     q, k = (rng.standard_normal((n, dk), dtype=np.float32) for _ in range(2))
     q, k = (t / np.linalg.norm(t, axis=-1, keepdims=True) for t in (q, k))
     v = rng.standard_normal((n, dv), dtype=np.float32)
-    decay = np.exp(-rng.uniform(0, 3, n)).astype(np.float32)
+    g = -rng.uniform(0, 3, n).astype(np.float32)
     beta = rng.uniform(0, 1, n).astype(np.float32)
     state = rng.standard_normal((n, dk, dv), dtype=np.float32)
-    return [q, k, v, decay, beta, state]
+    return [q, k, v, g, beta, state]
 
 
-def oracle(q, k, v, decay, beta, state):
-    """The rule in float64: S = decay S; u = beta (v - S^T k); S = S + k u^T; o = S^T q."""
-    q, k, v, decay, beta, s = (t.astype(np.float64) for t in (q, k, v, decay, beta, state))
-    s = s * decay[:, None, None]
+def oracle(q, k, v, g, beta, state):
+    """The rule in float64: S = exp(g) S; u = beta (v - S^T k); S = S + k u^T; o = S^T q."""
+    q, k, v, g, beta, s = (t.astype(np.float64) for t in (q, k, v, g, beta, state))
+    s = s * np.exp(g)[:, None, None]
     u = beta[:, None] * (v - np.einsum("nk,nkv->nv", k, s))
     s = s + k[:, :, None] * u[:, None, :]
     return np.einsum("nk,nkv->nv", q, s), s
@@ -63,12 +63,15 @@ def test_the_step_equals_a_float64_oracle(delta_step, n, dk, dv):
 
 
 def test_a_rows_state_does_not_depend_on_the_rows_beside_it(delta_step):
-    """Each (row, head) of a batch equals the same one stepped alone, bit for bit, at every batch size."""
+    """Each (row, head) of a batch equals the same one stepped alone, bit for bit, at every batch size (the state
+    overwritten in place, as a decode step's is, or not)."""
     rng = np.random.default_rng(5)
     args = [mx.array(a) for a in inputs(rng, 8 * 16, 64, 64)]
     alone = [delta_step(*(a[i : i + 1] for a in args)) for i in range(0, 128, 16)]
     for rows in (2, 4, 8):
         out, state = delta_step(*(a[: rows * 16] for a in args))
+        out2, state2 = delta_step(*(a[: rows * 16] for a in args[:5]), args[5][: rows * 16] * 1)  # held by nothing else
+        assert np.array_equal(np.array(state2), np.array(state)) and np.array_equal(np.array(out2), np.array(out))
         for r in range(rows):
             o1, s1 = alone[r]
             assert np.array_equal(np.array(out[r * 16 : r * 16 + 1]), np.array(o1)), (rows, r)
@@ -77,15 +80,20 @@ def test_a_rows_state_does_not_depend_on_the_rows_beside_it(delta_step):
 
 def test_the_step_runs_inside_compiled_graphs_and_on_views(delta_step):
     rng = np.random.default_rng(9)
-    q, k, v, decay, beta, state = (mx.array(a) for a in inputs(rng, 4, 16, 24))
-    f = mx.compile(lambda q, state: delta_step(q * 2, k, v, decay, beta, state))
-    for got, want in zip(f(q, state), delta_step(q * 2, k, v, decay, beta, state)):
+    q, k, v, g, beta, state = (mx.array(a) for a in inputs(rng, 4, 16, 24))
+    f = mx.compile(lambda q, state: delta_step(q * 2, k, v, g, beta, state))
+    for got, want in zip(f(q, state), delta_step(q * 2, k, v, g, beta, state)):
         assert np.array_equal(np.array(got), np.array(want))
     wide = mx.array(rng.standard_normal((4, 24, 16), dtype=np.float32))
-    view = wide.swapaxes(1, 2)  # [4, 16, 24], not row-contiguous: made contiguous first
-    got_out, got_state = delta_step(q, k, v, decay, beta, view)
-    want_out, want_state = oracle(*(np.array(t) for t in (q, k, v, decay, beta, view)))
+    view = wide.swapaxes(1, 2)  # [4, 16, 24], not row-contiguous: copied inside the op
+    qv = mx.array(rng.standard_normal((16, 4), dtype=np.float32)).T  # [4, 16], a transposed view
+    got_out, got_state = delta_step(qv, k, v, g, beta, view)
+    want_out, want_state = oracle(*(np.array(t) for t in (qv, k, v, g, beta, view)))
     assert np.allclose(np.array(got_state), want_state, atol=1e-4)
+    assert np.allclose(np.array(got_out), want_out, atol=1e-4)
+    lead = [a.reshape(2, 2, *a.shape[1:]) for a in (q, k, v, g, beta, state)]  # [rows, heads, ...]: any lead dims
+    for got, want in zip(delta_step(*lead), delta_step(q, k, v, g, beta, state)):
+        assert np.array_equal(np.array(got).reshape(np.array(want).shape), np.array(want))
 
 
 def test_the_step_refuses_what_it_does_not_compute(delta_step):

@@ -58,8 +58,9 @@ def few_rows():
 
 
 def delta_step():
-    """The kernel `delta_step(q, k [N, Dk], v [N, Dv], decay, beta [N], state [N, Dk, Dv]) -> [out [N, Dv], state]`
-    (one token of the gated delta rule, float32, Dv up to MAX_VALUE_DIM, CPU); None like `few_rows`."""
+    """The kernel `delta_step(q, k [..., Dk], v [..., Dv], g, beta [...], state [..., Dk, Dv]) -> [out [..., Dv],
+    state]` (one token of the gated delta rule with log decay g, float32, Dv up to MAX_VALUE_DIM, CPU); None like
+    `few_rows`."""
     return _op("delta_step", "HETERO_DELTA_KERNEL")
 
 
@@ -148,12 +149,12 @@ def _self_check(module: ModuleType) -> None:
     n, dk, dv = 3, 5, 11
     q, k = (mx.sin(mx.arange(n * dk, dtype=mx.float32) * f).reshape(n, dk) for f in (0.7, 1.3))
     v = mx.cos(mx.arange(n * dv, dtype=mx.float32)).reshape(n, dv)
-    decay, beta = mx.array([0.9, 0.5, 1.0]), mx.array([0.3, 1.0, 0.7])
+    g, beta = mx.array([-0.1, -0.7, 0.0]), mx.array([0.3, 1.0, 0.7])
     state = mx.sin(mx.arange(n * dk * dv, dtype=mx.float32)).reshape(n, dk, dv)
-    decayed = state * decay[:, None, None]  # the rule as gated_delta._recurrent_step writes it
+    decayed = state * mx.exp(g)[:, None, None]  # the rule as gated_delta._recurrent_step writes it
     u = beta[:, None] * (v - (k[:, None, :] @ decayed)[:, 0])  # [n, dv]
     expected = decayed + k[:, :, None] * u[:, None, :]
-    out, new = module.delta_step(q, k, v, decay, beta, state)
+    out, new = module.delta_step(q, k, v, g, beta, state)
     if not (mx.allclose(new, expected, rtol=1e-5, atol=1e-5).item()
             and mx.allclose(out, (q[:, None, :] @ expected)[:, 0], rtol=1e-5, atol=1e-5).item()):
         raise BuildError("its self-check disagrees with MLX's gated delta step")

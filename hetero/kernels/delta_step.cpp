@@ -1,11 +1,12 @@
 // One token of the gated delta rule, for every (row, value head) n at once, in float32 on the CPU:
-//     S = decay * S;  u = beta * (v - S^T k);  S = S + k u^T;  o = S^T q       (S [Dk, Dv] per n)
+//     S = exp(g) * S;  u = beta * (v - S^T k);  S = S + k u^T;  o = S^T q       (S [Dk, Dv] per n)
 // MLX runs this as five ops over the whole state [N, Dk, Dv], each a pass over memory on one thread (the
 // elementwise ones) or N tiny matmuls (the two products); a decode round of 4 rows spends about 0.4 ms a layer in
 // them. Here each n's state is read once and written once, in two sweeps while it sits in the L1 cache (16 KB for
 // Dk = Dv = 64), and the n are split over the threads. Every n runs the same loops in the same order whatever N is,
 // so a request's state in a batch is bit for bit its state alone, and a verify pass (one step per token) leaves
 // the same states as the decode steps it replaces.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include "kernels.h"
@@ -16,9 +17,10 @@ namespace mx = mlx::core;
 
 namespace hetero {
 
-static void step_one(const float* q, const float* k, const float* v, float decay, float beta, const float* s,
+static void step_one(const float* q, const float* k, const float* v, float g, float beta, const float* s,
                      float* o, float* t, int64_t dk, int64_t dv) {
   float remembered[512], u[512];  // dv <= 512 (checked by delta_step)
+  const float decay = std::exp(g);
   for (int64_t j = 0; j < dv; j++) remembered[j] = 0.0f;
   for (int64_t i = 0; i < dk; i++) {  // S = decay * S; remembered = S^T k
     const float* si = s + i * dv;
@@ -43,15 +45,15 @@ static void step_one(const float* q, const float* k, const float* v, float decay
   }
 }
 
-static void delta_step_cpu(const float* q, const float* k, const float* v, const float* decay, const float* beta,
+static void delta_step_cpu(const float* q, const float* k, const float* v, const float* g, const float* beta,
                            const float* s, float* o, float* t, int64_t n, int64_t dk, int64_t dv) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < n; i++)
-    step_one(q + i * dk, k + i * dk, v + i * dv, decay[i], beta[i], s + i * dk * dv, o + i * dv, t + i * dk * dv,
-             dk, dv);
+    step_one(q + i * dk, k + i * dk, v + i * dv, g[i], beta[i], s + i * dk * dv, o + i * dv, t + i * dk * dv, dk,
+             dv);
 }
 
-// The state as a row-contiguous buffer: its own when it is one (a decode step's state always is), else a copy.
+// An input as a row-contiguous buffer: its own when it is one (as a decode step's inputs are), else a copy.
 static const float* row_contiguous(const mx::array& a, std::vector<float>& copy) {
   if (a.flags().row_contiguous) return a.data<float>();
   copy.resize(a.size());
@@ -85,13 +87,12 @@ class DeltaStep : public mx::Primitive {
       next.set_data(mx::allocator::malloc(next.nbytes()));
     enc.set_output_array(out);
     enc.set_output_array(next);
-    enc.dispatch([q = inputs[0].data<float>(), k = inputs[1].data<float>(), v = inputs[2].data<float>(),
-                  decay = inputs[3].data<float>(), beta = inputs[4].data<float>(), state, in_place,
-                  o = out.data<float>(), t = next.data<float>(), n = state.shape(0), dk = state.shape(1),
-                  dv = state.shape(2)]() {
-      std::vector<float> copy;
-      const float* s = in_place ? t : row_contiguous(state, copy);
-      delta_step_cpu(q, k, v, decay, beta, s, o, t, n, dk, dv);
+    const int64_t dk = state.shape(-2), dv = state.shape(-1), n = state.size() / (dk * dv);
+    enc.dispatch([inputs, in_place, o = out.data<float>(), t = next.data<float>(), n, dk, dv]() {
+      std::vector<float> copies[6];
+      const float* p[6];
+      for (int i = 0; i < 6; i++) p[i] = i == 5 && in_place ? t : row_contiguous(inputs[i], copies[i]);
+      delta_step_cpu(p[0], p[1], p[2], p[3], p[4], p[5], o, t, n, dk, dv);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -104,23 +105,24 @@ class DeltaStep : public mx::Primitive {
   }
 };
 
-std::vector<mx::array> delta_step(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& decay,
+std::vector<mx::array> delta_step(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,
                                   const mx::array& beta, const mx::array& state, mx::StreamOrDevice s) {
-  if (state.ndim() != 3 || q.ndim() != 2 || k.shape() != q.shape() || v.ndim() != 2 || decay.ndim() != 1 ||
-      beta.shape() != decay.shape())
-    throw std::invalid_argument("delta_step: q, k [N, Dk], v [N, Dv], decay, beta [N], state [N, Dk, Dv] expected");
-  const int n = state.shape(0), dk = state.shape(1), dv = state.shape(2);
-  if (q.shape(0) != n || q.shape(1) != dk || v.shape(0) != n || v.shape(1) != dv || decay.shape(0) != n)
-    throw std::invalid_argument("delta_step: q, k, v, decay and beta must match the state [N, Dk, Dv]");
-  if (dv > 512) throw std::invalid_argument("delta_step: Dv up to 512");
-  for (auto* a : {&q, &k, &v, &decay, &beta, &state})
+  // lead: the (row, head) dimensions every input shares; one op, no reshapes or copies in the graph around it
+  if (state.ndim() < 3 || q.ndim() != state.ndim() - 1 || k.shape() != q.shape() || v.ndim() != q.ndim() ||
+      g.ndim() != q.ndim() - 1 || beta.shape() != g.shape())
+    throw std::invalid_argument("delta_step: q, k [..., Dk], v [..., Dv], g, beta [...], state [..., Dk, Dv] expected");
+  const int nd = g.ndim();
+  for (int d = 0; d < nd; d++)
+    if (q.shape(d) != state.shape(d) || v.shape(d) != state.shape(d) || g.shape(d) != state.shape(d))
+      throw std::invalid_argument("delta_step: q, k, v, g and beta must match the state [..., Dk, Dv]");
+  if (q.shape(-1) != state.shape(-2) || v.shape(-1) != state.shape(-1))
+    throw std::invalid_argument("delta_step: q, k, v, g and beta must match the state [..., Dk, Dv]");
+  if (state.shape(-1) > 512) throw std::invalid_argument("delta_step: Dv up to 512");
+  for (auto* a : {&q, &k, &v, &g, &beta, &state})
     if (a->dtype() != mx::float32) throw std::invalid_argument("delta_step: float32 only");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs;  // the small ones made contiguous here; the state as it comes (see eval_cpu)
-  for (auto* a : {&q, &k, &v, &decay, &beta}) inputs.push_back(mx::contiguous(*a, false, stream));
-  inputs.push_back(state);
   return mx::array::make_arrays({v.shape(), state.shape()}, {mx::float32, mx::float32},
-                                std::make_shared<DeltaStep>(stream), inputs);
+                                std::make_shared<DeltaStep>(stream), {q, k, v, g, beta, state});
 }
 
 }  // namespace hetero

@@ -10,9 +10,9 @@ extern int threads;  // set by module.cpp's set_threads: the BLAS's thread count
 // y [rows, out] = x [rows, in] @ w [out, in].T, float32, 1-8 rows (few_rows.cpp).
 mlx::core::array few_rows(const mlx::core::array& x, const mlx::core::array& w, mlx::core::StreamOrDevice s);
 
-// One token of the gated delta rule per (row, value head) (delta_step.cpp): (out [N, Dv], state [N, Dk, Dv]).
+// One token of the gated delta rule per (row, value head) (delta_step.cpp): (out [..., Dv], state [..., Dk, Dv]).
 std::vector<mlx::core::array> delta_step(const mlx::core::array& q, const mlx::core::array& k,
-                                         const mlx::core::array& v, const mlx::core::array& decay,
+                                         const mlx::core::array& v, const mlx::core::array& g,
                                          const mlx::core::array& beta, const mlx::core::array& state,
                                          mlx::core::StreamOrDevice s);
 }  // namespace hetero

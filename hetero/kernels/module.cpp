@@ -12,8 +12,8 @@ NB_MODULE(_kernels, m) {
   m.def("set_threads", [](int n) { hetero::threads = n < 1 ? 1 : n; }, nb::arg("n"), "Threads for every later op.");
   m.def("few_rows", &hetero::few_rows, nb::arg("x"), nb::arg("w"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "x [rows, in] @ w [out, in].T -> [rows, out], float32, 1-8 rows, on the CPU.");
-  m.def("delta_step", &hetero::delta_step, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("decay"),
+  m.def("delta_step", &hetero::delta_step, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"),
         nb::arg("beta"), nb::arg("state"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "One gated delta rule token: q, k [N, Dk], v [N, Dv], decay, beta [N], state [N, Dk, Dv] -> "
-        "(out [N, Dv], state), float32, on the CPU.");
+        "One gated delta rule token: q, k [..., Dk], v [..., Dv], g (log decay), beta [...], state [..., Dk, Dv] -> "
+        "(out [..., Dv], state), float32, on the CPU.");
 }

@@ -44,15 +44,11 @@ def _recurrent_step(
     CPU it is hetero's own kernel where this machine has it (`hetero.kernels.delta_step`: the state read and written
     once, every row alike whatever rows sit beside it; it has no gradient, so not in training), else MLX's ops below.
     """
-    B, H, Dk = q.shape
-    Dv = v.shape[-1]
-    if (mx.default_device() == mx.cpu and state.dtype == mx.float32 and Dv <= kernels.MAX_VALUE_DIM
+    if (mx.default_device() == mx.cpu and state.dtype == mx.float32 and v.shape[-1] <= kernels.MAX_VALUE_DIM
             and not differentiating() and (step := kernels.delta_step())):
         f32 = mx.float32
-        out, state = step(q.astype(f32).reshape(B * H, Dk), k.astype(f32).reshape(B * H, Dk),
-                          v.astype(f32).reshape(B * H, Dv), mx.exp(g).astype(f32).reshape(B * H),
-                          beta.astype(f32).reshape(B * H), state.reshape(B * H, Dk, Dv))  # [BH, Dv], [BH, Dk, Dv]
-        return out.reshape(B, H, Dv), state.reshape(B, H, Dk, Dv)
+        out, state = step(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), state)
+        return out, state  # [B, H, Dv], [B, H, Dk, Dv]
     state = state * mx.exp(g)[..., None, None]
     kt = k[..., None, :]  # [B, H, 1, Dk]
     remembered = (kt @ state)[..., 0, :]  # [B, H, Dv] = S^T k
