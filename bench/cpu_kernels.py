@@ -22,7 +22,7 @@ parts them). Writes bench/results/cpu_kernels.json (the environment, the kernels
 
 `--part ops` times each kernel alone in one process, alternated with MLX's own op on the same inputs, medians of
 --repeats: the few-row product over every weight matrix of the model in turn (what a round reads) at each row count,
-against MLX's `x @ W.T`; the delta step over every GDN layer's state at each row count, against MLX's five ops
+against MLX's product as `linear.project` runs it without the kernel (`(W @ x.T).T` from 4 rows); the delta step over every GDN layer's state at each row count, against MLX's five ops
 (`gated_delta._recurrent_step`'s own form). Writes bench/results/cpu_kernels_ops.json.
 """
 
@@ -95,6 +95,7 @@ def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
     from hetero import kernels
     from hetero.blas import environment
     from hetero.engine import load
+    from hetero.models.linear import TRANSPOSED_ROWS
     from mlx.utils import tree_flatten
 
     few_rows, delta_step = kernels.few_rows(), kernels.delta_step()
@@ -106,12 +107,17 @@ def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
                if w.ndim == 2 and name.endswith("weight") and "embed" not in name and "mtp" not in name]
     if engine.model.args.tie_word_embeddings:
         weights.append(engine.model.model.embed_tokens.weight)  # the lm_head
+    weights = [mx.contiguous(w) for w in weights]  # each part of a fused product its own buffer, for both paths
+    mx.eval(weights)
     gdn = [layer.linear_attn for layer in engine.model.model.layers if layer.is_linear]
 
     def timed(run) -> float:
         t = time.perf_counter()
         mx.eval(run())
         return (time.perf_counter() - t) * 1e3
+
+    def mlx_product(x, w):  # `linear.project` without the kernel: transposed for 4-48 rows
+        return (w @ x.T).T if x.shape[0] in TRANSPOSED_ROWS else x @ w.T
 
     def mlx_step(q, k, v, g, beta, state):  # gated_delta._recurrent_step's MLX form, flattened to [N, ...]
         state = state * mx.exp(g)[:, None, None]
@@ -130,7 +136,7 @@ def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
         mx.eval(xs, states, q, k, v, g, beta)
         runs = {
             ("few_rows", "kernel"): lambda: [few_rows(xs[w.shape[1]], w) for w in weights],
-            ("few_rows", "mlx"): lambda: [xs[w.shape[1]] @ w.T for w in weights],
+            ("few_rows", "mlx"): lambda: [mlx_product(xs[w.shape[1]], w) for w in weights],
             ("delta_step", "kernel"): lambda: [delta_step(q, k, v, g, beta, s) for s in states],
             ("delta_step", "mlx"): lambda: [mlx_step(q, k, v, g, beta, s) for s in states],
         }

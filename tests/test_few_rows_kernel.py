@@ -72,14 +72,17 @@ def test_the_kernel_runs_inside_compiled_graphs_and_views(few_rows):
     x = mx.array(rng.standard_normal((4, 64), dtype=np.float32))
     step = mx.compile(lambda x, w: mx.tanh(few_rows(x * 2, w)) + 1)
     assert np.array_equal(np.array(step(x, w)), np.array(mx.tanh(few_rows(x * 2, w)) + 1))
-    xt = mx.array(rng.standard_normal((64, 4), dtype=np.float32)).T  # not row-contiguous: made contiguous first
+    xt = mx.array(rng.standard_normal((64, 4), dtype=np.float32)).T  # not row-contiguous: copied inside the op
     assert np.allclose(np.array(few_rows(xt, w)), np.array(xt) @ np.array(w).T, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.array(few_rows(x, w)), np.array(few_rows(x, mx.array(np.array(w)))))  # view = own copy
+    x3 = x.reshape(2, 2, 64)  # rows in leading dimensions: [2, 2, in] -> [2, 2, out], the same rows
+    assert np.array_equal(np.array(few_rows(x3, w)), np.array(few_rows(x, w)).reshape(2, 2, 48))
 
 
 def test_the_kernel_refuses_what_it_does_not_compute(few_rows):
     w = mx.zeros((16, 8))
-    for x, what in [(mx.zeros((9, 8)), "1 to 8 rows"), (mx.zeros((2, 8), mx.bfloat16), "float32"),
-                    (mx.zeros((2, 7)), "expected")]:
+    for x, what in [(mx.zeros((9, 8)), "1 to 8 rows"), (mx.zeros((3, 3, 8)), "1 to 8 rows"),
+                    (mx.zeros((2, 8), mx.bfloat16), "float32"), (mx.zeros((2, 7)), "expected")]:
         with pytest.raises(ValueError, match=what):
             few_rows(x, w)
 

@@ -52,8 +52,8 @@ _reason: list[str] = []  # why the kernel is not in use, once decided
 
 
 def few_rows():
-    """The kernel `few_rows(x [rows, in], w [out, in]) -> [rows, out]` (float32, 1-8 rows, CPU), built and loaded
-    on first use; None where it does not apply, could not be built or is turned off (`why_not`)."""
+    """The kernel `few_rows(x [..., in], w [out, in]) -> [..., out]` (float32, 1-8 rows: x's leading positions, CPU),
+    built and loaded on first use; None where it does not apply, could not be built or is turned off (`why_not`)."""
     return _op("few_rows", "HETERO_FEW_ROW_KERNEL")
 
 

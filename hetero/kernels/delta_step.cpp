@@ -53,21 +53,6 @@ static void delta_step_cpu(const float* q, const float* k, const float* v, const
              dv);
 }
 
-// An input as a row-contiguous buffer: its own when it is one (as a decode step's inputs are), else a copy.
-static const float* row_contiguous(const mx::array& a, std::vector<float>& copy) {
-  if (a.flags().row_contiguous) return a.data<float>();
-  copy.resize(a.size());
-  const float* base = a.data<float>();
-  std::vector<int64_t> index(a.ndim(), 0);
-  for (size_t i = 0; i < a.size(); i++) {
-    int64_t at = 0;
-    for (int d = 0; d < a.ndim(); d++) at += index[d] * a.strides()[d];
-    copy[i] = base[at];
-    for (int d = a.ndim() - 1; d >= 0 && ++index[d] == a.shape(d); d--) index[d] = 0;
-  }
-  return copy.data();
-}
-
 class DeltaStep : public mx::Primitive {
  public:
   explicit DeltaStep(mx::Stream stream) : mx::Primitive(stream) {}

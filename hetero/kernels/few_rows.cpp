@@ -87,16 +87,18 @@ class FewRows : public mx::Primitive {
  public:
   explicit FewRows(mx::Stream stream) : mx::Primitive(stream) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& x = inputs[0];
-    auto& w = inputs[1];
     auto& y = outputs[0];
     y.set_data(mx::allocator::malloc(y.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(x);
-    enc.set_input_array(w);
+    for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(y);
-    enc.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = y.data<float>(), rows = x.shape(0),
-                  out = w.shape(0), in = w.shape(1)]() { few_rows_cpu(wp, xp, yp, rows, out, in); });
+    const auto& w = inputs[1];
+    enc.dispatch([inputs, yp = y.data<float>(), out = w.shape(0), in = w.shape(1)]() {
+      std::vector<float> copies[2];
+      const float* xp = row_contiguous(inputs[0], copies[0]);
+      const float* wp = row_contiguous(inputs[1], copies[1]);
+      few_rows_cpu(wp, xp, yp, inputs[0].size() / in, out, in);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("few_rows runs on the CPU only");
@@ -104,19 +106,22 @@ class FewRows : public mx::Primitive {
   const char* name() const override { return "FewRows"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
   }
 };
 
 mx::array few_rows(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
-  if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1))
-    throw std::invalid_argument("few_rows: x [rows, in] and w [out, in] expected");
-  if (x.shape(0) < 1 || x.shape(0) > 8) throw std::invalid_argument("few_rows: 1 to 8 rows");
+  // x [..., in]: the rows are every position of its leading dimensions (no reshape in the graph around the op)
+  if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1))
+    throw std::invalid_argument("few_rows: x [..., in] and w [out, in] expected");
+  const auto rows = x.shape(-1) ? x.size() / x.shape(-1) : 0;
+  if (rows < 1 || rows > 8) throw std::invalid_argument("few_rows: 1 to 8 rows");
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32) throw std::invalid_argument("few_rows: float32 only");
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  auto xc = mx::contiguous(x, false, stream);
-  auto wc = mx::contiguous(w, false, stream);
-  return mx::array({x.shape(0), w.shape(0)}, mx::float32, std::make_shared<FewRows>(stream), {xc, wc});
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<FewRows>(mx::to_stream(s, mx::Device::cpu)), {x, w});
 }
 
 }  // namespace hetero

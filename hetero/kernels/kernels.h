@@ -2,12 +2,30 @@
 // lazy and compiled graphs like any MLX op. Their parallel loops run on the OpenMP team MKL already runs (libiomp5,
 // loaded globally by hetero.blas; the symbols are left for it to resolve), with `threads` threads.
 #pragma once
+#include <vector>
 #include "mlx/mlx.h"
 
 namespace hetero {
 extern int threads;  // set by module.cpp's set_threads: the BLAS's thread count
 
-// y [rows, out] = x [rows, in] @ w [out, in].T, float32, 1-8 rows (few_rows.cpp).
+// An evaluated float32 input as a row-contiguous buffer, read inside an op's task: its own data when it is one (a
+// weight, or a row slice of a fused weight: MLX's `contiguous` would copy such a view of a larger buffer), else
+// `copy` filled from its strides. No graph node around the op, which a decode step's count of ops pays for.
+inline const float* row_contiguous(const mlx::core::array& a, std::vector<float>& copy) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  copy.resize(a.size());
+  const float* base = a.data<float>();
+  std::vector<int64_t> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); i++) {
+    int64_t at = 0;
+    for (int d = 0; d < a.ndim(); d++) at += index[d] * a.strides()[d];
+    copy[i] = base[at];
+    for (int d = a.ndim() - 1; d >= 0 && ++index[d] == a.shape(d); d--) index[d] = 0;
+  }
+  return copy.data();
+}
+
+// y [..., out] = x [..., in] @ w [out, in].T, float32, 1-8 rows in x's leading dimensions (few_rows.cpp).
 mlx::core::array few_rows(const mlx::core::array& x, const mlx::core::array& w, mlx::core::StreamOrDevice s);
 
 // One token of the gated delta rule per (row, value head) (delta_step.cpp): (out [..., Dv], state [..., Dk, Dv]).

@@ -57,7 +57,7 @@ def project(x: mx.array, weight: mx.array) -> mx.array:
     if mx.default_device() != mx.cpu:
         return x @ weight.T
     if 0 < rows <= kernels.MAX_ROWS and x.dtype == weight.dtype == mx.float32 and (few_rows := kernels.few_rows()):
-        return few_rows(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+        return few_rows(x, weight)  # [..., out]
     if rows not in TRANSPOSED_ROWS:
         return x @ weight.T
     flat = x.reshape(rows, x.shape[-1])  # [rows, in]
