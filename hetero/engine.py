@@ -428,9 +428,8 @@ def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,
     wire_working_set()
     net, path, config = load_model(model, dtype, fuse_projections)
     use_kv_quant(net, quant)
-    if mx.default_device() == mx.cpu:
-        kernels.few_rows(), kernels.delta_step()  # built on a machine's first load (docs/kernels.md), before any
-        # request's clock starts
+    if mx.default_device() == mx.cpu:  # the CPU kernels, built on a machine's first load before any request's clock
+        kernels.few_rows(), kernels.delta_step()
     tokenizer = Tokenizer.from_dir(path)
     name = "bundled" if model is None else str(model)
     return Engine(net, tokenizer, config, path, name)

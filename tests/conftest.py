@@ -17,7 +17,7 @@ import types
 os.environ["HF_HUB_OFFLINE"] = "1"
 # always a fresh home: a session reads no settings (tuned depths, device profiles) that it did not write itself
 os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-test-home-")
-# hetero's few-row CPU kernel is built once per machine, not per test home (every server a test starts loads it)
+# hetero's CPU kernels are built once per machine, not per test home (every server a test starts loads them)
 os.environ.setdefault("HETERO_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hetero", "kernels"))
 
 import hetero  # noqa: E402  (before any test imports MLX: the fast BLAS is under it whatever the test order)

@@ -1,7 +1,8 @@
-"""hetero's own few-row CPU kernel (hetero/kernels): built for real against the installed MLX (CMake, the system's
-C++ compiler, nanobind), loaded as an MLX op, checked against a float64 numpy oracle; the property batching rests on
-(a row's result does not depend on the rows beside it); the products that take it; and the builds that fail, which
-must leave MLX's products running, one line on stderr and nothing half-built in the cache."""
+"""hetero's own few-row product (hetero/kernels/few_rows.cpp) and the build both kernels share: built for real against
+the installed MLX (CMake, the system's C++ compiler, nanobind), loaded as an MLX op, checked against a float64 numpy
+oracle; the property batching rests on (a row's result does not depend on the rows beside it); the products that
+take it; and the builds that fail, which must leave MLX's ops running, one line on stderr and nothing half-built in
+the cache."""
 
 from __future__ import annotations
 

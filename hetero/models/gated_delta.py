@@ -47,8 +47,7 @@ def _recurrent_step(
     if (mx.default_device() == mx.cpu and state.dtype == mx.float32 and v.shape[-1] <= kernels.MAX_VALUE_DIM
             and not differentiating() and (step := kernels.delta_step())):
         f32 = mx.float32
-        out, state = step(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), state)
-        return out, state  # [B, H, Dv], [B, H, Dk, Dv]
+        return tuple(step(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), state))
     state = state * mx.exp(g)[..., None, None]
     kt = k[..., None, :]  # [B, H, 1, Dk]
     remembered = (kt @ state)[..., 0, :]  # [B, H, Dv] = S^T k
