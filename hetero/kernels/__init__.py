@@ -48,7 +48,8 @@ BUILD_TIMEOUT_S = 600
 
 _lock = threading.Lock()
 _loaded: list = []  # [module or None] once decided for this process
-_reason: list[str] = []  # why the kernel is not in use, once decided
+_reason: list[str] = []  # why the library is not in use, once decided
+_ops: dict[str, object] = {}  # op name -> the op or None, once decided
 
 
 def few_rows():
@@ -91,10 +92,11 @@ def library() -> ModuleType | None:
 
 
 def _op(name: str, switch: str):
-    if not switched_on(switch):
-        return None
-    module = library()
-    return getattr(module, name) if module is not None else None
+    """The op `name` of the library, or None; decided once per process (`project` asks for every product)."""
+    if name not in _ops:
+        module = library() if switched_on(switch) else None
+        _ops[name] = getattr(module, name) if module is not None else None
+    return _ops[name]
 
 
 def cache_dir() -> Path:
@@ -110,7 +112,7 @@ def cache_dir() -> Path:
 def unsupported() -> str | None:
     """Why this machine cannot use the kernels at all (no build is tried), else None."""
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"an x86-64 Linux kernel; this is {platform.system()} {platform.machine()} (MLX's own products run)"
+        return f"an x86-64 Linux kernel; this is {platform.system()} {platform.machine()} (MLX's own ops run)"
     flags = _cpu_flags()
     if not {"avx2", "fma"} <= flags:
         return "this CPU lacks AVX2 or FMA"
@@ -123,8 +125,7 @@ def _load() -> ModuleType | None:
     reason = unsupported()
     if reason is None:
         try:
-            library = _built()
-            spec = importlib.util.spec_from_file_location(NAME, library)
+            spec = importlib.util.spec_from_file_location(NAME, _built())
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             module.set_threads(blas.threads_in_use())
@@ -161,7 +162,7 @@ def _self_check(module: ModuleType) -> None:
 
 
 class BuildError(Exception):
-    """The kernel's build failed; the message is its last useful line."""
+    """The kernels' build failed; the message is its last useful line."""
 
 
 def _key() -> str:

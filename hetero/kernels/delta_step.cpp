@@ -1,14 +1,13 @@
 // One token of the gated delta rule, for every (row, value head) n at once, in float32 on the CPU:
 //     S = exp(g) * S;  u = beta * (v - S^T k);  S = S + k u^T;  o = S^T q       (S [Dk, Dv] per n)
 // MLX runs this as five ops over the whole state [N, Dk, Dv], each a pass over memory on one thread (the
-// elementwise ones) or N tiny matmuls (the two products); a decode round of 4 rows spends about 0.4 ms a layer in
-// them. Here each n's state is read once and written once, in two sweeps while it sits in the L1 cache (16 KB for
-// Dk = Dv = 64), and the n are split over the threads. Every n runs the same loops in the same order whatever N is,
-// so a request's state in a batch is bit for bit its state alone, and a verify pass (one step per token) leaves
-// the same states as the decode steps it replaces.
+// elementwise ones) or N tiny matmuls (the two products): about 0.8 ms a GDN layer of the large bench model at 4
+// rows (`python bench/cpu_kernels.py --part ops`). Here each n's state is read once and written once, in two sweeps
+// while it sits in the L1 cache (16 KB for Dk = Dv = 64), and the n are split over the threads. Every n runs the
+// same loops in the same order whatever N is, so a request's state in a batch is bit for bit its state alone, and a
+// verify pass (one step per token) leaves the same states as the decode steps it replaces.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include "kernels.h"
 #include "mlx/primitives.h"
 #include "mlx/backend/cpu/encoder.h"

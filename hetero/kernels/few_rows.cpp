@@ -1,4 +1,4 @@
-// The few-row product of hetero.kernels: y [rows, out] = x [rows, in] @ w [out, in].T for 1-8 rows in float32 on
+// The few-row product of hetero.kernels: y [..., out] = x [..., in] @ w [out, in].T for 1-8 rows in float32 on
 // the CPU, as an MLX primitive (so it sits inside lazy and compiled graphs like any op). A decode step's products
 // are bound by reading the weights; MKL's sgemm under MLX reads them about twice for 4 rows (hetero/models/linear.py),
 // this kernel once for all rows: AVX2 + FMA, register-blocked over 8 / 4 / 3 output channels for 1 / 2-3 / 4-8
@@ -60,8 +60,8 @@ static void rows_of(const float* w, const float* x, float* y, int64_t out, int64
 
 template <int R>
 static void channels(const float* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
-  // channels per block: enough weight rows streaming at once to keep memory busy (2 were too few: 4 rows ran at
-  // 1.5x one), and about 8-12 independent FMA chains (the FMA's latency hidden) within AVX2's 16 registers
+  // channels per block: enough weight rows streaming at once to keep memory busy (2 were too few: 4 rows cost
+  // about 1.6x one), and about 8-12 independent FMA chains (the FMA's latency hidden) within AVX2's 16 registers
   constexpr int C = R == 1 ? 8 : R <= 3 ? 4 : 3;
   int64_t o = o0;
   for (; o + C <= o1; o += C) rows_of<C, R>(w, x, y, out, in, o);

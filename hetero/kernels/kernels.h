@@ -15,12 +15,15 @@ inline const float* row_contiguous(const mlx::core::array& a, std::vector<float>
   if (a.flags().row_contiguous) return a.data<float>();
   copy.resize(a.size());
   const float* base = a.data<float>();
-  std::vector<int64_t> index(a.ndim(), 0);
-  for (size_t i = 0; i < a.size(); i++) {
+  const int nd = a.ndim();
+  const int64_t last = a.shape(-1), step = a.strides()[nd - 1];
+  std::vector<int64_t> index(nd - 1, 0);  // the position in the leading dimensions
+  for (size_t row = 0; row * last < a.size(); row++) {
     int64_t at = 0;
-    for (int d = 0; d < a.ndim(); d++) at += index[d] * a.strides()[d];
-    copy[i] = base[at];
-    for (int d = a.ndim() - 1; d >= 0 && ++index[d] == a.shape(d); d--) index[d] = 0;
+    for (int d = 0; d + 1 < nd; d++) at += index[d] * a.strides()[d];
+    float* to = copy.data() + row * last;
+    for (int64_t j = 0; j < last; j++) to[j] = base[at + j * step];
+    for (int d = nd - 2; d >= 0 && ++index[d] == a.shape(d); d--) index[d] = 0;
   }
   return copy.data();
 }
