@@ -9,7 +9,7 @@ five passes over memory; `delta_step.cpp` reads and writes it once. Both are MLX
 and compiled graphs like any other op, and both compute every row the same way whatever rows sit beside it, so a
 request's tokens in a batch are bit for bit the tokens it gets alone.
 
-The extension is compiled against the installed MLX the first time a process needs it (`library()`; about 20 s on
+The extension is compiled against the installed MLX the first time a process needs it (`library()`; about 30 s on
 two cores, said on stderr), with CMake, a C++ compiler and nanobind (a Linux x86-64 dependency of hetero), and
 kept in `cache_dir()` under a key of the sources and the MLX, nanobind and Python versions: the next process
 loads it in milliseconds. A build goes to a temporary folder and only a finished library is moved into place, so
@@ -194,7 +194,7 @@ def _built() -> Path:
         raise BuildError("no C++ compiler found; install one (apt install g++) or set CXX")
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(final.parent)
-    print("hetero: building the CPU kernels for this MLX (once, about 20 s)...", file=sys.stderr, flush=True)
+    print("hetero: building the CPU kernels for this MLX (once, about 30 s)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".build.") as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "build"
         src.mkdir()
