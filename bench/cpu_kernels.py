@@ -95,6 +95,7 @@ def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
     from hetero import kernels
     from hetero.blas import environment
     from hetero.engine import load
+    from hetero.models.gated_delta import mlx_step
     from hetero.models.linear import TRANSPOSED_ROWS
     from mlx.utils import tree_flatten
 
@@ -118,12 +119,6 @@ def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
 
     def mlx_product(x, w):  # `linear.project` without the kernel: transposed for 4-48 rows
         return (w @ x.T).T if x.shape[0] in TRANSPOSED_ROWS else x @ w.T
-
-    def mlx_step(q, k, v, g, beta, state):  # gated_delta._recurrent_step's MLX form, flattened to [N, ...]
-        state = state * mx.exp(g)[:, None, None]
-        u = beta[:, None] * (v - (k[:, None, :] @ state)[:, 0])
-        state = state + k[:, :, None] * u[:, None, :]
-        return (q[:, None, :] @ state)[:, 0], state
 
     out: dict = {"environment": environment(), "weights_mb": sum(w.nbytes for w in weights) / 1e6,
                  "gdn_layers": len(gdn), "few_rows": {}, "delta_step": {}}

@@ -42,17 +42,24 @@ def _recurrent_step(
 
     Decode and verify steps run it inside the whole layer's compiled function (`DecoderLayer`, `compiled.py`). On the
     CPU it is hetero's own kernel where this machine has it (`hetero.kernels.delta_step`: the state read and written
-    once, every row alike whatever rows sit beside it; it has no gradient, so not in training), else MLX's ops below.
+    once, every row alike whatever rows sit beside it; it has no gradient, so not in training), else MLX's ops (`mlx_step`).
     """
     if (mx.default_device() == mx.cpu and state.dtype == mx.float32 and v.shape[-1] <= kernels.MAX_VALUE_DIM
             and not differentiating() and (step := kernels.delta_step())):
         f32 = mx.float32
         return tuple(step(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), state))
+    return mlx_step(q, k, v, g, beta, state)
+
+
+def mlx_step(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """`_recurrent_step` in MLX's own ops (any leading dimensions: [..., Dk], [..., Dv], [...], [..., Dk, Dv])."""
     state = state * mx.exp(g)[..., None, None]
-    kt = k[..., None, :]  # [B, H, 1, Dk]
-    remembered = (kt @ state)[..., 0, :]  # [B, H, Dv] = S^T k
-    u = beta[..., None] * (v - remembered)  # [B, H, Dv]
-    state = state + kt.swapaxes(-1, -2) * u[..., None, :]  # [B, H, Dk, Dv]
+    kt = k[..., None, :]  # [..., 1, Dk]
+    remembered = (kt @ state)[..., 0, :]  # [..., Dv] = S^T k
+    u = beta[..., None] * (v - remembered)  # [..., Dv]
+    state = state + kt.swapaxes(-1, -2) * u[..., None, :]  # [..., Dk, Dv]
     return (q[..., None, :] @ state)[..., 0, :], state
 
 
