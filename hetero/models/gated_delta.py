@@ -42,7 +42,7 @@ def _recurrent_step(
 
     Decode and verify steps run it inside the whole layer's compiled function (`DecoderLayer`, `compiled.py`). On the
     CPU it is hetero's own kernel where this machine has it (`hetero.kernels.delta_step`: the state read and written
-    once, every row alike whatever rows sit beside it; it has no gradient, so not in training), else MLX's ops (`mlx_step`).
+    once, every row alike whatever rows sit beside it; it has no gradient, so not in training), else `mlx_step`.
     """
     if (mx.default_device() == mx.cpu and state.dtype == mx.float32 and v.shape[-1] <= kernels.MAX_VALUE_DIM
             and not differentiating() and (step := kernels.delta_step())):
