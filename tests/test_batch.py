@@ -638,3 +638,22 @@ def test_constrained_request_through_the_decode_loop():
     finally:
         loop.close()
     assert shared.tokens == alone.tokens and loop.rounds > 0
+
+
+def test_a_closed_stream_returns_once_its_request_left_the_batch(models):
+    """A job that stops reading gets control back only after the loop dropped its request (with the pass queued for
+    it): its caches then hold its committed state, which the server's end-of-turn checkpoint captures right after
+    (it once found them a token ahead, while the loop still held the row)."""
+    model = models["agreeing"]
+    loop = DecodeLoop(model, max_batch=2)
+    cache = model.make_cache()
+    stream = loop.generate_tokens(model, PROMPTS[0], Sampler(GREEDY), 200, set(), depth=0, copy=False, cache=cache)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert loop.health()["batch_size"] == 0  # no polling: gone when close returned
+    kv = [c.offset for c, layer in zip(cache, model.layers) if not layer.is_linear]
+    gdn = [c.offset for c, layer in zip(cache, model.layers) if layer.is_linear]
+    assert len(set(kv + gdn)) == 1  # every layer at the same committed position
+    loop.close()

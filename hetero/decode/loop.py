@@ -39,6 +39,7 @@ class _Stream:
         self.request = request
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = False
+        self.left = threading.Event()  # set by the loop once the request is out of the batch (its state committed)
 
 
 class DecodeLoop:
@@ -127,6 +128,11 @@ class DecodeLoop:
             stream.cancelled = True  # read by the loop before its next round
             with self._cv:
                 self._cv.notify_all()
+            # a closed stream's request may still be in the batch with its next pass queued (its caches a token ahead):
+            # the caller reads its state (an end-of-turn checkpoint) only once the loop has dropped it
+            while not stream.left.wait(0.1):
+                if self._thread is None or not self._thread.is_alive():
+                    break
             if on_handback is not None:
                 on_handback()
 
@@ -151,12 +157,15 @@ class DecodeLoop:
                         return
                     while self._arrivals and not self.batch.full:
                         s = self._arrivals.popleft()
-                        if not s.cancelled:
+                        if s.cancelled:
+                            s.left.set()
+                        else:
                             self._streams[self.batch.admit(s.request)] = s
                 for r, s in list(self._streams.items()):
                     if s.cancelled:
                         self.batch.leave(r)
                         del self._streams[r]
+                        s.left.set()
                 if not self._streams:
                     continue
                 if not holding:
@@ -174,6 +183,7 @@ class DecodeLoop:
                 self._arrivals.clear()
             for s in orphans:
                 s.queue.put(HeteroError("the batched decode loop stopped"))
+                s.left.set()
 
     def _round(self) -> None:
         """One batch round; its tokens to each request's stream. A failure ends every request of the batch."""
@@ -183,6 +193,7 @@ class DecodeLoop:
             for r, s in self._streams.items():
                 self.batch.leave(r)
                 s.queue.put(e)
+                s.left.set()
             self._streams.clear()
             return
         self.rounds += 1
@@ -192,7 +203,8 @@ class DecodeLoop:
             s = self._streams[r]
             if tokens:
                 s.queue.put(tokens)
-            if r.done:
+            if r.done:  # out of the batch already (`Batch.step`), its state committed
+                s.left.set()
                 s.queue.put(None)
                 del self._streams[r]
 
