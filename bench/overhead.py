@@ -27,7 +27,11 @@ one). The server streams text, not tokens: each SSE piece is counted as the toke
 index in the step loop's greedy tokens, detokenized as the engine does), since a token often decodes to no text
 alone (a multibyte character split across tokens; about half the random large model's tokens): counting pieces
 as tokens read its server at half speed. Layers alternate within each round, each prompt once per layer per
-round; reported: medians over rounds and prompts, and each layer's ratio to the step loop of the same mode.
+round; reported: medians over rounds and prompts, and each layer's ratio to the step loop of the same mode, both
+as the ratio of the medians and as the median (with the interquartile range) of each run's ratio to the step loop's
+run of the same round and prompt, a few seconds earlier (the machine's slow spells then touch both sides of a ratio).
+The in-process layers also report their calling thread's CPU time over their tokens (the same prompt's prefill
+included in each): the host work on the path.
 Every layer's tokens must equal the step loop's (the server's text the step loop's text); the run exits with
 status 1 after writing its JSON otherwise.
 The BLAS and its threads are recorded (hetero.blas.environment); the server process inherits them.
@@ -79,6 +83,18 @@ app = create_app(engine, ServerSettings(port=port, max_batch=batch, max_concurre
                                         no_session_cache=True))
 uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 """
+
+
+# the layers that run in this process: their calling thread's CPU time per token is the host work on the path
+# (graph building, MLX's scheduling of it, and every Python line around the step), a figure the machine's noise
+# moves far less than tok/s
+IN_PROCESS = ("step_loop", "decode_tokens", "stream", "generate")
+
+
+def spread(runs: list[float], base: list[float]) -> tuple[float, float]:
+    """The interquartile range of a layer's run-by-run ratios to the step loop's run of the same round and prompt."""
+    q = statistics.quantiles([a / b for a, b in zip(runs, base)], n=4)
+    return q[0], q[2]
 
 
 def tps(times: list[float]) -> float:
@@ -290,13 +306,17 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
                 fn(0)
             runs: dict[str, list[float]] = {k: [] for k in layers}
             outputs: dict[str, dict[int, object]] = {k: {} for k in layers}
+            host: dict[str, list[float]] = {k: [] for k in IN_PROCESS}
             for _ in range(args.rounds):
                 for i in range(3):
                     for k, fn in layers.items():
                         if "_x" in k and i:  # the concurrent rows run all their prompts at once: once a round
                             continue
                         time.sleep(SETTLE_S)  # the other process's BLAS threads stop spinning first
+                        cpu = time.thread_time()
                         out, rate = fn(i)
+                        if k in host:
+                            host[k].append((time.thread_time() - cpu) / args.tokens * 1e6)
                         runs[k].append(rate)
                         outputs[k][i] = out
             base = {i: outputs["step_loop"][i] for i in range(3)}
@@ -315,8 +335,12 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
                 checks[f"serve_x{n}"] = all(engine.tokenizer.decode(b) == t
                                             for b, t in zip(batch_out, outputs[f"serve_x{n}"][0]))
             med = {k: statistics.median(v) for k, v in runs.items()}
+            paired = {k: statistics.median(a / b for a, b in zip(runs[k], runs["step_loop"])) for k in solo}
             row = {"median_tps": med, "ratio_to_step_loop": {k: v / med["step_loop"] for k, v in med.items()},
-                   "runs": runs, "identical": checks}
+                   "paired_ratio_to_step_loop": paired, "paired_spread": {k: spread(runs[k], runs["step_loop"])
+                                                                          for k in solo},
+                   "host_us_per_token": {k: statistics.median(v) for k, v in host.items()},
+                   "runs": runs, "host_runs": host, "identical": checks}
             row["stream_vs_step_loop"] = med["stream"] / med["step_loop"]
             row["serve_vs_stream"] = med["serve"] / med["stream"]
             for n in args.concurrency:
@@ -325,6 +349,10 @@ def model_part(name: str, args: argparse.Namespace) -> dict:
             identical &= all(checks.values())
             result[mode] = row
             print(f"{name} {mode}: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()), flush=True)
+            print("   paired with the step loop run before them: " + ", ".join(
+                f"{k} {v:.3f} [{row['paired_spread'][k][0]:.2f}-{row['paired_spread'][k][1]:.2f}]"
+                for k, v in paired.items() if k != "step_loop") + "; calling thread's CPU per token (us): "
+                + ", ".join(f"{k} {v:.0f}" for k, v in row["host_us_per_token"].items()), flush=True)
             print(f"   stream/step_loop {row['stream_vs_step_loop']:.3f}, serve/stream {row['serve_vs_stream']:.3f}, "
                   + ", ".join(f"serve_x{n}/serve {row[f'serve_x{n}_vs_serve']:.2f}" for n in args.concurrency)
                   + f"; identical {checks}", flush=True)
@@ -351,6 +379,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.tokens < 2:
         ap.error("--tokens must be at least 2 (the first token comes from the prefill)")
+    if args.rounds < 1 or min(args.concurrency) < 1:
+        ap.error("--rounds and --concurrency must be at least 1")
     if args.threads is not None:
         for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(args.threads)
