@@ -31,7 +31,7 @@ round; reported: medians over rounds and prompts, and each layer's ratio to the 
 as the ratio of the medians and as the median (with the interquartile range) of each run's ratio to the step loop's
 run of the same round and prompt, a few seconds earlier (the machine's slow spells then touch both sides of a ratio).
 The in-process layers also report their calling thread's CPU time over their tokens (the same prompt's prefill
-included in each): the host work on the path.
+included in each): the host work on the path, as noisy as the rates.
 Every layer's tokens must equal the step loop's (the server's text the step loop's text); the run exits with
 status 1 after writing its JSON otherwise.
 The BLAS and its threads are recorded (hetero.blas.environment); the server process inherits them.
@@ -86,8 +86,9 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 # the layers that run in this process: their calling thread's CPU time per token is the host work on the path
-# (graph building, MLX's scheduling of it, and every Python line around the step), a figure the machine's noise
-# moves far less than tok/s
+# (graph building, MLX's scheduling of it, its waits' wake-ups, and every Python line around the step); it swings
+# with the machine as tok/s does (by a third between runs of one process here), so it is context, not a figure to
+# rank layers by
 IN_PROCESS = ("step_loop", "decode_tokens", "stream", "generate")
 
 
