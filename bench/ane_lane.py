@@ -35,14 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 KILL_AFTER_CPU_S = 3.0  # the worker has computed this long: the prefill is well under way
 SNIPPET = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n"
 
 
 def workers_of(pid: int) -> list[int]:
-    """Pids of the ANE lane workers a process started (its children running hetero.backends.ane_worker)."""
+    """Pids of the ANE lane workers a process started (its children running hetero.coreml.backends.ane_worker)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -51,7 +51,7 @@ def workers_of(pid: int) -> list[int]:
                 cmd = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat[1]) == pid and b"hetero.backends.ane_worker" in cmd:
+            if int(stat[1]) == pid and b"hetero.coreml.backends.ane_worker" in cmd:
                 out.append(int(entry.name))
     return out
 
@@ -87,7 +87,7 @@ def model_dir(work: Path) -> Path:
 
 
 def prompt_text(model: Path, tokens: int) -> str:
-    from hetero.tokenizer import Tokenizer
+    from hetero.checkpoint.tokenizer import Tokenizer
 
     tok, text = Tokenizer.from_dir(model), SNIPPET
     while len(tok.encode(text)) < tokens:

@@ -9,7 +9,7 @@ Qwen4-Exp built in memory, `QWEN4`), each decode mode (plain, and MTP
 at --depth) and each number n of concurrent requests (prompts of different lengths, every request decoding
 --tokens tokens):
   batched      one `Batch`: every round runs one backbone pass for all n requests;
-  round-robin  what `hetero serve` did before batching (hetero.turns): n generators, one token each in turn.
+  round-robin  what `hetero serve` did before batching (hetero.decode.turns): n generators, one token each in turn.
 Both start once every request has prefilled and produced its first token (round-robin's `generate_tokens` has
 queued its next step by then: one step per request ahead, a bias of 1 / (--tokens - 1) in its favour, kept rather
 than hidden); reported: aggregate decode tokens/s
@@ -47,14 +47,14 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkpoints import LARGE, checkpoint  # noqa: E402
+from hetero.cli.measure import median_seconds  # noqa: E402
+from hetero.decode.sampling import Sampler, SamplingParams  # noqa: E402
+from hetero.decode.solo import decode_tokens  # noqa: E402
+from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.stepper import Batch  # noqa: E402
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.engine import load  # noqa: E402
-from hetero.decode.solo import decode_tokens  # noqa: E402
-from hetero.measure import median_seconds  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 from hetero.models.qwen3_5 import Model, ModelArgs  # noqa: E402
-from hetero.sampling import Sampler, SamplingParams  # noqa: E402
-from hetero.decode.solo import decode_tokens  # noqa: E402
 
 GREEDY = SamplingParams()
 

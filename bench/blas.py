@@ -32,7 +32,7 @@ CLEAN = ("LD_PRELOAD", "HETERO_BLAS_REEXEC", "MKL_THREADING_LAYER", "MKL_NUM_THR
 
 
 def child(variant: str, reps: int) -> dict:
-    if variant == "reference":  # hetero/blas.py on its own, to describe without applying anything
+    if variant == "reference":  # hetero/host/blas.py on its own, to describe without applying anything
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("blas_alone", ROOT / "hetero" / "blas.py")
@@ -40,7 +40,7 @@ def child(variant: str, reps: int) -> dict:
         spec.loader.exec_module(blas)
     else:
         sys.path.insert(0, str(ROOT))
-        import hetero.blas as blas
+        import hetero.host.blas as blas
     import mlx.core as mx
     import numpy as np
 
@@ -115,7 +115,7 @@ def main() -> None:
                for v in result if v != "reference"}
 
     sys.path.insert(0, str(ROOT))
-    from hetero.blas import environment
+    from hetero.host.blas import environment
 
     report = {
         "command": "python bench/blas.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else ""),

@@ -11,9 +11,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from converters.hf_export import hf_config, save_hf_checkpoint
-from hetero.loader import BUNDLED_MODEL
+from hetero.checkpoint.loader import BUNDLED_MODEL
 from hetero.models.qwen3_5 import Model, ModelArgs
+from hetero.training.hf_export import hf_config, save_hf_checkpoint
 
 # ~270M parameters (about 540 MB as bf16 on disk): large enough that a decode step is bound by reading the
 # weights, and shaped like a real Qwen3.5 (one MTP layer and the lm_head are a small share of a step).

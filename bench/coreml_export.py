@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_27B = Path("/work/shared/reference/configs/qwen3.5-27b.json")
@@ -51,11 +51,11 @@ def alternate(contenders: dict, repeats: int) -> dict:
 
 
 def bench_bundled(work: Path, chunk: int, context: int) -> dict:
-    from hetero.export import export_coreml
-    from hetero.backends.accuracy import compare
-    from hetero.backends.reference_prefill import prefill_with_attention_programs
+    from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
+    from hetero.coreml.backends.accuracy import compare
+    from hetero.coreml.backends.reference_prefill import prefill_with_attention_programs
+    from hetero.coreml.export import export_coreml
     from hetero.decode.prefill import prefill
-    from hetero.loader import BUNDLED_MODEL, load_model
 
     if not (BUNDLED_MODEL / "config.json").is_file():
         return {"skipped": "hetero/bundled/ is not present"}
@@ -83,12 +83,12 @@ def bench_bundled(work: Path, chunk: int, context: int) -> dict:
 
 
 def bench_27b_attention(work: Path, chunk: int, context: int, repeats: int) -> dict:
-    from coreml_graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
-    from coreml_graphs.package import save_program
-    from hetero.export import attention_weights
-    from hetero.backends.accuracy import compare
-    from hetero.backends.reference_executor import ReferenceExecutor
-    from hetero.cache import KVCache
+    from hetero.coreml.backends.accuracy import compare
+    from hetero.coreml.backends.reference_executor import ReferenceExecutor
+    from hetero.coreml.export import attention_weights
+    from hetero.coreml.graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
+    from hetero.coreml.graphs.package import save_program
+    from hetero.models.cache import KVCache
     from hetero.models.qwen3_5 import DecoderLayer, ModelArgs
 
     args = ModelArgs.from_config(json.loads(CONFIG_27B.read_text()))
@@ -137,11 +137,11 @@ def bench_27b_attention(work: Path, chunk: int, context: int, repeats: int) -> d
 
 
 def bench_27b_mlp(work: Path, chunk: int, repeats: int) -> dict:
-    from coreml_graphs.mlp import MLPShape, build_mlp
-    from coreml_graphs.package import save_program
-    from hetero.export import mlp_weights
-    from hetero.backends.accuracy import compare
-    from hetero.backends.reference_executor import ReferenceExecutor
+    from hetero.coreml.backends.accuracy import compare
+    from hetero.coreml.backends.reference_executor import ReferenceExecutor
+    from hetero.coreml.export import mlp_weights
+    from hetero.coreml.graphs.mlp import MLPShape, build_mlp
+    from hetero.coreml.graphs.package import save_program
     from hetero.models.qwen3_5 import MLP, ModelArgs, RMSNorm
 
     args = ModelArgs.from_config(json.loads(CONFIG_27B.read_text()))

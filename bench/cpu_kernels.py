@@ -1,4 +1,4 @@
-"""hetero's own CPU kernels (hetero.kernels) against MLX's ops, on whole decode rounds.
+"""hetero's own CPU kernels (hetero.host.kernels) against MLX's ops, on whole decode rounds.
 
     python bench/cpu_kernels.py                               # the large model, 1 / 2 / 4 / 8 rows, 3 rounds
     python bench/cpu_kernels.py --models bundled large --rows 1 4 --rounds 2 --tokens 24
@@ -52,14 +52,14 @@ PATHS = {  # path -> its switches
 
 def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
     """One process, one path (HETERO_FEW_ROW_KERNEL as set by the parent): every row count's rounds and tokens."""
-    from hetero.blas import environment  # noqa: F401  (hetero first: the fast BLAS under MLX)
+    from hetero.host.blas import environment  # noqa: F401  (hetero first: the fast BLAS under MLX)
 
     import mlx.core as mx
 
     from bench.checkpoints import checkpoint
+    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.stepper import Batch
     from hetero.engine import load
-    from hetero.sampling import Sampler, SamplingParams
     import time
 
     path = checkpoint(model, Path(workdir)) if model != "bundled" else None
@@ -92,9 +92,9 @@ def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
     import mlx.core as mx
 
     from bench.checkpoints import checkpoint
-    from hetero import kernels
-    from hetero.blas import environment
     from hetero.engine import load
+    from hetero.host import kernels
+    from hetero.host.blas import environment
     from hetero.models.gated_delta import mlx_step
     from hetero.models.linear import TRANSPOSED_ROWS
     from mlx.utils import tree_flatten

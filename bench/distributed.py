@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, {int(os.environ.get("MLX_RANK", "0")) % os.cpu_count()})
     sys.path.insert(0, str(ROOT))
     import hetero  # first: the fast BLAS goes under MLX before anything imports mlx.core
-    from hetero.blas import environment
+    from hetero.host.blas import environment
 
     ids = json.loads(Path(args.prompt_file).read_text())
     warm = ids[: min(len(ids), 2 * args.chunk + 37)]
@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     from bench.checkpoints import CHECKPOINTS, checkpoint
-    from converters.tokenizer_train import load_corpus
-    from hetero.loader import resolve
-    from hetero.tokenizer import Tokenizer
+    from hetero.checkpoint.loader import resolve
+    from hetero.checkpoint.tokenizer import Tokenizer
+    from hetero.training.tokenizer_train import load_corpus
 
     if (os.cpu_count() or 1) < 2:
         print("warning: fewer than 2 cores: the two ranks share one", file=sys.stderr)

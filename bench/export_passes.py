@@ -5,8 +5,8 @@
 Three ways to convert, each exporting the bundled model at ANE fraction `--fraction` (chunk 64, contexts 512 and
 1024: attention as multifunction packages) into a fresh folder, `--repeats` times, alternating:
 - `default`: coremltools' default pass pipeline, validating the program around every pass, a gc after each convert;
-- `trimmed`: hetero's pass pipeline (`coreml_graphs.package.PASSES`), coremltools' validation and gc;
-- `hetero`: the trimmed pipeline within `coreml_graphs.package.lean_conversion` (validated once, no debug text, no
+- `trimmed`: hetero's pass pipeline (`hetero.coreml.graphs.package.PASSES`), coremltools' validation and gc;
+- `hetero`: the trimmed pipeline within `hetero.coreml.graphs.package.lean_conversion` (validated once, no debug text, no
   whole-heap gc): what the export does.
 Reported: the median seconds of each, their ratios to `default`, and whether all packages are equal byte for byte
 (they must be: tests/test_coreml_passes.py checks it per builder).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hetero  # noqa: E402,F401  # first: the fast BLAS is under MLX whatever imports next
-from hetero.blas import environment  # noqa: E402
+from hetero.host.blas import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +47,8 @@ def main() -> None:
 
     import coremltools as ct
 
-    import coreml_graphs.package as package
-    from hetero.export import export_coreml
+    from hetero.coreml.export import export_coreml
+    import hetero.coreml.graphs.package as package
 
     trimmed, once = package.pass_pipeline, package.lean_conversion
     arms = {"default": (ct.PassPipeline, contextlib.nullcontext), "trimmed": (trimmed, contextlib.nullcontext),

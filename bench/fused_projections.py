@@ -34,7 +34,7 @@ import hetero  # before MLX: the fast BLAS under it
 import mlx.core as mx
 import numpy as np
 from bench.prefill_decode import run_hetero
-from hetero.loader import load_model
+from hetero.checkpoint.loader import load_model
 models = {{k: load_model({path!r}, dtype=mx.float32, fuse_projections=k == "fused")[0] for k in ("unfused", "fused")}}
 ids = np.random.default_rng(0).integers(3, models["fused"].args.vocab_size, {prompt}).tolist()
 for m in models.values():
@@ -93,7 +93,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # noqa: F401  (before MLX: the fast BLAS under it, for writing the large checkpoint)
     from bench.checkpoints import checkpoint
-    from hetero.blas import environment
+    from hetero.host.blas import environment
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"commit": commit, "tokens": args.tokens, "rounds": args.rounds, "repeats": args.repeats,

@@ -42,7 +42,7 @@ def text_ids(tokenizer, n: int) -> list[int]:
 
 def clone(cache):
     """An independent copy of a prefilled cache (KV rows as stored, GDN arrays are immutable)."""
-    from hetero.cache import GDNCache, KVCache, ModelCache
+    from hetero.models.cache import GDNCache, KVCache, ModelCache
 
     def one(c):
         if isinstance(c, KVCache):
@@ -98,8 +98,8 @@ def step_times(model, ids: list[int], base, tokens: int) -> list[float]:
     also runs the last prompt token, left out)."""
     import mlx.core as mx
 
+    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.solo import decode_tokens
-    from hetero.sampling import Sampler, SamplingParams
 
     cache = clone(base)
     mx.eval([a for c in cache for a in c.state])
@@ -111,7 +111,7 @@ def step_times(model, ids: list[int], base, tokens: int) -> list[float]:
 def measure(engine, n: int, settings: list[int | None], tokens: int, repeats: int) -> dict:
     import mlx.core as mx
 
-    from hetero.kv_quant import kv_quant, use_kv_quant
+    from hetero.models.kv_quant import kv_quant, use_kv_quant
 
     model = engine.model
     ids = text_ids(engine.tokenizer, n)
@@ -165,7 +165,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # before MLX: the fast BLAS under it
     from bench.checkpoints import checkpoint
-    from hetero.blas import environment
+    from hetero.host.blas import environment
 
     result = {"greedy_tokens": GREEDY_TOKENS, "environment": environment(), "models": []}
     for name in args.models:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one lane is one core's worth of work, as in bench/ttft.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 CHUNK = 512
 
@@ -62,7 +62,7 @@ def time_program(path: Path, calls: int) -> dict:
     """Medians in ms of `calls` in-process calls, worker round trips and worker compute times, alternated."""
     import numpy as np
 
-    from hetero.backends.reference_executor import ReferenceExecutor
+    from hetero.coreml.backends.reference_executor import ReferenceExecutor
     from hetero.pipeline.ane_process import AneProcess
 
     local, lane = ReferenceExecutor(path), AneProcess()

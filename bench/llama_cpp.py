@@ -314,17 +314,17 @@ def llama_complete(binary: Path, gguf: Path, text: str, threads: int, max_tokens
 def worker(model_path: str) -> None:
     """Answer JSON requests on stdin with one RESULT line each; BLAS threads come from the environment."""
     sys.path.insert(0, str(ROOT))
-    from hetero.blas import environment, reexec_with_fast_blas
+    from hetero.host.blas import environment, reexec_with_fast_blas
 
     reexec_with_fast_blas()
     import mlx.core as mx
     import numpy as np
 
-    from hetero.engine import DEFAULT_DRAFT_DEPTH, load
     from hetero.decode.records import DecodeTimes
+    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.solo import decode_tokens
-    from hetero.sampling import Sampler, SamplingParams
-    from hetero.settings import PLAIN, tuned_depth
+    from hetero.engine import DEFAULT_DRAFT_DEPTH, load
+    from hetero.host.settings import PLAIN, tuned_depth
 
     engine = load(model_path, dtype=mx.float32)
     model, vocab = engine.model, engine.model.args.vocab_size
@@ -401,7 +401,7 @@ class Worker:
 def text_prompts(n: int, chars: int) -> list[str]:
     """n pieces of held-out standard-library source (the bundled model never trained on them), cut at lines."""
     sys.path.insert(0, str(ROOT))
-    from converters.tokenizer_train import load_corpus
+    from hetero.training.tokenizer_train import load_corpus
 
     _, valid = load_corpus()
     docs = [d for d in valid.split("<|endoftext|>") if len(d) > 4 * chars]

@@ -69,9 +69,9 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import hetero  # before MLX: the fast BLAS under it
-    from hetero.blas import environment
+    from hetero.caches.prefix import PrefixCache
+    from hetero.host.blas import environment
     from hetero.models import attention
-    from hetero.prefix_cache import PrefixCache
 
     engine = hetero.load()
     engine.prefix_cache = PrefixCache()

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane, as in bench/ttft.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
-from hetero.turns import DECODE_SHARE  # noqa: E402
+from hetero.decode.turns import DECODE_SHARE  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 TTFT_TARGET = 0.75  # auto / GPU-only TTFT of the long prompt
 DECODE_TARGET = 0.8  # decoders' tokens/s during the prefill / alone
@@ -48,7 +48,7 @@ def free_port() -> int:
 def write_model(work: Path) -> Path:
     """bench/ttft.py's model with one MTP layer, saved with the bundled tokenizer."""
     import bench.ttft as T
-    from hetero.loader import BUNDLED_MODEL
+    from hetero.checkpoint.loader import BUNDLED_MODEL
 
     T.SHAPE = dict(T.SHAPE, mtp_num_hidden_layers=1)
     engine = T.build_engine(work)
@@ -149,8 +149,8 @@ def main() -> None:
     reexec_with_fast_blas()
     home = tempfile.mkdtemp(prefix="hetero-mixed-")
     os.environ["HETERO_HOME"] = home
-    from hetero.measure import Sizes, measure
-    from hetero.settings import save_device_profile
+    from hetero.cli.measure import Sizes, measure
+    from hetero.host.settings import save_device_profile
 
     import bench.ttft as T
 

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from bench.checkpoints import MOE, checkpoint  # noqa: E402
 from bench.coreml_export import alternate  # noqa: E402
-from hetero.loader import BUNDLED_MODEL, read_config  # noqa: E402
+from hetero.checkpoint.loader import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.models import moe  # noqa: E402
 from hetero.models.fused import fuse  # noqa: E402
 from hetero.models.qwen3_5 import ModelArgs, causal_depthwise_conv  # noqa: E402
@@ -141,8 +141,8 @@ def pieces(repeats: int, workdir: Path) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from bench.prefill_decode import load_mlx_lm
-    from hetero.cache import GDNCache, KVCache
-    from hetero.loader import load_model
+    from hetero.checkpoint.loader import load_model
+    from hetero.models.cache import GDNCache, KVCache
 
     path = checkpoint("moe", workdir)
     ours, _, _ = load_model(path, dtype=mx.float32)

@@ -42,15 +42,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkpoints import checkpoint  # noqa: E402
-from converters.tokenizer_train import load_corpus  # noqa: E402
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
-from hetero.engine import Engine, load  # noqa: E402
+from hetero.cli.measure import median_seconds  # noqa: E402
 from hetero.decode.records import DecodeTimes  # noqa: E402
-from hetero.decode.solo import decode_tokens  # noqa: E402
-from hetero.measure import median_seconds  # noqa: E402
-from hetero.sampling import Sampler, SamplingParams  # noqa: E402
 from hetero.decode.rows import Round  # noqa: E402
+from hetero.decode.sampling import Sampler, SamplingParams  # noqa: E402
+from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.stepper import Batch  # noqa: E402
+from hetero.engine import Engine, load  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.training.tokenizer_train import load_corpus  # noqa: E402
 
 PUBLISHED_RATES = (0.95, 0.88, 0.80)  # acceptance by depth reported for a real 27B Qwen3.5 MTP head
 
@@ -303,8 +303,8 @@ def qwen4_part(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_qwen4_mtp import agreeing
 
+    from hetero.checkpoint.loader import load_model
     from hetero.decode.records import MTPStats
-    from hetero.loader import load_model
 
     model = load_model(checkpoint("qwen4", Path(args.workdir)), dtype=mx.float32)[0]  # no tokenizer: token ids in
     sampler = Sampler(SamplingParams())

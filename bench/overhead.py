@@ -34,7 +34,7 @@ The in-process layers also report their calling thread's CPU time over their tok
 included in each): the host work on the path, as noisy as the rates.
 Every layer's tokens must equal the step loop's (the server's text the step loop's text); the run exits with
 status 1 after writing its JSON otherwise.
-The BLAS and its threads are recorded (hetero.blas.environment); the server process inherits them.
+The BLAS and its threads are recorded (hetero.host.blas.environment); the server process inherits them.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Layers:
     """Each layer of one model and mode: `run(layer, prompt index)` -> (tokens or text, tok/s)."""
 
     def __init__(self, engine, depth: int, tokens: int, url: str | None, served: str = ""):
-        from hetero.sampling import SamplingParams
+        from hetero.decode.sampling import SamplingParams
 
         self.engine, self.model, self.depth, self.n, self.url = engine, engine.model, depth, tokens, url
         self.served = served  # the model name the server answers to
@@ -146,8 +146,8 @@ class Layers:
         return out, tps(times)
 
     def decode_tokens(self, i: int):
+        from hetero.decode.sampling import Sampler
         from hetero.decode.solo import decode_tokens
-        from hetero.sampling import Sampler
 
         out, times = [], []
         for t in decode_tokens(self.model, self.ids[i], Sampler(self.greedy), self.n, set(), depth=self.depth,
@@ -206,8 +206,8 @@ class Layers:
 
     def _stepper(self, prompts: list[list[int]]):
         """The stepper's rounds over one row per prompt: (tokens of each, aggregate tok/s) (solo: one row's)."""
+        from hetero.decode.sampling import Sampler
         from hetero.decode.stepper import Batch
-        from hetero.sampling import Sampler
 
         batch = Batch(self.model, max_batch=len(prompts))
         rows = [batch.join(p, Sampler(self.greedy), self.n, set(), self.depth, copy=True) for p in prompts]
@@ -386,7 +386,7 @@ def main() -> None:
         for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(args.threads)
     import hetero  # noqa: F401  first: the fast BLAS under MLX (before anything that may import torch)
-    from hetero.blas import environment, reexec_with_fast_blas
+    from hetero.host.blas import environment, reexec_with_fast_blas
 
     reexec_with_fast_blas()
     result: dict = {"environment": environment(), "args": vars(args), "cpus": os.cpu_count(),

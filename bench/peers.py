@@ -17,7 +17,7 @@ weights and tokenizer are linked, never modified). For text the three position a
 rotary frequencies gives standard RoPE.
 
 Every measurement is a fresh process (`--worker`) that imports hetero first, so MLX runs on the same BLAS in every
-process (hetero/blas.py: MKL on x86-64 Linux); each records the BLAS it found. `--threads N` runs it under
+process (hetero/host/blas.py: MKL on x86-64 Linux); each records the BLAS it found. `--threads N` runs it under
 `taskset -c 0..N-1` with MKL_NUM_THREADS=OMP_NUM_THREADS=N. A process loads its engine, warms up once (16 tokens),
 then decodes the three prompts; its decode tok/s is the time-weighted rate over them (tokens after the first over
 the time from the first token to the last, timed around the engine's own generator, detokenization included).
@@ -261,7 +261,7 @@ def _mlx_vlm(path: str, speculative: bool, depth: int):
 def worker(spec: dict) -> None:
     """Load one engine, warm it up, decode every prompt; print one RESULT line."""
     import hetero  # noqa: F401  (first: the fast BLAS under MLX in this process, whichever engine it runs)
-    import hetero.blas
+    import hetero.host.blas
 
     library, speculative, copy = ENGINES[spec["engine"]]
     t0 = time.perf_counter()
@@ -281,7 +281,7 @@ def worker(spec: dict) -> None:
                         "tokens_timed": max(0, len(tokens) - 1),
                         "decode_s": stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0, **extra})
     print(RESULT + json.dumps({
-        "decode_tps": decode_rate(prompts), "load_s": load_s, "prompts": prompts, "blas": hetero.blas.describe(),
+        "decode_tps": decode_rate(prompts), "load_s": load_s, "prompts": prompts, "blas": hetero.host.blas.describe(),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }), flush=True)
 
@@ -322,8 +322,8 @@ def spread(values: list[float]) -> dict:
 
 
 def run_model(name: str, path: Path, args: argparse.Namespace, workdir: Path) -> dict:
-    from hetero.loader import BUNDLED_MODEL
-    from hetero.tokenizer import Tokenizer
+    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.tokenizer import Tokenizer
 
     vlm_path = mlx_vlm_checkpoint(path, workdir / f"mlx-vlm-{name}")
     tokenizer = Tokenizer.from_dir(path)
@@ -455,7 +455,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # noqa: F401  (before MLX, which bench.checkpoints imports: the fast BLAS under it)
     from bench.checkpoints import checkpoint
-    from hetero.blas import environment
+    from hetero.host.blas import environment
 
     env = environment()
     from importlib import metadata

@@ -25,16 +25,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
-from hetero.cache import cache_arrays, expect_positions  # noqa: E402
-from hetero.errors import HeteroError  # noqa: E402
+from hetero.checkpoint.loader import load_model  # noqa: E402
 from hetero.decode.prefill import chunk_edges, mtp_pairs  # noqa: E402
-from hetero.loader import load_model  # noqa: E402
+from hetero.errors import HeteroError  # noqa: E402
+from hetero.models.cache import cache_arrays, expect_positions  # noqa: E402
 from hetero.planner.hosts import split_layers  # noqa: E402
 
 

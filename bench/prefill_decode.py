@@ -31,12 +31,12 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
+from hetero.checkpoint.loader import load_model  # noqa: E402
 from hetero.decode.records import DecodeTimes  # noqa: E402
+from hetero.decode.sampling import Sampler, SamplingParams  # noqa: E402
 from hetero.decode.solo import decode_tokens  # noqa: E402
-from hetero.loader import load_model  # noqa: E402
-from hetero.sampling import Sampler, SamplingParams  # noqa: E402
 
 # Why an MoE checkpoint's greedy tokens may part: on the same input both engines' routers pick the same experts for
 # every token (measured: 2048 tokens x 20 layers, none differ), but a router whose k-th and (k+1)-th probabilities

@@ -28,11 +28,11 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 from bench.checkpoints import checkpoint  # noqa: E402
+from hetero.checkpoint.loader import load_model  # noqa: E402
 from hetero.decode import wavefront  # noqa: E402
 from hetero.decode.prefill import prefill  # noqa: E402
-from hetero.loader import load_model  # noqa: E402
 
 
 WAITED: dict[str, float] = {}  # seconds each lane's thread spent waiting on the other lane, this run

@@ -52,13 +52,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetero import blas  # noqa: E402  (first: it puts MKL under MLX)
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.batched import large_weights  # noqa: E402
-from hetero.measure import median_seconds  # noqa: E402
+from hetero.cli.measure import median_seconds  # noqa: E402
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX, A_MATRIX = 101, 111, 112, 151, 162, 161  # cblas / mkl_cblas.h
 C_SOURCE = Path(__file__).with_name("row_kernel.c")
@@ -70,7 +70,7 @@ def ptr(a: np.ndarray) -> int:
 
 
 def mkl() -> ctypes.CDLL:
-    """The libmkl_rt that hetero.blas put under MLX (its functions typed here)."""
+    """The libmkl_rt that hetero.host.blas put under MLX (its functions typed here)."""
     lib = blas._state.handle
     if lib is None or blas._state.kind != "mkl":
         sys.exit("this bench needs MKL under MLX (x86-64 Linux with the mkl wheel)")
@@ -249,10 +249,10 @@ def step_part(paths: Paths, args: argparse.Namespace) -> dict:
     step with the C kernel in place of the products is the custom-kernel design's bound: step - products + kernel.
     """
     from bench.checkpoints import checkpoint
+    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.stepper import Batch
     from hetero.engine import load
     from hetero.models.linear import project
-    from hetero.sampling import Sampler, SamplingParams
 
     engine = load(str(checkpoint("large", Path(args.workdir))), dtype=mx.float32)
     prompts = [list(range(10 + 7 * i, 138 + 7 * i)) for i in range(4)]

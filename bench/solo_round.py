@@ -35,14 +35,14 @@ def main() -> None:
     for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
     import hetero  # noqa: F401  first: the fast BLAS under MLX
-    from hetero.blas import environment, reexec_with_fast_blas
+    from hetero.host.blas import environment, reexec_with_fast_blas
 
     reexec_with_fast_blas()
     import mlx.core as mx
 
     from bench.overhead import SETTLE_S, Layers, tps
+    from hetero.decode.sampling import Sampler
     from hetero.engine import load
-    from hetero.sampling import Sampler
 
     spec = importlib.util.spec_from_file_location("baseline_stepper", Path(args.baseline) / "hetero/decode/stepper.py")
     old = importlib.util.module_from_spec(spec)

@@ -31,16 +31,16 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.checkpoints import checkpoint  # noqa: E402
-from hetero.cache import KVCache, cache_arrays  # noqa: E402
+from hetero.checkpoint.loader import load_model  # noqa: E402
 from hetero.decode.prefill import prefill  # noqa: E402
-from hetero.loader import load_model  # noqa: E402
+from hetero.models.cache import KVCache, cache_arrays  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:

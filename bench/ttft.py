@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane: the same budget for everyone
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 SHAPE = dict(  # the bundled model's layer pattern (3 GDN : 1 attention), wider
     model_type="qwen3_5_text", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
@@ -59,7 +59,7 @@ def build_engine(work: Path, outliers: bool = False):
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from hetero.loader import load_model
+    from hetero.checkpoint.loader import load_model
     from hetero.models.qwen3_5 import Model, ModelArgs
 
     model = Model(ModelArgs.from_config(SHAPE))
@@ -266,7 +266,7 @@ def main() -> None:
     reexec_with_fast_blas()
     os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-ttft-")  # exports and profile kept apart
 
-    from hetero.measure import Sizes, measure
+    from hetero.cli.measure import Sizes, measure
     from hetero.planner import OFFLOADABLE, make_plan, recommend
     from hetero.profiles import Profile
 

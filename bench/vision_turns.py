@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402  (before mlx: the fast BLAS under it)
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before mlx: the fast BLAS under it)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,11 +45,11 @@ def checkpoint(workdir: Path) -> Path:
     import tokenizers
     from mlx.utils import tree_flatten
 
-    from converters.hf_export import hf_config, save_hf_checkpoint
-    from hetero.loader import BUNDLED_MODEL
+    from hetero.checkpoint.loader import BUNDLED_MODEL
     from hetero.models.qwen3_5 import Model, ModelArgs
     from hetero.models.qwen3_5_vision.args import VisionArgs
     from hetero.models.qwen3_5_vision.model import VisionModel
+    from hetero.training.hf_export import hf_config, save_hf_checkpoint
 
     out = workdir / "vlm"
     if (out / "model.safetensors").is_file():
@@ -97,9 +97,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "hetero-bench-vision")
     args = ap.parse_args()
-    from converters.tokenizer_train import load_corpus
+    from hetero.caches.prefix import PrefixCache
     from hetero.engine import load
-    from hetero.prefix_cache import PrefixCache
+    from hetero.training.tokenizer_train import load_corpus
 
     engine = load(checkpoint(args.workdir))
     _, valid = load_corpus()

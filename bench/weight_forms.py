@@ -4,7 +4,7 @@
 
 For matrices quantized by MLX's own quantizer (`mx.quantize`, N(0, 0.02) weights, 1024x5120, scales and biases stored
 in bf16 and fp16), per bits and group size: the share of groups with an exact shift-scale form
-(`coreml_graphs.palette.group_affine`), the share of rows all of whose groups have one, whether the whole matrix
+(`hetero.coreml.graphs.palette.group_affine`), the share of rows all of whose groups have one, whether the whole matrix
 does (the op takes one block size per matrix), and bytes per weight in each form. Then the bundled model quantized
 by `hetero convert --quantize` at 2 and 4 bits: how many of its quantized matrices take shift-scale. No timing:
 which form the Neural Engine runs faster is for `hetero doctor` on a Mac.
@@ -24,9 +24,9 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hetero.export import palettize  # noqa: E402
-from hetero.loader import BUNDLED_MODEL, load_model  # noqa: E402
-from hetero.quantize import quantize_checkpoint  # noqa: E402
+from hetero.checkpoint.loader import BUNDLED_MODEL, load_model  # noqa: E402
+from hetero.cli.quantize import quantize_checkpoint  # noqa: E402
+from hetero.coreml.export import palettize  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "weight_forms.json"
 

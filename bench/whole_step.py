@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.step_profile import graph_primitives  # noqa: E402
-from hetero.cache import GDNCache, ModelCache, cache_arrays  # noqa: E402
 from hetero.decode.prefill import prefill  # noqa: E402
 from hetero.engine import load  # noqa: E402
+from hetero.models.cache import GDNCache, ModelCache, cache_arrays  # noqa: E402
 
 
 def layer_arrays(cache: ModelCache) -> list[mx.array]:

@@ -5,7 +5,7 @@ programs' export or load, a job, between jobs).
     python bench/worker_kill.py                       # the bundled model, a ~4K-token prompt, kills at 1..10 s
     python bench/worker_kill.py --tokens 10000 --at 2,4,7,10,15
 
-The worker is found as the child of the `hetero run` process whose command line runs `hetero.backends.ane_worker`
+The worker is found as the child of the `hetero run` process whose command line runs `hetero.coreml.backends.ane_worker`
 (Linux /proc) and SIGKILLed from outside. JSON to bench/results/worker_kill.json: per kill time, whether a worker
 was there to kill, the exit status, whether the tokens equal the GPU-only run's, the warning lines and the phase
 the warning names (a kill after the split's last job goes unnoticed: no warning, and the split's own tokens).
@@ -38,13 +38,13 @@ def worker_of(pid: int) -> int | None:
             cmd = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pid and b"hetero.backends.ane_worker" in cmd:
+        if ppid == pid and b"hetero.coreml.backends.ane_worker" in cmd:
             return int(entry.name)
     return None
 
 
 def hetero_run(prompt_file: str, split: bool, env: dict, kill_at: float | None = None) -> dict:
-    cmd = [sys.executable, "-m", "hetero.cli", "run", "--prompt", "-", "--max-tokens", "16",
+    cmd = [sys.executable, "-m", "hetero.cli.main", "run", "--prompt", "-", "--max-tokens", "16",
            "--no-mtp", "--json", *(["--ane-fraction", "0.5"] if split else [])]
     with open(prompt_file) as stdin:  # the prompt on stdin (`--prompt -`)
         proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

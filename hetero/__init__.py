@@ -5,12 +5,12 @@
     print(result.text, result.stats)
 """
 
-from hetero import blas as _blas
+from hetero.host import blas as _blas
 
 _blas.apply()  # Linux: the wheel's fast BLAS under MLX; must come before anything imports mlx.core
 
 # The public names load on first use (PEP 562), so a process that needs one module of the package (the ANE lane's
-# worker: `python -m hetero.backends.ane_worker`) does not import the whole engine, MLX included.
+# worker: `python -m hetero.coreml.backends.ane_worker`) does not import the whole engine, MLX included.
 _PUBLIC = {
     "STOP": "hetero.decode.request", "Finished": "hetero.decode.request", "GenerationRequest": "hetero.decode.request",
     "Prefilled": "hetero.decode.request", "Token": "hetero.decode.request",

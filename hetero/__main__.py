@@ -2,6 +2,6 @@
 
 import sys
 
-from hetero.cli import main
+from hetero.cli.main import main
 
 sys.exit(main())

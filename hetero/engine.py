@@ -13,34 +13,34 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from hetero import kernels
-from hetero.calibrate import calibrate
-from hetero.chat_contract import chat_contract
-from hetero.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
-from hetero.decode.depth import decode_depth
+from hetero.caches.mlx_lm import check_layout, from_mlx_lm
+from hetero.caches.prefix import PrefixCache
+from hetero.checkpoint.chat_contract import chat_contract
+from hetero.checkpoint.fingerprint import checkpoint_identity, weights_fingerprint
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.tokenizer import Tokenizer
 from hetero.decode import wavefront
+from hetero.decode.depth import decode_depth
+from hetero.decode.depth_calibration import calibrate
+from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
 from hetero.decode.prefill import prefill
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.decode.state import Decoder
 from hetero.errors import HeteroError
-from hetero.fingerprint import checkpoint_identity, weights_fingerprint
-from hetero.image_prompt import ImagePrompt
-from hetero.kv_quant import kv_quant, use_kv_quant
-from hetero.loader import load_model
-from hetero.logprobs import LogprobRecorder, TokenLogprob
-from hetero.mlx_lm_cache import check_layout, from_mlx_lm
+from hetero.host import kernels
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
+from hetero.host.wired import wire_working_set
+from hetero.models.kv_quant import kv_quant, use_kv_quant
 from hetero.models.qwen3_5 import Model
 from hetero.planner import check_prompt_fits
-from hetero.prefix_cache import PrefixCache
-from hetero.sampling import Sampler, SamplingParams
-from hetero.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
-from hetero.thinking_budget import ThinkingBudget
-from hetero.tokenizer import Tokenizer
+from hetero.tools.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
 from hetero.tools.reasoning import opens_reasoning
-from hetero.vision_input import ImageInput, Vision
-from hetero.wired import wire_working_set
+from hetero.tools.thinking_budget import ThinkingBudget
+from hetero.vision.input import ImageInput, Vision
+from hetero.vision.prompt import ImagePrompt
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Engine:
     def default_depth(self) -> int | str | None:
         """How this model decodes here when the caller does not say: the depth `hetero tune` saved, PLAIN ("off"),
         or, for a model with an MTP head never measured on this machine, the result of a short calibration run
-        now (`hetero.calibrate`, once: it is saved). None for a model without an MTP head."""
+        now (`hetero.decode.depth_calibration`, once: it is saved). None for a model without an MTP head."""
         if not self.model.has_mtp:
             return None
         tuned = tuned_depth(self.identity)
@@ -323,7 +323,7 @@ class Engine:
         if r.prompt_cache is not None:
             raise HeteroError("images cannot follow an mlx-lm prompt_cache (it holds no image positions): leave "
                               "prompt_cache out and send the whole conversation with its images; to reuse its "
-                              "prefix, set engine.prefix_cache = hetero.prefix_cache.PrefixCache() (images included)")
+                              "prefix, set engine.prefix_cache = hetero.caches.prefix.PrefixCache() (images included)")
         if isinstance(r.images, ImagePrompt):  # planned already (the server checks the images while parsing)
             if not isinstance(r.prompt, list) or list(r.prompt) != r.images.tokens:
                 raise HeteroError("an ImagePrompt's request must carry its expanded tokens as the prompt")
@@ -423,7 +423,7 @@ def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,
     model may stay wired up to the GPU's recommended working set. `fuse_projections=False` keeps each layer's
     input projections as separate products (for comparisons; see `hetero.models.fused`). `kv_bits` 8 or 4 stores
     the attention layers' KV quantized in groups of `kv_group_size` (default 64) along head_dim
-    (`hetero.kv_quant`); None keeps it in the compute dtype."""
+    (`hetero.models.kv_quant`); None keeps it in the compute dtype."""
     quant = kv_quant(kv_bits, kv_group_size)  # a bad value fails before the weights load
     wire_working_set()
     net, path, config = load_model(model, dtype, fuse_projections)

@@ -14,19 +14,19 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hetero.cache import ModelCache
+from hetero.caches.mlx_lm import from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
+from hetero.checkpoint.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
+from hetero.coreml.export import check_weight_form
 from hetero.decode.prefill import prefill as gpu_prefill
 from hetero.decode.request import Finished, Prefilled, Token
 from hetero.engine import Engine, make_request
-from hetero.errors import AneLaneLost, HeteroError
-from hetero.export import check_weight_form
-from hetero.mlx_lm_cache import from_mlx_lm, load_prompt_cache, save_prompt_cache, to_mlx_lm
-from hetero.mlx_lm_model import MlxLmModel, is_mlx_lm_model, wrap
-from hetero.validate import AneSplit
 from hetero.engine import load
+from hetero.errors import AneLaneLost, HeteroError
+from hetero.models.cache import ModelCache
 from hetero.pipeline import DEFAULT_CHUNK as SPLIT_CHUNK
 from hetero.pipeline import split_for
 from hetero.pipeline import verify as verify_split
+from hetero.validate import AneSplit
 
 DEFAULT_CHUNK = 512
 

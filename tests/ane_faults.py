@@ -1,4 +1,4 @@
-"""Program loaders for the ANE lane's worker process (`hetero.backends.ane_worker`, given as "ane_faults:NAME")
+"""Program loaders for the ANE lane's worker process (`hetero.coreml.backends.ane_worker`, given as "ane_faults:NAME")
 that stand in for Core ML's `CompiledMLModel.predict` misbehaving: each runs the real reference executor, except
 that at the worker's Nth job (HETERO_TEST_FAULT_AT, default 3) the worker process really dies (SIGKILL to
 itself; `dies_after`: just after answering it), hangs (sleeps an hour) or returns NaN outputs; `dies_loading`
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from hetero.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
 
 _JOBS = [0]
 

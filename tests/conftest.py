@@ -1,7 +1,7 @@
 """Test-session environment: no network, per-machine settings in a private folder (never ~/.config), and the
 first-use MTP decision pinned.
 
-A model with an MTP head that this machine never measured calibrates on first use (`hetero.calibrate`: plain
+A model with an MTP head that this machine never measured calibrates on first use (`hetero.decode.depth_calibration`: plain
 against speculative decode speed, a timing race on a busy 2-core machine), and that decision is whether every
 later request that leaves `mtp` to the default decodes speculatively. Tests must not depend on a race, so here
 the decision is fixed before any engine loads: MTP at the depth the engine asks to calibrate (the documented
@@ -23,14 +23,14 @@ os.environ.setdefault("HETERO_KERNEL_CACHE", os.path.join(os.path.expanduser("~"
 import hetero  # noqa: E402  (before any test imports MLX: the fast BLAS is under it whatever the test order)
 import hetero.engine  # noqa: E402
 import pytest  # noqa: E402
-from hetero.loader import BUNDLED_MODEL, read_config  # noqa: E402
-from hetero.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
+from hetero.checkpoint.loader import BUNDLED_MODEL, read_config  # noqa: E402
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
 
 PINNED = "pinned by tests/conftest.py"  # the `calibrated` field of a pinned decision
 
 
 def pinned_calibration(engine, depth: int, report=print) -> int:
-    """In place of `hetero.calibrate.calibrate` in this process: saves MTP at `depth` for `engine` as first use
+    """In place of `hetero.decode.depth_calibration.calibrate` in this process: saves MTP at `depth` for `engine` as first use
     would, without measuring anything."""
     save_tuning(engine.identity, {"draft_depth": depth, "calibrated": PINNED})
     return depth

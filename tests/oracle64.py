@@ -15,7 +15,7 @@ import hetero  # noqa: F401  first: it puts the fast BLAS under MLX before mlx.c
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import KVCache
+from hetero.models.cache import KVCache
 from hetero.models.gated_delta import CHUNK
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS
 
@@ -250,7 +250,7 @@ CODE = "".join(f"def step_{i}(x, y):\n    return x * {i % 13} + y - {i % 7}\n\n"
 
 
 def main() -> None:
-    """Print the measurements behind `hetero/verify_tolerance.py` (docs/planner.md): each checkpoint, prompt
+    """Print the measurements behind `hetero/pipeline/verify_tolerance.py` (docs/planner.md): each checkpoint, prompt
     length and dtype, GPU-only and split (fraction 0.5) against float64, and the split against GPU-only."""
     import tempfile
     from pathlib import Path
@@ -284,7 +284,7 @@ def pipe_rows(root) -> None:
     """The same rows for tests/test_pipeline.py's tiny model (issue 25's failing bf16 case), 150 random tokens."""
     import types
 
-    from hetero.loader import load_model
+    from hetero.checkpoint.loader import load_model
     from test_coreml_graphs import TINY, save_checkpoint, tiny_model
 
     pipe = dict(TINY, linear_value_head_dim=32)

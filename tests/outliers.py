@@ -65,7 +65,7 @@ def save_outlier_checkpoint(path: Path, gain: float | None, seed: int = 0) -> Pa
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from converters.tokenizer_train import save_tokenizer, train_tokenizer
+    from hetero.training.tokenizer_train import save_tokenizer, train_tokenizer
     from helpers import randomize_
     from tiny_checkpoint import TEXT
 

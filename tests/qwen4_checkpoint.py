@@ -146,7 +146,7 @@ def patch_config(path: Path, **updates) -> None:
 
 def add_tokenizer(path: Path) -> None:
     """The byte-level BPE tokenizer files of `tiny_checkpoint` (so `hetero.load` / `hetero run` take the folder)."""
-    from converters.tokenizer_train import save_tokenizer, train_tokenizer
+    from hetero.training.tokenizer_train import save_tokenizer, train_tokenizer
     from tiny_checkpoint import TEXT as CORPUS
 
     save_tokenizer(train_tokenizer([CORPUS] * 4, vocab_size=VOCAB), path)

@@ -315,7 +315,7 @@ def test_echo_returns_the_prompt_and_its_logprobs(oai, model, engine):
 
 
 def test_serve_flags_reach_the_settings():
-    from hetero.cli import build_parser
+    from hetero.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "--model-alias", "claude-*=m", "--model-alias", "gpt-?=m",
                                       "--reject-images"])

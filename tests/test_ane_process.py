@@ -19,11 +19,11 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types as miltypes
 
-from coreml_graphs.ops import DEPLOYMENT_TARGET
-from coreml_graphs.package import save_program
-from hetero.backends.reference_executor import ReferenceExecutor
+from hetero.checkpoint.loader import load_model
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.graphs.ops import DEPLOYMENT_TARGET
+from hetero.coreml.graphs.package import save_program
 from hetero.decode.prefill import prefill
-from hetero.loader import load_model
 from hetero.pipeline import Trace, configure
 from hetero.pipeline.ane_process import TRACK, AneProcess, stop_workers
 from hetero.planner import loaded_budget
@@ -206,7 +206,7 @@ def test_the_library_prefill_survives_a_lost_worker(fault_env):
     """`hetero.prefill` appending a turn through the split: the worker dies mid-prompt, the caller's cache goes
     back to the prefix it held and the turn is prefilled GPU-only, so the cache equals the GPU-only one exactly."""
     import hetero
-    from hetero.mlx_lm_cache import cache_leaves
+    from hetero.caches.mlx_lm import cache_leaves
 
     engine = hetero.load()
     first, second = engine.encode_prompt(DOCTOR_TEXT * 3), engine.encode_prompt(DOCTOR_TEXT * 6)[:300]

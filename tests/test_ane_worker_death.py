@@ -34,7 +34,7 @@ def _hetero_run(*args: str, loader: str | None = None, fault_at: int = 3) -> sub
     env.pop("HETERO_ANE_LOADER", None)
     if loader:
         env["HETERO_ANE_LOADER"] = f"ane_faults:{loader}"
-    return subprocess.run([sys.executable, "-m", "hetero.cli", "run", "--prompt", PROMPT, "--max-tokens", "10",
+    return subprocess.run([sys.executable, "-m", "hetero.cli.main", "run", "--prompt", PROMPT, "--max-tokens", "10",
                            "--no-mtp", "--json", *args], capture_output=True, text=True, timeout=300, env=env)
 
 

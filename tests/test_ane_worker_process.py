@@ -21,10 +21,10 @@ ENGINE_ONLY = ("mlx", "hetero.engine", "hetero.models", "hetero.pipeline", "hete
 
 
 def test_the_worker_module_imports_no_engine():
-    code = "import sys, json, hetero.backends.ane_worker; print(json.dumps(sorted(sys.modules)))"
+    code = "import sys, json, hetero.coreml.backends.ane_worker; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     modules = json.loads(out.stdout)
-    assert "hetero.backends.ane_worker" in modules
+    assert "hetero.coreml.backends.ane_worker" in modules
     assert not [m for m in modules if m.startswith(ENGINE_ONLY)]
 
 
@@ -48,7 +48,7 @@ def test_the_workers_stdout_never_reaches_the_users():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
            "HETERO_ANE_LOADER": "ane_faults:chatty"}
     prompt = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip()\n" * 12
-    out = subprocess.run([sys.executable, "-m", "hetero.cli", "run", "--prompt", prompt, "--max-tokens", "4",
+    out = subprocess.run([sys.executable, "-m", "hetero.cli.main", "run", "--prompt", prompt, "--max-tokens", "4",
                           "--no-mtp", "--json", "--ane-fraction", "0.5"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hetero
-from hetero.cli import build_parser, main
+from hetero.checkpoint.loader import preflight
+from hetero.cli.main import build_parser, main
 from hetero.errors import HeteroError
-from hetero.loader import preflight
 from test_server import LiveServer
 from tiny_checkpoint import write_tiny_model
 
@@ -226,7 +226,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(tiny, monke
     def broken(*args, **kwargs):
         raise KeyError("layers.7")  # stands in for any bug below the CLI
 
-    monkeypatch.setattr("hetero.cli.preflight", broken)  # the name `hetero check` calls
+    monkeypatch.setattr("hetero.cli.main.preflight", broken)  # the name `hetero check` calls
     rc, _, err = cli(capsys, "check", "--model", str(tiny))
     assert_one_line(rc, err, "KeyError", "--debug")
     with pytest.raises(KeyError):
@@ -277,7 +277,7 @@ def test_port_in_use_fails_before_serving_is_printed():
 
 
 def test_convert_lint_on_a_missing_path_fails_at_once():
-    probe = ("import sys; from hetero.cli import main; rc = main(['convert', '--lint', '/no/such/exports']); "
+    probe = ("import sys; from hetero.cli.main import main; rc = main(['convert', '--lint', '/no/such/exports']); "
              "print(rc, 'coremltools' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["1", "False"], out.stderr  # refused before the Core ML tooling (coremltools) loads

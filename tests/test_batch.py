@@ -26,18 +26,18 @@ from test_speculative import (
 )
 
 import hetero
-from hetero.cache import GDNCache, KVCache, RaggedKV
+from hetero.decode.logprobs import LogprobRecorder
 from hetero.decode.loop import DecodeLoop, Seat
 from hetero.decode.prefill import prefill
 from hetero.decode.records import DecodeTimes, Trace
 from hetero.decode.rows import Row
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import batch_generate, decode_tokens
 from hetero.decode.state import start
 from hetero.decode.stepper import Batch
 from hetero.errors import HeteroError
-from hetero.logprobs import LogprobRecorder
+from hetero.models.cache import GDNCache, KVCache, RaggedKV
 from hetero.models.qwen3_5 import Model
-from hetero.sampling import Sampler, SamplingParams
 from oracle64 import f64, forward64, fp32_bound, rel
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [5, 5, 5, 5], [9, 9, 1],
@@ -517,8 +517,8 @@ def test_decode_loop_plain_jobs_fill_the_trace(models):
 
 @pytest.fixture(scope="module")
 def engine(models, tmp_path_factory):
+    from hetero.checkpoint.tokenizer import Tokenizer
     from hetero.engine import Engine
-    from hetero.tokenizer import Tokenizer
 
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
     return Engine(models["agreeing"], Tokenizer(tok), {"model_type": "qwen3_5_text"}, tmp_path_factory.mktemp("e"), "tiny")
@@ -528,7 +528,7 @@ def test_server_batches_concurrent_requests(engine):
     """Concurrent completions through `create_app(max_batch=3)` get their single-request answers, MTP and plain
     alike, also when sent again and restored from the prefix cache that the batch's rounds checkpointed; /health
     shows the rounds they shared."""
-    from hetero.prefix_cache import PrefixCache
+    from hetero.caches.prefix import PrefixCache
     from hetero.server import create_app
 
     engine.prefix_cache = PrefixCache(1 << 28)

@@ -1,4 +1,4 @@
-"""The fast BLAS wheel under MLX on Linux (hetero/blas.py): applied by `import hetero`, seen in the process's
+"""The fast BLAS wheel under MLX on Linux (hetero/host/blas.py): applied by `import hetero`, seen in the process's
 mappings and in libmlx's own binding of cblas_sgemm, numerically right, and a slow fallback said once."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _last_json(proc: subprocess.CompletedProcess) -> dict:
 def test_import_hetero_puts_the_wheel_blas_under_mlx():
     proc = _run("""
         import json
-        import hetero, hetero.blas as b
+        import hetero, hetero.host.blas as b
         """, NUMERICS, """
         kind, paths = b.wheel_library()
         maps = open("/proc/self/maps").read()
@@ -76,7 +76,7 @@ def test_missing_library_falls_back_once_and_stays_correct():
     # library that does not exist
     proc = _run("""
         import importlib.util, json, sys
-        spec = importlib.util.spec_from_file_location("blas_alone", "hetero/blas.py")
+        spec = importlib.util.spec_from_file_location("blas_alone", "hetero/host/blas.py")
         b = sys.modules["blas_alone"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(b)
         first = b.apply(library="/nonexistent/libmkl_rt.so.3")
@@ -99,7 +99,7 @@ def test_mlx_imported_first_is_said_once_with_the_reason():
     proc = _run("""
         import json
         import mlx.core as mx
-        import hetero, hetero.blas as b
+        import hetero, hetero.host.blas as b
         b.apply()
         print(json.dumps({"describe": b.describe(), "in_use": b.in_use()}))
     """)
@@ -115,7 +115,7 @@ def test_reexec_puts_the_wheel_blas_under_an_already_imported_mlx(tmp_path):
         import json, os, sys
         sys.path.insert(0, sys.argv[1])
         import mlx.core as mx
-        from hetero.blas import describe, in_use, reexec_with_fast_blas
+        from hetero.host.blas import describe, in_use, reexec_with_fast_blas
         reexec_with_fast_blas()
         print(json.dumps({"describe": describe(), "in_use": in_use(), "child": "HETERO_BLAS_REEXEC" in os.environ}))
     """))
@@ -128,7 +128,7 @@ def test_reexec_puts_the_wheel_blas_under_an_already_imported_mlx(tmp_path):
     # and where `import hetero` already did it, nothing restarts
     proc = _run("""
         import json, os
-        from hetero.blas import in_use, reexec_with_fast_blas
+        from hetero.host.blas import in_use, reexec_with_fast_blas
         reexec_with_fast_blas()
         print(json.dumps({"in_use": in_use(), "child": "HETERO_BLAS_REEXEC" in os.environ}))
     """)
@@ -143,7 +143,7 @@ def test_reexec_puts_the_wheel_blas_under_an_already_imported_mlx(tmp_path):
 ])
 def test_threads_follow_the_benchmarks_variables(env, want):
     proc = _run("""
-        import hetero, hetero.blas as b, mlx.core as mx
+        import hetero, hetero.host.blas as b, mlx.core as mx
         mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
         print(b.describe())
     """, env=env)
@@ -154,10 +154,10 @@ def test_threads_follow_the_benchmarks_variables(env, want):
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="MKL's threading layers")
 def test_unasked_threads_are_every_core_on_the_openmp_layer():
     """Unasked, MKL runs on its OpenMP layer over every core (its dynamic mode keeps small products on one thread):
-    measured faster than one thread on the 2-core machines too (hetero/blas.py). describe() names the layer MKL
+    measured faster than one thread on the 2-core machines too (hetero/host/blas.py). describe() names the layer MKL
     actually loaded, read from the mapped libraries, not the one hetero asked for."""
     proc = _run("""
-        import os, hetero, hetero.blas as b, mlx.core as mx
+        import os, hetero, hetero.host.blas as b, mlx.core as mx
         mx.eval(mx.ones((512, 512)) @ mx.ones((512, 512)))
         print(os.cpu_count(), b.mkl_layer_loaded(), b.describe())
     """)

@@ -1,4 +1,4 @@
-"""The bundled tiny model (hetero/bundled) and the code that made it: converters.train_tiny and converters.hf_export."""
+"""The bundled tiny model (hetero/bundled) and the code that made it: hetero.training.train_tiny and hetero.training.hf_export."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from converters import hf_export, train_tiny
-from hetero.loader import BUNDLED_MODEL, load_model
+from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
 from hetero.models.weights import is_zero_centred_norm
+from hetero.training import hf_export, train_tiny
 
 MAX_CHECKPOINT_BYTES = 20_000_000
 # Validation loss bound: ln(4096) = 8.3 nats is a uniform guess, and a model that knew only the token frequencies
@@ -61,7 +61,7 @@ def test_bundled_training_record():
 
 def _validation_snippet(n_tokens: int = 200) -> str:
     """Text of the first sizeable stdlib file in the validation split (never trained on)."""
-    from converters import tokenizer_train
+    from hetero.training import tokenizer_train
 
     files = tokenizer_train.corpus_files()
     every = tokenizer_train.VALID_EVERY
@@ -174,8 +174,8 @@ def test_the_bundled_model_ends_a_chat_reply(context_tokens):
 
 
 def test_chat_samples_render_as_the_bundled_template_does():
-    from converters import chat_samples
-    from hetero.tokenizer import Tokenizer
+    from hetero.checkpoint.tokenizer import Tokenizer
+    from hetero.training import chat_samples
 
     tok = Tokenizer.from_dir(BUNDLED_MODEL)
     messages = [("system", "You are brief."), ("user", "What does `f` do?"), ("assistant", "`f`: adds."),

@@ -16,12 +16,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-from hetero.constrained import Constraint
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.errors import HeteroError
-from hetero.sampling import Sampler, SamplingParams
 from hetero.tools import ToolCallParser, forced_prefix
 from hetero.tools.call_grammar import call_grammar
+from hetero.tools.constrained import Constraint
 from hetero.tools.events import CallEnd, Text
 
 XML_TEMPLATE = (Path(__file__).parent / "data" / "qwen3.6_chat_template.jinja").read_text(encoding="utf-8")

@@ -21,16 +21,16 @@ from tiny_checkpoint import write_tiny_model
 from tool_model import TEMPLATE as QWEN36_TEMPLATE
 
 import hetero
-from converters.tokenizer_train import CHAT_TEMPLATE as CHATML_TEMPLATE
-from hetero.chat_contract import EFFORTS, chat_contract
+from hetero.checkpoint.chat_contract import EFFORTS, chat_contract
+from hetero.checkpoint.tokenizer import Tokenizer
 from hetero.errors import HeteroError
 from hetero.server.anthropic import parse_messages
 from hetero.server.openai import parse_chat
 from hetero.server.requests import Parser, RequestError
 from hetero.server.responses import ResponseStore, parse_responses
 from hetero.server.thinking import thinking_budget
-from hetero.thinking_budget import ThinkingBudget
-from hetero.tokenizer import Tokenizer
+from hetero.tools.thinking_budget import ThinkingBudget
+from hetero.training.tokenizer_train import CHAT_TEMPLATE as CHATML_TEMPLATE
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"
 REFUSED = "reasoning_effort must be one of low, medium, xhigh; got extreme"  # the template's own message

@@ -17,7 +17,7 @@ JSON_KEYS = {
 
 def hetero_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hetero.cli", *args], input=stdin, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "hetero.cli.main", *args], input=stdin, capture_output=True, text=True, timeout=300
     )
 
 
@@ -125,16 +125,16 @@ def test_eos_stops_generation(engine):
 
 def test_run_json_names_the_blas_in_use(capsys):
     """`hetero run --json` reports the BLAS library MLX's CPU backend really uses (the one describe() finds)."""
-    import hetero.blas
-    from hetero.cli import main
+    from hetero.cli.main import main
+    import hetero.host.blas
 
     assert main(["run", "--prompt", "x", "--max-tokens", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["blas"] == hetero.blas.describe()
+    assert json.loads(capsys.readouterr().out)["blas"] == hetero.host.blas.describe()
 
 
 def test_run_penalty_flags_reach_the_decoder(engine, capsys):
     """`hetero run --logit-bias ID=BIAS` and the penalty flags give what the library gives with the same fields."""
-    from hetero.cli import main
+    from hetero.cli.main import main
 
     greedy = engine.generate("def parse(", max_tokens=12, use_prefix_cache=False).tokens
     fields = dict(logit_bias={greedy[0]: -100.0}, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2)

@@ -1,4 +1,4 @@
-"""JSON-constrained decoding (hetero/constrained.py) on the bundled model: outputs parse and validate, greedy MTP
+"""JSON-constrained decoding (hetero/tools/constrained.py) on the bundled model: outputs parse and validate, greedy MTP
 equals greedy plain decoding token for token, and sampled MTP follows constrained plain decoding's exact law.
 
 The statistical check uses the bound of tests/test_speculative.py: for m draws, E[TV] <= 1/(2m) sum_y
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import hetero
-from hetero.constrained import Constraint
-from hetero.errors import HeteroError
 from hetero.decode.prefill import prefill
+from hetero.decode.sampling import Sampler, SamplingParams, warp
 from hetero.decode.solo import decode_tokens
-from hetero.sampling import Sampler, SamplingParams, warp
 from hetero.decode.solo import decode_tokens
+from hetero.errors import HeteroError
+from hetero.tools.constrained import Constraint
 from test_speculative import clone_cache
 
 FAIL = 1e-6

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from hetero.export import PieceSlice, attention_weights, build_piece, gdn_in_proj_weights, mlp_weights
-from coreml_graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
-from coreml_graphs.gdn import GDNInProjShape, build_gdn_in_proj
-from coreml_graphs.mlp import MLPShape, build_mlp
-from coreml_graphs.package import save_program
-from hetero.backends.accuracy import compare
-from hetero.backends.reference_executor import ReferenceExecutor
-from hetero.cache import KVCache
+from hetero.coreml.backends.accuracy import compare
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.export import PieceSlice, attention_weights, build_piece, gdn_in_proj_weights, mlp_weights
+from hetero.coreml.graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
+from hetero.coreml.graphs.gdn import GDNInProjShape, build_gdn_in_proj
+from hetero.coreml.graphs.mlp import MLPShape, build_mlp
+from hetero.coreml.graphs.package import save_program
+from hetero.models.cache import KVCache
 from hetero.models.qwen3_5 import MLP, Attention, Model, ModelArgs
 
 COSINE, PSNR = 0.9999, 60.0

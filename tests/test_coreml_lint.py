@@ -9,13 +9,13 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import get_new_symbol, types
 
-from coreml_graphs.attention import AttentionShape, AttentionWeights, build_attention
-from coreml_graphs.gdn import GDNInProjShape, GDNInProjWeights, build_gdn_in_proj
-from coreml_graphs.lint import lint_package, lint_program
-from coreml_graphs.mlp import MLPShape, MLPWeights, build_mlp
-from coreml_graphs.ops import DEPLOYMENT_TARGET
-from coreml_graphs.package import save_program
-from hetero.cli import main
+from hetero.cli.main import main
+from hetero.coreml.graphs.attention import AttentionShape, AttentionWeights, build_attention
+from hetero.coreml.graphs.gdn import GDNInProjShape, GDNInProjWeights, build_gdn_in_proj
+from hetero.coreml.graphs.lint import lint_package, lint_program
+from hetero.coreml.graphs.mlp import MLPShape, MLPWeights, build_mlp
+from hetero.coreml.graphs.ops import DEPLOYMENT_TARGET
+from hetero.coreml.graphs.package import save_program
 
 BC1S = (1, 64, 1, 64)
 
@@ -124,7 +124,7 @@ def test_builder_programs_are_clean():
 def test_a_subnormal_epsilon_is_an_error():
     """Qwen's RMSNorm epsilon, 1e-6, is subnormal in fp16: a norm that carries it as it is gets the error (hardware
     that flushes it to zero divides a zero row by zero); the attention builder's norms carry it times 4^4."""
-    from coreml_graphs.ops import FP16_TINY, norm_shift, rms_norm
+    from hetero.coreml.graphs.ops import FP16_TINY, norm_shift, rms_norm
 
     @mb.program(input_specs=spec(), opset_version=DEPLOYMENT_TARGET)
     def prog(x):

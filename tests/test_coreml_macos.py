@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetero.backends.coreml_macos import (
+from hetero.coreml.backends.coreml_macos import (
     InputHold,
     OpDevice,
     ProgramRunner,
@@ -37,9 +37,9 @@ from hetero.backends.coreml_macos import (
     placement_status,
     remove_compiled,
 )
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.export import export_coreml, lint_export
 from hetero.errors import HeteroError
-from hetero.backends.reference_executor import ReferenceExecutor
-from hetero.export import export_coreml, lint_export
 from test_coreml_graphs import save_checkpoint, tiny_model
 
 SHAPES = {"x": (1, 8, 1, 64), "mask": (1, 1, 64, 64)}
@@ -500,7 +500,7 @@ def test_core_ml_releases_its_inputs_so_the_hold_drains(checkpoint, tmp_path):
     every earlier call's inputs (the hold keeps at most the calls Core ML still has bound)."""
     import time
 
-    from hetero.backends.coreml_macos import load
+    from hetero.coreml.backends.coreml_macos import load
 
     manifest = export_coreml(checkpoint, tmp_path / "e", 0.5, chunk=64, contexts=[128])
     p = next(p for p in manifest["programs"] if p["piece"] == "mlp")

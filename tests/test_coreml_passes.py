@@ -1,4 +1,4 @@
-"""The export converts with a trimmed main pass pipeline (`coreml_graphs.package.PASSES`) instead of coremltools'
+"""The export converts with a trimmed main pass pipeline (`hetero.coreml.graphs.package.PASSES`) instead of coremltools'
 default one, and that must not change a single byte of any package: every builder (attention with and without a
 cache, the MLP with its output shift, the GDN z rows) in every weight form (fp16, per-group lookup tables,
 blockwise shift-scale) is converted both ways and compared, its program description and its weight blob.
@@ -17,11 +17,11 @@ import pytest
 from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
 from coremltools.converters.mil.mil.passes.pass_registry import register_pass
 
-from coreml_graphs import package
-from coreml_graphs.package import PASSES, save_program
-from hetero.export import PieceSlice, build_piece, in_form, mlp_weights
-from hetero.loader import load_model
-from hetero.quantize import quantize_checkpoint
+from hetero.checkpoint.loader import load_model
+from hetero.cli.quantize import quantize_checkpoint
+from hetero.coreml.export import PieceSlice, build_piece, in_form, mlp_weights
+from hetero.coreml.graphs import package
+from hetero.coreml.graphs.package import PASSES, save_program
 from tests.test_coreml_graphs import save_checkpoint, tiny_model
 
 CHUNK = 64
@@ -45,7 +45,7 @@ def programs(checkpoint: str, form: str):
     """(name, a function building a fresh MIL program) for one slice of each piece kind in the first layer of each
     mixer: attention with and without cache slots, the MLP on picked channels with an output shift, the GDN z rows.
     Fresh, because a conversion rewrites the program it is given."""
-    from coreml_graphs.mlp import MLPShape, build_mlp
+    from hetero.coreml.graphs.mlp import MLPShape, build_mlp
 
     net, _, _ = load_model(checkpoint)
     args = net.args
@@ -91,7 +91,7 @@ def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints,
 def test_vision_programs_are_the_default_pipelines_too(tmp_path):
     """The vision tower's programs (patch embedding, a block with tanh GELU, the merger with exact GELU) convert with
     the trimmed pipeline to the default pipeline's packages byte for byte."""
-    from hetero.export_vision import vision_pieces
+    from hetero.coreml.export_vision import vision_pieces
     from hetero.models.qwen3_5_vision.args import VisionArgs
     from hetero.models.qwen3_5_vision.model import VisionModel
 

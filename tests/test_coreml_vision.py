@@ -12,12 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from coreml_graphs.lint import lint_package
-from hetero.backends.accuracy import compare
-from hetero.backends.reference_executor import ReferenceExecutor, gelu
-from hetero.backends.reference_vision import VisionPrograms, grid_inputs, pack_patches
+from hetero.coreml.backends.accuracy import compare
+from hetero.coreml.backends.reference_executor import ReferenceExecutor, gelu
+from hetero.coreml.backends.reference_vision import VisionPrograms, grid_inputs, pack_patches
+from hetero.coreml.export_vision import export_vision, read_vision_manifest
+from hetero.coreml.graphs.lint import lint_package
 from hetero.errors import HeteroError
-from hetero.export_vision import export_vision, read_vision_manifest
 from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.models.qwen3_5_vision.model import load_vision
 from hetero.models.qwen3_5_vision.positions import interpolation, rotary_angles
@@ -255,9 +255,9 @@ def test_layer_norm_is_exact_for_any_row_in_fp16s_range(tmp_path):
     largest output, a zero row exactly beta, and the epsilon counted where it matters."""
     from coremltools.converters.mil import Builder as mb
 
-    from coreml_graphs.ops import build_program
-    from coreml_graphs.package import save_program
-    from coreml_graphs.vision import VISION_EPS, layer_norm
+    from hetero.coreml.graphs.ops import build_program
+    from hetero.coreml.graphs.package import save_program
+    from hetero.coreml.graphs.vision import VISION_EPS, layer_norm
 
     C, S = 48, 64
     rng = np.random.default_rng(0)
@@ -288,7 +288,7 @@ def test_layer_norm_is_exact_for_any_row_in_fp16s_range(tmp_path):
 def test_programs_of_an_older_builder_are_exported_again(exported, tmp_path):
     """`ensure_vision_export` (the lane's first use) reuses a current export as it is, and exports again the
     programs of an older builder version (version 1's LayerNorm overflowed past 4096), never running them."""
-    from hetero.export_vision import VISION_BUILDER_VERSION
+    from hetero.coreml.export_vision import VISION_BUILDER_VERSION
     from hetero.pipeline.vision_lane import ensure_vision_export
 
     tower, _, out, _ = exported

@@ -1,4 +1,4 @@
-"""hetero's own gated delta step (hetero/kernels/delta_step.cpp), built for real like the few-row kernel: one token
+"""hetero's own gated delta step (hetero/host/kernels/delta_step.cpp), built for real like the few-row kernel: one token
 of the delta rule against a float64 numpy oracle; the property batching and speculative decoding rest on (a row's
 state does not depend on the rows beside it, so a verify pass leaves the states the decode steps would); the
 recurrent form that takes it; and where it stays out (training, other dtypes, turned off)."""
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hetero import kernels
+from hetero.host import kernels
 from hetero.models import attention
 from hetero.models.gated_delta import _recurrent_step, recurrent_gated_delta
 
@@ -164,7 +164,7 @@ def test_the_kernel_stays_out_of_training_and_other_dtypes(delta_step):
 
 
 def test_turned_off_the_recurrent_form_is_mlx_ops():
-    code = ("import json, hetero, mlx.core as mx\nfrom hetero import kernels\n"
+    code = ("import json, hetero, mlx.core as mx\nfrom hetero.host import kernels\n"
             "from hetero.models.gated_delta import _recurrent_step\n"
             "z = mx.zeros((1, 2, 4)); out, s = _recurrent_step(z, z, z, mx.zeros((1, 2)), mx.zeros((1, 2)),"
             " mx.zeros((1, 2, 4, 4)))\n"

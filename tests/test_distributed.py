@@ -63,7 +63,7 @@ def _driver(models: list[str], cases: list[str], out: str) -> None:
                 "finish": [got.stats["finish_reason"], want.stats["finish_reason"]],
             })
         if "prefix" in cases:  # a second turn resumes from the first one's checkpoints, on every rank
-            from hetero.prefix_cache import PrefixCache
+            from hetero.caches.prefix import PrefixCache
 
             engine.prefix_cache, single.prefix_cache = PrefixCache(1 << 30), PrefixCache()
             for turn in range(2):

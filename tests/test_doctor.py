@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import platform
 
-from hetero.cli import main
-from hetero.doctor import check_programs
+from hetero.cli.doctor import check_programs
+from hetero.cli.main import main
 from hetero.pipeline import ane_backend, configure
 from test_ane_process import fault_env, tiny_engine  # noqa: F401  (fixtures)
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import hetero
+from hetero.checkpoint.loader import default_dtype, platform_dtype
+from hetero.cli.main import main
 from hetero.pipeline import verification
-from hetero.cli import main
-from hetero.loader import default_dtype, platform_dtype
 from hetero.pipeline import configure, verify
-from hetero.verify_tolerance import ANE_DTYPE, ANE_SHARE_ERROR, K, MEASURED_ERROR, reference_error, verify_tolerance
+from hetero.pipeline.verify_tolerance import ANE_DTYPE, ANE_SHARE_ERROR, K, MEASURED_ERROR, reference_error, verify_tolerance
 from oracle64 import cache_arrays, f64, measure, prefill64, rel
 from tiny_checkpoint import write_real_shape_model
 
@@ -56,7 +56,7 @@ def test_the_oracle_is_the_fp32_path_within_fp32_rounding(engines):
 @pytest.mark.parametrize("name", ["bfloat16", "float16", "float32"])
 def test_split_verifies_and_is_as_close_to_float64_as_gpu_only(engines, name):
     """In each dtype both paths stay within the dtype's reference error of the float64 oracle, the premise of the
-    fixed tolerance (hetero/verify_tolerance.py), and the split passes `verify`, judged against the same prompt in
+    fixed tolerance (hetero/pipeline/verify_tolerance.py), and the split passes `verify`, judged against the same prompt in
     fp32 (hetero/pipeline/verification.py). The split computes in the model's dtype on the GPU lane and in fp16 on
     the ANE's."""
     engine = engines[name]
@@ -170,11 +170,11 @@ def test_prefill_writes_the_cache_in_the_dtype(tmp_path, capsys):
 
 def test_serve_and_tune_load_in_the_dtype(monkeypatch):
     """The server and the tuner load the model themselves: `--dtype` reaches them as the load default."""
-    import hetero.cli
+    import hetero.cli.main
 
     seen = {}  # the names the commands call, in the CLI's module
-    monkeypatch.setattr(hetero.cli, "serve", lambda *a, **k: seen.setdefault("serve", hetero.load().model))
-    monkeypatch.setattr(hetero.cli, "tune", lambda engine, **k: seen.setdefault("tune", engine.model))
+    monkeypatch.setattr(hetero.cli.main, "serve", lambda *a, **k: seen.setdefault("serve", hetero.load().model))
+    monkeypatch.setattr(hetero.cli.main, "tune", lambda engine, **k: seen.setdefault("tune", engine.model))
     assert main(["serve", "--dtype", "bfloat16", "--no-session-cache"]) == 0
     assert main(["tune", "--dtype", "float16", "--tokens", "1"]) == 0
     assert seen["serve"].model.norm.weight.dtype == mx.bfloat16
@@ -184,9 +184,9 @@ def test_serve_and_tune_load_in_the_dtype(monkeypatch):
 
 def test_library_generate_loads_a_path_in_the_dtype():
     """hetero.generate(path, dtype=...) loads the checkpoint in that dtype; an engine loaded in another is refused."""
+    from hetero.checkpoint.loader import BUNDLED_MODEL
     from hetero.errors import HeteroError
     from hetero.library import _engine
-    from hetero.loader import BUNDLED_MODEL
 
     text = hetero.generate(str(BUNDLED_MODEL), prompt="def f():", max_tokens=2, dtype=mx.float16, mtp=False)
     assert isinstance(text, str)

@@ -1,4 +1,4 @@
-"""hetero's own few-row product (hetero/kernels/few_rows.cpp) and the build both kernels share: built for real against
+"""hetero's own few-row product (hetero/host/kernels/few_rows.cpp) and the build both kernels share: built for real against
 the installed MLX (CMake, the system's C++ compiler, nanobind), loaded as an MLX op, checked against a float64 numpy
 oracle; the property batching rests on (a row's result does not depend on the rows beside it); the products that
 take it; and the builds that fail, which must leave MLX's ops running, one line on stderr and nothing half-built in
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hetero import kernels
+from hetero.host import kernels
 from hetero.models.linear import project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-STATUS = ("import json, hetero\nfrom hetero import kernels\n"
+STATUS = ("import json, hetero\nfrom hetero.host import kernels\n"
           "print(json.dumps({'loaded': kernels.few_rows() is not None, 'why_not': kernels.why_not()}))")
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from hetero.caches.prefix import PrefixCache
+from hetero.caches.session import SessionStore
 from hetero.errors import HeteroError
-from hetero.prefix_cache import PrefixCache
-from hetero.session_store import SessionStore
 from tests.test_image_prompt import hf_inputs, last_logits_close
 from tests.vision_checkpoint import (IMAGE_TOKEN, LAYOUTS, add_mtp_head, draw_image, encoded, save_chat_tokenizer,
                                      save_vl)

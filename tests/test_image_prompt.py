@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from hetero.checkpoint.loader import load_model
 from hetero.errors import HeteroError
-from hetero.image_prompt import build_prompt, expand_placeholders, greedy, load_tower, prefill, rope_positions
-from hetero.loader import load_model
 from hetero.models.qwen3_5_vision.preprocess import ImageProcessor
+from hetero.vision.prompt import build_prompt, expand_placeholders, greedy, load_tower, prefill, rope_positions
 from tests.helpers import random_tokens
 from tests.vision_checkpoint import (IMAGE_TOKEN, LAYOUTS, VISION_END, VISION_START, draw_image, hf_processor,
                                      save_vl)

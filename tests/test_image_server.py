@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from hetero.prefix_cache import PrefixCache
+from hetero.caches.prefix import PrefixCache
 from tests.test_image_prompt import hf_inputs
 from tests.test_server import LiveServer
 from tests.vision_checkpoint import IMAGE_TOKEN, LAYOUTS, add_mtp_head, draw_image, encoded, save_chat_tokenizer, save_vl
@@ -202,7 +202,7 @@ def test_an_image_token_quoted_in_text_stays_text(vlm):
 
 
 def test_image_flags_reach_the_settings():
-    from hetero.cli_parser import build_parser
+    from hetero.cli.parser import build_parser
     from hetero.errors import HeteroError
     from hetero.server.app import ServerSettings
 

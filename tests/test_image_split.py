@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from coreml_graphs.attention import AttentionShape, rope_tables
-from hetero.cli import main
+from hetero.cli.main import main
+from hetero.coreml.graphs.attention import AttentionShape, rope_tables
 from hetero.decode.prefill import prefill
 from hetero.models.mrope import apply_mrope, frequency_positions
 from hetero.pipeline import configure, verify
@@ -112,7 +112,7 @@ def test_split_fills_the_caches_at_the_images_positions(vlm):
 def test_split_chunk_edges_key_images_by_their_pixels(vlm):
     """The split checkpoints its chunk edges under the image's content keys: the same image again restores past
     it, another image of the same size matches only the text before it, and every answer is the cold run's."""
-    from hetero.prefix_cache import PrefixCache
+    from hetero.caches.prefix import PrefixCache
 
     engine, _, run = vlm
     (png, prompt), (other, _) = image_prompt(engine, "square", seed=1), image_prompt(engine, "square", seed=2)

@@ -1,4 +1,4 @@
-"""Quantized KV (`--kv-bits`, hetero.kv_quant): the cache stores exactly what `mx.quantize` gives, attention over it
+"""Quantized KV (`--kv-bits`, hetero.models.kv_quant): the cache stores exactly what `mx.quantize` gives, attention over it
 is attention over the dequantized K/V (prefill chunks, decode, MTP verify, batched rows), rollback still works, the
 prefix and session caches keep it apart from full-precision KV, the planner's window grows, and bad values are one
 line."""
@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 
 import hetero
-from hetero.cache import KVCache
-from hetero.cli import main
+from hetero.caches.prefix import PrefixCache
+from hetero.caches.session import SessionStore
+from hetero.cli.main import main
 from hetero.decode.prefill import prefill
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import batch_generate, decode_tokens
 from hetero.errors import HeteroError
-from hetero.kv_quant import KVQuant, QuantizedKVCache, kv_quant, use_kv_quant
+from hetero.models.cache import KVCache
+from hetero.models.kv_quant import KVQuant, QuantizedKVCache, kv_quant, use_kv_quant
 from hetero.planner import make_plan
-from hetero.prefix_cache import PrefixCache
 from hetero.profiles import load_profile
-from hetero.sampling import Sampler, SamplingParams
 from hetero.server.app import ServerSettings
-from hetero.session_store import SessionStore
 from tiny_checkpoint import write_tiny_model
 
 DATA = Path(__file__).parent / "data"
@@ -302,7 +302,7 @@ def test_server_over_quantized_kv_serves_from_its_prefix_cache(quantized, tmp_pa
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("bits, group", [(8, 32), (8, 64), (4, 64), (4, 128)])
 def test_cpu_unpacking_equals_mx_dequantize(dtype, bits, group):
-    from hetero.kv_quant import dequantize
+    from hetero.models.kv_quant import dequantize
 
     x = mx.array(np.random.default_rng(bits * group).normal(0, 3, (1, 3, 70, 256)).astype(np.float32)).astype(dtype)
     packed = mx.quantize(x, group_size=group, bits=bits)

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import (
 )
 
 import hetero
-from hetero.loader import BUNDLED_MODEL
+from hetero.checkpoint.loader import BUNDLED_MODEL
 from hetero.models.weights import is_zero_centred_norm
 from tiny_checkpoint import write_tiny_model
 
@@ -182,7 +182,7 @@ def test_cache_files_round_trip_through_mlx_lm(case, tmp_path):
 def test_an_mlx_lm_model_is_run_on_its_own_weight_arrays():
     """Every parameter of hetero's view is the very mx.array mlx-lm holds, and wrapping + a prefill peaks no higher
     than mlx-lm's own prefill of the same tokens (MLX's allocator; a copy of the weights would add 12.6 MB)."""
-    from hetero.mlx_lm_model import wrap
+    from hetero.checkpoint.mlx_lm_model import wrap
 
     model, _ = lm_load(str(BUNDLED_MODEL))  # bf16 as stored: the dtype mlx-lm chose is the one hetero runs
     mx.eval(model.parameters())
@@ -246,7 +246,7 @@ def test_hetero_prefill_command_writes_what_mlx_lm_generate_reads(tmp_path):
     import subprocess
     import sys
 
-    from hetero.cli import main
+    from hetero.cli.main import main
 
     engine = hetero.load()
     text = Path(hetero.engine.__file__).read_text()[:1500]
@@ -267,7 +267,7 @@ def test_hetero_prefill_command_writes_what_mlx_lm_generate_reads(tmp_path):
 
 
 def test_the_prefill_command_refuses_what_it_cannot_do(tmp_path, capsys):
-    from hetero.cli import main
+    from hetero.cli.main import main
 
     out = str(tmp_path / "c.safetensors")
     assert main(["prefill", "--prompt-file", str(tmp_path / "missing.txt"), "--out", out]) == 1

@@ -1,4 +1,4 @@
-"""Per-token logprobs (hetero/logprobs.py) on the bundled model: each one equals log_softmax of the model's logits
+"""Per-token logprobs (hetero/decode/logprobs.py) on the bundled model: each one equals log_softmax of the model's logits
 at that position, computed independently by one prefill over prompt + generated tokens, with MTP on and off."""
 
 from __future__ import annotations

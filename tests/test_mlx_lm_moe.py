@@ -1,4 +1,4 @@
-"""mlx-lm's mixture-of-experts models run by hetero on their own weight arrays (hetero/mlx_lm_model.py).
+"""mlx-lm's mixture-of-experts models run by hetero on their own weight arrays (hetero/checkpoint/mlx_lm_model.py).
 
 The tiny `qwen3_5_moe` checkpoints of tests/test_moe_quantized.py (8 experts, top-3, shared expert), loaded with
 `mlx_lm.load`: the fp32 HF checkpoint (mlx-lm splits its fused experts into `switch_mlp` at load) and its
@@ -15,10 +15,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import hetero
+from hetero.checkpoint.mlx_lm_model import wrap
+from hetero.decode.sampling import Sampler
 from hetero.decode.solo import decode_tokens
-from hetero.mlx_lm_model import wrap
 from hetero.models import moe
-from hetero.sampling import Sampler
 from test_moe_quantized import (  # noqa: F401  (checkpoints: the module-scoped fixture)
     BITS, CONFIG, GREEDY, GROUP, NEW_TOKENS, assert_close, checkpoints, hetero_logits, mlx_lm_logits, mlx_lm_model,
     prompt,

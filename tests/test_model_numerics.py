@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import helpers
-from hetero.cache import GDNCache, KVCache
+from hetero.checkpoint.loader import load_model, preflight
 from hetero.decode.prefill import prefill
-from hetero.loader import load_model, preflight
+from hetero.models.cache import GDNCache, KVCache
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 
 
@@ -172,7 +172,7 @@ def test_a_prefill_allocates_each_attention_cache_once(chaotic):
 
 @pytest.fixture(scope="module", params=[8, 4], ids=["8bit", "4bit"])
 def quantized(request, with_mtp, tmp_path_factory):
-    from hetero.quantize import quantize_checkpoint
+    from hetero.cli.quantize import quantize_checkpoint
 
     bits = request.param
     out = quantize_checkpoint(str(with_mtp[0]), tmp_path_factory.mktemp(f"q{bits}") / "out", bits=bits)
@@ -353,7 +353,7 @@ def test_mtp_draft_logits_match_numpy_spec(with_mtp, float_model):
 
 
 def test_check_reports_mtp(with_mtp, capsys):
-    from hetero.cli import main
+    from hetero.cli.main import main
 
     path, _ = with_mtp
     assert preflight(path).has_mtp

@@ -6,7 +6,7 @@ model, and hetero's logits over a 300-token prompt (which runs the grouped exper
 top-k == number of experts, and dense layers among sparse ones. The other checkpoint conventions (transformers'
 fused `experts.gate_up_proj`, mlx-lm's stacked `switch_mlp` written by `mlx_lm.convert`) must give the very same
 logits. Routing is checked against a plain numpy reference, MTP and batched decoding on an MoE checkpoint with an
-MTP head (written by converters.hf_export: HF cannot build the MTP head).
+MTP head (written by hetero.training.hf_export: HF cannot build the MTP head).
 """
 
 from __future__ import annotations
@@ -31,18 +31,18 @@ from mlx_lm import convert
 from mlx_lm import utils as mlx_lm_utils
 
 import helpers
-from converters.hf_export import hf_config, save_hf_checkpoint
-from hetero import cli
+from hetero.checkpoint.loader import load_model, load_weights, preflight
+from hetero.cli import main as cli
+from hetero.decode.records import MTPStats
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import batch_generate
-from hetero.errors import HeteroError
 from hetero.decode.solo import decode_tokens
-from hetero.loader import load_model, load_weights, preflight
+from hetero.decode.solo import decode_tokens
+from hetero.errors import HeteroError
 from hetero.models import moe
 from hetero.models.compiled import PerThread
 from hetero.models.qwen3_5 import Model, ModelArgs
-from hetero.sampling import Sampler, SamplingParams
-from hetero.decode.records import MTPStats
-from hetero.decode.solo import decode_tokens
+from hetero.training.hf_export import hf_config, save_hf_checkpoint
 
 PROMPT_LEN = 300  # > 4 GDN chunks of 64; 300 * top-k pairs take the grouped expert form
 NEW_TOKENS = 24
@@ -545,7 +545,7 @@ def test_quantized_experts_run_gather_qmm(forms_run):
 def test_compiled_steps_never_take_the_grouped_form(forms_run, monkeypatch):
     """A compiled attention step of 4 rows x 16 tokens, top-1 of 2 experts (32 pairs per expert, enough to group):
     it must run (the grouped form's mid-graph read would fail inside mx.compile) and equal the plain path."""
-    from hetero.cache import KVCache
+    from hetero.models.cache import KVCache
     from hetero.models.qwen3_5 import DecoderLayer
 
     args = ModelArgs.from_config(dict(moe_args().__dict__, num_experts=2, num_experts_per_tok=1, model_type="qwen3_5_moe_text"))

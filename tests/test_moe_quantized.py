@@ -1,7 +1,7 @@
 """Quantized mixture-of-experts checkpoints: mlx-community's `switch_mlp` layout, both ways.
 
 One tiny random `qwen3_5_moe` model (8 experts, top-3, shared expert, an MTP head whose drafts mostly agree with
-the backbone; every width a multiple of the group size) is written as an HF checkpoint by converters.hf_export
+the backbone; every width a multiple of the group size) is written as an HF checkpoint by hetero.training.hf_export
 (experts fused, the layout mlx-lm's qwen3_5_moe reads), then quantized twice: by `mlx_lm.convert` (4 bits, group
 32; mlx-lm keeps the router and the shared expert's gate at 8 bits, group 64) and by `hetero convert --quantize`.
 Hetero must load mlx-lm's output with mlx-lm's logits and greedy tokens, mlx-lm must load hetero's output with
@@ -22,17 +22,17 @@ import pytest
 from test_speculative import agreeing_model
 
 import hetero  # noqa: F401  (MKL under MLX before any model runs)
-from converters.hf_export import hf_config, save_hf_checkpoint
-from converters.tokenizer_train import save_tokenizer, train_tokenizer
+from hetero.checkpoint.loader import load_model, preflight
+from hetero.cli.quantize import quantize_checkpoint
 from hetero.decode.prefill import prefill
+from hetero.decode.records import MTPStats
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
-from hetero.loader import load_model, preflight
+from hetero.decode.solo import decode_tokens
 from hetero.models import moe
 from hetero.models.qwen3_5 import Model, ModelArgs
-from hetero.quantize import quantize_checkpoint
-from hetero.sampling import Sampler, SamplingParams
-from hetero.decode.records import MTPStats
-from hetero.decode.solo import decode_tokens
+from hetero.training.hf_export import hf_config, save_hf_checkpoint
+from hetero.training.tokenizer_train import save_tokenizer, train_tokenizer
 from tiny_checkpoint import TEXT
 
 GROUP, BITS = 32, 4

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import hetero
-import hetero.pipeline.run as run_module
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.models import activations as act
 from hetero.pipeline import configure, verify
+import hetero.pipeline.run as run_module
 from hetero.planner.ranges import FP16_MAX, SAFE
-from hetero.sampling import Sampler, SamplingParams
 from outliers import LAYERS, MASSIVE, MILD, STRONG, outlier_channels, save_outlier_checkpoint
 
 PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n" * 6
@@ -174,7 +174,7 @@ def test_hetero_plan_reports_the_headroom_a_split_run_measured(checkpoints, home
     """`hetero plan` never loads the weights: before a split run of the checkpoint it says the headroom is not
     measured; after one, it plans with that run's ranges (the outlier channels counted on the GPU lane, the same
     effective fraction at the run's planning context) and reports their headroom per piece kind."""
-    from hetero.cli import main
+    from hetero.cli.main import main
 
     path = str(checkpoints["strong"])
     plan = ["plan", "--model", path, "--ane-fraction", "0.5", "--chunk", "64", "--context", "4096"]

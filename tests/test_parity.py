@@ -18,9 +18,9 @@ import transformers  # noqa: F401  (a test dependency: missing, the module fails
 from mlx_lm import utils as mlx_lm_utils
 
 import helpers
+from hetero.checkpoint.loader import load_model
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
-from hetero.loader import load_model
-from hetero.sampling import Sampler, SamplingParams
 
 PROMPT_LEN = 300  # > 4 GDN chunks of 64, not a multiple of 64
 NEW_TOKENS = 24

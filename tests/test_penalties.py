@@ -24,10 +24,10 @@ from hetero.decode.penalties import Penalizer, Penalties, penalizer_for
 from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats
 from hetero.decode.request import GenerationRequest
+from hetero.decode.sampling import Sampler, SamplingParams, warp
 from hetero.decode.solo import batch_generate, decode_tokens
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import Model
-from hetero.sampling import Sampler, SamplingParams, warp
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -289,8 +289,8 @@ def test_bad_values_are_refused_in_one_line(field, value, says):
 def test_engine_checks_logit_bias_against_the_vocabulary_and_decodes_with_penalties(models, tmp_path):
     import tokenizers
 
+    from hetero.checkpoint.tokenizer import Tokenizer
     from hetero.engine import Engine
-    from hetero.tokenizer import Tokenizer
 
     model = models["agreeing"]
     V = model.args.vocab_size

@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hetero.cli import main
-from hetero.errors import HeteroError
+from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
+from hetero.cli.main import main
 from hetero.decode.prefill import prefill
-from hetero.loader import BUNDLED_MODEL, load_model
+from hetero.errors import HeteroError
 from hetero.pipeline import Job, Lane, Trace, ane_backend, configure, run_jobs, verify
 from hetero.planner import OFFLOADABLE
 from test_coreml_graphs import TINY, save_checkpoint, tiny_model
@@ -84,7 +84,7 @@ def test_split_prefill_matches_gpu_only(tiny_engine, fraction):
 def test_gpu_shares_are_exact_slices_of_the_layer(tiny_engine):
     """The GPU's rest of an MLP plus the first channels' partial sum is the whole MLP; the GPU's attention heads
     write exactly the K/V the whole layer writes for them."""
-    from hetero.cache import KVCache
+    from hetero.models.cache import KVCache
     from hetero.pipeline import GpuAttentionRest, GpuMLPRest
 
     model = tiny_engine.model
@@ -434,9 +434,9 @@ def test_real_requests_interleave_and_stay_exact(tiny_checkpoint):
     """Request A decodes (MTP rounds) while request B's split prefill runs: A's tokens equal its solo run and B's
     logits match B's GPU-only prefill."""
     import hetero
-    from hetero.pipeline import DecodeQueue
-    from hetero.sampling import Sampler, SamplingParams
+    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.stepper import Batch
+    from hetero.pipeline import DecodeQueue
 
     engine = hetero.load(tiny_checkpoint)
     model = engine.model
@@ -479,8 +479,8 @@ def test_auto_fraction_lowers_a_split_that_fails_verification(tiny_checkpoint, m
     """With a zero tolerance every real split fails: auto halves the fraction, says so each time, and keeps
     only a split with nothing offloaded (or none)."""
     import hetero
+    from hetero.host.settings import save_device_profile
     from hetero.pipeline import auto_fraction
-    from hetero.settings import save_device_profile
 
     monkeypatch.setenv("HETERO_HOME", str(tmp_path))
     save_device_profile({"name": "this-machine", "chip": "test", "source": "test", "measured": True,
@@ -500,7 +500,7 @@ def test_auto_fraction_lowers_a_split_that_fails_verification(tiny_checkpoint, m
 def test_each_chunk_runs_the_smallest_attention_bucket_that_holds_it():
     """Attention programs come per context bucket; a chunk at position p runs those with the fewest cache slots
     >= p (never a larger one: the ANE would attend over padding), and a position past every bucket is refused."""
-    from coreml_graphs.attention import AttentionShape
+    from hetero.coreml.graphs.attention import AttentionShape
     from hetero.pipeline import Programs
 
     def part(slots: int, kv: range):

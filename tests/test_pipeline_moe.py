@@ -4,7 +4,7 @@ the routed experts, the rest of the shared expert and its sigmoid gate after the
 GPU-only run (logits, caches, greedy continuation), the merge of one layer against the model's own MoE block, and
 `hetero run --ane-fraction 0.3 --verify`, `hetero plan --recommend` and `--ane-fraction auto` on the checkpoint.
 
-The fixture is a qwen3_5_moe checkpoint written by converters.hf_export (per-expert tensors, an MTP layer with its
+The fixture is a qwen3_5_moe checkpoint written by hetero.training.hf_export (per-expert tensors, an MTP layer with its
 own experts) with a byte-level BPE tokenizer: 4 layers alternating GDN and attention, every one MoE, 4 experts of
 which 2 per token, a shared expert 128 channels wide (two 64-channel units, so a fraction can take half of it).
 """
@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from converters.hf_export import hf_config, save_hf_checkpoint
-from converters.tokenizer_train import save_tokenizer, train_tokenizer
-from hetero.cli import main
+from hetero.cli.main import main
 from hetero.decode.prefill import prefill
 from hetero.models.moe import SparseMoeBlock
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.pipeline import GpuMoERest, configure, verify
 from hetero.pipeline.shares import from_bc1s, to_bc1s
+from hetero.training.hf_export import hf_config, save_hf_checkpoint
+from hetero.training.tokenizer_train import save_tokenizer, train_tokenizer
 from tiny_checkpoint import TEXT
 
 SHARED = 128  # shared expert channels: 2 units of 64
@@ -41,7 +41,7 @@ CONFIG = dict(
 
 
 def write_moe_checkpoint(path, seed: int = 3):
-    """A random qwen3_5_moe checkpoint (fp32) with an MTP head and a tokenizer, via converters.hf_export.
+    """A random qwen3_5_moe checkpoint (fp32) with an MTP head and a tokenizer, via hetero.training.hf_export.
 
     Norm scales 1 + 0.3 N(0, 1), matrices N(0, 1/fan_in) (experts per expert), lm_head N(0, 9/fan_in): every block
     moves the residual stream visibly, so a wrong merge shows in the logits, and greedy choices are clear.
@@ -197,8 +197,8 @@ def test_plan_recommends_and_auto_runs_on_moe(moe_engine, moe_checkpoint, monkey
     """With a measured profile whose ANE is as fast as its GPU, `hetero plan --recommend` on the MoE checkpoint
     gives the ANE shared-expert channels (the routed experts none, with the reason), and `--ane-fraction auto`
     takes such a split, verifies it and prefills through it."""
+    from hetero.host.settings import save_device_profile
     from hetero.pipeline import auto_fraction, export_root
-    from hetero.settings import save_device_profile
 
     export_root().mkdir(parents=True, exist_ok=True)
     (tmp_path / "coreml").symlink_to(export_root())  # the other tests' exports, under this test's own settings

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import qwen4_checkpoint as qc
 
-from hetero.cli import main
+from hetero.cli.main import main
 from hetero.decode.prefill import prefill
 from hetero.pipeline import configure, verify
 
@@ -127,7 +127,7 @@ def test_run_split_verify_cli(engine, checkpoint, capsys):
 def test_convert_coreml_writes_the_split_programs(checkpoint, tmp_path, capsys):
     """`hetero convert --coreml --ane-fraction 0.5` writes one shared-expert program per layer, one z program per GDN
     layer and one attention program per QSA layer."""
-    from hetero.export import read_manifest
+    from hetero.coreml.export import read_manifest
 
     out = tmp_path / "coreml"
     assert main(["convert", "--model", str(checkpoint), "--coreml", "--ane-fraction", "0.5", "--chunk-size", "64",

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetero.cli import main
+from hetero.cli.main import main
 from hetero.errors import HeteroError
 from hetero.planner import (
     ALIGN,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero.cli import main
+from hetero.cli.main import main
 from hetero.errors import HeteroError
 from hetero.planner import Lanes, make_plan
 from hetero.planner.plan import parse_pieces

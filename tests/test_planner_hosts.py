@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from hetero.cli import main
+from hetero.cli.main import main
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner import make_plan, recommend
 from hetero.planner.hosts import layer_costs, pipeline_wall, split_layers
 from hetero.planner.report import plan_lines
-from hetero.profiles import load_profile
 from hetero.planner.shape import model_shape
+from hetero.profiles import load_profile
 
 DATA = Path(__file__).parent / "data"
 BUNDLED = Path(__file__).resolve().parents[1] / "hetero" / "bundled" / "config.json"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero.cli import main
+from hetero.cli.main import main
 from hetero.planner import Storage, make_plan, model_shape, prefill_buffer_bytes, recommend
 from hetero.planner.predict import Lanes, dense_experts_on_ane
 from hetero.profiles import load_profile

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hetero.cli import main
-from hetero.loader import build_lazy_model, parse_args
+from hetero.checkpoint.loader import build_lazy_model, parse_args
+from hetero.cli.main import main
 from hetero.models.qwen4_exp.ple import NGramHasher
 from hetero.planner import model_shape, parameter_counts
 from hetero.planner.governor import RUNTIME_RESERVE

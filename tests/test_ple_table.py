@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from hetero.checkpoint.loader import read_header
 from hetero.errors import HeteroError
-from hetero.loader import read_header
 from hetero.models.qwen4_exp.ple_table import DiskTable, StoredRows
 
 

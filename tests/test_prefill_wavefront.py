@@ -13,10 +13,10 @@ import pytest
 import qwen4_checkpoint as qc
 from tiny_checkpoint import write_tiny_model
 
-from hetero.cache import KVCache, cache_arrays
+from hetero.checkpoint.loader import load_model
 from hetero.decode import wavefront
 from hetero.decode.prefill import chunk_edges, prefill
-from hetero.loader import load_model
+from hetero.models.cache import KVCache, cache_arrays
 
 CHUNK = 40  # >= attention.MIN_QUERIES: a chunk's attention runs its numpy softmax (a host sync inside the layer)
 
@@ -204,7 +204,7 @@ def test_the_second_lane_is_one_thread_for_the_process(qwen4, monkeypatch):
     time), and MKL's thread count is back where it was after each."""
     import os
 
-    from hetero import blas
+    from hetero.host import blas
 
     monkeypatch.setenv(wavefront.ENV, "1")
     tokens = _tokens(3 * CHUNK, qc.VOCAB, qc.EOS, 6)

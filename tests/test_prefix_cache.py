@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import hetero
+from hetero.caches.prefix import PrefixCache
 from hetero.decode.prefill import prefill
-from hetero.prefix_cache import PrefixCache
 from tiny_checkpoint import write_tiny_model
 
 CHUNK = 64

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from hetero.checkpoint.loader import load_model, preflight
 from hetero.errors import HeteroError
-from hetero.loader import load_model, preflight
 
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -173,8 +173,8 @@ def test_hub_id_offline_gives_one_line(monkeypatch, tmp_path):
 
 
 def test_check_command_exit_codes_and_no_traceback(ckpt):
-    ok = subprocess.run([sys.executable, "-m", "hetero.cli", "check", "--model", str(ckpt)], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "hetero.cli.main", "check", "--model", str(ckpt)], capture_output=True, text=True)
     assert ok.returncode == 0 and "result: OK" in ok.stdout
     (ckpt / "config.json").write_text("{broken")
-    bad = subprocess.run([sys.executable, "-m", "hetero.cli", "check", "--model", str(ckpt)], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "hetero.cli.main", "check", "--model", str(ckpt)], capture_output=True, text=True)
     assert bad.returncode == 1 and "is not valid JSON" in bad.stdout and "Traceback" not in bad.stderr + bad.stdout

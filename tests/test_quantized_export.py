@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from coreml_graphs.lint import lint_package
-from coreml_graphs.package import save_program
-from coreml_graphs.palette import lut_bytes_per_weight, pack, unpack
-from hetero.backends.accuracy import compare
-from hetero.backends.reference_executor import ReferenceExecutor
-from hetero.export import PieceSlice, build_piece, export_coreml, palettize, read_manifest, weights_nbytes
-from hetero.loader import load_model
+from hetero.checkpoint.loader import load_model
+from hetero.cli.quantize import quantizable, quantize_checkpoint
+from hetero.coreml.backends.accuracy import compare
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.export import PieceSlice, build_piece, export_coreml, palettize, read_manifest, weights_nbytes
+from hetero.coreml.graphs.lint import lint_package
+from hetero.coreml.graphs.package import save_program
+from hetero.coreml.graphs.palette import lut_bytes_per_weight, pack, unpack
 from hetero.planner import make_plan
 from hetero.profiles import load_profile
-from hetero.quantize import quantizable, quantize_checkpoint
 from tests.test_coreml_graphs import TINY, bc1s, fp16_exact, from_bc1s, save_checkpoint, tiny_model
 
 CONFIGS = Path(__file__).resolve().parent / "data"
@@ -68,7 +68,7 @@ def test_tables_are_mlx_dequantize_bit_for_bit(bits, group, store):
 def test_the_export_unpacks_only_the_slice_it_needs(bits, group):
     """`linear_weight` slices the packed rows and whole groups (and words) before making tables: the same weights as
     slicing MLX's whole dequantized matrix, for row index arrays and column ranges that cut groups."""
-    from hetero.export import linear_weight
+    from hetero.coreml.export import linear_weight
 
     rng = np.random.default_rng(bits)
     layer = nn.QuantizedLinear(512, 80, bias=False, group_size=group, bits=bits)
@@ -96,7 +96,7 @@ def test_export_of_a_converted_checkpoint_equals_mlx_dequantize_bit_for_bit(tmp_
     """`hetero convert --quantize 4` (group 32), exported at fraction 0.5: every compressed weight the reference
     executor expands equals the slice of MLX's dequantized weight that program needs (q and gate rows picked per
     head, o_proj and down_proj columns), and the packages are no larger than the tables."""
-    from coreml_graphs.ops import norm_shift
+    from hetero.coreml.graphs.ops import norm_shift
 
     q4 = _quantized_tiny(tmp_path)
     manifest = export_coreml(str(q4), tmp_path / "out", 0.5, chunk=64, contexts=[128])
@@ -230,7 +230,7 @@ def test_split_prefill_of_a_4bit_bundled_model_runs_its_lookup_table_programs_an
 def test_coreml_runs_the_lookup_table_programs_like_the_reference_executor(tmp_path):
     """On a Mac: every program of a 4-bit export loads in Core ML (macOS 15: constexpr_lut_to_dense with a table per
     row and group) and matches the reference executor, which expands the same tables."""
-    from hetero.backends.coreml_macos import load
+    from hetero.coreml.backends.coreml_macos import load
 
     q4 = _quantized_tiny(tmp_path)
     manifest = export_coreml(str(q4), tmp_path / "out", 0.5, chunk=64, contexts=[128])

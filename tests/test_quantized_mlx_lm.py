@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hetero
-from converters.tokenizer_train import save_tokenizer, train_tokenizer
+from hetero.training.tokenizer_train import save_tokenizer, train_tokenizer
 from helpers import hf_logits, random_tokens, save_nested
 from tiny_checkpoint import TEXT
 

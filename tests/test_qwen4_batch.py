@@ -16,13 +16,13 @@ import qwen4_checkpoint as qc
 import torch
 from test_qwen4_mtp import agreeing, assert_committed_state, rel
 
-from hetero.cache import RaggedKV
+from hetero.checkpoint.loader import load_model
+from hetero.decode.logprobs import LogprobRecorder
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import batch_generate, decode_tokens
 from hetero.decode.stepper import Batch
-from hetero.loader import load_model
-from hetero.logprobs import LogprobRecorder
+from hetero.models.cache import RaggedKV
 from hetero.models.qwen4_exp.qsa import QSACache
-from hetero.sampling import Sampler, SamplingParams
 
 GREEDY = SamplingParams()
 LENGTHS = [5, 48, 20, 70]  # 48 and 70: 12 and 17 index blocks of 4 against a budget of 2 blocks

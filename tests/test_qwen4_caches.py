@@ -21,9 +21,9 @@ import pytest
 import qwen4_checkpoint as qc
 import torch
 
+from hetero.caches.prefix import PrefixCache
+from hetero.caches.session import SessionStore
 from hetero.decode.prefill import prefill
-from hetero.prefix_cache import PrefixCache
-from hetero.session_store import SessionStore
 
 CHUNK = 16
 PROMPT = 44  # 11 index blocks of 4 against a budget of 2 blocks: QSA drops keys
@@ -240,12 +240,12 @@ def test_a_session_file_of_another_layout_is_refused_in_one_line(flat, saved, tm
     shutil.copytree(source, store)
     change, why = LAYOUTS[layout]
     damaged = _rewrite(store, change)
-    caplog.set_level(logging.WARNING, logger="hetero.session_store")
+    caplog.set_level(logging.WARNING, logger="hetero.caches.session")
     engine = restart(path, store)
     again = engine.generate(prompt + [5, 6], max_tokens=REPLY, prefill_chunk=CHUNK, mtp=False)
     assert again.stats["cached_tokens"] == 0
     assert again.tokens == hf_greedy(hf, prompt + [5, 6], REPLY)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "hetero.session_store"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hetero.caches.session"]
     assert len(warnings) == 1 and "\n" not in warnings[0] and "does not fit this model" in warnings[0], warnings
     assert re.search(why, warnings[0]), warnings[0]
     assert not damaged.exists() and not damaged.with_suffix(".json").exists()  # removed, never served later

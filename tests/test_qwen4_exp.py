@@ -12,8 +12,8 @@ import pytest
 import qwen4_checkpoint as qc
 import torch
 
+from hetero.checkpoint.loader import load_model
 from hetero.errors import HeteroError
-from hetero.loader import load_model
 
 
 def load(path):
@@ -129,7 +129,7 @@ def test_wrong_hc_count_is_one_line(tmp_path):
 
 
 def test_check_names_architecture_ple_tables_and_experts(flat):
-    from hetero.loader import preflight
+    from hetero.checkpoint.loader import preflight
 
     path, _ = flat
     report = preflight(path)

@@ -24,8 +24,8 @@ import pytest
 import qwen4_checkpoint as qc
 import torch
 
+from hetero.checkpoint.loader import load_model, preflight
 from hetero.errors import HeteroError
-from hetero.loader import load_model, preflight
 
 pytest.importorskip("mlx_vlm")
 
@@ -148,7 +148,7 @@ def test_check_names_the_layout_and_where_the_mtp_head_would_be(converted):
 def test_bf16_conversion_greedy_equals_mlx_vlm(tmp_path_factory):
     """`convert --dtype bfloat16`: every tensor (the PLE shards too, read from the file as BF16) stored in bf16;
     both engines compute in fp32 from those weights and pick the same greedy tokens."""
-    from hetero.loader import checkpoint_tensors
+    from hetero.checkpoint.loader import checkpoint_tensors
 
     _, path, _ = _convert(tmp_path_factory, "q4vlmbf16", quantize=False, dtype="bfloat16")
     tensors = checkpoint_tensors(path)[0]
@@ -235,8 +235,8 @@ def test_4bit_drafter_folder_loads_quantized_and_greedy_mtp_equals_plain(convert
     """`convert -q --mtp` quantizes the drafter too, its routed experts one by one (`experts.{e}.*.scales`): hetero
     stacks them quantized, and greedy speculative decoding with that head equals plain greedy decoding."""
     from hetero.decode.records import MTPStats
+    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.solo import decode_tokens
-    from hetero.sampling import Sampler, SamplingParams
 
     _, path, _ = converted_4bit
     drafter = mx.load(str(path.with_name(path.name + "-mtp") / "model.safetensors"))

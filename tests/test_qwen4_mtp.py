@@ -13,14 +13,14 @@ import pytest
 import qwen4_checkpoint as qc
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hetero.cache import GDNCache
+from hetero.checkpoint.loader import load_model
 from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats
+from hetero.decode.sampling import Sampler, SamplingParams, warp
 from hetero.decode.solo import decode_tokens
 from hetero.decode.stepper import Batch
 from hetero.errors import HeteroError
-from hetero.loader import load_model
-from hetero.sampling import Sampler, SamplingParams, warp
+from hetero.models.cache import GDNCache
 from qwen4_oracle64 import Oracle
 from test_speculative import assert_warp_unambiguous, first_round, tv
 
@@ -244,7 +244,7 @@ def test_prefill_writes_the_heads_keys_alone(ckpt, monkeypatch):
 def test_batched_catch_up_takes_each_rows_own_last_pair(ckpt):
     """A batch's catch-up (`RaggedKV`, rows of 3 and 1 pending pairs, padded): each row's streams at its own last real
     pair, as the row's catch-up alone gives them, and each row's cache as alone."""
-    from hetero.cache import RaggedKV
+    from hetero.models.cache import RaggedKV
 
     model = load(ckpt)
     prompts, pending = [_tokens(PROMPT + 1, 6), _tokens(PROMPT - 6, 7)], [3, 1]
@@ -306,7 +306,7 @@ def test_fused_expert_layout_gives_the_same_head(ckpt, rejecting, tmp_path):
 
 
 def test_check_reports_the_head(ckpt):
-    from hetero.loader import preflight
+    from hetero.checkpoint.loader import preflight
 
     text = "\n".join(preflight(ckpt).lines())
     assert "MTP head: present" in text and "result: OK" in text
@@ -338,7 +338,7 @@ def test_head_has_one_layer_whatever_the_depth_field_says(tmp_path):
 def test_without_mtp_tensors_the_head_is_absent(tmp_path):
     """A config that declares the head (mtp_num_hidden_layers) over a checkpoint converted without it (mlx-vlm keeps
     the head as a separate artifact) loads without MTP and says so."""
-    from hetero.loader import preflight
+    from hetero.checkpoint.loader import preflight
 
     qc.build(tmp_path, seed=4)
     qc.patch_config(tmp_path, mtp_num_hidden_layers=1)
@@ -352,7 +352,7 @@ def test_quantized_checkpoint_keeps_the_head(ckpt, rejecting, tmp_path):
     within 2% of the float head's, and greedy MTP on the quantized model equals its plain decoding."""
     import mlx.nn as nn
 
-    from hetero.quantize import quantize_checkpoint
+    from hetero.cli.quantize import quantize_checkpoint
 
     model = load(quantize_checkpoint(str(ckpt), tmp_path / "q8", bits=8, group_size=32))
     assert model.has_mtp and isinstance(model.mtp.fc_hidden, nn.QuantizedLinear)
@@ -546,7 +546,7 @@ def test_cli_check_and_run_use_the_head(tmp_path, capsys):
     (its `mtp` block in --json), greedy-identical to `--no-mtp`."""
     import json
 
-    from hetero.cli import main
+    from hetero.cli.main import main
 
     qc.build(tmp_path, nested=True, ple_layer_ids=(2, 4), seed=10, mtp=True)
     qc.add_tokenizer(tmp_path)

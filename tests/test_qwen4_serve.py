@@ -20,7 +20,7 @@ from test_tool_server import openai_stream
 from tool_model import train_tokenizer
 
 import hetero
-from converters.tokenizer_train import save_tokenizer
+from hetero.training.tokenizer_train import save_tokenizer
 from tiny_checkpoint import TEXT as CORPUS
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3.6_chat_template.jinja").read_text(encoding="utf-8")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import qwen4_checkpoint as qc
 
-from hetero.loader import load_model
+from hetero.checkpoint.loader import load_model
 from hetero.models.qwen4_exp import step
 from hetero.models.qwen4_exp.qsa import QSACache
 
@@ -149,9 +149,9 @@ def test_a_short_context_picks_every_key(model):
 def test_a_batch_takes_the_compiled_step_and_keeps_each_rows_solo_tokens(model, monkeypatch):
     """Plain rows decoding together run the compiled QSA step over their own caches (`RaggedKV`), and each gets
     the tokens it gets decoding alone."""
-    from hetero.cache import RaggedKV
+    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.solo import batch_generate, decode_tokens
-    from hetero.sampling import Sampler, SamplingParams
+    from hetero.models.cache import RaggedKV
 
     prompts = [_prompt(2), _prompt(3)[:40]]
     alone = [list(decode_tokens(model, p, Sampler(SamplingParams()), 5, set())) for p in prompts]

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import hetero
-import hetero.pipeline.calibrate as calibrate_module
 from hetero.errors import AneNonFinite
 from hetero.pipeline import configure, load_programs
+import hetero.pipeline.calibrate as calibrate_module
 from hetero.pipeline.calibrate import RANGES_FILE, calibrate, plan_shares
 from hetero.pipeline.run import calibration_ids
 from hetero.planner.ranges import REFRESH_GROWTH, SAFE, PieceRange, Ranges

@@ -14,25 +14,25 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
-from hetero.export import (
+from hetero.coreml.export import (
     PieceSlice,
     build_piece,
     export_coreml,
     read_manifest,
 )
-from coreml_graphs.attention import AttentionShape, attention_masks, cache_inputs, rope_tables
-from coreml_graphs.ops import DEPLOYMENT_TARGET
-from coreml_graphs.package import save_functions, save_program
-from hetero.backends import coreml_macos
-from hetero.backends.accuracy import compare
-from hetero.backends.reference_executor import ReferenceExecutor
-from hetero.backends.reference_prefill import prefill_with_attention_programs
-from hetero.cli import main
-from hetero.errors import HeteroError
+from hetero.cli.main import main
+from hetero.coreml.backends import coreml_macos
+from hetero.coreml.backends.accuracy import compare
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.backends.reference_prefill import prefill_with_attention_programs
+from hetero.coreml.graphs.attention import AttentionShape, attention_masks, cache_inputs, rope_tables
+from hetero.coreml.graphs.ops import DEPLOYMENT_TARGET
+from hetero.coreml.graphs.package import save_functions, save_program
 from hetero.decode.prefill import prefill
+from hetero.errors import HeteroError
+from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner import ane_slices
 from hetero.planner.slices import split_for_budget, unit_bytes
-from hetero.models.qwen3_5 import ModelArgs
 from test_coreml_graphs import TINY, save_checkpoint, tiny_model
 
 BC1S = (1, 64, 1, 64)
@@ -221,7 +221,7 @@ def test_damaged_manifest_is_a_one_line_error(tmp_path):
 
 def test_prefill_with_every_attention_layer_on_the_executor_matches_mlx(export_full, checkpoint):
     """150 tokens = 3 chunks of 64 (the last padded): same next-token argmax, last logits cosine >= 0.999."""
-    from hetero.loader import load_model
+    from hetero.checkpoint.loader import load_model
 
     out, _ = export_full
     model, _, _ = load_model(checkpoint, dtype=mx.float32)
@@ -265,7 +265,7 @@ macos = pytest.mark.skipif(
 
 @macos
 def test_coreml_runtime_matches_the_reference_executor(export_full):
-    from hetero.backends.coreml_macos import load
+    from hetero.coreml.backends.coreml_macos import load
 
     out, manifest = export_full
     p = next(p for p in manifest["programs"] if p["piece"] == "mlp")
@@ -293,7 +293,7 @@ def test_coreml_runs_each_bucket_function_like_the_reference_executor(checkpoint
 
 @macos
 def test_placement_report_counts_ops(export_full):
-    from hetero.backends.coreml_macos import load
+    from hetero.coreml.backends.coreml_macos import load
 
     out, manifest = export_full
     placed = load(out / manifest["programs"][0]["file"], report=False).placement()
@@ -304,7 +304,7 @@ def test_placement_report_counts_ops(export_full):
 
 def test_coreml_backend_refuses_off_macos(export_full):
     """Off macOS the backend says why in one line instead of failing inside coremltools."""
-    from hetero.backends.coreml_macos import CoreMLProgram, available
+    from hetero.coreml.backends.coreml_macos import CoreMLProgram, available
 
     ok, why = available()
     if ok:
@@ -317,7 +317,7 @@ def test_coreml_backend_refuses_off_macos(export_full):
 def test_bundled_model_prefill_with_attention_on_the_executor_matches_mlx(tmp_path):
     """The bundled (trained) model: every attention layer through its programs, the rest on MLX, on real text."""
     import hetero
-    from hetero.loader import BUNDLED_MODEL
+    from hetero.checkpoint.loader import BUNDLED_MODEL
 
     assert (BUNDLED_MODEL / "model.safetensors").is_file(), "hetero/bundled/ is missing: a failure, never a skip"
     engine = hetero.load()
@@ -336,7 +336,7 @@ def test_bundled_model_prefill_with_attention_on_the_executor_matches_mlx(tmp_pa
 def test_fp16_values_equal_numpys_cast_everywhere():
     """The executor's bit-arithmetic rounding equals numpy's fp32 -> fp16 -> fp32 casts on every kind of value:
     ties either way, fp16 subnormals, fp32 subnormals, the overflow edge 65504 / 65520, inf and NaN."""
-    from hetero.fp16 import fp16_values
+    from hetero.coreml.fp16 import fp16_values
 
     rng = np.random.default_rng(0)
     step = np.float32(2.0**-10)  # an fp16 ulp at 1.0

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetero.decode.sampling import Sampler, SamplingParams, warp
 from hetero.errors import HeteroError
-from hetero.sampling import Sampler, SamplingParams, warp
 
 
 def reference_probs(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:

@@ -23,9 +23,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hetero
-from hetero.prefix_cache import PrefixCache
+from hetero.caches.prefix import PrefixCache
+from hetero.caches.session import SessionStore
 from hetero.server import StopMatcher, create_app
-from hetero.session_store import SessionStore
 from tiny_checkpoint import write_tiny_model
 
 MAX_CONTEXT = 1024
@@ -208,7 +208,7 @@ def test_restart_restores_from_disk_and_ignores_a_damaged_file(model_dir, cold, 
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
-    caplog.set_level(logging.WARNING, logger="hetero.session_store")
+    caplog.set_level(logging.WARNING, logger="hetero.caches.session")
     damaged = LiveServer(cached_engine(model_dir, tmp_path))
     answer = ask(damaged, transcript(6))
     damaged.stop()

@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hetero
-from hetero.prefix_cache import PrefixCache
-from hetero.session_store import SessionStore
+from hetero.caches.prefix import PrefixCache
+from hetero.caches.session import SessionStore
 from test_server import LiveServer
 from tiny_checkpoint import write_tiny_model
 

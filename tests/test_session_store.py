@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import hetero
-from hetero.fingerprint import weights_fingerprint
-from hetero.prefix_cache import PrefixCache
-from hetero.session_store import SessionStore
+from hetero.caches.prefix import PrefixCache
+from hetero.caches.session import SessionStore
+from hetero.checkpoint.fingerprint import weights_fingerprint
 from tiny_checkpoint import write_tiny_model
 
 
@@ -88,7 +88,7 @@ def test_damaged_or_foreign_entries_are_skipped_and_recomputed(engine, tmp_path,
     cold = engine.generate(ids + [5], max_tokens=10, prefill_chunk=64)
     run(engine, tmp_path, ids)
     damage(next(tmp_path.glob("*/*.safetensors")))
-    caplog.set_level(logging.WARNING, logger="hetero.session_store")
+    caplog.set_level(logging.WARNING, logger="hetero.caches.session")
     again = run(engine, tmp_path, ids + [5])
     assert again.stats["cached_tokens"] == 0 and again.tokens == cold.tokens
     assert "skipping" in caplog.text
@@ -100,7 +100,7 @@ def test_manifest_of_another_model_is_not_served(engine, tmp_path, caplog):
     manifest = next(tmp_path.glob("*/*.json"))
     meta = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**meta, "model": "someone-else@0"}))
-    caplog.set_level(logging.WARNING, logger="hetero.session_store")
+    caplog.set_level(logging.WARNING, logger="hetero.caches.session")
     assert run(engine, tmp_path, ids + [5]).stats["cached_tokens"] == 0
     assert "another model" in caplog.text
 

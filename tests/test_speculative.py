@@ -23,16 +23,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hetero.cache import GDNCache, KVCache, ModelCache
-from hetero.errors import HeteroError
-from hetero.decode.prefill import prefill
 from hetero.decode.depth import MAX_DEPTH
+from hetero.decode.prefill import prefill
 from hetero.decode.records import DecodeTimes, MTPStats
+from hetero.decode.sampling import Sampler, SamplingParams, accept_drafts, warp
 from hetero.decode.solo import decode_tokens
 from hetero.decode.state import CopyLane, Decoder, start
 from hetero.decode.stepper import Batch
+from hetero.errors import HeteroError
+from hetero.models.cache import GDNCache, KVCache, ModelCache
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Model, ModelArgs
-from hetero.sampling import Sampler, SamplingParams, accept_drafts, warp
 from oracle64 import f64, forward64, fp32_bound, mtp_kv64, rel
 
 FAIL = 1e-6  # per statistical check
@@ -652,8 +652,8 @@ def test_draft_depth_is_validated(rejecting):
 def engine(agreeing, tmp_path_factory):
     import tokenizers
 
+    from hetero.checkpoint.tokenizer import Tokenizer
     from hetero.engine import Engine
-    from hetero.tokenizer import Tokenizer
 
     V = agreeing.args.vocab_size
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))

@@ -47,7 +47,7 @@ def test_stop_ends_the_generation_at_the_token_just_yielded(engine):
 def test_a_closed_stream_leaves_the_prefix_cache_at_the_committed_state(engine):
     """Closing mid-generation checkpoints what was committed: the conversation's next prompt (this one, the tokens
     seen, then more) restores it and decodes the cold run's tokens."""
-    from hetero.prefix_cache import PrefixCache
+    from hetero.caches.prefix import PrefixCache
 
     prompt = engine.encode_prompt("import os\nimport sys\n\n\ndef main(argv):\n")
     engine.prefix_cache = PrefixCache()

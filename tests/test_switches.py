@@ -1,12 +1,12 @@
-"""The environment's on/off switches (hetero/switches.py): what turns them off, and a value that is neither on nor
+"""The environment's on/off switches (hetero/host/switches.py): what turns them off, and a value that is neither on nor
 off said once on stderr with what to set, the switch left on."""
 
 from __future__ import annotations
 
 import pytest
 
-from hetero import switches
 from hetero.decode import wavefront
+from hetero.host import switches
 
 
 @pytest.fixture(autouse=True)

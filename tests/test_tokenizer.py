@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, normalizers
 
-from converters.tokenizer_train import (
+from hetero.training.tokenizer_train import (
     CHAT_TEMPLATE, SPECIAL_TOKENS, corpus_files, load_corpus, save_tokenizer, train_tokenizer,
 )
+from hetero.checkpoint.tokenizer import StreamingDetokenizer, Tokenizer
 from hetero.errors import HeteroError
-from hetero.tokenizer import StreamingDetokenizer, Tokenizer
 
 MULTIBYTE = "é€🙂中文"
 SAMPLE = "def f(x):\n    return x + 1  # héllo € 🙂 中文\n\n\tclass A: pass\n"

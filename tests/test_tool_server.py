@@ -23,10 +23,10 @@ from tool_model import (
 )
 
 import hetero
+from hetero.checkpoint.tokenizer import Tokenizer
 from hetero.server.requests import Job
 from hetero.server.runner import Runner
 from hetero.server.toolcalls import ChatReply
-from hetero.tokenizer import Tokenizer
 from hetero.tools import CallEnd, CallStart
 
 NAME = "get_weather"

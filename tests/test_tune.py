@@ -9,11 +9,11 @@ import types
 import pytest
 
 import hetero
+from hetero.cli.main import main
+from hetero.cli.tune import PROMPTS, tune
+from hetero.decode.depth_calibration import calibrate
 import hetero.engine
-from hetero.cli import main
-from hetero.settings import PLAIN, save_tuning, settings_path, tuned_depth
-from hetero.calibrate import calibrate
-from hetero.tune import PROMPTS, tune
+from hetero.host.settings import PLAIN, save_tuning, settings_path, tuned_depth
 from tiny_checkpoint import write_tiny_model
 
 
@@ -42,7 +42,7 @@ class FakeEngine:
 
 
 def saved(identity: str) -> dict:
-    from hetero.settings import machine_id
+    from hetero.host.settings import machine_id
 
     return json.loads(settings_path().read_text())[machine_id()][identity]
 

@@ -1,4 +1,4 @@
-"""`hetero tune --devices` (hetero/measure.py and its command-line path): with a scripted timer and tiny
+"""`hetero tune --devices` (hetero/cli/measure.py and its command-line path): with a scripted timer and tiny
 programs, the this-machine profile it saves holds exactly the figures its timings give; the median timer on a
 fake clock; the planner reads what was saved."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import hetero.cli
+import hetero.cli.main
 
-import hetero.measure as measure_mod
-from hetero.cli import main
-from hetero.loader import default_dtype
-from hetero.measure import Sizes, decode_verify, median_seconds
+from hetero.checkpoint.loader import default_dtype
+from hetero.cli.main import main
+import hetero.cli.measure as measure_mod
+from hetero.cli.measure import Sizes, decode_verify, median_seconds
 from hetero.planner import decode_bytes_per_token, make_plan, model_shape
 from hetero.profiles import THIS_MACHINE, load_profile
 
@@ -52,7 +52,7 @@ def tuned(tmp_path_factory):
     timer, lines = ScriptedTimer(SECONDS), []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HETERO_HOME", str(home))
-        mp.setattr(hetero.cli, "measure", functools.partial(measure_mod.measure, report=lines.append, timer=timer,
+        mp.setattr(hetero.cli.main, "measure", functools.partial(measure_mod.measure, report=lines.append, timer=timer,
                                                             sizes=TINY))  # the name `hetero tune --devices` calls
         rc = main(["tune", "--devices"])
         profile = load_profile(THIS_MACHINE)
@@ -166,7 +166,7 @@ def test_median_seconds_times_each_call_on_the_clock_after_one_warm_up():
 
 def test_devices_with_a_model_measures_at_that_models_shapes(tmp_path, monkeypatch):
     """`hetero tune --devices --model M` times the GPU and ANE lanes at M's own layer shapes."""
-    from hetero.loader import BUNDLED_MODEL
+    from hetero.checkpoint.loader import BUNDLED_MODEL
 
     config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())["text_config"]
     seen, real = {}, measure_mod.measure
@@ -176,7 +176,7 @@ def test_devices_with_a_model_measures_at_that_models_shapes(tmp_path, monkeypat
         return real(report=lambda line: None, timer=ScriptedTimer(SECONDS), sizes=sizes)
 
     monkeypatch.setenv("HETERO_HOME", str(tmp_path))
-    monkeypatch.setattr(hetero.cli, "measure", spy)  # the name `hetero tune --devices` calls
+    monkeypatch.setattr(hetero.cli.main, "measure", spy)  # the name `hetero tune --devices` calls
     assert main(["tune", "--devices", "--model", str(BUNDLED_MODEL)]) == 0
     z = seen["sizes"]
     assert (z.hidden, z.mlp_channels, z.chunk) == (config["hidden_size"], config["intermediate_size"], 512)

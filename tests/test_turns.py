@@ -1,4 +1,4 @@
-"""Turns on the model (hetero/turns.py): round-robin by units, and while someone decodes, prefill time is paid back
+"""Turns on the model (hetero/decode/turns.py): round-robin by units, and while someone decodes, prefill time is paid back
 to the decoders so that they keep `decode_share` of the model's time. Jobs are real threads; the clock is a
 counter the job holding the turn advances by its unit's length, so the order of units is exact."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hetero.turns import Turns
+from hetero.decode.turns import Turns
 
 
 class Clock:

@@ -18,16 +18,16 @@ import httpx
 import pytest
 
 import hetero
-from hetero.cli import build_parser, main
+from hetero.cli.main import build_parser, main
+from hetero.decode.depth import MAX_DEPTH, decode_depth
+from hetero.decode.penalties import Penalties
+from hetero.decode.sampling import SamplingParams
 from hetero.distributed.request import Request
 from hetero.distributed.runtime import PipelineEngine
 from hetero.errors import HeteroError
-from hetero.decode.penalties import Penalties
-from hetero.sampling import SamplingParams
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH, PLAIN
 from hetero.server import ServerSettings, create_app
 from hetero.server.app import SERVE_MAX_BATCH, server_split
-from hetero.settings import DEFAULT_DRAFT_DEPTH, PLAIN
-from hetero.decode.depth import MAX_DEPTH, decode_depth
 from hetero.validate import GPU_ONLY, AneSplit
 from tiny_checkpoint import write_tiny_model
 
@@ -164,7 +164,7 @@ def test_the_depth_policy():
 
 
 def test_the_default_depth_is_the_cli_default_and_the_planners():
-    from hetero.measure import Sizes
+    from hetero.cli.measure import Sizes
     from hetero.planner.plan import DEFAULT_DRAFT_DEPTH as planner_default
 
     assert build_parser().parse_args(["plan"]).draft_depth == DEFAULT_DRAFT_DEPTH == planner_default

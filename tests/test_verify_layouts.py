@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import hetero.pipeline.verification as verify_module
-from hetero.loader import load_model
+from hetero.checkpoint.loader import load_model
 from hetero.pipeline import configure, verify
+import hetero.pipeline.verification as verify_module
 from helpers import save_flat, save_nested, save_next
 from test_pipeline_moe import write_moe_checkpoint
 
@@ -23,7 +23,7 @@ DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 def _four_bit(path):
     """`hetero convert --quantize 4` of a random flat checkpoint (the case whose bf16 GPU-only run itself lay 0.135
     from fp32, which the fixed tolerance could not know)."""
-    from hetero.quantize import quantize_checkpoint
+    from hetero.cli.quantize import quantize_checkpoint
 
     save_flat(path.with_name(path.name + "-float"), tie=False, seed=5)
     return quantize_checkpoint(str(path.with_name(path.name + "-float")), path, bits=4, group_size=32)
@@ -106,8 +106,8 @@ def test_auto_releases_the_reference(tmp_path, monkeypatch):
     """`--ane-fraction auto` in bf16 verifies its calibration prompt against an fp32 copy of the model, then lets it
     go: a server that chose its fraction holds no second model."""
     import hetero
+    from hetero.host.settings import save_device_profile
     from hetero.pipeline import auto_fraction
-    from hetero.settings import save_device_profile
     from tiny_checkpoint import write_tiny_model
 
     monkeypatch.setenv("HETERO_HOME", str(tmp_path))
@@ -127,7 +127,7 @@ def test_auto_releases_the_reference(tmp_path, monkeypatch):
 def test_no_room_for_the_reference_falls_back_to_the_dtype_table(checkpoints, monkeypatch):
     """Where an fp32 copy would not fit in memory, verify says so and applies the dtype's fixed tolerance; an fp32
     model needs no copy (it is its own reference) and `--verify-tol` always means the fixed comparison."""
-    from hetero.verify_tolerance import verify_tolerance
+    from hetero.pipeline.verify_tolerance import verify_tolerance
 
     monkeypatch.setattr(verify_module, "physical_memory_bytes", lambda: 1 << 20)
     engine = _engine(checkpoints["qwen3_5_text"], mx.bfloat16)

@@ -129,7 +129,7 @@ def test_a_failing_lane_gives_the_gpu_only_answer(vlm, fault, monkeypatch, capsy
 def test_a_cached_image_is_not_sent_to_the_lane(vlm):
     """The same prompt again with the prefix cache: its image comes back from the cache, neither the lane nor the
     GPU tower encodes it, and the answer is the first one's."""
-    from hetero.prefix_cache import PrefixCache
+    from hetero.caches.prefix import PrefixCache
 
     engine, _, run = vlm
     engine.prefix_cache = PrefixCache()
@@ -256,7 +256,7 @@ def test_hetero_plan_predicts_the_tower_per_image_bucket(capsys):
     ANE-lane seconds), and the same in `--json`."""
     from pathlib import Path
 
-    from hetero.cli import main
+    from hetero.cli.main import main
 
     config = str(Path(__file__).parent / "data" / "qwen3.5-27b.json")
     assert main(["plan", "--model", config, "--ane-fraction", "0.5", "--profile", "m4-max"]) == 0

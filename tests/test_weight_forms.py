@@ -17,23 +17,23 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from coreml_graphs.lint import lint_package
-from coreml_graphs.mlp import MLPShape, MLPWeights, build_mlp
-from coreml_graphs.ops import weight_form
-from coreml_graphs.package import load_program, save_program
-from coreml_graphs.palette import shift_scale_dense
-from hetero.backends.coreml_macos import PlacementStatus, placement_report, OpDevice
-from hetero.backends.reference_executor import ReferenceExecutor
-from hetero.cli import main
-from hetero.doctor_weights import FASTER, compare_forms, split_forms
 import hetero
+from hetero.checkpoint.loader import load_model
+from hetero.cli.doctor_weights import FASTER, compare_forms, split_forms
+from hetero.cli.main import main
+from hetero.cli.quantize import quantize_checkpoint
+from hetero.coreml.backends.coreml_macos import PlacementStatus, placement_report, OpDevice
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.export import blockwise_capable, export_coreml, lint_export, palettize, read_manifest
+from hetero.coreml.graphs.lint import lint_package
+from hetero.coreml.graphs.mlp import MLPShape, MLPWeights, build_mlp
+from hetero.coreml.graphs.ops import weight_form
+from hetero.coreml.graphs.package import load_program, save_program
+from hetero.coreml.graphs.palette import shift_scale_dense
 from hetero.errors import HeteroError
-from hetero.export import blockwise_capable, export_coreml, lint_export, palettize, read_manifest
-from hetero.loader import load_model
 from hetero.pipeline import Programs, configure, ensure_export
 from hetero.pipeline.run import export_key
 from hetero.planner import context_bucket
-from hetero.quantize import quantize_checkpoint
 from tests.test_coreml_graphs import save_checkpoint, tiny_model
 from tests.test_quantized_export import mlx_fp16, same_bits
 

@@ -1,11 +1,11 @@
-"""The wired limit on Metal (`hetero.wired`): the real calls are injected, since Metal exists only on a Mac. The
+"""The wired limit on Metal (`hetero.host.wired`): the real calls are injected, since Metal exists only on a Mac. The
 stand-ins take the place of `mx.metal.is_available`, `mx.device_info` and `mx.set_wired_limit`."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from hetero.wired import wire_working_set
+from hetero.host.wired import wire_working_set
 
 
 def test_metal_wires_up_to_the_recommended_working_set():

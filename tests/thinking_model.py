@@ -17,8 +17,8 @@ import mlx.core as mx
 from tiny_checkpoint import TEXT, random_weights, tiny_config
 from tool_model import train_tokenizer
 
-from converters.tokenizer_train import save_tokenizer
 from hetero.models.qwen3_5 import Model, ModelArgs
+from hetero.training.tokenizer_train import save_tokenizer
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3.8_like_chat_template.jinja").read_text(encoding="utf-8")
 SAMPLER_DEFAULTS = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}

@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from converters.tokenizer_train import save_tokenizer, train_tokenizer
 from hetero.models.qwen3_5 import Model, ModelArgs
+from hetero.training.tokenizer_train import save_tokenizer, train_tokenizer
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"

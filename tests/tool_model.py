@@ -22,12 +22,12 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 
-from converters.hf_export import hf_config, save_hf_checkpoint
-from converters.tokenizer_train import EOS_TEXT, SPECIAL_TOKENS, save_tokenizer
-from converters.train_tiny import init_model, make_args
+from hetero.checkpoint.tokenizer import Tokenizer
 from hetero.models import attention
-from hetero.tokenizer import Tokenizer
 from hetero.tools import openai_tools
+from hetero.training.hf_export import hf_config, save_hf_checkpoint
+from hetero.training.tokenizer_train import EOS_TEXT, SPECIAL_TOKENS, save_tokenizer
+from hetero.training.train_tiny import init_model, make_args
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3.6_chat_template.jinja").read_text(encoding="utf-8")
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

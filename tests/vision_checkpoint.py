@@ -100,7 +100,7 @@ def save_chat_tokenizer(path: Path) -> None:
     their config ids, and the ChatML template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
-    from converters.tokenizer_train import CHAT_TEMPLATE
+    from hetero.training.tokenizer_train import CHAT_TEMPLATE
 
     chars = ["\u2581" if c == 32 else chr(c) for c in range(32, 127)] + ["<0x0A>"]
     chars += ["<unk>"] + [a + b for a in "etaoinshr" for b in "etaoinshrdlucmfwyp"]  # 2-letter words up to 251

@@ -1,6 +1,6 @@
 """Batched decoding for requests that live on their own threads (the server's jobs): one decode loop for all.
 
-A job prefills its prompt on its own thread, taking turns on the model as before (`hetero.turns`), emits its
+A job prefills its prompt on its own thread, taking turns on the model as before (`hetero.decode.turns`), emits its
 first token, then hands its decoder to the `DecodeLoop` and reads the rest of its tokens from a queue. The loop's
 thread runs one `Batch` round for every request handed over, one turn on the model per round, so the prefill
 chunks of prompts that arrive meanwhile still interleave with decoding. Rows join and leave between rounds;
@@ -20,16 +20,16 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hetero.cache import cache_arrays
 from hetero.decode.options import RowOptions
 from hetero.decode.records import DecodeTimes
 from hetero.decode.rows import Row
+from hetero.decode.sampling import Sampler
 from hetero.decode.stepper import MAX_BATCH, Batch
+from hetero.decode.turns import Turns
 from hetero.errors import HeteroError
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH
+from hetero.models.cache import cache_arrays
 from hetero.models.qwen3_5 import Model
-from hetero.sampling import Sampler
-from hetero.settings import DEFAULT_DRAFT_DEPTH
-from hetero.turns import Turns
 
 
 class _Stream:

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hetero.cache import ModelCache
-from hetero.constrained import Constraint
+from hetero.decode.logprobs import LogprobRecorder
 from hetero.decode.penalties import Penalties
 from hetero.decode.prefill import ChunkFn, ProgressFn
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.rows import CommitFn
-from hetero.image_prompt import ImagePrompt
-from hetero.logprobs import LogprobRecorder
+from hetero.models.cache import ModelCache
+from hetero.tools.constrained import Constraint
+from hetero.vision.prompt import ImagePrompt
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,10 @@ class RowOptions:
     tokens per prefill step, `progress(done, total)` after every chunk (with `lambda *_: batch.step()` the rows
     already decoding get a round after every chunk of a new prompt), `on_chunk(n, cache_at_n, hidden)` at every chunk edge and
     at `marks` (absolute positions that also end a chunk), `mtp_prefill` to fill the MTP head's KV at depth 0 too,
-    `images` (the prompt's `hetero.image_prompt.ImagePrompt`) for a prompt with images.
+    `images` (the prompt's `hetero.vision.prompt.ImagePrompt`) for a prompt with images.
     Decoding: `max_context` bounds the drafts (default the model's window), `on_commit(decoder, tokens)` sees the
     committed state after the first token and after every round, `constraint` (a fresh JSON grammar, or a
-    `hetero.thinking_budget.ThinkingBudget`) masks every token the row samples, `logprobs` records each committed
+    `hetero.tools.thinking_budget.ThinkingBudget`) masks every token the row samples, `logprobs` records each committed
     token's raw logprobs, `trace` (depth 0) records what the backbone ran, `penalties` (presence, frequency,
     repetition, logit_bias) penalize every draw, MTP draft and verify row, and `times` (a caller may have started
     it) and `stats` are filled in as the row decodes.

@@ -8,7 +8,7 @@ times token t appears among the generated tokens before it and `seen[t]` whether
   z = where(seen, where(z > 0, z / r, z * r), z)           repetition_penalty r (HF / vLLM form; 1 is off)
   z = z - frequency * count - presence * (count > 0)       OpenAI / vLLM frequency and presence penalties
 
-then the usual temperature / top-k / top-p / min-p warp (`hetero.sampling.warp`), or the argmax when greedy; a JSON
+then the usual temperature / top-k / top-p / min-p warp (`hetero.decode.sampling.warp`), or the argmax when greedy; a JSON
 constraint's mask goes after the penalties. Logprobs stay those of the raw model.
 
 Speculative rounds (DESIGN.md section 3) stay exact because every distribution is penalized for the tokens before

@@ -6,10 +6,10 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from hetero.cache import KVCache, ModelCache, cache_arrays, expect_positions
 from hetero.decode import wavefront
-from hetero.image_prompt import ImagePrompt
+from hetero.models.cache import KVCache, ModelCache, cache_arrays, expect_positions
 from hetero.models.qwen3_5 import Model
+from hetero.vision.prompt import ImagePrompt
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 ChunkFn = Callable[[int, ModelCache, mx.array], None]  # (tokens in the cache n, the cache as it stands at n,

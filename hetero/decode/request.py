@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetero.decode.depth import check_depth
+from hetero.decode.logprobs import TokenLogprob, check_top
 from hetero.decode.penalties import Penalties
 from hetero.decode.prefill import ProgressFn
+from hetero.decode.sampling import SamplingParams
 from hetero.errors import HeteroError
-from hetero.logprobs import TokenLogprob, check_top
-from hetero.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class GenerationRequest:
     call) to that grammar. `presence_penalty` and `frequency_penalty` (in [-2, 2]), `repetition_penalty`
     (in (0, 2], 1 is off) and `logit_bias` ({token id: bias in [-100, 100]}) follow vLLM (`hetero.decode.penalties`)
     and keep MTP exact. `thinking_budget` N closes the think block (the chat template's way) once it has taken N
-    tokens, its closing text included, so the answer follows (`hetero.thinking_budget`; a grammar, which leaves no
+    tokens, its closing text included, so the answer follows (`hetero.tools.thinking_budget`; a grammar, which leaves no
     room for a think block, takes precedence). `mark` (a prompt position, where a chat transcript ends) also ends a
     prefill chunk, so the prefix cache checkpoints it. `prompt_cache` is an mlx-lm cache holding the tokens before the
     prompt. `images` (PNG / JPEG / WebP bytes or PIL images) go with a prompt that holds one image token per

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache
-from hetero.constrained import Constraint
+from hetero.decode.logprobs import LogprobRecorder
 from hetero.decode.penalties import Penalizer
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
+from hetero.decode.sampling import Sampler
 from hetero.decode.state import Decoder
-from hetero.logprobs import LogprobRecorder
-from hetero.sampling import Sampler
+from hetero.models.cache import GDNCache
+from hetero.tools.constrained import Constraint
 
 CommitFn = Callable[[Decoder, list[int]], None]  # (the committed state, the tokens it newly committed; last = x)
 

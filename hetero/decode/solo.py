@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 from hetero.decode.penalties import Penalties
 from hetero.decode.rows import Row
+from hetero.decode.sampling import Sampler
 from hetero.decode.stepper import Batch
 from hetero.models.qwen3_5 import Model
-from hetero.sampling import Sampler
 
 
 def decode_tokens(model: Model, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int], *,

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.cache import KVCache, LayerCache, ModelCache
-from hetero.constrained import Constraint
+from hetero.decode.logprobs import LogprobRecorder
 from hetero.decode.penalties import Penalizer
 from hetero.decode.prefill import ChunkFn, ProgressFn, prefill
 from hetero.decode.records import Trace
-from hetero.image_prompt import ImagePrompt
-from hetero.logprobs import LogprobRecorder
+from hetero.decode.sampling import Sampler
+from hetero.models.cache import KVCache, LayerCache, ModelCache
 from hetero.models.qwen3_5 import Model
-from hetero.sampling import Sampler
+from hetero.tools.constrained import Constraint
+from hetero.vision.prompt import ImagePrompt
 
 COPY_NGRAM = 3
 

@@ -43,19 +43,19 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, RaggedKV, cache_arrays
-from hetero.constrained import Constraint
 from hetero.decode.depth import MAX_DEPTH, check_depth
+from hetero.decode.logprobs import LogprobRecorder
+from hetero.decode.options import RowOptions
 from hetero.decode.penalties import Penalizer, penalizer_for
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
-from hetero.decode.options import RowOptions
 from hetero.decode.rows import Ahead, CommitFn, Round, Row
+from hetero.decode.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
 from hetero.decode.state import Decoder, start
 from hetero.errors import HeteroError
-from hetero.logprobs import LogprobRecorder
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH
+from hetero.models.cache import GDNCache, KVCache, RaggedKV, cache_arrays
 from hetero.models.qwen3_5 import Model
-from hetero.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
-from hetero.settings import DEFAULT_DRAFT_DEPTH
+from hetero.tools.constrained import Constraint
 
 MAX_BATCH = 8
 

@@ -46,9 +46,9 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from hetero import blas
-from hetero.cache import KVCache, LayerCache, ModelCache
-from hetero.switches import switched_on
+from hetero.host import blas
+from hetero.host.switches import switched_on
+from hetero.models.cache import KVCache, LayerCache, ModelCache
 
 MIN_TOKENS = 17  # chunks of at most 16 tokens run compiled steps (`RECURRENT_MAX_TOKENS`): the calling thread's lane
 ENV = "HETERO_PREFILL_WAVEFRONT"

@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+import hetero
 from hetero.distributed.group import connect
 from hetero.distributed.runtime import PipelineEngine, load_stage, serve
 from hetero.errors import HeteroError
+from hetero.host.progress import ProgressBar
 from hetero.validate import read_prompt
-from hetero.progress import ProgressBar
-import hetero
 
 VERIFY_RTOL = 1e-4  # pipelined logits against one process: fp32 rounding at most (the same ops run on each rank)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from hetero.constrained import Constraint, grammar_tokenizer
+from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
 from hetero.distributed.request import Request
 from hetero.distributed.stage import Stage
-from hetero.logprobs import LogprobRecorder, TokenLogprob
+from hetero.tools.constrained import Constraint, grammar_tokenizer
 
 
 def last_rank_options(stage: Stage, request: Request) -> tuple[Constraint | None, LogprobRecorder | None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hetero.decode.penalties import Penalties
-from hetero.sampling import SamplingParams
+from hetero.decode.sampling import SamplingParams
 
 KINDS = ("generate", "logits", "stop")
 

@@ -19,16 +19,16 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, LayerCache, cache_arrays, expect_positions
+from hetero.caches.prefix import PrefixCache
+from hetero.decode.logprobs import TokenLogprob
+from hetero.decode.prefill import ChunkFn, ProgressFn, chunk_edges, prefill
+from hetero.decode.records import MTPStats
+from hetero.decode.sampling import Sampler
+from hetero.decode.solo import decode_tokens
 from hetero.distributed.outputs import last_rank_options, recv_logprobs, send_logprobs
 from hetero.distributed.request import Request
 from hetero.distributed.stage import COMMIT, DONE, STEP, VERIFY, Stage, message_length
-from hetero.decode.prefill import ChunkFn, ProgressFn, chunk_edges, prefill
-from hetero.decode.records import MTPStats
-from hetero.decode.solo import decode_tokens
-from hetero.logprobs import TokenLogprob
-from hetero.prefix_cache import PrefixCache
-from hetero.sampling import Sampler
+from hetero.models.cache import GDNCache, KVCache, LayerCache, cache_arrays, expect_positions
 
 
 GO_ON, STOP = 1, 0  # rank 0's answer to a COMMIT in a stoppable request

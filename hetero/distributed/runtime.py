@@ -22,23 +22,23 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from hetero.caches.prefix import PrefixCache
+from hetero.checkpoint.loader import default_dtype, preflight, read_config, resolve
+from hetero.checkpoint.tokenizer import Tokenizer
+from hetero.decode.depth import decode_depth
+from hetero.decode.logprobs import TokenLogprob
+from hetero.decode.records import DecodeTimes
+from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
 from hetero.distributed.group import Link
 from hetero.distributed.request import Request
 from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead, restore
 from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
-from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
 from hetero.engine import Engine, GenerationResult, _eos_ids, collect, make_request
 from hetero.errors import HeteroError
-from hetero.decode.records import DecodeTimes
-from hetero.logprobs import TokenLogprob
-from hetero.loader import default_dtype, preflight, read_config, resolve
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.hosts import split_layers
-from hetero.prefix_cache import PrefixCache
-from hetero.settings import DEFAULT_DRAFT_DEPTH
-from hetero.decode.depth import decode_depth
-from hetero.tokenizer import Tokenizer
 
 
 def load_stage(link: Link, model: str | os.PathLike | None, dtype: mx.Dtype | None = None) -> tuple[Stage, Path, dict]:

@@ -16,11 +16,11 @@ import sys
 import threading
 import time
 
+from hetero.caches.prefix import PrefixCache
 from hetero.distributed.command import pipelined
 from hetero.distributed.runtime import PipelineEngine
 from hetero.errors import HeteroError
 from hetero.server.app import ServerSettings, create_app, listen, run_app
-from hetero.prefix_cache import PrefixCache
 
 
 def serve_pipelined(settings: ServerSettings) -> int | None:

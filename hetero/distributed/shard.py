@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from hetero.checkpoint.loader import _weight_map, build_lazy_model, read_header
 from hetero.errors import HeteroError
-from hetero.loader import _weight_map, build_lazy_model, read_header
 from hetero.models.fused import fuse
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.models.weights import canonical_name, checkpoint_has_mtp, sanitize

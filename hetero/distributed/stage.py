@@ -14,12 +14,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, last_positions
+from hetero.decode.depth import MAX_DEPTH
 from hetero.distributed.group import Link
 from hetero.distributed.shard import Share
 from hetero.errors import HeteroError
+from hetero.models.cache import GDNCache, KVCache, LayerCache, ModelCache, last_positions
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
-from hetero.decode.depth import MAX_DEPTH
 
 # control messages from the last rank: [kind, n, token_0 .. token_{n-1}]; a request that asked for logprobs has
 # every COMMIT followed by their rows, from the last rank to rank 0 (`outputs.send_logprobs`), and a stoppable one

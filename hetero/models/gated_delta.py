@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from hetero import kernels
+from hetero.host import kernels
 from hetero.models import activations as act
 from hetero.models.attention import differentiating
 
@@ -41,7 +41,7 @@ def _recurrent_step(
     """One token: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv] -> (o [B, H, Dv], state).
 
     Decode and verify steps run it inside the whole layer's compiled function (`DecoderLayer`, `compiled.py`). On the
-    CPU it is hetero's own kernel where this machine has it (`hetero.kernels.delta_step`: the state read and written
+    CPU it is hetero's own kernel where this machine has it (`hetero.host.kernels.delta_step`: the state read and written
     once, every row alike whatever rows sit beside it; it has no gradient, so not in training), else `mlx_step`.
     """
     if (mx.default_device() == mx.cpu and state.dtype == mx.float32 and v.shape[-1] <= kernels.MAX_VALUE_DIM

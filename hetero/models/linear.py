@@ -34,7 +34,7 @@ target is 2.5x on the large model). Every other path a Python caller reaches was
 Nothing reachable without compiled code brings 4 rows near one row's cost on MLX's own path, except OpenBLAS on two
 threads, which needs every product to leave MLX's graph. The hand-written kernel shows what the hardware allows
 (1.25x / 1.13x its own one row, and its one row on both cores 36.6 ms for the 1.1 GB of weights against MLX's
-63.6), so that is the design taken: `hetero.kernels`, the same kernel as an MLX primitive (a C++ extension built
+63.6), so that is the design taken: `hetero.host.kernels`, the same kernel as an MLX primitive (a C++ extension built
 once on the machine), which `project` runs for 1-8 float32 rows on the CPU wherever it could be built. MLX's forms
 above remain the path for more rows, other dtypes, and a machine without the kernel (HETERO_FEW_ROW_KERNEL=0
 chooses them). Metal's own kernels serve a Mac's GPU.
@@ -45,14 +45,14 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from hetero import kernels
+from hetero.host import kernels
 
 TRANSPOSED_ROWS = range(4, 49)  # row counts that run as (W @ x.T).T on the CPU
 
 
 def project(x: mx.array, weight: mx.array) -> mx.array:
     """x [..., in] @ weight [out, in].T -> [..., out]. On the CPU backend: 1-8 float32 rows through hetero's own
-    kernel where this machine has it (`hetero.kernels`), else transposed for 4-48 rows."""
+    kernel where this machine has it (`hetero.host.kernels`), else transposed for 4-48 rows."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if mx.default_device() != mx.cpu:
         return x @ weight.T

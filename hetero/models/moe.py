@@ -7,7 +7,7 @@
 
 Each expert is a SwiGLU `down(silu(gate(x)) * up(x))`. The routed experts are stored stacked, `[experts, out, in]`
 per projection, under mlx-lm's names (`switch_mlp.gate_proj.weight` ...), so mlx-community checkpoints load as they
-are; per-expert checkpoints (`experts.{e}.gate_proj.weight`, HF's) are stacked at load (`hetero.loader`). Every
+are; per-expert checkpoints (`experts.{e}.gate_proj.weight`, HF's) are stacked at load (`hetero.checkpoint.loader`). Every
 token's k experts run in one `mx.gather_mm` per projection (one matrix-vector product per (token, expert) pair,
 the expert's weights picked by index), never a Python loop over experts, so a decode step compiles to one graph.
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV, last_positions
 from hetero.errors import HeteroError
-from hetero.kv_quant import KVQuant, QuantizedKVCache
 from hetero.models import activations as act
 from hetero.models.args import ModelArgs
 from hetero.models.attention import attend
+from hetero.models.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV, last_positions
 from hetero.models.compiled import PerThread
 from hetero.models.fused import FusedProjection, project_inputs
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from hetero.models.kv_quant import KVQuant, QuantizedKVCache
 from hetero.models.linear import Linear, project
 from hetero.models.moe import SparseMoeBlock
 from hetero.models.mrope import apply_mrope
@@ -389,7 +389,7 @@ class MTPHead(nn.Module):
 class Model(nn.Module):
     """The whole causal LM: `model` (backbone), `lm_head` (unless tied) and, when present, `mtp`.
 
-    `kv_quant` (None: full precision) is how `make_cache` stores the attention layers' KV (`hetero.kv_quant`).
+    `kv_quant` (None: full precision) is how `make_cache` stores the attention layers' KV (`hetero.models.kv_quant`).
     """
 
     kv_quant: KVQuant | None = None

@@ -140,7 +140,7 @@ def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.arra
     """Checkpoint tensors -> this model's parameters: rename, skip vision, un-fuse, stack experts, conv layout,
     norm shift.
 
-    Routed experts come per expert (stacked here, lazily; `hetero.loader` stacks them shard by shard before),
+    Routed experts come per expert (stacked here, lazily; `hetero.checkpoint.loader` stacks them shard by shard before),
     fused (`experts.gate_up_proj`, split here) or already stacked under mlx-lm's `switch_mlp` names.
 
     Original HF checkpoints store conv1d as [C, 1, K] and zero-centred norms; converted (MLX) ones store

@@ -1,4 +1,4 @@
-"""The engine's side of the ANE lane's worker process (`hetero.backends.ane_worker`, whose docstring has the
+"""The engine's side of the ANE lane's worker process (`hetero.coreml.backends.ane_worker`, whose docstring has the
 protocol): it starts the worker (a fresh interpreter, never a fork of this one), loads programs into it and runs
 them, with the arrays in two shared-memory arenas this side owns.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetero.backends.arena import pack, packed_bytes, views
+from hetero.coreml.backends.arena import pack, packed_bytes, views
 from hetero.errors import AneLaneLost, AneNonFinite
 from hetero.pipeline.lanes import Trace
 
@@ -73,7 +73,7 @@ class AneProcess:
         root = str(Path(__file__).resolve().parents[2])  # the worker imports this checkout's hetero
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # one lane is one core's worth of work
-        cmd = [sys.executable, "-m", "hetero.backends.ane_worker", str(theirs.fileno()), *([loader] if loader else [])]
+        cmd = [sys.executable, "-m", "hetero.coreml.backends.ane_worker", str(theirs.fileno()), *([loader] if loader else [])]
         # its stdout is a pipe of its own (Core ML's compiler may print there: never into the user's `--json`),
         # relayed line by line to this process's stderr
         self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
@@ -128,7 +128,7 @@ class AneProcess:
             return outputs
 
     def diagnose(self, key: tuple[str, str | None], inputs: dict[str, np.ndarray]) -> dict:
-        """The doctor's checks of a loaded program, run in the worker on `inputs` (`hetero.backends.diagnose`)."""
+        """The doctor's checks of a loaded program, run in the worker on `inputs` (`hetero.coreml.backends.diagnose`)."""
         name = Path(key[0]).name
         with self._lock:
             self._check()

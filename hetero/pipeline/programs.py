@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hetero.backends import platform_backend
+from hetero.coreml.backends import platform_backend
+from hetero.coreml.export import DEFAULT_WEIGHT_FORM, export_plan, read_manifest
 from hetero.errors import AneNonFinite, HeteroError
-from hetero.export import DEFAULT_WEIGHT_FORM, export_plan, read_manifest
+from hetero.host.progress import ProgressBar
 from hetero.planner import OFFLOADABLE, Plan, context_buckets
-from hetero.progress import ProgressBar
 
 
 def ane_backend() -> tuple[str, Callable[[Path], Callable[[dict], dict]]]:
@@ -116,7 +116,7 @@ def _unscaled(run: Callable, factor: float) -> Callable:
 class _Guarded:
     """A loaded program as the split calls it: its outputs unscaled, and non-finite ones raising `AneNonFinite` that
     names its layer and piece (looked for here when `check`: a program run in this process; the worker looks
-    itself, `hetero.backends.ane_worker`, and its error gains them). `lane` and `key` are the worker's program's
+    itself, `hetero.coreml.backends.ane_worker`, and its error gains them). `lane` and `key` are the worker's program's
     (None in this process): the doctor checks it there."""
 
     def __init__(self, run: Callable, loaded, name: str, layer: int, piece: str, check: bool):
@@ -140,7 +140,7 @@ def load_programs(export_dir: Path, loader: Callable[..., Callable], check: bool
     """Every program of an export, loaded by `loader` (path[, function]) -> callable: the platform's backend in
     this process, or `AneProcess.load` into the ANE lane's worker. Each raises `AneNonFinite` (with its layer and
     piece) on NaN or inf: `check` makes it look (a loader in this process; the worker looks itself)."""
-    from coreml_graphs.attention import AttentionShape
+    from hetero.coreml.graphs.attention import AttentionShape
 
     manifest = read_manifest(export_dir)
     progs = Programs(manifest["chunk_size"], weights=manifest.get("ane_weights", "lut"))

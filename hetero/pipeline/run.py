@@ -10,29 +10,29 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import LayerCache
+from hetero.checkpoint.fingerprint import checkpoint_identity, weights_fingerprint
+from hetero.coreml.export import DEFAULT_WEIGHT_FORM, check_weight_form
 from hetero.errors import AneLaneLost, AneNonFinite, HeteroError
-from hetero.planner.slices import SPLIT_MODEL_TYPES
-from hetero.fingerprint import checkpoint_identity, weights_fingerprint
-from hetero.image_prompt import ImagePrompt
+from hetero.models.cache import LayerCache
 from hetero.pipeline.ane_process import JOB_TIMEOUT_S, shared_worker
 from hetero.pipeline.calibrate import RANGES_FILE, cached_ranges, calibrate, merge_ranges, plan_shares, saved_ranges
 from hetero.pipeline.lanes import DecodeQueue, Trace
-from hetero.export import DEFAULT_WEIGHT_FORM, check_weight_form
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
-from hetero.planner.predict import Lanes, gpu_chunk_seconds
-from hetero.planner.ranges import Ranges, within_range
-from hetero.planner.vision import lane_choice, predict_grid
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
+from hetero.pipeline.verification import release_reference, verify
 from hetero.pipeline.vision_lane import VisionLane
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
-from hetero.profiles import Profile
-from hetero.validate import AneSplit
 from hetero.planner import check_prompt_fits
 from hetero.planner import recommend
+from hetero.planner.predict import Lanes, gpu_chunk_seconds
+from hetero.planner.ranges import Ranges, within_range
 from hetero.planner.recommend import split_plan
+from hetero.planner.slices import SPLIT_MODEL_TYPES
+from hetero.planner.vision import lane_choice, predict_grid
+from hetero.profiles import Profile
 from hetero.profiles import THIS_MACHINE, default_profile_name, load_profile
-from hetero.pipeline.verification import release_reference, verify
+from hetero.validate import AneSplit
+from hetero.vision.prompt import ImagePrompt
 
 DEFAULT_CHUNK = 256
 DEFAULT_VERIFY_TOL: float | None = None  # None: judged against the run's own fp32 reference (hetero.pipeline.verification)
@@ -55,7 +55,7 @@ class PipelineRun:
     last_failure: str | None = None  # what happened to the last worker lost
     ane_loader: str | None = None  # "module:callable" the worker loads programs with instead of the platform's
     ane_timeout_s: float = JOB_TIMEOUT_S  # a worker job that takes longer is a hung worker
-    weights: str = DEFAULT_WEIGHT_FORM  # `--ane-weights`: how quantized weights are exported (hetero.export.WEIGHT_FORMS)
+    weights: str = DEFAULT_WEIGHT_FORM  # `--ane-weights`: how quantized weights are exported (hetero.coreml.export.WEIGHT_FORMS)
     unranged: Plan | None = None  # the plan before its measured ranges cut it (re-cut when they grow)
     range_tokens: int = 0  # the calibration sample's length (names the saved ranges)
     replans: int = 0  # times the ranges grew past what the split's programs were exported for, and it was re-planned

@@ -9,11 +9,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hetero.cache import GDNCache, KVCache
+from hetero.coreml.fp16 import fp16_values
 from hetero.errors import HeteroError
-from hetero.fp16 import fp16_values
 from hetero.models import activations as act
 from hetero.models.attention import attend
+from hetero.models.cache import GDNCache, KVCache
 from hetero.models.mrope import apply_mrope
 from hetero.models.qwen3_5 import DecoderLayer
 from hetero.models.qwen4_exp.qsa import attend_selected

@@ -19,10 +19,9 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
-from hetero.errors import AneLaneLost, AneNonFinite
-from hetero.cache import GDNCache, KVCache, LayerCache, ModelCache, cache_arrays
 from hetero.decode.prefill import mtp_pairs
-from hetero.image_prompt import ImagePrompt
+from hetero.errors import AneLaneLost, AneNonFinite
+from hetero.models.cache import GDNCache, KVCache, LayerCache, ModelCache, cache_arrays
 from hetero.models.mrope import frequency_positions
 from hetero.models.qwen3_5 import DecoderLayer, Model
 from hetero.pipeline.ane_process import AneProcess, LaneStats
@@ -31,6 +30,7 @@ from hetero.pipeline.layer_io import embed as embed_streams, final_hidden, has_p
 from hetero.pipeline.programs import Programs
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, GpuMoERest, from_bc1s, host, to_bc1s
 from hetero.planner import SPLIT_IN_FLIGHT
+from hetero.vision.prompt import ImagePrompt
 
 
 @dataclass
@@ -279,7 +279,7 @@ class SplitPrefill:
                 state = (self._select(f"{label} index", indexer, c, ch, i, state, rank(0)),)
 
             def ane() -> None:
-                from coreml_graphs.attention import attention_masks, cache_inputs, rope_tables, selected_masks
+                from hetero.coreml.graphs.attention import attention_masks, cache_inputs, rope_tables, selected_masks
 
                 x = to_bc1s(ch.parts[i, "x"][1], size)
                 D = parts[0][1].head_dim

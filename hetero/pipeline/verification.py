@@ -15,7 +15,7 @@ turn and decode step read. RMS rather than the largest element: a defect moves a
 elements each a little, and one extreme element of a bf16 run's rounding hid a program that lost half its output.
 
 `--verify-tol T` overrides all of this with the older fixed comparison, max |split - gpu| / max |gpu| <= T.
-Where an fp32 copy of the model does not fit in memory, the dtype's fixed tolerance (`hetero.verify_tolerance`) is
+Where an fp32 copy of the model does not fit in memory, the dtype's fixed tolerance (`hetero.pipeline.verify_tolerance`) is
 used and the result says so.
 """
 
@@ -25,16 +25,16 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from hetero.cache import KVCache, LayerCache
 from hetero.decode.prefill import prefill
+from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.state import Decoder
 from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost
-from hetero.image_prompt import ImagePrompt
+from hetero.models.cache import KVCache, LayerCache
 from hetero.models.qwen3_5 import Model
+from hetero.pipeline.verify_tolerance import verify_tolerance
 from hetero.planner import physical_memory_bytes
-from hetero.sampling import Sampler, SamplingParams
-from hetero.verify_tolerance import verify_tolerance
+from hetero.vision.prompt import ImagePrompt
 
 # d(split, fp32) / d(gpu, fp32) measured 1.00-1.02 in bf16 and fp16 on the bundled model and a random checkpoint of
 # Qwen3.5's real shapes (docs/planner.md, "Verify against the run's own rounding"); 1.5 leaves room for prompts and
@@ -82,7 +82,7 @@ def fp32_bytes(model: Model) -> int:
 
 def fp32_copy(model: Model) -> Model:
     """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones)."""
-    from hetero.loader import build_lazy_model
+    from hetero.checkpoint.loader import build_lazy_model
 
     params = tree_flatten(model.parameters())
     quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}

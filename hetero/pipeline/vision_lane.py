@@ -1,4 +1,4 @@
-"""The vision tower on the ANE lane: its Core ML programs (`hetero.export_vision`), exported per bucket of patches on
+"""The vision tower on the ANE lane: its Core ML programs (`hetero.coreml.export_vision`), exported per bucket of patches on
 first use beside the split's text programs, loaded into the lane's worker (or run in this process), and one image's
 encoding as a job the ANE lane runs while the GPU lane prefills the text before the image.
 
@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.errors import AneNonFinite, HeteroError
-from hetero.image_prompt import ImagePrompt
+from hetero.host.progress import ProgressBar
 from hetero.planner.vision import vision_bucket
-from hetero.progress import ProgressBar
+from hetero.vision.prompt import ImagePrompt
 
 COSINE, PSNR = 0.9999, 60.0  # `--verify`: the lane's embeddings against the GPU tower's (as the programs' tests)
 
@@ -33,7 +33,7 @@ def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None
     """The tower's programs for `bucket` in `out` (their own directory): exported on first use with a progress bar,
     reused while the manifest lists every package and was written by this builder version (an older one's programs
     are exported again: e.g. version 1's LayerNorm overflowed past a residual of 4096)."""
-    from hetero.export_vision import VISION_BUILDER_VERSION, export_vision, read_vision_manifest
+    from hetero.coreml.export_vision import VISION_BUILDER_VERSION, export_vision, read_vision_manifest
 
     try:
         manifest = read_vision_manifest(out)
@@ -59,7 +59,7 @@ class VisionLane:
     this process; the worker looks itself)."""
 
     def __init__(self, tower, root: Path, loader: Callable, check: bool):
-        from hetero.backends.reference_vision import VisionPrograms
+        from hetero.coreml.backends.reference_vision import VisionPrograms
 
         self.tower, self.root, self.loader, self.check = tower, Path(root), loader, check
         self._programs: dict[int, VisionPrograms] = {}
@@ -67,7 +67,7 @@ class VisionLane:
 
     def programs(self, bucket: int, check: Callable[[], None] | None = None):
         """The loaded programs of `bucket` (exported and loaded on first use)."""
-        from hetero.backends.reference_vision import VisionPrograms
+        from hetero.coreml.backends.reference_vision import VisionPrograms
 
         if bucket not in self._programs:
             out = ensure_vision_export(self.tower, self.root / f"vision_s{bucket}", bucket, check)
@@ -111,7 +111,7 @@ class VisionLane:
         embeddings where the GPU tower made them, else made now): cosine, PSNR, max |diff|, ok. Non-finite
         embeddings from the lane are said in one line and fail the check (`non_finite`); the prompt keeps the GPU
         tower's, and the images after it are not checked (a worker that returned them is gone)."""
-        from hetero.backends.accuracy import compare
+        from hetero.coreml.backends.accuracy import compare
 
         out = []
         for i in range(len(images.grids)):

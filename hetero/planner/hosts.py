@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hetero.errors import HeteroError
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.planner.cost import chunk_spans, piece_flops
 from hetero.planner.governor import RUNTIME_RESERVE, prefill_buffer_bytes
@@ -22,7 +23,6 @@ from hetero.planner.predict import Lanes, distinct_experts, gpu_chunk_seconds, v
 from hetero.planner.shape import MoE, Storage, gdn_state_bytes, moe_of
 from hetero.planner.slices import Piece, pieces
 from hetero.profiles import Profile
-from hetero.settings import DEFAULT_DRAFT_DEPTH
 
 SPLIT_TOKENS = 16384  # the prompt length the split balances: a long agent prompt, where pipelining pays
 SPLIT_CHUNK = 512

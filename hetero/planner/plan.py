@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.kv_quant import kv_quant
+from hetero.models.kv_quant import kv_quant
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.planner.cost import chunk_spans, piece_flops
@@ -43,8 +43,8 @@ from hetero.planner.slices import (
     program_budget,
     split_for_budget,
 )
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.profiles import Profile
-from hetero.settings import DEFAULT_DRAFT_DEPTH
 
 PIECE_ALIASES = {"z": "gdn_in_proj"}  # `--pieces mlp,z`: the GDN input projections give only their z rows
 DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
@@ -180,7 +180,7 @@ def make_plan(
     pipeline over that many hosts (`hosts.plan_hosts`) over a link of `link_gbps` / `link_latency_ms` (default: the
     profile's, unknown when it has none). `ane_instances`: ANEs the ANE lane drives at once (`Lanes.of`; the
     runtime's lane runs one program at a time: one). `kv_bits` / `kv_group_size`: attention KV stored quantized
-    (`hetero.kv_quant`), which the decode estimate and the memory budget count.
+    (`hetero.models.kv_quant`), which the decode estimate and the memory budget count.
     """
     quant = kv_quant(kv_bits, kv_group_size)
     args, moe = model_shape(config)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from hetero.checkpoint.loader import parse_args, read_config, resolve
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.models.qwen4_exp.args import Qwen4Args
-from hetero.loader import parse_args, read_config, resolve
 
 
 @dataclass(frozen=True)

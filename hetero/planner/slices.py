@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from hetero.coreml.graphs.palette import LUT_BITS, lut_bytes_per_weight
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import ModelArgs
 from hetero.models.args import SUPPORTED_MODEL_TYPES
+from hetero.models.qwen3_5 import ModelArgs
 from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES, Qwen4Args
-from coreml_graphs.palette import LUT_BITS, lut_bytes_per_weight
 from hetero.planner.shape import MoE, Storage, ple_table_params
 from hetero.profiles import Profile
 

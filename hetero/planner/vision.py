@@ -12,7 +12,7 @@ from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.planner.predict import Lanes, _seconds
 from hetero.planner.slices import ANE_WEIGHT_BYTES
 
-SEQ_MULTIPLE = 64  # the ANE programs' sequence rule (coreml_graphs.ops.SEQ_MULTIPLE): the merger's rows too
+SEQ_MULTIPLE = 64  # the ANE programs' sequence rule (hetero.coreml.graphs.ops.SEQ_MULTIPLE): the merger's rows too
 PLAN_SIZES = ((448, 448), (1024, 1024), (1920, 1080))  # the image sizes `hetero plan` reports
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from hetero.errors import HeteroError
-from hetero.settings import device_profile
+from hetero.host.settings import device_profile
 
 PROFILE_DIR = Path(__file__).parent
 THIS_MACHINE = "this-machine"

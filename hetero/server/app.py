@@ -20,10 +20,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import hetero
+from hetero.caches.prefix import PrefixCache
+from hetero.caches.session import SessionStore, default_dir
+from hetero.coreml.export import check_weight_form
+from hetero.decode.depth import check_depth
+from hetero.decode.turns import DECODE_SHARE
 from hetero.engine import Engine
 from hetero.errors import HeteroError
-from hetero.export import check_weight_form
-from hetero.kv_quant import kv_quant
+from hetero.models.kv_quant import kv_quant
+from hetero.pipeline import split_for
 from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
 from hetero.server.metrics import CONTENT_TYPE, Metrics
@@ -31,13 +37,7 @@ from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser, RequestError
 from hetero.server.responses import ResponseStore, parse_responses
 from hetero.server.responses_output import ResponsesOutput
 from hetero.server.runner import Runner
-from hetero.decode.depth import check_depth
-from hetero.turns import DECODE_SHARE
 from hetero.validate import GPU_ONLY, NONNEG, PORT, POSITIVE, POSITIVE_INT, AneSplit, Bound, check_text
-from hetero.pipeline import split_for
-from hetero.prefix_cache import PrefixCache
-from hetero.session_store import SessionStore, default_dir
-import hetero
 
 log = logging.getLogger("hetero.server")
 access = logging.getLogger("hetero.access")
@@ -61,7 +61,7 @@ class ServerSettings:
     session_cache_max_gb: float = 16.0
     no_session_cache: bool = False
     ane: AneSplit = GPU_ONLY  # the prefill split (a number or "auto" is parsed by `AneSplit.parse`)
-    ane_weights: str = "lut"  # `--ane-weights`: the Core ML form of quantized weights (hetero.export.WEIGHT_FORMS)
+    ane_weights: str = "lut"  # `--ane-weights`: the Core ML form of quantized weights (hetero.coreml.export.WEIGHT_FORMS)
     draft_depth: int | None = None  # every request's MTP draft depth (None: the tuned or calibrated one)
     prefill_chunk: int = 512
     max_concurrent: int = 4  # requests generating at once, taking turns on the model
@@ -150,7 +150,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
     `split` (a `hetero.pipeline.PipelineRun`) prefills prompts through the ANE + GPU pipeline; up to
     `max_concurrent` requests generate at once, taking turns on the model. An OpenAI request without
     `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413. While some requests decode,
-    a prompt prefills in `1 - decode_share` of the model's time (`hetero.turns`). With `max_batch` > 1, up to that
+    a prompt prefills in `1 - decode_share` of the model's time (`hetero.decode.turns`). With `max_batch` > 1, up to that
     many decoding requests share each decode pass (`hetero.decode.loop`). A `draft_depth` is every MTP request's.
     """
     if settings is not None and options:

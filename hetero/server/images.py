@@ -19,9 +19,9 @@ from typing import Any
 from PIL import Image
 
 from hetero.errors import HeteroError
-from hetero.image_prompt import ImagePrompt
 from hetero.models.qwen3_5_vision.preprocess import decode_image
 from hetero.server.requests import RequestError
+from hetero.vision.prompt import ImagePrompt
 
 DEFAULT_MAX_IMAGE_MB = 20.0
 _SLOT = "\ue000hetero-image-{}\ue000"  # private-use characters: no template or client text writes them

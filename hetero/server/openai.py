@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
+from hetero.decode.logprobs import MAX_TOP_LOGPROBS
 from hetero.errors import HeteroError
-from hetero.logprobs import MAX_TOP_LOGPROBS
 from hetero.server.common import Output, sse
 from hetero.server.requests import (
     Job, Parser, RequestError, boolean, integer, messages, one_choice, stops, stream_options,

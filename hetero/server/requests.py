@@ -63,7 +63,7 @@ class Job:
     context: Any = None  # what one API's output shaper needs from its request (Responses: the input items, the store)
     penalties: Penalties = field(default_factory=Penalties)  # presence / frequency / repetition, logit_bias
     echo: bool = False  # completions: the prompt comes back before the reply (with its logprobs when asked)
-    thinking_budget: int | None = None  # the think block is closed after this many tokens (`hetero.thinking_budget`)
+    thinking_budget: int | None = None  # the think block is closed after this many tokens (`hetero.tools.thinking_budget`)
 
 
 # ----------------------------------------------------------------------------------------------------------

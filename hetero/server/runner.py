@@ -1,5 +1,5 @@
 """The job runner: up to `max_concurrent` generations at once, each on its own worker thread, taking round-robin
-turns on the model (`hetero.turns`): one prefill chunk or one decode token per turn, so a new request starts
+turns on the model (`hetero.decode.turns`): one prefill chunk or one decode token per turn, so a new request starts
 while others decode and none starves. With `max_batch` > 1 (`hetero serve --max-batch N`), the requests decoding at
 one moment share every decode pass instead (`hetero.decode.loop`): each prefills in its turns, then hands its decoding
 to one loop that runs a batched round per turn (JSON-constrained requests too, each masked as alone). With a split
@@ -26,13 +26,13 @@ import mlx.core as mx
 
 from starlette.requests import Request
 
+from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
 from hetero.decode.loop import DecodeLoop, Seat
+from hetero.decode.turns import DECODE_SHARE, LentTurns, Turns
 from hetero.engine import Engine
 from hetero.errors import HeteroError
-from hetero.logprobs import LogprobRecorder, TokenLogprob
 from hetero.server.requests import Job, RequestError
 from hetero.server.stops import StopMatcher
-from hetero.turns import DECODE_SHARE, LentTurns, Turns
 
 
 log = logging.getLogger("hetero.server")
@@ -105,7 +105,7 @@ class Outcome:
 
 class Runner:
     """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking turns on the model; while some
-    decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.turns`). MTP jobs draft at
+    decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.decode.turns`). MTP jobs draft at
     `draft_depth` (`hetero serve --draft-depth`; None: the engine's tuned or calibrated depth)."""
 
     def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512,

@@ -4,7 +4,7 @@ Effort: OpenAI chat `reasoning_effort`, Responses `reasoning.effort` and Anthrop
 template variables by `ChatContract.effort` (the table in docs/server.md): `reasoning_effort` for a template that
 reads it, else the `enable_thinking` switch (OpenAI routes; Anthropic's switch is `thinking`). A value the template
 refuses is a 400 carrying the template's own message. Budget: Anthropic `thinking.budget_tokens` and OpenAI
-`max_thinking_tokens` become the Job's `thinking_budget` (`hetero.thinking_budget`), for a template with a think
+`max_thinking_tokens` become the Job's `thinking_budget` (`hetero.tools.thinking_budget`), for a template with a think
 block to close.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hetero.chat_contract import EFFORTS, chat_contract, refusal
+from hetero.checkpoint.chat_contract import EFFORTS, chat_contract, refusal
 from hetero.server.requests import Parser, RequestError
 from hetero.validate import NONNEG_INT
 

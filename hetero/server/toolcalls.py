@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import logging
 from typing import Any
 
-from hetero.chat_contract import chat_contract
+from hetero.checkpoint.chat_contract import chat_contract
 from hetero.errors import HeteroError
 from hetero.server.images import ImageInputs, place_images
 from hetero.server.requests import Parser, RequestError, boolean, message_list

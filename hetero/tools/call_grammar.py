@@ -32,8 +32,8 @@ from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
-from hetero.constrained import JSON_OPTIONS
 from hetero.errors import HeteroError
+from hetero.tools.constrained import JSON_OPTIONS
 from hetero.tools.schema import coerce
 
 END_CALL = "</tool_call>"

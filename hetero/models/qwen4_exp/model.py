@@ -11,12 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hetero.cache import GDNCache, ModelCache, last_positions
 from hetero.errors import HeteroError
 from hetero.models import activations as act
+from hetero.models.cache import GDNCache, ModelCache, last_positions
+from hetero.models.compiled import PerThread
 from hetero.models.linear import Linear
 from hetero.models.moe import SparseMoeBlock
-from hetero.models.compiled import PerThread
 from hetero.models.qwen3_5 import MLP, RECURRENT_MAX_TOKENS, GatedDeltaNet, RMSNorm, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual

@@ -21,10 +21,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.linear import Linear
 from hetero.models.qwen4_exp.args import Qwen4Args
-from hetero.errors import HeteroError
 from hetero.models.qwen4_exp.hyper import GroupedRMSNorm
 from hetero.models.qwen4_exp.ple_table import DiskTable
 

@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hetero.cache import KVCache, RaggedKV
 from hetero.models import attention
+from hetero.models.cache import KVCache, RaggedKV
 from hetero.models.linear import Linear
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Attention, RMSNorm
 from hetero.models.qwen4_exp.args import Qwen4Args

@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from hetero.cache import GDNCache, RaggedKV, last_positions
+from hetero.models.cache import GDNCache, RaggedKV, last_positions
 from hetero.models.compiled import PerThread
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS
 from hetero.models.qwen4_exp.qsa import QSACache

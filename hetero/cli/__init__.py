@@ -1,0 +1,1 @@
+"""The `hetero` command line: its commands, their flags, the doctor, tune and convert's quantizer."""
