@@ -27,7 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_27B = Path("/work/shared/reference/configs/qwen3.5-27b.json")

@@ -28,7 +28,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.environment import environment
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402

@@ -455,7 +455,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # noqa: F401  (before MLX, which bench.checkpoints imports: the fast BLAS under it)
     from bench.checkpoints import checkpoint
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
 
     env = environment()
     from importlib import metadata

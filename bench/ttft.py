@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane: the same budget for everyone
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 SHAPE = dict(  # the bundled model's layer pattern (3 GDN : 1 attention), wider
     model_type="qwen3_5_text", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,

@@ -25,8 +25,9 @@ from hetero.coreml.backends.reference_executor import ReferenceExecutor
 from hetero.coreml.export import PieceSlice, build_piece, export_coreml, palettize, read_manifest, weights_nbytes
 from hetero.coreml.graphs.lint import lint_package
 from hetero.coreml.graphs.package import save_program
-from hetero.coreml.graphs.palette import lut_bytes_per_weight, pack, unpack
+from hetero.coreml.graphs.palette import pack, unpack
 from hetero.planner import make_plan
+from hetero.planner.slices import lut_bytes_per_weight
 from hetero.profiles import load_profile
 from tests.test_coreml_graphs import TINY, bc1s, fp16_exact, from_bc1s, save_checkpoint, tiny_model
 

@@ -34,7 +34,7 @@ from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
 from hetero.planner import PieceSlice, Plan
 from hetero.planner.recommend import split_plan
-from hetero.planner.slices import SPLIT_MODEL_TYPES
+from hetero.planner.slices import LUT_BITS, SPLIT_MODEL_TYPES
 from hetero.profiles import default_profile_name, load_profile
 
 MANIFEST = "manifest.json"
@@ -53,8 +53,6 @@ def linear_weight(layer: nn.Module, rows: slice | np.ndarray = slice(None), cols
     them: a quantized layer of at most 4 bits as its own per-group lookup tables (`hetero.coreml.graphs.palette.Palettized`:
     each weight exactly MLX's, rounded once to fp16), other layers as fp32 numpy (quantized ones of more bits
     dequantized: a table per group would outweigh fp16). Only the slice is unpacked or widened."""
-    from hetero.coreml.graphs.palette import LUT_BITS
-
     pick = mx.array(rows) if isinstance(rows, np.ndarray) else rows
     if isinstance(layer, nn.QuantizedLinear) and getattr(layer, "mode", "affine") == "affine" and layer.bits in LUT_BITS:
         g, per_word = layer.group_size, 32 // math.gcd(32, layer.bits)  # columns per whole word run

@@ -11,7 +11,7 @@ from hetero.errors import HeteroError
 from hetero.models.kv_quant import kv_quant
 from hetero.models.qwen3_5 import ModelArgs
 from hetero.models.qwen4_exp.args import Qwen4Args
-from hetero.planner.cost import chunk_spans, piece_flops
+from hetero.planner.cost import ane_share, prefill_flops
 from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
 from hetero.planner.hosts import HostPlan, Link, plan_hosts
 from hetero.planner.predict import (
@@ -340,22 +340,6 @@ def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str
         return ["decode_mtp_tps: the profile has no MTP verify cost (mtp_verify_ratio; `hetero tune --devices` "
                 "measures it)"]
     return []
-
-
-def prefill_flops(ps: list[Piece], tokens: int, chunk: int) -> dict[str, tuple[float, float]]:
-    """Per piece kind, (FLOPs, the ANE's share of them) of a `tokens`-long prefill in chunks of `chunk`."""
-    starts, sizes = chunk_spans(tokens, chunk)
-    flops = {}
-    for p in ps:
-        total = p.layers * float(piece_flops(p, starts, sizes).sum())
-        flops[p.kind] = (total, total * p.ane_share)
-    return flops
-
-
-def ane_share(flops: dict[str, tuple[float, float]]) -> float:
-    """The ANE's share of all the FLOPs in `prefill_flops`'s answer."""
-    total = sum(t for t, _ in flops.values())
-    return sum(a for _, a in flops.values()) / total if total else 0.0
 
 
 def kept_on_gpu(kind: str, lanes: Lanes) -> str:

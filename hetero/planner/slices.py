@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from hetero.coreml.graphs.palette import LUT_BITS, lut_bytes_per_weight
 from hetero.errors import HeteroError
 from hetero.models.args import SUPPORTED_MODEL_TYPES
 from hetero.models.qwen3_5 import ModelArgs
@@ -43,6 +42,15 @@ EXACT_PATH = {
                    "included): exact GPU path",
 }
 SPLIT_MODEL_TYPES = SUPPORTED_MODEL_TYPES + QWEN4_TYPES  # the checkpoints the split prefill has programs for
+
+
+LUT_BITS = (1, 2, 3, 4)  # index widths Core ML has whose per-group table (group >= 32) costs less than fp16
+
+
+def lut_bytes_per_weight(bits: int, group: int) -> float:
+    """Bytes per weight of a per-group lookup table as the exporter embeds a quantized checkpoint's weights
+    (`hetero.coreml.graphs.palette`): the index (`bits` / 8) plus the group's 2^bits fp16 entries."""
+    return bits / 8 + 2 * 2**bits / group
 
 
 def never_split(args: ModelArgs | Qwen4Args) -> dict[str, str]:
