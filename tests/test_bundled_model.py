@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
-from hetero.models.weights import is_zero_centred_norm
+from hetero.models.qwen3_5.weights import is_zero_centred_norm
 from hetero.training import hf_export, train_tiny
 
 MAX_CHECKPOINT_BYTES = 20_000_000

@@ -22,12 +22,10 @@ from mlx.utils import tree_flatten
 
 from hetero.checkpoint.config_checks import MAX_DIM, check_config
 from hetero.errors import HeteroError
-from hetero.models.args import SUPPORTED_MODEL_TYPES
+from hetero.models.architectures import BY_MODEL_TYPE, DRAFTER_MODEL_TYPES, architecture, parse_args
 from hetero.models.fused import fuse
-from hetero.models.qwen3_5 import Model, ModelArgs
-from hetero.models.qwen4_exp import model as qwen4
-from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES, Qwen4Args
-from hetero.models.weights import ExpertStacker, canonical_name, checkpoint_has_mtp, is_expert_tensor, sanitize, unfused_names
+from hetero.models.interface import Args, CausalLM
+from hetero.models.weights import ExpertStacker, canonical_name, checkpoint_has_mtp, is_expert_tensor, unfused_names
 
 BUNDLED_MODEL = Path(__file__).parents[1] / "bundled"
 SMALL_FILES = ["config.json", "generation_config.json", "*.index.json", "tokenizer*", "chat_template.jinja"]
@@ -85,7 +83,8 @@ def read_config(path: Path) -> dict:
         raise HeteroError(f"cannot read {file}: {e.strerror}") from None
     check_config(config, str(file))
     # a supported architecture's sizes must all be there; other model types are refused by name later
-    return check_config(config, str(file), required=config.get("model_type") in SUPPORTED_MODEL_TYPES)
+    arch = BY_MODEL_TYPE.get(config.get("model_type"))
+    return check_config(config, str(file), required=arch.required_fields if arch is not None else ())
 
 
 def check_generation_config(path: Path) -> None:
@@ -287,16 +286,15 @@ def checkpoint_tensors(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
 
 
 def mtp_drafter(path: Path) -> Path | None:
-    """The MTP head's folder that mlx-vlm writes beside a Qwen4-Exp checkpoint it converts (`mlx_vlm convert --mtp`:
-    `<dir>-mtp`, config model_type `qwen4_exp_mtp`, the head's tensors without their `mtp.` prefix), or None. A
-    checkpoint without `mtp.*` tensors reads its head from there. (mlx-vlm's drafters of other families are not
-    read: their names are untested here.)"""
+    """The MTP head's folder that mlx-vlm writes beside a checkpoint it converts (`mlx_vlm convert --mtp`: `<dir>-mtp`,
+    the head's tensors without their `mtp.` prefix) when an architecture reads it (`Architecture.drafter_model_type`:
+    Qwen4-Exp's), or None. A checkpoint without `mtp.*` tensors reads its head from there."""
     folder = drafter_path(path)
     try:
         kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
-    return folder if kind == "qwen4_exp_mtp" else None
+    return folder if kind in DRAFTER_MODEL_TYPES else None
 
 
 def drafter_path(path: Path) -> Path:
@@ -315,19 +313,14 @@ def _weight_map(index_file: Path) -> dict[str, str]:
     return weight_map
 
 
-def parse_args(config: dict) -> ModelArgs | Qwen4Args:
-    """config.json -> the arguments of its architecture (Qwen4-Exp or the Qwen3.5 family); HeteroError if neither."""
-    return Qwen4Args.from_config(config) if config.get("model_type") in QWEN4_TYPES else ModelArgs.from_config(config)
-
-
-def sanitize_for(args: ModelArgs | Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def sanitize_for(args: Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Checkpoint tensors -> parameters, by the architecture's own `sanitize`."""
-    return qwen4.sanitize(args, weights) if isinstance(args, Qwen4Args) else sanitize(args, weights)
+    return architecture(args.model_type).sanitize(args, weights)
 
 
-def build_lazy_model(args: ModelArgs | Qwen4Args, with_mtp: bool, quantized_names: set[str] | None = None) -> Model:
+def build_lazy_model(args: Args, with_mtp: bool, quantized_names: set[str] | None = None) -> CausalLM:
     """The model with lazily initialised parameters (no memory until evaluated)."""
-    model = (qwen4.Model if isinstance(args, Qwen4Args) else Model)(args, with_mtp=with_mtp)
+    model = architecture(args.model_type).build(args, with_mtp)
     q = args.quantization
     if q:
         names = quantized_names or set()
@@ -350,14 +343,14 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
         report.model_type = config.get("model_type")
         report.architecture = ", ".join(config.get("architectures") or []) or None
         args = parse_args(config)
+        arch = architecture(args.model_type)
         check_generation_config(path)
         report.quantization = args.quantization
         report.layers = args.num_hidden_layers
         if args.moe_layers:
             report.experts, report.experts_per_token = args.num_experts, args.num_experts_per_tok
             report.shared_experts, report.moe_layers = 1, len(args.moe_layers)
-        if isinstance(args, Qwen4Args):
-            report.ple_layers = [i - 1 for i in args.ple_layer_ids]
+        report.ple_layers = list(arch.shape(args).ple_layers)
         report.supported = True
         tensors, absent = checkpoint_tensors(path)
     except HeteroError as e:
@@ -371,7 +364,7 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
     report.has_mtp = checkpoint_has_mtp(tensors)
     if args.mtp_num_hidden_layers and not report.has_mtp:
         drafter = (f", nor is there an mlx-vlm drafter folder at {drafter_path(path)} (`mlx_vlm convert --mtp` "
-                   "writes it)" if isinstance(args, Qwen4Args) else " (converted without it?)")
+                   "writes it)" if arch.drafter_model_type else " (converted without it?)")
         report.warnings.append(f"config declares an MTP head but the checkpoint has no mtp.* tensors{drafter}: "
                                "plain decoding only")
     drafter_folder = mtp_drafter(path)
@@ -379,7 +372,7 @@ def preflight(model: str | os.PathLike | None, dtype: mx.Dtype | None = None, co
                                           for t in tensors.values()):  # the head's tensors were read from there
         report.mtp_folder = str(drafter_folder)
     bad_dtype = [t for t in tensors.values() if report.shapes_checked and t.dtype not in ST_DTYPES
-                 and not qwen4.is_hash_buffer(t.name)]
+                 and not arch.derived(t.name)]
     for t in bad_dtype:
         report.errors.append(f"tensor {t.name} in {t.file} has dtype {t.dtype}; hetero loads F32, F16, BF16 (and U32 quantized) weights")
 
@@ -465,7 +458,7 @@ def parse_dtype(name: str) -> mx.Dtype:
     return DTYPES[name]
 
 
-def estimate_peak_memory(args: ModelArgs, params: dict[str, mx.array], dtype: mx.Dtype, context: int, chunk: int = 512) -> int:
+def estimate_peak_memory(args: Args, params: dict[str, mx.array], dtype: mx.Dtype, context: int, chunk: int = 512) -> int:
     """Loaded weights + KV cache for `context` tokens + GDN state + one prefill chunk's transient buffers."""
     weights = sum(v.size * (v.dtype.size if v.dtype == mx.uint32 or not mx.issubdtype(v.dtype, mx.floating) else dtype.size) for v in params.values())
     n_attn = len(args.layer_types) - args.layer_types.count("linear_attention") + args.mtp_num_hidden_layers
@@ -481,7 +474,7 @@ def estimate_peak_memory(args: ModelArgs, params: dict[str, mx.array], dtype: mx
 # Loading
 
 
-def load_weights(path: Path, args: ModelArgs | None = None) -> dict[str, mx.array]:
+def load_weights(path: Path, args: Args | None = None) -> dict[str, mx.array]:
     """All tensors of a checkpoint (after the pre-flight check vouched for the files), under canonical names,
     skipped ones (vision) left out.
 
@@ -525,7 +518,7 @@ def load_weights(path: Path, args: ModelArgs | None = None) -> dict[str, mx.arra
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,
-               fuse_projections: bool = True) -> tuple[Model, Path, dict]:
+               fuse_projections: bool = True) -> tuple[CausalLM, Path, dict]:
     """Check, then load a checkpoint: returns (model with evaluated weights, local directory, config dict).
 
     With `fuse_projections` (the default) each layer's input projections become one product (`models.fused`); the
@@ -540,8 +533,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = 
     weights = sanitize_for(args, load_weights(path, args))
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, checkpoint_has_mtp(weights), quantized)
-    if isinstance(args, Qwen4Args):  # the PLE n-gram tables stay in their files: a chunk gathers its rows
-        qwen4.keep_ple_on_disk(net, weights, path, checkpoint_tensors(path)[0])
+    # what the model reads from the checkpoint's files as needed (Qwen4-Exp's PLE tables) stays there
+    architecture(args.model_type).keep_on_disk(net, weights, path, checkpoint_tensors(path)[0])
     net.load_weights(list(weights.items()), strict=True)
     dtype = dtype or default_dtype()
     net.set_dtype(dtype, lambda t: mx.issubdtype(t, mx.floating))

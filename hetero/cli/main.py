@@ -24,8 +24,8 @@ from hetero.host import kernels
 from hetero.host.progress import ProgressBar
 from hetero.host.settings import save_device_profile
 from hetero.library import prefill_to_file
+from hetero.models.architectures import architecture
 from hetero.models.qwen3_5_vision.args import VisionArgs
-from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES
 from hetero.pipeline import Trace, split_for, verify
 from hetero.pipeline.run import measured_ranges
 from hetero.planner import model_shape, plan_lines, read_model_config, recommend
@@ -231,7 +231,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
     plan = with_measured_ranges(plan, args.model, name, config)
     vision = config.get("vision_config")  # the tower's shape (a checkpoint's own, or transformers' defaults)
-    takes_images = config.get("model_type") not in QWEN4_TYPES  # qwen4_exp's tower is not read yet: no image lines
+    takes_images = architecture(config.get("model_type")).reads_images  # a tower not read: no image lines
     tower = VisionArgs.from_config(vision) if isinstance(vision, dict) and takes_images else None
     if args.json:
         out = plan.to_dict()

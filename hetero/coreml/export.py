@@ -31,10 +31,10 @@ import numpy as np
 from hetero.checkpoint.loader import load_model
 from hetero.coreml.backends.coreml_macos import compiled_owner, remove_compiled
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+from hetero.models.interface import Args, CausalLM, DecoderLayer
 from hetero.planner import PieceSlice, Plan
 from hetero.planner.recommend import split_plan
-from hetero.planner.slices import LUT_BITS, SPLIT_MODEL_TYPES
+from hetero.planner.slices import LUT_BITS
 from hetero.profiles import default_profile_name, load_profile
 
 MANIFEST = "manifest.json"
@@ -103,7 +103,7 @@ def linear_columns(layer: nn.Module, channels: np.ndarray):
     return concat_columns(parts) if isinstance(parts[0], Palettized) else np.concatenate(parts, axis=1)
 
 
-def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
+def attention_weights(args: Args, layer: DecoderLayer, kv: range):
     """The attention slice for KV heads `kv` (and their query heads) of a decoder layer."""
     from hetero.coreml.graphs.attention import AttentionWeights
 
@@ -199,7 +199,7 @@ def weight_forms(weights) -> dict[str, int]:
     return found
 
 
-def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None,
+def build_piece(args: Args, model: CausalLM, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None,
                 form: str = DEFAULT_WEIGHT_FORM):
     """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`, with the
     channels and output scale `plan`'s ranges give it, its quantized weights in the form `form` (`WEIGHT_FORMS`)."""
@@ -207,7 +207,7 @@ def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, contex
     return shape, in_form(weights, form), build
 
 
-def _build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None):
+def _build_piece(args: Args, model: CausalLM, s: PieceSlice, chunk: int, context: int, plan: Plan | None):
     from hetero.coreml.graphs.attention import AttentionShape, build_attention
     from hetero.coreml.graphs.gdn import GDNInProjShape, build_gdn_in_proj
     from hetero.coreml.graphs.mlp import MLPShape, build_mlp
@@ -280,7 +280,7 @@ def check_shapes(chunk: int, contexts: list[int]) -> None:
             raise HeteroError(f"--context {c}: must be a multiple of 64 and at least the chunk size ({chunk})")
 
 
-def model_identity(path: Path, config: dict, args: ModelArgs) -> dict:
+def model_identity(path: Path, config: dict, args: Args) -> dict:
     """What names the exported model: its directory, config hash and shape."""
     return {
         "path": str(path),
@@ -375,9 +375,6 @@ def export_coreml(
     check_weight_form(form)
     loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     net, _, config = loaded
-    if net.args.model_type not in SPLIT_MODEL_TYPES:  # the planner plans it GPU-only: nothing to export
-        raise HeteroError(f"--coreml: the split has no Core ML programs for {net.args.model_type} checkpoints yet; "
-                          "run them without --ane-fraction (GPU-only)")
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
     plan = split_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
                       budget=budget)

@@ -27,7 +27,6 @@ from hetero.planner import recommend
 from hetero.planner.predict import Lanes, gpu_chunk_seconds
 from hetero.planner.ranges import Ranges, within_range
 from hetero.planner.recommend import split_plan
-from hetero.planner.slices import SPLIT_MODEL_TYPES
 from hetero.planner.vision import lane_choice, predict_grid
 from hetero.profiles import Profile
 from hetero.profiles import THIS_MACHINE, default_profile_name, load_profile
@@ -292,9 +291,6 @@ def configure(
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     if engine.model.args.attention_bias:
         raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
-    if engine.model.args.model_type not in SPLIT_MODEL_TYPES:  # the planner and programs know only these
-        raise HeteroError(f"--ane-fraction: the split prefill does not support {engine.model.args.model_type} "
-                          f"checkpoints yet; run without --ane-fraction (GPU-only)")
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
     if lane not in ("process", "thread"):

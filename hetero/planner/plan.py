@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hetero.errors import HeteroError
+from hetero.models.architectures import architecture
+from hetero.models.interface import Args
 from hetero.models.kv_quant import kv_quant
-from hetero.models.qwen3_5 import ModelArgs
-from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.planner.cost import ane_share, prefill_flops
 from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
 from hetero.planner.hosts import HostPlan, Link, plan_hosts
@@ -55,7 +55,7 @@ class Plan:
     """Everything `hetero plan` reports; `to_dict` is the `--json` form."""
 
     model: str
-    args: ModelArgs
+    args: Args
     storage: Storage
     profile: Profile
     context: int
@@ -184,8 +184,9 @@ def make_plan(
     """
     quant = kv_quant(kv_bits, kv_group_size)
     args, moe = model_shape(config)
-    if quant is not None and isinstance(args, Qwen4Args):  # as `kv_quant.use_kv_quant` refuses at load
-        raise HeteroError("--kv-bits: qwen4_exp models keep full-precision KV only; leave --kv-bits out")
+    arch = architecture(args.model_type)
+    if quant is not None and not arch.quantized_kv:  # as `kv_quant.use_kv_quant` refuses at load
+        raise HeteroError(f"--kv-bits: {arch.name} models keep full-precision KV only; leave --kv-bits out")
     if quant is not None:
         quant.check(args.head_dim)
     storage = storage_for(config, bits, group_size)
@@ -262,8 +263,8 @@ def make_plan(
     if memory_gb is not None and memory_gb <= 0:
         raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
     host_plan = None
-    if hosts is not None and isinstance(args, Qwen4Args):
-        raise HeteroError("--hosts: the pipeline across hosts does not run qwen4_exp checkpoints yet; plan one host")
+    if hosts is not None and not arch.across_hosts:
+        raise HeteroError(f"--hosts: the pipeline across hosts does not run {arch.name} checkpoints yet; plan one host")
     if hosts is not None:
         for flag, v in (("--link-gbps", link_gbps), ("--link-latency-ms", link_latency_ms)):
             if v is not None and (v < 0 or (flag == "--link-gbps" and v == 0)):
@@ -332,7 +333,7 @@ def ane_limit_unknowns(profile: Profile, ps: list[Piece], budget: int, storage: 
     return out
 
 
-def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str]:
+def decode_unknowns(profile: Profile, args: Args, lanes: Lanes) -> list[str]:
     """Why a decode prediction is missing."""
     if not args.mtp_num_hidden_layers:
         return ["decode_mtp_tps: the model has no MTP head"]

@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from hetero.host.blas import describe, reexec_with_fast_blas
 from hetero.models import attention
 from hetero.models.qwen3_5 import Model, ModelArgs
-from hetero.models.weights import is_zero_centred_norm
+from hetero.models.qwen3_5.weights import is_zero_centred_norm
 
 SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
     hidden_size=256,

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.models.args import ConfigFields
+from hetero.models.config_fields import ConfigFields
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 
 
 @dataclass
 class Qwen4Args:
-    """The text model's shape. Field names follow the config (and `models.args.ModelArgs` where they coincide,
+    """The text model's shape. Field names follow the config (and `models.qwen3_5.args.ModelArgs` where they coincide,
     so the Qwen3.5 GDN, attention projections and MoE blocks take these arguments as they are)."""
 
     model_type: str

@@ -14,18 +14,16 @@ import mlx.nn as nn
 
 from hetero.errors import HeteroError
 from hetero.models import activations as act
-from hetero.models.args import ModelArgs
 from hetero.models.attention import attend
 from hetero.models.cache import GDNCache, KVCache, LayerCache, ModelCache, RaggedKV, last_positions
 from hetero.models.compiled import PerThread
 from hetero.models.fused import FusedProjection, project_inputs
-from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from hetero.models.gated_delta import RECURRENT_MAX_TOKENS, chunked_gated_delta, recurrent_gated_delta
 from hetero.models.kv_quant import KVQuant, QuantizedKVCache
 from hetero.models.linear import Linear, project
 from hetero.models.moe import SparseMoeBlock
 from hetero.models.mrope import apply_mrope
-
-RECURRENT_MAX_TOKENS = 16  # shorter inputs run the token-by-token form; longer ones the chunked form
+from hetero.models.qwen3_5.args import ModelArgs
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -68,6 +66,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.rope = nn.RoPE(args.rotary_dims, traditional=False, base=args.rope_theta)
         self.rope_args = (args.rotary_dims, args.rope_theta, args.mrope_section)
+        self.indexer = None  # every causal key is read (Qwen4-Exp's QSA attention selects them: `qsa.Indexer`)
 
     def __call__(self, x: mx.array, cache: KVCache | None, positions: mx.array | None = None) -> mx.array:
         offset = cache.position if cache is not None else 0
@@ -237,6 +236,21 @@ def _l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
+class PreNorm:
+    """Where a pre-norm block meets the residual stream (`hetero.models.interface.Residual`): it reads N(h) and
+    adds its output back, h' = h + out."""
+
+    def __init__(self, norm: RMSNorm):
+        self.norm = norm
+
+    def read(self, h: mx.array) -> tuple[mx.array, None]:
+        return self.norm(h), None  # [B, S, hidden]
+
+    @staticmethod
+    def write(h: mx.array, out: mx.array, _: None) -> mx.array:
+        return h + out
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: mixer (GDN or attention), then the MLP (dense, or mixture-of-experts when `moe`).
 
@@ -259,25 +273,50 @@ class DecoderLayer(nn.Module):
             self._gdn_recorded_step = PerThread(lambda x, conv, state: self._gdn_tokens(x, conv, state, record=True))
         else:
             self._attention_in = PerThread(lambda x, offset: self.self_attn.project(self.input_layernorm(x), offset))
-            self._attention_out = PerThread(lambda x, out, g: self._feed_forward(x + self.self_attn.finish(out, g)))
+            self._attention_out = PerThread(lambda x, out, g: self.mlp_block(x + self.self_attn.finish(out, g)))
 
     def __call__(self, x: mx.array, cache: LayerCache | RaggedKV | None, positions: mx.array | None = None) -> mx.array:
-        if positions is not None:  # a prompt with images (or a step after one): 3-D rotary positions, plain path
-            mixer = self.linear_attn(self.input_layernorm(x), cache) if self.is_linear else self.self_attn(
-                self.input_layernorm(x), cache, positions)
-            return self._feed_forward(x + mixer)
-        if isinstance(cache, RaggedKV):
+        if positions is None and isinstance(cache, RaggedKV):
             return self._ragged_attention(x, cache)
-        if cache is not None and x.shape[1] <= RECURRENT_MAX_TOKENS:
+        if positions is None and cache is not None and x.shape[1] <= RECURRENT_MAX_TOKENS:
             if isinstance(cache, GDNCache) and cache.conv is not None:
                 return self._compiled_gdn(x, cache)
             if isinstance(cache, KVCache):
                 return self._compiled_attention(x, cache)
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        return self._feed_forward(x + mixer(self.input_layernorm(x), cache))
+        # a prefill chunk, a cold cache, or a prompt with images (3-D rotary `positions`): the plain path
+        return self.mlp_block(self.mixer_block(x, cache, positions=positions))
 
-    def _feed_forward(self, h: mx.array) -> mx.array:
-        return h + self.mlp(self.post_attention_layernorm(h))
+    # The layer's pieces, as the split prefill runs them one by one (`hetero.models.interface.DecoderLayer`): each
+    # block reads its input from the residual stream and writes its output back through its `PreNorm`.
+
+    @property
+    def mixer_io(self) -> PreNorm:
+        return PreNorm(self.input_layernorm)
+
+    @property
+    def mlp_io(self) -> PreNorm:
+        return PreNorm(self.post_attention_layernorm)
+
+    pre_mixer_state = False  # nothing runs before the mixer
+
+    def before_mixer(self, h: mx.array, tokens, cache) -> mx.array:
+        return h
+
+    def mixer(self, x: mx.array, cache: LayerCache | None, positions: mx.array | None = None) -> mx.array:
+        """The normed input x [B, S, hidden] -> the mixer's output [B, S, hidden] (GDN, or attention rotating by
+        `positions` [3, S] when given); advances `cache`."""
+        return self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache, positions)
+
+    def mixer_block(self, h: mx.array, cache: LayerCache | None, tokens=None,
+                    positions: mx.array | None = None) -> mx.array:
+        """h + mixer(N(h)): [B, S, hidden] -> [B, S, hidden]."""
+        x, ctx = self.mixer_io.read(h)
+        return self.mixer_io.write(h, self.mixer(x, cache, positions), ctx)
+
+    def mlp_block(self, h: mx.array) -> mx.array:
+        """h + mlp(N(h)): [B, S, hidden] -> [B, S, hidden]."""
+        x, ctx = self.mlp_io.read(h)
+        return self.mlp_io.write(h, self.mlp(x), ctx)
 
     def _gdn_tokens(self, x: mx.array, conv: mx.array, state: mx.array, record: bool) -> list[mx.array]:
         """The whole layer over x [B, S, hidden] from (conv, state) -> [h, conv, state] (+ [conv_in, *states])."""
@@ -285,7 +324,7 @@ class DecoderLayer(nn.Module):
         cache.conv, cache.recurrent = conv, state
         if record:
             cache.start_recording()
-        h = self._feed_forward(x + self.linear_attn(self.input_layernorm(x), cache))
+        h = self.mlp_block(x + self.linear_attn(self.input_layernorm(x), cache))
         recorded = [cache.recorded_conv_in, *cache.recorded_states] if record else []
         return [h, cache.conv, cache.recurrent, *recorded]
 
@@ -322,7 +361,7 @@ class DecoderLayer(nn.Module):
         out = mx.concatenate(outs) if B > 1 else outs[0]  # [B, H, S, D], zeros past each row's real tokens
         if few:
             return self._attention_out(x, out, gate)
-        return self._feed_forward(x + self.self_attn.finish(out, gate))
+        return self.mlp_block(x + self.self_attn.finish(out, gate))
 
 
 class TextModel(nn.Module):
@@ -410,6 +449,8 @@ class Model(nn.Module):
     def hidden_width(self) -> int:
         """Width of the hidden `__call__` returns, which the MTP head reads and prefix checkpoints carry."""
         return self.args.hidden_size
+
+    on_disk: list[tuple[str, int]] = []  # every parameter is held in memory (nothing read from the files as needed)
 
     def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:
         """tokens [B, S] -> (logits [B, S, vocab], post-norm hidden [B, S, hidden]); `cache` is `make_cache()`."""

@@ -6,29 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
+from hetero.models.config_fields import ConfigFields
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer (and the MTP layer) is mixture-of-experts
 
-
-
-class ConfigFields:
-    """Reads a checkpoint config's fields, from its text_config first, then its top level; remembers the last field
-    read, so that a value that fails its conversion (int(), float()) is reported by name (`bad_value`)."""
-
-    def __init__(self, config: dict):
-        self.text, self.config, self.last = config.get("text_config") or config, config, None
-
-    def __call__(self, key: str, default=None):
-        self.last = key
-        return self.text.get(key, self.config.get(key, default))
-
-    def bad_value(self, error: Exception) -> HeteroError:
-        """One line naming the field read last (the one whose value failed) and what was wrong with it."""
-        value = self(self.last) if self.last is not None else None
-        what = "is missing" if value is None else f"has a bad value ({value!r}: {error})"
-        return HeteroError(f"config.json: the field {self.last!r} {what}; fix config.json (the checkpoint's own, as "
-                           "transformers saves it)")
 
 @dataclass
 class ModelArgs:
@@ -77,9 +59,9 @@ class ModelArgs:
         dense.
         """
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in MODEL_TYPES:
             raise HeteroError(
-                f"unsupported model_type {model_type!r}: hetero runs {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+                f"unsupported model_type {model_type!r}: hetero runs {', '.join(MODEL_TYPES)} checkpoints"
             )
         get = ConfigFields(config)
         try:
