@@ -52,7 +52,8 @@ def alternate(contenders: dict, repeats: int) -> dict:
 
 
 def bench_bundled(work: Path, chunk: int, context: int) -> dict:
-    from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
+    from hetero.checkpoint.loader import load_model
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.coreml.backends.accuracy import compare
     from hetero.coreml.backends.reference_prefill import prefill_with_attention_programs
     from hetero.coreml.export import export_coreml

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     from bench.checkpoints import CHECKPOINTS, checkpoint
-    from hetero.checkpoint.loader import resolve
+    from hetero.checkpoint.source import resolve
     from hetero.checkpoint.tokenizer import Tokenizer
     from hetero.training.tokenizer_train import load_corpus
 

@@ -49,7 +49,7 @@ def main() -> None:
     from mlx_lm import load, stream_generate
 
     import hetero
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.cli.measure import Sizes, measure
     from hetero.host.settings import save_device_profile
 

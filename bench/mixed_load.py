@@ -49,7 +49,7 @@ def free_port() -> int:
 def write_model(work: Path) -> Path:
     """bench/ttft.py's model with one MTP layer, saved with the bundled tokenizer."""
     import bench.ttft as T
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
 
     T.SHAPE = dict(T.SHAPE, mtp_num_hidden_layers=1)
     engine = T.build_engine(work)

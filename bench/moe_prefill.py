@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from bench.checkpoints import MOE, checkpoint  # noqa: E402
 from bench.coreml_export import alternate  # noqa: E402
-from hetero.checkpoint.loader import BUNDLED_MODEL, read_config  # noqa: E402
+from hetero.checkpoint.source import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.models import moe  # noqa: E402
 from hetero.models.fused import fuse  # noqa: E402
 from hetero.models.qwen3_5 import ModelArgs, causal_depthwise_conv  # noqa: E402

@@ -322,7 +322,7 @@ def spread(values: list[float]) -> dict:
 
 
 def run_model(name: str, path: Path, args: argparse.Namespace, workdir: Path) -> dict:
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.checkpoint.tokenizer import Tokenizer
 
     vlm_path = mlx_vlm_checkpoint(path, workdir / f"mlx-vlm-{name}")

@@ -46,7 +46,7 @@ def checkpoint(workdir: Path) -> Path:
     import tokenizers
     from mlx.utils import tree_flatten
 
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.models.qwen3_5 import Model, ModelArgs
     from hetero.models.qwen3_5_vision.args import VisionArgs
     from hetero.models.qwen3_5_vision.model import VisionModel

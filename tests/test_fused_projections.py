@@ -16,7 +16,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 import hetero
-from hetero.checkpoint.loader import load_model, read_config
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.source import read_config
 from hetero.cli.quantize import quantizable, quantize_checkpoint
 from hetero.distributed.shard import load_share
 from hetero.models import moe

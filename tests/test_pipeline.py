@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.source import BUNDLED_MODEL
 from hetero.cli.main import main
 from hetero.decode.prefill import prefill
 from hetero.errors import HeteroError

@@ -129,7 +129,7 @@ def test_wrong_hc_count_is_one_line(tmp_path):
 
 
 def test_check_names_architecture_ple_tables_and_experts(flat):
-    from hetero.checkpoint.loader import preflight
+    from hetero.checkpoint.preflight import preflight
 
     path, _ = flat
     report = preflight(path)

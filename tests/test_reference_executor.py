@@ -317,7 +317,7 @@ def test_coreml_backend_refuses_off_macos(export_full):
 def test_bundled_model_prefill_with_attention_on_the_executor_matches_mlx(tmp_path):
     """The bundled (trained) model: every attention layer through its programs, the rest on MLX, on real text."""
     import hetero
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
 
     assert (BUNDLED_MODEL / "model.safetensors").is_file(), "hetero/bundled/ is missing: a failure, never a skip"
     engine = hetero.load()

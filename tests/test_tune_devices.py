@@ -13,7 +13,7 @@ import pytest
 
 import hetero.cli.main
 
-from hetero.checkpoint.loader import default_dtype
+from hetero.checkpoint.dtypes import default_dtype
 from hetero.cli.main import main
 import hetero.cli.measure as measure_mod
 from hetero.cli.measure import Sizes, decode_verify, median_seconds
@@ -166,7 +166,7 @@ def test_median_seconds_times_each_call_on_the_clock_after_one_warm_up():
 
 def test_devices_with_a_model_measures_at_that_models_shapes(tmp_path, monkeypatch):
     """`hetero tune --devices --model M` times the GPU and ANE lanes at M's own layer shapes."""
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
 
     config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())["text_config"]
     seen, real = {}, measure_mod.measure

@@ -10,7 +10,9 @@ import sys
 import hetero
 from hetero import distributed
 from hetero.checkpoint.config_checks import check_config
-from hetero.checkpoint.loader import BUNDLED_MODEL, preflight, resolve, using_dtype
+from hetero.checkpoint.dtypes import using_dtype
+from hetero.checkpoint.preflight import preflight
+from hetero.checkpoint.source import BUNDLED_MODEL, resolve
 from hetero.cli.doctor import doctor, print_report
 from hetero.cli.measure import Sizes, measure
 from hetero.cli.parser import build_parser

@@ -25,7 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from hetero.checkpoint.loader import FLOAT_DTYPES, checkpoint_tensors, load_model, resolve
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.safetensors import checkpoint_tensors, FLOAT_DTYPES
+from hetero.checkpoint.source import resolve
 from hetero.errors import HeteroError
 from hetero.host.progress import ProgressBar
 from hetero.models.architectures import architecture

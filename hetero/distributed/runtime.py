@@ -23,7 +23,9 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.caches.prefix import PrefixCache
-from hetero.checkpoint.loader import default_dtype, preflight, read_config, resolve
+from hetero.checkpoint.dtypes import default_dtype
+from hetero.checkpoint.preflight import preflight
+from hetero.checkpoint.source import read_config, resolve
 from hetero.checkpoint.tokenizer import Tokenizer
 from hetero.decode.depth import decode_depth
 from hetero.decode.logprobs import TokenLogprob

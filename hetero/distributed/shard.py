@@ -14,7 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from hetero.checkpoint.loader import _weight_map, build_lazy_model, read_header, sanitize_for
+from hetero.checkpoint.preflight import build_lazy_model, sanitize_for
+from hetero.checkpoint.safetensors import read_header, read_index
 from hetero.errors import HeteroError
 from hetero.models.fused import fuse
 from hetero.models.interface import Args, CausalLM
@@ -48,7 +49,7 @@ def weight_map(path: Path) -> dict[str, str]:
     """Checkpoint tensor name -> shard file, from the index or the single file's header."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return _weight_map(index)
+        return read_index(index)
     shards = sorted(p.name for p in path.glob("*.safetensors"))
     if not shards:
         raise HeteroError(f"{path} holds no model.safetensors and no model.safetensors.index.json")

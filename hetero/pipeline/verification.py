@@ -82,7 +82,7 @@ def fp32_bytes(model: CausalLM) -> int:
 
 def fp32_copy(model: CausalLM) -> CausalLM:
     """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones)."""
-    from hetero.checkpoint.loader import build_lazy_model
+    from hetero.checkpoint.preflight import build_lazy_model
 
     params = tree_flatten(model.parameters())
     quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetero.checkpoint.loader import read_config, resolve
+from hetero.checkpoint.source import read_config, resolve
 from hetero.errors import HeteroError
 from hetero.models.architectures import parse_args, shape
 from hetero.models.interface import Args
