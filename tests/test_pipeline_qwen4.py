@@ -128,7 +128,7 @@ def test_run_split_verify_cli(engine, checkpoint, capsys):
 def test_convert_coreml_writes_the_split_programs(checkpoint, tmp_path, capsys):
     """`hetero convert --coreml --ane-fraction 0.5` writes one shared-expert program per layer, one z program per GDN
     layer and one attention program per QSA layer."""
-    from hetero.coreml.export import read_manifest
+    from hetero.coreml.manifest import read_manifest
 
     out = tmp_path / "coreml"
     assert main(["convert", "--model", str(checkpoint), "--coreml", "--ane-fraction", "0.5", "--chunk-size", "64",

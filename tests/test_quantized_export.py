@@ -22,10 +22,11 @@ from hetero.checkpoint.loader import load_model
 from hetero.cli.quantize import quantizable, quantize_checkpoint
 from hetero.coreml.backends.accuracy import compare
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import PieceSlice, build_piece, export_coreml, palettize, read_manifest, weights_nbytes
+from hetero.coreml.export import PieceSlice, build_piece, export_coreml, palettize, weights_nbytes
 from hetero.coreml.graphs.lint import lint_package
 from hetero.coreml.graphs.package import save_program
 from hetero.coreml.graphs.palette import pack, unpack
+from hetero.coreml.manifest import read_manifest
 from hetero.planner import make_plan
 from hetero.planner.slices import lut_bytes_per_weight
 from hetero.profiles import load_profile

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from hetero.checkpoint.loader import load_model
-from hetero.checkpoint.safetensors import checkpoint_tensors, FLOAT_DTYPES
+from hetero.checkpoint.safetensors import FLOAT_DTYPES, checkpoint_tensors
 from hetero.checkpoint.source import resolve
 from hetero.errors import HeteroError
 from hetero.host.progress import ProgressBar

@@ -30,6 +30,8 @@ import numpy as np
 
 from hetero.checkpoint.loader import load_model
 from hetero.coreml.backends.coreml_macos import compiled_owner, remove_compiled
+from hetero.coreml.manifest import TEXT, listed_files, read_manifest
+from hetero.coreml.manifest import write as write_manifest
 from hetero.errors import HeteroError
 from hetero.models.interface import Args, CausalLM, DecoderLayer
 from hetero.planner import PieceSlice, Plan
@@ -37,8 +39,6 @@ from hetero.planner.recommend import split_plan
 from hetero.planner.slices import LUT_BITS
 from hetero.profiles import default_profile_name, load_profile
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 4  # 4: normed inputs, channels by range, output shifts; 3: buckets as functions of one package
 BUILDER_VERSION = 2  # bump when a builder's graph changes: invalidates reuse of packages built before
 DEFAULT_CHUNK = 256
 DEFAULT_CONTEXT = 4096
@@ -330,28 +330,6 @@ def _link_package(src: Path, dst: Path) -> bool:
         return False
 
 
-def _listed_files(out: Path) -> list[str]:
-    """The package files any readable manifest in `out` lists, whatever its format."""
-    try:
-        return [p["file"] for p in json.loads((out / MANIFEST).read_text())["programs"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-
-
-def read_manifest(out: str | os.PathLike) -> dict:
-    """The manifest of an export directory; HeteroError when there is none or it is damaged."""
-    file = Path(out) / MANIFEST
-    try:
-        manifest = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise HeteroError(f"{file} is missing: not a Core ML export directory (run hetero convert --coreml)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HeteroError(f"{file} is damaged ({e}); re-run hetero convert --coreml") from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise HeteroError(f"{file} has format {manifest.get('format')!r}; this hetero reads format {MANIFEST_FORMAT}")
-    return manifest
-
-
 def export_coreml(
     model: str | os.PathLike | None,
     out: str | os.PathLike,
@@ -422,7 +400,7 @@ def export_plan(
     try:
         previous = {p["file"]: p for p in read_manifest(out)["programs"]}
     except HeteroError:  # none, damaged or another format: nothing reused, but its packages are still removed
-        previous = {f: {} for f in _listed_files(out)}
+        previous = {f: {} for f in listed_files(out)}
     try:
         donor = {p["file"]: p for p in read_manifest(reuse)["programs"]} if reuse is not None else {}
     except HeteroError:
@@ -499,7 +477,7 @@ def export_plan(
         remove_export(out / stale)
     remove_orphans(out, current)
     manifest = {
-        "format": MANIFEST_FORMAT,
+        "format": TEXT.format,
         "model": model_identity(path, config, args),
         "coremltools": ct.__version__,
         "builder_version": BUILDER_VERSION,
@@ -511,9 +489,7 @@ def export_plan(
         "plan": [asdict(s) for s in plan.slices],
         "programs": programs,
     }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(out / MANIFEST)
+    write_manifest(out, manifest)
     return manifest
 
 
@@ -527,7 +503,7 @@ def lint_export(out: str | os.PathLike, budget: int | None = None) -> list:
     from hetero.coreml.graphs.lint import WEIGHT_BUDGET as LINT_BUDGET
     from hetero.coreml.graphs.lint import export_packages, lint_package
 
-    if budget is None and (Path(out) / MANIFEST).is_file():
+    if budget is None and (Path(out) / TEXT.file).is_file():
         budget = read_manifest(out).get("weight_budget_bytes")
     packages = export_packages(out)
     if not packages:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import read_manifest
+from hetero.coreml.manifest import read_manifest
 from hetero.errors import HeteroError
 from hetero.models.interface import CausalLM
 

@@ -58,7 +58,7 @@ class VisionPrograms:
     def __init__(self, directory: str | os.PathLike, bucket: int, args: VisionArgs, pos_table: np.ndarray,
                  runner: Callable[[Path], Callable[[dict], dict]] | None = None):
         from hetero.coreml.backends.reference_executor import ReferenceExecutor
-        from hetero.coreml.export_vision import read_vision_manifest
+        from hetero.coreml.manifest import read_vision_manifest
 
         directory = Path(directory)
         entries = [p for p in read_vision_manifest(directory)["programs"] if p["bucket"] == bucket]
