@@ -31,7 +31,7 @@ from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.pipeline import Trace, split_for, verify
 from hetero.pipeline.run import measured_ranges
 from hetero.planner import model_shape, plan_lines, read_model_config, recommend
-from hetero.planner.plan import parse_pieces
+from hetero.planner.plan import PlanRequest, parse_pieces
 from hetero.planner.predict import Lanes
 from hetero.planner.ranges import within_range
 from hetero.planner.recommend import split_plan
@@ -216,21 +216,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile_name = args.profile or default_profile_name()
     profile = load_profile(profile_name)
     context = args.context or min(32768, model_shape(config)[0].max_position_embeddings)
-    kw = dict(prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
-              accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
-              link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms, kv_bits=args.kv_bits,
-              kv_group_size=args.kv_group_size)
     flag = "--recommend" if args.recommend else "--ane-fraction auto"
     args.recommend = args.recommend or args.ane_fraction.auto  # the fraction `--ane-fraction auto` starts from
+    request = PlanRequest(
+        config, profile, 0.0 if args.recommend else args.ane_fraction.fraction, context, args.chunk,
+        prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
+        accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
+        link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms, kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size)
+    offload = None
     if args.pieces is not None:
         if args.recommend:
             raise HeteroError(f"--pieces with {flag}: {flag} chooses the piece kinds itself; pass --pieces with a "
                               f"fraction in [0, 1], or {flag} alone")
-        kw["offload"] = parse_pieces(args.pieces)
+        offload = parse_pieces(args.pieces)
     if args.recommend:
-        fraction, plan = recommend(config, profile, context, args.chunk, **kw)
+        fraction, plan = recommend(request)
     else:
-        plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
+        plan = split_plan(request, offload)
     plan = with_measured_ranges(plan, args.model, name, config)
     vision = config.get("vision_config")  # the tower's shape (a checkpoint's own, or transformers' defaults)
     takes_images = architecture(config.get("model_type")).reads_images  # a tower not read: no image lines

@@ -35,6 +35,7 @@ from hetero.coreml.manifest import write as write_manifest
 from hetero.errors import HeteroError
 from hetero.models.interface import Args, CausalLM, DecoderLayer
 from hetero.planner import PieceSlice, Plan
+from hetero.planner.plan import PlanRequest
 from hetero.planner.recommend import split_plan
 from hetero.planner.slices import LUT_BITS
 from hetero.profiles import default_profile_name, load_profile
@@ -354,8 +355,8 @@ def export_coreml(
     loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     net, _, config = loaded
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
-    plan = split_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
-                      budget=budget)
+    request = PlanRequest(config, load_profile(default_profile_name()), fraction, context, chunk, budget=budget)
+    plan = split_plan(request, kinds)
     return export_plan(plan, loaded, out, contexts, progress, multifunction, form)
 
 
