@@ -1,7 +1,7 @@
 """What the rest of the engine knows of an architecture: the interface each folder under models/ implements
 (`Architecture`, keyed by config.json's model_type in `hetero.models.architectures`), the model it builds
-(`CausalLM`, whose layers are `DecoderLayer`s the split prefill may take apart), and what the planner prices
-(`Shape`). Nothing outside models/ asks which architecture it holds: it asks these.
+(`CausalLM`, whose layers are `DecoderLayer`s the split prefill may take apart), the arguments every architecture's
+config parses into (`Args`, in `hetero.models.args`), and what the planner prices (`Shape`). Nothing outside models/ asks which architecture it holds: it asks these.
 
     arch = architecture(config["model_type"])      # hetero.models.architectures
     args = arch.parse(config)                      # the config as typed arguments (`Args`)
@@ -22,48 +22,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from hetero.models.args import Args
 from hetero.models.cache import ModelCache
-
-
-class Args(Protocol):
-    """The fields every architecture's arguments share, named as config.json names them: what the loader, the
-    planner, the governor and the caches read without asking which architecture they hold."""
-
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    vocab_size: int
-    layer_types: list[str]  # "linear_attention" (GDN) or the architecture's attention kind, one per layer
-    rms_norm_eps: float
-    rope_theta: float
-    mrope_section: list[int]
-    tie_word_embeddings: bool
-    attention_bias: bool
-    max_position_embeddings: int
-    mtp_num_hidden_layers: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    eos_token_id: list[int]
-    quantization: dict | None
-
-    @property
-    def intermediate_size(self) -> int: ...  # the dense MLP's width (0: no dense layer)
-
-    @property
-    def moe_layers(self) -> list[int]: ...  # backbone layers whose MLP is a mixture of experts
-
-    @property
-    def rotary_dims(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -104,30 +104,12 @@ class Plan:
     ranges: Ranges | None = None  # measured activation ranges (`planner.ranges.within_range`): units, order, scales
 
     # What the request says, as the plan's readers (the report, the export, the runtime) ask it
-
-    @property
-    def model(self) -> str:
-        return self.request.name
-
-    @property
-    def profile(self) -> Profile:
-        return self.request.profile
-
-    @property
-    def context(self) -> int:
-        return self.request.context
-
-    @property
-    def chunk(self) -> int:
-        return self.request.chunk
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.request.prompt_tokens or self.request.context
-
-    @property
-    def requested_fraction(self) -> float:
-        return self.request.fraction
+    model = property(lambda self: self.request.name, doc="The model, as reports name it.")
+    profile = property(lambda self: self.request.profile)
+    context = property(lambda self: self.request.context)
+    chunk = property(lambda self: self.request.chunk)
+    requested_fraction = property(lambda self: self.request.fraction)
+    prompt_tokens = property(lambda self: self.request.prompt_tokens or self.request.context)
 
     @property
     def offload(self) -> tuple[str, ...]:

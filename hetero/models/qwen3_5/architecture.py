@@ -31,21 +31,13 @@ class Qwen35:
     reads_images = True
     drafter_model_type = None  # mlx-vlm's drafters of this family: their names are untested here
 
-    @staticmethod
-    def parse(config: dict) -> ModelArgs:
-        return ModelArgs.from_config(config)
-
-    @staticmethod
-    def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return sanitize(args, weights)
+    parse = staticmethod(ModelArgs.from_config)
+    sanitize = staticmethod(sanitize)
+    build = staticmethod(Model)  # (args, with_mtp)
 
     @staticmethod
     def derived(name: str) -> bool:
         return False  # every stored tensor is a parameter
-
-    @staticmethod
-    def build(args: ModelArgs, with_mtp: bool) -> Model:
-        return Model(args, with_mtp=with_mtp)
 
     @staticmethod
     def keep_on_disk(model: Model, weights: dict[str, mx.array], path: Path, tensors: dict) -> None:

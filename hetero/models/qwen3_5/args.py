@@ -6,47 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.models.config_fields import ConfigFields
+from hetero.models.args import Args, ConfigFields
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer (and the MTP layer) is mixture-of-experts
 
 
-@dataclass
-class ModelArgs:
-    """The text model's shape, read from an HF config (any of the three layouts)."""
+@dataclass(kw_only=True)
+class ModelArgs(Args):
+    """The text model's shape, read from an HF config (any of the three layouts); the shared fields are `Args`'."""
 
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
     intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    vocab_size: int
-    layer_types: list[str]
-    linear_conv_kernel_dim: int = 4
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
-    partial_rotary_factor: float = 0.25
-    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])  # image positions (t, h, w); HF's default
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    max_position_embeddings: int = 262_144
-    mtp_num_hidden_layers: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
     mlp_only_layers: list[int] = field(default_factory=list)
     decoder_sparse_step: int = 1
-    eos_token_id: list[int] = field(default_factory=list)
-    quantization: dict | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
@@ -65,53 +37,19 @@ class ModelArgs:
             )
         get = ConfigFields(config)
         try:
-            n_layers = int(get("num_hidden_layers"))
-            hidden = int(get("hidden_size"))
-            heads = int(get("num_attention_heads"))
-            interval = int(get("full_attention_interval", 4))
-            layer_types = get("layer_types") or [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-            ]
-            rope = get("rope_parameters") or get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", "mrope"):
-                raise HeteroError(f"unsupported rope type {rope_type!r} in config.json: only default RoPE is implemented")
-            eos = get("eos_token_id", [])
             args = cls(
-                model_type=model_type,
-                hidden_size=hidden,
-                num_hidden_layers=n_layers,
+                **get.shared(model_type, "full_attention"),
                 intermediate_size=int(get("intermediate_size") or 0),
-                num_attention_heads=heads,
-                num_key_value_heads=int(get("num_key_value_heads", heads)),
-                head_dim=int(get("head_dim") or hidden // heads),
-                linear_num_key_heads=int(get("linear_num_key_heads")),
-                linear_num_value_heads=int(get("linear_num_value_heads")),
-                linear_key_head_dim=int(get("linear_key_head_dim")),
-                linear_value_head_dim=int(get("linear_value_head_dim")),
-                vocab_size=int(get("vocab_size")),
-                layer_types=list(layer_types),
-                linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-                rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", get("rope_theta", 10_000_000.0))),
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25))),
-                mrope_section=[int(n) for n in rope.get("mrope_section") or (11, 11, 10)],
-                tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-                attention_bias=bool(get("attention_bias", False)),
-                max_position_embeddings=int(get("max_position_embeddings", 262_144)),
-                mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
                 num_experts=int(get("num_experts", 0) or 0),
                 num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0),
                 moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0),
                 shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0),
-                norm_topk_prob=bool(get("norm_topk_prob", True)),
                 mlp_only_layers=list(get("mlp_only_layers") or []),
                 decoder_sparse_step=int(get("decoder_sparse_step", 1) or 1),
-                eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
-                quantization=config.get("quantization") or config.get("quantization_config"),
             )
         except (TypeError, ValueError) as e:
             raise get.bad_value(e) from None
+        n_layers = args.num_hidden_layers
         if len(args.layer_types) != n_layers or set(args.layer_types) - {"linear_attention", "full_attention"}:
             raise HeteroError("config.json layer_types must list 'linear_attention'/'full_attention' once per layer")
         if args.linear_num_value_heads % args.linear_num_key_heads:
@@ -153,7 +91,3 @@ class ModelArgs:
     def is_moe(self) -> bool:
         """Whether any backbone layer is a mixture of experts."""
         return bool(self.moe_layers)
-
-    @property
-    def rotary_dims(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)

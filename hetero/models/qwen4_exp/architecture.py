@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
-
-import mlx.core as mx
 
 from hetero.models.interface import Shape
 from hetero.models.qwen4_exp.args import MODEL_TYPES, Qwen4Args
@@ -25,29 +22,12 @@ class Qwen4Exp:
     reads_images = False  # its vision tower is not read yet
     drafter_model_type = "qwen4_exp_mtp"  # `mlx_vlm convert --mtp`
 
-    @staticmethod
-    def parse(config: dict) -> Qwen4Args:
-        return Qwen4Args.from_config(config)
-
-    @staticmethod
-    def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return sanitize(args, weights)
-
-    @staticmethod
-    def derived(name: str) -> bool:
-        return is_hash_buffer(name)  # the PLE hash constants transformers saves (int64)
-
-    @staticmethod
-    def build(args: Qwen4Args, with_mtp: bool) -> Model:
-        return Model(args, with_mtp=with_mtp)
-
-    @staticmethod
-    def keep_on_disk(model: Model, weights: dict[str, mx.array], path: Path, tensors: dict) -> None:
-        keep_ple_on_disk(model, weights, path, tensors)  # a prefill chunk gathers its n-gram rows from the files
-
-    @staticmethod
-    def stored_as_is(path: Path, tensors: dict) -> dict[str, mx.array]:
-        return stored_ple_blocks(path, tensors)  # the PLE n-gram tables stay unquantized, as stored
+    parse = staticmethod(Qwen4Args.from_config)
+    sanitize = staticmethod(sanitize)
+    derived = staticmethod(is_hash_buffer)  # the PLE hash constants transformers saves (int64)
+    build = staticmethod(Model)  # (args, with_mtp)
+    keep_on_disk = staticmethod(keep_ple_on_disk)  # a prefill chunk gathers its n-gram rows from the files
+    stored_as_is = staticmethod(stored_ple_blocks)  # the PLE n-gram tables stay unquantized, as stored
 
     @staticmethod
     def shape(args: Qwen4Args) -> Shape:
