@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from hetero.checkpoint.preflight import build_lazy_model
 from hetero.decode.prefill import prefill
 from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.state import Decoder
@@ -82,8 +83,6 @@ def fp32_bytes(model: CausalLM) -> int:
 
 def fp32_copy(model: CausalLM) -> CausalLM:
     """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones)."""
-    from hetero.checkpoint.preflight import build_lazy_model
-
     params = tree_flatten(model.parameters())
     quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}
     net = build_lazy_model(model.args, model.has_mtp, quantized)

@@ -26,10 +26,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from hetero.checkpoint.loader import load_model
 from hetero.host.blas import describe, reexec_with_fast_blas
 from hetero.models import attention
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.models.qwen3_5.weights import is_zero_centred_norm
+from hetero.training import chat_samples, hf_export, tokenizer_train
 
 SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
     hidden_size=256,
@@ -277,8 +279,6 @@ def chat_endings(model: Model, tok, conversations: list[str], end: int, limit: i
 
 def chat_tokens(tok, conversations: list[str], budget: int) -> np.ndarray:
     """The conversations' tokens, each followed by <|endoftext|>, until about `budget` tokens are taken."""
-    from hetero.training import tokenizer_train
-
     out, taken = [], 0
     for enc in tok.encode_batch([c + tokenizer_train.DOC_SEPARATOR for c in conversations]):
         if taken >= budget:
@@ -294,8 +294,6 @@ def chat_tokens(tok, conversations: list[str], budget: int) -> np.ndarray:
 
 def check_checkpoint(model: Model, out_dir: Path, probe: np.ndarray, log=print) -> dict:
     """Load the checkpoint with hetero (strict) and with mlx-lm; compare logits with the in-memory model."""
-    from hetero.checkpoint.loader import load_model
-
     x = mx.array(probe[None])
     ref, ref_hidden = model(x)
     ref_draft, _ = model.mtp_forward(x, ref_hidden)
@@ -372,8 +370,6 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--from {a.start}: not a checkpoint written by this script (no training.json there)")
     reexec_with_fast_blas(["-m", "hetero.training.train_tiny", *sys.argv[1:]])
 
-    from hetero.training import chat_samples, hf_export, tokenizer_train
-
     t0 = time.perf_counter()
     blas = describe()
     print(f"BLAS: {blas}", flush=True)
@@ -401,8 +397,6 @@ def main(argv: list[str] | None = None) -> dict:
         run = train(model, train_ids, a.steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup,
                     mtp_weight=a.mtp_weight, seed=a.seed, minutes=a.minutes, compile=not a.no_compile, log=log)
     else:
-        from hetero.checkpoint.loader import load_model
-
         model, _, _ = load_model(a.start, dtype=mx.float32, fuse_projections=False)
         run = json.loads((a.start / "training.json").read_text())
         run = {k: run[k] for k in ("steps", "steps_planned", "tokens_seen", "train_seconds", "history")}
@@ -426,8 +420,6 @@ def main(argv: list[str] | None = None) -> dict:
     hf_export.save_hf_checkpoint(model, config, out)
     tokenizer_train.save_tokenizer(tok, out, max_length=a.window)
     check = check_checkpoint(model, out, valid_ids[: a.seq], log=lambda s: print(s, flush=True))
-
-    from hetero.checkpoint.loader import load_model
 
     shipped, _, _ = load_model(out, dtype=mx.float32)  # evaluate what ships (bf16 weights), not the fp32 copy
     metrics = evaluate(shipped, valid_ids, seq=a.seq, batch=a.batch, max_tokens=a.eval_tokens)
