@@ -112,32 +112,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, **result.stats, **extra}))
     else:
-        s = result.stats
         sys.stdout.write("\n")
-        mtp = s.get("mtp")
-        spec = f"; MTP depth {mtp['depth']}, {mtp['mean_accepted_length']} tokens/pass" if mtp and mtp["rounds"] else ""
-        print(
-            f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated; TTFT {s['ttft_s']:.3f}s, "
-            f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s{spec}]",
-            file=sys.stderr,
-        )
-        if "pipeline" in extra:
-            p = extra["pipeline"]
-            print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
-                  f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
-                  f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
-            for v in p.get("vision", []):
-                where = "the ANE lane" if v["lane"] == "ane" else "the GPU"
-                print(f"[image {v['image']}: {v['tokens']} tokens encoded on {where} in {v['seconds']:.3f}s]",
-                      file=sys.stderr)
-        if "verify" in extra and "lane_lost" in extra["verify"]:
-            print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
-        elif "verify" in extra:
-            v = extra["verify"]
-            print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; max |logit diff| {v['max_abs_logit_diff']}, cosine "
-                  f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",
-                  file=sys.stderr)
+        print_run_stats(result.stats, extra)
     return status
+
+
+def print_run_stats(s: dict, extra: dict) -> None:
+    """`hetero run`'s closing lines on stderr: tokens and rates, the split's lanes and images, the verification."""
+    mtp = s.get("mtp")
+    spec = f"; MTP depth {mtp['depth']}, {mtp['mean_accepted_length']} tokens/pass" if mtp and mtp["rounds"] else ""
+    print(
+        f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated; TTFT {s['ttft_s']:.3f}s, "
+        f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s{spec}]",
+        file=sys.stderr,
+    )
+    if "pipeline" in extra:
+        p = extra["pipeline"]
+        print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
+              f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
+              f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
+        for v in p.get("vision", []):
+            where = "the ANE lane" if v["lane"] == "ane" else "the GPU"
+            print(f"[image {v['image']}: {v['tokens']} tokens encoded on {where} in {v['seconds']:.3f}s]",
+                  file=sys.stderr)
+    if "verify" in extra and "lane_lost" in extra["verify"]:
+        print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
+    elif "verify" in extra:
+        v = extra["verify"]
+        print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; max |logit diff| {v['max_abs_logit_diff']}, cosine "
+              f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",
+              file=sys.stderr)
 
 
 def penalty_options(args: argparse.Namespace) -> dict:
