@@ -18,7 +18,7 @@ from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.linear import Linear
 from hetero.models.moe import SparseMoeBlock
-from hetero.models.qwen3_5.model import MLP, GatedDeltaNet, RMSNorm, rms_norm
+from hetero.models.qwen3_5.layers import MLP, GatedDeltaNet, RMSNorm, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual
 from hetero.models.qwen4_exp.ple import PLECache, PLELayer

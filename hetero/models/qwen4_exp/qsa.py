@@ -21,7 +21,7 @@ from hetero.models.attention import attend_selected
 from hetero.models.cache import KVCache, RaggedKV
 from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.linear import Linear
-from hetero.models.qwen3_5.model import Attention, RMSNorm
+from hetero.models.qwen3_5.layers import Attention, RMSNorm
 from hetero.models.qwen4_exp.args import Qwen4Args
 
 
