@@ -77,11 +77,11 @@ QWEN4 = dict(
 
 def qwen4_model():
     """The random `QWEN4` model with its MTP head, fp32."""
-    from hetero.models.qwen4_exp.args import Qwen4Args
-    from hetero.models.qwen4_exp.model import Model as Qwen4Model
+    from hetero.models.architectures import architecture
 
     mx.random.seed(0)
-    model = Qwen4Model(Qwen4Args.from_config(QWEN4), with_mtp=True)
+    arch = architecture(QWEN4["model_type"])
+    model = arch.build(arch.parse(QWEN4), True)
     mx.eval(model.parameters())
     return model
 

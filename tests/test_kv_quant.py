@@ -312,11 +312,11 @@ def test_cpu_unpacking_equals_mx_dequantize(dtype, bits, group):
 
 
 def test_an_architecture_without_quantized_kv_says_so():
-    from hetero.models.qwen4_exp.args import Qwen4Args
-    from hetero.models.qwen4_exp.model import Model as Qwen4Model
+    from hetero.models.architectures import architecture
     from qwen4_checkpoint import TEXT  # (imports torch: already loaded in a whole-suite run)
 
-    model = Qwen4Model(Qwen4Args.from_config(dict(TEXT, model_type="qwen4_exp_text")))
+    arch = architecture("qwen4_exp_text")
+    model = arch.build(arch.parse(dict(TEXT, model_type="qwen4_exp_text")), False)
     with pytest.raises(HeteroError, match="qwen4_exp models keep full-precision KV only; leave --kv-bits out") as e:
         use_kv_quant(model, KVQuant(8))
     assert "\n" not in str(e.value)
