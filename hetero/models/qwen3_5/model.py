@@ -21,6 +21,7 @@ from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.kv_quant import KVQuant, QuantizedKVCache
 from hetero.models.linear import Linear, project
+from hetero.models.lm import CausalLMBase
 from hetero.models.qwen3_5.args import ModelArgs
 from hetero.models.qwen3_5.layers import Attention, GatedDeltaNet, RMSNorm, make_mlp
 
@@ -214,8 +215,8 @@ class MTPHead(nn.Module):
         return self.norm(z)
 
 
-class Model(nn.Module):
-    """The whole causal LM: `model` (backbone), `lm_head` (unless tied) and, when present, `mtp`.
+class Model(CausalLMBase):
+    """The whole causal LM: `model` (backbone), `lm_head` (unless tied) and, when present, `mtp` (`CausalLMBase`).
 
     `kv_quant` (None: full precision) is how `make_cache` stores the attention layers' KV (`hetero.models.kv_quant`).
     """
@@ -223,16 +224,7 @@ class Model(nn.Module):
     kv_quant: KVQuant | None = None
 
     def __init__(self, args: ModelArgs, with_mtp: bool = False):
-        super().__init__()
-        self.args = args
-        self.model = TextModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.mtp = MTPHead(args) if with_mtp else None
-
-    @property
-    def has_mtp(self) -> bool:
-        return self.mtp is not None
+        super().__init__(args, TextModel, MTPHead if with_mtp else None)
 
     @property
     def hidden_width(self) -> int:
@@ -240,11 +232,6 @@ class Model(nn.Module):
         return self.args.hidden_size
 
     on_disk: list[tuple[str, int]] = []  # every parameter is held in memory (nothing read from the files as needed)
-
-    def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:
-        """tokens [B, S] -> (logits [B, S, vocab], post-norm hidden [B, S, hidden]); `cache` is `make_cache()`."""
-        hidden = self.model(tokens, cache.backbone if cache is not None else None)
-        return self.logits(hidden), hidden
 
     def logits(self, hidden: mx.array) -> mx.array:
         embed = self.model.embed_tokens
@@ -282,7 +269,3 @@ class Model(nn.Module):
         kv = lambda: KVCache() if self.kv_quant is None else QuantizedKVCache(self.kv_quant)  # noqa: E731
         return ModelCache([GDNCache() if l.is_linear else kv() for l in self.model.layers],
                           [kv() for _ in self.mtp.layers] if self.mtp is not None else [])
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers

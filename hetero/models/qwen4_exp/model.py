@@ -17,6 +17,7 @@ from hetero.models.cache import GDNCache, ModelCache, last_positions
 from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.linear import Linear
+from hetero.models.lm import CausalLMBase
 from hetero.models.moe import SparseMoeBlock
 from hetero.models.qwen3_5.layers import MLP, GatedDeltaNet, RMSNorm, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
@@ -235,22 +236,13 @@ class MTPHead(nn.Module):
         return (self.fc_hidden(h) + e[:, :, None, :]).reshape(B, S, -1)  # [B, S, hc*d]
 
 
-class Model(nn.Module):
+class Model(CausalLMBase):
     """The causal LM: `model` (backbone), `lm_head` (unless tied) and, when the checkpoint has one, `mtp`."""
 
     def __init__(self, args: Qwen4Args, with_mtp: bool = False):
-        super().__init__()
-        self.args = args
-        self.model = TextModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.mtp = MTPHead(args) if with_mtp else None
+        super().__init__(args, TextModel, MTPHead if with_mtp else None)
         self._step_logits = PerThread(self._logits)  # a few positions (decode, verify): compiled, see `step.py`
         self._step_draft_logits = PerThread(self._draft_logits)  # the same for the MTP head's drafts
-
-    @property
-    def has_mtp(self) -> bool:
-        return self.mtp is not None
 
     @property
     def hidden_width(self) -> int:
@@ -267,15 +259,6 @@ class Model(nn.Module):
     def on_disk(self) -> list[tuple[str, int]]:
         """What the model reads from the checkpoint's files as needed instead of holding: (what, bytes)."""
         return [("PLE n-gram tables", self.ple_disk_bytes)] if self.ple_disk_bytes else []
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
-
-    def __call__(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
-        """tokens [B, S] -> (logits [B, S, vocab], streams [B, S, hc*d]); `cache` is `make_cache()`."""
-        hidden = self.model(tokens, cache.backbone if cache is not None else None)
-        return self.logits(hidden), hidden
 
     def head(self, x: mx.array) -> mx.array:
         """lm_head (or the tied embeddings): x [B, S, d] -> [B, S, vocab]."""
