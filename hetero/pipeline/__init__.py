@@ -18,9 +18,11 @@ two jobs whose `merge` (GPU lane) combines them exactly where the math allows (s
 
 `--verify` reruns the prompt GPU-only and compares; `--trace` writes one Chrome trace track per lane.
 
-Modules: `lanes` (lanes, the job scheduler, decode interleaving, trace), `programs` (ANE backend, export cache), `shares`
-(the GPU's slices), `split` (the split prefill), `run` (a configured split: its plan, `auto`), `calibrate` (the pieces' activation ranges, measured on the GPU lane),
-`verification` (`verify`: the split against GPU-only, judged by the run's own rounding).
+Modules: `lanes` (lanes, the job scheduler, decode interleaving, trace), `programs` (ANE backend, export cache),
+`shares` (the GPU's slices), `piece_jobs` (each layer's pieces for a chunk as jobs, reading and writing the residual
+stream as the architecture's layer does), `split` (the split prefill), `run` (a configured split: its plan, `auto`),
+`calibrate` (the pieces' activation ranges, measured on the GPU lane), `verification` (`verify`: the split against
+GPU-only, judged by the run's own rounding).
 """
 
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
