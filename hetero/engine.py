@@ -134,7 +134,7 @@ class Engine:
     def image_marker(self) -> str:
         """The text that stands for one image in a prompt (the chat template's vision start, image, vision end)."""
         if self.vision is None:
-            raise HeteroError(f"{self.name} has no vision tower (no vision_config): it reads text only")
+            raise HeteroError(f"{self.name} has no vision tower hetero reads: it reads text only")
         return self.vision.marker
 
     def image_prompt(self, ids: list[int], images: list[ImageInput], held: int = 0) -> ImagePrompt:
@@ -143,7 +143,7 @@ class Engine:
         digests; the tower runs later, on the images the prefix cache does not hold. One-line HeteroError for a
         text-only checkpoint, a damaged or unsupported image, or a prompt that no longer fits."""
         if self.vision is None:
-            raise HeteroError(f"{self.name} has no vision tower (no vision_config): it reads text only; send text")
+            raise HeteroError(f"{self.name} has no vision tower hetero reads: it reads text only; send text")
         prompt = self.vision.plan(ids, images)
         self._check_room(len(prompt.tokens), held)
         return prompt

@@ -132,3 +132,19 @@ def test_an_in_process_server_in_a_background_thread_exits_cleanly(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_vision_config_of_an_architecture_that_reads_text_only_refuses_images_in_one_line(engine):
+    """The nested checkpoint carries transformers' vision_config, but hetero does not read the qwen4_exp tower
+    (`Architecture.reads_images`): an image is refused in one line before any tower runs. Regression: the Qwen3.5
+    tower was built from that config and an image ended in an internal matmul error."""
+    import io
+
+    from PIL import Image
+
+    assert isinstance(engine.config.get("vision_config"), dict) and engine.vision is None
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(png, format="PNG")
+    with pytest.raises(hetero.HeteroError, match="reads text only") as e:
+        engine.image_prompt([1, 2, 3], [png.getvalue()])
+    assert "\n" not in str(e.value)

@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from hetero.errors import HeteroError
+from hetero.models.architectures import BY_MODEL_TYPE
 from hetero.models.cache import ModelCache
 from hetero.models.interface import CausalLM
 from hetero.models.qwen3_5_vision.args import VisionArgs
@@ -110,14 +111,18 @@ def pixel_digest(patches: np.ndarray, grid: Sequence[int]) -> str:
 
 
 def has_tower(config: dict) -> bool:
-    """Whether a checkpoint's config describes a vision tower (`qwen3_5` with `vision_config`)."""
-    return isinstance(config.get("vision_config"), dict) and "image_token_id" in config
+    """Whether a checkpoint's config describes a vision tower hetero reads: a `vision_config` (`qwen3_5`) of an
+    architecture that reads images (`Architecture.reads_images`: Qwen4-Exp's tower is not read yet)."""
+    arch = BY_MODEL_TYPE.get(config.get("model_type"))
+    return (isinstance(config.get("vision_config"), dict) and "image_token_id" in config and arch is not None
+            and arch.reads_images)
 
 
 def load_tower(path: Path, config: dict, dtype: mx.Dtype = mx.float32) -> VisionModel:
     """The vision tower of the checkpoint in `path` (its `model.visual.*` or `vision_tower.*` tensors)."""
     if not has_tower(config):
-        raise HeteroError("this checkpoint has no vision tower (no vision_config): it cannot read images")
+        raise HeteroError("this checkpoint has no vision tower hetero reads (no vision_config, or its architecture "
+                          "reads text only): it cannot read images")
     weights = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         weights.update({k: v for k, v in mx.load(str(file)).items() if vision_name(k) is not None})
