@@ -14,12 +14,8 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
-from hetero.coreml.export import (
-    PieceSlice,
-    build_piece,
-    export_coreml,
-    read_manifest,
-)
+from hetero.coreml.export import export_coreml, read_manifest
+from hetero.coreml.pieces import PieceSlice, build_piece
 from hetero.cli.main import main
 from hetero.coreml.backends import coreml_macos
 from hetero.coreml.backends.accuracy import compare

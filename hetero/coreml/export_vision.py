@@ -20,7 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from hetero.coreml.export import remove_export, weights_nbytes, weights_sha256
+from hetero.coreml.export import remove_export
+from hetero.coreml.pieces import weights_nbytes, weights_sha256
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5_vision.model import VisionModel
 
