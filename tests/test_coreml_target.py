@@ -171,12 +171,14 @@ def test_the_footprint_comes_from_proc_pid_rusage_v6_else_v4():
 
 def test_fp16_values_round_every_subnormal_step_and_tie_as_numpy_does():
     """Every fp16 subnormal, and the fp32 values just below, at and above each halfway point between two of them
-    (both signs): the bit arithmetic equals numpy's fp32 -> fp16 -> fp32 casts."""
+    (both signs), alone and among many normal values (the rounding's two paths for subnormals): the bit arithmetic
+    equals numpy's fp32 -> fp16 -> fp32 casts."""
     k = np.arange(0, 1025, dtype=np.float64)  # 0 .. 2^10 subnormal steps of 2^-24 (the last: 2^-14, normal)
     half = (k[:-1] + 0.5) * 2.0**-24
     grid = np.concatenate([k * 2.0**-24, half]).astype(np.float32)
     near = np.concatenate([grid, np.nextafter(grid, np.float32(1)), np.nextafter(grid, np.float32(0))])
     values = np.concatenate([near, -near]).astype(np.float32)
-    want = values.astype(np.float16).astype(np.float32)
-    got = fp16_values(values)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    normal = np.random.default_rng(0).standard_normal(64 * values.size).astype(np.float32) + 8
+    for a in (values, np.concatenate([values, normal])):  # dense subnormals (a masked add), sparse (picked out)
+        want = a.astype(np.float16).astype(np.float32)
+        assert np.array_equal(fp16_values(a).view(np.uint32), want.view(np.uint32))
