@@ -182,3 +182,15 @@ def test_fp16_values_round_every_subnormal_step_and_tie_as_numpy_does():
     for a in (values, np.concatenate([values, normal])):  # dense subnormals (a masked add), sparse (picked out)
         want = a.astype(np.float16).astype(np.float32)
         assert np.array_equal(fp16_values(a).view(np.uint32), want.view(np.uint32))
+
+
+def test_convert_builds_for_the_target_asked(tmp_path, capsys):
+    """`hetero convert --coreml --target macos14` on any machine: the programs a macOS 14 Mac loads, said so."""
+    from hetero.cli.main import main
+    from hetero.coreml.export import read_manifest
+
+    assert main(["convert", "--coreml", "--ane-fraction", "0.5", "--context", "256,512", "--target", "macos14",
+                 "--out", str(tmp_path / "m14")]) == 0
+    manifest = read_manifest(tmp_path / "m14")
+    assert manifest["target"] == "macos14-spec8" and all("function" not in p for p in manifest["programs"])
+    assert "for macos14-spec8" in capsys.readouterr().out
