@@ -175,13 +175,13 @@ def recommend(found: dict) -> tuple[str | None, str]:
 def _line(found: dict) -> str:
     forms = found["forms"]
     lint = ", ".join(f"{f} {forms[f]['lint_errors']} lint errors" for f in FORMS if "lint_errors" in forms[f])
-    same = "identical" if found["identical_outputs"] else "DIFFERENT"
+    same = {True: "; outputs identical", False: "; outputs DIFFERENT", None: ""}[found["identical_outputs"]]
     if found["recommended"] is None:
         return f"{found['program']}: {lint}; {found['why']}"
     mib = lambda b: "?" if b is None else f"{b / 2**20:.0f} MiB"  # noqa: E731
     times = ", ".join(f"{f} {forms[f]['seconds_per_call'] * 1e3:.3f} ms/call, +{mib(forms[f]['resident_bytes'])} "
                       f"(placement {forms[f]['placement']['status']})" for f in FORMS if "placement" in forms[f])
-    return f"{found['program']}: {times}; outputs {same}; use --ane-weights {found['recommended']}: {found['why']}"
+    return f"{found['program']}: {times}{same}; use --ane-weights {found['recommended']}: {found['why']}"
 
 
 def split_forms(found: dict, form: str, programs) -> dict:
