@@ -91,6 +91,7 @@ def test_the_doctor_probes_a_27b_configs_planned_shapes(capsys):
     at the run's largest bucket, the planned MLP share, the z rows, a vision block at the capped bucket), built and
     linted clean; nothing 256 wide (the bundled model's) among them, and the split unavailable without weights."""
     from hetero.planner import context_bucket
+    from hetero.planner.plan import PlanRequest
     from hetero.planner.recommend import split_plan
     from hetero.planner.slices import split_for_budget
     from hetero.planner.vision import MAX_VISION_PATCHES
@@ -100,8 +101,8 @@ def test_the_doctor_probes_a_27b_configs_planned_shapes(capsys):
     code, found, _ = doctor_json(capsys, "--model", str(CONFIGS / "qwen3.5-27b.json"), "--ane-fraction", "0.25",
                                  "--tokens", "1024")
     assert code == 0 and found["model"]["weights"] is False
-    plan = split_plan(config, load_profile(default_profile_name()), 0.25, context_bucket(1024, 256), 256,
-                      offload=("attention", "mlp", "gdn_in_proj"))
+    plan = split_plan(PlanRequest(config, load_profile(default_profile_name()), 0.25, context_bucket(1024, 256), 256),
+                      ("attention", "mlp", "gdn_in_proj"))
     first = {k: split_for_budget(plan.args, next(s for s in plan.slices if s.piece == k), plan.program_budget)[0]
              for k in ("attention", "mlp", "gdn_in_proj")}
     names = {p["probe"] for p in found["probes"]["each"]}

@@ -31,13 +31,14 @@ from hetero.cli.quantize import quantize_checkpoint
 from hetero.coreml.backends.footprint import Footprint
 from hetero.coreml.backends.placement import OpDevice, PlacementStatus, placement_report
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import export_coreml, lint_export, read_manifest
+from hetero.coreml.export import export_coreml, lint_export
 from hetero.coreml.pieces import blockwise_capable, palettize
 from hetero.coreml.graphs.lint import lint_package
 from hetero.coreml.graphs.mlp import MLPShape, MLPWeights, build_mlp
 from hetero.coreml.graphs.ops import weight_form
 from hetero.coreml.graphs.package import load_program, save_program
 from hetero.coreml.graphs.palette import shift_scale_dense
+from hetero.coreml.manifest import read_manifest
 from hetero.errors import HeteroError
 from hetero.pipeline import Programs, configure, ensure_export
 from hetero.pipeline.run import export_key

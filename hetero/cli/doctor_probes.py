@@ -72,22 +72,20 @@ class Probe:
 
 def planned_probes(config: dict, fraction: float, chunk: int, tokens: int, form: str, target) -> list[Probe]:
     """The probes of the split of `config` at `fraction` (chunks of `chunk`, a run of `tokens`), matrices in the form
-    the split embeds for `form` on `target` (`weight_form_for`); none for an architecture the split has no programs
-    for."""
+    the split embeds for `form` on `target` (`weight_form_for`); none where the plan gives the ANE no slice (an
+    architecture whose pieces all stay on the GPU)."""
     from hetero.coreml.graphs import LAYOUTS
     from hetero.coreml.pieces import piece_shape
     from hetero.coreml.target import weight_form_for
     from hetero.planner import OFFLOADABLE, context_bucket
+    from hetero.planner.plan import PlanRequest
     from hetero.planner.recommend import split_plan
-    from hetero.planner.shape import storage_for
-    from hetero.planner.slices import SPLIT_MODEL_TYPES, split_for_budget
+    from hetero.planner.slices import split_for_budget
     from hetero.profiles import default_profile_name, load_profile
 
-    plan = split_plan(config, load_profile(default_profile_name()), fraction, context_bucket(tokens, chunk), chunk,
-                      offload=OFFLOADABLE)
-    if plan.args.model_type not in SPLIT_MODEL_TYPES:
-        return []
-    storage = storage_for(config, None, None)
+    request = PlanRequest(config, load_profile(default_profile_name()), fraction, context_bucket(tokens, chunk), chunk)
+    plan = split_plan(request, OFFLOADABLE)
+    storage = plan.storage
     quant = (storage.bits, storage.group_size) if storage.bits <= 4 else None
     form = weight_form_for(form, target)[0] if quant is not None else "fp16"
     bucket, out = context_bucket(tokens, chunk), []

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from hetero.checkpoint.loader import load_model
 from hetero.coreml.backends.compiled import compiled_owner, remove_compiled
+from hetero.coreml.manifest import TEXT, listed_files, read_manifest
+from hetero.coreml.manifest import write as write_manifest
 from hetero.coreml.pieces import (
     DEFAULT_LAYOUT,
     PieceSlice,
@@ -43,17 +45,15 @@ from hetero.coreml.pieces import (
 )
 from hetero.coreml.target import DEFAULT_WEIGHT_FORM, WEIGHT_FORMS, Target, check_weight_form, weight_form_for
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import ModelArgs
+from hetero.models.interface import Args
 from hetero.planner import Plan
+from hetero.planner.plan import PlanRequest
 from hetero.planner.recommend import split_plan
-from hetero.planner.slices import SPLIT_MODEL_TYPES, split_for_budget
+from hetero.planner.slices import split_for_budget
 from hetero.profiles import default_profile_name, load_profile
 
 __all__ = ["DEFAULT_WEIGHT_FORM", "WEIGHT_FORMS", "check_weight_form", "export_coreml", "export_plan", "lint_export",
            "read_manifest"]
-
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 5  # 5: the target OS and spec; 4: normed inputs, channels by range, output shifts
 BUILDER_VERSION = 2  # bump when a builder's graph changes: invalidates reuse of packages built before
 DEFAULT_CHUNK = 256
 DEFAULT_CONTEXT = 4096
@@ -72,7 +72,7 @@ def check_shapes(chunk: int, contexts: list[int]) -> None:
             raise HeteroError(f"--context {c}: must be a multiple of 64 and at least the chunk size ({chunk})")
 
 
-def model_identity(path: Path, config: dict, args: ModelArgs) -> dict:
+def model_identity(path: Path, config: dict, args: Args) -> dict:
     """What names the exported model: its directory, config hash and shape."""
     return {
         "path": str(path),
@@ -122,28 +122,6 @@ def _link_package(src: Path, dst: Path) -> bool:
         return False
 
 
-def _listed_files(out: Path) -> list[str]:
-    """The package files any readable manifest in `out` lists, whatever its format."""
-    try:
-        return [p["file"] for p in json.loads((out / MANIFEST).read_text())["programs"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-
-
-def read_manifest(out: str | os.PathLike) -> dict:
-    """The manifest of an export directory; HeteroError when there is none or it is damaged."""
-    file = Path(out) / MANIFEST
-    try:
-        manifest = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise HeteroError(f"{file} is missing: not a Core ML export directory (run hetero convert --coreml)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HeteroError(f"{file} is damaged ({e}); re-run hetero convert --coreml") from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise HeteroError(f"{file} has format {manifest.get('format')!r}; this hetero reads format {MANIFEST_FORMAT}")
-    return manifest
-
-
 def export_coreml(
     model: str | os.PathLike | None,
     out: str | os.PathLike,
@@ -168,12 +146,9 @@ def export_coreml(
     check_weight_form(form)
     loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     net, _, config = loaded
-    if net.args.model_type not in SPLIT_MODEL_TYPES:  # the planner plans it GPU-only: nothing to export
-        raise HeteroError(f"--coreml: the split has no Core ML programs for {net.args.model_type} checkpoints yet; "
-                          "run them without --ane-fraction (GPU-only)")
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
-    plan = split_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
-                      budget=budget)
+    request = PlanRequest(config, load_profile(default_profile_name()), fraction, context, chunk, budget=budget)
+    plan = split_plan(request, kinds)
     return export_plan(plan, loaded, out, contexts, progress, target=target, form=form, layout=layout)
 
 
@@ -258,7 +233,7 @@ def _manifest_programs(out: str | os.PathLike) -> dict[str, dict]:
     try:
         return {p["file"]: p for p in read_manifest(out)["programs"]}
     except HeteroError:
-        return {f: {} for f in _listed_files(Path(out))}
+        return {f: {} for f in listed_files(Path(out))}
 
 
 def package_key(piece: PieceSlice, shapes: list, digest: str, shift: int, target: Target, form: str) -> str:
@@ -330,7 +305,7 @@ def _write_manifest(out: Path, plan: Plan, loaded: tuple, contexts: list[int], p
 
     net, path, config = loaded
     manifest = {
-        "format": MANIFEST_FORMAT,
+        "format": TEXT.format,
         "model": model_identity(path, config, net.args),
         "coremltools": ct.__version__,
         "builder_version": BUILDER_VERSION,
@@ -346,9 +321,7 @@ def _write_manifest(out: Path, plan: Plan, loaded: tuple, contexts: list[int], p
         "plan": [asdict(s) for s in plan.slices],
         "programs": programs,
     }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(out / MANIFEST)
+    write_manifest(out, manifest)
     return manifest
 
 
@@ -362,7 +335,7 @@ def lint_export(out: str | os.PathLike, budget: int | None = None) -> list:
     from hetero.coreml.graphs.lint import WEIGHT_BUDGET as LINT_BUDGET
     from hetero.coreml.graphs.lint import export_packages, lint_package
 
-    if budget is None and (Path(out) / MANIFEST).is_file():
+    if budget is None and (Path(out) / TEXT.file).is_file():
         budget = read_manifest(out).get("weight_budget_bytes")
     packages = export_packages(out)
     if not packages:

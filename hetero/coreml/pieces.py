@@ -15,8 +15,9 @@ import numpy as np
 from hetero.coreml.graphs import LAYOUTS
 from hetero.coreml.target import DEFAULT_WEIGHT_FORM, check_weight_form
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+from hetero.models.interface import Args, CausalLM, DecoderLayer
 from hetero.planner import PieceSlice, Plan
+from hetero.planner.slices import LUT_BITS
 
 DEFAULT_LAYOUT = LAYOUTS[0]  # the attention layout exports take unless told
 
@@ -28,8 +29,6 @@ def linear_weight(layer: nn.Module, rows: slice | np.ndarray = slice(None), cols
     them: a quantized layer of at most 4 bits as its own per-group lookup tables (`hetero.coreml.graphs.palette.Palettized`:
     each weight exactly MLX's, rounded once to fp16), other layers as fp32 numpy (quantized ones of more bits
     dequantized: a table per group would outweigh fp16). Only the slice is unpacked or widened."""
-    from hetero.coreml.graphs.palette import LUT_BITS
-
     pick = mx.array(rows) if isinstance(rows, np.ndarray) else rows
     if isinstance(layer, nn.QuantizedLinear) and getattr(layer, "mode", "affine") == "affine" and layer.bits in LUT_BITS:
         g, per_word = layer.group_size, 32 // math.gcd(32, layer.bits)  # columns per whole word run
@@ -80,7 +79,7 @@ def linear_columns(layer: nn.Module, channels: np.ndarray):
     return concat_columns(parts) if isinstance(parts[0], Palettized) else np.concatenate(parts, axis=1)
 
 
-def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
+def attention_weights(args: Args, layer: DecoderLayer, kv: range):
     """The attention slice for KV heads `kv` (and their query heads) of a decoder layer."""
     from hetero.coreml.graphs.attention import AttentionWeights
 
@@ -172,7 +171,7 @@ def weight_forms(weights) -> dict[str, int]:
     return found
 
 
-def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None,
+def build_piece(args: Args, model: CausalLM, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None,
                 form: str = DEFAULT_WEIGHT_FORM, layout: str = DEFAULT_LAYOUT):
     """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`, with the
     channels and output scale `plan`'s ranges give it, its quantized weights in the form `form` (`WEIGHT_FORMS`),
@@ -181,7 +180,7 @@ def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, contex
     return shape, in_form(weights, form), build
 
 
-def piece_shape(args: ModelArgs, s: PieceSlice, chunk: int, context: int, layout: str = DEFAULT_LAYOUT):
+def piece_shape(args: Args, s: PieceSlice, chunk: int, context: int, layout: str = DEFAULT_LAYOUT):
     """(static shape, builder) of the program of slice `s` (its units, in any order) for chunks of `chunk` tokens up
     to `context`, attention in `layout`: what a program of the plan looks like, without its weights."""
     from hetero.coreml.graphs.attention import AttentionShape, build_attention
@@ -201,7 +200,7 @@ def piece_shape(args: ModelArgs, s: PieceSlice, chunk: int, context: int, layout
     return GDNInProjShape(args.hidden_size, units, chunk), build_gdn_in_proj
 
 
-def raw_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None,
+def raw_piece(args: Args, model: CausalLM, s: PieceSlice, chunk: int, context: int, plan: Plan | None,
               layout: str = DEFAULT_LAYOUT):
     """`build_piece` with the weights as the model holds them (quantized matrices as tables carrying their scales
     and biases: any form can still be made of them)."""

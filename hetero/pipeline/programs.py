@@ -21,8 +21,9 @@ import numpy as np
 
 from hetero.coreml.backends import platform_backend
 from hetero.coreml.backends.coreml_macos import this_target
-from hetero.coreml.export import DEFAULT_WEIGHT_FORM, export_plan, read_manifest
+from hetero.coreml.export import DEFAULT_WEIGHT_FORM, export_plan
 from hetero.coreml.graphs import LAYOUTS
+from hetero.coreml.manifest import read_manifest
 from hetero.coreml.target import Target, check_target, weight_form_for
 from hetero.errors import AneLaneLost, AneNonFinite, HeteroError
 from hetero.host.progress import ProgressBar
