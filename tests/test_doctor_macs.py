@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero.checkpoint.loader import BUNDLED_MODEL
+from hetero.checkpoint.source import BUNDLED_MODEL
 from hetero.cli.doctor import EXIT_BITS
 from hetero.cli.main import main
 from fake_mac import mac  # noqa: F401  (fixture)
