@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetero.errors import HeteroError
 
 PROBE_VERSION = 1  # bump when a probe's weights or inputs change
 SEED = 0
@@ -131,12 +132,29 @@ def _matrix(rows: int, cols: int, probe: Probe, rng: np.random.Generator):
     values expanded), the same weights whatever the form."""
     if probe.quant is None:
         return rng.standard_normal((rows, cols), dtype=np.float32) / np.float32(np.sqrt(cols))
-    from hetero.cli.doctor_weights import exact_weights
-
     w = exact_weights(rows, cols, *probe.quant, rng)
     if probe.form == "fp16":
         return w.dense().astype(np.float32)
     return w if probe.form == "blockwise" else w.without_affine()
+
+
+def exact_weights(rows: int, cols: int, bits: int, group: int, rng: np.random.Generator):
+    """A `Palettized` [rows, cols] matrix as MLX quantizes it (packed indices, fp16 scales and biases, tables from
+    `mx.dequantize`) whose every group has an exact shift-scale form: bias = -2^(bits-1) * scale (a power-of-two
+    offset), the scale's sign random (negative ones take the mirrored form)."""
+    import mlx.core as mx
+
+    from hetero.coreml.graphs.palette import pack
+    from hetero.coreml.pieces import palettize
+
+    indices = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
+    magnitude = 2 / (2**bits - 1) / np.sqrt(cols) * rng.uniform(0.5, 1.5, (rows, cols // group))
+    scales = (magnitude * rng.choice([-1.0, 1.0], magnitude.shape)).astype(np.float16)  # [rows, groups]
+    biases = (-(2.0 ** (bits - 1)) * scales.astype(np.float32)).astype(np.float16)  # exact: a power of two times
+    w = palettize(mx.array(pack(indices, bits)), mx.array(scales), mx.array(biases), bits, group).with_affine()
+    if w.shift_scale() is None:
+        raise HeteroError("internal: the doctor's weights have no exact shift-scale form")
+    return w
 
 
 def probe_weights(probe: Probe, rng: np.random.Generator):

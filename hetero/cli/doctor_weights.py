@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetero.cli.doctor_probes import probe_inputs, probe_package
 from hetero.cli.measure import Timer, timed
 from hetero.coreml.target import WEIGHT_FORMS
 from hetero.errors import HeteroError
@@ -36,25 +37,6 @@ AS_FAST = 1.0  # a compressed form qualifies at most this share of fp16's time p
 SMALLER = 0.8  # ... and at most this share of fp16's resident memory growth ("measurably smaller")
 FASTER = 0.95  # blockwise over lut: at most this share of the tables' time
 DEFAULT_QUANT = (4, 64)  # the forms of a float checkpoint's programs are compared as a 4-bit one's would be
-
-
-def exact_weights(rows: int, cols: int, bits: int, group: int, rng: np.random.Generator):
-    """A `Palettized` [rows, cols] matrix as MLX quantizes it (packed indices, fp16 scales and biases, tables from
-    `mx.dequantize`) whose every group has an exact shift-scale form: bias = -2^(bits-1) * scale (a power-of-two
-    offset), the scale's sign random (negative ones take the mirrored form)."""
-    import mlx.core as mx
-
-    from hetero.coreml.graphs.palette import pack
-    from hetero.coreml.pieces import palettize
-
-    indices = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
-    magnitude = 2 / (2**bits - 1) / np.sqrt(cols) * rng.uniform(0.5, 1.5, (rows, cols // group))
-    scales = (magnitude * rng.choice([-1.0, 1.0], magnitude.shape)).astype(np.float16)  # [rows, groups]
-    biases = (-(2.0 ** (bits - 1)) * scales.astype(np.float32)).astype(np.float16)  # exact: a power of two times
-    w = palettize(mx.array(pack(indices, bits)), mx.array(scales), mx.array(biases), bits, group).with_affine()
-    if w.shift_scale() is None:
-        raise HeteroError("internal: the doctor's weights have no exact shift-scale form")
-    return w
 
 
 def form_probes(mlp, quant: tuple[int, int] | None, forms: tuple[str, ...]) -> dict:
@@ -74,7 +56,6 @@ def compare_forms(mlp, root: Path, target, load: Callable[[Path], Callable] | No
     identical?), timed (median seconds per call, `timer`, after a warm-up), placed (the program's
     `placement_status()`) and weighed (the footprint its load adds, `memory`: `coreml_macos.memory_now`), with the
     recommended form. Off a Mac (`load` None) `recommended` is None and `line` says the rest needs one."""
-    from hetero.cli.doctor_probes import probe_inputs, probe_package
     from hetero.coreml.graphs.lint import lint_package
 
     runnable = tuple(f for f in FORMS if f in target.forms)
