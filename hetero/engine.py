@@ -33,8 +33,8 @@ from hetero.host import kernels
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
 from hetero.models.cache import ModelCache
 from hetero.host.wired import wire_working_set
+from hetero.models.interface import CausalLM
 from hetero.models.kv_quant import kv_quant, use_kv_quant
-from hetero.models.qwen3_5 import Model
 from hetero.planner import check_prompt_fits
 from hetero.prologue import Opening, check_context, open_request, stream_stats
 from hetero.tools.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
@@ -61,7 +61,7 @@ class Engine:
     checkpoints prefill chunk edges and the end of every turn, and reports `cached_tokens`.
     """
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, config: dict, path: Path, name: str):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: dict, path: Path, name: str):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -321,7 +321,7 @@ class TurnCheckpoints:
     every prefill chunk edge (`on_chunk`), the committed state every `chunk` decoded tokens (`on_commit`, MTP), and
     the committed end state of the turn (`close`; plain decoding's from what `trace` recorded)."""
 
-    def __init__(self, pc: PrefixCache, model: Model, key: str, keys: list, chunk: int):
+    def __init__(self, pc: PrefixCache, model: CausalLM, key: str, keys: list, chunk: int):
         self.pc, self.model, self.key, self.keys, self.chunk = pc, model, key, keys, chunk
         self.trace = Trace()  # plain decoding: what the backbone ran
         self.committed = list(keys)

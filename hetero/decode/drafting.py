@@ -9,7 +9,7 @@ from hetero.decode.depth import MAX_DEPTH
 from hetero.decode.rows import Round, Row
 from hetero.decode.sampling import accept_drafts, accept_greedy, sample, warp
 from hetero.models.cache import KVCache, RaggedKV
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 
 
 def plan(r: Row) -> tuple[int, int]:
@@ -18,7 +18,7 @@ def plan(r: Row) -> tuple[int, int]:
     return max(0, min(r.depth, room)), max(0, min(MAX_DEPTH, 2 * r.depth, room))
 
 
-def propose(model: Model, rows: list[Row], plans: list[tuple[int, int]]) -> Round:
+def propose(model: CausalLM, rows: list[Row], plans: list[tuple[int, int]]) -> Round:
     """The round's drafts: a row's copy lane proposal when it has one (cut at the first token its grammar forbids,
     as solo's `propose`), else its MTP drafts (`draft`, for all such rows together)."""
     rnd = Round([[] for _ in rows], [None] * len(rows), [False] * len(rows))
@@ -46,7 +46,7 @@ def mtp_caches(rows: list[Row], lengths: list[int]) -> list[RaggedKV] | list[KVC
     return [RaggedKV([r.decoder.mtp_cache[j] for r in rows], lengths) for j in range(len(rows[0].decoder.mtp_cache))]
 
 
-def draft(model: Model, rows: list[Row], ks: list[int]) -> tuple[list[list[mx.array]], list[mx.array | None]]:
+def draft(model: CausalLM, rows: list[Row], ks: list[int]) -> tuple[list[list[mx.array]], list[mx.array | None]]:
     """k_i drafts per row from the MTP head, each row with its own sampler: the catch-up over each row's pending
     pairs, then one step per depth for the rows whose k_i goes that far. The drafts stay lazy scalars (a
     grammar's row reads each one as it goes): the verify pass is queued on them, and the round reads them

@@ -8,10 +8,10 @@ from hetero.decode.options import DecodeOptions
 from hetero.decode.parts import RowParts
 from hetero.decode.rows import Row
 from hetero.decode.stepper import Batch
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 
 
-def decode_tokens(model: Model, prompt: list[int], options: DecodeOptions, eos_ids: set[int], depth: int = 0,
+def decode_tokens(model: CausalLM, prompt: list[int], options: DecodeOptions, eos_ids: set[int], depth: int = 0,
                   parts: RowParts = RowParts()) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or `options.max_tokens`: plain decoding at `depth` 0, else
     speculative decoding with the MTP head at that depth (and the copy lane when `options.copy`); the same
@@ -32,7 +32,7 @@ def decode_tokens(model: Model, prompt: list[int], options: DecodeOptions, eos_i
         batch.leave(row)
 
 
-def batch_generate(model: Model, prompts: list[list[int]], options: list[DecodeOptions], eos_ids: set[int],
+def batch_generate(model: CausalLM, prompts: list[list[int]], options: list[DecodeOptions], eos_ids: set[int],
                    depths: list[int]) -> list[Row]:
     """Decode every prompt (with its options and depth) in one batch to the end; the rows in prompt order
     (`row.tokens`)."""

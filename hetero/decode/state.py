@@ -16,7 +16,7 @@ from hetero.decode.penalties import Penalizer
 from hetero.decode.prefill import prefill
 from hetero.decode.sampling import Sampler
 from hetero.models.cache import KVCache, LayerCache, ModelCache
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 
 COPY_NGRAM = 3
 
@@ -52,7 +52,7 @@ class Decoder:
     backbone hiddens the MTP head has not consumed yet, paired with `pending_tokens + [x]`.
     """
 
-    model: Model
+    model: CausalLM
     cache: ModelCache
     x: int
     pending_hidden: mx.array
@@ -73,7 +73,7 @@ class Decoder:
         return self.backbone[0].offset
 
 
-def start(model: Model, prompt: list[int], sampler: Sampler, depth: int, options: DecodeOptions,
+def start(model: CausalLM, prompt: list[int], sampler: Sampler, depth: int, options: DecodeOptions,
           parts: RowParts = RowParts(), penalizer: Penalizer | None = None) -> Decoder:
     """Prefill `prompt` (after `parts.skip` tokens that `parts.cache` already holds, `parts.carry` [1, H] their last
     hidden) in chunks of `options.prefill_chunk` and sample the first token, which becomes the decoder's x (not

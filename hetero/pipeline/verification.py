@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from hetero.checkpoint.preflight import build_lazy_model
 from hetero.decode.options import DecodeOptions
 from hetero.decode.prefill import prefill
 from hetero.decode.sampling import Sampler, SamplingParams
@@ -32,7 +33,7 @@ from hetero.decode.state import Decoder
 from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost
 from hetero.models.cache import KVCache, LayerCache
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 from hetero.pipeline.verify_tolerance import verify_tolerance
 from hetero.planner import physical_memory_bytes
 from hetero.vision.prompt import ImagePrompt
@@ -75,16 +76,14 @@ def max_relative(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], rms
     return worst, where
 
 
-def fp32_bytes(model: Model) -> int:
+def fp32_bytes(model: CausalLM) -> int:
     """What an fp32 copy of `model`'s parameters takes (quantized weights stay packed, their scales widen)."""
     return sum(v.size * (4 if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
                for _, v in tree_flatten(model.parameters()))
 
 
-def fp32_copy(model: Model) -> Model:
+def fp32_copy(model: CausalLM) -> CausalLM:
     """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones)."""
-    from hetero.checkpoint.loader import build_lazy_model
-
     params = tree_flatten(model.parameters())
     quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}
     net = build_lazy_model(model.args, model.has_mtp, quantized)
@@ -103,10 +102,10 @@ class FP32Reference:
 
     def __init__(self, engine):
         self.engine = engine
-        self._copy: Model | None = None
+        self._copy: CausalLM | None = None
         self._truth: tuple[tuple, dict[str, np.ndarray]] | None = None  # (prompt key, arrays)
 
-    def model(self) -> Model | None:
+    def model(self) -> CausalLM | None:
         """The fp32 model, or None when an fp32 copy of the engine's does not fit in memory."""
         model = self.engine.model
         if model.model.norm.weight.dtype == mx.float32:
@@ -118,7 +117,7 @@ class FP32Reference:
             self._copy = fp32_copy(model)
         return self._copy
 
-    def arrays(self, reference: Model, ids: list[int], chunk: int, images: ImagePrompt | None = None
+    def arrays(self, reference: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None = None
                ) -> dict[str, np.ndarray]:
         """The fp32 reference's compared arrays for `ids` (with `images`: the prompt's images, their embeddings as
         the engine's tower made them); the last prompt's are kept (`auto` and a defect hunt verify it again)."""
@@ -131,7 +130,7 @@ class FP32Reference:
         return truth
 
 
-def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
+def greedy_continuation(model: CausalLM, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
     """n greedy tokens decoded on the GPU by the stepper from a filled cache and the prompt's last logits [1, V]."""
     decoder = Decoder(model, cache, int(mx.argmax(logits[-1]).item()), mx.zeros((0, model.args.hidden_size)))
     batch = Batch(model, max_batch=1)
@@ -141,7 +140,7 @@ def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array,
     return row.tokens
 
 
-def _logits_after(model: Model, ids: list[int], more: list[int], chunk: int, images: ImagePrompt | None) -> mx.array:
+def _logits_after(model: CausalLM, ids: list[int], more: list[int], chunk: int, images: ImagePrompt | None) -> mx.array:
     """GPU-only last logits [1, V] of the prompt `ids` followed by the tokens `more` (with `images`: the prompt's,
     the tokens after it at the positions its shift gives them)."""
     if images is None:
