@@ -42,7 +42,7 @@ from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.architectures import architecture
 from hetero.planner.hosts import split_layers
-from hetero.prologue import check_context, open_request, stream_stats
+from hetero.prologue import Opening, check_context, open_request, stream_stats
 
 
 def load_stage(link: Link, model: str | os.PathLike | None, dtype: mx.Dtype | None = None) -> tuple[Stage, Path, dict]:
@@ -180,8 +180,8 @@ class PipelineEngine:
 
     def stream(self, r: GenerationRequest, stoppable: bool = True) -> Generator[Event, str | None, None]:
         """As `Engine.stream`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is False)
-        at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the policy and its check
-        are one process's, `decode.depth.decode_depth`). The stats add `seed` (drawn here when not given, so a rerun
+        at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the prologue, its checks and
+        its depth policy are one process's, `hetero.prologue.open_request`). The stats add `seed` (drawn here when not given, so a rerun
         can reproduce a sampled output) and `pipeline` (split, per-rank memory); `r.progress` sees rank 0's prefill
         chunks. JSON constraints, grammars, logprobs, the penalties and `logit_bias` are applied on the last rank, by
         the same stepper.
@@ -194,11 +194,7 @@ class PipelineEngine:
         follows. `split` (the ANE + GPU split), `batch` (a shared decode loop) and `prompt_cache` have no pipelined
         form and are refused."""
         opening = open_request(self, self._refuse(r))
-        seed = r.options.seed if r.options.seed is not None else random.getrandbits(31)
-        pc = self.prefix_cache if r.use_prefix_cache else None
-        ids, request = opening.ids, Request(
-            "generate", opening.ids, replace(opening.options, seed=seed), opening.depth, sorted(self.eos_ids),
-            self.max_context, pc.max_bytes if pc is not None else None, [] if r.mark is None else [r.mark], stoppable)
+        ids, request = opening.ids, self._generation(r, opening, stoppable)
         link, logprobs = self.stage.link, r.options.logprobs is not None
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
         detok = self.tokenizer.detokenizer()
@@ -219,8 +215,8 @@ class PipelineEngine:
 
         with self._request(request):
             mx.reset_peak_memory()
-            if pc is not None:
-                self.stage.prefix = pc
+            if request.prefix_cache is not None:
+                self.stage.prefix = self.prefix_cache
             cache, skip, _ = restore(self.stage, request)
             for tid in follow(self.stage, request, cache, skip, progress, rows if logprobs else None, lambda: not cut):
                 if ended:  # (past EOS, max_tokens or a stop: the ranks run the request to its DONE)
@@ -257,7 +253,16 @@ class PipelineEngine:
         pipeline = {"ranks": link.size, "backend": "ring", "per_rank": end["ranks"]}
         yield Finished(detok.finalize(), times.finish_reason,
                        stream_stats(self.name, opening, skip, len(tokens), times, end["ranks"][0]["peak_memory_bytes"],
-                                    end.get("mtp"), seed=seed, pipeline=pipeline))
+                                    end.get("mtp"), seed=request.options.seed, pipeline=pipeline))
+
+    def _generation(self, r: GenerationRequest, opening: Opening, stoppable: bool) -> Request:
+        """What every rank runs of `r`: rank 0's opening, with the seed drawn here when `r` gives none (the stats
+        report it, so a rerun can reproduce a sampled output) and each rank's prefix-cache budget (rank 0's)."""
+        seed = opening.options.seed if opening.options.seed is not None else random.getrandbits(31)
+        pc = self.prefix_cache if r.use_prefix_cache else None
+        return Request("generate", opening.ids, replace(opening.options, seed=seed), opening.depth,
+                       sorted(self.eos_ids), self.max_context, pc.max_bytes if pc is not None else None,
+                       [] if r.mark is None else [r.mark], stoppable)
 
     @staticmethod
     def _refuse(r: GenerationRequest) -> GenerationRequest:
