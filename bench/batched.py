@@ -48,7 +48,8 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkpoints import LARGE, checkpoint  # noqa: E402
 from hetero.cli.measure import median_seconds  # noqa: E402
-from hetero.decode.sampling import Sampler, SamplingParams  # noqa: E402
+from hetero.decode.options import DecodeOptions  # noqa: E402
+from hetero.decode.sampling import SamplingParams  # noqa: E402
 from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.stepper import Batch  # noqa: E402
@@ -94,7 +95,7 @@ def prompts_for(vocab: int, n: int, base: int) -> list[list[int]]:
 
 def batched(model, prompts: list[list[int]], tokens: int, depth: int) -> dict:
     batch = Batch(model, max_batch=len(prompts))
-    requests = [batch.join(p, Sampler(GREEDY), tokens, set(), depth) for p in prompts]
+    requests = [batch.join(p, DecodeOptions(tokens, copy=False), set(), depth) for p in prompts]
     t0 = time.perf_counter()
     finish = {}
     rounds = 0
@@ -109,8 +110,8 @@ def batched(model, prompts: list[list[int]], tokens: int, depth: int) -> dict:
 def round_robin(model, prompts: list[list[int]], tokens: int, depth: int) -> dict:
     def gen(p):
         if depth == 0:
-            return decode_tokens(model, p, Sampler(GREEDY), tokens, set())
-        return decode_tokens(model, p, Sampler(GREEDY), tokens, set(), depth=depth, copy=False)
+            return decode_tokens(model, p, DecodeOptions(tokens), set())
+        return decode_tokens(model, p, DecodeOptions(tokens, copy=False), set(), depth)
 
     gens = [gen(p) for p in prompts]
     outputs = [[next(g)] for g in gens]  # prefill and first token, before the clock starts

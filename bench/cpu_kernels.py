@@ -57,7 +57,7 @@ def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
     import mlx.core as mx
 
     from bench.checkpoints import checkpoint
-    from hetero.decode.sampling import Sampler, SamplingParams
+    from hetero.decode.options import DecodeOptions
     from hetero.decode.stepper import Batch
     from hetero.engine import load
     import time
@@ -68,7 +68,7 @@ def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
 
     def decode(group: list[list[int]]) -> tuple[float, list[list[int]]]:
         batch = Batch(engine.model, max_batch=len(group))
-        order = [batch.join(p, Sampler(SamplingParams()), tokens, set(), 0) for p in group]
+        order = [batch.join(p, DecodeOptions(tokens, copy=False), set(), 0) for p in group]
         times, t = [], time.perf_counter()
         while batch.rows:
             batch.step()

@@ -98,13 +98,14 @@ def step_times(model, ids: list[int], base, tokens: int) -> list[float]:
     also runs the last prompt token, left out)."""
     import mlx.core as mx
 
-    from hetero.decode.sampling import Sampler, SamplingParams
+    from hetero.decode.options import DecodeOptions
+    from hetero.decode.parts import RowParts
     from hetero.decode.solo import decode_tokens
 
     cache = clone(base)
     mx.eval([a for c in cache for a in c.state])
-    stamps = [time.perf_counter() for _ in decode_tokens(model, ids, Sampler(SamplingParams(0.0)), tokens, set(),
-                                                         cache=cache, skip=len(ids) - 1)]
+    parts = RowParts(cache=cache, skip=len(ids) - 1)
+    stamps = [time.perf_counter() for _ in decode_tokens(model, ids, DecodeOptions(tokens), set(), parts=parts)]
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 

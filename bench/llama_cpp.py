@@ -322,7 +322,8 @@ def worker(model_path: str) -> None:
     import numpy as np
 
     from hetero.decode.records import DecodeTimes
-    from hetero.decode.sampling import Sampler, SamplingParams
+    from hetero.decode.options import DecodeOptions
+    from hetero.decode.parts import RowParts
     from hetero.decode.solo import decode_tokens
     from hetero.engine import DEFAULT_DRAFT_DEPTH, load
     from hetero.host.settings import PLAIN, tuned_depth
@@ -338,8 +339,8 @@ def worker(model_path: str) -> None:
     def timed(prompt_len: int, new_tokens: int) -> DecodeTimes:
         """Plain greedy decoding of `new_tokens` after a random prompt of `prompt_len` tokens."""
         times = DecodeTimes()
-        for _ in decode_tokens(model, rng.integers(3, vocab, prompt_len).tolist(), Sampler(SamplingParams()),
-                               new_tokens, set(), times=times):
+        for _ in decode_tokens(model, rng.integers(3, vocab, prompt_len).tolist(), DecodeOptions(new_tokens), set(),
+                               parts=RowParts(times=times)):
             pass
         return times
 

@@ -43,9 +43,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checkpoints import checkpoint  # noqa: E402
 from hetero.cli.measure import median_seconds  # noqa: E402
+from hetero.decode.drafting import draft  # noqa: E402
+from hetero.decode.options import DecodeOptions  # noqa: E402
+from hetero.decode.parts import RowParts  # noqa: E402
 from hetero.decode.records import DecodeTimes  # noqa: E402
 from hetero.decode.rows import Round  # noqa: E402
-from hetero.decode.sampling import Sampler, SamplingParams  # noqa: E402
 from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.stepper import Batch  # noqa: E402
 from hetero.engine import Engine, load  # noqa: E402
@@ -140,16 +142,16 @@ class Forced(Batch):
 def forced_tps(model, prompt: list[int], depth: int, rates: tuple[float, ...], rounds: int, rng) -> float:
     """Tokens/s of `rounds` stepper rounds at `depth` under forced acceptance (`Forced`)."""
     batch = Forced(model, rates, rng)
-    row = batch.join(prompt, Sampler(SamplingParams()), 10**6, set(), depth)
+    row = batch.join(prompt, DecodeOptions(10**6, copy=False), set(), depth)
     t0 = time.perf_counter()
     for _ in range(rounds):
         batch.step()
     return (len(row.tokens) - 1) / (time.perf_counter() - t0)
 
 
-def _plain_decode_tps(model, prompt: list[int], sampler: Sampler) -> float:
+def _plain_decode_tps(model, prompt: list[int]) -> float:
     times = DecodeTimes()
-    for _ in decode_tokens(model, prompt, sampler, 33, set(), times=times):
+    for _ in decode_tokens(model, prompt, DecodeOptions(33), set(), parts=RowParts(times=times)):
         pass
     return times.decode_tps
 
@@ -172,22 +174,21 @@ def blas_floor(model, repeats: int) -> dict[int, float]:
 def large_part(args: argparse.Namespace) -> dict:
     engine = load(str(checkpoint("large", Path(args.workdir))), dtype=mx.float32)
     model = engine.model
-    sampler = Sampler(SamplingParams())
     prompt = np.random.default_rng(0).integers(3, model.args.vocab_size, 512).tolist()
 
     # a plain decode step, as plain decoding runs it (median over repeats of 32-token decodes)
     plain_tps = statistics.median(
-        _plain_decode_tps(model, prompt, sampler) for _ in range(args.repeats + 1)
+        _plain_decode_tps(model, prompt) for _ in range(args.repeats + 1)
     )
     plain_s = 1.0 / plain_tps
     verify_cost = {}
     for k in (1, 2, 3, 4):  # a stepper round over [x, k fixed drafts], none kept: one verify pass and its commit
         batch = Forced(model, (0.0,) * k, np.random.default_rng(0), drafts=[3] * k)
-        batch.join(prompt, sampler, 10**6, set(), k)
+        batch.join(prompt, DecodeOptions(10**6, copy=False), set(), k)
         verify_cost[k + 1] = median_seconds(batch.step, args.repeats * 3) / plain_s
     batch = Forced(model, (0.0,), np.random.default_rng(0))
-    row = batch.join(prompt, sampler, 10**6, set(), 1)
-    batch._draft([row], [1])  # catch the MTP head up so the next steps are single-token draft steps
+    row = batch.join(prompt, DecodeOptions(10**6, copy=False), set(), 1)
+    draft(model, [row], [1])  # catch the MTP head up so the next steps are single-token draft steps
     mtp_cache = row.decoder.mtp_cache
     z = mx.zeros((1, 1, model.args.hidden_size))
 
@@ -219,7 +220,7 @@ def head_pass_costs(model, prompt: list[int], repeats: int) -> dict[str, dict[in
     the last pair alone; M = 1 is a draft step), "every_pair" the whole pass (what the catch-up ran before). Each
     call gets fresh random pairs, so its tokens reach other experts than the call before."""
     batch = Forced(model, (0.0,), np.random.default_rng(0))
-    cache = batch.join(prompt, Sampler(SamplingParams()), 10**6, set(), 1).decoder.mtp_cache
+    cache = batch.join(prompt, DecodeOptions(10**6, copy=False), set(), 1).decoder.mtp_cache
     rng, width = np.random.default_rng(1), model.hidden_width
     out: dict[str, dict[int, float]] = {"last_pair": {}, "every_pair": {}}
     for m in range(1, 7):
@@ -282,7 +283,7 @@ class Timed(Batch):
 def round_phases(model, prompt: list[int], depth: int, tokens: int) -> dict[str, float]:
     """Median milliseconds of each phase of an MTP round at `depth` (`Timed`), over a greedy decode of `tokens`."""
     batch = Timed(model)
-    row = batch.join(prompt, Sampler(SamplingParams()), tokens, set(), depth)
+    row = batch.join(prompt, DecodeOptions(tokens, copy=False), set(), depth)
     while not row.done:
         batch.step()
     return {name: statistics.median(t) * 1e3 for name, t in batch.phases.items() if t}
@@ -308,16 +309,15 @@ def qwen4_part(args: argparse.Namespace) -> dict:
     from hetero.decode.records import MTPStats
 
     model = load_model(checkpoint("qwen4", Path(args.workdir)), dtype=mx.float32)[0]  # no tokenizer: token ids in
-    sampler = Sampler(SamplingParams())
     depths = (1, 2, 3, 4, 5)
     prompt = np.random.default_rng(0).integers(3, model.args.vocab_size, 256).tolist()
 
-    plain_tps = statistics.median(_plain_decode_tps(model, prompt, sampler) for _ in range(args.repeats + 1))
+    plain_tps = statistics.median(_plain_decode_tps(model, prompt) for _ in range(args.repeats + 1))
     plain_s = 1.0 / plain_tps
     verify_cost = {}
     for k in depths:  # one stepper round over [x, k fixed drafts], none kept: a verify pass and its commit
         batch = Forced(model, (0.0,) * k, np.random.default_rng(0), drafts=[3] * k)
-        batch.join(prompt, sampler, 10**6, set(), k)
+        batch.join(prompt, DecodeOptions(10**6, copy=False), set(), k)
         batch.step(), batch.step()  # warm-up: the first rounds of a shape compile it
         verify_cost[k + 1] = median_seconds(batch.step, args.repeats * 3) / plain_s
     print(f"qwen4: plain step {plain_s * 1e3:.1f} ms; verify cost vs plain step "
@@ -345,7 +345,8 @@ def qwen4_part(args: argparse.Namespace) -> dict:
     prompts = [np.random.default_rng(i + 1).integers(3, model.args.vocab_size, 256).tolist() for i in range(2)]
     def generate(p: list[int], n: int, depth: int) -> tuple[list[int], dict]:
         times, stats = DecodeTimes(), MTPStats(depth) if depth else None
-        tokens = list(decode_tokens(model, p, sampler, n, set(), depth=depth, copy=False, times=times, stats=stats))
+        tokens = list(decode_tokens(model, p, DecodeOptions(n, copy=False), set(), depth,
+                                    RowParts(times=times, stats=stats)))
         return tokens, {"decode_tps": times.decode_tps, **({"mtp": stats.to_dict()} if stats else {})}
 
     for depth in (0, *depths):  # warm-up: each depth's first rounds compile its shapes

@@ -146,12 +146,11 @@ class Layers:
         return out, tps(times)
 
     def decode_tokens(self, i: int):
-        from hetero.decode.sampling import Sampler
+        from hetero.decode.options import DecodeOptions
         from hetero.decode.solo import decode_tokens
 
         out, times = [], []
-        for t in decode_tokens(self.model, self.ids[i], Sampler(self.greedy), self.n, set(), depth=self.depth,
-                               copy=True):
+        for t in decode_tokens(self.model, self.ids[i], DecodeOptions(self.n, self.greedy), set(), self.depth):
             out.append(t)
             times.append(time.perf_counter())
         return out, tps(times)
@@ -206,11 +205,11 @@ class Layers:
 
     def _stepper(self, prompts: list[list[int]]):
         """The stepper's rounds over one row per prompt: (tokens of each, aggregate tok/s) (solo: one row's)."""
-        from hetero.decode.sampling import Sampler
+        from hetero.decode.options import DecodeOptions
         from hetero.decode.stepper import Batch
 
         batch = Batch(self.model, max_batch=len(prompts))
-        rows = [batch.join(p, Sampler(self.greedy), self.n, set(), self.depth, copy=True) for p in prompts]
+        rows = [batch.join(p, DecodeOptions(self.n, self.greedy), set(), self.depth) for p in prompts]
         t0 = time.perf_counter()
         while batch.rows:
             batch.step()

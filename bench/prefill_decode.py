@@ -36,7 +36,8 @@ from hetero.host.environment import environment
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
 from hetero.checkpoint.loader import load_model  # noqa: E402
 from hetero.decode.records import DecodeTimes  # noqa: E402
-from hetero.decode.sampling import Sampler, SamplingParams  # noqa: E402
+from hetero.decode.options import DecodeOptions  # noqa: E402
+from hetero.decode.parts import RowParts  # noqa: E402
 from hetero.decode.solo import decode_tokens  # noqa: E402
 
 # Why an MoE checkpoint's greedy tokens may part: on the same input both engines' routers pick the same experts for
@@ -115,7 +116,7 @@ def peers_for(name: str) -> dict:
 def run_hetero(model, prompt: list[int], n_tokens: int) -> tuple[float, float, list[int]]:
     """(prefill tok/s, decode tok/s, the greedy tokens)."""
     times = DecodeTimes()
-    tokens = list(decode_tokens(model, prompt, Sampler(SamplingParams()), n_tokens, set(), times=times))
+    tokens = list(decode_tokens(model, prompt, DecodeOptions(n_tokens), set(), parts=RowParts(times=times)))
     return times.prefill_tps, times.decode_tps, tokens
 
 

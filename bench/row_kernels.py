@@ -250,7 +250,7 @@ def step_part(paths: Paths, args: argparse.Namespace) -> dict:
     step with the C kernel in place of the products is the custom-kernel design's bound: step - products + kernel.
     """
     from bench.checkpoints import checkpoint
-    from hetero.decode.sampling import Sampler, SamplingParams
+    from hetero.decode.options import DecodeOptions
     from hetero.decode.stepper import Batch
     from hetero.engine import load
     from hetero.models.linear import project
@@ -262,7 +262,7 @@ def step_part(paths: Paths, args: argparse.Namespace) -> dict:
         """Median seconds of a steady round (the first two left out: they compile and fill the queue)."""
         batch = Batch(engine.model, max_batch=n)
         for p in prompts[:n]:
-            batch.join(p, Sampler(SamplingParams()), args.step_tokens, set(), 0)
+            batch.join(p, DecodeOptions(args.step_tokens, copy=False), set(), 0)
         times, t = [], time.perf_counter()
         while batch.rows:
             batch.step()

@@ -36,6 +36,7 @@ def checkpoint_rows(name: str, path) -> list[dict]:
     import mlx.core as mx
 
     from hetero.pipeline import configure, verify
+    from hetero.pipeline.verification import FP32Reference
 
     rows = []
     for dtype_name, dtype in (("float32", mx.float32), ("bfloat16", mx.bfloat16), ("float16", mx.float16)):
@@ -44,14 +45,15 @@ def checkpoint_rows(name: str, path) -> list[dict]:
         run = configure(engine, 0.5, 64)
         progs = run.splitter(len(ids)).programs
         row = {"checkpoint": name, "dtype": dtype_name, "tokens": len(ids)}
-        honest = verify(run, ids, n_tokens=8)
+        fp32 = FP32Reference(engine)  # one fp32 copy and reference prefill for the honest run and each defect
+        honest = verify(run, ids, n_tokens=8, fp32=fp32)
         row.update(gpu_to_fp32=honest["gpu_to_fp32"], bound=honest["tolerance"],
                    honest={"split_to_fp32": honest["split_to_fp32"], "match": honest["match"]})
         for defect, (programs, factor) in defects(progs).items():
             layer = sorted(programs)[0]
             program, units = programs[layer][0]
             programs[layer][0] = (lambda feed, p=program, f=factor: {k: v * f for k, v in p(feed).items()}, units)
-            check = verify(run, ids, n_tokens=1)
+            check = verify(run, ids, n_tokens=1, fp32=fp32)
             programs[layer][0] = (program, units)
             row[defect] = {"split_to_fp32": check["split_to_fp32"], "match": check["match"]}
         if row["gpu_to_fp32"]:

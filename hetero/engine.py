@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -18,24 +17,26 @@ from hetero.caches.prefix import PrefixCache
 from hetero.checkpoint.chat_contract import chat_contract
 from hetero.checkpoint.fingerprint import checkpoint_identity, weights_fingerprint
 from hetero.checkpoint.loader import load_model
-from hetero.checkpoint.tokenizer import Tokenizer
+from hetero.checkpoint.tokenizer import Tokenizer, eos_ids
 from hetero.decode import wavefront
-from hetero.decode.depth import decode_depth
 from hetero.decode.depth_calibration import calibrate
 from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.prefill import prefill
 from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
-from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.decode.state import Decoder
 from hetero.errors import HeteroError
 from hetero.host import kernels
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
+from hetero.models.cache import ModelCache
 from hetero.host.wired import wire_working_set
 from hetero.models.interface import CausalLM
 from hetero.models.kv_quant import kv_quant, use_kv_quant
 from hetero.planner import check_prompt_fits
+from hetero.prologue import Opening, check_context, open_request, stream_stats
 from hetero.tools.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
 from hetero.tools.reasoning import opens_reasoning
 from hetero.tools.thinking_budget import ThinkingBudget
@@ -66,7 +67,7 @@ class Engine:
         self.config = config
         self.path = path
         self.name = name
-        self.eos_ids = _eos_ids(model, tokenizer, path)
+        self.eos_ids = eos_ids(model.args.eos_token_id, tokenizer, path)
         self.weights_fingerprint = weights_fingerprint(path)  # taken at load: the files' state as loaded
         self.prefix_cache: PrefixCache | None = None
         self.memory_gb: float | None = None  # RAM the memory governor budgets (None: this machine's)
@@ -123,11 +124,8 @@ class Engine:
         return ids
 
     def _check_room(self, n: int, held: int = 0) -> None:
-        if held + n >= self.max_context:
-            cached = f" after {held} cached tokens" if held else ""
-            raise HeteroError(
-                f"the prompt has {n} tokens{cached} but the model's context window is {self.max_context}; shorten it"
-            )
+        """The context window's room, and the memory governor's for the prompt's prefill."""
+        check_context(n, held, self.max_context)
         check_prompt_fits(self.model, held + n, self.memory_gb, wavefront.chunks_in_flight())
 
     @property
@@ -185,14 +183,15 @@ class Engine:
         logits, _ = prefill(self.model, ids, self.model.make_cache(), chunk, all_logits=True, images=vision)
         return np.array(logits.astype(mx.float32))
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, on_text: Callable[[str], None] | None = None,
-                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+    def generate(self, prompt: str | list[int], max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 on_text: Callable[[str], None] | None = None, on_logprob: Callable[[TokenLogprob], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, **options) -> GenerationResult:
-        """Generate up to `max_tokens` tokens (temperature 0 is greedy): `stream` run to its end, for callers that
-        want one result. `on_text` receives text as it streams, `on_logprob` each token's logprobs (with
-        `logprobs=N`) just before its text; `should_stop()` is polled after every token: True ends the generation
-        there (finish_reason "stop"). Other keyword arguments are `GenerationRequest`'s fields.
+        """Generate up to `max_tokens` tokens (default 256; temperature 0, the default, is greedy): `stream` run to
+        its end, for callers that want one result. `on_text` receives text as it streams, `on_logprob` each token's
+        logprobs (with `logprobs=N`) just before its text; `should_stop()` is polled after every token: True ends the
+        generation there (finish_reason "stop"). Other keyword arguments are `GenerationRequest`'s (`options=` a
+        `DecodeOptions` whole, which the named ones then override).
 
         The output distribution is the same with and without MTP; greedy output is identical token for token.
         With `self.prefix_cache` set (and `use_prefix_cache`), the prompt resumes from its longest cached prefix,
@@ -210,74 +209,22 @@ class Engine:
         or from `request.prompt_cache`; `request.split` may prefill it instead of the GPU-only path, and
         `request.batch` decodes it in a shared batch: the same tokens either way.
         """
-        r = request
-        held = 0
-        if getattr(self.model, "kv_quant", None) is not None and (r.prompt_cache is not None or r.split is not None):
-            what = "an mlx-lm prompt cache" if r.prompt_cache is not None else "the split prefill"
-            raise HeteroError(f"{what} holds full-precision KV only; load the engine without kv_bits to use it")
-        if r.prompt_cache is not None:
-            held = check_layout(r.prompt_cache, [layer.is_linear for layer in self.model.layers])
-        vision = self._images(r, held)
-        ids = vision.tokens if vision is not None else self.encode_prompt(r.prompt, r.chat, held)
-        keys = vision.cache_keys() if vision is not None else ids  # what the prefix cache keys: images by content
-        max_tokens = min(r.max_tokens, self.max_context - held - len(ids))
-        sampler = Sampler(r.sampling, r.seed)
-        penalties = r.penalties
-        penalties.check_vocab(self.model.args.vocab_size)
-        recorder = LogprobRecorder(r.logprobs) if r.logprobs is not None else None
-        constraint = None
-        if r.json_schema is not None or r.json_object:
-            constraint = Constraint(self.grammar_tokenizer(), self.json_grammar(r.json_schema), self.eos_ids)
-        elif r.grammar is not None:
-            constraint = Constraint(self.grammar_tokenizer(), r.grammar, self.eos_ids)
-        elif r.thinking_budget is not None:
-            constraint = self.thinking_budget(r.thinking_budget, ids)
-        depth = self.depth_for(r)  # 0: plain decoding
+        r, opening = request, self._open(request)
+        o, ids, depth = opening.options, opening.ids, opening.depth
+        recorder = LogprobRecorder(o.logprobs) if o.logprobs is not None else None
+        constraint = self._constraint(o, ids)
         times = DecodeTimes(start=time.perf_counter())  # TTFT includes restoring the prefix
         mx.reset_peak_memory()
-        mtp_stats = MTPStats(depth) if depth else None
         pc = self.prefix_cache if r.use_prefix_cache and r.prompt_cache is None else None
-        key, model = self.cache_key, self.model
-        cache, skip, carry = model.make_cache(), 0, None
-        if r.prompt_cache is not None:  # prefill continues at its offset: chunk edges stay those of a cold run
-            cache = from_mlx_lm(r.prompt_cache, [layer.is_linear for layer in model.layers], len(cache.mtp))
-        if pc is not None:
-            restored = pc.restore(model, key, keys, limit=len(ids) - 1)  # the last prompt token must run: its logits
-            if restored is not None:
-                cache, skip, carry = restored.cache, restored.n, restored.hidden
-        cached = skip + held  # what `cached_tokens` reports: only tokens read from a cache, never ones prefilled here
-        split = r.split is not None and skip == 0 and r.prompt_cache is None
-
-        def on_edge(n: int, at: list, hidden: mx.array) -> None:  # a chunk edge n, the cache as it stood there
-            pc.capture(model, key, keys[:n], at, hidden)  # images keyed by their pixels
-
-        if split:  # its ANE lane encodes the images while its GPU lane prefills the text before them
-            cache, skip, carry = r.split.prefill(ids, on_chunk=on_edge if pc is not None else None, images=vision)
-        if vision is not None:  # the images that came back from the cache are not encoded again (nor the split's)
-            self.vision.encode(vision, start=skip)
-
-        trace = Trace() if pc is not None else None  # what the end-of-turn checkpoint needs; nothing without one
-        committed = list(keys)
-        state: list[Decoder] = []
-        last_mark = [len(ids) // r.prefill_chunk]
-
-        def on_commit(decoder: Decoder, new: list[int]) -> None:
-            committed.extend(new)
-            state[:] = [decoder]
-            mark = decoder.length // r.prefill_chunk
-            if pc is not None and mark > last_mark[0]:  # a checkpoint every prefill_chunk decoded tokens
-                last_mark[0] = mark
-                pc.capture(model, key, committed[: decoder.length], decoder.cache, decoder.pending_hidden)
-
-        decode = r.batch.decode_tokens if r.batch is not None else decode_tokens
-        tokens = decode(
-            model, ids, sampler, max_tokens, self.eos_ids, depth=depth, copy=r.copy, chunk=r.prefill_chunk,
-            progress=r.progress, times=times, stats=mtp_stats, cache=cache, max_context=self.max_context, skip=skip,
-            carry=carry, on_chunk=on_edge if pc is not None else None, on_commit=on_commit if depth else None,
-            constraint=constraint, logprobs=recorder, marks=() if r.mark is None else (r.mark,), trace=trace,
-            mtp_prefill=pc is not None and model.has_mtp, penalties=penalties if penalties.active else None,
-            images=vision,
+        turn = None if pc is None else TurnCheckpoints(pc, self.model, self.cache_key, opening.keys, o.prefill_chunk)
+        cache, skip, carry, cached = self._restore(r, opening, turn)
+        parts = RowParts(
+            cache=cache, skip=skip, carry=carry, progress=r.progress, marks=() if r.mark is None else (r.mark,),
+            images=opening.vision, max_context=self.max_context, constraint=constraint, logprobs=recorder, times=times,
+            stats=MTPStats(depth) if depth else None, **(turn.parts(depth) if turn is not None else {}),
         )
+        decode = r.batch.decode_tokens if r.batch is not None else decode_tokens
+        tokens = decode(self.model, ids, o, self.eos_ids, depth, parts)
         detok = self.tokenizer.detokenizer()
         generated, consistent = 0, False  # consistent: ended or stopped here, or closed by the consumer
         try:
@@ -295,25 +242,54 @@ class Engine:
             raise
         finally:
             tokens.close()  # the decoder's caches hold the committed state from here on
-            if pc is not None and consistent:  # (a failure midway checkpoints nothing)
-                self._checkpoint_turn(pc, keys, cache, trace, state[0] if state else None, committed, r.prefill_chunk,
-                                      r.mark)
+            if turn is not None and consistent:  # (a failure midway checkpoints nothing)
+                turn.close(cache, r.mark)
         if generated == 0:
             yield Prefilled(len(ids), cached)
-        stats = {
-            "model": self.name,
-            "prompt_tokens": len(ids),
-            "cached_tokens": cached,
-            "generated_tokens": generated,
-            "finish_reason": times.finish_reason,
-            "ttft_s": round(times.ttft_s, 6),
-            "prefill_tps": round(times.prefill_tps, 3),
-            "decode_tps": round(times.decode_tps, 3),
-            "peak_memory_bytes": int(mx.get_peak_memory()),
-        }
-        if mtp_stats is not None:
-            stats["mtp"] = mtp_stats.to_dict()
-        yield Finished(detok.finalize(), times.finish_reason, stats)
+        mtp = parts.stats.to_dict() if parts.stats is not None else None
+        yield Finished(detok.finalize(), times.finish_reason,
+                       stream_stats(self.name, opening, cached, generated, times, int(mx.get_peak_memory()), mtp))
+
+    def _open(self, r: GenerationRequest) -> Opening:
+        """The prologue (`prologue.open_request`) after this engine's own checks: quantized KV takes neither an mlx-lm
+        prompt cache nor the split, a prompt cache's layout must be this model's, images need a tower."""
+        if getattr(self.model, "kv_quant", None) is not None and (r.prompt_cache is not None or r.split is not None):
+            what = "an mlx-lm prompt cache" if r.prompt_cache is not None else "the split prefill"
+            raise HeteroError(f"{what} holds full-precision KV only; load the engine without kv_bits to use it")
+        held = 0
+        if r.prompt_cache is not None:
+            held = check_layout(r.prompt_cache, [layer.is_linear for layer in self.model.layers])
+        return open_request(self, r, held, self._images(r, held))
+
+    def _constraint(self, o: DecodeOptions, ids: list[int]) -> Constraint | ThinkingBudget | None:
+        """The mask the row samples under: the options' grammar (a JSON Schema compiled by the prologue), else the
+        thinking budget, else none."""
+        if o.grammar is not None:
+            return Constraint(self.grammar_tokenizer(), o.grammar, self.eos_ids)
+        if o.thinking_budget is not None:
+            return self.thinking_budget(o.thinking_budget, ids)
+        return None
+
+    def _restore(self, r: GenerationRequest, opening: Opening,
+                 turn: TurnCheckpoints | None) -> tuple[ModelCache, int, mx.array | None, int]:
+        """(cache, tokens of the prompt in it, the last one's hidden, tokens read from a cache) to prefill the rest
+        over: an mlx-lm prompt cache (prefill continues at its offset: chunk edges stay those of a cold run), the
+        prefix cache's longest prefix, or the split's prefill of the whole prompt; then the images the cache does not
+        hold are encoded."""
+        model, ids, vision = self.model, opening.ids, opening.vision
+        cache, skip, carry = model.make_cache(), 0, None
+        if r.prompt_cache is not None:
+            cache = from_mlx_lm(r.prompt_cache, [layer.is_linear for layer in model.layers], len(cache.mtp))
+        if turn is not None:
+            restored = turn.pc.restore(model, turn.key, opening.keys, limit=len(ids) - 1)  # the last token must run
+            if restored is not None:
+                cache, skip, carry = restored.cache, restored.n, restored.hidden
+        cached = skip + opening.held  # only tokens read from a cache, never ones prefilled here
+        if r.split is not None and skip == 0 and r.prompt_cache is None:  # its ANE lane encodes the images too
+            cache, skip, carry = r.split.prefill(ids, on_chunk=None if turn is None else turn.on_chunk, images=vision)
+        if vision is not None:  # the images that came back from the cache are not encoded again (nor the split's)
+            self.vision.encode(vision, start=skip)
+        return cache, skip, carry, cached
 
     def _images(self, r: GenerationRequest, held: int) -> ImagePrompt | None:
         """The request's images as an `ImagePrompt` over its prompt (None without images); what cannot carry
@@ -331,37 +307,66 @@ class Engine:
         ids = self.encode_prompt(r.prompt, r.chat, held, images=len(r.images))
         return self.image_prompt(ids, list(r.images), held)
 
-    def depth_for(self, request: GenerationRequest) -> int:
-        """The draft depth `request` decodes at (0: plain), by the one depth policy (`depth.decode_depth`)."""
-        if request.mtp and not self.model.has_mtp:
-            raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
-        tuned = None  # what was measured here: a depth, PLAIN, or None
-        if request.draft_depth is None and request.mtp is not False:  # None: calibrate on first use
-            tuned = self.default_depth() if request.mtp is None else tuned_depth(self.identity)
-        return decode_depth(self.model.has_mtp, request.mtp, request.draft_depth, tuned)
+    def tuned_depth(self, options: DecodeOptions) -> int | str | None:
+        """What this machine measured for this model, which the depth policy (`depth.decode_depth`) takes when
+        `options` name no depth: the depth `hetero tune` saved or PLAIN; for `mtp` None, calibrated now on first use
+        (`default_depth`). None when the options name a depth or turn MTP off."""
+        if options.draft_depth is not None or options.mtp is False:
+            return None
+        return self.default_depth() if options.mtp is None else tuned_depth(self.identity)
 
-    def _checkpoint_turn(
-        self, pc: PrefixCache, ids: list[int], cache: list, trace: Trace, decoder: Decoder | None, committed: list[int],
-        chunk: int, mark: int | None = None,
-    ) -> None:
-        """Checkpoint the committed end state of a turn (never a speculative one), then persist it.
+
+class TurnCheckpoints:
+    """What the prefix cache `pc` keeps of one generation over `keys` (the prompt as the cache keys it): the cache at
+    every prefill chunk edge (`on_chunk`), the committed state every `chunk` decoded tokens (`on_commit`, MTP), and
+    the committed end state of the turn (`close`; plain decoding's from what `trace` recorded)."""
+
+    def __init__(self, pc: PrefixCache, model: CausalLM, key: str, keys: list, chunk: int):
+        self.pc, self.model, self.key, self.keys, self.chunk = pc, model, key, keys, chunk
+        self.trace = Trace()  # plain decoding: what the backbone ran
+        self.committed = list(keys)
+        self.decoder: Decoder | None = None  # MTP: the state after the latest round
+        self.last_mark = len(keys) // chunk
+
+    def parts(self, depth: int) -> dict:
+        """The row's parts that keep these checkpoints: its chunk edges, its commits (MTP), its trace (plain), and
+        the MTP head's KV filled at depth 0 too, so a checkpoint serves a later MTP request."""
+        return dict(on_chunk=self.on_chunk, on_commit=self.on_commit if depth else None, trace=self.trace,
+                    mtp_prefill=self.model.has_mtp)
+
+    def on_chunk(self, n: int, at: list, hidden: mx.array) -> None:
+        """A chunk edge n, the cache as it stood there (images keyed by their pixels)."""
+        self.pc.capture(self.model, self.key, self.keys[:n], at, hidden)
+
+    def on_commit(self, decoder: Decoder, new: list[int]) -> None:
+        """An MTP round's commit: a checkpoint every `chunk` decoded tokens."""
+        self.committed.extend(new)
+        self.decoder = decoder
+        mark = decoder.length // self.chunk
+        if mark > self.last_mark:
+            self.last_mark = mark
+            self.pc.capture(self.model, self.key, self.committed[: decoder.length], decoder.cache,
+                            decoder.pending_hidden)
+
+    def close(self, cache: ModelCache, mark: int | None = None) -> None:
+        """Checkpoint the committed end state of the turn (never a speculative one), then persist it.
 
         The disk gets the checkpoints from the last chunk edge before the prompt's end (or the `mark`, when
         earlier) onward: the same prompt sent again must still run its last token, so it resumes from that edge;
         the conversation's next turn resumes from the mark.
         """
-        key = self.cache_key
+        decoder, trace = self.decoder, self.trace
         if decoder is not None:  # MTP: the state after the last round; x is committed but not yet run
-            run = committed[: decoder.length]
-            pc.capture(self.model, key, run, decoder.cache, decoder.pending_hidden)
+            run = self.committed[: decoder.length]
+            self.pc.capture(self.model, self.key, run, decoder.cache, decoder.pending_hidden)
         elif trace.hidden:  # plain: the prompt, then every token a decode step ran
-            run = list(ids) + [int(t.item()) for t in trace.tokens]
+            run = list(self.keys) + [int(t.item()) for t in trace.tokens]
             pending = mx.concatenate(trace.hidden, axis=0)  # [1 + steps, H]
-            pc.capture(self.model, key, run, cache, pending)
+            self.pc.capture(self.model, self.key, run, cache, pending)
         else:
             return
-        since = (len(ids) - 1) // chunk * chunk
-        pc.persist(self.model, key, run, since=since if mark is None else min(since, mark))
+        since = (len(self.keys) - 1) // self.chunk * self.chunk
+        self.pc.persist(self.model, self.key, run, since=since if mark is None else min(since, mark))
 
 
 def collect(events: Generator[Event, str | None, None], request: GenerationRequest,
@@ -395,26 +400,13 @@ def collect(events: Generator[Event, str | None, None], request: GenerationReque
     return GenerationResult("".join(text), tokens, event.stats, logprobs if request.logprobs is not None else None)
 
 
-def make_request(prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, **options) -> GenerationRequest:
-    """A `GenerationRequest` from `Engine.generate`'s flat keyword arguments (sampling fields by name)."""
-    unknown = sorted(set(options) - set(GenerationRequest.__dataclass_fields__))
-    if unknown:
-        raise HeteroError(f"unknown generation argument {unknown[0]!r}; see hetero.GenerationRequest for the fields")
-    return GenerationRequest(prompt, max_tokens, SamplingParams(temperature, top_k, top_p, min_p), **options)
-
-
-def _eos_ids(model: CausalLM, tokenizer: Tokenizer, path: Path) -> set[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
-    ids = set(model.args.eos_token_id) | set(tokenizer.eos_token_ids)
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except json.JSONDecodeError:
-            eos = None
-        ids |= {eos} if isinstance(eos, int) else set(eos or [])
-    return ids
+def make_request(prompt: str | list[int], max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 **options) -> GenerationRequest:
+    """A `GenerationRequest` from `Engine.generate`'s flat keyword arguments (None: not given, the default or the
+    `options=` object's value)."""
+    given = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return GenerationRequest(prompt, **{k: v for k, v in given.items() if v is not None}, **options)
 
 
 def load(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = None,

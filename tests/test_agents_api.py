@@ -233,8 +233,9 @@ def test_sampling_defaults_come_from_generation_config(tmp_path):
     engine = SimpleNamespace(path=tmp_path, max_context=100, model=SimpleNamespace(has_mtp=False))
     parser = Parser(engine, {"m"})
     job = parser.job({"model": "m"}, [1, 2], "max_tokens")
-    assert (job.temperature, job.top_p, job.top_k) == (0.6, 0.95, 20)
-    assert parser.job({"model": "m", "temperature": 0, "top_k": 0}, [1], "max_tokens").temperature == 0.0
+    s = job.options.sampling
+    assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.95, 20)
+    assert parser.job({"model": "m", "temperature": 0, "top_k": 0}, [1], "max_tokens").options.sampling.temperature == 0
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     assert sampling_defaults(tmp_path)["temperature"] == 0.0  # greedy, as transformers reads the file
     assert sampling_defaults(tmp_path / "absent")["temperature"] == 0.0

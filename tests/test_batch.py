@@ -28,6 +28,8 @@ from test_speculative import (
 import hetero
 from hetero.decode.logprobs import LogprobRecorder
 from hetero.decode.loop import DecodeLoop, Seat
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.prefill import prefill
 from hetero.decode.records import DecodeTimes, Trace
 from hetero.decode.rows import Row
@@ -51,36 +53,38 @@ def models() -> dict[str, Model]:
     return {"rejecting": random_model(0, 32), "agreeing": agreeing_model(1, 32, alpha=0.2)}
 
 
-def solo(model: Model, prompt: list[int], max_tokens: int, depth: int, sampler: Sampler | None = None,
-         eos: set[int] = frozenset(), copy: bool = False) -> list[int]:
-    sampler = sampler or Sampler(GREEDY)
-    if depth == 0:
-        return list(decode_tokens(model, prompt, sampler, max_tokens, set(eos)))
-    return list(decode_tokens(model, prompt, sampler, max_tokens, set(eos), depth=depth, copy=copy))
+def solo(model: Model, prompt: list[int], max_tokens: int, depth: int, sampling: SamplingParams = GREEDY,
+         seed: int | None = None, eos: set[int] = frozenset(), copy: bool = False) -> list[int]:
+    return list(decode_tokens(model, prompt, DecodeOptions(max_tokens, sampling, seed, copy=copy), set(eos), depth))
+
+
+def greedy(limits: list[int], copy: bool = False) -> list[DecodeOptions]:
+    """Greedy options for rows of these max_tokens, without the copy lane unless `copy` (these tests say when)."""
+    return [DecodeOptions(n, copy=copy) for n in limits]
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", ["rejecting", "agreeing"])
 def test_greedy_batch_equals_solo(models, name, n):
     model = models[name]
-    requests = batch_generate(model, PROMPTS[:n], [Sampler(GREEDY) for _ in range(n)], MAX_TOKENS[:n], set(),
-                              DEPTHS[:n])
+    requests = batch_generate(model, PROMPTS[:n], greedy(MAX_TOKENS[:n]), set(), DEPTHS[:n])
     for i, r in enumerate(requests):
         assert r.tokens == solo(model, PROMPTS[i], MAX_TOKENS[i], DEPTHS[i]), f"request {i}"
         assert r.finish_reason == "length" and len(r.tokens) == MAX_TOKENS[i]
     if name == "agreeing" and n >= 4:  # drafts were accepted, and rejected: both commit paths ran in the batch
-        assert all(1.3 < r.stats.to_dict()["mean_accepted_length"] < r.depth + 1 for r in requests if r.depth > 1)
+        assert all(1.3 < r.parts.stats.to_dict()["mean_accepted_length"] < r.depth + 1 for r in requests if r.depth > 1)
 
 
 def test_seeded_sampling_batch_equals_solo(models):
     """Sampled rows (mixed with a greedy one) draw what they draw alone with the same seed: same distribution."""
     model, params = models["rejecting"], SamplingParams(0.8, top_k=10)
     kinds = [params, params, GREEDY, SamplingParams(1.0, top_p=0.9), params]
-    requests = batch_generate(model, PROMPTS[:5], [Sampler(p, 10 + i) for i, p in enumerate(kinds)], MAX_TOKENS[:5],
-                              set(), DEPTHS[:5])
+    options = [DecodeOptions(n, p, 10 + i, copy=False) for i, (p, n) in enumerate(zip(kinds, MAX_TOKENS))]
+    requests = batch_generate(model, PROMPTS[:5], options, set(), DEPTHS[:5])
     for i, r in enumerate(requests):
-        assert r.tokens == solo(model, PROMPTS[i], MAX_TOKENS[i], DEPTHS[i], Sampler(kinds[i], 10 + i)), f"request {i}"
-    again = batch_generate(model, PROMPTS[:2], [Sampler(params, 99), Sampler(params, 98)], [40, 40], set(), [3, 3])
+        assert r.tokens == solo(model, PROMPTS[i], MAX_TOKENS[i], DEPTHS[i], kinds[i], 10 + i), f"request {i}"
+    again = batch_generate(model, PROMPTS[:2], [DecodeOptions(40, params, s, copy=False) for s in (99, 98)], set(),
+                           [3, 3])
     assert again[0].tokens != again[1].tokens  # each row its own key stream, not a shared one
 
 
@@ -88,18 +92,17 @@ def test_seeded_sampling_batch_equals_solo(models):
 def test_copy_lane_rows_equal_solo(models, name):
     model = models[name]
     prompts = [[4, 9, 2, 7, 1] * 3, [1, 2, 3] * 4, [8, 6, 4]]
-    requests = batch_generate(model, prompts, [Sampler(GREEDY) for _ in prompts], [60, 45, 50], set(), [3, 2, 1],
-                              copy=True)
+    requests = batch_generate(model, prompts, greedy([60, 45, 50], copy=True), set(), [3, 2, 1])
     for r, p, n, d in zip(requests, prompts, [60, 45, 50], [3, 2, 1]):
         assert r.tokens == solo(model, p, n, d, copy=True)
-    assert sum(r.stats.copy_drafted for r in requests) > 0 and sum(r.stats.mtp_rounds for r in requests) > 0
+    assert sum(r.parts.stats.copy_drafted for r in requests) > 0 and sum(r.parts.stats.mtp_rounds for r in requests) > 0
 
 
 def test_eos_ends_each_row_where_solo_does(models):
     model = models["agreeing"]
     reference = [solo(model, p, 40, d) for p, d in zip(PROMPTS[:4], DEPTHS[:4])]
     eos = {reference[0][17], reference[3][9]}  # inside the outputs; each row stops at its own first EOS
-    requests = batch_generate(model, PROMPTS[:4], [Sampler(GREEDY) for _ in range(4)], [40] * 4, eos, DEPTHS[:4])
+    requests = batch_generate(model, PROMPTS[:4], greedy([40] * 4), eos, DEPTHS[:4])
     for r, p, d in zip(requests, PROMPTS, DEPTHS):
         expected = solo(model, p, 40, d, eos=eos)
         assert r.tokens == expected
@@ -112,13 +115,13 @@ def test_join_and_leave_between_rounds(models):
     cancelled one leaves with a cache holding exactly its committed tokens."""
     model = models["agreeing"]
     batch = Batch(model, max_batch=3)
-    a = batch.join(PROMPTS[0], Sampler(GREEDY), 40, set(), depth=3)
-    b = batch.join(PROMPTS[2], Sampler(GREEDY), 30, set(), depth=0)
+    a = batch.join(PROMPTS[0], DecodeOptions(40, copy=False), set(), 3)
+    b = batch.join(PROMPTS[2], DecodeOptions(30, copy=False), set(), 0)
     for _ in range(3):
         batch.step()
-    c = batch.join(PROMPTS[3], Sampler(GREEDY), 33, set(), depth=4)
+    c = batch.join(PROMPTS[3], DecodeOptions(33, copy=False), set(), 4)
     with pytest.raises(HeteroError):
-        batch.join(PROMPTS[4], Sampler(GREEDY), 5, set())  # full
+        batch.join(PROMPTS[4], DecodeOptions(5, copy=False), set())  # full
     batch.step()
     batch.step()
     batch.leave(a)
@@ -127,7 +130,8 @@ def test_join_and_leave_between_rounds(models):
     assert a.tokens[-1] == a.decoder.x  # every committed token was emitted (no limit reached)
     assert_decoder_matches_reference(model, a.decoder, PROMPTS[0] + a.tokens)
     long_prompt = [(7 * i + 3) % 32 for i in range(23)]  # prefilled in chunks of 4, a round of the others after each
-    d = batch.join(long_prompt, Sampler(GREEDY), 20, set(), depth=2, chunk=4, progress=lambda *_: batch.step())
+    d = batch.join(long_prompt, DecodeOptions(20, copy=False, prefill_chunk=4), set(), 2,
+                   RowParts(progress=lambda *_: batch.step()))
     assert len(b.tokens) > 5 + 5  # b decoded while d prefilled
     for _ in batch.drain():
         pass
@@ -145,21 +149,21 @@ def test_overlapped_plain_rounds_under_churn(models):
     sampled = SamplingParams(temperature=0.9, top_p=0.95)
     eos = {solo(model, PROMPTS[5], 40, 0)[11]}  # row e (only) stops at an EOS halfway
     batch = Batch(model, max_batch=4)
-    a = batch.join(PROMPTS[0], Sampler(GREEDY), 40, set(), depth=0)
-    b = batch.join(PROMPTS[1], Sampler(sampled, 5), 30, set(), depth=0)
+    a = batch.join(PROMPTS[0], DecodeOptions(40, copy=False), set(), 0)
+    b = batch.join(PROMPTS[1], DecodeOptions(30, sampled, 5, copy=False), set(), 0)
     for _ in range(4):
         batch.step()
     assert batch._ahead is not None  # the next pass is queued
-    c = batch.join(PROMPTS[2], Sampler(GREEDY), 7, set(), depth=0)  # joins while a pass is queued for a and b
+    c = batch.join(PROMPTS[2], DecodeOptions(7, copy=False), set(), 0)  # joins while a pass is queued for a and b
     for _ in range(3):
         batch.step()
     batch.leave(a)  # cancelled with a queued pass that wrote one more KV position
     assert a.tokens == solo(model, PROMPTS[0], 40, 0)[: len(a.tokens)] and not a.done
     assert_backbone_matches(model, a.decoder, PROMPTS[0] + a.tokens)
-    e = batch.join(PROMPTS[5], Sampler(GREEDY), 40, eos, depth=0)
+    e = batch.join(PROMPTS[5], DecodeOptions(40, copy=False), eos, 0)
     for _ in batch.drain():
         pass
-    assert b.tokens == solo(model, PROMPTS[1], 30, 0, Sampler(sampled, 5))
+    assert b.tokens == solo(model, PROMPTS[1], 30, 0, sampled, 5)
     assert c.tokens == solo(model, PROMPTS[2], 7, 0) and c.finish_reason == "length"
     assert e.tokens == solo(model, PROMPTS[5], 40, 0, eos=eos) and e.finish_reason == "stop"
     for r, p in ((b, PROMPTS[1]), (c, PROMPTS[2])):  # finished rows: caches end at their last committed token
@@ -175,11 +179,11 @@ def test_lone_plain_row_gives_way_to_joining_rows(models):
     model = models["rejecting"]
     sampled = SamplingParams(temperature=0.9, top_p=0.95)
     batch = Batch(model, max_batch=2)
-    a = batch.join(PROMPTS[0], Sampler(sampled, 3), 40, set(), depth=0)
+    a = batch.join(PROMPTS[0], DecodeOptions(40, sampled, 3, copy=False), set(), 0)
     for _ in range(3):
         batch.step()
     assert batch._ahead is not None and batch._ahead.drawn is not None  # queued with its draw
-    b = batch.join(PROMPTS[2], Sampler(GREEDY), 6, set(), depth=0)  # drops a's queued pass and draw
+    b = batch.join(PROMPTS[2], DecodeOptions(6, copy=False), set(), 0)  # drops a's queued pass and draw
     while not b.done:
         batch.step()
     assert batch.rows == [a]
@@ -187,7 +191,7 @@ def test_lone_plain_row_gives_way_to_joining_rows(models):
         batch.step()
     batch.leave(a)  # cancelled with a queued pass
     assert batch._ahead is None and not a.done
-    assert a.tokens == solo(model, PROMPTS[0], 40, 0, Sampler(sampled, 3))[: len(a.tokens)]
+    assert a.tokens == solo(model, PROMPTS[0], 40, 0, sampled, 3)[: len(a.tokens)]
     assert b.tokens == solo(model, PROMPTS[2], 6, 0)
     assert_backbone_matches(model, a.decoder, PROMPTS[0] + a.tokens)
 
@@ -210,15 +214,15 @@ def test_plain_rounds_queue_no_pass_past_a_last_token(models, monkeypatch):
     monkeypatch.setattr(Batch, "_solo_pass", counted("solo", Batch._solo_pass))
     monkeypatch.setattr(Batch, "_verify", counted("batch", Batch._verify))
     batch = Batch(model, max_batch=2)
-    a = batch.join(PROMPTS[0], Sampler(GREEDY), 10, set(), depth=0)
+    a = batch.join(PROMPTS[0], DecodeOptions(10, copy=False), set(), 0)
     batch.prime()
     assert batch._ahead is not None and passes == {"solo": 1, "batch": 0}  # queued before the first token is read
     for _ in batch.drain():
         pass
     assert a.tokens == expected and passes == {"solo": 9, "batch": 0} and batch._ahead is None
     passes.update(solo=0, batch=0)
-    b = batch.join(PROMPTS[1], Sampler(GREEDY), 6, set(), depth=0)  # 5 rounds together, then c alone for 3
-    c = batch.join(PROMPTS[2], Sampler(GREEDY), 9, set(), depth=0)
+    b = batch.join(PROMPTS[1], DecodeOptions(6, copy=False), set(), 0)  # 5 rounds together, then c alone for 3
+    c = batch.join(PROMPTS[2], DecodeOptions(9, copy=False), set(), 0)
     rounds = sum(1 for _ in batch.drain())
     assert rounds == 8 and passes == {"solo": 3, "batch": 5}
     assert b.tokens == solo(model, PROMPTS[1], 6, 0) and c.tokens == solo(model, PROMPTS[2], 9, 0)
@@ -230,13 +234,13 @@ def test_a_primed_pass_gives_way_to_a_joining_row(models):
     model = models["rejecting"]
     sampled = SamplingParams(temperature=0.9, top_p=0.95)
     batch = Batch(model, max_batch=2)
-    a = batch.join(PROMPTS[0], Sampler(sampled, 3), 20, set(), depth=0)
+    a = batch.join(PROMPTS[0], DecodeOptions(20, sampled, 3, copy=False), set(), 0)
     batch.prime()
     assert batch._ahead is not None and batch._ahead.drawn is not None
-    b = batch.join(PROMPTS[2], Sampler(GREEDY), 6, set(), depth=0)  # the first round drops a's queued pass
+    b = batch.join(PROMPTS[2], DecodeOptions(6, copy=False), set(), 0)  # the first round drops a's queued pass
     for _ in batch.drain():
         pass
-    assert a.tokens == solo(model, PROMPTS[0], 20, 0, Sampler(sampled, 3))
+    assert a.tokens == solo(model, PROMPTS[0], 20, 0, sampled, 3)
     assert b.tokens == solo(model, PROMPTS[2], 6, 0)
     assert_backbone_matches(model, a.decoder, PROMPTS[0] + a.tokens)
 
@@ -266,9 +270,11 @@ def test_restored_prefix_and_prefilled_decoder_join(models):
     _, carry = prefill(model, prompt[:6], cache, mtp=True)  # a checkpoint of the first 6 tokens and h_5
     batch = Batch(model)
     committed: list[int] = []
-    restored = batch.join(prompt, Sampler(GREEDY), 30, set(), depth=2, cache=cache, skip=6, carry=carry,
-                          on_commit=lambda decoder, new: committed.extend(new))
-    added = batch.admit(batch.row(start(model, PROMPTS[0], Sampler(GREEDY), 3), Sampler(GREEDY), 25, set(), 3))
+    restored = batch.join(prompt, DecodeOptions(30, copy=False), set(), 2,
+                          RowParts(cache=cache, skip=6, carry=carry,
+                                   on_commit=lambda decoder, new: committed.extend(new)))
+    decoder = start(model, PROMPTS[0], Sampler(GREEDY), 3, DecodeOptions(copy=False))
+    added = batch.admit(batch.row(decoder, Sampler(GREEDY), DecodeOptions(25, copy=False), set(), 3))
     for _ in batch.drain():
         pass
     assert restored.tokens == solo(model, prompt, 30, 2) and added.tokens == solo(model, PROMPTS[0], 25, 3)
@@ -279,16 +285,16 @@ def test_logprobs_per_request_equal_solo(models):
     model = models["agreeing"]
     batch = Batch(model)
     recorders = [LogprobRecorder(3) for _ in range(3)]
-    requests = [batch.join(p, Sampler(GREEDY), 20, set(), d, logprobs=rec)
+    requests = [batch.join(p, DecodeOptions(20, copy=False), set(), d, RowParts(logprobs=rec))
                 for p, d, rec in zip(PROMPTS[:3], DEPTHS[:3], recorders)]
     for _ in batch.drain():
         pass
     for r, p, d, rec in zip(requests, PROMPTS, DEPTHS, recorders):
         ref = LogprobRecorder(3)
         if d:
-            list(decode_tokens(model, p, Sampler(GREEDY), 20, set(), depth=d, copy=False, logprobs=ref))
+            list(decode_tokens(model, p, DecodeOptions(20, copy=False), set(), d, RowParts(logprobs=ref)))
         else:
-            list(decode_tokens(model, p, Sampler(GREEDY), 20, set(), logprobs=ref))
+            list(decode_tokens(model, p, DecodeOptions(20), set(), parts=RowParts(logprobs=ref)))
         ours, theirs = rec.items[:20], ref.items[:20]
         assert [x.token for x in ours] == [x.token for x in theirs] == r.tokens
         assert [t for x in ours for t, _ in x.top] == [t for x in theirs for t, _ in x.top]
@@ -298,27 +304,27 @@ def test_logprobs_per_request_equal_solo(models):
 def test_edge_requests(models):
     model = models["rejecting"]
     batch = Batch(model)
-    none = batch.join([1, 2], Sampler(GREEDY), 0, set())
-    one = batch.join([1, 2], Sampler(GREEDY), 1, set())
-    first_eos = batch.join([3], Sampler(GREEDY), 10, {solo(model, [3], 1, 0)[0]})
+    none = batch.join([1, 2], DecodeOptions(0, copy=False), set())
+    one = batch.join([1, 2], DecodeOptions(1, copy=False), set())
+    first_eos = batch.join([3], DecodeOptions(10, copy=False), {solo(model, [3], 1, 0)[0]})
     assert none.tokens == [] and one.tokens == solo(model, [1, 2], 1, 3) and first_eos.tokens == []
     assert (none.finish_reason, one.finish_reason, first_eos.finish_reason) == ("length", "length", "stop")
     assert batch.rows == [] and batch.step() == {}
     with pytest.raises(HeteroError):
         Batch(model, max_batch=0)
     with pytest.raises(HeteroError):
-        batch.join([1], Sampler(GREEDY), 4, set(), depth=16)
+        batch.join([1], DecodeOptions(4, copy=False), set(), 16)
 
 
 def test_plain_batch_of_a_model_without_mtp_head():
     headless = Model(tiny_args(32))
     mx.eval(headless.parameters())
     prompts, limits = PROMPTS[:3], [20, 9, 15]
-    requests = batch_generate(headless, prompts, [Sampler(GREEDY) for _ in prompts], limits, set(), [0, 0, 0])
+    requests = batch_generate(headless, prompts, greedy(limits), set(), [0, 0, 0])
     for r, p, n in zip(requests, prompts, limits):
         assert r.tokens == plain(headless, p, n)
     with pytest.raises(HeteroError):
-        Batch(headless).join([1], Sampler(GREEDY), 4, set(), depth=2)
+        Batch(headless).join([1], DecodeOptions(4, copy=False), set(), 2)
 
 
 @pytest.mark.parametrize("S", [3, 20])  # the compiled few-token pieces, and the plain path past RECURRENT_MAX_TOKENS
@@ -374,7 +380,7 @@ def test_rollback_per_request(models, data):
     rows, committed = [], []
     for i in range(n):
         prompt = data.draw(st.lists(token, min_size=1, max_size=10), label=f"prompt {i}")
-        r = batch.join(prompt, Sampler(GREEDY), 1000, set(), depth=4)
+        r = batch.join(prompt, DecodeOptions(1000, copy=False), set(), 4)
         r.decoder.lane = ScriptedLane()
         rows.append(r)
         committed.append(prompt + [r.decoder.x])
@@ -403,8 +409,7 @@ def test_bundled_model_greedy_batch_equals_solo():
     depths, limits = [3, 2, 0, 4, 1, 3, 0, 2], [20, 31, 12, 25, 16, 9, 18, 22]
     alone = [solo(engine.model, p, n, d, eos=engine.eos_ids) for p, n, d in zip(prompts, limits, depths)]
     for n in (1, 2, 4, 8):
-        requests = batch_generate(engine.model, prompts[:n], [Sampler(GREEDY) for _ in range(n)], limits[:n],
-                                  engine.eos_ids, depths[:n])
+        requests = batch_generate(engine.model, prompts[:n], greedy(limits[:n]), engine.eos_ids, depths[:n])
         assert [r.tokens for r in requests] == alone[:n], n
 
 
@@ -424,8 +429,8 @@ def run_jobs(loop: DecodeLoop, model: Model, jobs: list[tuple[list[int], int, in
         loop.turns.enter(ticket)
         try:
             out, times[i] = [], DecodeTimes()
-            stream = loop.generate_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(), depth=depth, copy=False,
-                                          times=times[i], on_handover=lambda: loop.turns.leave(ticket),
+            stream = loop.generate_tokens(model, prompt, DecodeOptions(max_tokens, copy=False), set(), depth,
+                                          RowParts(times=times[i]), on_handover=lambda: loop.turns.leave(ticket),
                                           on_handback=lambda: loop.turns.enter(ticket))
             for t in stream:
                 out.append(t)
@@ -483,14 +488,14 @@ def test_decode_loop_under_churn(models):
 def test_decode_loop_closed_fails_its_streams(models):
     model = models["rejecting"]
     loop = DecodeLoop(model)
-    stream = loop.generate_tokens(model, PROMPTS[0], Sampler(GREEDY), 1000, set(), depth=2, copy=False)
+    stream = loop.generate_tokens(model, PROMPTS[0], DecodeOptions(1000, copy=False), set(), 2)
     assert len([next(stream) for _ in range(3)]) == 3
     loop.close()
     with pytest.raises(HeteroError):
         for _ in stream:
             pass
     with pytest.raises(HeteroError):  # a loop that is closed takes no new request
-        list(loop.generate_tokens(model, PROMPTS[1], Sampler(GREEDY), 10, set(), depth=0))
+        list(loop.generate_tokens(model, PROMPTS[1], DecodeOptions(10), set(), 0))
 
 
 def test_decode_loop_plain_jobs_fill_the_trace(models):
@@ -498,12 +503,12 @@ def test_decode_loop_plain_jobs_fill_the_trace(models):
     model = models["rejecting"]
     loop = DecodeLoop(model)
     traces = [Trace(), Trace()]
-    streams = [loop.generate_tokens(model, p, Sampler(GREEDY), 12, set(), depth=0, trace=tr)
+    streams = [loop.generate_tokens(model, p, DecodeOptions(12), set(), 0, RowParts(trace=tr))
                for p, tr in zip(PROMPTS[:2], traces)]
     outs = [list(s) for s in streams]  # one after the other: the loop thread serves each in turn
     for p, out, tr in zip(PROMPTS, outs, traces):
         ref = Trace()
-        assert out == list(decode_tokens(model, p, Sampler(GREEDY), 12, set(), trace=ref))
+        assert out == list(decode_tokens(model, p, DecodeOptions(12), set(), parts=RowParts(trace=ref)))
         assert [int(t.item()) for t in tr.tokens] == [int(t.item()) for t in ref.tokens][: len(tr.tokens)]
         assert len(tr.hidden) == len(tr.tokens) + 1 and len(tr.tokens) >= len(ref.tokens) - 1
         for a, b in zip(tr.hidden, ref.hidden):
@@ -599,22 +604,18 @@ def test_constrained_requests_in_a_batch_equal_solo():
     depths, seeds = [3, 0, 2, 3, 0], [None, 7, 3, None, None]
     params = [SamplingParams() if s is None else SamplingParams(temperature=1.0) for s in seeds]
 
-    def sampler(i):
-        return Sampler(params[i], seeds[i])
+    def options(i):
+        return DecodeOptions(60, params[i], seeds[i])
 
     def grammar(i):
         return constraint(engine, schemas[i]) if schemas[i] is not None else None
 
     alone = []
     for i, p in enumerate(prompts):
-        if depths[i]:
-            gen = decode_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, depth=depths[i], copy=True,
-                                      constraint=grammar(i))
-        else:
-            gen = decode_tokens(engine.model, p, sampler(i), 60, engine.eos_ids, constraint=grammar(i))
-        alone.append(list(gen))
+        alone.append(list(decode_tokens(engine.model, p, options(i), engine.eos_ids, depths[i],
+                                        RowParts(constraint=grammar(i)))))
     batch = Batch(engine.model, max_batch=len(prompts))
-    requests = [batch.join(p, sampler(i), 60, engine.eos_ids, depths[i], copy=True, constraint=grammar(i))
+    requests = [batch.join(p, options(i), engine.eos_ids, depths[i], RowParts(constraint=grammar(i)))
                 for i, p in enumerate(prompts)]
     for _ in batch.drain():
         pass
@@ -647,7 +648,7 @@ def test_a_closed_stream_returns_once_its_request_left_the_batch(models):
     model = models["agreeing"]
     loop = DecodeLoop(model, max_batch=2)
     cache = model.make_cache()
-    stream = loop.generate_tokens(model, PROMPTS[0], Sampler(GREEDY), 200, set(), depth=0, copy=False, cache=cache)
+    stream = loop.generate_tokens(model, PROMPTS[0], DecodeOptions(200, copy=False), set(), 0, RowParts(cache=cache))
     for i, _ in enumerate(stream):
         if i == 3:
             break

@@ -16,7 +16,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from hetero.decode.sampling import Sampler, SamplingParams
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
+from hetero.decode.sampling import SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.errors import HeteroError
 from hetero.tools import ToolCallParser, forced_prefix
@@ -237,8 +239,8 @@ def test_the_bundled_model_calls_validly_under_mtp(engine, form, choice):
     ids = engine.encode_prompt(PROMPT + forced_prefix(choice, PROMPT, TEMPLATES[form]))
     for seed in range(3):
         constraint = Constraint(engine.grammar_tokenizer(), g, engine.eos_ids)
-        tokens = list(decode_tokens(engine.model, ids, Sampler(SamplingParams(1.0), seed), 200, engine.eos_ids,
-                                    depth=3, constraint=constraint))
+        tokens = list(decode_tokens(engine.model, ids, DecodeOptions(200, SamplingParams(1.0), seed), engine.eos_ids, 3,
+                                    RowParts(constraint=constraint)))
         assert len(tokens) < 200, seed  # ended by EOS
         check_call(form, choice, engine.tokenizer.decode(tokens))
 

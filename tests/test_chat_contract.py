@@ -140,7 +140,8 @@ def test_preserve_thinking_is_on_by_default(engine):
 
 def test_sampler_defaults_come_from_generation_config(engine):
     job = parse_chat(Parser(engine, {"m"}), {"model": "m", "messages": THINK_PROMPT})
-    assert {"temperature": job.temperature, "top_p": job.top_p, "top_k": job.top_k} == SAMPLER_DEFAULTS
+    s = job.options.sampling
+    assert {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} == SAMPLER_DEFAULTS
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -290,4 +291,4 @@ def test_bad_budgets_are_400s_naming_the_field(oai, claude, model, tmp_path):
     assert e.value.status == 400
     body = {"model": "m", "max_tokens": 4, "messages": THINK_PROMPT,
             "thinking": {"type": "enabled", "budget_tokens": 64}}
-    assert parse_messages(plain, body).thinking_budget is None  # required with `enabled`: sent for any model
+    assert parse_messages(plain, body).options.thinking_budget is None  # required with `enabled`: sent for any model

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 import hetero
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.prefill import prefill
-from hetero.decode.sampling import Sampler, SamplingParams, warp
+from hetero.decode.sampling import SamplingParams, warp
 from hetero.decode.solo import decode_tokens
 from hetero.decode.solo import decode_tokens
 from hetero.errors import HeteroError
@@ -226,14 +228,10 @@ def tv_against(law: dict, outcomes: list[tuple]) -> tuple[float, float]:
 
 def draw(engine, prompt, schema, mtp: bool, seed: int, cache, hidden) -> tuple[int, ...]:
     """One constrained generation from a copy of the prefilled prompt[:-1] (only the last prompt token runs)."""
-    c = constraint(engine, schema)
-    kwargs = dict(cache=clone_cache(cache), skip=len(prompt) - 1, carry=hidden, constraint=c)
-    sampler = Sampler(LAW_PARAMS, seed)
-    if mtp:
-        out = decode_tokens(engine.model, prompt, sampler, 16, engine.eos_ids, depth=3, **kwargs)
-    else:
-        out = decode_tokens(engine.model, prompt, sampler, 16, engine.eos_ids, **kwargs)
-    return tuple(out)
+    parts = RowParts(cache=clone_cache(cache), skip=len(prompt) - 1, carry=hidden,
+                     constraint=constraint(engine, schema))
+    return tuple(decode_tokens(engine.model, prompt, DecodeOptions(16, LAW_PARAMS, seed), engine.eos_ids,
+                               3 if mtp else 0, parts))
 
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])

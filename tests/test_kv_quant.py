@@ -19,8 +19,9 @@ import hetero
 from hetero.caches.prefix import PrefixCache
 from hetero.caches.session import SessionStore
 from hetero.cli.main import main
+from hetero.decode.options import DecodeOptions
 from hetero.decode.prefill import prefill
-from hetero.decode.sampling import Sampler, SamplingParams
+from hetero.decode.sampling import SamplingParams
 from hetero.decode.solo import batch_generate, decode_tokens
 from hetero.errors import HeteroError
 from hetero.models.cache import KVCache
@@ -138,9 +139,9 @@ def test_plain_mtp_and_batched_greedy_decoding_agree_with_kv_bits(quantized, bit
     assert mtp.tokens == plain  # verify passes write, reject (trim_to) and rewrite quantized slots
     assert 1 < mtp.stats["mtp"]["mean_accepted_length"] < 4  # drafts accepted, and rejected (rolled back), at depth 3
     prompts = [ids, prompt(90, 3), prompt(40, 4)]
-    rows = batch_generate(engine.model, prompts, [Sampler(GREEDY) for _ in prompts], [24, 20, 16], set(), [3, 0, 2])
+    rows = batch_generate(engine.model, prompts, [DecodeOptions(n, copy=False) for n in (24, 20, 16)], set(), [3, 0, 2])
     for p, r in zip(prompts, rows):
-        assert r.tokens == list(decode_tokens(engine.model, p, Sampler(GREEDY), len(r.tokens), set()))
+        assert r.tokens == list(decode_tokens(engine.model, p, DecodeOptions(len(r.tokens)), set()))
     assert rows[0].tokens == plain
 
 

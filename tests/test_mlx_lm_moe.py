@@ -16,11 +16,11 @@ from mlx.utils import tree_flatten
 
 import hetero
 from hetero.checkpoint.mlx_lm_model import wrap
-from hetero.decode.sampling import Sampler
+from hetero.decode.options import DecodeOptions
 from hetero.decode.solo import decode_tokens
 from hetero.models import moe
 from test_moe_quantized import (  # noqa: F401  (checkpoints: the module-scoped fixture)
-    BITS, CONFIG, GREEDY, GROUP, NEW_TOKENS, assert_close, checkpoints, hetero_logits, mlx_lm_logits, mlx_lm_model,
+    BITS, CONFIG, GROUP, NEW_TOKENS, assert_close, checkpoints, hetero_logits, mlx_lm_logits, mlx_lm_model,
     prompt,
 )
 
@@ -60,7 +60,7 @@ def test_logits_and_greedy_tokens_equal_mlx_lms(checkpoints, form):
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
     ids = prompt(40, 6)
-    tokens = list(decode_tokens(model, ids, Sampler(GREEDY), NEW_TOKENS, set()))
+    tokens = list(decode_tokens(model, ids, DecodeOptions(NEW_TOKENS), set()))
     alone = [int(r.token) for r in stream_generate(lm, tokenizer, ids, max_tokens=NEW_TOKENS)]
     assert tokens == alone and len(tokens) == NEW_TOKENS
     assert len(set(tokens)) > 3, "a degenerate continuation would not test much"

@@ -34,8 +34,10 @@ import helpers
 from hetero.checkpoint.loader import load_model, load_weights
 from hetero.checkpoint.preflight import preflight
 from hetero.cli import main as cli
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.records import MTPStats
-from hetero.decode.sampling import Sampler, SamplingParams
+from hetero.decode.sampling import SamplingParams
 from hetero.decode.solo import batch_generate
 from hetero.decode.solo import decode_tokens
 from hetero.decode.solo import decode_tokens
@@ -207,7 +209,7 @@ def test_greedy_continuation_matches_transformers(case, forms_run):
     expected = out[0, len(prompt):].tolist()
     model, _, _ = load_model(path, dtype=mx.float32)
     forms_run.clear()
-    ours = list(decode_tokens(model, prompt, Sampler(GREEDY), max_tokens=NEW_TOKENS, eos_ids=set()))
+    ours = list(decode_tokens(model, prompt, DecodeOptions(NEW_TOKENS), set()))
     assert ours == expected
     assert len(set(ours)) > 3, "a degenerate continuation would not test much"
     # the prompt grouped (300 tokens), the decode steps ran the per-pair form (traced once per compiled step)
@@ -500,11 +502,11 @@ def mtp_moe(tmp_path_factory) -> Model:
 
 def test_mtp_greedy_equals_plain_on_moe(mtp_moe):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 2
-    plain = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), 40, set()))
+    plain = list(decode_tokens(mtp_moe, prompt, DecodeOptions(40), set()))
     accepted = []
     for depth in (1, 3):
         stats = MTPStats(depth)
-        out = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), 40, set(), depth=depth, stats=stats))
+        out = list(decode_tokens(mtp_moe, prompt, DecodeOptions(40), set(), depth, RowParts(stats=stats)))
         assert out == plain, f"depth {depth}"
         accepted.append(stats.to_dict()["mean_accepted_length"])
     assert 1.2 < accepted[1] < 4.0, f"drafts neither all rejected nor all accepted: {accepted}"
@@ -512,12 +514,12 @@ def test_mtp_greedy_equals_plain_on_moe(mtp_moe):
 
 def test_batch_of_two_equals_solo_on_moe(mtp_moe):
     prompts, max_tokens, depths = [[7, 3, 9, 1, 4, 4, 2], [5, 11, 2]], [30, 26], [2, 0]
-    requests = batch_generate(mtp_moe, prompts, [Sampler(GREEDY), Sampler(GREEDY)], max_tokens, set(), depths)
+    requests = batch_generate(mtp_moe, prompts, [DecodeOptions(n, copy=False) for n in max_tokens], set(), depths)
     for r, prompt, n, depth in zip(requests, prompts, max_tokens, depths):
         if depth:
-            solo = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), n, set(), depth=depth))
+            solo = list(decode_tokens(mtp_moe, prompt, DecodeOptions(n), set(), depth))
         else:
-            solo = list(decode_tokens(mtp_moe, prompt, Sampler(GREEDY), n, set()))
+            solo = list(decode_tokens(mtp_moe, prompt, DecodeOptions(n), set()))
         assert r.tokens == solo
 
 

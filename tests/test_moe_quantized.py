@@ -25,9 +25,11 @@ import hetero  # noqa: F401  (MKL under MLX before any model runs)
 from hetero.checkpoint.loader import load_model
 from hetero.checkpoint.preflight import preflight
 from hetero.cli.quantize import quantize_checkpoint
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats
-from hetero.decode.sampling import Sampler, SamplingParams
+from hetero.decode.sampling import SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.decode.solo import decode_tokens
 from hetero.models import moe
@@ -146,7 +148,7 @@ def test_greedy_tokens_match_mlx_lm(checkpoints):
     model, _, _ = load_model(checkpoints["mlx_lm"], dtype=mx.float32)
     theirs_model, tokenizer = mlx_lm_model(checkpoints["mlx_lm"])
     ids = prompt(40, 2)
-    ours = list(decode_tokens(model, ids, Sampler(GREEDY), NEW_TOKENS, set()))
+    ours = list(decode_tokens(model, ids, DecodeOptions(NEW_TOKENS), set()))
     theirs = [int(r.token) for r in stream_generate(theirs_model, tokenizer, ids, max_tokens=NEW_TOKENS)]
     assert ours == theirs and len(ours) == NEW_TOKENS
     assert len(set(ours)) > 3, "a degenerate continuation would not test much"
@@ -227,11 +229,11 @@ def test_mtp_greedy_equals_plain_on_quantized_moe(checkpoints):
     model, _, _ = load_model(checkpoints["hetero"], dtype=mx.float32)
     assert model.has_mtp
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 2
-    plain = list(decode_tokens(model, ids, Sampler(GREEDY), 40, set()))
+    plain = list(decode_tokens(model, ids, DecodeOptions(40), set()))
     accepted = []
     for depth in (1, 3):
         stats = MTPStats(depth)
-        out = list(decode_tokens(model, ids, Sampler(GREEDY), 40, set(), depth=depth, stats=stats))
+        out = list(decode_tokens(model, ids, DecodeOptions(40), set(), depth, RowParts(stats=stats)))
         assert out == plain, f"depth {depth}"
         accepted.append(stats.to_dict()["mean_accepted_length"])
     assert 1.2 < accepted[1] < 4.0, f"drafts neither all rejected nor all accepted: {accepted}"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hetero
-from hetero.decode.sampling import Sampler, SamplingParams
+from hetero.decode.options import DecodeOptions
 from hetero.decode.solo import decode_tokens
 from hetero.models import activations as act
 from hetero.pipeline import configure, verify
@@ -98,7 +98,7 @@ def test_gpu_only_still_equals_transformers(checkpoints):
     ours, _ = prefill(engine.model, ids, engine.model.make_cache(), 64)
     ours = np.array(ours[-1])
     assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-4
-    greedy = decode_tokens(engine.model, ids, Sampler(SamplingParams()), max_tokens=8, eos_ids=set())
+    greedy = decode_tokens(engine.model, ids, DecodeOptions(8), set())
     assert list(greedy) == out[0, len(ids):].tolist()
 
 

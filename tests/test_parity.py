@@ -19,7 +19,7 @@ from mlx_lm import utils as mlx_lm_utils
 
 import helpers
 from hetero.checkpoint.loader import load_model
-from hetero.decode.sampling import Sampler, SamplingParams
+from hetero.decode.options import DecodeOptions
 from hetero.decode.solo import decode_tokens
 
 PROMPT_LEN = 300  # > 4 GDN chunks of 64, not a multiple of 64
@@ -99,7 +99,7 @@ def test_greedy_continuation_matches_transformers(case):
     expected = out[0, len(prompt) :].tolist()
     assert len(expected) == NEW_TOKENS
     model, _ = _ours(path)
-    ours = list(decode_tokens(model, prompt, Sampler(SamplingParams()), max_tokens=NEW_TOKENS, eos_ids=set()))
+    ours = list(decode_tokens(model, prompt, DecodeOptions(NEW_TOKENS), set()))
     assert ours == expected
 
 

@@ -20,6 +20,8 @@ from test_speculative import (
 )
 
 from hetero.decode.loop import DecodeLoop
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.penalties import Penalizer, Penalties, penalizer_for
 from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats
@@ -111,17 +113,17 @@ GREEDY_CASES = {
 def test_greedy_mtp_equals_plain_with_penalties(models, case):
     p, plains = GREEDY_CASES[case], {}
     for name, model in models.items():
-        plain = plains[name] = list(decode_tokens(model, PROMPT, Sampler(GREEDY), 100, set(), penalties=p))
-        assert plain != list(decode_tokens(model, PROMPT, Sampler(GREEDY), 100, set())), "the penalty changes nothing"
+        plain = plains[name] = list(decode_tokens(model, PROMPT, DecodeOptions(100, penalties=p), set()))
+        assert plain != list(decode_tokens(model, PROMPT, DecodeOptions(100), set())), "the penalty changes nothing"
         for depth in (1, 3):
             stats = MTPStats(depth)
-            out = list(decode_tokens(model, PROMPT, Sampler(GREEDY), 100, set(), depth=depth, stats=stats,
-                                     penalties=p))
+            out = list(decode_tokens(model, PROMPT, DecodeOptions(100, penalties=p), set(), depth,
+                                     RowParts(stats=stats)))
             assert out == plain, (name, depth)
             if name == "agreeing" and depth == 3:  # drafts were accepted: verify rows after drafts were penalized
                 assert stats.to_dict()["mean_accepted_length"] > 1.3
-        copied = list(decode_tokens(model, PROMPT * 2, Sampler(GREEDY), 60, set(), depth=2, copy=True, penalties=p))
-        assert copied == list(decode_tokens(model, PROMPT * 2, Sampler(GREEDY), 60, set(), penalties=p)), name
+        copied = list(decode_tokens(model, PROMPT * 2, DecodeOptions(60, penalties=p), set(), 2))
+        assert copied == list(decode_tokens(model, PROMPT * 2, DecodeOptions(60, penalties=p), set())), name
     model, plain = models["rejecting"], plains["rejecting"]  # plain decoding: the reference's argmax, token by token
     for i, t in enumerate(plain[:25]):
         logits, _ = prefill(model, PROMPT + plain[:i], model.make_cache())
@@ -184,7 +186,7 @@ def test_mtp_sampling_matches_exact_penalized_distribution(dist_model, case):
         rows.append((x1, block[0], block[1] if a >= 1 else -1))
         accepted.append(a)
         if seed < 20:  # this harness is exactly decode_tokens' first round for the same seed
-            out = list(decode_tokens(model, DIST_PROMPT, Sampler(params, seed), 4, set(), depth=2, penalties=p))
+            out = list(decode_tokens(model, DIST_PROMPT, DecodeOptions(4, params, seed, penalties=p), set(), 2))
             assert out[: 1 + len(block)] == [x1] + block
     rows, accepted = np.array(rows), np.array(accepted)
     assert 0.05 < (accepted >= 1).mean() < 0.95 and (accepted == 2).any()  # rejections and acceptances both ran
@@ -212,7 +214,7 @@ def test_plain_sampling_matches_exact_penalized_distribution(dist_model):
     params, p = SamplingParams(1.0), Penalties(presence=1.2, frequency=0.9, repetition=1.5, logit_bias={4: 1.5})
     V, n = dist_model.args.vocab_size, 600
     p1, p2, _ = exact_penalized_law(dist_model, params, p)
-    pairs = np.array([list(decode_tokens(dist_model, DIST_PROMPT, Sampler(params, seed), 2, set(), penalties=p))
+    pairs = np.array([list(decode_tokens(dist_model, DIST_PROMPT, DecodeOptions(2, params, seed, penalties=p), set()))
                       for seed in range(n)])
     dist, bound = tv((p1[:, None] * p2).reshape(1, V * V), np.zeros(n, dtype=int), pairs[:, 0] * V + pairs[:, 1])
     assert dist <= bound, f"(x1, x2): TV {dist:.4f} > {bound:.4f}"
@@ -232,14 +234,13 @@ def test_batched_rows_with_different_penalties_equal_solo(models):
             GREEDY_CASES["logit_bias"], GREEDY_CASES["frequency"]]
     params = [GREEDY, SamplingParams(0.9, top_k=8), SamplingParams(1.0), GREEDY, SamplingParams(0.8), GREEDY]
 
-    def sampler(i):
-        return Sampler(params[i], 100 + i)
+    def options(i, penalties=True):
+        return DecodeOptions(30, params[i], 100 + i, pens[i] if penalties and pens[i] else Penalties(), copy=False)
 
-    rows = batch_generate(model, prompts, [sampler(i) for i in range(6)], [30] * 6, set(), depths, penalties=pens)
-    alone = [list(decode_tokens(model, prompts[i], sampler(i), 30, set(), depth=depths[i], copy=False,
-                                penalties=pens[i])) for i in range(6)]
+    rows = batch_generate(model, prompts, [options(i) for i in range(6)], set(), depths)
+    alone = [list(decode_tokens(model, prompts[i], options(i), set(), depths[i])) for i in range(6)]
     assert [r.tokens for r in rows] == alone
-    unpenalized = [list(decode_tokens(model, prompts[i], sampler(i), 30, set(), depth=depths[i], copy=False))
+    unpenalized = [list(decode_tokens(model, prompts[i], options(i, penalties=False), set(), depths[i]))
                    for i in (0, 3)]
     assert unpenalized != [alone[0], alone[3]]  # the rows' penalties were applied, not dropped
 
@@ -250,8 +251,8 @@ def test_batched_rows_with_different_penalties_equal_solo(models):
         loop.turns.enter(ticket)
         try:
             outputs[i] = list(loop.generate_tokens(
-                model, prompts[i], sampler(i), 30, set(), depth=depths[i], copy=False, penalties=pens[i],
-                on_handover=lambda: loop.turns.leave(ticket), on_handback=lambda: loop.turns.enter(ticket)))
+                model, prompts[i], options(i), set(), depths[i], on_handover=lambda: loop.turns.leave(ticket),
+                on_handback=lambda: loop.turns.enter(ticket)))
         finally:
             loop.turns.leave(ticket)
 
@@ -304,7 +305,7 @@ def test_engine_checks_logit_bias_against_the_vocabulary_and_decodes_with_penalt
                   logit_bias={str(k): v for k, v in p.logit_bias.items()})
     on = engine.generate(PROMPT, max_tokens=40, mtp=True, draft_depth=2, **kwargs)
     off = engine.generate(PROMPT, max_tokens=40, mtp=False, **kwargs)
-    assert on.tokens == off.tokens == list(decode_tokens(model, PROMPT, Sampler(GREEDY), 40, set(), penalties=p))
+    assert on.tokens == off.tokens == list(decode_tokens(model, PROMPT, DecodeOptions(40, penalties=p), set()))
     assert on.stats["mtp"]["depth"] == 2
 
 

@@ -16,6 +16,7 @@ import pytest
 from hetero.checkpoint.loader import load_model
 from hetero.checkpoint.source import BUNDLED_MODEL
 from hetero.cli.main import main
+from hetero.decode.options import DecodeOptions
 from hetero.decode.prefill import prefill
 from hetero.errors import HeteroError
 from hetero.pipeline import Job, Lane, Trace, ane_backend, configure, run_jobs, verify
@@ -435,7 +436,7 @@ def test_real_requests_interleave_and_stay_exact(tiny_checkpoint):
     """Request A decodes (MTP rounds) while request B's split prefill runs: A's tokens equal its solo run and B's
     logits match B's GPU-only prefill."""
     import hetero
-    from hetero.decode.sampling import Sampler, SamplingParams
+    from hetero.decode.sampling import SamplingParams
     from hetero.decode.stepper import Batch
     from hetero.pipeline import DecodeQueue
 
@@ -446,7 +447,8 @@ def test_real_requests_interleave_and_stay_exact(tiny_checkpoint):
 
     def decode_a(n: int, interleave: bool) -> tuple[list[int], int]:
         batch = Batch(model, max_batch=1)
-        row = batch.join(a_ids, Sampler(SamplingParams(0.0, 0, 1.0, 0.0), None), n, set(), 3, chunk=64)
+        options = DecodeOptions(n, SamplingParams(0.0, 0, 1.0, 0.0), copy=False, prefill_chunk=64)
+        row = batch.join(a_ids, options, set(), 3)
         out = row.tokens
 
         def a_round() -> bool:

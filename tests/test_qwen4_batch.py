@@ -18,7 +18,9 @@ from test_qwen4_mtp import agreeing, assert_committed_state, rel
 
 from hetero.checkpoint.loader import load_model
 from hetero.decode.logprobs import LogprobRecorder
-from hetero.decode.sampling import Sampler, SamplingParams
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
+from hetero.decode.sampling import SamplingParams
 from hetero.decode.solo import batch_generate, decode_tokens
 from hetero.decode.stepper import Batch
 from hetero.models.cache import RaggedKV
@@ -55,8 +57,9 @@ def agreeing_model(ckpt):
     return agreeing(load_model(ckpt[0])[0], alpha=0.02)
 
 
-def solo(model, prompt: list[int], n: int, depth: int, sampler: Sampler | None = None, **options) -> list[int]:
-    return list(decode_tokens(model, prompt, sampler or Sampler(GREEDY), n, set(), depth=depth, copy=False, **options))
+def solo(model, prompt: list[int], n: int, depth: int, sampling: SamplingParams = GREEDY, seed: int | None = None,
+         parts: RowParts = RowParts()) -> list[int]:
+    return list(decode_tokens(model, prompt, DecodeOptions(n, sampling, seed, copy=False), set(), depth, parts))
 
 
 def test_plain_batch_equals_solo_and_transformers(ckpt, model):
@@ -64,7 +67,7 @@ def test_plain_batch_equals_solo_and_transformers(ckpt, model):
     the 48-token row's are transformers' greedy tokens."""
     recorders = [LogprobRecorder(3) for _ in PROMPTS]
     batch = Batch(model, max_batch=4)
-    rows = [batch.join(p, Sampler(GREEDY), n, set(), depth=0, logprobs=rec)
+    rows = [batch.join(p, DecodeOptions(n, copy=False), set(), 0, RowParts(logprobs=rec))
             for p, n, rec in zip(PROMPTS, LIMITS, recorders)]
     sizes = []
     while batch.rows:
@@ -72,7 +75,7 @@ def test_plain_batch_equals_solo_and_transformers(ckpt, model):
     assert sizes[0] == 4  # they really decoded together
     for i, (r, p, n, rec) in enumerate(zip(rows, PROMPTS, LIMITS, recorders)):
         ref = LogprobRecorder(3)
-        assert r.tokens == solo(model, p, n, 0, logprobs=ref), f"row {i}"
+        assert r.tokens == solo(model, p, n, 0, parts=RowParts(logprobs=ref)), f"row {i}"
         assert [x.token for x in rec.items] == [x.token for x in ref.items]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(rec.items, ref.items)) < 1e-4
     with torch.no_grad():
@@ -86,10 +89,10 @@ def test_mtp_rows_in_a_batch_equal_solo(model, agreeing_model, which):
     drafts are mostly rejected or mostly kept (both commit paths of the stacked GDN and PLE states ran)."""
     m = model if which == "rejecting" else agreeing_model
     depths = [2, 0, 3, 1]
-    rows = batch_generate(m, PROMPTS, [Sampler(GREEDY) for _ in PROMPTS], LIMITS, set(), depths)
+    rows = batch_generate(m, PROMPTS, [DecodeOptions(n, copy=False) for n in LIMITS], set(), depths)
     for i, (r, p, n, d) in enumerate(zip(rows, PROMPTS, LIMITS, depths)):
         assert r.tokens == solo(m, p, n, d), f"row {i}"
-    accepted = [r.stats.to_dict()["mean_accepted_length"] for r in rows if r.depth > 1]
+    accepted = [r.parts.stats.to_dict()["mean_accepted_length"] for r in rows if r.depth > 1]
     if which == "agreeing":
         assert all(1.3 < a < 4 for a in accepted)
 
@@ -98,11 +101,12 @@ def test_sampled_rows_keep_their_seeds(model):
     """Seeded sampled rows (plain and MTP, beside a greedy one) draw what they draw alone with the same seed."""
     kinds = [SamplingParams(0.8, top_k=20), GREEDY, SamplingParams(1.0, top_p=0.9), SamplingParams(0.7)]
     depths = [0, 0, 2, 1]
-    rows = batch_generate(model, PROMPTS, [Sampler(k, 40 + i) for i, k in enumerate(kinds)], LIMITS, set(), depths)
+    options = [DecodeOptions(n, k, 40 + i, copy=False) for i, (k, n) in enumerate(zip(kinds, LIMITS))]
+    rows = batch_generate(model, PROMPTS, options, set(), depths)
     for i, (r, p, n, d, k) in enumerate(zip(rows, PROMPTS, LIMITS, depths, kinds)):
-        assert r.tokens == solo(model, p, n, d, Sampler(k, 40 + i)), f"row {i}"
-    again = batch_generate(model, PROMPTS[:2], [Sampler(kinds[0], 7), Sampler(kinds[0], 8)], [20, 20], set(), [0, 0])
-    assert again[0].tokens != solo(model, PROMPTS[0], 20, 0, Sampler(kinds[0], 8))  # each row its own key stream
+        assert r.tokens == solo(model, p, n, d, k, 40 + i), f"row {i}"
+    again = batch_generate(model, PROMPTS[:2], [DecodeOptions(20, kinds[0], s) for s in (7, 8)], set(), [0, 0])
+    assert again[0].tokens != solo(model, PROMPTS[0], 20, 0, kinds[0], 8)  # each row its own key stream
 
 
 def test_rows_join_and_leave_mid_flight(model):
@@ -110,11 +114,11 @@ def test_rows_join_and_leave_mid_flight(model):
     already queued: the others' tokens stay their solo ones, and the cancelled row leaves with caches (GDN, PLE,
     QSA keys and index keys) holding exactly its committed tokens."""
     batch = Batch(model, max_batch=3)
-    a = batch.join(PROMPTS[3], Sampler(GREEDY), 40, set(), depth=0)
-    b = batch.join(PROMPTS[2], Sampler(GREEDY), 6, set(), depth=2)
+    a = batch.join(PROMPTS[3], DecodeOptions(40, copy=False), set(), 0)
+    b = batch.join(PROMPTS[2], DecodeOptions(6, copy=False), set(), 2)
     for _ in range(2):
         batch.step()
-    c = batch.join(PROMPTS[1], Sampler(GREEDY), 16, set(), depth=0)
+    c = batch.join(PROMPTS[1], DecodeOptions(16, copy=False), set(), 0)
     while b in batch.rows:
         batch.step()
     for _ in range(3):
@@ -123,7 +127,7 @@ def test_rows_join_and_leave_mid_flight(model):
     batch.leave(a)
     assert not a.done and a.tokens == solo(model, PROMPTS[3], 40, 0)[: len(a.tokens)]
     assert_committed_state(model, a.decoder, PROMPTS[3] + a.tokens[:-1], mtp=False)
-    d = batch.join(PROMPTS[0], Sampler(GREEDY), 12, set(), depth=1)
+    d = batch.join(PROMPTS[0], DecodeOptions(12, copy=False), set(), 1)
     for _ in batch.drain():
         pass
     assert b.tokens == solo(model, PROMPTS[2], 6, 2) and b.finish_reason == "length"

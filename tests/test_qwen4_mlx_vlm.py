@@ -235,8 +235,9 @@ def test_mtp_head_is_read_from_mlx_vlms_drafter_folder(converted_mtp):
 def test_4bit_drafter_folder_loads_quantized_and_greedy_mtp_equals_plain(converted_4bit):
     """`convert -q --mtp` quantizes the drafter too, its routed experts one by one (`experts.{e}.*.scales`): hetero
     stacks them quantized, and greedy speculative decoding with that head equals plain greedy decoding."""
+    from hetero.decode.options import DecodeOptions
+    from hetero.decode.parts import RowParts
     from hetero.decode.records import MTPStats
-    from hetero.decode.sampling import Sampler, SamplingParams
     from hetero.decode.solo import decode_tokens
 
     _, path, _ = converted_4bit
@@ -244,7 +245,8 @@ def test_4bit_drafter_folder_loads_quantized_and_greedy_mtp_equals_plain(convert
     assert "layers.0.mlp.experts.0.gate_proj.scales" in drafter
     model = load_model(path)[0]
     assert model.has_mtp and "scales" in model.mtp.layers[0].mlp.switch_mlp.gate_proj  # stacked, still 4-bit
-    greedy, stats = Sampler(SamplingParams()), MTPStats(2)
-    plain = list(decode_tokens(model, _prompt(), greedy, 16, set()))
-    assert list(decode_tokens(model, _prompt(), greedy, 16, set(), depth=2, copy=False, stats=stats)) == plain
+    stats = MTPStats(2)
+    plain = list(decode_tokens(model, _prompt(), DecodeOptions(16), set()))
+    assert list(decode_tokens(model, _prompt(), DecodeOptions(16, copy=False), set(), 2,
+                              RowParts(stats=stats))) == plain
     assert stats.mtp_rounds > 0

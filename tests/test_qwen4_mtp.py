@@ -14,6 +14,8 @@ import qwen4_checkpoint as qc
 from mlx.utils import tree_flatten, tree_unflatten
 
 from hetero.checkpoint.loader import load_model
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats
 from hetero.decode.sampling import Sampler, SamplingParams, warp
@@ -370,11 +372,11 @@ def test_quantized_checkpoint_keeps_the_head(ckpt, rejecting, tmp_path):
 
 
 def plain(model, prompt: list[int], n: int) -> list[int]:
-    return list(decode_tokens(model, prompt, Sampler(GREEDY), n, set()))
+    return list(decode_tokens(model, prompt, DecodeOptions(n), set()))
 
 
 def spec(model, prompt: list[int], n: int, depth: int, stats: MTPStats | None = None) -> list[int]:
-    return list(decode_tokens(model, prompt, Sampler(GREEDY), n, set(), depth=depth, copy=False, stats=stats))
+    return list(decode_tokens(model, prompt, DecodeOptions(n, copy=False), set(), depth, RowParts(stats=stats)))
 
 
 GREEDY_TOKENS = 24
@@ -405,10 +407,11 @@ def test_rollback_leaves_exactly_the_committed_state(agreeing_model):
     model = agreeing_model
     prompt = _tokens(PROMPT, 7)
     batch = Batch(model, max_batch=1)
-    row = batch.join(prompt, Sampler(GREEDY), 1000, set(), depth=3, copy=False, stats=MTPStats(3))
+    row = batch.join(prompt, DecodeOptions(1000, copy=False), set(), 3, RowParts(stats=MTPStats(3)))
     while len(row.tokens) < 14:
         batch.step()
-    assert row.stats.mtp_rounds > row.stats.accepted[-1] > 0  # rounds that kept all drafts, and some that did not
+    stats = row.parts.stats
+    assert stats.mtp_rounds > stats.accepted[-1] > 0  # rounds that kept all drafts, and some that did not
     assert_committed_state(model, row.decoder, prompt + row.tokens[:-1])  # the backbone has run all but x
 
 

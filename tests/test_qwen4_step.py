@@ -149,16 +149,16 @@ def test_a_short_context_picks_every_key(model):
 def test_a_batch_takes_the_compiled_step_and_keeps_each_rows_solo_tokens(model, monkeypatch):
     """Plain rows decoding together run the compiled QSA step over their own caches (`RaggedKV`), and each gets
     the tokens it gets decoding alone."""
-    from hetero.decode.sampling import Sampler, SamplingParams
+    from hetero.decode.options import DecodeOptions
     from hetero.decode.solo import batch_generate, decode_tokens
     from hetero.models.cache import RaggedKV
 
     prompts = [_prompt(2), _prompt(3)[:40]]
-    alone = [list(decode_tokens(model, p, Sampler(SamplingParams()), 5, set())) for p in prompts]
+    alone = [list(decode_tokens(model, p, DecodeOptions(5), set())) for p in prompts]
     ragged = []
     takes = step.LayerSteps.takes
     monkeypatch.setattr(step.LayerSteps, "takes", lambda self, h, cache: (
         ragged.append(takes(self, h, cache)) or ragged[-1]) if isinstance(cache, RaggedKV) else takes(self, h, cache))
-    rows = batch_generate(model, prompts, [Sampler(SamplingParams()) for _ in prompts], [5, 5], set(), [0, 0])
+    rows = batch_generate(model, prompts, [DecodeOptions(5), DecodeOptions(5)], set(), [0, 0])
     assert ragged and all(ragged)
     assert [r.tokens for r in rows] == alone

@@ -171,9 +171,9 @@ def test_text_format_json_schema_becomes_the_json_constraint(engine):
     parser = Parser(engine, {"m"})
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     body = {"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "out", "schema": schema}}}
-    assert parse_responses(ResponseStore())(parser, body).json_schema == schema
+    assert parse_responses(ResponseStore())(parser, body).options.json_schema == schema
     job = parse_responses(ResponseStore())(parser, {**body, "text": {"format": {"type": "json_object"}}})
-    assert job.json_object and job.json_schema is None
+    assert job.options.json_object and job.options.json_schema is None
 
 
 def test_bad_items_are_400s_naming_the_item(server, model):

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import hetero
 from hetero.caches.prefix import PrefixCache
 from hetero.caches.session import SessionStore
+from hetero.decode.options import DecodeOptions
 from hetero.server import StopMatcher, create_app
 from tiny_checkpoint import write_tiny_model
 
@@ -581,7 +582,7 @@ def test_a_stream_hands_the_event_loop_everything_emitted_since_its_last_wake(mo
     runner = Runner(engine, max_concurrent=1)
 
     async def read() -> list[list]:
-        stream = runner.stream(Job(ids, 24, mtp=False))
+        stream = runner.stream(Job(ids, DecodeOptions(24, mtp=False)))
         lists = [await stream.__anext__()]  # Started (and whatever came with it)
         # the event loop is busy (blocked here) while the job runs to its end: its one worker takes this no-op only
         # once the job's Future is done and its callbacks (the Outcome's hand-off) have run

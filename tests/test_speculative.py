@@ -24,6 +24,10 @@ from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_unflatten
 
 from hetero.decode.depth import MAX_DEPTH
+from hetero.decode.drafting import draft
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
+from hetero.decode.penalties import Penalizer
 from hetero.decode.prefill import prefill
 from hetero.decode.records import DecodeTimes, MTPStats
 from hetero.decode.sampling import Sampler, SamplingParams, accept_drafts, warp
@@ -133,14 +137,14 @@ def clone_cache(cache: ModelCache) -> ModelCache:
 
 
 def plain(model: Model, prompt: list[int], max_tokens: int, eos: set[int] = frozenset(), times=None) -> list[int]:
-    return list(decode_tokens(model, prompt, Sampler(GREEDY), max_tokens, set(eos), times=times))
+    return list(decode_tokens(model, prompt, DecodeOptions(max_tokens), set(eos), parts=RowParts(times=times)))
 
 
 def mtp(model: Model, prompt: list[int], max_tokens: int, depth: int, copy: bool = False, eos=frozenset(),
-        sampler: Sampler | None = None, stats: MTPStats | None = None, times=None) -> list[int]:
-    return list(decode_tokens(
-        model, prompt, sampler or Sampler(GREEDY), max_tokens, set(eos), depth=depth, copy=copy, stats=stats, times=times,
-    ))
+        sampling: SamplingParams = GREEDY, seed: int | None = None, stats: MTPStats | None = None,
+        times=None) -> list[int]:
+    return list(decode_tokens(model, prompt, DecodeOptions(max_tokens, sampling, seed, copy=copy), set(eos), depth,
+                              RowParts(times=times, stats=stats)))
 
 
 def rel_err(ours, ref) -> float:
@@ -329,7 +333,7 @@ def test_mtp_sampling_matches_exact_target_distribution(dist_model, params):
         accepted.append(a)
         outside += p2[x1, drafts[0]] == 0
         if seed < 25:  # this harness is exactly decode_tokens' first round for the same seed
-            out = mtp(model, DIST_PROMPT, 4, depth=2, sampler=Sampler(params, seed))
+            out = mtp(model, DIST_PROMPT, 4, depth=2, sampling=params, seed=seed)
             assert out[: 1 + len(block)] == [x1] + block
     rows, accepted = np.array(rows), np.array(accepted)
     # Every branch happened: rejections at position 0, acceptance at 0, at both, and proposals outside p's support.
@@ -350,7 +354,8 @@ def test_plain_sampling_matches_exact_target_distribution(dist_model):
     V = dist_model.args.vocab_size
     p1, p2, _ = exact_three_token_law(dist_model, params)
     pairs = np.array([
-        list(decode_tokens(dist_model, DIST_PROMPT, Sampler(params, seed), 2, set())) for seed in range(PLAIN_DRAWS)
+        list(decode_tokens(dist_model, DIST_PROMPT, DecodeOptions(2, params, seed), set()))
+        for seed in range(PLAIN_DRAWS)
     ])
     dist, bound = tv((p1[:, None] * p2).reshape(1, V * V), np.zeros(PLAIN_DRAWS, dtype=int), pairs[:, 0] * V + pairs[:, 1])
     assert dist <= bound, f"(x1, x2): TV {dist:.4f} > {bound:.4f}"
@@ -403,8 +408,8 @@ def test_draft_chain_feeds_the_post_norm_mtp_output(rejecting):
     _, last_hidden = prefill(model, PROMPT, cache, mtp=True)
     ref_cache = clone_cache(cache)[len(model.layers) :]
     batch = Batch(model, max_batch=1)  # the pending pair (PROMPT[0], h_last) and the drafts after it
-    row = batch.row(Decoder(model, cache, PROMPT[0], last_hidden), Sampler(params, 3), 1000, set(), depth=4)
-    (drafts,), (logprobs,) = batch._draft([row], [4])
+    row = batch.row(Decoder(model, cache, PROMPT[0], last_hidden), Sampler(params, 3), DecodeOptions(1000), set(), 4)
+    (drafts,), (logprobs,) = draft(model, [row], [4])
 
     def step(token: int, h: mx.array) -> mx.array:  # [1, 1, H] -> [1, 1, H]
         e = model.model.embed_tokens(mx.array([[token]]))
@@ -492,7 +497,7 @@ def test_rollback_leaves_exactly_the_committed_state(rejecting, data):
     token = st.integers(0, V - 1)
     prompt = data.draw(st.lists(token, min_size=1, max_size=10), label="prompt")
     batch = Scripted(model, max_batch=1)
-    row = batch.join(prompt, Sampler(GREEDY), 1000, set(), depth=4, copy=True)
+    row = batch.join(prompt, DecodeOptions(1000), set(), 4)
     decoder = row.decoder
     decoder.lane = ScriptedLane()
     committed = prompt + [decoder.x]
@@ -515,12 +520,13 @@ def test_rollback_leaves_exactly_the_committed_state(rejecting, data):
 # 5. Edge cases
 
 
-def first_round(model, cache, x1: int, last_hidden, sampler: Sampler, **row_options) -> tuple[list[int], int, list[int]]:
+def first_round(model, cache, x1: int, last_hidden, sampler: Sampler,
+                penalizer: Penalizer | None = None) -> tuple[list[int], int, list[int]]:
     """One depth-2 speculative round of a row started at x1 over a copy of `cache` -> (its drafts, how many were
     accepted, the tokens it committed); asserts the round drafted 2 MTP tokens and the row holds x1 + the block."""
     decoder = Decoder(model, clone_cache(cache), x1, last_hidden)
     batch = Batch(model, max_batch=1)
-    row = batch.admit(batch.row(decoder, sampler, 1000, set(), depth=2, **row_options))
+    row = batch.admit(batch.row(decoder, sampler, DecodeOptions(1000), set(), 2, penalizer=penalizer))
     rounds = recorded_rounds(batch)
     batch.step()
     (drafts, a, copied), = rounds
@@ -597,18 +603,19 @@ def test_one_token_prompt(rejecting, agreeing, name):
 def test_chunked_prefill_starts_the_same_decoder(rejecting):
     """start() over a prompt prefilled in chunks of 4 (MTP pairs straddling chunk edges) equals one chunk."""
     prompt = [(7 * i + 3) % 32 for i in range(23)]
-    whole, chunked = (start(rejecting, prompt, Sampler(GREEDY), 3, chunk=c) for c in (512, 4))
+    whole, chunked = (start(rejecting, prompt, Sampler(GREEDY), 3, DecodeOptions(prefill_chunk=c, copy=False))
+                      for c in (512, 4))
     assert chunked.x == whole.x and chunked.pending_tokens == whole.pending_tokens == []
     # two summation orders (23 tokens take the chunked delta rule in one pass): each against the exact result
     assert_decoder_matches_reference(rejecting, whole, prompt + [whole.x], longest_pass=len(prompt))
     assert_decoder_matches_reference(rejecting, chunked, prompt + [chunked.x], longest_pass=4)
-    out = list(decode_tokens(rejecting, prompt, Sampler(GREEDY), 30, set(), depth=3, chunk=4))
+    out = list(decode_tokens(rejecting, prompt, DecodeOptions(30, prefill_chunk=4), set(), 3))
     assert out == plain(rejecting, prompt, 30)
 
 
 def test_seeded_sampling_is_reproducible(rejecting):
     params = SamplingParams(0.8, top_k=10)
-    run = lambda seed: mtp(rejecting, PROMPT, 40, depth=3, copy=True, sampler=Sampler(params, seed))  # noqa: E731
+    run = lambda seed: mtp(rejecting, PROMPT, 40, depth=3, copy=True, sampling=params, seed=seed)  # noqa: E731
     first = run(11)
     assert len(first) == 40 and run(11) == first
     assert run(12) != first

@@ -24,6 +24,7 @@ from tool_model import (
 
 import hetero
 from hetero.checkpoint.tokenizer import Tokenizer
+from hetero.decode.options import DecodeOptions
 from hetero.server.requests import Job
 from hetero.server.runner import Runner
 from hetero.server.toolcalls import ChatReply
@@ -226,7 +227,7 @@ def test_parallel_tool_calls_false_ends_the_generation_at_the_first_call():
                                           "generated_tokens": n})
 
     def run(parallel: bool):
-        job = Job(ids=[0], max_tokens=99, reply=ChatReply("", tools, parallel=parallel))
+        job = Job(ids=[0], options=DecodeOptions(99), reply=ChatReply("", tools, parallel=parallel))
         return Runner(Writer()).run(job, lambda _: None, threading.Event())
 
     assert run(True).text == two

@@ -20,6 +20,7 @@ import pytest
 import hetero
 from hetero.cli.main import build_parser, main
 from hetero.decode.depth import MAX_DEPTH, decode_depth
+from hetero.decode.options import DecodeOptions
 from hetero.decode.penalties import Penalties
 from hetero.decode.sampling import SamplingParams
 from hetero.distributed.request import Request
@@ -218,11 +219,13 @@ def test_the_pipeline_sends_the_depth_unchanged(tiny):
 
 
 def test_a_pipelined_request_round_trips_through_json():
-    request = Request("generate", [1, 2, 3], chunk=64, max_tokens=5, depth=4, copy=False, seed=7, eos=[0, 2],
-                      max_context=512, sampling=SamplingParams(0.7, 5, 0.9, 0.05), prefix_cache=1024, marks=[2],
-                      grammar="start: x", logprobs=2, stoppable=True,
-                      penalties=Penalties(0.5, -0.25, 1.3, {7: -100.0, 11: 2.5}))
-    for r in (request, Request("stop"), Request("logits", [4, 5], chunk=16)):
+    options = DecodeOptions(5, SamplingParams(0.7, 5, 0.9, 0.05), 7, Penalties(0.5, -0.25, 1.3, {7: -100.0, 11: 2.5}),
+                            prefill_chunk=64, mtp=True, draft_depth=4, copy=False, logprobs=2, grammar="start: x",
+                            thinking_budget=3)
+    request = Request("generate", [1, 2, 3], options, depth=4, eos=[0, 2], max_context=512, prefix_cache=1024,
+                      marks=[2], stoppable=True)
+    for r in (request, Request("stop"), Request("logits", [4, 5], DecodeOptions(prefill_chunk=16)),
+              Request("generate", [1], DecodeOptions(json_schema={"type": "object"}))):
         assert Request.from_json(json.loads(json.dumps(r.to_json()))) == r
     with pytest.raises(ValueError):
         Request("bogus")

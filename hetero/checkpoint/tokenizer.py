@@ -262,3 +262,17 @@ class StreamingDetokenizer:
         self._prefix_text = decoded_window
         self.text += chunk
         return chunk
+
+
+def eos_ids(config_eos: Sequence[int], tokenizer: Tokenizer, path: Path) -> set[int]:
+    """A checkpoint's EOS ids: config.json's (`config_eos`, the model args' eos_token_id), tokenizer_config's eos_token
+    and generation_config.json's eos_token_id, merged."""
+    ids = set(config_eos) | set(tokenizer.eos_token_ids)
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        ids |= {eos} if isinstance(eos, int) else set(eos or [])
+    return ids

@@ -19,6 +19,9 @@ from hetero.cli.parser import build_parser
 from hetero.cli.quantize import quantize_checkpoint
 from hetero.cli.tune import tune
 from hetero.coreml.export import export_coreml, lint_export
+from hetero.decode.options import DecodeOptions
+from hetero.decode.penalties import Penalties
+from hetero.decode.sampling import SamplingParams
 from hetero.distributed.command import run_pipelined
 from hetero.distributed.serve_command import serve_pipelined
 from hetero.errors import HeteroError, internal_error
@@ -51,7 +54,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                               "command without mlx.launch (one process, the vision tower included)")
         if args.kv_bits is not None:
             raise HeteroError("--kv-bits under mlx.launch: the ranks keep full-precision KV only; leave --kv-bits out")
-        status = run_pipelined(args)
+        status = run_pipelined(args, run_options(args))
         if status is not None:
             return status
     prompt, images = read_prompt(args.prompt), read_images(args.image)
@@ -76,25 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = engine.generate(
-        prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        chat=chat,
-        images=images,
-        prefill_chunk=args.prefill_chunk,
-        mtp=False if args.no_mtp else None,
-        draft_depth=args.draft_depth,
-        copy=not args.no_copy,
-        on_text=None if args.json else write,
-        progress=ProgressBar("prefill"),
-        split=split,
-        **penalty_options(args),
-    )
+    result = engine.generate(prompt, options=run_options(args), chat=chat, images=images, split=split,
+                             on_text=None if args.json else write, progress=ProgressBar("prefill"))
     # the BLAS under MLX and hetero's own CPU kernels: what CPU speed depends on
     extra, status = {"blas": hetero.host.blas.describe(), **kernels.status()}, 0
     if split is not None:
@@ -144,10 +130,13 @@ def print_run_stats(s: dict, extra: dict) -> None:
               file=sys.stderr)
 
 
-def penalty_options(args: argparse.Namespace) -> dict:
-    """`hetero run`'s penalty and logit-bias flags as generate's keyword arguments."""
-    return dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias or []) or None)
+def run_options(args: argparse.Namespace) -> DecodeOptions:
+    """`hetero run`'s decode options from its flags (sampling, seed, penalties, logit bias, MTP, prefill chunk)."""
+    return DecodeOptions(
+        args.max_tokens, SamplingParams(args.temp, args.top_k, args.top_p, args.min_p), args.seed,
+        Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty, dict(args.logit_bias or [])),
+        prefill_chunk=args.prefill_chunk, mtp=False if args.no_mtp else None, draft_depth=args.draft_depth,
+        copy=not args.no_copy)
 
 
 def _split_run(engine, args: argparse.Namespace):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.records import DecodeTimes, MTPStats
-from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.host.settings import PLAIN, save_tuning
 
@@ -32,8 +33,8 @@ def stepper_decode(engine) -> DecodeFn:
 
     def decode(depth: int, n: int) -> tuple[float, float | None]:
         times, stats = DecodeTimes(), MTPStats(depth) if depth else None
-        for _ in decode_tokens(engine.model, prompt, Sampler(SamplingParams()), n, engine.eos_ids, depth=depth,
-                               times=times, stats=stats):
+        for _ in decode_tokens(engine.model, prompt, DecodeOptions(n), engine.eos_ids, depth,
+                               RowParts(times=times, stats=stats)):
             pass
         return times.decode_tps, stats.to_dict()["mean_accepted_length"] if stats is not None else None
 

@@ -16,14 +16,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from hetero.decode.options import RowOptions
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.records import DecodeTimes
 from hetero.decode.rows import Row
-from hetero.decode.sampling import Sampler
 from hetero.decode.stepper import MAX_BATCH, Batch
 from hetero.decode.turns import Turns
 from hetero.errors import HeteroError
@@ -70,23 +70,23 @@ class DecodeLoop:
                 "waiting": len(self._arrivals), "recent_batch_sizes": recent[-32:],
                 "mean_batch_size": round(sum(recent) / len(recent), 3) if recent else 0.0}
 
-    def generate_tokens(self, model: CausalLM, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
-                        *, depth: int = DEFAULT_DRAFT_DEPTH, copy: bool = True,
-                        on_handover: Callable[[], None] | None = None, on_handback: Callable[[], None] | None = None,
-                        **options) -> Iterator[int]:
-        """`solo.decode_tokens` (the same `RowOptions`), the same tokens, with the decoding done in the shared batch.
-        The prefill runs on the caller's thread, then the first token is yielded; `on_handover()` runs once the rest
-        is the loop's (the caller gives up its turn on the model there) and `on_handback()` once the stream ends or
-        is closed (the caller takes a turn again: the loop has finished its round, and the request's state is its
-        committed one). `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the
+    def generate_tokens(self, model: CausalLM, prompt: list[int], options: DecodeOptions, eos_ids: set[int],
+                        depth: int = DEFAULT_DRAFT_DEPTH, parts: RowParts = RowParts(),
+                        on_handover: Callable[[], None] | None = None,
+                        on_handback: Callable[[], None] | None = None) -> Iterator[int]:
+        """`solo.decode_tokens` (the same options and parts), the same tokens, with the decoding done in the shared
+        batch. The prefill runs on the caller's thread, then the first token is yielded; `on_handover()` runs once
+        the rest is the loop's (the caller gives up its turn on the model there) and `on_handback()` once the stream
+        ends or is closed (the caller takes a turn again: the loop has finished its round, and the request's state
+        is its committed one). `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the
         caller's, as tokens are yielded; a `constraint` is the loop thread's after the handover."""
-        times = options.pop("times", None) or DecodeTimes()
+        times = parts.times or DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
-        if max_tokens <= 0:
+        if options.max_tokens <= 0:
             times.first_token = times.end = time.perf_counter()
             return
-        request = self.batch.prefilled(prompt, sampler, max_tokens, eos_ids, depth, copy,
-                                       RowOptions(**options))  # its own times: this thread's are `times`
+        request = self.batch.prefilled(prompt, options, eos_ids, depth,
+                                       replace(parts, times=None))  # its own times: this thread's are `times`
         decoder = request.decoder
 
         def emit(tokens: list[int]) -> Iterator[int]:
@@ -102,7 +102,7 @@ class DecodeLoop:
             times.finish_reason = request.finish_reason
             return
         # the loop's thread has its own stream: nothing of the request may stay lazy (the sampler's key included)
-        mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache), sampler.key)
+        mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache), request.sampler.key)
         stream = _Stream(request)
         with self._cv:
             if self._closed:
@@ -218,8 +218,8 @@ class Seat:
     on_handover: Callable[[], None] | None = None
     on_handback: Callable[[], None] | None = None
 
-    def decode_tokens(self, model: CausalLM, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
-                      **options) -> Iterator[int]:
+    def decode_tokens(self, model: CausalLM, prompt: list[int], options: DecodeOptions, eos_ids: set[int],
+                      depth: int = 0, parts: RowParts = RowParts()) -> Iterator[int]:
         """`solo.decode_tokens`'s arguments and tokens, decoded in the loop's batch."""
-        return self.loop.generate_tokens(model, prompt, sampler, max_tokens, eos_ids, on_handover=self.on_handover,
-                                         on_handback=self.on_handback, **options)
+        return self.loop.generate_tokens(model, prompt, options, eos_ids, depth, parts, self.on_handover,
+                                         self.on_handback)

@@ -33,6 +33,8 @@ PRESENCE = Bound(-2, 2)  # OpenAI's range for presence_penalty and frequency_pen
 FREQUENCY = Bound(-2, 2)
 REPETITION = Bound(0, 2, lo_open=True)  # vLLM's (0, 2]; 1 is off, > 1 discourages repeats, < 1 encourages them
 BIAS = Bound(-100, 100)  # OpenAI's logit_bias range: -100 bans a token in practice, 100 all but forces it
+PENALTY_NAMES = {"presence_penalty": "presence", "frequency_penalty": "frequency",  # public (OpenAI) name -> field
+                 "repetition_penalty": "repetition", "logit_bias": "logit_bias"}
 
 
 @dataclass(frozen=True)

@@ -80,33 +80,7 @@ def prefill(
     expect_positions(cache, offset + len(tokens))
     edges = chunk_edges(offset, len(tokens), chunk, marks)
     if images is None and wavefront.applies(model, edges):
-        held = [carry]  # the MTP head's carry, handed from chunk to chunk in chunk order
-
-        def after(k: int, h: mx.array):  # on chunk k's lane: h [1, S, hidden], its backbone's output
-            start, stop = edges[k], edges[k + 1]
-            if mtp:
-                held[0] = mtp_pairs(model, mx.array(tokens[start:stop])[None], h, held[0], cache)
-            if all_logits:
-                logits.append(model.logits(h)[0])
-                hidden.append(h[0])
-            elif stop >= len(tokens):
-                logits.append(model.logits(h[:, -1:])[0])
-                hidden.append(h[0, -1:])
-            last = h[0, -1:]
-            mx.eval(last, *logits[-1:], *hidden[-1:], *([held[0], *cache_arrays(cache.mtp)] if mtp else []))
-
-            def report(view: ModelCache | None) -> None:  # on the calling thread
-                if on_chunk is not None:
-                    on_chunk(offset + stop, view, last)
-                if progress is not None:
-                    progress(stop, len(tokens))
-
-            return report
-
-        # a restored prefix may still be lazy, on this thread's stream, which the other lane cannot evaluate
-        mx.eval(*cache_arrays(cache), *([] if carry is None else [carry]))
-        wavefront.run(model, tokens, cache, edges, after, views=on_chunk is not None)
-        return mx.concatenate(logits), mx.concatenate(hidden)
+        return _wavefront_prefill(model, tokens, cache, edges, progress, all_logits, mtp, carry, on_chunk)
     if images is not None:
         for c in cache:
             if isinstance(c, KVCache):
@@ -138,4 +112,40 @@ def prefill(
             on_chunk(offset + stop, cache, h[0, -1:])
         if progress is not None:
             progress(stop, len(tokens))
+    return mx.concatenate(logits), mx.concatenate(hidden)
+
+
+def _wavefront_prefill(model: CausalLM, tokens: list[int], cache: ModelCache, edges: list[int],
+                       progress: ProgressFn | None, all_logits: bool, mtp: bool, carry: mx.array | None,
+                       on_chunk: ChunkFn | None) -> tuple[mx.array, mx.array]:
+    """`prefill`'s chunks between `edges` as the two-lane wavefront (`hetero.decode.wavefront`), its hooks on the
+    calling thread in chunk order."""
+    logits, hidden = [], []
+    offset = cache[0].offset if cache else 0
+    held = [carry]  # the MTP head's carry, handed from chunk to chunk in chunk order
+
+    def after(k: int, h: mx.array):  # on chunk k's lane: h [1, S, hidden], its backbone's output
+        start, stop = edges[k], edges[k + 1]
+        if mtp:
+            held[0] = mtp_pairs(model, mx.array(tokens[start:stop])[None], h, held[0], cache)
+        if all_logits:
+            logits.append(model.logits(h)[0])
+            hidden.append(h[0])
+        elif stop >= len(tokens):
+            logits.append(model.logits(h[:, -1:])[0])
+            hidden.append(h[0, -1:])
+        last = h[0, -1:]
+        mx.eval(last, *logits[-1:], *hidden[-1:], *([held[0], *cache_arrays(cache.mtp)] if mtp else []))
+
+        def report(view: ModelCache | None) -> None:  # on the calling thread
+            if on_chunk is not None:
+                on_chunk(offset + stop, view, last)
+            if progress is not None:
+                progress(stop, len(tokens))
+
+        return report
+
+    # a restored prefix may still be lazy, on this thread's stream, which the other lane cannot evaluate
+    mx.eval(*cache_arrays(cache), *([] if carry is None else [carry]))
+    wavefront.run(model, tokens, cache, edges, after, views=on_chunk is not None)
     return mx.concatenate(logits), mx.concatenate(hidden)

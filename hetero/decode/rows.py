@@ -1,43 +1,39 @@
-"""A row of the stepper (one request's state, options and tokens so far) and what one round decides for each row."""
+"""A row of the stepper (one request's state, options, parts and tokens so far) and what a round decides for each."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.decode.logprobs import LogprobRecorder
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.penalties import Penalizer
-from hetero.decode.records import DecodeTimes, MTPStats, Trace
 from hetero.decode.sampling import Sampler
 from hetero.decode.state import Decoder
 from hetero.models.cache import GDNCache
-from hetero.tools.constrained import Constraint
-
-CommitFn = Callable[[Decoder, list[int]], None]  # (the committed state, the tokens it newly committed; last = x)
 
 
 @dataclass(eq=False)
 class Row:
-    """One request in the stepper: its decoder state (the solo `Decoder`), sampler, limits and tokens so far."""
+    """One request in the stepper: its decoder state (the solo `Decoder`), sampler, depth, options and parts (as
+    `Batch.row` completed them: `times` and `max_context` always set, `stats` at depth > 0, `trace` at depth 0 only),
+    and its tokens so far."""
 
     decoder: Decoder | None  # None: a request with nothing to decode (max_tokens <= 0), done at once
     sampler: Sampler
     depth: int  # MTP draft depth; 0 decodes plainly
-    max_tokens: int
     eos_ids: set[int]
-    max_context: int
+    options: DecodeOptions
+    parts: RowParts
+    penalizer: Penalizer | None = None  # penalties / logit_bias: every draw, draft and verify row (None: none)
     tokens: list[int] = field(default_factory=list)  # emitted, EOS excluded
     finish_reason: str | None = None  # "stop" (EOS) or "length" once done
-    stats: MTPStats | None = None
-    times: DecodeTimes = field(default_factory=DecodeTimes)
-    on_commit: CommitFn | None = None
-    logprobs: LogprobRecorder | None = None  # may record a few tokens past the last one emitted (as solo)
-    trace: Trace | None = None  # depth 0: what each round ran (the engine checkpoints it)
-    constraint: Constraint | None = None  # a grammar or a thinking budget: masks its drafts and verify rows, as solo
-    penalizer: Penalizer | None = None  # penalties / logit_bias: every draw, draft and verify row (None: none)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.options.max_tokens
 
     @property
     def done(self) -> bool:
@@ -45,19 +41,19 @@ class Row:
 
     def take(self, new: list[int]) -> list[int]:
         """Emit the committed `new` tokens up to EOS or max_tokens, as solo decoding would; returns those emitted."""
-        out = []
+        out, times = [], self.parts.times
         for t in new:
             if not self.tokens and not out:
-                self.times.first_token = time.perf_counter()
+                times.first_token = time.perf_counter()
             if t in self.eos_ids:
-                self.finish_reason = self.times.finish_reason = "stop"
+                self.finish_reason = times.finish_reason = "stop"
                 break
             out.append(t)
             if len(self.tokens) + len(out) >= self.max_tokens:
-                self.finish_reason = self.times.finish_reason = "length"
+                self.finish_reason = times.finish_reason = "length"
                 break
         self.tokens += out
-        self.times.generated, self.times.end = len(self.tokens), time.perf_counter()
+        times.generated, times.end = len(self.tokens), time.perf_counter()
         return out
 
 

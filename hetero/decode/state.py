@@ -6,20 +6,17 @@ ones. The stepper (`hetero.decode.stepper`) moves a set of these states forward 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hetero.decode.logprobs import LogprobRecorder
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.penalties import Penalizer
-from hetero.decode.prefill import ChunkFn, ProgressFn, prefill
-from hetero.decode.records import Trace
+from hetero.decode.prefill import prefill
 from hetero.decode.sampling import Sampler
 from hetero.models.cache import KVCache, LayerCache, ModelCache
 from hetero.models.interface import CausalLM
-from hetero.tools.constrained import Constraint
-from hetero.vision.prompt import ImagePrompt
 
 COPY_NGRAM = 3
 
@@ -76,48 +73,34 @@ class Decoder:
         return self.backbone[0].offset
 
 
-def start(
-    model: CausalLM,
-    prompt: list[int],
-    sampler: Sampler,
-    depth: int,
-    cache: ModelCache | None = None,
-    chunk: int = 512,
-    progress: ProgressFn | None = None,
-    copy: bool = False,
-    skip: int = 0,
-    carry: mx.array | None = None,
-    on_chunk: ChunkFn | None = None,
-    constraint: Constraint | None = None,
-    logprobs: LogprobRecorder | None = None,
-    marks: Sequence[int] = (),
-    trace: Trace | None = None,
-    mtp_prefill: bool = False,
-    penalizer: Penalizer | None = None,
-    images: ImagePrompt | None = None,
-) -> Decoder:
-    """Prefill `prompt` (after `skip` tokens that `cache` already holds, `carry` [1, H] their last hidden) and sample
-    the first token, which becomes the decoder's x (not emitted yet).
+def start(model: CausalLM, prompt: list[int], sampler: Sampler, depth: int, options: DecodeOptions,
+          parts: RowParts = RowParts(), penalizer: Penalizer | None = None) -> Decoder:
+    """Prefill `prompt` (after `parts.skip` tokens that `parts.cache` already holds, `parts.carry` [1, H] their last
+    hidden) in chunks of `options.prefill_chunk` and sample the first token, which becomes the decoder's x (not
+    emitted yet).
 
-    The MTP head's KV is filled too at `depth` > 0, or with `mtp_prefill` (so checkpoints serve MTP requests);
-    `copy` (depth > 0) starts a copy lane over the prompt. `on_chunk` sees the cache after every prefill chunk and
-    at `marks` (`prefill`). A `constraint` masks the first token and consumes it; `logprobs` records its raw row;
-    `trace` (depth 0) gets the prompt's last hidden, the first entry of what the backbone ran. A `penalizer`
-    (`hetero.decode.penalties`) penalizes the first token's logits before the constraint's mask, and counts it.
-    `images` (the prompt's `ImagePrompt`) puts its images in place and sets its 3-D positions (`prefill`).
+    The MTP head's KV is filled too at `depth` > 0, or with `parts.mtp_prefill` (so checkpoints serve MTP requests);
+    `options.copy` (depth > 0) starts a copy lane over the prompt. `parts.on_chunk` sees the cache after every
+    prefill chunk and at `parts.marks` (`prefill`). A `parts.constraint` masks the first token and consumes it;
+    `parts.logprobs` records its raw row; `parts.trace` (depth 0) gets the prompt's last hidden, the first entry of
+    what the backbone ran. A `penalizer` (`hetero.decode.penalties`) penalizes the first token's logits before the
+    constraint's mask, and counts it. `parts.images` (the prompt's `ImagePrompt`) puts its images in place and sets
+    its 3-D positions (`prefill`).
     """
-    cache = cache if cache is not None else model.make_cache()
-    logits, hidden = prefill(model, prompt[skip:], cache, chunk, progress, mtp=bool(depth) or mtp_prefill,
-                             carry=carry, on_chunk=on_chunk, marks=marks, images=images)  # [1, V], [1, H]
+    p = parts
+    cache = p.cache if p.cache is not None else model.make_cache()
+    logits, hidden = prefill(model, prompt[p.skip:], cache, options.prefill_chunk, p.progress,
+                             mtp=bool(depth) or p.mtp_prefill, carry=p.carry, on_chunk=p.on_chunk, marks=p.marks,
+                             images=p.images)  # [1, V], [1, H]
     last = logits[-1] if penalizer is None else penalizer(logits[-1:])[0]  # [V]
-    x = sampler(last if constraint is None else constraint.apply(last)).item()
-    if constraint is not None:
-        constraint.advance(x)
+    x = sampler(last if p.constraint is None else p.constraint.apply(last)).item()
+    if p.constraint is not None:
+        p.constraint.advance(x)
     if penalizer is not None:
         penalizer.add([x])
-    if logprobs is not None:
-        logprobs.add(logits[-1:], [x])
-    if trace is not None and not depth:
-        trace.hidden.append(hidden)
-    lane = CopyLane(prompt + [x]) if copy and depth else None
+    if p.logprobs is not None:
+        p.logprobs.add(logits[-1:], [x])
+    if p.trace is not None and not depth:
+        p.trace.hidden.append(hidden)
+    lane = CopyLane(prompt + [x]) if options.copy and depth else None
     return Decoder(model, cache, x, hidden, lane=lane)

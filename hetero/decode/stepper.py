@@ -40,22 +40,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import mlx.core as mx
 
-from hetero.decode.depth import MAX_DEPTH, check_depth
-from hetero.decode.logprobs import LogprobRecorder
-from hetero.decode.options import RowOptions
+from hetero.decode.depth import check_depth
+from hetero.decode.drafting import accept, ids, plan, propose
+from hetero.decode.options import DecodeOptions
+from hetero.decode.parts import RowParts
 from hetero.decode.penalties import Penalizer, penalizer_for
-from hetero.decode.records import DecodeTimes, MTPStats, Trace
-from hetero.decode.rows import Ahead, CommitFn, Round, Row
-from hetero.decode.sampling import Sampler, accept_drafts, accept_greedy, sample, warp
+from hetero.decode.records import DecodeTimes, MTPStats
+from hetero.decode.rows import Ahead, Round, Row
+from hetero.decode.sampling import Sampler
 from hetero.decode.state import Decoder, start
 from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
-from hetero.models.cache import GDNCache, KVCache, RaggedKV, cache_arrays
+from hetero.models.cache import GDNCache, RaggedKV, cache_arrays
 from hetero.models.interface import CausalLM
-from hetero.tools.constrained import Constraint
 
 MAX_BATCH = 8
 
@@ -78,60 +79,46 @@ class Batch:
     def full(self) -> bool:
         return len(self.rows) >= self.max_batch
 
-    def join(self, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
-             depth: int = DEFAULT_DRAFT_DEPTH, copy: bool = False, **options) -> Row:
+    def join(self, prompt: list[int], options: DecodeOptions, eos_ids: set[int], depth: int = DEFAULT_DRAFT_DEPTH,
+             parts: RowParts = RowParts()) -> Row:
         """Prefill `prompt` alone and add its row; its first token is in `row.tokens` already. `depth` 0 decodes
-        plainly, else speculatively with the MTP head (with the copy lane when `copy`); `options` are
-        `RowOptions`' fields."""
+        plainly, else speculatively with the MTP head (with the copy lane when `options.copy`)."""
         self._check(depth)
-        return self.admit(self.prefilled(prompt, sampler, max_tokens, eos_ids, depth, copy, RowOptions(**options)))
+        return self.admit(self.prefilled(prompt, options, eos_ids, depth, parts))
 
-    def prefilled(self, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int], depth: int,
-                  copy: bool, o: RowOptions) -> Row:
+    def prefilled(self, prompt: list[int], options: DecodeOptions, eos_ids: set[int], depth: int,
+                  parts: RowParts) -> Row:
         """`prompt` prefilled alone (`state.start`) into a row that has emitted its first token, not admitted yet:
-        a thread that prefilled it can stream that token at once. A row with nothing to decode (max_tokens <= 0)
-        is done before any prefill."""
-        times = o.times if o.times is not None else DecodeTimes()
+        a thread that prefilled it can stream that token at once. Its sampler is `options`' (sampling, seed), its
+        penalizer `options.penalties`' over the prompt. A row with nothing to decode (max_tokens <= 0) is done before
+        any prefill."""
+        times = parts.times if parts.times is not None else DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
-        if max_tokens <= 0:
-            row = Row(None, sampler, depth, 0, set(eos_ids), 0, times=times)
+        parts, sampler = replace(parts, times=times), Sampler(options.sampling, options.seed)
+        if options.max_tokens <= 0:
+            row = Row(None, sampler, depth, set(eos_ids), options, parts)
             row.finish_reason = times.finish_reason = "length"
             times.first_token = times.end = time.perf_counter()
             return row
-        pen = penalizer_for(o.penalties, prompt, self.model.args.vocab_size)
-        decoder = start(self.model, prompt, sampler, depth, o.cache, o.chunk, o.progress, copy, o.skip, o.carry,
-                        o.on_chunk, o.constraint, o.logprobs, o.marks, o.trace, o.mtp_prefill, pen, o.images)
-        return self.row(decoder, sampler, max_tokens, eos_ids, depth, o.max_context, times, o.stats, o.on_commit,
-                        o.logprobs, o.trace, o.constraint, pen)
+        pen = penalizer_for(options.penalties, prompt, self.model.args.vocab_size)
+        decoder = start(self.model, prompt, sampler, depth, options, parts, pen)
+        return self.row(decoder, sampler, options, eos_ids, depth, parts, pen)
 
-    def row(
-        self,
-        decoder: Decoder,
-        sampler: Sampler,
-        max_tokens: int,
-        eos_ids: set[int],
-        depth: int = DEFAULT_DRAFT_DEPTH,
-        max_context: int | None = None,
-        times: DecodeTimes | None = None,
-        stats: MTPStats | None = None,
-        on_commit: CommitFn | None = None,
-        logprobs: LogprobRecorder | None = None,
-        trace: Trace | None = None,
-        constraint: Constraint | None = None,
-        penalizer: Penalizer | None = None,
-    ) -> Row:
-        """A row for a prefilled decoder (`state.start`) whose first token, `decoder.x`, is sampled and not emitted
-        yet; it is emitted now (`logprobs` holds its row already, if any), and `on_commit` sees it. Not in the batch
-        yet (`admit`): a thread that prefilled it can stream its first token at once. `trace` (depth 0) gets each
-        round's token and hidden. `constraint` has consumed `decoder.x`, and `penalizer` (`penalties.penalizer_for`
-        over the prompt; None: no penalties) has counted it."""
+    def row(self, decoder: Decoder, sampler: Sampler, options: DecodeOptions, eos_ids: set[int],
+            depth: int = DEFAULT_DRAFT_DEPTH, parts: RowParts = RowParts(), penalizer: Penalizer | None = None) -> Row:
+        """A row for a prefilled decoder (`state.start`) whose first token, `decoder.x`, `sampler` drew and did not
+        emit yet; it is emitted now (`parts.logprobs` holds its row already, if any), and `parts.on_commit` sees it.
+        Not in the batch yet (`admit`): a thread that prefilled it can stream its first token at once.
+        `parts.trace` (depth 0) gets each round's token and hidden. `parts.constraint` has consumed `decoder.x`, and
+        `penalizer` (`penalties.penalizer_for` over the prompt; None: no penalties) has counted it."""
         self._check(depth, room=False)
-        row = Row(decoder, sampler, depth, max_tokens, set(eos_ids), max_context or self.model.args.max_position_embeddings,
-                  stats=stats if stats is not None else (MTPStats(depth) if depth else None),
-                  times=times or DecodeTimes(start=time.perf_counter()), on_commit=on_commit,
-                  logprobs=logprobs, trace=trace if not depth else None, constraint=constraint, penalizer=penalizer)
-        if on_commit is not None:
-            on_commit(decoder, [decoder.x])
+        parts = replace(parts, max_context=parts.max_context or self.model.args.max_position_embeddings,
+                        times=parts.times or DecodeTimes(start=time.perf_counter()),
+                        stats=parts.stats if parts.stats is not None else (MTPStats(depth) if depth else None),
+                        trace=parts.trace if not depth else None)
+        row = Row(decoder, sampler, depth, set(eos_ids), options, parts, penalizer)
+        if parts.on_commit is not None:
+            parts.on_commit(decoder, [decoder.x])
         row.take([decoder.x])
         return row
 
@@ -200,27 +187,26 @@ class Batch:
             rnd, target, hidden = self._plain_round(rows)
         else:
             self._drop_ahead()
-            plans = [self._plan(r) for r in rows]
-            rnd = self._propose(rows, plans)
+            rnd = self._propose(rows, [self._plan(r) for r in rows])
             target, hidden, gdn = self._verify(rows, rnd)  # [B, S, V], [B, S, H]
             self._accept(rows, rnd, target)
             self._commit_states(rows, rnd, gdn)
         for i, r in enumerate(rows):
-            if r.logprobs is not None:  # the raw target rows of the kept drafts and the new token
-                r.logprobs.add(target[i, : rnd.accepted[i] + 1], rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
+            if r.parts.logprobs is not None:  # the raw target rows of the kept drafts and the new token
+                r.parts.logprobs.add(target[i, : rnd.accepted[i] + 1], rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]])
         self._commit_rows(rows, rnd, hidden)
         emitted = {}
         for i, r in enumerate(rows):
-            if r.stats is not None:
-                r.stats.record(len(rnd.drafts[i]), rnd.accepted[i], rnd.copied[i])
+            if r.parts.stats is not None:
+                r.parts.stats.record(len(rnd.drafts[i]), rnd.accepted[i], rnd.copied[i])
             new = rnd.drafts[i][: rnd.accepted[i]] + [rnd.next[i]]
-            if r.on_commit is not None:
-                r.on_commit(r.decoder, new)
+            if r.parts.on_commit is not None:
+                r.parts.on_commit(r.decoder, new)
             if r.penalizer is not None:
                 r.penalizer.add(new)
             emitted[r] = r.take(new)
-            if r.stats is not None:
-                r.stats.emitted += len(emitted[r])
+            if r.parts.stats is not None:
+                r.parts.stats.emitted += len(emitted[r])
         return emitted
 
     # ------------------------------------------------------------------------------------------------------
@@ -229,7 +215,7 @@ class Batch:
     def _overlaps(r: Row) -> bool:
         """Whether the row's next pass may be queued before its token is read: plain decoding, where every round
         keeps its one token whatever it is (a grammar's mask and a commit hook need the value first)."""
-        return r.depth == 0 and r.constraint is None and r.on_commit is None
+        return r.depth == 0 and r.parts.constraint is None and r.parts.on_commit is None
 
     def _alone(self, r: Row) -> bool:
         """Whether a lone row takes the solo plain round (`_solo_round`): it overlaps, and its GDN caches carry no
@@ -264,20 +250,20 @@ class Batch:
             self._ahead = self._solo_pass(r, drawn)
         t = drawn.item()  # the draw itself: an op on it (a slice) would queue behind the pass and wait for it
         d = r.decoder
-        if r.logprobs is not None:  # the raw target row of the new token
-            r.logprobs.add(ahead.target[0, :1], [t])
-        if r.trace is not None:
-            r.trace.tokens.append(mx.array(d.x))
-            r.trace.hidden.append(ahead.traced)
+        if r.parts.logprobs is not None:  # the raw target row of the new token
+            r.parts.logprobs.add(ahead.target[0, :1], [t])
+        if r.parts.trace is not None:
+            r.parts.trace.tokens.append(mx.array(d.x))
+            r.parts.trace.hidden.append(ahead.traced)
             mx.eval(ahead.traced)  # read on the request's thread (evaluated already, with its pass)
         d.x = t
-        if r.stats is not None:
-            r.stats.record(0, 0, False)
+        if r.parts.stats is not None:
+            r.parts.stats.record(0, 0, False)
         if r.penalizer is not None:
             r.penalizer.add([t])
         out = r.take([t])
-        if r.stats is not None:
-            r.stats.emitted += len(out)
+        if r.parts.stats is not None:
+            r.parts.stats.emitted += len(out)
         return out
 
     def _solo_pass(self, r: Row, tokens: mx.array) -> Ahead:
@@ -288,9 +274,9 @@ class Batch:
         target = self.model.logits(hidden)  # [1, 1, V]
         key = r.sampler.key
         drawn = r.sampler(target[0, 0]).reshape(1, 1) if r.penalizer is None else None  # [1, 1]
-        traced = hidden[0] if r.trace is not None else None  # [1, H]
+        traced = hidden[0] if r.parts.trace is not None else None  # [1, H]
         mx.async_eval(drawn if drawn is not None else target, [] if traced is None else traced,
-                      target if r.logprobs is not None else [])
+                      target if r.parts.logprobs is not None else [])
         return Ahead([r], target, hidden, undo=undo, drawn=drawn, key=key, traced=traced)
 
     def _plain_round(self, rows: list[Row]) -> tuple[Round, mx.array, mx.array]:
@@ -305,7 +291,7 @@ class Batch:
                           for i, r in enumerate(rows)]).reshape(-1, 1)  # [B, 1]
         # the traced rows' hiddens are sliced and evaluated with the draw, ahead of the next pass: evaluating them
         # after it is queued would wait for that pass and leave the model idle while the host reads this round
-        rnd.traced = [hidden[i, :1] if r.trace is not None else None for i, r in enumerate(rows)]  # [1, H] each
+        rnd.traced = [hidden[i, :1] if r.parts.trace is not None else None for i, r in enumerate(rows)]  # [1, H] each
         mx.async_eval(drawn, [h for h in rnd.traced if h is not None])  # reading them never waits for the next pass
         self._commit_states(rows, rnd, gdn)  # every row keeps its one token: no value needed
         if all(len(r.tokens) + 1 < r.max_tokens for r in rows):  # a row ending here would drop the pass unused
@@ -331,81 +317,17 @@ class Batch:
 
     @staticmethod
     def _plan(r: Row) -> tuple[int, int]:
-        """(MTP draft count, copy-lane draft count) for this round: drafts never overshoot max_tokens or the context."""
-        room = min(r.max_tokens - len(r.tokens) - 1, r.max_context - r.decoder.length - 2)
-        return max(0, min(r.depth, room)), max(0, min(MAX_DEPTH, 2 * r.depth, room))
+        """The row's draft counts this round (`drafting.plan`; a seam for a test that scripts them)."""
+        return plan(r)
 
     def _propose(self, rows: list[Row], plans: list[tuple[int, int]]) -> Round:
-        rnd = Round([[] for _ in rows], [None] * len(rows), [False] * len(rows))
-        drafting = []
-        for i, (r, (k, copy_k)) in enumerate(zip(rows, plans)):
-            lane = r.decoder.lane
-            copied = lane.propose(copy_k) if lane is not None and copy_k > 0 else []
-            if copied and r.constraint is not None:  # cut at the first token the grammar forbids (solo's `propose`)
-                copied = copied[: r.constraint.extend(copied)]
-            if copied:
-                rnd.drafts[i], rnd.copied[i] = copied, True
-            elif k > 0:
-                drafting.append(i)
-        if drafting:
-            drafts, logprobs = self._draft([rows[i] for i in drafting], [plans[i][0] for i in drafting])
-            for i, d, q in zip(drafting, drafts, logprobs):
-                rnd.drafts[i], rnd.draft_logprobs[i] = d, q
-        return rnd
+        """The round's drafts (`drafting.propose`; a seam for a bench that fixes them)."""
+        return propose(self.model, rows, plans)
 
-    def _mtp_caches(self, rows: list[Row], lengths: list[int]) -> list[RaggedKV] | list[KVCache]:
-        """The MTP layers' caches for a pass over the rows: one row's own (the path a request alone takes)."""
-        if len(rows) == 1:
-            return rows[0].decoder.mtp_cache
-        return [RaggedKV([r.decoder.mtp_cache[j] for r in rows], lengths)
-                for j in range(len(rows[0].decoder.mtp_cache))]
-
-    def _draft(self, rows: list[Row], ks: list[int]) -> tuple[list[list[mx.array]], list[mx.array | None]]:
-        """k_i drafts per row from the MTP head, each row with its own sampler: the catch-up over each row's pending
-        pairs, then one step per depth for the rows whose k_i goes that far. The drafts stay lazy scalars (a
-        grammar's row reads each one as it goes): the verify pass is queued on them, and the round reads them
-        with its acceptance, one wait on the model per round."""
-        model = self.model
-        pending = [r.decoder.pending_tokens + [r.decoder.x] for r in rows]  # pairs with pending_hidden
-        m = [len(p) for p in pending]
-        M = max(m)
-        tokens = mx.array([p + [0] * (M - len(p)) for p in pending])  # [B, M]
-        if len(rows) == 1:  # nothing to pad
-            hidden = rows[0].decoder.pending_hidden[None]  # [1, M, H]
-        else:
-            hidden = mx.stack([mx.pad(r.decoder.pending_hidden, [(0, M - n), (0, 0)]) for r, n in zip(rows, m)])
-        z = model.mtp_hidden(tokens, hidden, self._mtp_caches(rows, m), last=True)  # [B, 1, H] each row's last pair
-        for r in rows:
-            r.decoder.pending_tokens, r.decoder.pending_hidden = [], r.decoder.pending_hidden[:0]
-        drafts: list[list[mx.array]] = [[] for _ in rows]
-        logprobs: list[list[mx.array]] = [[] for _ in rows]
-        live = list(range(len(rows)))  # rows still drafting, in z's row order
-        ended = set()  # rows whose constraint accepts nothing after their last draft (an EOS draft)
-        for j in range(max(ks)):
-            logits = model.draft_logits(z)[:, -1]  # [b, V]
-            for b, i in enumerate(live):
-                params, constraint, pen = rows[i].sampler.params, rows[i].constraint, rows[i].penalizer
-                row = logits[b] if pen is None else pen(logits[b : b + 1], drafts[i])[0]  # sees d_0..d_{j-1}
-                row = row if constraint is None else constraint.apply(row)
-                if params.greedy:
-                    drafts[i].append(mx.argmax(row))
-                else:
-                    q = warp(row, params)
-                    drafts[i].append(sample(q, rows[i].sampler.next_key()))
-                    logprobs[i].append(q)
-                if constraint is not None:  # consumed at once: the next draft's mask depends on it
-                    constraint.advance(drafts[i][-1].item())
-                    if constraint.ended:
-                        ended.add(i)
-            keep = [b for b, i in enumerate(live) if ks[i] > j + 1 and i not in ended]
-            if not keep:
-                break
-            live_rows = [rows[live[b]] for b in keep]
-            d = mx.stack([drafts[live[b]][-1] for b in keep]).reshape(-1, 1)  # [b', 1]
-            z = z if len(keep) == len(live) else z[mx.array(keep)]
-            z = model.mtp_hidden(d, z, self._mtp_caches(live_rows, [1] * len(keep)))  # fed its own post-norm output
-            live = [live[b] for b in keep]
-        return drafts, [mx.stack(lp) if lp else None for lp in logprobs]
+    @staticmethod
+    def _accept(rows: list[Row], rnd: Round, target: mx.array) -> None:
+        """Each row's acceptance (`drafting.accept`; a seam for a bench or test that records it)."""
+        accept(rows, rnd, target)
 
     def _gdn_rows(self, rows: list[Row], layer: int) -> tuple[mx.array, mx.array]:
         """The rows' conv windows and states of one GDN layer, stacked [B, ...] (kept from the last round when the
@@ -427,7 +349,7 @@ class Batch:
         if tokens is None and all(isinstance(t, int) for d in rnd.drafts for t in d):
             tokens = mx.array([[r.decoder.x] + d + [0] * (S - n) for r, d, n in zip(rows, rnd.drafts, lengths)])
         elif tokens is None:  # MTP drafts still lazy: the pass is queued on them [B, S]
-            tokens = mx.stack([mx.concatenate([mx.array([r.decoder.x], mx.int32), _ids(d), mx.zeros((S - n,), mx.int32)])
+            tokens = mx.stack([mx.concatenate([mx.array([r.decoder.x], mx.int32), ids(d), mx.zeros((S - n,), mx.int32)])
                                for r, d, n in zip(rows, rnd.drafts, lengths)])
         caches: list[GDNCache | RaggedKV] = []
         gdn: dict[int, GDNCache] = {}
@@ -448,33 +370,6 @@ class Batch:
                               RaggedKV([r.decoder.cache[l] for r in rows], lengths))
         hidden = self.model.model(tokens, caches)  # [B, S, H]
         return self.model.logits(hidden), hidden, gdn
-
-    @staticmethod
-    def _accept(rows: list[Row], rnd: Round, target: mx.array) -> None:
-        """Each row's acceptance with its own sampler: (accepted, next token) into `rnd`, one sync for all rows."""
-        decided = []
-        for i, r in enumerate(rows):
-            row = target[i, : len(rnd.drafts[i]) + 1]  # [k_i+1, V]
-            if r.penalizer is not None:  # position j given the drafts before it, as each draft was drawn
-                row = r.penalizer(row, rnd.drafts[i])
-            if r.constraint is not None:  # position j given x and the drafts before it (the masks they were drawn under)
-                row = mx.where(r.constraint.recent_masks(len(rnd.drafts[i]) + 1), row, -mx.inf)
-            d = _ids(rnd.drafts[i])  # [k_i]
-            if r.depth == 0:  # plain decoding: one draw from the (masked, penalized) row
-                decided.append((mx.array(0), r.sampler(row[-1])))
-            elif r.sampler.params.greedy:
-                decided.append(accept_greedy(row, d))
-            else:
-                q = rnd.draft_logprobs[i]
-                decided.append(accept_drafts(warp(row, r.sampler.params), d, q, r.sampler.next_key()))
-        mx.eval(decided, rnd.drafts)  # the one wait of an MTP round: the drafts, the pass and the acceptance
-        rnd.drafts = [[int(t) if isinstance(t, int) else int(t.item()) for t in d] for d in rnd.drafts]
-        rnd.accepted = [int(n.item()) for n, _ in decided]
-        rnd.next = [int(t.item()) for _, t in decided]
-        for i, r in enumerate(rows):
-            if r.constraint is not None:
-                r.constraint.rollback(len(rnd.drafts[i]) - rnd.accepted[i])
-                r.constraint.advance(rnd.next[i])
 
     def _commit_states(self, rows: list[Row], rnd: Round, gdn: dict[int, GDNCache]) -> None:
         """Keep each row's x and first a_i drafts in its backbone caches (`Decoder.commit`, row by row); a round
@@ -512,9 +407,9 @@ class Batch:
             d, drafts, a = r.decoder, rnd.drafts[i], rnd.accepted[i]
             for c in d.mtp_cache:  # drop the draft chain's speculative positions, keep the catch-up
                 c.trim_to(c.offset - (len(drafts) - 1 if rnd.mtp_ran(i) else 0))
-            if r.trace is not None and not r.depth:
-                r.trace.tokens.append(mx.array(d.x))
-                r.trace.hidden.append(rnd.traced[i] if rnd.traced is not None else hidden[i, :1])
+            if r.parts.trace is not None and not r.depth:
+                r.parts.trace.tokens.append(mx.array(d.x))
+                r.parts.trace.hidden.append(rnd.traced[i] if rnd.traced is not None else hidden[i, :1])
             if r.depth:
                 if not rnd.mtp_ran(i):
                     d.pending_tokens.append(d.x)
@@ -523,23 +418,16 @@ class Batch:
             if d.lane is not None:
                 d.lane.extend(drafts[:a] + [rnd.next[i]])
             d.x = rnd.next[i]
+        traced = [r.parts.trace.hidden[-1] for r in rows if r.parts.trace is not None]
         if self._ahead is not None:  # the caches feed the queued pass: evaluated there, or when their row leaves
-            mx.eval([r.trace.hidden[-1] for r in rows if r.trace is not None])  # read on the request's thread
+            mx.eval(traced)  # read on the request's thread
             return
         # computed while the host prepares the next round; a row's arrays are settled (`_settle`) before they may
         # move to another thread, when it leaves
-        mx.async_eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows],
-                      [r.trace.hidden[-1] for r in rows if r.trace is not None])
+        mx.async_eval([r.decoder.pending_hidden for r in rows], [cache_arrays(r.decoder.cache) for r in rows], traced)
 
 
 def _settle(rows: list[Row]) -> None:
     """Evaluate the leaving rows' state (caches, pending hiddens, trace): it may move to another thread."""
-    mx.eval([(cache_arrays(r.decoder.cache), r.decoder.pending_hidden, r.trace.hidden[-1:] if r.trace else [])
-             for r in rows if r.decoder is not None])
-
-
-def _ids(drafts: list[int | mx.array]) -> mx.array:
-    """A row's drafts (ints, or lazy scalars from the MTP head) as token ids [k] (int32)."""
-    if all(isinstance(t, int) for t in drafts):
-        return mx.array(drafts, dtype=mx.int32)
-    return mx.stack([mx.array(t, mx.int32) if isinstance(t, int) else t.astype(mx.int32) for t in drafts])
+    mx.eval([(cache_arrays(r.decoder.cache), r.decoder.pending_hidden,
+              r.parts.trace.hidden[-1:] if r.parts.trace is not None else []) for r in rows if r.decoder is not None])

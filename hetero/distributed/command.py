@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 import hetero
+from hetero.decode.options import DecodeOptions
 from hetero.distributed.group import connect
 from hetero.distributed.runtime import PipelineEngine, load_stage, serve
 from hetero.errors import HeteroError
@@ -21,11 +22,12 @@ from hetero.validate import read_prompt
 VERIFY_RTOL = 1e-4  # pipelined logits against one process: fp32 rounding at most (the same ops run on each rank)
 
 
-def run_pipelined(args: argparse.Namespace) -> int | None:
-    """Run `hetero run` across the ranks; None when the group has one rank (the caller runs in-process)."""
+def run_pipelined(args: argparse.Namespace, options: DecodeOptions) -> int | None:
+    """Run `hetero run` (its decode `options` from its flags) across the ranks; None when the group has one rank (the
+    caller runs in-process)."""
     if not args.ane_fraction.gpu_only or args.trace:
         raise HeteroError("--ane-fraction and --trace are not available in a pipelined (mlx.launch) run")
-    return pipelined(args.model, args.dist_timeout, lambda engine: _run(engine, args))
+    return pipelined(args.model, args.dist_timeout, lambda engine: _run(engine, args, options))
 
 
 def pipelined(model: str | None, dist_timeout: float, lead: Callable[[PipelineEngine], int]) -> int | None:
@@ -57,7 +59,7 @@ def pipelined(model: str | None, dist_timeout: float, lead: Callable[[PipelineEn
         link.close()
 
 
-def _run(engine: PipelineEngine, args: argparse.Namespace) -> int:
+def _run(engine: PipelineEngine, args: argparse.Namespace, options: DecodeOptions) -> int:
 
     prompt = read_prompt(args.prompt)
 
@@ -65,15 +67,11 @@ def _run(engine: PipelineEngine, args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    params = dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                  min_p=args.min_p, chat=args.chat, prefill_chunk=args.prefill_chunk, copy=not args.no_copy,
-                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                  repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias or []) or None)
-    result = engine.generate(prompt, seed=args.seed, mtp=False if args.no_mtp else None, draft_depth=args.draft_depth,
-                             on_text=None if args.json else write, progress=ProgressBar("prefill"), **params)
+    result = engine.generate(prompt, options=options, chat=args.chat, on_text=None if args.json else write,
+                             progress=ProgressBar("prefill"))
     status, extra = 0, {}
     if args.verify:
-        extra["verify"] = verify(engine, args, prompt, result, params)
+        extra["verify"] = verify(engine, args, prompt, result, options)
         status = 0 if extra["verify"]["match"] else 3
     s = result.stats
     if args.json:
@@ -93,13 +91,13 @@ def _run(engine: PipelineEngine, args: argparse.Namespace) -> int:
     return status
 
 
-def verify(engine: PipelineEngine, args: argparse.Namespace, prompt: str, result, params: dict) -> dict:
+def verify(engine: PipelineEngine, args: argparse.Namespace, prompt: str, result, options: DecodeOptions) -> dict:
     """Rerun the request in this process on the whole model (loaded here) and compare tokens and logits."""
 
     single = hetero.load(args.model)
     depth = (result.stats.get("mtp") or {}).get("depth")
-    ref = single.generate(prompt, seed=result.stats["seed"], mtp=depth is not None, draft_depth=depth,
-                          use_prefix_cache=False, **params)
+    ref = single.generate(prompt, options=options, seed=result.stats["seed"], mtp=depth is not None, draft_depth=depth,
+                          chat=args.chat, use_prefix_cache=False)
     ids = engine.encode_prompt(prompt, args.chat) + result.tokens
     ids = ids[: engine.max_context - 1]
     got, want = engine.logits(ids, args.prefill_chunk), single.logits(ids, args.prefill_chunk)  # [S, V] each

@@ -1,8 +1,8 @@
 """A request's output options in a pipelined run: the JSON constraint and per-token logprobs.
 
 Sampling happens on the last rank, so both live there. Rank 0 compiles the request's JSON Schema to a grammar
-(`Engine.json_grammar`, which also refuses a bad schema before anything runs) and the request carries the grammar
-text and the logprobs count; the last rank builds the `Constraint` and the `LogprobRecorder` the single-process
+(`Engine.json_grammar`, which also refuses a bad schema before anything runs) and the request's options carry the
+grammar text and the logprobs count; the last rank builds the `Constraint` and the `LogprobRecorder` the single-process
 decoders take. After every COMMIT message the last rank sends rank 0 the committed tokens' logprob rows
 (`send_logprobs`), which rank 0 reads right after that COMMIT (`recv_logprobs`).
 """
@@ -20,13 +20,13 @@ from hetero.tools.constrained import Constraint, grammar_tokenizer
 
 def last_rank_options(stage: Stage, request: Request) -> tuple[Constraint | None, LogprobRecorder | None]:
     """Last rank: the request's constraint (None without a grammar) and logprob recorder (None without logprobs)."""
-    constraint = None
-    if request.grammar is not None:
+    constraint, grammar = None, request.options.grammar
+    if grammar is not None:
         if stage.grammar_tokenizer is None:  # llguidance's vocabulary, built on the first constrained request
             stage.grammar_tokenizer = grammar_tokenizer(stage.path / "tokenizer.json", stage.args.vocab_size,
                                                         set(request.eos))
-        constraint = Constraint(stage.grammar_tokenizer, request.grammar, set(request.eos))
-    top = request.logprobs
+        constraint = Constraint(stage.grammar_tokenizer, grammar, set(request.eos))
+    top = request.options.logprobs
     return constraint, (LogprobRecorder(top) if top is not None else None)
 
 

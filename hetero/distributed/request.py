@@ -9,32 +9,26 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from hetero.decode.penalties import Penalties
-from hetero.decode.sampling import SamplingParams
+from hetero.decode.options import DecodeOptions
 
 KINDS = ("generate", "logits", "stop")
 
 
 @dataclass(frozen=True)
 class Request:
-    """A pipelined request, the same on every rank."""
+    """A pipelined request, the same on every rank: a generation's `options` travel whole, as rank 0's prologue
+    resolved them (`hetero.prologue.open_request`: max_tokens bound to the window, a JSON Schema compiled into
+    `options.grammar`, the seed drawn)."""
 
     kind: str
     prompt: list[int] = field(default_factory=list)
-    chunk: int = 512  # prefill chunk: the edges are those of one process's prefill
-    max_tokens: int = 0
+    options: DecodeOptions = field(default_factory=DecodeOptions)  # a generation's; a logits request's prefill_chunk
     depth: int = 0  # MTP draft depth (`decode.depth.decode_depth`, rank 0's); 0 decodes plainly
-    copy: bool = True  # the copy lane's drafts (MTP)
-    seed: int = 0
     eos: list[int] = field(default_factory=list)
     max_context: int = 0
-    sampling: SamplingParams = field(default_factory=SamplingParams)
     prefix_cache: int | None = None  # each rank's prefix-cache budget in bytes; None: no prefix cache
     marks: list[int] = field(default_factory=list)  # prompt positions that also end a prefill chunk
-    grammar: str | None = None  # the JSON constraint's grammar (compiled on rank 0); None: unconstrained
-    logprobs: int | None = None  # top alternatives per token; None: no logprobs
     stoppable: bool = False  # rank 0 answers every COMMIT with GO_ON or STOP
-    penalties: Penalties = field(default_factory=Penalties)  # presence / frequency / repetition, logit_bias (last rank)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -42,10 +36,9 @@ class Request:
 
     def to_json(self) -> dict:
         """The JSON-able form `Link.broadcast_json` sends."""
-        return asdict(self)
+        return {**asdict(self), "options": self.options.to_json()}
 
     @classmethod
     def from_json(cls, data: dict) -> Request:
         """The request `to_json` sent."""
-        return cls(**{**data, "sampling": SamplingParams(**data.get("sampling", {})),
-                      "penalties": Penalties(**data.get("penalties", {}))})  # logit_bias keys come back as strings
+        return cls(**{**data, "options": DecodeOptions.from_json(data["options"])})

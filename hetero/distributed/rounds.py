@@ -22,8 +22,8 @@ import mlx.core as mx
 from hetero.caches.prefix import PrefixCache
 from hetero.decode.logprobs import TokenLogprob
 from hetero.decode.prefill import ChunkFn, ProgressFn, chunk_edges, prefill
+from hetero.decode.parts import RowParts
 from hetero.decode.records import MTPStats
-from hetero.decode.sampling import Sampler
 from hetero.decode.solo import decode_tokens
 from hetero.distributed.outputs import last_rank_options, recv_logprobs, send_logprobs
 from hetero.distributed.request import Request
@@ -68,10 +68,8 @@ def capture(stage: Stage, tokens: list[int], cache: list[LayerCache], hidden: mx
 def lead(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 0, carry: mx.array | None = None) -> dict:
     """The last rank's side of a generation (prefill, then decoding) over `cache`, which holds prompt[:skip]
     (`carry`: its last hidden); returns its stats for rank 0."""
-    link, ids, eos = stage.link, request.prompt, set(request.eos)
-    sampler = Sampler(request.sampling, request.seed)
-    depth, max_tokens, chunk = request.depth, request.max_tokens, request.chunk
-    pc, marks = request.prefix_cache, request.marks
+    link, ids, eos, depth = stage.link, request.prompt, set(request.eos), request.depth
+    pc = request.prefix_cache
     constraint, recorder = last_rank_options(stage, request)
 
     def on_chunk(n: int, at: list[LayerCache], hidden: mx.array) -> None:
@@ -103,11 +101,10 @@ def lead(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 0,
         state[:] = [decoder]
         stage.announce = VERIFY if depth else STEP  # every later backbone pass is a verify pass, or a plain step
 
-    stream = decode_tokens(stage, ids, sampler, max_tokens, eos, depth=depth, copy=request.copy, chunk=chunk,
-                           stats=stats, cache=cache, max_context=request.max_context, skip=skip, carry=carry,
-                           on_chunk=on_chunk, on_commit=on_commit, constraint=constraint, logprobs=recorder,
-                           marks=marks, mtp_prefill=bool(pc) and stage.has_mtp,
-                           penalties=request.penalties if request.penalties.active else None)
+    parts = RowParts(cache=cache, skip=skip, carry=carry, on_chunk=on_chunk, marks=request.marks,
+                     mtp_prefill=bool(pc) and stage.has_mtp, max_context=request.max_context, on_commit=on_commit,
+                     constraint=constraint, logprobs=recorder, stats=stats)
+    stream = decode_tokens(stage, ids, request.options, eos, depth, parts)
     try:
         for _ in stream:
             if stopped:  # (at the first token of the round rank 0 stopped at: nothing after it runs)
@@ -130,9 +127,9 @@ def follow(stage: Stage, request: Request, cache: list[LayerCache], skip: int = 
     on rank 0, a request with logprobs appends each committed token's to `logprobs` before yielding it, and a
     stoppable one answers each COMMIT, once its tokens are handled, with `go_on()` (GO_ON or STOP)."""
     link, ids = stage.link, request.prompt
-    pc, top = request.prefix_cache, request.logprobs
+    pc, top = request.prefix_cache, request.options.logprobs
     on_chunk = (lambda n, at, h: capture(stage, ids[:n], at, h)) if pc else None
-    prefill_stage(stage, ids, cache, request.chunk, progress, skip, on_chunk, request.marks)
+    prefill_stage(stage, ids, cache, request.options.prefill_chunk, progress, skip, on_chunk, request.marks)
     committed = list(ids)
     passed = 0  # tokens of the latest recorded (verify) pass, waiting for its commit
     last = None  # this stage's output of the latest pass [1, H]
@@ -199,14 +196,14 @@ def prefill_stage(stage: Stage, ids: list[int], cache: list[LayerCache], chunk: 
 
 def logits_lead(stage: Stage, request: Request) -> None:
     """Last rank: every position's logits of the prompt, sent to rank 0 (`Engine.logits` across ranks)."""
-    logits, _ = prefill(stage, request.prompt, stage.make_cache(), request.chunk, all_logits=True,
+    logits, _ = prefill(stage, request.prompt, stage.make_cache(), request.options.prefill_chunk, all_logits=True,
                         on_chunk=lambda n, at, h: stage.link.watchdog.pet())  # [S, V]
     stage.link.send(logits.astype(mx.float32), 0)
 
 
 def logits_follow(stage: Stage, request: Request) -> mx.array | None:
     """Other ranks: their layers over the prompt; rank 0 then receives the logits [S, V] fp32."""
-    prefill_stage(stage, request.prompt, stage.make_cache(), request.chunk)
+    prefill_stage(stage, request.prompt, stage.make_cache(), request.options.prefill_chunk)
     if stage.link.first:
         return stage.link.recv((len(request.prompt), stage.args.vocab_size), mx.float32, stage.link.size - 1)
     return None

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,9 +27,9 @@ from hetero.caches.prefix import PrefixCache
 from hetero.checkpoint.dtypes import default_dtype
 from hetero.checkpoint.preflight import preflight
 from hetero.checkpoint.source import read_config, resolve
-from hetero.checkpoint.tokenizer import Tokenizer
-from hetero.decode.depth import decode_depth
+from hetero.checkpoint.tokenizer import Tokenizer, eos_ids
 from hetero.decode.logprobs import TokenLogprob
+from hetero.decode.options import DecodeOptions
 from hetero.decode.records import DecodeTimes
 from hetero.decode.request import STOP, Event, Finished, GenerationRequest, Prefilled, Token
 from hetero.distributed.group import Link
@@ -36,11 +37,12 @@ from hetero.distributed.request import Request
 from hetero.distributed.rounds import follow, lead, logits_follow, logits_lead, restore
 from hetero.distributed.shard import load_share
 from hetero.distributed.stage import Stage
-from hetero.engine import Engine, GenerationResult, _eos_ids, collect, make_request
+from hetero.engine import Engine, GenerationResult, collect, make_request
 from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.architectures import architecture
 from hetero.planner.hosts import split_layers
+from hetero.prologue import Opening, check_context, open_request, stream_stats
 
 
 def load_stage(link: Link, model: str | os.PathLike | None, dtype: mx.Dtype | None = None) -> tuple[Stage, Path, dict]:
@@ -106,15 +108,18 @@ class PipelineEngine:
     keeps a prefix cache of its own layers' states (captured at prefill chunk edges and at the end of each MTP
     turn); a prompt resumes from the longest prefix all ranks hold."""
 
-    # Engine's own: they read path, eos_ids, model.args and the lazily built llguidance tokenizer
+    # Engine's own: they read path, eos_ids, model.args, max_context, the tokenizer and the lazily built llguidance
+    # tokenizer; `encode_prompt` checks the room left through `_check_room` (here the context window only: each rank
+    # holds a different share, which no one process's memory governor judges)
     json_grammar = Engine.json_grammar
     token_bytes = Engine.token_bytes
     grammar_tokenizer = Engine.grammar_tokenizer
+    encode_prompt = Engine.encode_prompt
 
     def __init__(self, stage: Stage, path: Path, config: dict, name: str):
         self.stage, self.path, self.config, self.name = stage, path, config, name
         self.tokenizer = Tokenizer.from_dir(path)
-        self.eos_ids = _eos_ids(stage, self.tokenizer, path)  # reads only .args
+        self.eos_ids = eos_ids(stage.args.eos_token_id, self.tokenizer, path)
         self.closed = False
         self.prefix_cache: PrefixCache | None = None
         self._grammar_tokenizer = None
@@ -133,27 +138,16 @@ class PipelineEngine:
         """The draft depth `generate` uses when not told (no per-machine tuning across hosts); None without MTP."""
         return DEFAULT_DRAFT_DEPTH if self.stage.has_mtp else None
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        """As `Engine.encode_prompt` (the memory governor aside: each rank holds a different share)."""
-        if isinstance(prompt, str):
-            if chat:
-                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise HeteroError("the prompt is empty: give at least one token")
-        vocab = self.stage.args.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise HeteroError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
-        if len(ids) >= self.max_context:
-            raise HeteroError(f"the prompt has {len(ids)} tokens but the model's context window is {self.max_context}; shorten it")
-        return ids
+    def tuned_depth(self, options: DecodeOptions) -> None:
+        """No per-machine tuning across hosts: the depth policy takes the request's depth, or its default."""
+        return None
+
+    def _check_room(self, n: int, held: int = 0) -> None:
+        check_context(n, held, self.max_context)
 
     def logits(self, token_ids: list[int], chunk: int = 512) -> np.ndarray:
         """float32 logits [len, vocab] for every position, computed across the ranks."""
-        request = Request("logits", self.encode_prompt(list(token_ids)), chunk=chunk)
+        request = Request("logits", self.encode_prompt(list(token_ids)), DecodeOptions(prefill_chunk=chunk))
         with self._request(request):
             return np.array(logits_follow(self.stage, request))
 
@@ -174,9 +168,9 @@ class PipelineEngine:
                 self.closed = True
                 raise
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, on_text: Callable[[str], None] | None = None,
-                 on_logprob: Callable[[TokenLogprob], None] | None = None,
+    def generate(self, prompt: str | list[int], max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 on_text: Callable[[str], None] | None = None, on_logprob: Callable[[TokenLogprob], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, **options) -> GenerationResult:
         """As `Engine.generate`, across the ranks (`stream` run to its end); with `should_stop` the request is
         stoppable (see `stream`)."""
@@ -186,8 +180,8 @@ class PipelineEngine:
 
     def stream(self, r: GenerationRequest, stoppable: bool = True) -> Generator[Event, str | None, None]:
         """As `Engine.stream`, across the ranks. MTP is on whenever the checkpoint has a head (unless `mtp` is False)
-        at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the policy and its check
-        are one process's, `decode.depth.decode_depth`). The stats add `seed` (drawn here when not given, so a rerun
+        at `draft_depth` (default DEFAULT_DRAFT_DEPTH: no per-machine tuning across hosts; the prologue, its checks and
+        its depth policy are one process's, `hetero.prologue.open_request`). The stats add `seed` (drawn here when not given, so a rerun
         can reproduce a sampled output) and `pipeline` (split, per-rank memory); `r.progress` sees rank 0's prefill
         chunks. JSON constraints, grammars, logprobs, the penalties and `logit_bias` are applied on the last rank, by
         the same stepper.
@@ -199,30 +193,9 @@ class PipelineEngine:
         runs to EOS or `max_tokens` with no answer per commit (decoding as fast as it can); stopping it drops what
         follows. `split` (the ANE + GPU split), `batch` (a shared decode loop) and `prompt_cache` have no pipelined
         form and are refused."""
-        if r.split is not None or r.batch is not None or r.prompt_cache is not None:
-            raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction), batched decoding "
-                              "(--max-batch) or prompt_cache; leave them out")
-        if r.thinking_budget is not None:
-            raise HeteroError("a pipelined (mlx.launch) run has no thinking budget yet; leave it out")
-        if r.images:
-            raise HeteroError("a pipelined (mlx.launch) run reads no images yet; run the model in one process")
-        ids = self.encode_prompt(r.prompt, r.chat)
-        max_tokens = min(r.max_tokens, self.max_context - len(ids))
-        if r.mtp and not self.stage.has_mtp:
-            raise HeteroError(f"{self.name} has no MTP head (no mtp.* tensors); run with --no-mtp")
-        depth = decode_depth(self.stage.has_mtp, r.mtp, r.draft_depth)  # 0: plain decoding
-        grammar = self.json_grammar(r.json_schema) if r.json_schema is not None or r.json_object else r.grammar
-        penalties = r.penalties
-        penalties.check_vocab(self.stage.args.vocab_size)
-        seed = r.seed if r.seed is not None else random.getrandbits(31)
-        pc = self.prefix_cache if r.use_prefix_cache else None
-        request = Request(
-            "generate", ids, chunk=r.prefill_chunk, max_tokens=max_tokens, depth=depth, copy=r.copy, seed=seed,
-            eos=sorted(self.eos_ids), max_context=self.max_context, sampling=r.sampling,
-            prefix_cache=pc.max_bytes if pc is not None else None, marks=[] if r.mark is None else [r.mark],
-            grammar=grammar, logprobs=r.logprobs, stoppable=stoppable, penalties=penalties,
-        )
-        link = self.stage.link
+        opening = open_request(self, self._refuse(r))
+        ids, request = opening.ids, self._generation(r, opening, stoppable)
+        link, logprobs = self.stage.link, r.options.logprobs is not None
         times = DecodeTimes(start=time.perf_counter(), prompt_tokens=len(ids))
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
@@ -242,11 +215,10 @@ class PipelineEngine:
 
         with self._request(request):
             mx.reset_peak_memory()
-            if pc is not None:
-                self.stage.prefix = pc
+            if request.prefix_cache is not None:
+                self.stage.prefix = self.prefix_cache
             cache, skip, _ = restore(self.stage, request)
-            for tid in follow(self.stage, request, cache, skip, progress, rows if r.logprobs is not None else None,
-                              lambda: not cut):
+            for tid in follow(self.stage, request, cache, skip, progress, rows if logprobs else None, lambda: not cut):
                 if ended:  # (past EOS, max_tokens or a stop: the ranks run the request to its DONE)
                     continue
                 if not times.first_token:
@@ -263,13 +235,13 @@ class PipelineEngine:
                 tokens.append(tid)
                 times.generated, times.end = len(tokens), time.perf_counter()
                 try:
-                    reply = yield Token(tid, detok.add(tid), rows[len(tokens) - 1] if r.logprobs is not None else None)
+                    reply = yield Token(tid, detok.add(tid), rows[len(tokens) - 1] if logprobs else None)
                 except GeneratorExit:  # the consumer is gone: follow the ranks to the request's end, yield nothing
                     closed = ended = cut = True
                     continue
                 if reply == STOP:
                     times.finish_reason, ended, cut = "stop", True, True
-                elif len(tokens) >= max_tokens:
+                elif len(tokens) >= opening.options.max_tokens:
                     ended = True
             end = report(self.stage, None)
         if held:
@@ -278,22 +250,31 @@ class PipelineEngine:
             return
         if not times.first_token:
             yield Prefilled(len(ids), skip)
-        stats = {
-            "model": self.name,
-            "prompt_tokens": len(ids),
-            "cached_tokens": skip,
-            "generated_tokens": len(tokens),
-            "finish_reason": times.finish_reason,
-            "ttft_s": round(times.ttft_s, 6),
-            "prefill_tps": round(times.prefill_tps, 3),
-            "decode_tps": round(times.decode_tps, 3),
-            "peak_memory_bytes": end["ranks"][0]["peak_memory_bytes"],
-            "seed": seed,
-            "pipeline": {"ranks": link.size, "backend": "ring", "per_rank": end["ranks"]},
-        }
-        if end.get("mtp") is not None:
-            stats["mtp"] = end["mtp"]
-        yield Finished(detok.finalize(), times.finish_reason, stats)
+        pipeline = {"ranks": link.size, "backend": "ring", "per_rank": end["ranks"]}
+        yield Finished(detok.finalize(), times.finish_reason,
+                       stream_stats(self.name, opening, skip, len(tokens), times, end["ranks"][0]["peak_memory_bytes"],
+                                    end.get("mtp"), seed=request.options.seed, pipeline=pipeline))
+
+    def _generation(self, r: GenerationRequest, opening: Opening, stoppable: bool) -> Request:
+        """What every rank runs of `r`: rank 0's opening, with the seed drawn here when `r` gives none (the stats
+        report it, so a rerun can reproduce a sampled output) and each rank's prefix-cache budget (rank 0's)."""
+        seed = opening.options.seed if opening.options.seed is not None else random.getrandbits(31)
+        pc = self.prefix_cache if r.use_prefix_cache else None
+        return Request("generate", opening.ids, replace(opening.options, seed=seed), opening.depth,
+                       sorted(self.eos_ids), self.max_context, pc.max_bytes if pc is not None else None,
+                       [] if r.mark is None else [r.mark], stoppable)
+
+    @staticmethod
+    def _refuse(r: GenerationRequest) -> GenerationRequest:
+        """`r`, unless it asks for what a pipelined run has no form of yet (a one-line HeteroError)."""
+        if r.split is not None or r.batch is not None or r.prompt_cache is not None:
+            raise HeteroError("a pipelined (mlx.launch) run has no ANE split (--ane-fraction), batched decoding "
+                              "(--max-batch) or prompt_cache; leave them out")
+        if r.options.thinking_budget is not None:
+            raise HeteroError("a pipelined (mlx.launch) run has no thinking budget yet; leave it out")
+        if r.images:
+            raise HeteroError("a pipelined (mlx.launch) run reads no images yet; run the model in one process")
+        return r
 
     def close(self) -> None:
         """Tell the other ranks to stop serving (once), after the request in flight, if any (a server's worker

@@ -19,7 +19,7 @@ from hetero.pipeline.calibrate import RANGES_FILE, cached_ranges, calibrate, mer
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
-from hetero.pipeline.verification import release_reference, verify
+from hetero.pipeline.verification import FP32Reference, verify
 from hetero.pipeline.vision_lane import VisionLane
 from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
 from hetero.planner import check_prompt_fits
@@ -348,15 +348,12 @@ def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], No
                   tol: float | None = DEFAULT_VERIFY_TOL, weights: str = DEFAULT_WEIGHT_FORM) -> PipelineRun:
     """`--ane-fraction auto`: the fraction this machine's measured profile recommends, lowered until the split
     passes verification on a calibration prompt (each lowering is reported). The fp32 reference the checks share
-    is released once the fraction is chosen: a server keeps none of it."""
-    try:
-        return _auto_fraction(engine, chunk, report, tol, weights)
-    finally:
-        release_reference(engine)
+    goes once the fraction is chosen: a server keeps none of it."""
+    return _auto_fraction(engine, chunk, report, tol, weights, FP32Reference(engine))
 
 
 def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol: float | None,
-                   weights: str) -> PipelineRun:
+                   weights: str, fp32: FP32Reference) -> PipelineRun:
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     report = report or (lambda line: print(line, file=sys.stderr))
@@ -368,7 +365,7 @@ def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol
     ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
     while fraction > 0:
         run = configure(engine, fraction, chunk, offload=best.offload, profile=profile, weights=weights)
-        check = verify(run, ids, tol=tol, n_tokens=8)
+        check = verify(run, ids, tol=tol, n_tokens=8, fp32=fp32)
         if "lane_lost" in check:  # the worker, not the split, failed: no fraction can be judged now
             report("--ane-fraction auto: the ANE lane's worker was lost during calibration; prefill runs GPU-only")
             return configure(engine, 0.0, chunk, profile=profile)

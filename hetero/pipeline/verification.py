@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from hetero.checkpoint.preflight import build_lazy_model
+from hetero.decode.options import DecodeOptions
 from hetero.decode.prefill import prefill
 from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.state import Decoder
@@ -93,55 +94,47 @@ def fp32_copy(model: CausalLM) -> CausalLM:
     return net
 
 
-def reference_model(engine) -> CausalLM | None:
-    """The fp32 model `verify` measures against: the engine's own in fp32, else an fp32 copy kept on the engine for
-    the next verify (`--ane-fraction auto` verifies several fractions), or None when the copy does not fit."""
-    model = engine.model
-    if model.model.norm.weight.dtype == mx.float32:
-        return model
-    copy = getattr(engine, "_fp32_reference", None)
-    if copy is None:
-        need = fp32_bytes(model) + sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        if need > MEMORY_SHARE * physical_memory_bytes():
-            return None
-        copy = fp32_copy(model)
-        try:
-            engine._fp32_reference = copy
-        except AttributeError:  # an engine that holds no attributes: make it again next time
-            pass
-    return copy
+class FP32Reference:
+    """What `verify` measures `engine`'s splits against: its model in fp32 (its own when it runs in fp32, else a copy
+    made on first use, or None when the copy does not fit in memory) and the compared arrays of the last prompt it
+    ran. Whoever verifies several splits of one engine (`--ane-fraction auto`, a defect hunt) keeps one and lets it go
+    when done: the copy and its arrays go with it, and nothing is stored on the engine."""
 
+    def __init__(self, engine):
+        self.engine = engine
+        self._copy: CausalLM | None = None
+        self._truth: tuple[tuple, dict[str, np.ndarray]] | None = None  # (prompt key, arrays)
 
-def reference_arrays(engine, reference: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None = None
-                     ) -> dict[str, np.ndarray]:
-    """The fp32 reference's compared arrays for `ids` (with `images`: the prompt's images, their embeddings as the
-    engine's tower made them); the last prompt's are kept on the engine (`auto` and a defect hunt verify the same
-    prompt again)."""
-    key = (tuple(ids if images is None else images.cache_keys()), chunk)  # images by their pixels
-    kept = getattr(engine, "_fp32_truth", None)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    cache = reference.make_cache()
-    truth = arrays_of(prefill(reference, ids, cache, chunk, images=images)[0], cache.backbone)
-    try:
-        engine._fp32_truth = (key, truth)
-    except AttributeError:
-        pass
-    return truth
+    def model(self) -> CausalLM | None:
+        """The fp32 model, or None when an fp32 copy of the engine's does not fit in memory."""
+        model = self.engine.model
+        if model.model.norm.weight.dtype == mx.float32:
+            return model
+        if self._copy is None:
+            need = fp32_bytes(model) + sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+            if need > MEMORY_SHARE * physical_memory_bytes():
+                return None
+            self._copy = fp32_copy(model)
+        return self._copy
 
-
-def release_reference(engine) -> None:
-    """Drop the fp32 copy and reference arrays `verify` keeps on an engine (their memory goes with them)."""
-    held = getattr(engine, "__dict__", {})
-    for name in ("_fp32_reference", "_fp32_truth"):
-        held.pop(name, None)
+    def arrays(self, reference: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None = None
+               ) -> dict[str, np.ndarray]:
+        """The fp32 reference's compared arrays for `ids` (with `images`: the prompt's images, their embeddings as
+        the engine's tower made them); the last prompt's are kept (`auto` and a defect hunt verify it again)."""
+        key = (tuple(ids if images is None else images.cache_keys()), chunk)  # images by their pixels
+        if self._truth is not None and self._truth[0] == key:
+            return self._truth[1]
+        cache = reference.make_cache()
+        truth = arrays_of(prefill(reference, ids, cache, chunk, images=images)[0], cache.backbone)
+        self._truth = (key, truth)
+        return truth
 
 
 def greedy_continuation(model: CausalLM, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
     """n greedy tokens decoded on the GPU by the stepper from a filled cache and the prompt's last logits [1, V]."""
     decoder = Decoder(model, cache, int(mx.argmax(logits[-1]).item()), mx.zeros((0, model.args.hidden_size)))
     batch = Batch(model, max_batch=1)
-    row = batch.admit(batch.row(decoder, Sampler(SamplingParams()), n, set(), depth=0))
+    row = batch.admit(batch.row(decoder, Sampler(SamplingParams()), DecodeOptions(n), set(), depth=0))
     for _ in batch.drain():
         pass
     return row.tokens
@@ -157,8 +150,8 @@ def _logits_after(model: CausalLM, ids: list[int], more: list[int], chunk: int, 
     return prefill(model, more, cache, chunk)[0]
 
 
-def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, images: ImagePrompt | None = None
-           ) -> dict:
+def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, images: ImagePrompt | None = None,
+           fp32: FP32Reference | None = None) -> dict:
     """Split prefill of `ids` against the GPU-only prefill (module docstring): the last logits, every cache array,
     and a greedy continuation of `n_tokens` tokens, identical up to a near-tie. `images`: the prompt's
     `ImagePrompt` (`ids` its tokens, its images encoded), which both prefills take.
@@ -167,9 +160,10 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     `match` is true when the arrays pass (against the fp32 reference, or `tol`'s fixed comparison), the
     continuations agree and (with `images`, on a checkpoint with a tower) each image's embeddings from the vision
     tower's programs on the ANE lane agree with the GPU tower's (`vision`: cosine and PSNR per image,
-    `hetero.pipeline.vision_lane.COSINE` / `PSNR`). A near-tie: where the continuations first part, the GPU-only
-    run's token leads the split's by at most 2 x the accepted distance x max |logit|; two runs within it of each
-    other may order such a pair either way, so the comparison stops there (`greedy_tie_at`).
+    `hetero.pipeline.vision_lane.COSINE` / `PSNR`). `fp32`: the reference to measure against, kept by a
+    caller that verifies several splits (None: one made for this check). A near-tie: where the continuations first
+    part, the GPU-only run's token leads the split's by at most 2 x the accepted distance x max |logit|; two runs
+    within it of each other may order such a pair either way, so the comparison stops there (`greedy_tie_at`).
     """
     model = run.engine.model
     split_cache = model.make_cache()
@@ -193,14 +187,15 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     report = {"max_abs_logit_diff": round(float(np.abs(a - b).max()), 6), "max_rel_logit_diff": round(rel, 6),
               "max_rel_cache_diff": round(cache_rel, 6), "worst_cache": worst,
               "cosine": round(float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30)), 8)}
-    reference = reference_model(run.engine) if tol is None else None
+    fp32 = fp32 if fp32 is not None else FP32Reference(run.engine)
+    reference = fp32.model() if tol is None else None
     if reference is None:  # the fixed comparison: asked for, or no room for the fp32 reference
         basis = "--verify-tol" if tol is not None else "dtype table (no room for an fp32 copy of the model)"
         tol = verify_tolerance(model.model.norm.weight.dtype) if tol is None else tol
         arrays_ok, bound = rel <= tol and cache_rel <= tol, tol
         report.update(reference=basis, tolerance=tol)
     else:
-        truth = gpu if reference is model else reference_arrays(run.engine, reference, ids, run.chunk, images)
+        truth = gpu if reference is model else fp32.arrays(reference, ids, run.chunk, images)
         d_split, where = max_relative(split, truth, rms=True)
         d_gpu, _ = max_relative(gpu, truth, rms=True)
         bound = K * d_gpu + ANE_FLOOR

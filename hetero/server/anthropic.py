@@ -42,13 +42,13 @@ def parse_messages(parser: Parser, body: dict) -> Job:
     ids, reply = anthropic_chat(parser, body)
     job = parser.job(body, ids, "max_tokens", required_max=True)
     job.reply = reply
-    job.temperature = number(body, "temperature", parser.defaults["temperature"], ANTHROPIC_TEMPERATURE)
+    job.set(temperature=number(body, "temperature", parser.defaults["temperature"], ANTHROPIC_TEMPERATURE))
     job.stops = stops(body, "stop_sequences")
     output_config(parser, body, job)
     thinking = body.get("thinking")  # (its type was checked with the messages)
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        job.thinking_budget = thinking_budget(parser, thinking.get("budget_tokens"), "thinking.budget_tokens",
-                                              strict=False)
+        job.set(thinking_budget=thinking_budget(parser, thinking.get("budget_tokens"), "thinking.budget_tokens",
+                                                strict=False))
     return job
 
 

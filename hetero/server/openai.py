@@ -1,7 +1,7 @@
 """The OpenAI API: POST /v1/chat/completions and /v1/completions.
 
-`parse_chat` / `parse_completion` read a request into a Job (a new request option goes there, onto a Job
-field); `ChatOutput` / `CompletionOutput` shape its generation into the response: `choice` for a plain
+`parse_chat` / `parse_completion` read a request into a Job (a new decode option goes there, into the Job's
+options); `ChatOutput` / `CompletionOutput` shape its generation into the response: `choice` for a plain
 response, `start` / `text` / `finish` for the chunks of a stream, `piece` for one chunk's choice.
 """
 
@@ -40,8 +40,9 @@ def parse_chat(parser: Parser, body: dict) -> Job:
     one_choice(body)
     ids, reply = openai_chat(parser, body)
     job = parser.job(body, ids, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
-    job.reply, job.penalties = reply, penalties
-    job.thinking_budget = thinking_budget(parser, body.get("max_thinking_tokens"), "max_thinking_tokens")
+    job.reply = reply
+    job.set(penalties=penalties,
+            thinking_budget=thinking_budget(parser, body.get("max_thinking_tokens"), "max_thinking_tokens"))
     job.stops = stops(body, "stop")
     stream_options(body, job)
     parse_chat_logprobs(body, job)
@@ -63,10 +64,11 @@ def parse_completion(parser: Parser, body: dict) -> Job:
     penalties = parser.penalties(body)
     one_choice(body)
     job = parser.job(body, parser.encode(prompt, "prompt"), "max_tokens")
-    job.penalties, job.echo = penalties, bool(boolean(body, "echo", False))
+    job.set(penalties=penalties)
+    job.echo = bool(boolean(body, "echo", False))
     job.stops = stops(body, "stop")
     stream_options(body, job)
-    job.logprobs = integer(body, "logprobs", None, TOP_LOGPROBS)
+    job.set(logprobs=integer(body, "logprobs", None, TOP_LOGPROBS))
     return job
 
 
@@ -105,7 +107,7 @@ class ChatOutput(Output):
     def take_logprobs(self) -> dict | None:
         """The logprobs of the tokens since the last text piece, for the chunk that carries this one."""
         items, self.pending_logprobs = self.pending_logprobs, []
-        return self.logprobs_field(items if self.job.logprobs is not None else None)
+        return self.logprobs_field(items if self.job.options.logprobs is not None else None)
 
     def logprobs_field(self, items: list[TokenLogprobs] | None) -> dict | None:
         return None if items is None else {"content": [chat_logprob(x) for x in items], "refusal": None}
@@ -192,7 +194,7 @@ class CompletionOutput(ChatOutput):
         """No role chunk in the completions API; an `echo` request's prompt goes out first, with its logprobs."""
         if s.echo is None:
             return []
-        logprobs = self.logprobs_field(s.echo.logprobs) if self.job.logprobs is not None else None
+        logprobs = self.logprobs_field(s.echo.logprobs) if self.job.options.logprobs is not None else None
         return [sse(self.chunk([{"index": 0, "text": s.echo.text, "finish_reason": None, "logprobs": logprobs}]))]
 
 
@@ -203,12 +205,12 @@ TOP_LOGPROBS = Bound(0, MAX_TOP_LOGPROBS, integer=True)
 
 
 def parse_chat_logprobs(body: dict, job: Job) -> None:
-    """Chat `logprobs: true` and `top_logprobs: N` (0..20, only with logprobs) -> job.logprobs."""
+    """Chat `logprobs: true` and `top_logprobs: N` (0..20, only with logprobs) -> the job's logprobs."""
     wanted = boolean(body, "logprobs", False)
     top = integer(body, "top_logprobs", None, TOP_LOGPROBS)
     if top is not None and not wanted:
         raise RequestError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    job.logprobs = (top or 0) if wanted else None
+    job.set(logprobs=(top or 0) if wanted else None)
 
 
 def parse_response_format(parser: Parser, body: dict, job: Job) -> None:
@@ -224,7 +226,7 @@ def parse_response_format(parser: Parser, body: dict, job: Job) -> None:
     if kind == "text":
         return
     if kind == "json_object":
-        job.json_object = True
+        job.set(json_object=True)
         return
     if kind != "json_schema":
         raise RequestError(400, f"'response_format.type' must be {kinds}, got {kind!r}", "response_format.type")
@@ -248,7 +250,7 @@ def parse_response_format(parser: Parser, body: dict, job: Job) -> None:
         parser.engine.json_grammar(schema)
     except HeteroError as e:
         raise RequestError(400, str(e), "response_format.json_schema.schema") from None
-    job.json_schema = schema
+    job.set(json_schema=schema)
 
 
 def token_text(b: bytes) -> str:

@@ -1,9 +1,11 @@
 """Request parsing shared by both APIs: the body's JSON, field checks, and the `Parser` that turns a request
-into a `Job` (the prompt's token ids and its sampling settings).
+into a `Job` (the prompt's token ids and its decode options).
 
 Each API module (`openai.py`, `anthropic.py`) has one `parse_*` function per route built from these pieces;
-that function is where a request's options are read. An option that changes generation (tools rendered into
-the prompt, a constraint, logprobs) becomes a field of `Job`, which the Runner and the API's output shaper read.
+that function is where a request's options are read. A decode option (sampling, a constraint, logprobs, penalties)
+goes into the job's `DecodeOptions` (`Job.set`), which travels whole to the engine; what shapes the prompt or the
+output (tools rendered into the prompt, stop strings, streaming) is a field of `Job`, which the Runner and the API's
+output shaper read.
 Parsing runs on a worker thread (the chat template and the tokenizer are slow on a large prompt).
 """
 
@@ -14,7 +16,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetero.decode.penalties import Penalties
+from hetero.decode.options import DecodeOptions, decode_options
+from hetero.decode.penalties import PENALTY_NAMES, Penalties
+from hetero.decode.sampling import SamplingParams
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server.defaults import refuse_unimplemented, sampling_defaults
@@ -23,8 +27,6 @@ from hetero.validate import FRACTION, MIN_P, NONNEG_INT, POSITIVE_INT, SEED, TOP
 
 MAX_STOPS = 16
 MAX_JSON_DEPTH = 64  # deeper request bodies are refused; real ones nest a few levels (tool inputs a few more)
-PENALTY_FIELDS = {"presence_penalty": "presence", "frequency_penalty": "frequency",  # OpenAI name -> Penalties
-                  "repetition_penalty": "repetition", "logit_bias": "logit_bias"}
 DEFAULT_MAX_TOKENS = 4096  # an OpenAI request without max_tokens: a long answer, not the rest of a 256K window
 OPENAI_TEMPERATURE = Bound(0, 2)  # the APIs' documented ranges, inside the engine's own (finite, >= 0)
 ANTHROPIC_TEMPERATURE = Bound(0, 1)
@@ -43,27 +45,20 @@ class Job:
     """One validated generation request, independent of the API it came through."""
 
     ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    options: DecodeOptions = field(default_factory=DecodeOptions)  # max_tokens, sampling, seed, mtp, logprobs, ...
     stops: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-    mtp: bool | None = None
     ane_fraction: float | None = None  # 0: this request prefills GPU-only; None: as the server is configured
-    logprobs: int | None = None  # top alternatives per token (0: only the token's own); None: no logprobs
-    json_schema: dict | None = None  # constrain the output to JSON matching this schema
-    json_object: bool = False  # constrain the output to a JSON object
     reply: Any = None  # chat routes: a `hetero.server.toolcalls.ChatReply`, how the output splits into reasoning / text / calls
     model: str | None = None  # the model name the request asked for (replies report it; an alias stays itself)
     warnings: list[str] = field(default_factory=list)  # sent back in the x-hetero-warning header, and logged
     context: Any = None  # what one API's output shaper needs from its request (Responses: the input items, the store)
-    penalties: Penalties = field(default_factory=Penalties)  # presence / frequency / repetition, logit_bias
     echo: bool = False  # completions: the prompt comes back before the reply (with its logprobs when asked)
-    thinking_budget: int | None = None  # the think block is closed after this many tokens (`hetero.tools.thinking_budget`)
+
+    def set(self, **named) -> None:
+        """Set decode options by name (`decode.options.decode_options`: temperature, logprobs, json_schema, ...)."""
+        self.options = decode_options(self.options, **named)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -277,7 +272,7 @@ class Parser:
         """presence_penalty, frequency_penalty, repetition_penalty and logit_bias (vLLM's semantics, exact under MTP:
         `hetero.decode.penalties`), checked one by one so a 400 names the field; logit_bias ids against the vocabulary."""
         given = {}
-        for name, arg in PENALTY_FIELDS.items():
+        for name, arg in PENALTY_NAMES.items():
             if body.get(name) is None:
                 continue
             try:
@@ -326,11 +321,10 @@ class Parser:
         if mtp and not self.engine.model.has_mtp:
             raise RequestError(400, "'mtp': this model has no MTP head", "mtp")
         d = self.defaults
-        return Job(
-            ids=ids, max_tokens=min(max_tokens, room),
+        sampling = SamplingParams(
             temperature=number(body, "temperature", d["temperature"], OPENAI_TEMPERATURE),
-            top_p=number(body, "top_p", d["top_p"], TOP_P), top_k=integer(body, "top_k", d["top_k"], TOP_K),
-            min_p=number(body, "min_p", d["min_p"], MIN_P), seed=integer(body, "seed", None, SEED),
-            stream=bool(boolean(body, "stream", False)), mtp=mtp, ane_fraction=fraction,
-            model=body.get("model") if isinstance(body.get("model"), str) else None,
-        )
+            top_k=integer(body, "top_k", d["top_k"], TOP_K), top_p=number(body, "top_p", d["top_p"], TOP_P),
+            min_p=number(body, "min_p", d["min_p"], MIN_P))
+        options = DecodeOptions(min(max_tokens, room), sampling, integer(body, "seed", None, SEED), mtp=mtp)
+        return Job(ids=ids, options=options, stream=bool(boolean(body, "stream", False)), ane_fraction=fraction,
+                   model=body.get("model") if isinstance(body.get("model"), str) else None)

@@ -112,13 +112,14 @@ def parse_responses(store: ResponseStore) -> Callable[[Parser, dict], Job]:
         reply.images = images or []
         job = parser.job(body, ids, "max_output_tokens")
         job.reply = reply
-        job.thinking_budget = thinking_budget(parser, body.get("max_thinking_tokens"), "max_thinking_tokens")
+        job.set(thinking_budget=thinking_budget(parser, body.get("max_thinking_tokens"), "max_thinking_tokens"))
         text_format(parser, body, job)
         keep = boolean(body, "store", True)
+        sampling = job.options.sampling
         echo = {"instructions": instructions, "tools": shown, "tool_choice": body.get("tool_choice") or "auto",
                 "parallel_tool_calls": parallel, "previous_response_id": previous,
                 "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
-                "reasoning": body.get("reasoning"), "temperature": job.temperature, "top_p": job.top_p,
+                "reasoning": body.get("reasoning"), "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "store": keep, "text": body.get("text") or {"format": {"type": "text"}}}
         job.context = ResponseContext(items, store if keep else None, echo,
                                       lambda s: len(parser.engine.tokenizer.encode(s)) if s else 0)

@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from starlette.requests import Request
 
 from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
+from hetero.decode.options import DecodeOptions
 from hetero.decode.loop import DecodeLoop, Seat
 from hetero.decode.turns import DECODE_SHARE, LentTurns, Turns
 from hetero.engine import Engine
@@ -240,18 +241,16 @@ class Runner:
             return (matcher.stopped is not None or cancelled.is_set() or bool(halted)
                     or (one_call is not None and one_call.calls > 0))
 
-        logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
+        logprobs: list[TokenLogprobs] | None = [] if job.options.logprobs is not None else None
         seat = None
         if self.loop is not None:  # the job gives its turn up while the loop decodes for it, then takes it back
             seat = Seat(self.loop, on_handover=lambda: self.turns.leave(ticket),
                         on_handback=lambda: self.turns.enter(ticket))
         result = self.engine.generate(
-            job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
-            min_p=job.min_p, seed=job.seed, mtp=job.mtp, draft_depth=self.draft_depth, prefill_chunk=self.prefill_chunk,
-            on_text=on_text, progress=progress,
-            should_stop=should_stop, split=self._split(job, ticket),
-            mark=job.reply.mark if job.reply is not None else None, batch=seat, images=_images(job),
-            **self._output_options(job, emit, logprobs),
+            job.ids, options=self._options(job), draft_depth=self.draft_depth, prefill_chunk=self.prefill_chunk,
+            on_text=on_text, on_logprob=self._on_logprob(emit, logprobs), progress=progress, should_stop=should_stop,
+            split=self._split(job, ticket), mark=job.reply.mark if job.reply is not None else None, batch=seat,
+            images=_images(job),
         )
         if cancelled.is_set():
             raise Cancelled()  # cut short by the client, not finished
@@ -269,9 +268,9 @@ class Runner:
         """The prompt of an `echo` completion: its text and, with logprobs asked, each prompt token's logprob under
         the raw model given the tokens before it (one prefill of every position; the first token has none)."""
         ids, engine = job.ids, self.engine
-        if job.logprobs is None:
+        if job.options.logprobs is None:
             return Echo(engine.tokenizer.decode(ids))
-        recorder = LogprobRecorder(job.logprobs)  # what generated tokens report, for rows 0..S-2 of the prompt
+        recorder = LogprobRecorder(job.options.logprobs)  # what generated tokens report, for rows 0..S-2 of the prompt
         recorder.add(mx.array(engine.logits(ids)[:-1]), ids[1:])  # [S-1, V]: token i+1 given tokens 0..i
         first = TokenLogprobs(engine.token_bytes(ids[0]), None, None)
         return Echo(engine.tokenizer.decode(ids), [first] + [self._bytes(x) for x in recorder.items])
@@ -281,29 +280,26 @@ class Runner:
         token_bytes = self.engine.token_bytes
         return TokenLogprobs(token_bytes(x.token), x.logprob, [(token_bytes(t), lp) for t, lp in x.top])
 
-    def _output_options(self, job: Job, emit: Callable[[TokenLogprobs], None],
-                        into: list[TokenLogprobs] | None) -> dict:
-        """engine.generate's logprobs, constraint (JSON, or a forced call's grammar) and penalty arguments for `job`:
-        each token's logprobs go to `emit` (ahead of its text) and into `into`."""
-        p = job.penalties
+    @staticmethod
+    def _options(job: Job) -> DecodeOptions:
+        """The job's decode options as the engine takes them: a forced tool call is decoded under its call's grammar
+        (response_format shapes text replies, not calls)."""
         forced = job.reply.grammar if job.reply is not None else None
-        # a forced tool call is decoded under its call's grammar; response_format shapes text replies, not calls
-        options: dict = {"grammar": forced} if forced else {"json_schema": job.json_schema,
-                                                            "json_object": job.json_object}
-        if job.thinking_budget is not None:
-            options["thinking_budget"] = job.thinking_budget
-        if p.active:  # (a pipelined engine takes them too; an inactive set is left out)
-            options.update(presence_penalty=p.presence, frequency_penalty=p.frequency, repetition_penalty=p.repetition,
-                           logit_bias=dict(p.logit_bias) or None)
-        if into is not None:
+        return replace(job.options, grammar=forced, json_schema=None, json_object=False) if forced else job.options
 
-            def on_logprob(x: TokenLogprob) -> None:
-                item = self._bytes(x)
-                into.append(item)
-                emit(item)
+    def _on_logprob(self, emit: Callable[[TokenLogprobs], None],
+                    into: list[TokenLogprobs] | None) -> Callable[[TokenLogprob], None] | None:
+        """With logprobs asked for (`into` a list): each token's logprobs, as the APIs report them, go to `emit`
+        (ahead of its text) and into `into`."""
+        if into is None:
+            return None
 
-            options.update(logprobs=job.logprobs, on_logprob=on_logprob)
-        return options
+        def on_logprob(x: TokenLogprob) -> None:
+            item = self._bytes(x)
+            into.append(item)
+            emit(item)
+
+        return on_logprob
 
     async def complete(self, job: Job, request: Request) -> Outcome:
         """Run to the end; a client that disconnects meanwhile cancels the job."""
