@@ -106,9 +106,11 @@ def moe_dir(tmp_path_factory) -> Path:
 
 
 def _free_port(n: int) -> int:
-    """A first port p with p..p+n-1 free on the loopback address (the ring listens on one port per rank)."""
+    """A first port p with p..p+n-1 free on the loopback address (the ring listens on one port per rank). Drawn from
+    the OS's randomness: the suite's processes (xdist workers) never share a seeded generator's sequence."""
+    draw = random.SystemRandom()
     for _ in range(100):
-        p = random.randrange(20000, 60000)
+        p = draw.randrange(20000, 60000)
         try:
             socks = []
             for i in range(n):
