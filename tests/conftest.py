@@ -1,6 +1,6 @@
 """Test-session environment: no network, per-machine settings in a private folder (never ~/.config), one BLAS
 thread per process when pytest-xdist runs the suite in several (tests/README.md), the first-use MTP decision pinned,
-and one hypothesis seed for the whole run, workers included.
+and one hypothesis seed for the whole run, workers included (no example database, no deadlines).
 
 A model with an MTP head that this machine never measured calibrates on first use (`hetero.decode.depth_calibration`: plain
 against speculative decode speed, a timing race on a busy 2-core machine), and that decision is whether every
@@ -28,8 +28,14 @@ os.environ.setdefault("HETERO_KERNEL_CACHE", os.path.join(os.path.expanduser("~"
 import hetero  # noqa: E402  (before any test imports MLX: the fast BLAS is under it whatever the test order)
 import hetero.engine  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 from hetero.checkpoint.loader import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
+
+# A draw's outcome depends on its seed alone: not on the machine's load (no per-example deadline, no timing health
+# check; speed is measured in bench/) nor on what an earlier run left in .hypothesis/ (no example database).
+settings.register_profile("hetero", deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("hetero")
 
 PINNED = "pinned by tests/conftest.py"  # the `calibrated` field of a pinned decision
 
