@@ -29,7 +29,7 @@ import hetero  # noqa: E402  (before any test imports MLX: the fast BLAS is unde
 import hetero.engine  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
-from hetero.checkpoint.loader import BUNDLED_MODEL, read_config  # noqa: E402
+from hetero.checkpoint.source import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
 
 # A draw's outcome depends on its seed alone: not on the machine's load (no per-example deadline, no timing health
