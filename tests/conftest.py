@@ -37,7 +37,8 @@ from hetero.host.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
 settings.register_profile("hetero", deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("hetero")
 
-pytest_plugins = ["cpu_durations"]  # --cpu-durations=N: the tests that used the most CPU (tests/cpu_durations.py)
+# --cpu-durations=N (the tests that used the most CPU); the costliest modules handed to the workers first
+pytest_plugins = ["cpu_durations", "schedule"]
 
 PINNED = "pinned by tests/conftest.py"  # the `calibrated` field of a pinned decision
 
