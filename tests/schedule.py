@@ -3,8 +3,8 @@
 With `--dist loadscope --no-loadscope-reorder` (pyproject.toml) a worker that runs low on tests takes the next
 module in collection order. Handed out in file order, a costly module that comes late (test_quantized_export) was
 still running on one worker while the other sat idle; started first, the long modules overlap with everything else
-and the run ends on short ones (longest-first scheduling). `HEAVY_FIRST` lists the modules that cost the most CPU
-(`--cpu-durations`), costliest first; every other module keeps its file order after them. A list that has gone stale
+and the run ends on short ones (longest-first scheduling). `HEAVY_FIRST` lists the modules that held a worker longest (wall time
+summed per module with `--durations=0`, a full run with two workers), longest first; every other module keeps its file order after them. A list that has gone stale
 costs a little wall time, never a test.
 """
 
@@ -26,6 +26,13 @@ HEAVY_FIRST = [
     "test_pipeline_qwen4.py",
     "test_ane_worker_process.py",
     "test_library.py",
+    "test_speculative.py",
+    "test_doctor.py",
+    "test_verify_layouts.py",
+    "test_server.py",
+    "test_penalties.py",
+    "test_cli.py",
+    "test_outliers.py",
 ]
 
 
