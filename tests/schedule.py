@@ -3,9 +3,9 @@
 With `--dist loadscope --no-loadscope-reorder` (pyproject.toml) a worker that runs low on tests takes the next
 module in collection order. Handed out in file order, a costly module that comes late (test_quantized_export) was
 still running on one worker while the other sat idle; started first, the long modules overlap with everything else
-and the run ends on short ones (longest-first scheduling). `HEAVY_FIRST` lists the modules that held a worker longest (wall time
-summed per module with `--durations=0`, a full run with two workers), longest first; every other module keeps its file order after them. A list that has gone stale
-costs a little wall time, never a test.
+and the run ends on short ones (longest-first scheduling). `HEAVY_FIRST` lists the modules that held a worker
+longest (wall time summed per module with `--durations=0`, a full run with two workers), longest first; every other
+module keeps its file order after them. A list that has gone stale costs a little wall time, never a test.
 """
 
 from __future__ import annotations
