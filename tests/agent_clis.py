@@ -49,7 +49,8 @@ class Unavailable(RuntimeError):
 def install(cache: Path = CACHE) -> Path:
     """The CLIs at their pinned versions, installed from npm once into `cache`; returns node_modules/.bin.
 
-    The install goes to a temporary folder renamed into place when complete, so a cut-off install is never used."""
+    The install goes to a temporary folder renamed into place when complete, so a cut-off install is never used;
+    processes that ask at once (pytest-xdist's workers) wait on a lock for the one that installs."""
     key = hashlib.sha256(json.dumps(PINS, sort_keys=True).encode()).hexdigest()[:12]
     target = cache / key
     if (target / "complete").is_file():
@@ -57,7 +58,15 @@ def install(cache: Path = CACHE) -> Path:
     if shutil.which("npm") is None or shutil.which("node") is None:
         raise Unavailable("npm and node are needed to install the agent CLIs (Debian: apt install nodejs npm)")
     cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "complete").is_file():  # else another process installed it while this one waited
+            _npm_install(target)
+    return target / "node_modules" / ".bin"
+
+
+def _npm_install(target: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=target.parent))
     packages = [f"{name}@{version}" for name, version in PINS.values()]
     done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix", str(work),
                            *packages], capture_output=True, text=True, timeout=900)
@@ -65,11 +74,8 @@ def install(cache: Path = CACHE) -> Path:
         shutil.rmtree(work, ignore_errors=True)
         raise RuntimeError(f"npm install {' '.join(packages)} failed:\n{done.stderr[-2000:]}")
     (work / "complete").write_text(json.dumps(PINS) + "\n")
-    try:
-        work.rename(target)
-    except OSError:  # another process finished first
-        shutil.rmtree(work, ignore_errors=True)
-    return target / "node_modules" / ".bin"
+    shutil.rmtree(target, ignore_errors=True)  # a folder left without its `complete` mark
+    work.rename(target)
 
 
 # a network namespace of its own; a user who is not root also maps itself to root in a user namespace to get one

@@ -1,4 +1,5 @@
-"""Tiny checkpoints trained in seconds to drive one tool loop of a real agent CLI (tests/test_agent_clis.py).
+"""Tiny checkpoints that drive one tool loop of a real agent CLI (tests/test_agent_clis.py), trained by
+`python tests/shipped_models.py agent-CLI` and shipped in tests/models/agent-CLI.
 
 One model per CLI: asked anything, it calls that CLI's shell tool (`CALLS[cli]`: Claude Code's `Bash`, Codex's
 `exec_command`, OpenCode's `bash`) with `COMMAND`, which makes a file; given the tool's result, it answers
@@ -6,23 +7,19 @@ One model per CLI: asked anything, it calls that CLI's shell tool (`CALLS[cli]`:
 every training sample puts a random stretch of unrelated text and a random set of tools before the exchange, with
 the thinking switch either way: what decides the reply is only the end of the prompt. Its layers are all Gated
 DeltaNet, whose decaying state forgets what came long before (`slow_decay`: but not the last ten-odd tokens), so a
-prompt far longer than the training samples ends the same way. Same Qwen3.6 template, tokenizer recipe and checkpoint layout as `tests/tool_model.py`.
+prompt far longer than the training samples ends the same way (`verify_agent_model` checks it up to 30K characters).
+Same Qwen3.6 template, tokenizer recipe, training to a reply margin and checkpoint layout as `tests/tool_model.py`.
 """
 
 from __future__ import annotations
 
-import hetero  # noqa: F401  (before MLX: the fast BLAS under it)
-import hashlib
-import json
-import os
-import shutil
-import tempfile
+import hetero  # before MLX: the fast BLAS under it
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from tool_model import TEMPLATE, fit_and_save, render_with
+from tool_model import MIN_MARGIN, TEMPLATE, fit_and_save, render_with
 
 COMMAND = "touch hetero-proof"
 PROOF_FILE = "hetero-proof"
@@ -67,15 +64,17 @@ def conversation(cli: str, rng: np.random.Generator, text: str) -> list[tuple[st
     return pairs
 
 
-def write_agent_model(path: Path, cli: str, samples: int = 24, steps: int = 150, seed: int = 0) -> Path:
-    """Train `cli`'s agent model on `samples` random conversations and write its checkpoint to `path`."""
+def write_agent_model(path: Path, cli: str, samples: int = 24, seed: int = 0) -> dict:
+    """Train `cli`'s agent model on `samples` random conversations and write its checkpoint to `path`; returns what
+    the fit reached (tests/tool_model.py `_train`)."""
     rng = np.random.default_rng(seed)
     text = filler_text()
     pairs = [pair for _ in range(samples) for pair in conversation(cli, rng, text)]
     shape = dict(hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
                  linear_key_head_dim=32, linear_value_head_dim=32, full_attention_interval=4)  # all Gated DeltaNet
-    return fit_and_save(Path(path), pairs, shape, steps=steps, lr=8e-3, seed=seed, batch=8, prepare=slow_decay)
+    return fit_and_save(Path(path), pairs, shape, lr=8e-3, seed=seed, max_steps=1500, min_margin=MIN_MARGIN, batch=8,
+                        prepare=slow_decay)
 
 
 def slow_decay(model) -> None:
@@ -86,38 +85,32 @@ def slow_decay(model) -> None:
         mixer.A_log = mx.log(mx.random.uniform(0.02, 1.0, mixer.A_log.shape))
 
 
-def cached_agent_model(cli: str) -> Path:
-    """`cli`'s agent model, trained once per version of this code and its tokenizer/trainer and kept in
-    ~/.cache/hetero/agent-models (HETERO_AGENT_MODEL_CACHE); written to a temporary folder renamed when complete."""
-    here = Path(__file__).resolve().parent
-    code = b"".join((here / name).read_bytes() for name in ("agent_model.py", "tool_model.py"))
-    key = hashlib.sha256(code).hexdigest()[:12]
-    root = Path(os.environ.get("HETERO_AGENT_MODEL_CACHE", Path.home() / ".cache" / "hetero" / "agent-models"))
-    target = root / key / cli
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{cli}.", dir=target.parent))
-    write_agent_model(work, cli)
-    try:
-        work.rename(target)
-    except OSError:  # another process finished first
-        shutil.rmtree(work, ignore_errors=True)
-    return target
+def verify_agent_model(path: Path, cli: str, conversations: int = 8, prefixes=(0, 3000, 30000)) -> dict:
+    """Greedy replies of the checkpoint at `path` (hetero's engine) on held-out conversations, each with every
+    prefix length of unrelated text put before its system text (the CLIs send 10-40K characters): both exchanges
+    must give their reply exactly. Returns the counts checked; raises on the first reply that differs."""
+    engine = hetero.load(str(path))
+    rng = np.random.default_rng(123)  # not the training seed: conversations the model never saw
+    text = filler_text()
+    checked = 0
+    for _ in range(conversations):
+        pairs = conversation(cli, rng, text)
+        for n in prefixes:
+            start = int(rng.integers(0, len(text) - n))
+            for prompt, reply in pairs:
+                long = prompt.replace("<|im_start|>system\n", "<|im_start|>system\n" + text[start : start + n], 1)
+                got = engine.generate(long, max_tokens=80).text
+                if got.strip() != reply.replace("<|im_end|>", "").strip():
+                    raise RuntimeError(f"{cli}'s agent model after {len(long)} characters replied {got[:120]!r}, "
+                                       f"not {reply[:120]!r}")
+                checked += 1
+    return {"replies": checked, "prefix_chars": list(prefixes)}
 
 
-if __name__ == "__main__":  # python tests/agent_model.py DIR CLI: train, then check replies after long prompts
+if __name__ == "__main__":  # python tests/agent_model.py DIR CLI: train into DIR, then verify
     import sys
     import time
 
     t0 = time.perf_counter()
-    out = write_agent_model(Path(sys.argv[1]), sys.argv[2])
-    print(f"trained in {time.perf_counter() - t0:.0f} s")
-    engine = hetero.load(str(out))
-    rng = np.random.default_rng(123)
-    text = filler_text()
-    for _ in range(3):
-        for prompt, reply in conversation(sys.argv[2], rng, text):
-            prompt = prompt.replace("<|im_start|>system\n", "<|im_start|>system\n" + text[:30000])
-            got = engine.generate(prompt, max_tokens=80).text
-            print(len(prompt), json.dumps(got[:90]), got.strip() == reply.replace("<|im_end|>", "").strip())
+    print(write_agent_model(Path(sys.argv[1]), sys.argv[2]), f"trained in {time.perf_counter() - t0:.0f} s")
+    print(verify_agent_model(Path(sys.argv[1]), sys.argv[2]))

@@ -1,5 +1,6 @@
-"""Test-session environment: no network, per-machine settings in a private folder (never ~/.config), and the
-first-use MTP decision pinned.
+"""Test-session environment: no network, per-machine settings in a private folder (never ~/.config), one BLAS
+thread per process when pytest-xdist runs the suite in several (tests/README.md), the first-use MTP decision pinned,
+and one hypothesis seed for the whole run, workers included (no example database, no deadlines).
 
 A model with an MTP head that this machine never measured calibrates on first use (`hetero.decode.depth_calibration`: plain
 against speculative decode speed, a timing race on a busy 2-core machine), and that decision is whether every
@@ -15,6 +16,10 @@ import tempfile
 import types
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # as many worker processes as cores: each computes on one (an MKL thread more per worker would contend for
+    # the cores the other worker holds; hetero.host.blas reads this before it loads MKL, and subprocesses inherit it)
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 # always a fresh home: a session reads no settings (tuned depths, device profiles) that it did not write itself
 os.environ["HETERO_HOME"] = tempfile.mkdtemp(prefix="hetero-test-home-")
 # hetero's CPU kernels are built once per machine, not per test home (every server a test starts loads them)
@@ -23,8 +28,17 @@ os.environ.setdefault("HETERO_KERNEL_CACHE", os.path.join(os.path.expanduser("~"
 import hetero  # noqa: E402  (before any test imports MLX: the fast BLAS is under it whatever the test order)
 import hetero.engine  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 from hetero.checkpoint.source import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
+
+# A draw's outcome depends on its seed alone: not on the machine's load (no per-example deadline, no timing health
+# check; speed is measured in bench/) nor on what an earlier run left in .hypothesis/ (no example database).
+settings.register_profile("hetero", deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("hetero")
+
+# --cpu-durations=N (the tests that used the most CPU); the costliest modules handed to the workers first
+pytest_plugins = ["cpu_durations", "schedule"]
 
 PINNED = "pinned by tests/conftest.py"  # the `calibrated` field of a pinned decision
 
@@ -45,11 +59,11 @@ save_tuning(BUNDLED_IDENTITY, {"draft_depth": DEFAULT_DRAFT_DEPTH, "calibrated":
 
 
 @pytest.fixture(scope="session")
-def tool_model_dir(tmp_path_factory):
-    """The tiny checkpoint trained to emit tool calls (tests/tool_model.py): trained once per session."""
-    from tool_model import write_tool_model
+def tool_model_dir():
+    """The tiny checkpoint trained to emit tool calls (tests/tool_model.py), as shipped in tests/models/tool."""
+    from shipped_models import shipped
 
-    return write_tool_model(tmp_path_factory.mktemp("tool-model"))
+    return shipped("tool")
 
 
 # A module that defines `engine` gets a live `hetero serve` on loopback for it (`server`) and the real SDK clients;
@@ -82,9 +96,20 @@ def model(oai):
 @pytest.hookimpl(tryfirst=True)  # before hypothesis's own pytest_configure reads --hypothesis-seed
 def pytest_configure(config):
     """Every session runs its hypothesis tests from one seed, printed in the header and the summary, so that a
-    failure found by a random draw can be rerun exactly (`--hypothesis-seed N`); a seed given is kept."""
-    if config.getoption("hypothesis_seed") is None:
+    failure found by a random draw can be rerun exactly (`--hypothesis-seed N`); a seed given is kept. An xdist
+    worker takes the seed its controller drew (`pytest_configure_node`), so a test draws the same examples
+    whichever process runs it."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        config.option.hypothesis_seed = worker["hypothesis_seed"]
+    elif config.getoption("hypothesis_seed") is None:
         config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(xdist, in the controller) hands each worker the run's hypothesis seed."""
+    node.workerinput["hypothesis_seed"] = node.config.option.hypothesis_seed
 
 
 def rerun_line(config) -> str:

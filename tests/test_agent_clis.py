@@ -1,9 +1,9 @@
 """Claude Code, Codex CLI and OpenCode, the real npm releases at pinned versions, finish their turns against
 `hetero serve`, inside a network namespace with only loopback (tests/agent_clis.py runs them).
 
-The plain and cached turns run on the bundled model as a user gets it; the tool loop runs on a tiny model trained
-here (tests/agent_model.py, cached between runs) that calls the CLI's own shell tool. Where namespaces or npm are missing these tests skip
-with the reason, except under CI, where that is a failure.
+The plain and cached turns run on the bundled model as a user gets it; the tool loop runs on a tiny model that calls
+the CLI's own shell tool (tests/agent_model.py, shipped in tests/models/agent-CLI). Where namespaces or npm are
+missing these tests skip with the reason, except under CI, where that is a failure.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import os
 import pytest
 
 import agent_clis
-from agent_model import CALLS, FINAL_ANSWER, PROMPTS, PROOF_FILE, cached_agent_model
+from agent_model import CALLS, FINAL_ANSWER, PROMPTS, PROOF_FILE
 from hetero.checkpoint.source import BUNDLED_MODEL
+from shipped_models import shipped
 
 CLIS = sorted(agent_clis.PINS)
 
@@ -60,7 +61,7 @@ def test_a_plain_turn_then_a_second_turn_from_the_prefix_cache(cli, cli_bin, tmp
 
 @pytest.mark.parametrize("cli", CLIS)
 def test_a_tool_loop_runs_the_clients_shell_tool_then_answers(cli, cli_bin, tmp_path):
-    model = cached_agent_model(cli)  # trained here the first time (about a minute), then cached
+    model = shipped(f"agent-{cli}")
     tools = [CALLS[cli][0]] if cli == "claude" else None  # Claude Code asks before Bash unless told it may run it
     result = agent_clis.session(cli, str(model), [PROMPTS[cli]], tmp_path, cli_bin, tools=tools)
     (turn,) = result["turns"]

@@ -106,9 +106,11 @@ def moe_dir(tmp_path_factory) -> Path:
 
 
 def _free_port(n: int) -> int:
-    """A first port p with p..p+n-1 free on the loopback address (the ring listens on one port per rank)."""
+    """A first port p with p..p+n-1 free on the loopback address (the ring listens on one port per rank). Drawn from
+    the OS's randomness: the suite's processes (xdist workers) never share a seeded generator's sequence."""
+    draw = random.SystemRandom()
     for _ in range(100):
-        p = random.randrange(20000, 60000)
+        p = draw.randrange(20000, 60000)
         try:
             socks = []
             for i in range(n):
@@ -226,17 +228,20 @@ def test_dead_rank_is_reported():
 
 
 def test_hung_rank_is_reported():
-    """A rank that stops answering (SIGSTOP): rank 0's watchdog reports it after --dist-timeout seconds."""
+    """A rank that stops answering (SIGSTOP): rank 0's watchdog reports it after --dist-timeout seconds. The timeout
+    also bounds joining the ring: at 3 s, a machine busy enough to start one rank's Python 3 s after the other's
+    failed the join before the test began (seen with the suite's two workers on a shared machine); 10 s spares that
+    and still names its own clock."""
     launch = Launch(2, [sys.executable, "-m", "hetero", "run", "--prompt", "x = 1\n" * 3000, "--max-tokens", "4",
-                        "--prefill-chunk", "64", "--dist-timeout", "3"])
+                        "--prefill-chunk", "64", "--dist-timeout", "10"])
     err = launch.wait_for("serving rank 0", 60)
     pid = int(err.split("pid ")[1].split(":")[0])
     launch.wait_for("prefill [", 60)
     assert "no progress from the other ranks" not in launch.err.decode(errors="replace")  # not before the stop
     os.kill(pid, signal.SIGSTOP)
     try:
-        # the line names the 3 s it waited (the watchdog's own clock); 60 s only guards against a hang
-        launch.wait_for("no progress from the other ranks for 3 s", 60)
+        # the line names the 10 s it waited (the watchdog's own clock); 60 s only guards against a hang
+        launch.wait_for("no progress from the other ranks for 10 s", 60)
     finally:
         with contextlib.suppress(ProcessLookupError):  # the launcher may have ended it already
             os.kill(pid, signal.SIGKILL)

@@ -148,3 +148,26 @@ def test_a_build_is_kept_whole_and_loaded_by_the_next_process(tmp_path):
     second = python(STATUS, {"HETERO_KERNEL_CACHE": str(cache)})
     assert json.loads(second.stdout) == {"loaded": True, "why_not": None}, second.stderr
     assert "building" not in second.stderr  # loaded, not rebuilt
+
+
+def test_a_process_that_finds_a_build_under_way_waits_for_it_and_builds_nothing(tmp_path):
+    """pytest-xdist's workers and servers started together ask for the kernels at once: the one that holds the build
+    lock builds, the others wait on it and load what it left. Here this process holds the lock while a second one
+    starts on an empty cache, then puts a finished library in place (this session's own build) and lets go."""
+    import fcntl
+    import shutil
+
+    cache = tmp_path / "kernels"
+    key_dir = cache / kernels._key()
+    key_dir.mkdir(parents=True)
+    library = key_dir / f"{kernels.NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    with open(key_dir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiting = subprocess.Popen([sys.executable, "-c", STATUS], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env={**os.environ, "HETERO_KERNEL_CACHE": str(cache)})
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=5)  # it waits on the lock (the import itself takes about a second)
+        shutil.copy(kernels._built(), library)
+    out, err = waiting.communicate(timeout=120)
+    assert json.loads(out) == {"loaded": True, "why_not": None}, err
+    assert "building" not in err  # it loaded the library the holder of the lock left, and built nothing

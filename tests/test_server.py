@@ -310,6 +310,27 @@ def interleaved(server: LiveServer, long_tokens: int, **short_extra) -> tuple[st
         return "".join(pieces), short.result()
 
 
+def wait_for_company(turns, patience: float = 0.5) -> None:
+    """Between its decode tokens, the job holding the turn waits up to `patience` s for another job to join the ring,
+    until one has. The tiny model's 300 tokens take a fraction of a second: on a busy machine the long generation
+    could end before the short request (sent when the client reads the long one's first chunk) reached the server,
+    and the short one then ran alone. This only slows the first job until the second is in line; the hand-over and
+    the answers are the server's own."""
+    joined = threading.Event()
+    pass_turn = turns.pass_turn
+
+    def waiting_pass_turn(job, prefilling: bool = False) -> None:
+        if not prefilling and not joined.is_set():
+            end = time.monotonic() + patience
+            while turns.others(job) == 0 and time.monotonic() < end:
+                time.sleep(0.002)
+            if turns.others(job) > 0:
+                joined.set()
+        pass_turn(job, prefilling)
+
+    turns.pass_turn = waiting_pass_turn
+
+
 def test_a_request_arriving_mid_generation_finishes_first_and_both_stay_exact(model_dir):
     """Requests take turns on the model: a short request sent while a long one streams is answered before the long
     one ends (no waiting in line), and each answer equals the one it gets alone."""
@@ -319,6 +340,7 @@ def test_a_request_arriving_mid_generation_finishes_first_and_both_stay_exact(mo
         assert len(server.openai().completions.create(model=model_name(server), prompt=LONG_PROMPT, max_tokens=300)
                    .choices[0].text) > 100  # really a long generation (no early EOS)
         assert httpx.get(server.url + "/health").json()["requests"]["turn_handovers"] == 0  # one at a time so far
+        wait_for_company(server.app.state.runner.turns)
         long_text, short_text = interleaved(server, 300)
         assert long_text == long_alone and short_text == short_alone
         # the server's own record, not the client's reading speed (how many long chunks the client had read when

@@ -1,16 +1,16 @@
 """A tiny Qwen3.5-architecture checkpoint trained to really emit tool calls, in the Qwen3.6 chat template.
 
-Trained in MLX in a few seconds on the rendered conversations below, so that greedy decoding of each prompt
-gives its reply: a weather request -> an XML tool call, the tool's result -> a final answer, an arithmetic
-question -> a <think> block, then text. Written as a real checkpoint (config.json, model.safetensors,
-tokenizer.json + tokenizer_config.json with tests/data/qwen3.6_chat_template.jinja) that `hetero.load` reads.
-The tokenizer is a byte-level BPE trained on the same conversations, with Qwen's <think> / <tool_call> /
+Trained in MLX on the rendered conversations below until greedy decoding of each prompt gives its reply by a margin
+(`_train`): a weather request -> an XML tool call, the tool's result -> a final answer, an arithmetic question -> a
+<think> block, then text. Trained by `python tests/shipped_models.py tool` and shipped in tests/models/tool, written
+as a real checkpoint (config.json, model.safetensors, tokenizer.json + tokenizer_config.json with
+tests/data/qwen3.6_chat_template.jinja) that `hetero.load` reads. The tokenizer is a byte-level BPE trained on the same conversations, with Qwen's <think> / <tool_call> /
 <tool_response> tags as added tokens, so the sequences are short.
 """
 
 from __future__ import annotations
 
-import hetero  # noqa: F401  (before MLX: the fast BLAS under it)
+import hetero  # before MLX: the fast BLAS under it
 import json
 import re
 from pathlib import Path
@@ -55,6 +55,7 @@ ROME_ARGS = {"city": "Rome", "days": 1}
 MATH_REQUEST = "What is 2 + 3?"
 MATH_REASONING = "2 plus 3 makes 5."
 MATH_ANSWER = "2 + 3 = 5."
+MIN_MARGIN = 2.0  # nats by which every reply token of the training conversations beats its rival (teacher-forced)
 
 
 def call_message(arguments: dict, call_id: str = "call_0") -> dict:
@@ -75,6 +76,18 @@ def conversations() -> list[tuple[list[dict], dict]]:
         ([{"role": "user", "content": MATH_REQUEST}],
          {"role": "assistant", "content": MATH_ANSWER, "reasoning_content": MATH_REASONING}),
     ]
+
+
+def verify_tool_model(path: Path) -> dict:
+    """Greedy replies of the checkpoint at `path` (hetero's engine) to every training prompt must be the replies
+    it learned. Returns the count checked; raises on the first reply that differs."""
+    engine = hetero.load(str(path))
+    pairs = training_pairs()
+    for prompt, reply in pairs:
+        got = engine.generate(prompt, max_tokens=80).text
+        if got.strip() != reply.replace("<|im_end|>", "").strip():
+            raise RuntimeError(f"the tool model replied {got[:120]!r}, not {reply[:120]!r}")
+    return {"replies": len(pairs)}
 
 
 def render(messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
@@ -116,8 +129,26 @@ def train_tokenizer(texts: list[str], vocab_size: int = 800) -> tokenizers.Token
     return tok
 
 
-def _train(model, batches, steps: int, lr: float) -> float:
-    """`steps` Adam steps, each on the next (tokens [B, S], loss mask [B, S-1]) of `batches`; the last loss."""
+def _reply_margin(model, rows: list[mx.array], masks: list[mx.array]) -> float:
+    """The smallest teacher-forced margin over all reply tokens: the target's logit minus its strongest rival's
+    (log-odds of the greedy choice). Positive means greedy decoding reproduces every reply."""
+    worst = float("inf")
+    for tokens, mask in zip(rows, masks):
+        logits, _ = model(tokens[:, :-1])  # [B, S-1, V]
+        picked = mx.take_along_axis(logits, tokens[:, 1:, None], axis=-1)  # [B, S-1, 1]
+        hidden = mx.put_along_axis(logits, tokens[:, 1:, None], mx.array(-mx.inf), axis=-1)  # the target masked
+        margin = picked[..., 0] - hidden.max(axis=-1)  # [B, S-1]
+        worst = min(worst, mx.where(mask > 0, margin, mx.inf).min().item())
+    return worst
+
+
+def _train(model, batches, checks: tuple[list, list], max_steps: int, lr: float, min_margin: float,
+           check_every: int = 25) -> dict:
+    """Adam steps on the next (tokens [B, S], loss mask [B, S-1]) of `batches` until every reply token of `checks`
+    (rows, masks: all the pairs) wins greedy decoding by `min_margin` nats, checked every `check_every` steps.
+    A fixed step count left some seeds at a model that answered before it called the tool (one decisive token in
+    twenty, undecided while the loss looked converged); training to the margin is what makes the recipe hold on any
+    machine. Returns what the fit reached; raises if `max_steps` do not reach the margin."""
     optimizer = optim.Adam(learning_rate=lr)
 
     def loss_fn(model, batch, mask):
@@ -136,25 +167,31 @@ def _train(model, batches, steps: int, lr: float) -> float:
         return loss
 
     with attention.differentiable():  # the CPU attention kernel's numpy softmax has no gradient
-        loss = mx.array(0.0)
-        for _ in range(steps):
+        loss, margin = mx.array(0.0), -float("inf")
+        for steps in range(1, max_steps + 1):
             loss = step(*next(batches))
             mx.eval(loss, state)
-    return loss.item()
+            if steps % check_every == 0:
+                margin = _reply_margin(model, *checks)
+                if margin >= min_margin:
+                    return {"steps": steps, "loss": round(loss.item(), 6), "margin": round(margin, 3)}
+    raise RuntimeError(f"training did not reach a reply margin of {min_margin} in {max_steps} steps "
+                       f"(margin {margin:.3f}, loss {loss.item():.4f})")
 
 
-def write_tool_model(path: Path, steps: int = 200, lr: float = 5e-3, seed: int = 0) -> Path:
-    """Train the tool model and write its checkpoint to `path`; returns `path`."""
+def write_tool_model(path: Path, seed: int = 0) -> dict:
+    """Train the tool model and write its checkpoint to `path`; returns what the fit reached (`_train`)."""
     shape = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
                  linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2)
-    return fit_and_save(Path(path), training_pairs(), shape, steps=steps, lr=lr, seed=seed)
+    return fit_and_save(Path(path), training_pairs(), shape, lr=5e-3, seed=seed, max_steps=1000, min_margin=MIN_MARGIN)
 
 
-def fit_and_save(path: Path, pairs: list[tuple[str, str]], shape: dict, steps: int, lr: float, seed: int,
-                 batch: int | None = None, prepare=None) -> Path:
+def fit_and_save(path: Path, pairs: list[tuple[str, str]], shape: dict, lr: float, seed: int, max_steps: int,
+                 min_margin: float, batch: int | None = None, prepare=None) -> dict:
     """Train a model of `shape` on the (prompt, reply) pairs (loss on the replies only; all pairs every step, or a
-    seeded random `batch` of them) with a tokenizer trained on them, and write the checkpoint with TEMPLATE.
+    seeded random `batch` of them) until each reply token wins greedy decoding by `min_margin` (`_train`), with a
+    tokenizer trained on them, and write the checkpoint with TEMPLATE; returns what the fit reached.
     `prepare(model)`, when given, adjusts the initialized model before training."""
     tok = train_tokenizer([p + r for p, r in pairs])
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id(EOS_TEXT)]
@@ -181,8 +218,9 @@ def fit_and_save(path: Path, pairs: list[tuple[str, str]], shape: dict, steps: i
     model = init_model(args, seed)
     if prepare is not None:
         prepare(model)
+    checks = [padded(list(range(i, min(i + 8, len(rows))))) for i in range(0, len(rows), 8)]
     model.train()
-    _train(model, batches(), steps, lr=lr)
+    fit = _train(model, batches(), tuple(zip(*checks)), max_steps, lr=lr, min_margin=min_margin)
     model.eval()
     save_hf_checkpoint(model, hf_config(args, eos, shape["full_attention_interval"]), path, dtype=mx.float32)
     save_tokenizer(tok, path)
@@ -190,4 +228,4 @@ def fit_and_save(path: Path, pairs: list[tuple[str, str]], shape: dict, steps: i
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["chat_template"] = TEMPLATE
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return path
+    return fit

@@ -193,6 +193,17 @@ def _built() -> Path:
     if shutil.which(os.environ.get("CXX", "c++"), path=tools) is None:
         raise BuildError("no C++ compiler found; install one (apt install g++) or set CXX")
     final.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl  # POSIX; the kernels build on Linux only
+
+    with open(final.parent / "build.lock", "w") as lock:  # processes starting at once (test workers, servers)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # wait for the one that builds instead of building it again
+        if not final.is_file():
+            _build(final, cmake, ninja)
+    return final
+
+
+def _build(final: Path, cmake: str, ninja: str | None) -> None:
+    """Compile the extension into `final` by way of a temporary folder (an atomic move at the end)."""
     _remove_abandoned_builds(final.parent)
     print("hetero: building the CPU kernels for this MLX (once, about 30 s)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".build.") as tmp:
@@ -211,7 +222,6 @@ def _built() -> Path:
                 raise BuildError(_last_error(run.stdout + run.stderr))
         (library,) = out.glob(f"{NAME}*.so")
         os.replace(library, final)  # atomic: another process sees the whole library or none
-    return final
 
 
 def _remove_abandoned_builds(folder: Path) -> None:
