@@ -251,7 +251,7 @@ def test_batched_rows_with_different_penalties_equal_solo(models):
         try:
             outputs[i] = list(loop.generate_tokens(
                 model, prompts[i], sampler(i), 30, set(), depth=depths[i], copy=False, penalties=pens[i],
-                on_handover=lambda: loop.turns.leave(ticket), on_handback=lambda: loop.turns.enter(ticket)))
+                job=ticket))
         finally:
             loop.turns.leave(ticket)
 

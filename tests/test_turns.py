@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hetero.decode.turns import Turns
 
@@ -126,3 +128,111 @@ def test_a_prefill_that_starts_decoding_owes_nothing_more():
 def test_decode_share_must_leave_the_prefill_some_time():
     with pytest.raises(ValueError, match="decode_share"):
         Turns(decode_share=1.0)
+
+
+def test_an_earlier_prompt_keeps_its_share_against_a_later_one():
+    """Two prompts prefilling: the later one owes the earlier one its time as a decoder would be owed it, so the
+    earlier keeps decode_share of the model (A's 1/4 s chunks: four of them per chunk of B's), and is never made to
+    wait for the later one's work (OpenCode's title request, then its main request)."""
+    clock = Clock()
+    trace = run_jobs(Turns(decode_share=0.8, clock=clock), clock, {"A": (12, 0.25, True), "B": (4, 0.25, True)})
+    assert trace[:2] == ["A", "B"]  # a job that has not run yet gets its first unit at once
+    assert runs_between(trace, "B")[:2] == [4, 4]
+    assert trace.index("A") == 0 and "".join(trace).rstrip("B").count("B") <= 3  # A ends first
+
+
+def test_a_later_prompt_runs_at_full_speed_once_the_earlier_one_is_gone():
+    clock = Clock()
+    trace = run_jobs(Turns(decode_share=0.8, clock=clock), clock, {"A": (2, 0.25, True), "B": (6, 0.25, True)})
+    assert trace == ["A", "B", "A", "B", "B", "B", "B", "B"]
+
+
+def test_the_decode_loop_takes_a_jobs_place_and_gives_it_back():
+    """`hand_over`: the job's place (and its turn) becomes the loop's, so the loop decodes next, not after a lap;
+    `reserve`: the place comes back right behind the job holding the turn, so the job's last unit runs next, ahead
+    of the jobs that waited."""
+    turns = Turns()
+    order: list[str] = []
+
+    def unit(name: str) -> None:
+        turns.enter(name)
+        order.append(name)
+        turns.leave(name)
+
+    turns.enter("job")
+    other = threading.Thread(target=unit, args=("other",))
+    other.start()
+    wait_until(lambda: queued(turns) == 2)
+    turns.hand_over("job", "loop")
+    assert turns.others("job") == 2 and turns.others("loop") == 1  # the job is out; the loop holds its place
+    turns.enter("loop")  # at once: the place is the loop's, at the front
+    order.append("loop")
+    turns.reserve("job")  # a round ended the job's request: it is next in line, ahead of "other"
+    job = threading.Thread(target=unit, args=("job",))
+    job.start()
+    turns.pass_turn("loop")  # returns once the job and "other" had their units
+    order.append("loop again")
+    turns.leave("loop")
+    for t in (job, other):
+        t.join(timeout=10)
+    assert order == ["loop", "job", "other", "loop again"]
+
+
+def test_a_lane_job_never_waits_on_the_ring():
+    """Inside a lane's job (the wavefront's lanes, the split's lanes, a decode round) entering the ring or passing
+    the turn raises at once: it would hold the lane while the jobs waiting for it wait on the ring (a circle)."""
+    from hetero.decode.turns import lane_job
+
+    turns = Turns()
+    turns.enter("a")
+    threading.Thread(target=lambda: (turns.enter("b"), turns.leave("b")), daemon=True).start()
+    wait_until(lambda: queued(turns) == 2)
+    with lane_job("test lane"):
+        with pytest.raises(RuntimeError, match="inside a job of the test lane lane"):
+            turns.pass_turn("a")
+        with pytest.raises(RuntimeError, match="never waits on the turn ring"):
+            turns.enter("c")
+    turns.pass_turn("a")  # between jobs it passes as ever ("b" has its unit, and leaves)
+    turns.leave("a")
+
+
+@settings(max_examples=40, deadline=None)
+@given(decode_share=st.sampled_from([0.0, 0.5, 0.8]),
+       jobs=st.lists(st.tuples(st.integers(0, 6), st.sampled_from([0.05, 0.25, 1.0, 3.0]),
+                               st.integers(0, 12), st.sampled_from([0.01, 0.125])), min_size=1, max_size=5))
+def test_no_job_waits_for_one_that_came_after_it(decode_share, jobs):
+    """Any jobs (prefill units, then decode units, of any lengths), queued in any order: every one ends, and by the
+    time it does the jobs queued after it have run at most a bounded share of its own time (their whole work if
+    smaller): `r * W + (n + 1) * u`, r = decode_share / (1 - decode_share) what a senior decoder may take of W (its
+    own work), one unit u of theirs per unit n of its own otherwise. So its end is bounded by its own work plus the
+    work queued ahead of it plus that share, never by the later jobs' whole work."""
+    jobs = [(p, pu, d, du) for p, pu, d, du in jobs if p + d] or [(1, 0.25, 1, 0.01)]
+    clock = Clock()
+    turns = Turns(decode_share=decode_share, clock=clock)
+    ended: dict[int, float] = {}
+    go = threading.Event()  # set once every job is queued
+
+    def job(i: int, prefill: int, pu: float, decode: int, du: float) -> None:
+        turns.enter(i)
+        go.wait()
+        for k in range(prefill + decode):
+            clock.now += pu if k < prefill else du
+            turns.pass_turn(i, prefilling=k < prefill)
+        ended[i] = clock.now
+        turns.leave(i)
+
+    threads = []
+    for i, spec in enumerate(jobs):
+        threads.append(threading.Thread(target=job, args=(i, *spec)))
+        threads[-1].start()
+        wait_until(lambda: queued(turns) == i + 1)
+    go.set()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a job never got its turn back"
+    r = decode_share / (1 - decode_share)
+    work = [p * pu + d * du for p, pu, d, du in jobs]
+    for i, (p, pu, d, du) in enumerate(jobs):
+        later = sum(min(work[j], r * work[i] + (p + d + 1) * max(jobs[j][1], jobs[j][3]))
+                    for j in range(i + 1, len(jobs)))
+        assert ended[i] <= sum(work[: i + 1]) + later + 1e-9, (i, ended, work)

@@ -28,9 +28,11 @@ from starlette.requests import Request
 
 from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
 from hetero.decode.loop import DecodeLoop, Seat
-from hetero.decode.turns import DECODE_SHARE, LentTurns, Turns
+from hetero.decode.prefill import Progress
+from hetero.decode.turns import DECODE_SHARE, Turn, Turns
 from hetero.engine import Engine
 from hetero.errors import HeteroError
+from hetero.pipeline.lanes import LentTurn
 from hetero.server.requests import Job, RequestError
 from hetero.server.stops import StopMatcher
 
@@ -221,7 +223,9 @@ class Runner:
                 if one_call is not None:
                     one_call.feed(out)
 
-        def progress(done: int, total: int) -> None:
+        turn = Turn(self.turns, ticket)
+
+        def report(done: int, total: int) -> None:  # after every prefill chunk; the turn passes between them
             if not started:  # the prefill covers only what the prefix cache did not restore
                 started.append(True)
                 emit(Started(len(job.ids) - total, echo))
@@ -229,26 +233,23 @@ class Runner:
                 raise Cancelled()
             if self.stopping.is_set():
                 raise shutting_down()
-            self.turns.pass_turn(ticket, prefilling=True)  # after every prefill chunk
 
         halted = []  # set when the server's stop ended the generation
 
         def should_stop() -> bool:
-            self.turns.pass_turn(ticket)  # after every token
+            turn()  # after every token
             if self.stopping.is_set():
                 halted.append(True)
             return (matcher.stopped is not None or cancelled.is_set() or bool(halted)
                     or (one_call is not None and one_call.calls > 0))
 
         logprobs: list[TokenLogprobs] | None = [] if job.logprobs is not None else None
-        seat = None
-        if self.loop is not None:  # the job gives its turn up while the loop decodes for it, then takes it back
-            seat = Seat(self.loop, on_handover=lambda: self.turns.leave(ticket),
-                        on_handback=lambda: self.turns.enter(ticket))
+        # the loop takes the job's place in the ring while it decodes for it, then gives it back
+        seat = Seat(self.loop, ticket) if self.loop is not None else None
         result = self.engine.generate(
             job.ids, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
             min_p=job.min_p, seed=job.seed, mtp=job.mtp, draft_depth=self.draft_depth, prefill_chunk=self.prefill_chunk,
-            on_text=on_text, progress=progress,
+            on_text=on_text, progress=Progress(report, turn),
             should_stop=should_stop, split=self._split(job, ticket),
             mark=job.reply.mark if job.reply is not None else None, batch=seat, images=_images(job),
             **self._output_options(job, emit, logprobs),
@@ -403,7 +404,7 @@ class JobSplit:
         try:
             # a first-use export (text programs, the images' vision programs) stops between programs
             runner.split.prepare(ids, check=runner.refuse_if_stopping, images=images)
-            out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk,
+            out = runner.split.prefill(ids, decode=LentTurn(Turn(runner.turns, self.ticket)), on_chunk=on_chunk,
                                        images=images)
             runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
             last = runner.split.last
