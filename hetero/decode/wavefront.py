@@ -249,45 +249,57 @@ def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
     inside one, and the second lane is idle while other jobs run (they may use it). Alone, it runs as one segment.
     What the lanes read must be evaluated before (`cache`'s arrays, anything `after` reads): a lazy array built on
     the calling thread's stream cannot be evaluated on the other lane's thread."""
-    backbone, layers = model.model, len(model.model.layers)
-    chunks = list(zip(edges, edges[1:]))
-    front = _Front(len(chunks))
-    caller = threading.current_thread()
-    at_edge: dict[int, list] = {}  # chunk -> its frozen layer caches (with `views`)
+    _Wavefront(model, tokens, cache, edges, after, views, pause).run()
 
-    def chunk(k: int, mine: bool) -> None:
-        start, stop = chunks[k]
-        h, ctx = backbone.begin(mx.array(tokens[start:stop])[None])  # [1, S, H]
-        for i in range(layers):
-            if k:
-                front.wait(k - 1, i, mine)
-            c = cache.backbone[i]
-            h = backbone.run_layer(i, h, ctx, c)
-            mx.eval(h, *c.state)
-            if views:
-                at_edge.setdefault(k, []).append(frozen(c))
-            front.mark(k, i)
-        if k:
-            front.wait(k - 1, layers, mine)
-        report = after(k, backbone.end(h))  # the MTP head's pairs: its caches stand at chunk k's edge now
-        held = at_edge.pop(k, [])
-        if report is not None:
-            view = ModelCache(held, [frozen(c) for c in cache.mtp]) if views else None
-            front.report(lambda: report(view))
-        front.mark(k, layers)
-        if mine:
-            front.drain()
-            if pause is not None and pause.wanted():
-                front.stop()
 
-    def lane(ks: list[int]) -> None:
-        mine = threading.current_thread() is caller
+class _Wavefront:
+    """One prefill on the two lanes (`run`): the chunks' work (`chunk`), each lane's loop (`lane`), the segments."""
+
+    def __init__(self, model, tokens: list[int], cache: ModelCache, edges: list[int], after, views: bool,
+                 pause: Pause | None) -> None:
+        self.backbone, self.layers = model.model, len(model.model.layers)
+        self.tokens, self.cache, self.after, self.views, self.pause = tokens, cache, after, views, pause
+        self.chunks = list(zip(edges, edges[1:]))
+        self.front = _Front(len(self.chunks))
+        self.caller = threading.current_thread()
+        self.at_edge: dict[int, list] = {}  # chunk -> its frozen layer caches (with `views`)
+
+    def run(self) -> None:
+        # Chunks alternate between the lanes, the last one on the calling thread's; so does a short chunk: both run
+        # compiled steps (the last one's logits), which compile once per thread and stay with the caller's. Each
+        # lane takes its chunks in order, so neither waits on work queued behind its own.
+        front, n = self.front, len(self.chunks)
+        ks = [[], []]
+        for k, (a, b) in enumerate(self.chunks):
+            ks[(n - 1 - k) % 2 if b - a >= MIN_TOKENS else 0].append(k)
+        while True:
+            first = front.begun + 1
+            with blas.one_thread():  # each lane's matmuls on its own core
+                rest = [k for k in ks[1] if k >= first]
+                if rest:
+                    with front.cond:
+                        front.out += 1
+                    done = _second_lane().submit(lambda: self.lane(rest))
+                self.lane([k for k in ks[0] if k >= first])
+                front.settle()
+                if rest:
+                    done.wait()
+            if front.failed:
+                raise front.failed[0]
+            if front.begun + 1 >= n:
+                return
+            front.limit = n
+            self.pause(prefilling=True)  # neither lane holds work of this prefill: the model may go to other jobs
+
+    def lane(self, ks: list[int]) -> None:
+        """One lane's chunks of this segment, in order (on the calling thread, or as the second lane's job)."""
+        front, mine = self.front, threading.current_thread() is self.caller
         try:
             with lane_job(LANE_THREAD if not mine else "prefill wavefront"):
                 for k in ks:
                     if not front.begin(k, mine):
                         break
-                    chunk(k, mine)
+                    self.chunk(k, mine)
         except _Aborted:
             pass
         except BaseException as e:  # noqa: BLE001 (raised again on the calling thread)
@@ -298,27 +310,30 @@ def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
                     front.out -= 1
                     front.cond.notify_all()
 
-    # Chunks alternate between the lanes, the last one on the calling thread's; so does a short chunk: both run
-    # compiled steps (the last one's logits), which compile once per thread and stay with the caller's. Each lane
-    # takes its chunks in order, so neither waits on work queued behind its own.
-    ks = [[], []]
-    for k, (a, b) in enumerate(chunks):
-        ks[(len(chunks) - 1 - k) % 2 if b - a >= MIN_TOKENS else 0].append(k)
-    while True:
-        first = front.begun + 1
-        with blas.one_thread():  # each lane's matmuls on its own core
-            rest = [k for k in ks[1] if k >= first]
-            if rest:
-                with front.cond:
-                    front.out += 1
-                done = _second_lane().submit(lambda: lane(rest))
-            lane([k for k in ks[0] if k >= first])
-            front.settle()
-            if rest:
-                done.wait()
-        if front.failed:
-            raise front.failed[0]
-        if front.begun + 1 >= len(chunks):
-            return
-        front.limit = len(chunks)
-        pause(prefilling=True)  # neither lane holds work of this prefill: the model may go to other jobs
+    def chunk(self, k: int, mine: bool) -> None:
+        """Chunk k's layers, each once the previous chunk left it; then `after`, its report queued; on the calling
+        thread, the reports run and, once another job wants the model, the segment ends after the chunks begun."""
+        front, cache, backbone = self.front, self.cache, self.backbone
+        start, stop = self.chunks[k]
+        h, ctx = backbone.begin(mx.array(self.tokens[start:stop])[None])  # [1, S, H]
+        for i in range(self.layers):
+            if k:
+                front.wait(k - 1, i, mine)
+            c = cache.backbone[i]
+            h = backbone.run_layer(i, h, ctx, c)
+            mx.eval(h, *c.state)
+            if self.views:
+                self.at_edge.setdefault(k, []).append(frozen(c))
+            front.mark(k, i)
+        if k:
+            front.wait(k - 1, self.layers, mine)
+        report = self.after(k, backbone.end(h))  # the MTP head's pairs: its caches stand at chunk k's edge now
+        held = self.at_edge.pop(k, [])
+        if report is not None:
+            view = ModelCache(held, [frozen(c) for c in cache.mtp]) if self.views else None
+            front.report(lambda: report(view))
+        front.mark(k, self.layers)
+        if mine:
+            front.drain()
+            if self.pause is not None and self.pause.wanted():
+                front.stop()
