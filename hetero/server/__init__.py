@@ -25,7 +25,8 @@ Modules, in the order a request meets them:
 """
 
 from hetero.server.app import ServerSettings, bind, create_app, open_session_store, serve
-from hetero.server.requests import DEFAULT_MAX_TOKENS, Job, Parser, RequestError, parse_body
+from hetero.server.requests import DEFAULT_MAX_TOKENS, Job, Parser, parse_body
+from hetero.server.refusals import RequestError
 from hetero.server.runner import Cancelled, Outcome, Runner, Started
 from hetero.server.stops import StopMatcher
 

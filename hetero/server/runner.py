@@ -33,7 +33,8 @@ from hetero.decode.turns import DECODE_SHARE, Turn, Turns
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.pipeline.lanes import LentTurn
-from hetero.server.requests import Job, RequestError
+from hetero.server.requests import Job
+from hetero.server.refusals import RequestError
 from hetero.server.stops import StopMatcher
 
 
@@ -181,13 +182,15 @@ class Runner:
         try:
             outcome = self._run(job, timed, cancelled, ticket)
         except Cancelled:
-            self.cancelled += 1
+            with self._count:  # (jobs end on several threads at once: /health's counts must add up)
+                self.cancelled += 1
             raise
         finally:
             self.turns.leave(ticket)
             with self._count:
                 self.running -= 1
-        self.finished += 1
+        with self._count:
+            self.finished += 1
         timing.end = time.perf_counter()
         if self.on_outcome is not None:
             try:
@@ -402,8 +405,14 @@ class JobSplit:
         if not runner._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
             return runner.engine.model.make_cache(), 0, None
         try:
-            # a first-use export (text programs, the images' vision programs) stops between programs
-            runner.split.prepare(ids, check=runner.refuse_if_stopping, images=images)
+            # a first-use export (text programs, the images' vision programs; minutes on a Mac) and the programs'
+            # load into the ANE worker use no model lane: the job's turn goes to the other jobs meanwhile, and it
+            # stops between programs when the server stops
+            runner.turns.leave(self.ticket)
+            try:
+                runner.split.prepare(ids, check=runner.refuse_if_stopping, images=images)
+            finally:
+                runner.turns.enter(self.ticket)
             out = runner.split.prefill(ids, decode=LentTurn(Turn(runner.turns, self.ticket)), on_chunk=on_chunk,
                                        images=images)
             runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
