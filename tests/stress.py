@@ -160,7 +160,8 @@ class Server:
 
 
 # Garbage: (method, path, body bytes or a JSON-able object, expected status class). Each names a decoder the
-# server runs on client bytes: the body's JSON, the fields' types, the model name, a JSON schema, the routes.
+# server runs on client bytes: the body's JSON, the fields' types, the model name, JSON schemas, the routes. (Images
+# are tests/test_image_fuzz.py's: the bundled model reads text only, and puts a placeholder in an image's place.)
 GARBAGE = [
     ("POST", "/v1/chat/completions", b"{\"model\": \"m\", \"messages\": [", 400),
     ("POST", "/v1/chat/completions", b"\xff\xfe\x00garbage\x80", 400),
@@ -178,8 +179,12 @@ GARBAGE = [
     ("POST", "/v1/completions", {"model": "MODEL", "prompt": "hi", "temperature": -3}, 400),
     ("POST", "/v1/responses", {"model": "MODEL", "input": 12}, 400),
     ("POST", "/v1/messages", {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}]}, 400),
-    ("POST", "/v1/messages", {"model": "MODEL", "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!notbase64!!"}}]}]}, 400),
+    ("POST", "/v1/messages", {"model": "MODEL", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"name": "f", "input_schema": {"type": 5}}],
+                              "tool_choice": {"type": "tool", "name": "f"}}, 400),
+    ("POST", "/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "user", "content": "hi"}],
+                                      "response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "x", "schema": {"$ref": "#/nowhere"}}}}, 400),
     ("POST", "/v1/nowhere", {"model": "MODEL"}, 404),
     ("GET", "/v1/chat/completions", None, 405),
 ]
