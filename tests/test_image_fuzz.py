@@ -1,6 +1,6 @@
 """Bad image bytes are the client's error, whatever the decoder raises: truncated, oversized and random bytes in every
 image field of every API (OpenAI chat `image_url`, Responses `input_image`, Anthropic `image` blocks, also inside a
-`tool_result`), streamed or not, get a 400 that names the field and says what is wrong in one line, never a 500.
+`tool_result`), and the same for the base64 text that carries them, streamed or not, get a 400 that names the field and says what is wrong in one line, never a 500.
 
 Before, a PNG cut inside its header reached Pillow's `Image.open`, whose OSError ("Truncated File Read") no catch
 named: a 500. And a PNG cut inside its last chunk decoded (Pillow reads the pixels before it): a damaged file taken
@@ -43,9 +43,10 @@ def server(tmp_path_factory):
     live.stop()
 
 
-def request(api: str, model: str, data: bytes, media: str, stream: bool) -> tuple[str, dict, str]:
-    """(path, body, the field that holds the image) for an image of `data` sent through `api`."""
-    b64 = base64.b64encode(data).decode()
+def request(api: str, model: str, data: bytes | str, media: str, stream: bool) -> tuple[str, dict, str]:
+    """(path, body, the field that holds the image) for an image of `data` sent through `api` (text: the base64
+    itself)."""
+    b64 = data if isinstance(data, str) else base64.b64encode(data).decode()
     url = f"data:{media};base64,{b64}"
     block = {"type": "image", "source": {"type": "base64", "media_type": media, "data": b64}}
     if api == "chat":
@@ -67,14 +68,23 @@ def request(api: str, model: str, data: bytes, media: str, stream: bool) -> tupl
 
 
 def bad_bytes() -> st.SearchStrategy[tuple[str, bytes, str]]:
-    """(what, bytes, media type): a real image cut anywhere (its header included), random bytes, or bytes past
-    --max-image-mb."""
+    """(what, bytes or base64 text, media type): a real image cut anywhere (its header included), random bytes, bytes
+    past --max-image-mb, or its base64 cut anywhere or made of random text."""
     cut = st.sampled_from(sorted(IMAGES)).flatmap(lambda fmt: st.integers(0, len(IMAGES[fmt]) - 1).map(
         lambda k: ("truncated", IMAGES[fmt][:k], MEDIA[fmt])))
     noise = st.binary(min_size=0, max_size=4096).map(lambda b: ("random", b, "image/png"))
     big = st.integers(int(MAX_MB * 2**20) + 1, int(MAX_MB * 2**20) + 40_000).map(
         lambda n: ("oversized", np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes(), "image/png"))
-    return st.one_of(cut, noise, big)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+    text = st.one_of(  # the base64 decoder's own input: a real image's base64 cut anywhere, or text of its alphabet
+        st.sampled_from(sorted(IMAGES)).flatmap(lambda fmt: st.integers(1, len(_b64(fmt)) - 1).map(
+            lambda k: ("base64 cut", _b64(fmt)[:k], MEDIA[fmt]))),
+        st.text(alphabet=alphabet + "!@ \n-_", min_size=1, max_size=200).map(lambda t: ("base64 text", t, "image/png")))
+    return st.one_of(cut, noise, big, text)
+
+
+def _b64(fmt: str) -> str:
+    return base64.b64encode(IMAGES[fmt]).decode()
 
 
 @FUZZ

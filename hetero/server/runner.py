@@ -107,8 +107,10 @@ class Outcome:
 
 
 class Runner:
-    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking turns on the model; while some
-    decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.decode.turns`). MTP jobs draft at
+    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking turns on the model; while senior
+    jobs wait (decoding, or sent earlier), a prefilling job gets `1 - decode_share` of the model's time
+    (`hetero.decode.turns`). A job waits on the ring only between its units of work (docs/server.md, "One scheduler
+    owns every lane"). MTP jobs draft at
     `draft_depth` (`hetero serve --draft-depth`; None: the engine's tuned or calibrated depth)."""
 
     def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512,
