@@ -1,6 +1,7 @@
 """Bad image bytes are the client's error, whatever the decoder raises: truncated, oversized and random bytes in every
 image field of every API (OpenAI chat `image_url`, Responses `input_image`, Anthropic `image` blocks, also inside a
-`tool_result`), and the same for the base64 text that carries them, streamed or not, get a 400 that names the field and says what is wrong in one line, never a 500.
+`tool_result`), and the same for the base64 text that carries them, streamed or not, get a 400 that names the field
+and says what is wrong in one line, never a 500.
 
 Before, a PNG cut inside its header reached Pillow's `Image.open`, whose OSError ("Truncated File Read") no catch
 named: a 500. And a PNG cut inside its last chunk decoded (Pillow reads the pixels before it): a damaged file taken

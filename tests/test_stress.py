@@ -2,9 +2,9 @@
 `hetero serve` process on the bundled model, real SDK clients on loopback.
 
 - The OpenCode pattern, the stall users met: a streamed chat of ~1,300 tokens (max_tokens 8), and 0.33 s later a
-  streamed chat of ~4K tokens (16K in bench/stress.py). Before, the server deadlocked 3 times out of 3 (the first request's prefill passed its
-  turn from inside its wavefront while its chunk held the shared second lane, which the second request, holding the
-  turn, waited for). Now both end, and the first is never made to wait for the second.
+  streamed chat of ~4K tokens (16K in bench/stress.py). Before, the server deadlocked (the first request's prefill
+  passed its turn from inside its wavefront while its chunk held the shared second lane, which the second request,
+  holding the turn, waited for). Now both end, and the first is never made to wait for the second.
 - A short storm per setting (wavefront on and off, --max-batch 1 and 4, the ANE split on and off): every client at
   once, the four APIs streamed and whole, some hanging up mid-stream, some sending garbage; every call checked
   against its bound, its solo answer and the server's own /health and /metrics.

@@ -78,8 +78,9 @@ class DecodeLoop:
         the loop's, the loop takes that place over (`Turns.hand_over`: it decodes next), then the first token is
         yielded. When the request leaves the batch the loop gives the place back right behind itself
         (`Turns.reserve`), and once the stream ends or is closed the caller holds the turn again (the loop has
-        finished its round, and the request's state is its committed one). `job` None: the caller holds no place. `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the
-        caller's, as tokens are yielded; a `constraint` is the loop thread's after the handover."""
+        finished its round, and the request's state is its committed one). `job` None: the caller holds no place.
+        `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are
+        yielded; a `constraint` is the loop thread's after the handover."""
         times = options.pop("times", None) or DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
         if max_tokens <= 0:
