@@ -5,6 +5,7 @@ counter the job holding the turn advances by its unit's length, so the order of 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -25,12 +26,12 @@ def queued(turns: Turns) -> int:
     return turns.others(object())  # every job in the ring
 
 
-def wait_until(condition) -> None:
-    for _ in range(5000):
-        if condition():
-            return
+def wait_until(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds  # (a loaded machine may not run a thread for seconds)
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
         threading.Event().wait(0.001)
-    raise AssertionError("timed out")
 
 
 def run_jobs(turns: Turns, clock: Clock, jobs: dict[str, tuple[int, float, bool]]) -> list[str]:
@@ -236,3 +237,30 @@ def test_no_job_waits_for_one_that_came_after_it(decode_share, jobs):
         later = sum(min(work[j], r * work[i] + (p + d + 1) * max(jobs[j][1], jobs[j][3]))
                     for j in range(i + 1, len(jobs)))
         assert ended[i] <= sum(work[: i + 1]) + later + 1e-9, (i, ended, work)
+
+
+def test_a_pause_is_wanted_only_when_another_job_would_run():
+    """`wanted`: a job that still owes its senior the time it took is passed over, so the senior does not stop its
+    work (a wavefront's segment) just to get the turn straight back."""
+    clock = Clock()
+    turns = Turns(decode_share=0.8, clock=clock)
+    turns.enter("A")
+    assert not turns.wanted("A")  # alone
+    b = threading.Thread(target=lambda: (turns.enter("B"), clock.__setattr__("now", clock.now + 1.0),
+                                         turns.pass_turn("B", prefilling=True), turns.leave("B")))
+    b.start()
+    wait_until(lambda: queued(turns) == 2)
+    assert turns.wanted("A")  # B has not run yet: it gets its first unit at once
+    clock.now += 0.25
+    turns.pass_turn("A", prefilling=True)  # B runs 1 s of prefill and now owes A 4 s
+    assert not turns.wanted("A") and turns.others("A") == 1  # B waits, but would be passed over
+    passes = 0
+    while turns.others("A"):
+        assert not turns.wanted("A")  # B still owes: a pause would only cost the pause
+        clock.now += 0.25
+        turns.pass_turn("A", prefilling=True)  # B is passed over until its debt is paid, then runs (and leaves)
+        passes += 1
+    assert passes == 16  # 4 s paid back in A's 1/4 s units
+    turns.leave("A")
+    b.join(timeout=10)
+    assert not b.is_alive()

@@ -101,6 +101,12 @@ class Turns:
         with self._cv:
             return len(self._ring) - (job in self._ring)
 
+    def wanted(self, job: Hashable) -> bool:
+        """Whether passing the turn now would let another job run: one waits that does not owe time to a senior
+        job waiting (a debtor is skipped: pausing for it would only cost the pause)."""
+        with self._cv:
+            return any(j != job and not self._skipped(j) for j in self._ring)
+
     def pass_turn(self, job: Hashable, prefilling: bool = False) -> None:
         """Let every other job run one unit of work, then continue (returns at once when alone). `prefilling`: the
         unit just done was prefill work, whose time the senior jobs waiting are then owed (module docstring)."""
@@ -137,13 +143,16 @@ class Turns:
             return False
         return a not in self._prefilling or self._entered[a] < self._entered[b]
 
+    def _skipped(self, j: Hashable) -> bool:
+        """Whether `j` is passed over: it still owes time, and one of its seniors waits."""
+        return self._owed.get(j, 0.0) > 0.0 and any(self._senior(s, j) for s in self._ring if s != j)
+
     def _hand_on(self, now: float) -> None:
         """Rotate to the next job that may run: a job that still owes time is skipped while one of its seniors
         waits (a job with no senior in the ring never is: one is always found)."""
         self._ring.rotate(-1)
         for _ in range(len(self._ring)):
-            j = self._ring[0]
-            if self._owed.get(j, 0.0) > 0.0 and any(self._senior(s, j) for s in self._ring if s != j):
+            if self._skipped(self._ring[0]):
                 self._ring.rotate(-1)
             else:
                 break
@@ -170,7 +179,7 @@ class Turn:
         self.turns, self.job = turns, job
 
     def wanted(self) -> bool:
-        return self.turns.others(self.job) > 0
+        return self.turns.wanted(self.job)
 
     def __call__(self, prefilling: bool = False) -> None:
         self.turns.pass_turn(self.job, prefilling=prefilling)
