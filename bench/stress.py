@@ -45,9 +45,19 @@ def environment() -> dict:
     import mlx.core as mx
     from hetero.host import blas
 
-    return {"machine": platform.machine(), "cores": os.cpu_count(), "mlx": mx.__version__,
+    return {"commit": commit(), "machine": platform.machine(), "cores": os.cpu_count(), "mlx": mx.__version__,
             "hetero": getattr(hetero, "__version__", None), "blas": blas.describe(),
             "python": platform.python_version(), "shared_machine": True}
+
+
+def commit() -> str | None:
+    """The code's commit: git's, or the COMMIT file of a copy made with `git archive`."""
+    import subprocess
+
+    if (ROOT / "COMMIT").exists():
+        return (ROOT / "COMMIT").read_text().strip()
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
 
 
 def run_storm(args, log_dir: Path) -> dict:
@@ -122,7 +132,7 @@ def _r(x: float | None) -> float | None:
 def save(name: str, report: dict) -> None:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     data["environment"] = environment()
-    data.setdefault("runs", {})[name] = report
+    data.setdefault("runs", {})[name] = report | {"commit": commit()}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(data, indent=1) + "\n")
 
