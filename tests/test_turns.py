@@ -264,3 +264,30 @@ def test_a_pause_is_wanted_only_when_another_job_would_run():
     turns.leave("A")
     b.join(timeout=10)
     assert not b.is_alive()
+
+
+def test_a_newcomer_gets_one_unit_not_its_whole_prompt():
+    """A prompt arriving while an earlier one prefills gets its first unit at once, and the earlier one, waiting,
+    wants the turn back after it (it owes the newcomer nothing). Found by tests/test_stress.py: when a job that had
+    not run yet counted as senior, the earlier prompt owed it its time, was passed over, and the newcomer's wavefront
+    never paused: it prefilled all of its prompt first."""
+    clock = Clock()
+    turns = Turns(decode_share=0.8, clock=clock)
+    seen: list[bool] = []
+    turns.enter("early")
+
+    def newcomer() -> None:
+        turns.enter("new")
+        clock.now += 0.5
+        seen.append(turns.wanted("new"))  # where the newcomer's wavefront would end its first segment
+        turns.pass_turn("new", prefilling=True)
+        turns.leave("new")
+
+    t = threading.Thread(target=newcomer)
+    t.start()
+    wait_until(lambda: queued(turns) == 2)
+    clock.now += 0.33
+    turns.pass_turn("early", prefilling=True)  # the newcomer runs one unit
+    turns.leave("early")
+    t.join(timeout=10)
+    assert seen == [True]

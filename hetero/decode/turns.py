@@ -12,8 +12,8 @@ came before it and prefill too), and it gets the turn back only once they have u
 decode_share)` times as long (decode_share = 0.8: they keep 0.8 of the model's time; the later prefill goes on at
 0.2 of it, and at full speed as soon as nobody senior waits). So a request is slowed by the requests that arrived
 after it by a bounded share of its own time, never made to wait for their work: a short prompt sent just before a
-long one (OpenCode's title request, then its main request) keeps 0.8 of the model until its reply. A job that
-has not run yet counts as senior: it gets its first unit at once.
+long one (OpenCode's title request, then its main request) keeps 0.8 of the model until its reply. A job that has
+not run yet owes nothing: it gets its first unit at once (and counts as a prefill, junior to those before it).
 
 The ring is the only place a job waits for another job, and it is waited on only between units of work: a thread
 that runs a lane's job (the prefill wavefront's lanes, the split's GPU and ANE lanes, a batched decode round: see
@@ -47,7 +47,7 @@ class Turns:
         self._held_since = clock()  # when the front job got the turn
         self._arrival = itertools.count()
         self._entered: dict[Hashable, int] = {}  # job -> its place in arrival order
-        self._prefilling: set[Hashable] = set()  # jobs whose last unit was a prefill chunk
+        self._decoding: set[Hashable] = set()  # jobs whose last unit was a decode token or round
         self._owed: dict[Hashable, float] = {}  # prefilling job -> seconds it still owes its seniors
         self.handovers = 0  # times the turn passed from one job to another
 
@@ -75,7 +75,7 @@ class Turns:
                     self._held_since = self._clock()
                 self._ring.remove(job)
             self._entered.pop(job, None)
-            self._prefilling.discard(job)
+            self._decoding.discard(job)
             self._owed.pop(job, None)
             self._cv.notify_all()
 
@@ -90,7 +90,7 @@ class Turns:
                 self._ring[self._ring.index(job)] = to
                 self._entered[to] = next(self._arrival)
                 self._entered.pop(job, None)
-                self._prefilling.discard(job)
+                self._decoding.discard(job)
                 self._owed.pop(job, None)
                 self._cv.notify_all()
                 return
@@ -117,11 +117,11 @@ class Turns:
             now = self._clock()
             spent = now - self._held_since
             if prefilling:
-                self._prefilling.add(job)
+                self._decoding.discard(job)
                 if any(self._senior(j, job) for j in self._ring if j != job):
                     self._owed[job] = self._owed.get(job, 0.0) + spent * self.decode_share / (1 - self.decode_share)
             else:
-                self._prefilling.discard(job)
+                self._decoding.add(job)
                 self._owed.pop(job, None)  # its own prompt is done: it owes nothing now
             for debtor in self._owed:  # the unit pays its juniors' debt (to the microsecond)
                 if self._senior(job, debtor):
@@ -137,11 +137,11 @@ class Turns:
         self._entered[job] = next(self._arrival)
 
     def _senior(self, a: Hashable, b: Hashable) -> bool:
-        """Whether `a` keeps its share of the model against `b`: b prefills, and a decodes (or has not run yet) or
-        prefills too but came first."""
-        if b not in self._prefilling:
+        """Whether `a` keeps its share of the model against `b`: b prefills (or has not run yet), and a decodes or
+        came first."""
+        if b in self._decoding:
             return False
-        return a not in self._prefilling or self._entered[a] < self._entered[b]
+        return a in self._decoding or self._entered[a] < self._entered[b]
 
     def _skipped(self, j: Hashable) -> bool:
         """Whether `j` is passed over: it still owes time, and one of its seniors waits."""
