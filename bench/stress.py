@@ -5,6 +5,7 @@ the harness is tests/stress.py, its checks tests/stress_checks.py; docs/server.m
     python bench/stress.py --layout two-chunk                                # every prompt two chunks or more
     python bench/stress.py --wavefront off --max-batch 1 --ane-fraction 0.5  # any setting
     python bench/stress.py --opencode 50                                     # OpenCode's pattern, 50 times in a row
+    python bench/stress.py --plot                                            # bench/results/stress.png from the JSON
 
 A storm: every call of the drawn workload is sent alone first (to a fresh server of the same setting: its answer
 and its own work W), then all at once to another fresh server while /health and /metrics are read; every call is
@@ -137,6 +138,32 @@ def save(name: str, report: dict) -> None:
     RESULTS.write_text(json.dumps(data, indent=1) + "\n")
 
 
+def plot() -> Path:
+    """bench/results/stress.png: each storm's calls, latency against bound (log-log), one panel per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {k: v for k, v in json.loads(RESULTS.read_text())["runs"].items() if "rows" in v}
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 4.2), squeeze=False)
+    for ax, (name, run) in zip(axes[0], runs.items()):
+        rows = [r for r in run["rows"] if r["latency_s"] is not None]
+        for action, color in (("answer", "tab:blue"), ("cancel", "tab:orange"), ("garbage", "tab:gray")):
+            mine = [r for r in rows if r["action"] == action]
+            ax.scatter([r["bound_s"] for r in mine], [r["latency_s"] for r in mine], s=9, c=color, label=action)
+        top = max([r["bound_s"] for r in rows] + [r["latency_s"] for r in rows])
+        ax.plot([0.01, top], [0.01, top], "k--", lw=0.8, label="the bound")
+        ax.set(xscale="log", yscale="log", xlabel="bound (s)", ylabel="latency (s)",
+               title=f"{name}\n{run['summary']['stalls']} past the bound, {run['summary']['status_5xx']} 5xx")
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = RESULTS.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=16)
@@ -155,7 +182,11 @@ def main() -> int:
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     p.add_argument("--opencode", type=int, default=0, help="run the OpenCode pattern N times instead of a storm")
     p.add_argument("--name", default=None, help="the run's key in the JSON (default: from the setting)")
+    p.add_argument("--plot", action="store_true", help="only draw bench/results/stress.png from the JSON")
     args = p.parse_args()
+    if args.plot:
+        print(plot().relative_to(ROOT), file=sys.stderr)
+        return 0
     with tempfile.TemporaryDirectory(prefix="hetero-stress-") as tmp:
         if args.opencode:
             report = run_opencode(args, Path(tmp))
