@@ -33,23 +33,22 @@ def test_opencode_title_then_long_prompt_never_stalls(tmp_path: Path):
     setting = Setting("128-token chunks", prefill_chunk=128)
     with Server(setting, tmp_path / "serve.log") as server:
         alone = solo(server, [_chat(0, TITLE_TOKENS, 1), _chat(1, MAIN_TOKENS, 2)])  # each call's own work W
-        for turn in range(1):
-            calls = [_chat(0, TITLE_TOKENS, 10 + turn), _chat(1, MAIN_TOKENS, 20 + turn)]  # nothing cached
-            results = {}
+        calls = [_chat(0, TITLE_TOKENS, 10), _chat(1, MAIN_TOKENS, 20)]  # new prompts: nothing cached
+        results = {}
 
-            def go(call: Call) -> None:
-                results[call.index] = send(server.url, server.model, call, timeout=60)
+        def go(call: Call) -> None:
+            results[call.index] = send(server.url, server.model, call, timeout=60)
 
-            title = threading.Thread(target=go, args=(calls[0],))
-            title.start()
-            threading.Event().wait(GAP_S)
-            go(calls[1])
-            title.join()
-            t, m = results[0], results[1]
-            assert t.status == 200 and m.status == 200, (t.error, m.error)
-            assert t.ended < m.ended  # the title is not made to wait for the request sent after it
-            assert t.latency <= bound(calls[0], calls, results, alone, setting.prefill_chunk)
-            assert t.completion_tokens == 8 and m.completion_tokens == 8
+        title = threading.Thread(target=go, args=(calls[0],))
+        title.start()
+        threading.Event().wait(GAP_S)
+        go(calls[1])
+        title.join()
+    t, m = results[0], results[1]
+    assert t.status == 200 and m.status == 200, (t.error, m.error)
+    assert t.ended < m.ended  # the title is not made to wait for the request sent after it
+    assert t.latency <= bound(calls[0], calls, results, alone, setting.prefill_chunk)
+    assert t.completion_tokens == 8 and m.completion_tokens == 8
 
 
 SETTINGS = [
