@@ -87,7 +87,7 @@ def bench_bundled(work: Path, chunk: int, context: int) -> dict:
 def bench_27b_attention(work: Path, chunk: int, context: int, repeats: int) -> dict:
     from hetero.coreml.backends.accuracy import compare
     from hetero.coreml.backends.reference_executor import ReferenceExecutor
-    from hetero.coreml.export import attention_weights
+    from hetero.coreml.pieces import attention_weights
     from hetero.coreml.graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
     from hetero.coreml.graphs.package import save_program
     from hetero.models.cache import KVCache
@@ -141,7 +141,7 @@ def bench_27b_attention(work: Path, chunk: int, context: int, repeats: int) -> d
 def bench_27b_mlp(work: Path, chunk: int, repeats: int) -> dict:
     from hetero.coreml.backends.accuracy import compare
     from hetero.coreml.backends.reference_executor import ReferenceExecutor
-    from hetero.coreml.export import mlp_weights
+    from hetero.coreml.pieces import mlp_weights
     from hetero.coreml.graphs.mlp import MLPShape, build_mlp
     from hetero.coreml.graphs.package import save_program
     from hetero.models.qwen3_5 import MLP, ModelArgs, RMSNorm

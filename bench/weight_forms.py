@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from hetero.checkpoint.loader import load_model  # noqa: E402
 from hetero.checkpoint.source import BUNDLED_MODEL  # noqa: E402
 from hetero.cli.quantize import quantize_checkpoint  # noqa: E402
-from hetero.coreml.export import palettize  # noqa: E402
+from hetero.coreml.pieces import palettize  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "weight_forms.json"
 

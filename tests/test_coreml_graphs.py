@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from hetero.coreml.backends.accuracy import compare
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import PieceSlice, attention_weights, build_piece, gdn_in_proj_weights, mlp_weights
+from hetero.coreml.pieces import PieceSlice, attention_weights, build_piece, gdn_in_proj_weights, mlp_weights
 from hetero.coreml.graphs.attention import AttentionShape, attention_masks, build_attention, cache_inputs, rope_tables
 from hetero.coreml.graphs.gdn import GDNInProjShape, build_gdn_in_proj
 from hetero.coreml.graphs.mlp import MLPShape, build_mlp
@@ -103,7 +103,8 @@ def mlx_attention_slice(args: ModelArgs, attn: Attention, kv: range) -> Attentio
 
 
 def run_attention_case(tmp_path: Path, args: ModelArgs, model: Model, layer_idx: int, kv: range, start: int, s: int,
-                       chunk: int, slots: int, key_block: int, seed: int = 0) -> tuple[np.ndarray, dict]:
+                       chunk: int, slots: int, key_block: int, seed: int = 0, layout: str = "heads"
+                       ) -> tuple[np.ndarray, dict]:
     """Chunk of s tokens at `start` (cache filled by MLX with `start` random tokens) through the program and MLX.
 
     Returns the program's partial output [s, hidden] after asserting it and its K/V match MLX's slice.
@@ -123,8 +124,10 @@ def run_attention_case(tmp_path: Path, args: ModelArgs, model: Model, layer_idx:
     shape = AttentionShape(
         hidden=args.hidden_size, heads=sub.n_heads, kv_heads=len(kv), head_dim=args.head_dim,
         rotary_dims=args.rotary_dims, chunk=chunk, cache_slots=slots, eps=args.rms_norm_eps, key_block=key_block,
+        layout=layout,
     )
-    path = save_program(build_attention(shape, attention_weights(args, layer, kv)), tmp_path / f"attn_{layer_idx}_{kv.start}.mlpackage")
+    path = save_program(build_attention(shape, attention_weights(args, layer, kv)),
+                        tmp_path / f"attn_{layer_idx}_{kv.start}_{layout}.mlpackage")
     normed = np.array(layer.input_layernorm(x)[0])  # the GPU lane's normed input (zero rows past s: padding)
     inputs = {"x": bc1s(normed, chunk), **rope_tables(start, shape, args.rope_theta), **attention_masks(start, shape)}
     inputs.update(cache_inputs(prior_k, prior_v, shape))
@@ -136,26 +139,35 @@ def run_attention_case(tmp_path: Path, args: ModelArgs, model: Model, layer_idx:
     return ours, metrics
 
 
-def test_attention_whole_layer_matches_mlx(tmp_path):
-    """Fraction 1.0, second chunk over a cache split into two key blocks, last chunk padded (40 of 64 rows)."""
+LAYOUTS = ["heads", "keys_on_channels"]  # hetero.coreml.graphs.attention.LAYOUTS: both compute the same attention
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_whole_layer_matches_mlx(tmp_path, layout):
+    """Fraction 1.0, second chunk over a cache split into two key blocks (keys_on_channels: its softmax spelled out
+    over the blocks on axis 1), last chunk padded (40 of 64 rows)."""
     model = tiny_model(1)
-    _, metrics = run_attention_case(tmp_path, model.args, model, 1, range(0, 2), start=64, s=40, chunk=64, slots=128, key_block=64)
+    _, metrics = run_attention_case(tmp_path, model.args, model, 1, range(0, 2), start=64, s=40, chunk=64, slots=128,
+                                    key_block=64, layout=layout)
     assert metrics["out"]["cosine"] >= COSINE
 
 
-def test_attention_first_chunk_without_cache(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_first_chunk_without_cache(tmp_path, layout):
     model = tiny_model(2)
-    run_attention_case(tmp_path, model.args, model, 3, range(0, 2), start=0, s=64, chunk=64, slots=0, key_block=64)
+    run_attention_case(tmp_path, model.args, model, 3, range(0, 2), start=0, s=64, chunk=64, slots=0, key_block=64,
+                       layout=layout)
 
 
-def test_attention_slices_match_mlx_and_add_up_to_the_layer(tmp_path):
-    """Each KV-group slice equals MLX's slice; their partial o_proj sums add up to the whole layer's output."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_slices_match_mlx_and_add_up_to_the_layer(tmp_path, layout):
+    """Each KV-group slice equals MLX's slice; their partial o_proj sums add up to the whole layer's output
+    (keys_on_channels: every key on one axis, the native softmax over axis 1)."""
     model = tiny_model(3)
     args = model.args
-    a, _ = run_attention_case(tmp_path, args, model, 1, range(0, 1), start=64, s=64, chunk=64, slots=192, key_block=16384)
-    b, _ = run_attention_case(tmp_path, args, model, 1, range(1, 2), start=64, s=64, chunk=64, slots=192, key_block=16384)
-    whole, _ = run_attention_case(tmp_path, args, model, 1, range(0, 2), start=64, s=64, chunk=64, slots=192, key_block=16384)
-    assert_close(a + b, whole, "sum of slices")
+    run = lambda kv: run_attention_case(tmp_path, args, model, 1, kv, start=64, s=64, chunk=64, slots=192,  # noqa: E731
+                                        key_block=16384, layout=layout)[0]
+    assert_close(run(range(0, 1)) + run(range(1, 2)), run(range(0, 2)), "sum of slices")
 
 
 @pytest.mark.parametrize("channels, shift", [(np.arange(0, 128), 0), (np.r_[0:64, 128:192], 3)])
@@ -204,16 +216,18 @@ def real_27b_args() -> ModelArgs:
     return ModelArgs.from_config(json.loads((CONFIGS / "qwen3.5-27b.json").read_text()))
 
 
-def test_real_27b_attention_kv_group_matches_mlx(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_real_27b_attention_kv_group_matches_mlx(tmp_path, layout):
     """One KV group (6 query heads of 24, head_dim 256, hidden 5120) of a Qwen3.5-27B attention layer, random
-    weights, second 64-token chunk over 64 cached positions."""
+    weights, second 64-token chunk over 64 cached positions, in either layout."""
     args = real_27b_args()
     # One KV group of the real layer is exactly a layer with 6 query heads and 1 KV head: build only that.
     group = args.num_attention_heads // args.num_key_value_heads
     args.num_attention_heads, args.num_key_value_heads = group, 1
     layer = _random_attention_layer(args, seed=7)
     model = type("One", (), {"layers": [layer]})()
-    run_attention_case(tmp_path, args, model, 0, range(0, 1), start=64, s=64, chunk=64, slots=64, key_block=16384)
+    run_attention_case(tmp_path, args, model, 0, range(0, 1), start=64, s=64, chunk=64, slots=64, key_block=16384,
+                       layout=layout)
 
 
 def _random_attention_layer(args: ModelArgs, seed: int):

@@ -99,26 +99,61 @@ def test_unaligned_last_axis_is_only_a_warning():
     assert report.rules("warning") == {"align"} and not report.errors
 
 
-def test_off_ane_op_is_a_warning():
+def test_an_op_outside_the_documented_ane_ops_is_an_error():
+    """gather is not among the ops the Neural Engine is documented to run (Core ML places it on the CPU or GPU)."""
     @mb.program(input_specs=spec(), opset_version=DEPLOYMENT_TARGET)
     def prog(x):
         return mb.gather(x=x, indices=np.arange(32, dtype=np.int32), axis=1)
 
-    assert "off-ane" in lint_program(prog).rules("warning")
+    report = lint_program(prog)
+    assert report.rules("error") == {"ane-op"} and "gather" in report.errors[0].message
 
 
-def test_builder_programs_are_clean():
-    """The three graphs as the builders emit them break no rule at all (no errors, no warnings)."""
+def test_documented_ops_in_forms_the_ane_does_not_run_are_errors():
+    """einsum only in its BC1S attention form, and a softmax or reduction within a sample, never over the batch."""
+    @mb.program(input_specs=spec(shape=(1, 64, 1, 64)), opset_version=DEPLOYMENT_TARGET)
+    def batch_softmax(x):
+        return mb.softmax(x=x, axis=0)
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 128, 1, 64), dtype=types.fp16),
+                             mb.TensorSpec(shape=(1, 64, 1, 64), dtype=types.fp16)], opset_version=DEPLOYMENT_TARGET)
+    def scores(k, q):  # keys (1, T, 1, D) . q (1, D, 1, S): the reference layout's form, under other letters
+        return mb.einsum(values=(k, q), equation="bkhc,bchq->bkhq")
+
+    assert "ane-op" in lint_program(batch_softmax).rules("error")
+    assert lint_program(scores).rules("error") == set()
+
+
+def test_every_program_kind_is_clean_and_within_the_documented_ane_ops():
+    """Every program kind as its builder emits it (attention in both layouts, over one key axis and over key blocks;
+    the MLP, the z rows, the vision tower's three programs) breaks no rule at all: every op among `ANE_OPS`, every
+    tensor of rank <= 4, no warnings."""
+    from hetero.coreml.graphs.lint import ANE_OPS
+    from hetero.cli.doctor_probes import Probe, probe_weights
+    from hetero.coreml.graphs.vision import (MergerShape, MergerWeights, PatchEmbedShape, PatchEmbedWeights,
+                                             VisionBlockShape, build_merger, build_patch_embed, build_vision_block)
+
     rng = np.random.default_rng(0)
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    attn = build_attention(
-        AttentionShape(hidden=64, heads=4, kv_heads=2, head_dim=32, rotary_dims=8, chunk=64, cache_slots=128, eps=1e-6, key_block=64),
-        AttentionWeights(r(128, 64), r(128, 64), r(64, 64), r(64, 64), r(32), r(32), r(64, 128)),
-    )
-    mlp = build_mlp(MLPShape(64, 128, 64, channel_block=64), MLPWeights(r(128, 64), r(128, 64), r(64, 128)))
-    z = build_gdn_in_proj(GDNInProjShape(64, 64, 64), GDNInProjWeights(r(64, 64)))
-    for prog in (attn, mlp, z):
-        assert lint_program(prog).findings == []
+    progs = {}
+    for layout in ("heads", "keys_on_channels"):
+        for block in (64, 16384):
+            progs[f"attention {layout} {block}"] = build_attention(
+                AttentionShape(hidden=64, heads=4, kv_heads=2, head_dim=32, rotary_dims=8, chunk=64, cache_slots=128,
+                               eps=1e-6, key_block=block, layout=layout),
+                AttentionWeights(r(128, 64), r(128, 64), r(64, 64), r(64, 64), r(32), r(32), r(64, 128)))
+    progs["mlp"] = build_mlp(MLPShape(64, 128, 64, channel_block=64), MLPWeights(r(128, 64), r(128, 64), r(64, 128)))
+    progs["z"] = build_gdn_in_proj(GDNInProjShape(64, 64, 64), GDNInProjWeights(r(64, 64)))
+    block = VisionBlockShape(64, 4, 128, 256)
+    progs["vision block"] = build_vision_block(block, probe_weights(Probe("vision_block", None, block, None), rng))
+    progs["patch embed"] = build_patch_embed(PatchEmbedShape(96, 64, 256), PatchEmbedWeights(r(64, 96), r(64)))
+    progs["merger"] = build_merger(MergerShape(64, 128, 4, 256), MergerWeights(r(64), r(64), r(256, 256), r(256),
+                                                                             r(128, 256), r(128)))
+    for name, prog in progs.items():
+        report = lint_program(prog, name)
+        assert report.findings == [], report.lines()
+        ops = {op.op_type for f in prog.functions.values() for op in f.operations}
+        assert {o for o in ops if o != "const" and not o.startswith("constexpr_")} <= ANE_OPS, name
 
 
 def test_a_subnormal_epsilon_is_an_error():

@@ -16,27 +16,37 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from hetero.coreml.backends.coreml_macos import (
-    InputHold,
-    OpDevice,
-    ProgramRunner,
-    _refcount,
-    available,
-    check_placement,
+from hetero.coreml.backends.compiled import (
     compile_package,
     compiled_owner,
     compiled_path,
-    declared_inputs,
-    default_function,
-    device_kind,
-    macos_version,
-    multifunction_packages,
     package_digest,
-    placement_report,
-    placement_status,
     remove_compiled,
 )
+from hetero.coreml.backends.coreml_macos import (
+    CoreML,
+    InputHold,
+    ProgramRunner,
+    _refcount,
+    available,
+    declared_inputs,
+    default_function,
+    macos_version,
+    multifunction_packages,
+)
+from hetero.coreml.backends.placement import (
+    OFF_ANE_BUDGET,
+    OpDevice,
+    PlacementStatus,
+    check_placement,
+    device_kind,
+    placement_report,
+    placement_status,
+)
+from hetero.coreml.target import MACOS14, MACOS15, target_for
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
 from hetero.coreml.export import export_coreml, lint_export
 from hetero.errors import HeteroError
@@ -171,32 +181,34 @@ def test_programs_sharing_a_hold_free_each_others_released_inputs():
 def test_coremltools_without_its_native_library_is_not_available():
     """`import coremltools` works here, but this coremltools has no `coremltools.libcoremlpython` (as where pip fell
     back to the sdist): on macOS that would fail every compile and prediction, so the lane is not available.
-    `native` stands for the real import of `coremltools.libcoremlpython`; `system` for `platform.system()`."""
-    ok, why = available("Darwin")  # the real import of the native library, which this install lacks
+    `CoreML.native` stands for the real import of `coremltools.libcoremlpython`; `system` for `platform.system()`."""
+    darwin = lambda: "Darwin"  # noqa: E731  platform.system() on a Mac
+    ok, why = available(CoreML(system=darwin))  # the real import of the native library, which this install lacks
     assert not ok and "no native library" in why and "libcoremlpython" in why
-    assert available("Darwin", native=lambda: None) == (True, "")  # a Mac with coremltools' wheel
-    ok, why = available("Linux", native=lambda: None)
+    assert available(CoreML(system=darwin, native=lambda: None)) == (True, "")  # a Mac with coremltools' wheel
+    ok, why = available(CoreML(system=lambda: "Linux", native=lambda: None))
     assert not ok and "only on macOS" in why
 
 
 def test_multifunction_packages_from_macos_15_only():
-    """`mac_ver` stands for `platform.mac_ver()`. Multifunction packages are written at the macOS 15 spec and the
+    """`mac_ver` stands for `platform.mac_ver()[0]`. Multifunction packages are written at the macOS 15 spec and the
     binding refuses a function name before it."""
-    assert macos_version(lambda: ("14.6.1", ("", "", ""), "arm64")) == (14, 6, 1)
-    assert macos_version(lambda: ("15.0", ("", "", ""), "arm64")) == (15, 0)
-    assert macos_version(lambda: ("", ("", "", ""), "")) is None  # not a Mac
-    assert not multifunction_packages((14, 6, 1)) and not multifunction_packages((13, 7))
+    mac = lambda v: CoreML(system=lambda: "Darwin", mac_ver=lambda: v)  # noqa: E731
+    assert macos_version(mac("14.6.1")) == (14, 6, 1) and macos_version(mac("15.0")) == (15, 0)
+    assert macos_version(CoreML(system=lambda: "Linux", mac_ver=lambda: "")) is None  # not a Mac
+    assert not multifunction_packages((14, 6, 1)) and target_for((14, 6, 1)) is MACOS14
     assert multifunction_packages((15, 0)) and multifunction_packages((26, 1)) and multifunction_packages(None)
+    assert target_for((26, 1)) is target_for(None) is MACOS15
+    with pytest.raises(HeteroError, match="needs macOS 14 or later"):
+        target_for((13, 7))
 
 
 def test_macos_14_gets_one_single_function_package_per_bucket(checkpoint, tmp_path):
     """The export for a macOS 14 Mac: each attention bucket its own single-function package (no function name to
     pass the binding), computing exactly what the macOS 15 package's function for that bucket computes."""
     contexts = [64, 128, 256]
-    single = export_coreml(checkpoint, tmp_path / "m14", 0.5, chunk=64, contexts=contexts,
-                           multifunction=multifunction_packages((14, 6)))
-    multi = export_coreml(checkpoint, tmp_path / "m15", 0.5, chunk=64, contexts=contexts,
-                          multifunction=multifunction_packages((15, 0)))
+    single = export_coreml(checkpoint, tmp_path / "m14", 0.5, chunk=64, contexts=contexts, target=target_for((14, 6)))
+    multi = export_coreml(checkpoint, tmp_path / "m15", 0.5, chunk=64, contexts=contexts, target=target_for((15, 0)))
     attn = [p for p in single["programs"] if p["piece"] == "attention" and p["layer"] == 1]
     assert [(p["file"], p["context"]) for p in attn] == [
         (f"layer01_attention_part0_ctx{c}.mlpackage", c) for c in contexts]
@@ -212,6 +224,7 @@ def test_macos_14_gets_one_single_function_package_per_bucket(checkpoint, tmp_pa
         for k in ours:
             np.testing.assert_array_equal(ours[k], theirs[k])
     assert not any(r.errors for r in lint_export(tmp_path / "m14"))
+    assert (single["target"], multi["target"]) == ("macos14-spec8", "macos15-spec9")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -418,19 +431,41 @@ def test_partial_cpu_fallback_is_flagged_with_the_ops_and_their_cost(capsys):
         ("gather", "cpu", ("cpu",), 0.1), ("matmul", "gpu", ("ane", "gpu"), 0.2)))
     assert placed.verdict == "partial" and (placed.neural_engine, placed.cpu, placed.gpu) == (1, 2, 1)
     assert placed.off_ane == {"gather on the CPU": 2, "matmul on the GPU": 1}
-    assert placed.off_ane_cost == pytest.approx(0.4) and placed.could_be_on_ane == 1
-    check_placement(placed, placed.program)
+    assert placed.off_ane_cost == pytest.approx(0.4) and placed.could_be_on_ane == 1 and placed.ok is False
+    check_placement(PlacementStatus(placed.program, "placed", placed))
     err = capsys.readouterr().err
     assert "partial CPU/GPU fallback" in err and "2 gather on the CPU, 1 matmul on the GPU" in err and "40.0%" in err
+
+
+@given(off=st.floats(0.0, 1.0), ops_off=st.integers(1, 5), on=st.integers(1, 5))
+def test_placement_is_judged_by_the_cost_off_the_neural_engine(off, ops_off, on):
+    """A program passes when at most 2% of its estimated cost runs off the ANE, however many ops that is: a reshape
+    on the CPU is not a fallback worth failing, a projection there is."""
+    placed = placement_report("p", ops(*[("conv", "ane", ("ane",), (1 - off) / on)] * on,
+                                       *[("reshape", "cpu", ("cpu",), off / ops_off)] * ops_off))
+    assert placed.off_ane_cost == pytest.approx(off, abs=1e-9)
+    assert placed.ok is (placed.off_ane_cost <= OFF_ANE_BUDGET)
+    assert PlacementStatus("p", "placed", placed).to_dict()["ok"] is placed.ok
+
+
+def test_unplaced_ops_and_functions_are_counted_apart():
+    """Ops `MLComputePlan` names no device for (its usage query gives none: the ops of a multifunction package's
+    other functions, as `load_from_path` takes no function name) count neither for nor against a program; a
+    function with none placed is `unplaced`, not judged."""
+    some = placement_report("p", ops(("conv", "ane", ("ane",), 0.9), ("softmax", None, (), None)))
+    assert (some.verdict, some.unknown, some.ok, some.off_ane_cost) == ("full", 1, True, 0.0)
+    whole = placement_report("p:ctx512", ops(("conv", None), ("softmax", None)))
+    assert whole.verdict == "unplaced" and whole.ok is None and "not judged" in whole.line()
+    assert PlacementStatus("p:ctx512", "placed", whole).to_dict()["ok"] is None
 
 
 def test_nothing_on_the_neural_engine_is_shouted_about(capsys):
     placed = placement_report("p", ops(("conv", "cpu"), ("add", None)))
     assert placed.verdict == "none" and placed.off_ane_cost is None and placed.unknown == 1  # no costs given
-    check_placement(placed, "p")
+    check_placement(PlacementStatus("p", "placed", placed))
     assert "NOTHING runs on the Neural Engine" in capsys.readouterr().err
-    check_placement(None, "p")
-    assert "MLComputePlan unavailable" in capsys.readouterr().err
+    check_placement(PlacementStatus("p", "unavailable"))  # said once by the doctor, not per program loaded
+    assert capsys.readouterr().err == ""
     with pytest.raises(HeteroError, match="unknown device 'tpu'"):
         placement_report("p", ops(("conv", "tpu")))
 
@@ -465,7 +500,8 @@ def test_a_failing_compute_plan_query_is_reported_as_failed_not_unavailable():
     placed = placement_status("p", lambda: ComputePlanStandIn([("conv", "ane"), ("conv", "ane")]), None)
     assert placed.status == "placed" and placed.to_dict()["ok"] and placed.report.verdict == "full"
     assert placement_status("p", lambda: None, None).to_dict() == {
-        "status": "unavailable", "line": "p: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified"}
+        "status": "unavailable", "ok": None,
+        "line": "p: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified"}
 
     def refuses():
         raise RuntimeError("MLComputePlan: the model could not be loaded")

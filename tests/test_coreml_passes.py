@@ -1,7 +1,7 @@
 """The export converts with a trimmed main pass pipeline (`hetero.coreml.graphs.package.PASSES`) instead of coremltools'
 default one, and that must not change a single byte of any package: every builder (attention with and without a
-cache, the MLP with its output shift, the GDN z rows) in every weight form (fp16, per-group lookup tables,
-blockwise shift-scale) is converted both ways and compared, its program description and its weight blob.
+cache, in both layouts, the MLP with its output shift, the GDN z rows) in every weight form (fp16, per-group lookup
+tables, blockwise shift-scale) is converted both ways and compared, its program description and its weight blob.
 
 A builder that starts to write something one of the skipped passes would rewrite fails here, and its pass then
 belongs in `PASSES`."""
@@ -19,7 +19,7 @@ from coremltools.converters.mil.mil.passes.pass_registry import register_pass
 
 from hetero.checkpoint.loader import load_model
 from hetero.cli.quantize import quantize_checkpoint
-from hetero.coreml.export import PieceSlice, build_piece, in_form, mlp_weights
+from hetero.coreml.pieces import PieceSlice, build_piece, in_form, mlp_weights
 from hetero.coreml.graphs import package
 from hetero.coreml.graphs.package import PASSES, save_program
 from tests.test_coreml_graphs import save_checkpoint, tiny_model
@@ -51,10 +51,13 @@ def programs(checkpoint: str, form: str):
     args = net.args
     attn, gdn = args.layer_types.index("full_attention"), args.layer_types.index("linear_attention")
     heads = args.num_key_value_heads  # several: their programs share constants a pass may merge
-    for s, context in [(PieceSlice(attn, "attention", 0, heads), CHUNK), (PieceSlice(attn, "attention", 0, heads), 4 * CHUNK),
-                       (PieceSlice(gdn, "mlp", 0, 32), CHUNK), (PieceSlice(gdn, "gdn_in_proj", 0, 32), CHUNK)]:
-        yield f"{s.piece}@{context}", lambda s=s, context=context: build(*build_piece(args, net, s, CHUNK, context,
-                                                                                     form=form))
+    attention = PieceSlice(attn, "attention", 0, heads)
+    for s, context, layout in [(attention, CHUNK, "heads"), (attention, 4 * CHUNK, "heads"),
+                               (attention, CHUNK, "keys_on_channels"), (attention, 4 * CHUNK, "keys_on_channels"),
+                               (PieceSlice(gdn, "mlp", 0, 32), CHUNK, "heads"),
+                               (PieceSlice(gdn, "gdn_in_proj", 0, 32), CHUNK, "heads")]:
+        yield f"{s.piece}@{context}:{layout}", lambda s=s, context=context, layout=layout: build(
+            *build_piece(args, net, s, CHUNK, context, form=form, layout=layout))
     channels = np.array([5, 1, 30, 31, 64, 2] + list(range(70, 96)))  # out of order, across groups
     weights = in_form(mlp_weights(net.layers[gdn].mlp, channels, out_shift=3), form)
     yield "mlp-shifted", lambda: build_mlp(MLPShape(args.hidden_size, len(channels), CHUNK), weights)
@@ -72,6 +75,7 @@ def stock(program, path: Path) -> Path:
         return save_program(program, path, ct.PassPipeline())
 
 
+# (the fp16 form of a quantized checkpoint writes the float checkpoint's ops: plain fp16 constants)
 @pytest.mark.parametrize("checkpoint,form", [("float", "lut"), ("q4", "lut"), ("q4", "blockwise")])
 def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints, form, checkpoint, tmp_path):
     default_pipeline = ct.PassPipeline()
@@ -85,7 +89,7 @@ def test_the_trimmed_pipeline_writes_the_default_pipelines_packages(checkpoints,
         for file in default:
             assert trimmed[file] == default[file], f"{name}: {file} differs from the default pipeline's"
         compared += 1
-    assert compared == 5
+    assert compared == 7
 
 
 def test_vision_programs_are_the_default_pipelines_too(tmp_path):

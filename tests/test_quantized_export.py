@@ -22,7 +22,8 @@ from hetero.checkpoint.loader import load_model
 from hetero.cli.quantize import quantizable, quantize_checkpoint
 from hetero.coreml.backends.accuracy import compare
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import PieceSlice, build_piece, export_coreml, palettize, weights_nbytes
+from hetero.coreml.export import export_coreml
+from hetero.coreml.pieces import PieceSlice, build_piece, palettize, weights_nbytes
 from hetero.coreml.graphs.lint import lint_package
 from hetero.coreml.graphs.package import save_program
 from hetero.coreml.graphs.palette import pack, unpack
@@ -70,7 +71,7 @@ def test_tables_are_mlx_dequantize_bit_for_bit(bits, group, store):
 def test_the_export_unpacks_only_the_slice_it_needs(bits, group):
     """`linear_weight` slices the packed rows and whole groups (and words) before making tables: the same weights as
     slicing MLX's whole dequantized matrix, for row index arrays and column ranges that cut groups."""
-    from hetero.coreml.export import linear_weight
+    from hetero.coreml.pieces import linear_weight
 
     rng = np.random.default_rng(bits)
     layer = nn.QuantizedLinear(512, 80, bias=False, group_size=group, bits=bits)

@@ -19,7 +19,8 @@ from hetero.coreml.backends import coreml_macos
 from hetero.coreml.backends.accuracy import compare
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
 from hetero.coreml.backends.reference_prefill import prefill_with_attention_programs
-from hetero.coreml.export import PieceSlice, build_piece, export_coreml
+from hetero.coreml.export import export_coreml
+from hetero.coreml.pieces import PieceSlice, build_piece
 from hetero.coreml.graphs.attention import AttentionShape, attention_masks, cache_inputs, rope_tables
 from hetero.coreml.graphs.ops import DEPLOYMENT_TARGET
 from hetero.coreml.graphs.package import save_functions, save_program

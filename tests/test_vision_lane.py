@@ -15,7 +15,10 @@ import hetero  # noqa: F401  (before torch: the fast BLAS under MLX)
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from hetero.errors import HeteroError
 from hetero.pipeline import configure, verify
 from hetero.pipeline.verification import ANE_FLOOR
 from tests.vision_checkpoint import add_mtp_head, draw_image, encoded, save_chat_tokenizer, save_vl
@@ -267,5 +270,43 @@ def test_hetero_plan_predicts_the_tower_per_image_bucket(capsys):
     assert main(["plan", "--model", config, "--ane-fraction", "0.5", "--profile", "m4-max", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["vision"]
     assert [r["image"] for r in rows] == ["448x448", "1024x1024", "1920x1080"]
-    assert all(r["bucket"] >= r["patches"] and r["gpu_s"] > 0 and r["ane_s"] > 0 for r in rows)
-    assert rows[1]["gpu_s"] < rows[2]["gpu_s"] and rows[1]["ane_s"] < rows[2]["ane_s"]
+    assert all(r["bucket"] >= r["patches"] and r["gpu_s"] > 0 and r["ane_s"] > 0 for r in rows[:2])
+    assert rows[0]["ane_s"] < rows[1]["ane_s"] and rows[1]["gpu_s"] < rows[2]["gpu_s"]
+    big = rows[2]  # 8,160 patches: above the lane's cap, the GPU tower's, and the plan says so
+    assert big["patches"] > 4096 and big["bucket"] is None and big["ane_s"] is None and big["lane"] == "gpu"
+    assert "4,096-patch cap" in big["why"]
+    assert "GPU tower" in next(line for line in text.splitlines() if line.strip().startswith("1920x1080"))
+
+
+@given(t=st.integers(1, 4), h=st.integers(1, 200), w=st.integers(1, 200))
+def test_the_lanes_buckets_stop_at_the_cap(t, h, w):
+    """Any grid: the lane's bucket holds the image and is at most MAX_VISION_PATCHES, or there is none (the GPU
+    tower's image), exactly when the uncapped bucket would pass the cap; such an image always goes to the GPU."""
+    from hetero.models.qwen3_5_vision.args import VisionArgs
+    from hetero.planner.predict import Lanes
+    from hetero.planner.vision import MAX_VISION_PATCHES, lane_bucket, lane_choice, predict_grid, vision_bucket
+
+    a = VisionArgs(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8, out_hidden_size=32)
+    n = t * h * w
+    bucket = lane_bucket(n, a.merge_unit)
+    assert (bucket is None) == (vision_bucket(n, a.merge_unit) > MAX_VISION_PATCHES)
+    assert bucket is None or n <= bucket <= MAX_VISION_PATCHES
+    p = predict_grid(a, Lanes(gpu_flops=1e12, gpu_bw=None, ane_flops=4e12, ane_bw=None, ane_call_s=1e-3), (t, h, w))
+    assert p.over_cap == (bucket is None) and (p.ane_s is None) == p.over_cap
+    if p.over_cap:  # however long the text before it: the GPU
+        assert lane_choice([p], [1e9]) == [False]
+
+
+def test_an_image_above_the_cap_is_encoded_by_the_gpu_tower(capsys):
+    """The lane's encoders leave an image above the cap to the GPU tower, saying so in one line."""
+    import types
+
+    from hetero.pipeline.vision_lane import VisionLane, image_bucket
+
+    images = types.SimpleNamespace(grids=[(1, 68, 120)], embeddings=[None], patches=[None])
+    with pytest.raises(HeteroError, match="8,160 patches, above the ANE lane's 4,096-patch cap"):
+        image_bucket(images, 0, 4)
+    lane = object.__new__(VisionLane)
+    lane.tower = types.SimpleNamespace(args=types.SimpleNamespace(merge_unit=4))
+    assert lane.encoders(images) == {}
+    assert "image 0 is encoded on the GPU" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""The two exact weight forms of `--ane-weights`: per-group lookup tables (`constexpr_lut_to_dense`) and
-`constexpr_blockwise_shift_scale` for every matrix whose every group has an exact scale and offset.
+"""The three exact weight forms of `--ane-weights`: fp16 (the tables' values expanded), per-group lookup tables
+(`constexpr_lut_to_dense`) and `constexpr_blockwise_shift_scale` for every matrix whose every group has an exact
+scale and offset.
 
 The oracle is MLX: `mx.dequantize` of the same packed weights, scales and biases in fp32, rounded once to fp16
 (`mlx_fp16`). Exactness is checked bit for bit (signed zeros included) on what the reference executor expands
@@ -16,15 +17,22 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hetero
 from hetero.checkpoint.loader import load_model
-from hetero.cli.doctor_weights import FASTER, compare_forms, split_forms
+from hetero.cli.doctor_probes import Probe
+from hetero.cli.doctor_weights import (
+    AS_FAST, FASTER, FORMS, SMALLER, compare_forms, form_probes, recommend, split_forms,
+)
 from hetero.cli.main import main
 from hetero.cli.quantize import quantize_checkpoint
-from hetero.coreml.backends.coreml_macos import PlacementStatus, placement_report, OpDevice
+from hetero.coreml.backends.footprint import Footprint
+from hetero.coreml.backends.placement import OpDevice, PlacementStatus, placement_report
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import blockwise_capable, export_coreml, lint_export, palettize
+from hetero.coreml.export import export_coreml, lint_export
+from hetero.coreml.pieces import blockwise_capable, palettize
 from hetero.coreml.graphs.lint import lint_package
 from hetero.coreml.graphs.mlp import MLPShape, MLPWeights, build_mlp
 from hetero.coreml.graphs.ops import weight_form
@@ -38,7 +46,8 @@ from hetero.planner import context_bucket
 from tests.test_coreml_graphs import save_checkpoint, tiny_model
 from tests.test_quantized_export import mlx_fp16, same_bits
 
-SMALL = dict(hidden=64, channels=128, chunk=64, bits=4, group=64)  # the doctor's program, smaller: seconds
+MLP_PROBE = Probe("mlp", 0, MLPShape(64, 128, 64), build_mlp)  # the doctor's MLP program, small: seconds
+QUANT = (4, 64)
 
 
 def _quantized(rows: int, cols: int, bits: int, group: int, store, seed: int = 0) -> nn.QuantizedLinear:
@@ -141,17 +150,18 @@ def q2(tmp_path_factory) -> Path:
 
 
 def test_the_split_in_either_form_has_its_own_export_with_the_same_weights_and_outputs(q2):
-    """`--ane-weights` reaches the split's export cache: each form is exported into its own directory whose
-    manifest records it (and how many matrices took shift-scale), no package key is shared, every program expands to
-    the same weights bit for bit and gives the same outputs through the reference executor, both pass the lint, and
-    the split prefill of the same prompt gives the same hidden state and caches bit for bit."""
+    """`--ane-weights` reaches the split's export cache: each form (fp16, lut, blockwise) is exported into its own
+    directory whose manifest records it (and how many matrices took shift-scale), no package key is shared, the
+    compressed forms expand to the same weights bit for bit, every form gives the same outputs through the reference
+    executor, all pass the lint, and the split prefill of the same prompt gives the same hidden state and caches bit
+    for bit."""
     import types
 
     model, path, config = load_model(str(q2), dtype=mx.float32)
     engine = types.SimpleNamespace(model=model, config=config, path=path, name=str(path), identity="forms@test")
     ids = np.random.default_rng(1).integers(0, 256, 60).tolist()  # one chunk of 64: one context bucket
     found, manifests, dirs = {}, {}, {}
-    for form in ("lut", "blockwise"):
+    for form in FORMS:
         run = configure(engine, 0.5, 64, offload=("attention", "mlp"), lane="thread", weights=form)
         split = run.splitter(len(ids))
         assert split.programs.weights == form and run.ane_block()["weights"] == form
@@ -159,22 +169,25 @@ def test_the_split_in_either_form_has_its_own_export_with_the_same_weights_and_o
         found[form] = [np.array(res.hidden)] + [np.array(a) for c in cache for a in c.state]
         dirs[form] = ensure_export((model, path, config), export_key(engine), run.plan, context_bucket(60, 64), form)
         manifests[form] = read_manifest(dirs[form])
-    assert all(np.array_equal(a, b) for a, b in zip(found["lut"], found["blockwise"]))
-    assert dirs["lut"] != dirs["blockwise"] and dirs["blockwise"].name.endswith("_wblockwise")
-    assert manifests["lut"]["ane_weights"] == "lut" and manifests["blockwise"]["ane_weights"] == "blockwise"
-    pairs = list(zip(manifests["lut"]["programs"], manifests["blockwise"]["programs"]))
-    assert {a["piece"] for a, _ in pairs} == {"attention", "mlp"}
-    assert all(a["file"] == b["file"] and a["key"] != b["key"] for a, b in pairs)
-    assert all(set(b["weight_forms"]) == {"blockwise"} and set(a["weight_forms"]) == {"lut"} for a, b in pairs)
-    assert all(a["blockwise_capable"] == b["blockwise_capable"] == b["weight_forms"]["blockwise"] for a, b in pairs)
+    assert all(np.array_equal(a, b) for f in ("fp16", "blockwise") for a, b in zip(found["lut"], found[f]))
+    assert len(set(dirs.values())) == 3 and all(dirs[f].name.endswith(f"_w{f}") for f in ("fp16", "blockwise"))
+    assert all(manifests[f]["ane_weights"] == f for f in FORMS)
+    triples = list(zip(*(manifests[f]["programs"] for f in FORMS)))
+    assert {a["piece"] for a, _, _ in triples} == {"attention", "mlp"}
+    assert all(a["file"] == b["file"] == c["file"] and len({a["key"], b["key"], c["key"]}) == 3
+               for a, b, c in triples)
+    assert all([set(p["weight_forms"]) for p in t] == [{"fp16"}, {"lut"}, {"blockwise"}] for t in triples)
+    assert all(b["blockwise_capable"] == c["blockwise_capable"] == c["weight_forms"]["blockwise"]
+               for _, b, c in triples)
     rng = np.random.default_rng(0)
-    for a, _ in pairs:
+    for a, *_ in triples:
         ex = {f: ReferenceExecutor(d / a["file"], a.get("function")) for f, d in dirs.items()}
-        wl, wb = ex["lut"].weights(), ex["blockwise"].weights()
+        weights = {f: e.weights() for f, e in ex.items() if f != "fp16"}  # fp16: plain constants, the same values
+        wl, wb = weights["lut"], weights["blockwise"]
         assert sorted(wl) == sorted(wb) and all(same_bits(wl[k], wb[k]) for k in wl), a["file"]
         feed = {k: rng.standard_normal(v).astype(np.float32) for k, v in ex["lut"].input_shapes.items()}
         got = {f: e(feed) for f, e in ex.items()}
-        assert all(np.array_equal(got["lut"][k], got["blockwise"][k]) for k in got["lut"]), a["file"]
+        assert all(np.array_equal(got["lut"][k], got[f][k]) for f in FORMS for k in got["lut"]), a["file"]
     for d in dirs.values():
         assert not any(r.errors for r in lint_export(d))
 
@@ -193,34 +206,43 @@ def test_a_bad_weight_form_is_one_line(capsys):
 
 # ----------------------------------------------------------------------------------------------------------
 # The doctor's choice. The real call is `coreml_macos.load(path, report=False)`: Core ML compiles the package and
-# `CompiledMLModel(..., compute_units=CPU_AND_NE).predict` runs it; `placement_status()` queries `MLComputePlan`.
-# Injected here: the reference executor stands for predict, a `Placement` for the compute plan's answer, and a
-# scripted timer for the clock.
+# `CompiledMLModel(..., compute_units=CPU_AND_NE).predict` runs it; `placement_status()` queries `MLComputePlan`;
+# `memory` is `coreml_macos.memory_now` (`proc_pid_rusage`'s footprint). Injected here: the reference executor
+# stands for predict, a `Placement` for the compute plan's answer, a footprint that grows by what each form's load
+# is given to cost, and a scripted timer for the clock.
 
 
-def core_ml_load(placement: dict[str, str], corrupt: str | None = None):
-    """A loader standing for `coreml_macos.load`: each program runs through the reference executor (for
-    `CompiledMLModel.predict`), reports the placement `placement[form]` (`full` or `partial`, for
-    `MLComputePlan`), and the form `corrupt` returns one output value off by one fp16 step."""
+class Mac:
+    """Stands for Core ML on a Mac where each form is placed as `placement[form]` (`full` or `partial`), its load
+    adds `resident[form]` bytes to the process footprint, and the form `corrupt` returns one output value off by
+    one fp16 step (a shift-scale decompression that is not exact)."""
 
-    class Program:
-        def __init__(self, path: Path):
-            self.form = "blockwise" if "blockwise" in path.name else "lut"
-            self.run = ReferenceExecutor(path)
+    def __init__(self, placement: dict, resident: dict, corrupt: str | None = None):
+        self.placement, self.resident, self.corrupt, self.held = placement, resident, corrupt, 0
+        self.forms = {f"mlp_{p.key()}.mlpackage": f for f, p in form_probes(MLP_PROBE, QUANT, FORMS).items()}
 
-        def __call__(self, inputs):
-            out = self.run(inputs)
-            if self.form == corrupt:
-                out["out"].reshape(-1)[0] = np.nextafter(np.float16(out["out"].reshape(-1)[0]), np.float16(1e4))
-            return out
+    def memory(self) -> Footprint:
+        return Footprint(self.held, 0, "phys_footprint")
 
-        def placement_status(self):
-            ops = [OpDevice("conv", "ane"), OpDevice("mul", "ane")]
-            if placement[self.form] == "partial":
-                ops.append(OpDevice("silu", "cpu", ("cpu", "ane"), 0.1))
-            return PlacementStatus(self.form, "placed", placement_report(self.form, ops))
+    def load(self, path: Path):
+        form, mac = self.forms[path.name], self
+        mac.held += self.resident[form]
+        run = ReferenceExecutor(path)
 
-    return Program
+        class Program:
+            def __call__(self, inputs):
+                out = run(inputs)
+                if form == mac.corrupt:
+                    out["out"].reshape(-1)[0] = np.nextafter(np.float16(out["out"].reshape(-1)[0]), np.float16(1e4))
+                return out
+
+            def placement_status(self):
+                ops = [OpDevice("conv", "ane", ("ane",), 0.9), OpDevice("mul", "ane", ("ane",), 0.05)]
+                if mac.placement[form] == "partial":
+                    ops.append(OpDevice("silu", "cpu", ("cpu", "ane"), 0.05))
+                return PlacementStatus(form, "placed", placement_report(form, ops))
+
+        return Program()
 
 
 def scripted(seconds: dict[str, float]):
@@ -231,35 +253,86 @@ def scripted(seconds: dict[str, float]):
     return timer
 
 
-FULL = {"lut": "full", "blockwise": "full"}
+FULL = {f: "full" for f in FORMS}
+COMPRESSED = {"fp16": 2 << 20, "lut": 1 << 20, "blockwise": 9 << 17}  # bytes each form's load adds
+TIMES = {"fp16": 1.0, "lut": 1.0, "blockwise": 1.0}
 
 
-def test_the_doctor_recommends_blockwise_when_it_is_faster_exact_and_on_the_ane():
-    found = compare_forms(core_ml_load(FULL), scripted({"lut": 1.0, "blockwise": 0.8}), shape=SMALL)
-    assert found["recommended"] == "blockwise" and found["identical_outputs"] and found["timed_on"] == "core ml"
-    assert found["forms"]["blockwise"]["seconds_per_call"] == 0.8 and found["forms"]["lut"]["placement"]["ok"]
-    assert "--ane-weights blockwise" in found["line"]
+def choose(tmp_path, placement=FULL, resident=COMPRESSED, seconds=TIMES, corrupt=None, target=None) -> dict:
+    from hetero.coreml.target import MACOS15
+
+    mac = Mac(placement, resident, corrupt)
+    return compare_forms(MLP_PROBE, tmp_path, target or MACOS15, mac.load, quant=QUANT, timer=scripted(seconds),
+                         memory=mac.memory)
+
+
+def test_the_doctor_recommends_the_tables_only_on_the_ane_as_fast_and_smaller(forms_root):
+    found = choose(forms_root, seconds={"fp16": 1.0, "lut": 1.0, "blockwise": 0.99})
+    assert found["recommended"] == "lut" and found["identical_outputs"] and found["timed_on"] == "core ml"
+    assert found["forms"]["lut"]["resident_bytes"] == 1 << 20 and found["forms"]["fp16"]["placement"]["ok"]
+    assert "--ane-weights lut" in found["line"] and "not below 0.95" in found["why"]
     json.dumps(found)  # part of `hetero doctor --json`
+    expanded = choose(forms_root, resident={f: 2 << 20 for f in FORMS})  # tables expanded to fp16 at load
+    assert expanded["recommended"] == "fp16" and "expanded at load" in expanded["why"]
+    slower = choose(forms_root, seconds={"fp16": 1.0, "lut": 1.1, "blockwise": 1.2})
+    assert slower["recommended"] == "fp16" and "1.10x fp16's time" in slower["why"]
+    off = choose(forms_root, placement={"fp16": "full", "lut": "partial", "blockwise": "partial"})
+    assert off["recommended"] == "fp16" and "Neural Engine" in off["why"]
 
 
-def test_the_doctor_keeps_the_tables_when_blockwise_is_slower_off_the_ane_or_inexact():
-    slower = compare_forms(core_ml_load(FULL), scripted({"lut": 1.0, "blockwise": FASTER + 0.01}), shape=SMALL)
-    assert slower["recommended"] == "lut" and "not below" in slower["why"]
-    partial = compare_forms(core_ml_load({"lut": "full", "blockwise": "partial"}),
-                            scripted({"lut": 1.0, "blockwise": 0.5}), shape=SMALL)
-    assert partial["recommended"] == "lut" and "Neural Engine" in partial["why"]
-    assert partial["forms"]["blockwise"]["placement"]["verdict"] == "partial"
-    inexact = compare_forms(core_ml_load(FULL, corrupt="blockwise"), scripted({"lut": 1.0, "blockwise": 0.5}),
-                            shape=SMALL)
+def test_the_doctor_recommends_blockwise_when_it_is_faster_exact_and_on_the_ane(forms_root):
+    found = choose(forms_root, seconds={"fp16": 1.0, "lut": 1.0, "blockwise": 0.8})
+    assert found["recommended"] == "blockwise" and found["forms"]["blockwise"]["seconds_per_call"] == 0.8
+    inexact = choose(forms_root, seconds={"fp16": 1.0, "lut": 1.0, "blockwise": 0.5}, corrupt="blockwise")
     assert inexact["recommended"] == "lut" and not inexact["identical_outputs"] and "not exact" in inexact["why"]
-    lut_off = compare_forms(core_ml_load({"lut": "partial", "blockwise": "full"}),
-                            scripted({"lut": 1.0, "blockwise": 2.0}), shape=SMALL)
-    assert lut_off["recommended"] == "blockwise"
+    tables_off = choose(forms_root, placement={"fp16": "full", "lut": "partial", "blockwise": "full"},
+                        seconds={"fp16": 1.0, "lut": 1.0, "blockwise": 0.9})
+    assert tables_off["recommended"] == "blockwise"
 
 
-def test_blockwise_is_not_recommended_for_a_model_whose_matrices_have_no_exact_form():
-    """A 4-bit model under MLX's quantizer: no whole matrix has a shift-scale form, so both forms are its tables."""
-    found = compare_forms(core_ml_load(FULL), scripted({"lut": 1.0, "blockwise": 0.5}), shape=SMALL)
+@pytest.fixture(scope="module")
+def forms_root(tmp_path_factory) -> Path:
+    """The forms' packages, built once for the module (cached by key, as the doctor caches them)."""
+    return tmp_path_factory.mktemp("forms")
+
+
+@settings(max_examples=300, deadline=None)
+@given(times=st.tuples(*[st.floats(0.5, 2.0)] * 3), held=st.tuples(*[st.integers(1, 4)] * 3),
+       placed=st.tuples(*[st.booleans()] * 3), same=st.booleans())
+def test_a_compressed_form_is_never_recommended_unless_it_qualifies(times, held, placed, same):
+    """Over any timings, footprints, placements and exactness (what `compare_forms` measured, as it records it):
+    lut or blockwise is recommended only when it is on the Neural Engine, at least as fast as fp16 and at most
+    SMALLER of fp16's footprint growth (blockwise also exact, and beating the tables by FASTER where they qualify
+    too); fp16 only when neither qualifies."""
+    seconds, resident, ok = dict(zip(FORMS, times)), {f: n << 20 for f, n in zip(FORMS, held)}, dict(zip(FORMS, placed))
+    forms = {f: {"available": True, "lint_errors": 0, "seconds_per_call": seconds[f], "resident_bytes": resident[f],
+                 "placement": {"ok": ok[f], "line": f"{f}: placed"}} for f in FORMS}
+    pick, _ = recommend({"forms": forms, "identical_outputs": same, "timed_on": "core ml"})
+    qualifies = {f: f == "fp16" or (ok[f] and seconds[f] <= AS_FAST * seconds["fp16"]
+                                    and resident[f] <= SMALLER * resident["fp16"]) for f in FORMS}
+    qualifies["blockwise"] = qualifies["blockwise"] and same
+    assert qualifies[pick]
+    if pick == "fp16":
+        assert not qualifies["lut"] and not qualifies["blockwise"]
+    if pick == "lut":
+        assert not qualifies["blockwise"] or seconds["blockwise"] > FASTER * seconds["lut"]
+    if pick == "blockwise" and qualifies["lut"]:
+        assert seconds["blockwise"] <= FASTER * seconds["lut"]
+
+
+def test_below_macos_15_only_fp16_competes(forms_root):
+    from hetero.coreml.target import MACOS14
+
+    found = choose(forms_root, target=MACOS14, seconds={"fp16": 1.0, "lut": 0.1, "blockwise": 0.1})
+    assert found["recommended"] == "fp16"
+    assert [found["forms"][f]["available"] for f in FORMS] == [True, False, False]
+    assert "needs macOS 15" in found["forms"]["lut"]["why"]
+
+
+def test_blockwise_is_not_recommended_for_a_model_whose_matrices_have_no_exact_form(forms_root):
+    """A 4-bit model under MLX's quantizer: no whole matrix has a shift-scale form, so its blockwise programs would
+    be its tables."""
+    found = choose(forms_root, seconds={"fp16": 1.0, "lut": 1.0, "blockwise": 0.5})
     assert found["recommended"] == "blockwise"
     programs = Programs(64, weights="lut", weight_forms={"lut": 12, "fp16": 2}, blockwise_capable=0)
     split = split_forms(found, "lut", programs)
@@ -268,9 +341,10 @@ def test_blockwise_is_not_recommended_for_a_model_whose_matrices_have_no_exact_f
     assert split["quantized"] == 12 and split["blockwise_capable"] == 0 and "0 of the 12" in split["line"]
 
 
-def test_off_a_mac_the_doctor_checks_both_forms_and_says_the_timing_needs_one():
-    found = compare_forms(None, shape=SMALL)
-    assert found["recommended"] is None and found["timed_on"] is None and found["identical_outputs"]
+def test_off_a_mac_the_doctor_builds_and_lints_the_forms_and_says_the_rest_needs_one(tmp_path):
+    from hetero.coreml.target import MACOS15
+
+    found = compare_forms(MLP_PROBE, tmp_path, MACOS15, None, quant=QUANT)
+    assert found["recommended"] is None and found["timed_on"] is None and found["identical_outputs"] is None
     assert all(f["lint_errors"] == 0 and "seconds_per_call" not in f for f in found["forms"].values())
     assert "need a Mac" in found["line"] and "hetero doctor --json" in found["line"]
-    assert found["forms"]["blockwise"]["package_bytes"] < found["forms"]["lut"]["package_bytes"]

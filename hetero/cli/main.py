@@ -162,14 +162,21 @@ def _split_run(engine, args: argparse.Namespace):
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """`hetero doctor`: exit 0 when every check that could run here passed, 3 when one failed."""
+    """`hetero doctor`: exit 0 when every check that could run here passed, else the failed checks' bits
+    (`hetero.cli.doctor.EXIT_BITS`); the JSON report (`--json`) is printed whole in every case."""
 
-    fraction = args.ane_fraction.fixed("hetero doctor")  # before the model loads
-    engine = hetero.load(args.model, args.dtype)
-    found = doctor(engine, args.tokens, fraction, report=print_report, weights=args.ane_weights)
+    fraction = args.ane_fraction.fixed("hetero doctor")  # a bad flag: one line, before anything runs
+    try:
+        found = doctor(args.model, args.tokens, fraction, report=print_report, weights=args.ane_weights,
+                       dtype=args.dtype)
+    except Exception as e:  # noqa: BLE001  (the doctor guards its steps; this is the last line of defence)
+        if args.debug:
+            raise
+        found = {"ok": False, "exit_code": 1, "error": internal_error(e)}
+        print_report(f"hetero doctor: error: {found['error']}")
     if args.json:
-        print(json.dumps(found))
-    return 0 if found["ok"] else 3
+        print(json.dumps(found, default=str))
+    return found["exit_code"]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -279,7 +286,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.out is None:
         raise HeteroError("hetero convert --quantize/--coreml needs --out DIR")
     if args.coreml:
-        return convert_coreml(args.model, args.out, args.ane_fraction, args.chunk_size, args.context, args.ane_weights)
+        return convert_coreml(args.model, args.out, args.ane_fraction, args.chunk_size, args.context, args.ane_weights,
+                              args.target)
 
     out = quantize_checkpoint(args.model, args.out, bits=args.quantize, group_size=args.group_size)
     print(f"wrote {args.quantize}-bit copy to {out}")
@@ -313,20 +321,28 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
-def convert_coreml(model: str | None, out: str, ane: AneSplit, chunk: int, context: str, form: str = "lut") -> int:
-    """`hetero convert --coreml`: export (quantized weights in the form `form`), then lint; exit status 1 when the
-    lint finds errors."""
+def convert_coreml(model: str | None, out: str, ane: AneSplit, chunk: int, context: str, form: str = "lut",
+                   target: str | None = None) -> int:
+    """`hetero convert --coreml`: export for `target` (a `hetero.coreml.target.TARGETS` name's OS, default this
+    machine's; quantized weights in the form `form` as it allows), then lint; exit status 1 when the lint finds
+    errors."""
+    from hetero.coreml.target import TARGETS
+
     fraction = ane.fixed("hetero convert --coreml")  # before the Core ML tooling loads
+    chosen = next(t for t in TARGETS if t.name.startswith(target + "-")) if target else None
 
     try:
         contexts = [int(c) for c in context.split(",") if c.strip()]
     except ValueError:
         raise HeteroError(f"--context {context!r}: give one or more token counts separated by commas") from None
-    manifest = export_coreml(model, out, fraction, chunk, contexts, progress=ProgressBar("export"), form=form)
+    manifest = export_coreml(model, out, fraction, chunk, contexts, progress=ProgressBar("export"), form=form,
+                             target=chosen)
     progs = manifest["programs"]
     total = sum(p["weight_bytes"] for p in progs)
     reused = sum(p["reused"] for p in progs)
-    print(f"wrote {len(progs)} Core ML programs ({reused} reused, {total / 2**20:.1f} MiB of fp16 weights) to {out}")
+    note = f" ({manifest['weight_form_note']})" if manifest.get("weight_form_note") else ""
+    print(f"wrote {len(progs)} Core ML programs for {manifest['target']} ({reused} reused, {total / 2**20:.1f} MiB "
+          f"of {manifest['ane_weights']} weights) to {out}{note}")
     return 1 if print_lint(lint_export(out, manifest["weight_budget_bytes"])) else 0
 
 

@@ -24,10 +24,10 @@ HALF = AneSplit(0.5)  # the split `hetero plan` and `hetero doctor` take when no
 def add_ane_weights(p: argparse.ArgumentParser) -> None:
     """`--ane-weights`: how a quantized checkpoint's weights reach the ANE's programs (both exact)."""
     p.add_argument("--ane-weights", choices=WEIGHT_FORMS, default=DEFAULT_WEIGHT_FORM,
-                   help="with --ane-fraction: the Core ML form of 4-bit (and fewer) weights, both MLX's weights bit "
-                   "for bit: lut (a lookup table per row and group) or blockwise (constexpr_blockwise_shift_scale "
-                   "for every matrix whose every group has an exact scale and offset, the rest tables); "
-                   "`hetero doctor` says which one this Mac runs faster")
+                   help="with --ane-fraction: the Core ML form of 4-bit (and fewer) weights, all MLX's weights exactly: "
+                   "fp16 (expanded), lut (a lookup table per row and group) or blockwise "
+                   "(constexpr_blockwise_shift_scale for every matrix whose every group has an exact scale and offset, "
+                   "the rest tables); below macOS 15 every form is fp16; `hetero doctor` recommends one for this Mac")
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,8 +77,9 @@ def logit_bias_item(text: str) -> tuple[int, float]:
     return item
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory or hub id (default: the bundled model)")
+def _add_model(p: argparse.ArgumentParser, also: str = "") -> None:
+    p.add_argument("--model", help=f"checkpoint directory or hub id{', ' + also if also else ''} "
+                                   "(default: the bundled model)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
 
@@ -270,13 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --coreml: share of each offloadable piece for the ANE (required there; default: none)")
     convert.add_argument("--chunk-size", type=POSITIVE_INT, default=256, help="with --coreml: prefill chunk (multiple of 64)")
     add_ane_weights(convert)
+    convert.add_argument("--target", choices=("macos14", "macos15"), default=None,
+                         help="with --coreml: the macOS the programs are built for (macos14: fp16 weights, one "
+                              "package per context bucket, Core ML spec 8; macos15: any weight form, spec 9; default: "
+                              "this machine's, macos15 off a Mac)")
     convert.add_argument("--context", type=token_counts, default="4096", help="with --coreml: context bucket(s) in tokens, comma separated")
     convert.add_argument("--out",
                          help="output directory (--quantize: must not exist or be empty; --coreml: reused; default: none, required)")
 
-    doc = sub.add_parser("doctor", help="check the split prefill end to end here: backend, placement, lane rates, "
-                                        "overlap, verify, memory")
-    _add_model(doc)
+    doc = sub.add_parser("doctor", help="check the split prefill end to end here, each check with its verdict: backend, "
+                                        "OS target, placement, CPU fallback, numbers, weight forms, the split")
+    _add_model(doc, also="or a bare config.json (the plan's programs probed with random weights; no split)")
     _add_dtype(doc)
     doc.add_argument("--tokens", type=POSITIVE_INT, default=1024, help="prompt tokens of the split prefill measured")
     doc.add_argument("--ane-fraction", type=ane_split_arg, default=HALF, help="the split's ANE share (0 < F <= 1)")

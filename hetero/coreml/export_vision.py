@@ -20,9 +20,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from hetero.coreml.export import remove_export, weights_nbytes, weights_sha256
+from hetero.coreml.export import remove_export
 from hetero.coreml.manifest import VISION, read_vision_manifest
 from hetero.coreml.manifest import write as write_manifest
+from hetero.coreml.pieces import weights_nbytes, weights_sha256
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5_vision.model import VisionModel
 

@@ -16,8 +16,15 @@ def fp16_values(a: np.ndarray) -> np.ndarray:
     out &= np.uint32(0xFFFFE000)  # keep 10 mantissa bits (fp16's), exponent and sign
     out = out.view(np.float32)
     mag = np.abs(a)
-    small = mag < 2.0**-14  # below fp16's normal range: multiples of its subnormal step 2^-24
-    if small.any():
+    small = mag < np.float32(2.0**-14)  # below fp16's normal range: multiples of its subnormal step 2^-24
+    count = np.count_nonzero(small)
+    if count * 16 > small.size:  # many (attention probabilities): on every element, a masked copy, no gather
+        # |a| + 1/2 lands where fp32's step is 2^-24, so the fp32 sum rounds |a| to that step (ties to even) and
+        # subtracting 1/2 is exact (3.1x faster than the gather on a softmax over 4,096 keys, bench/fp16_rounding.py)
+        sub = mag + np.float32(0.5)
+        sub -= np.float32(0.5)
+        np.copyto(out, np.copysign(sub, a), where=small)
+    elif count:  # a few: only those, picked out
         out[small] = np.rint(a[small] * np.float32(2.0**24)) * np.float32(2.0**-24)
     large = ~(mag < 65520.0)  # from 65520 up (and inf, NaN): beyond fp16's largest value 65504 plus half a step
     if large.any():

@@ -23,8 +23,8 @@ class Manifest:
     redo: str  # what to do when it is damaged
 
 
-TEXT = Manifest("manifest.json", 4, "not a Core ML export directory (run hetero convert --coreml)",
-                "re-run hetero convert --coreml")  # 4: normed inputs, channels by range, output shifts
+TEXT = Manifest("manifest.json", 5, "not a Core ML export directory (run hetero convert --coreml)",
+                "re-run hetero convert --coreml")  # 5: the target OS and spec; 4: normed inputs, channels by range
 VISION = Manifest("vision.json", 1, "the vision tower was not exported there", "export the vision tower again")
 MANIFEST, MANIFEST_FORMAT = TEXT.file, TEXT.format
 VISION_MANIFEST, VISION_FORMAT = VISION.file, VISION.format

@@ -63,6 +63,7 @@ class AneProcess:
     def __init__(self, loader: str | None = None, timeout_s: float = JOB_TIMEOUT_S):
         self.timeout_s = timeout_s
         self.lost: str | None = None
+        self.unreported = False  # lost by a background load: the next `check_alive` reports it
         self.stats = LaneStats()
         self.trace: Trace | None = None  # set for a traced prefill: one event per job on its own track
         self._lock = threading.Lock()
@@ -127,24 +128,30 @@ class AneProcess:
                                 "copy_in_ms": round((sent - start) * 1e3, 3), "copy_out_ms": round(copy_s * 1e3, 3)})
             return outputs
 
-    def diagnose(self, key: tuple[str, str | None], inputs: dict[str, np.ndarray]) -> dict:
-        """The doctor's checks of a loaded program, run in the worker on `inputs` (`hetero.coreml.backends.diagnose`)."""
+    def diagnose(self, key: tuple[str, str | None], inputs: dict[str, np.ndarray], timed: bool = True) -> dict:
+        """The doctor's checks of a loaded program, run in the worker on `inputs` (`hetero.coreml.backends.diagnose`;
+        `timed`: also CPU_AND_NE against CPU_ONLY, where Core ML runs it)."""
         name = Path(key[0]).name
         with self._lock:
             self._check()
             self._ensure("in", packed_bytes(inputs))
             layout = pack(inputs, self._arenas["in"].buf)
-            self._send(("check", self._ids[key], layout), f"checking {name}")
+            self._send(("check", self._ids[key], layout, timed), f"checking {name}")
             return self._reply(LOAD_TIMEOUT_S, f"checking {name}")[1]
 
-    def resident_bytes(self) -> int | None:
-        """The worker's resident memory now: its interpreter, programs and the arenas' pages it touched; None where
-        the OS does not say (macOS: Core ML reports no memory of its own and getrusage gives only the peak)."""
+    def memory(self) -> dict | None:
+        """The worker's memory now (`coreml_macos.memory_now`): `bytes` as the OS charges it (macOS: its footprint
+        from proc_pid_rusage; Linux: resident), `neural_bytes` (macOS 14+: what the Neural Engine wired for it) and
+        `source`; None where the OS says nothing."""
         with self._lock:
             self._check()
             self._send(("stat",), "a memory query")
-            found = self._reply(self.timeout_s, "a memory query")[1]
-            return None if found is None else int(found)
+            return self._reply(self.timeout_s, "a memory query")[1]
+
+    def resident_bytes(self) -> int | None:
+        """What the worker holds now: its footprint (or resident set) plus what the Neural Engine wired for it."""
+        found = self.memory()
+        return None if found is None else int(found["bytes"] + (found["neural_bytes"] or 0))
 
     # -- arenas, replies, failure -------------------------------------------------------------------------------
 
@@ -194,20 +201,32 @@ class AneProcess:
 
     def _check(self) -> None:
         if self.lost is not None:
+            self.unreported = False  # the caller meets the loss now, and reports it
             raise AneLaneLost(f"the ANE lane's worker (pid {self.pid}) {self.lost}")
         if self.proc.poll() is not None:  # died while idle: found before anything is sent to it
             self._lose(f"exited (status {self.proc.returncode}) between jobs")
 
     def check_alive(self) -> None:
-        """Raise `AneLaneLost` if the worker died since its last job (once: then it counts as lost)."""
+        """Raise `AneLaneLost` if the worker died since its last job (once: then it counts as lost), or if a
+        background load (a context bucket warming) lost it and nobody has reported that yet."""
         with self._lock:
+            if self.unreported:
+                self.unreported = False
+                raise AneLaneLost(f"the ANE lane's worker (pid {self.pid}) was lost between jobs: it {self.lost} "
+                                  "(a background load found it)")
             if self.lost is None:
                 self._check()
+
+    def lost_in_background(self) -> None:
+        """Mark this worker's loss, met by a background load that cannot report it, for `check_alive` to report."""
+        self.unreported = self.lost is not None
 
     def _lose(self, reason: str, kind: type[AneLaneLost] = AneLaneLost) -> None:
         self.lost = reason
         self._shut(kill=True)
-        raise kind(f"the ANE lane's worker (pid {getattr(self, 'pid', self.proc.pid)}) {reason}")
+        lost = kind(f"the ANE lane's worker (pid {getattr(self, 'pid', self.proc.pid)}) {reason}")
+        lost.lane = self  # whoever meets it in the background hands it back (`lost_in_background`)
+        raise lost
 
     def _shut(self, kill: bool) -> None:
         _LIVE.discard(self)

@@ -185,7 +185,9 @@ class PipelineRun:
             return cache, 0, None
         try:
             split = self.splitter(len(ids) - 1)
-            worker_bytes = (split.worker.resident_bytes() or 0) if split.worker is not None else 0  # None: unknown
+            # what the ANE lane holds: its worker's footprint, at least every function this prompt loads charged
+            worker_bytes = max((split.worker.resident_bytes() or 0) if split.worker is not None else 0,
+                               split.programs.charged_bytes(len(ids) - 1))
             check_prompt_fits(model, len(ids), getattr(self.engine, "memory_gb", None), split.in_flight,
                               worker_bytes, split.copied_bytes())
             lane = self.vision_lane(split) if images is not None else None

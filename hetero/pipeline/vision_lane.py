@@ -19,15 +19,20 @@ import numpy as np
 from hetero.coreml.manifest import read_vision_manifest
 from hetero.errors import AneNonFinite, HeteroError
 from hetero.host.progress import ProgressBar
-from hetero.planner.vision import vision_bucket
+from hetero.planner.vision import MAX_VISION_PATCHES, lane_bucket
 from hetero.vision.prompt import ImagePrompt
 
 COSINE, PSNR = 0.9999, 60.0  # `--verify`: the lane's embeddings against the GPU tower's (as the programs' tests)
 
 
 def image_bucket(images: ImagePrompt, i: int, merge_unit: int) -> int:
+    """Image i's bucket on the lane; HeteroError above the lane's cap (`MAX_VISION_PATCHES`): the GPU tower's."""
     t, h, w = images.grids[i]
-    return vision_bucket(t * h * w, merge_unit)
+    bucket = lane_bucket(t * h * w, merge_unit)
+    if bucket is None:
+        raise HeteroError(f"image {i} has {t * h * w:,} patches, above the ANE lane's {MAX_VISION_PATCHES:,}-patch "
+                          f"cap (a bucket's mask and scores grow with its square)")
+    return bucket
 
 
 def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None] | None = None) -> Path:
@@ -117,7 +122,11 @@ class VisionLane:
 
         out = []
         for i in range(len(images.grids)):
-            bucket = image_bucket(images, i, self.tower.args.merge_unit)
+            try:
+                bucket = image_bucket(images, i, self.tower.args.merge_unit)
+            except HeteroError as e:  # the GPU tower's image: nothing of the lane to verify
+                out.append({"image": i, "bucket": None, "lane": "gpu", "why": str(e), "ok": True})
+                continue
             try:
                 lane = self.encoder(images, i)()
             except AneNonFinite as e:

@@ -141,9 +141,10 @@ _WINDOWS: dict[tuple, tuple[weakref.ref, Budget]] = {}
 def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_flight: int = 1,
                   ane_worker_bytes: int = 0, split_copy_bytes: int = 0) -> Budget:
     """The governor's budget for a loaded model: its actual weight bytes and cache dtype, this machine's RAM
-    (or `memory_gb`), `in_flight` chunks of prefill buffers, and what the ANE lane's worker process holds (its
-    programs, buffers and interpreter, as it reports them) and the GPU lane's gathered split shares. Cached per
-    model, memory size, chunks in flight and those bytes (in MiB)."""
+    (or `memory_gb`), `in_flight` chunks of prefill buffers, and what the ANE lane holds (`ane_worker_bytes`: its
+    worker's footprint, at least the weights of every Core ML function the prompt loads, each function charged its
+    package's weights: `hetero.pipeline.programs.Programs.charged_bytes`) and the GPU lane's gathered split shares.
+    Cached per model, memory size, chunks in flight and those bytes (in MiB)."""
     from mlx.utils import tree_flatten
 
     ane_worker_bytes = ane_worker_bytes >> 20 << 20  # MiB steps: a worker's few pages more need no new budget
@@ -158,7 +159,7 @@ def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_fl
         memory = memory_gb * 1e9 if memory_gb is not None else physical_memory_bytes()
         budget = govern(model.args, weights, memory, chunk, kv_bytes, coreml_bytes=ane_worker_bytes,
                         weights_label="as loaded", in_flight=in_flight, moe=moe_of(model.args),
-                        coreml_label="ANE lane's worker process (programs, buffers, interpreter)",
+                        coreml_label="ANE lane: worker footprint, or its loaded Core ML functions if more",
                         split_copy_bytes=split_copy_bytes, kv_label=quant.label if quant is not None else "")
         budget.on_disk = list(model.on_disk)  # read from the checkpoint's files (Qwen4-Exp's PLE n-gram tables)
         _WINDOWS[key] = (weakref.ref(model), budget)

@@ -13,9 +13,10 @@ tuple whose first item says what it is):
                                       or ("garbage", output name) when an output holds NaN or inf
                                       or ("grow", bytes) when they do not fit: the engine sends a larger "out"
                                          arena, then this process copies the held outputs and answers "done"
-    ("check", id, layout)             -> ("checked", findings)  the doctor's checks of a program on these inputs
-                                         (`hetero.coreml.backends.diagnose`)
-    ("stat",)                         -> ("stat", resident bytes now, or None where the OS does not say)
+    ("check", id, layout, timed)      -> ("checked", findings)  the doctor's checks of a program on these inputs
+                                         (`hetero.coreml.backends.diagnose`; `timed`: CPU_AND_NE against CPU_ONLY)
+    ("stat",)                         -> ("stat", {"bytes", "neural_bytes", "source"} now, or None where the OS does
+                                         not say: `coreml_macos.memory_now`, the footprint on macOS)
     ("stop",)                         -> (no reply; the process exits)
 A failure answers ("error", one line). A layout is a list of (name, dtype, shape, byte offset) into an arena.
 
@@ -41,7 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from hetero.coreml.backends import platform_backend
-from hetero.coreml.backends.arena import attach, pack, packed_bytes, resident_bytes, views
+from hetero.coreml.backends.coreml_macos import memory_now
+from hetero.coreml.backends.arena import attach, pack, packed_bytes, views
 
 # Packages coremltools imports for converters this process never runs (torch alone is ~300 MB and 2 s to import).
 UNUSED_BY_THE_WORKER = ("torch", "torchvision", "tensorflow", "transformers", "sklearn", "xgboost", "libsvm")
@@ -108,9 +110,11 @@ def serve(conn: Connection, loader) -> None:
             elif kind == "check":  # the doctor's: imported only when a doctor asks
                 from hetero.coreml.backends.diagnose import diagnose
 
-                conn.send(("checked", diagnose(programs[msg[1]], *sources[msg[1]], views(msg[2], arenas["in"].buf))))
+                found = diagnose(programs[msg[1]], *sources[msg[1]], views(msg[2], arenas["in"].buf), *msg[3:])
+                conn.send(("checked", found))
             elif kind == "stat":
-                conn.send(("stat", resident_bytes()))
+                found = memory_now()
+                conn.send(("stat", None if found is None else found.to_dict()))
             else:
                 conn.send(("error", f"unknown message {kind!r}"))
         except (EOFError, OSError):
@@ -133,7 +137,7 @@ def keep_freed_memory() -> bool:
     of bench/ttft.py's MLP program, 71 ms against 58 ms without them (bench/lane_job.py). The engine's own process
     had long since raised glibc's adaptive thresholds, which is why the in-thread lane did not pay this. Up to
     32 MB a temporary now comes from the heap, and the heap keeps what is freed (the worker's resident memory then
-    holds its largest job's temporaries, which `resident_bytes` counts)."""
+    holds its largest job's temporaries, which its reported memory counts)."""
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt

@@ -3,7 +3,6 @@ side into a segment, described by a layout of (name, dtype, shape, byte offset),
 
 from __future__ import annotations
 
-import os
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
@@ -49,12 +48,3 @@ def attach(name: str) -> SharedMemory:
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001  (3.11/3.12 have no track=False)
         return shm
 
-
-def resident_bytes() -> int | None:
-    """This process's resident memory now, from /proc (Linux); None elsewhere: macOS's getrusage gives only the
-    peak (`ru_maxrss`), which is not what the process holds now, and Core ML reports no memory of its own."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None

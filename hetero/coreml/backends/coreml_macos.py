@@ -1,8 +1,15 @@
-"""Running exported packages through Core ML on macOS (CPU + Neural Engine), with a placement report.
+"""Running exported packages through Core ML on macOS (CPU + Neural Engine): the lane's thin Mac-only code.
 
-Core ML itself runs only on macOS, so the code that calls it is thin (`CoreMLProgram`, `_load_compute_plan`), and
-everything around it is plain Python tested on any OS with the real call injected:
+Every call into macOS and Core ML goes through one object, `CoreML`, whose fields are the real calls
+(`platform.mac_ver`, `coremltools.models.utils.compile_model`, `CompiledMLModel(...).predict`,
+`MLComputePlan.load_from_path`, `proc_pid_rusage`). Everything that decides from their answers is plain Python
+tested on any OS, with a stand-in `CoreML` that answers as a given macOS would (tests/fake_mac.py; a process, or
+the ANE worker it starts, takes one from $HETERO_COREML="module:attribute").
 
+- **The OS** (`hetero.coreml.target`): which export target this Mac loads (fp16, single-function packages below
+  macOS 15), and a package whose specification the OS cannot compile is refused by name, as the OS's refusal
+  (`SpecRefused`), before Core ML's compiler fails on it; a function name before macOS 15 likewise (the binding,
+  `CoreMLPython.mm`, refuses `functionName` there).
 - **Inputs and outputs** (`ProgramRunner`). `CompiledMLModel.predict` is a pybind11 binding that keeps the GIL for
   the whole prediction and takes only int32 / fp32 / fp64 arrays: coremltools replaces an fp16 array by an fp32
   copy, and the binding wraps each array's buffer without copying it in an Objective-C `PybindCompatibleArray`
@@ -14,38 +21,39 @@ everything around it is plain Python tested on any OS with the real call injecte
   later call reads, from the object header, without touching it, that their reference count is back to the
   program's own single reference: Core ML has dropped its wrapper, and the array is freed on the caller's thread.
   Outputs come back from the binding as fp32 (Core ML's fp16 widened, exactly) and are returned as they are.
-- **Compilation** (`compile_package`): into a temporary folder beside the package, then renamed (atomically) to
-  `<stem>.<content hash>.mlmodelc`, the hash over the package's files; a re-exported package has a new hash, so a
-  stale `.mlmodelc` is never loaded, and a crashed compile leaves only a temporary folder nothing loads.
-  `remove_compiled` deletes a package's compiled folders (the export does it with the package).
-- **Placement** (`placement_report`): from the devices Core ML's `MLComputePlan` (macOS 14.4+) prefers per op, a
-  report that flags a program with nothing on the Neural Engine and one with part of its ops off it (partial
-  CPU / GPU fallback, which Core ML does silently).
+- **Compilation** (`hetero.coreml.backends.compiled`): keyed by the package's content, replaced atomically.
+- **Placement** (`hetero.coreml.backends.placement`): from `MLComputePlan` (macOS 14.4+), judged by cost.
+- **Memory** (`memory_now`): the process footprint from `proc_pid_rusage` (`hetero.coreml.backends.footprint`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib
 import os
 import platform
-import re
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 
+from hetero.coreml.backends.compiled import compile_package
+from hetero.coreml.backends.footprint import Footprint, RusageCall, linux_resident, mac_footprint, proc_pid_rusage
+from hetero.coreml.backends.placement import COMPUTE_PLAN_MACOS, PlacementStatus, check_placement, placement_status
+from hetero.coreml.target import OS_REFUSED, SpecRefused, Target, check_spec, target_for
 from hetero.errors import HeteroError
 
-_LOADED: dict[tuple[Path, str | None], "CoreMLProgram"] = {}
-_DIGESTS: dict[tuple, str] = {}  # package_signature -> content hash, for this process
-DIGEST_CHARS = 16  # hex digits of the content hash in a compiled folder's name
-_COMPILED = re.compile(rf"^(?P<stem>.+)\.[0-9a-f]{{{DIGEST_CHARS}}}\.mlmodelc$")
-_TEMP_PREFIX = ".compiling-"
+_LOADED: dict[tuple, "CoreMLProgram"] = {}
+FUNCTION_NAME_MACOS = (15, 0)  # the binding sets MLModelConfiguration.functionName only from macOS 15
+UNITS = ("CPU_AND_NE", "CPU_ONLY")  # the compute units the lane loads with, and the doctor's CPU baseline
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The calls into macOS and Core ML
 
 
 def _native_library() -> None:
@@ -53,12 +61,58 @@ def _native_library() -> None:
     import coremltools.libcoremlpython  # noqa: F401
 
 
-def available(system: str | None = None, native: Callable[[], object] = _native_library) -> tuple[bool, str]:
-    """(whether Core ML can run programs here, why not). `system` is `platform.system()`'s answer (default: this
-    machine's) and `native` imports coremltools' native library (`coremltools.libcoremlpython`): `import
-    coremltools` succeeds without it, e.g. where pip fell back to the sdist because no wheel exists for this
-    Python, and then every compile and prediction fails."""
-    system = system or platform.system()
+def _compile_model(src: str, dst: str) -> object:
+    import coremltools as ct
+
+    return ct.models.utils.compile_model(src, dst)
+
+
+def _open_model(compiled: str, units: str, function: str | None) -> Callable[[dict], dict]:
+    import coremltools as ct
+
+    return ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit[units], function_name=function).predict
+
+
+def _compute_plan(compiled: str, units: str) -> object:
+    import coremltools as ct
+    from coremltools.models.compute_plan import MLComputePlan
+
+    return MLComputePlan.load_from_path(compiled, compute_units=ct.ComputeUnit[units])
+
+
+@dataclass(frozen=True)
+class CoreML:
+    """The calls into macOS and Core ML the lane makes, each the real one by default; a stand-in answers as some
+    macOS would (tests name the real call each of its fields stands for)."""
+
+    name: str = "Core ML"
+    system: Callable[[], str] = platform.system  # platform.system()
+    mac_ver: Callable[[], str] = lambda: platform.mac_ver()[0]  # noqa: E731  "14.6.1"; "" off a Mac
+    native: Callable[[], object] = _native_library  # import coremltools.libcoremlpython
+    compile_model: Callable[[str, str], object] = _compile_model  # coremltools.models.utils.compile_model(src, dst)
+    open_model: Callable[[str, str, str | None], Callable[[dict], dict]] = _open_model  # CompiledMLModel(...).predict
+    compute_plan: Callable[[str, str], object] = _compute_plan  # MLComputePlan.load_from_path(compiled, units)
+    rusage: RusageCall = proc_pid_rusage  # proc_pid_rusage(getpid(), flavor, &rusage_info)
+    clock: Callable[[], float] = time.perf_counter  # the wall clock the doctor times predictions with
+
+
+@cache
+def core_ml() -> CoreML:
+    """This process's calls into Core ML: the real ones, or the stand-in $HETERO_COREML names ("module:attribute",
+    a `CoreML`; tests, whose ANE worker inherits it)."""
+    spec = os.environ.get("HETERO_COREML")
+    if not spec:
+        return CoreML()
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def available(ml: CoreML | None = None) -> tuple[bool, str]:
+    """(whether Core ML can run programs here, why not): macOS, coremltools, and coremltools' native library
+    (`coremltools.libcoremlpython`): `import coremltools` succeeds without it, e.g. where pip fell back to the sdist
+    because no wheel exists for this Python, and then every compile and prediction fails."""
+    ml = ml or core_ml()
+    system = ml.system()
     if system != "Darwin":
         return False, f"Core ML runs only on macOS (this is {system})"
     try:
@@ -66,27 +120,31 @@ def available(system: str | None = None, native: Callable[[], object] = _native_
     except ImportError:
         return False, "coremltools is not installed"
     try:
-        native()
+        ml.native()
     except ImportError as e:
         return False, (f"coremltools {coremltools.__version__} has no native library ({e}): install a coremltools "
                        f"wheel built for Python {platform.python_version()} (pip fell back to the source package)")
     return True, ""
 
 
-MULTIFUNCTION_MACOS = (15,)  # multifunction packages: the iOS 18 / macOS 15 spec (coremltools models/utils.py)
-
-
-def macos_version(mac_ver: Callable[[], tuple] = platform.mac_ver) -> tuple[int, ...] | None:
-    """This Mac's macOS version as numbers ((14, 6, 1)); None off macOS (`mac_ver` is `platform.mac_ver`)."""
-    text = mac_ver()[0]
+def macos_version(ml: CoreML | None = None) -> tuple[int, ...] | None:
+    """This Mac's macOS version as numbers ((14, 6, 1)); None off macOS."""
+    ml = ml or core_ml()
+    text = ml.mac_ver() if ml.system() == "Darwin" else ""
     return tuple(int(x) for x in text.split(".") if x.isdigit()) if text else None
 
 
-def multifunction_packages(macos: tuple[int, ...] | None) -> bool:
-    """Whether an export stores an attention piece's context buckets as the functions of one package (weights
-    once): from macOS 15, and off macOS (the reference executor runs them). Before macOS 15 coremltools' binding
-    refuses a function name (`CoreMLPython.mm`), so each bucket is a single-function package of its own."""
-    return macos is None or tuple(macos) >= MULTIFUNCTION_MACOS
+def this_target(ml: CoreML | None = None) -> Target:
+    """The export target of this machine: by its macOS version (`hetero.coreml.target.target_for`); off a Mac the
+    newest, which the reference executor runs whole."""
+    return target_for(macos_version(ml))
+
+
+def memory_now(ml: CoreML | None = None) -> Footprint | None:
+    """This process's memory now: on macOS its footprint (`proc_pid_rusage`, with the Neural Engine's share from
+    macOS 14), on Linux its resident set; None where neither says."""
+    ml = ml or core_ml()
+    return mac_footprint(ml.rusage) if ml.system() == "Darwin" else linux_resident()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -165,333 +223,138 @@ class ProgramRunner:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Compilation keyed by the package's content
-
-
-def package_signature(package: Path) -> tuple:
-    """What tells, without reading the weights, that a package is unchanged: each file's inode, size and mtime,
-    but Manifest.json by its (tiny) content, as coremltools rewrites it unchanged whenever it opens the package."""
-    sig = []
-    for f in sorted(p for p in package.rglob("*") if p.is_file()):
-        st = f.stat()
-        sig.append((str(f.relative_to(package)), f.read_bytes() if f.name == "Manifest.json" else
-                    (st.st_ino, st.st_size, st.st_mtime_ns)))
-    return package.resolve(), tuple(sig)
-
-
-def package_digest(package: Path) -> str:
-    """sha256 over the package's files (relative paths and contents, in sorted order). Hashed once per process
-    while its `package_signature` holds (a package's functions load one by one): a package saved
-    anew (the export removes, then writes it) rehashes; an in-place rewrite of a file to the same size within one
-    filesystem clock tick (milliseconds) of the hash would not, in the same process."""
-    if not (package / "Manifest.json").is_file():
-        raise HeteroError(f"{package} is not an .mlpackage (no Manifest.json); re-run hetero convert --coreml")
-    files = sorted(p for p in package.rglob("*") if p.is_file())
-    memo = package_signature(package)
-    if memo not in _DIGESTS:
-        h = hashlib.sha256()
-        for f in files:
-            h.update(str(f.relative_to(package)).encode() + b"\0")
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(block)
-            h.update(b"\0")
-        _DIGESTS[memo] = h.hexdigest()
-    return _DIGESTS[memo]
-
-
-def compiled_path(package: Path, digest: str) -> Path:
-    """Where the package with content hash `digest` is compiled: `<stem>.<hash>.mlmodelc` beside it."""
-    return package.with_name(f"{package.stem}.{digest[:DIGEST_CHARS]}.mlmodelc")
-
-
-def compiled_owner(name: str) -> str | None:
-    """The package stem a folder name in an export directory was compiled from (a compiled folder, an older
-    hetero's `<stem>.mlmodelc`, or a compile's temporary folder); None for anything else."""
-    if name.startswith(_TEMP_PREFIX):
-        return name[len(_TEMP_PREFIX):].rpartition(".")[0] or None
-    m = _COMPILED.match(name)
-    if m:
-        return m["stem"]
-    return name[: -len(".mlmodelc")] if name.endswith(".mlmodelc") else None
-
-
-def remove_compiled(package: Path, keep: Path | None = None) -> None:
-    """Delete every folder compiled from `package` (but `keep`), temporary ones included."""
-    if not package.parent.is_dir():
-        return
-    for entry in package.parent.iterdir():
-        if compiled_owner(entry.name) == package.stem and entry != keep:
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def compile_package(package: Path, compile_model: Callable[[str, str], str]) -> Path:
-    """The package compiled, keyed by its content: reused when `<stem>.<hash>.mlmodelc` exists, else compiled by
-    `compile_model(src, dst)` (coremltools.models.utils.compile_model, whose `shutil.move` would nest a new build
-    inside an existing `dst`) into a fresh temporary folder and renamed into place; other builds of it are removed."""
-    target = compiled_path(package, package_digest(package))
-    if target.is_dir():  # only ever made by the rename below: complete
-        return target
-    tmp = Path(tempfile.mkdtemp(dir=package.parent, prefix=f"{_TEMP_PREFIX}{package.stem}."))
-    try:
-        built = tmp / target.name
-        compile_model(str(package), str(built))
-        if not (built / "coremldata.bin").is_file():
-            raise HeteroError(f"compiling {package.name} produced no {built.name}/coremldata.bin")
-        try:
-            os.rename(built, target)  # atomic: the target is whole or absent
-        except OSError:
-            if not target.is_dir():  # not a concurrent compile of the same content that finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    remove_compiled(package, keep=target)
-    return target
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Placement
+# The package's declared facts (any OS), and the thin Core ML program (macOS)
 
 
 @dataclass(frozen=True)
-class OpDevice:
-    """One op of a compute plan: its operator, the device Core ML prefers (`ane`, `gpu`, `cpu`, None when it
-    names none), the devices that support it, and its estimated share of the program's cost (None: unknown)."""
+class PackageFacts:
+    """What a package's spec declares: its specification version, its functions (None: a single-function package)
+    with the default one, and each function's input shapes."""
 
-    op: str
-    preferred: str | None
-    supported: tuple[str, ...] = ()
-    cost: float | None = None
-
-
-@dataclass
-class Placement:
-    """How many of a program's ops Core ML prefers on each device, and which ops run off the Neural Engine."""
-
-    program: str
-    neural_engine: int
-    gpu: int
-    cpu: int
-    unknown: int
-    off_ane: dict[str, int] = field(default_factory=dict)  # "<op> on <device>" -> count
-    off_ane_cost: float | None = None  # estimated share of the cost off the ANE (None: Core ML gave no costs)
-    could_be_on_ane: int = 0  # off-ANE ops whose supported devices include the ANE
-
-    @property
-    def total(self) -> int:
-        return self.neural_engine + self.gpu + self.cpu + self.unknown
-
-    @property
-    def verdict(self) -> str:
-        """`none` (nothing on the Neural Engine), `partial` (some ops off it), `full`."""
-        if self.neural_engine == 0:
-            return "none"
-        return "partial" if self.neural_engine < self.total else "full"
-
-    def line(self) -> str:
-        text = (f"{self.program}: {self.neural_engine}/{self.total} ops on the Neural Engine, "
-                f"{self.cpu} on the CPU, {self.gpu} on the GPU, {self.unknown} unplaced")
-        if self.verdict == "partial":
-            cost = "" if self.off_ane_cost is None else f", {self.off_ane_cost:.1%} of the estimated cost"
-            ops = ", ".join(f"{n} {what}" for what, n in sorted(self.off_ane.items(), key=lambda kv: -kv[1]))
-            text += f"; off the ANE: {ops}{cost} ({self.could_be_on_ane} of them supported there)"
-        return text
+    spec: int
+    default: str | None
+    inputs: dict[str | None, dict[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
-_LABELS = {"gpu": "the GPU", "cpu": "the CPU", None: "no device"}
+def package_facts(package: Path) -> PackageFacts:
+    """The spec facts of a saved package (read once from its model.mlmodel)."""
+    import coremltools as ct
 
-
-def device_kind(device: object) -> str | None:
-    """`ane`, `gpu` or `cpu` for a coremltools compute device (MLNeuralEngineComputeDevice, ...); None for none."""
-    name = type(device).__name__ if device is not None else ""
-    return "ane" if "NeuralEngine" in name else "gpu" if "GPU" in name else "cpu" if "CPU" in name else None
-
-
-def placement_report(program: str, ops: Iterable[OpDevice]) -> Placement:
-    """The placement of a program from its per-op devices (what `MLComputePlan.
-    get_compute_device_usage_for_mlprogram_operation` and `get_estimated_cost_for_mlprogram_operation` give for
-    each op; `const` and `constexpr_*` ops are weights, never placed, and are skipped)."""
-    counts = {"ane": 0, "gpu": 0, "cpu": 0, None: 0}
-    off: dict[str, int] = {}
-    cost_all = cost_off = 0.0
-    costed, could = True, 0
-    for op in ops:
-        if op.op == "const" or op.op.startswith("constexpr_"):  # weights (a LUT expands at load), never placed
-            continue
-        if op.preferred not in counts:
-            raise HeteroError(f"{program}: op {op.op} on unknown device {op.preferred!r}")
-        counts[op.preferred] += 1
-        costed = costed and op.cost is not None
-        cost_all += op.cost or 0.0
-        if op.preferred != "ane":
-            what = f"{op.op} on {_LABELS[op.preferred]}"
-            off[what] = off.get(what, 0) + 1
-            cost_off += op.cost or 0.0
-            could += "ane" in op.supported
-    share = (cost_off / cost_all if cost_all > 0 else 0.0) if costed else None
-    return Placement(program, counts["ane"], counts["gpu"], counts["cpu"], counts[None], off, share, could)
-
-
-COMPUTE_PLAN_MACOS = (14, 4)  # MLComputePlan's first macOS
-
-
-@dataclass
-class PlacementStatus:
-    """What a compute-plan query gave: `placed` (with its `report`), `unavailable` (this macOS has no
-    MLComputePlan, or this is not a Mac) or `failed` (the query itself raised: `error`)."""
-
-    program: str
-    status: str
-    report: Placement | None = None
-    error: str | None = None
-
-    def to_dict(self) -> dict:
-        found = {"status": self.status, "line": self.line()}
-        if self.report is not None:
-            found.update(verdict=self.report.verdict, ok=self.report.verdict == "full")
-        if self.error is not None:
-            found.update(error=self.error, ok=False)
-        return found
-
-    def line(self) -> str:
-        if self.status == "placed":
-            return self.report.line()
-        if self.status == "failed":
-            return f"{self.program}: the compute-plan query failed ({self.error}); ANE placement not verified"
-        return f"{self.program}: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified"
-
-
-def placement_status(program: str, load_plan: Callable[[], object | None], function: str | None) -> PlacementStatus:
-    """Query a compiled program's placement: `load_plan()` is the compute plan (`MLComputePlan.load_from_path` on
-    a Mac), None where the OS has none; a query that raises, loading or reading the plan, is `failed`, never
-    `unavailable`."""
-    try:
-        plan = load_plan()
-        if plan is None:
-            return PlacementStatus(program, "unavailable")
-        return PlacementStatus(program, "placed", placement_report(program, plan_ops(plan, function)))
-    except Exception as e:  # noqa: BLE001  (any failure of Core ML's query is reported, with its first line)
-        text = str(e).strip().splitlines()
-        return PlacementStatus(program, "failed", error=f"{type(e).__name__}: {text[0] if text else ''}")
-
-
-def check_placement(placed: Placement | None, name: str, error: str | None = None) -> Placement | None:
-    """Print a warning on stderr when a program places nothing, or only part of its ops, on the Neural Engine, or
-    when its compute-plan query failed (`error`)."""
-    if error is not None:
-        print(f"WARNING: {name}: the compute-plan query failed ({error}); ANE placement not verified",
-              file=sys.stderr)
-    elif placed is None:
-        print(f"{name}: MLComputePlan unavailable (macOS 14.4+); ANE placement not verified", file=sys.stderr)
-    elif placed.verdict == "none":
-        print(f"WARNING: {placed.line()} -- NOTHING runs on the Neural Engine; Core ML fell back silently",
-              file=sys.stderr)
-    elif placed.verdict == "partial":
-        print(f"WARNING: partial CPU/GPU fallback: {placed.line()}", file=sys.stderr)
-    return placed
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The package's declared inputs (any OS), and the thin Core ML calls (macOS)
+    desc = (spec := ct.models.utils.load_spec(str(package))).description
+    shapes = lambda inputs: {i.name: tuple(int(d) for d in i.type.multiArrayType.shape) for i in inputs}  # noqa: E731
+    if desc.functions:
+        return PackageFacts(spec.specificationVersion, desc.defaultFunctionName,
+                            {f.name: shapes(f.input) for f in desc.functions})
+    return PackageFacts(spec.specificationVersion, None, {None: shapes(desc.input)})
 
 
 def default_function(package: Path) -> str | None:
     """The default function of a multifunction package; None for a single-function one."""
-    import coremltools as ct
-
-    desc = ct.models.utils.load_spec(str(package)).description
-    return desc.defaultFunctionName if desc.functions else None
+    return package_facts(package).default
 
 
-def declared_inputs(package: Path, function: str | None = None) -> dict[str, tuple[int, ...]]:
+def declared_inputs(package: Path, function: str | None = None, facts: PackageFacts | None = None
+                    ) -> dict[str, tuple[int, ...]]:
     """Input name -> shape of a package's function (`function` None: its default one), read from its spec."""
-    import coremltools as ct
-
-    desc = ct.models.utils.load_spec(str(package)).description
-    if desc.functions:
-        name = function or desc.defaultFunctionName
-        found = [f for f in desc.functions if f.name == name]
-        if not found:
-            raise HeteroError(f"{package.name} has no function {name!r} (it has "
-                              f"{', '.join(sorted(f.name for f in desc.functions))})")
-        inputs = found[0].input
-    elif function not in (None, "main"):
+    facts = facts or package_facts(package)
+    if facts.default is not None:
+        name = function or facts.default
+        if name not in facts.inputs:
+            raise HeteroError(f"{package.name} has no function {name!r} (it has {', '.join(sorted(facts.inputs))})")
+        return facts.inputs[name]
+    if function not in (None, "main"):
         raise HeteroError(f"{package.name} has one function, main, not {function!r}")
-    else:
-        inputs = desc.input
-    return {i.name: tuple(int(d) for d in i.type.multiArrayType.shape) for i in inputs}
+    return facts.inputs[None]
 
 
 class CoreMLProgram:
-    """One package's function, compiled once (by content) and loaded with compute units CPU_AND_NE."""
+    """One package's function, compiled once (by content) and loaded with compute units `units` through the calls
+    of `ml` (this process's `core_ml()` by default). The OS's refusals are named before Core ML is asked: a
+    specification it cannot compile (`SpecRefused`) and a function name before macOS 15."""
 
-    def __init__(self, package: str | os.PathLike, function: str | None = None):
-        ok, why = available()
+    def __init__(self, package: str | os.PathLike, function: str | None = None, ml: CoreML | None = None,
+                 units: str = "CPU_AND_NE"):
+        self.ml = ml or core_ml()
+        ok, why = available(self.ml)
         if not ok:
             raise HeteroError(why)
-        import coremltools as ct
-
-        self.package = Path(package)
-        self.function = function or default_function(self.package)  # None: a single-function package
+        self.package, self.units = Path(package), units
+        facts = package_facts(self.package)
+        self.function = function or facts.default  # None: a single-function package
         name = self.package.name + (f":{self.function}" if self.function else "")
-        self.compiled = compile_package(self.package, ct.models.utils.compile_model)
-        model = ct.models.CompiledMLModel(str(self.compiled), compute_units=ct.ComputeUnit.CPU_AND_NE,
-                                          function_name=self.function)
-        self.run = ProgramRunner(name, model.predict, declared_inputs(self.package, self.function), PROCESS_HOLD)
+        self.macos = macos_version(self.ml)
+        check_spec(facts.spec, self.macos, name)
+        if self.function is not None and self.macos is not None and self.macos < FUNCTION_NAME_MACOS:
+            raise HeteroError(f"{name}: macOS {'.'.join(map(str, self.macos))} cannot load a function by name (the "
+                              f"binding sets functionName only from macOS 15): export one package per bucket here")
+        self.compiled = _compiled(self.package, self.ml.compile_model, name)
+        predict = self.ml.open_model(str(self.compiled), units, self.function)
+        self.run = ProgramRunner(name, predict, declared_inputs(self.package, self.function, facts), PROCESS_HOLD)
+        self._cpu: CoreMLProgram | None = None
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One prediction: inputs by name (any float dtype, copied to fp32), fp32 outputs by name."""
         return self.run(inputs)
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock its predictions are timed with (`CoreML.clock`)."""
+        return self.ml.clock
+
+    def cpu_only(self) -> "CoreMLProgram":
+        """The same function loaded with CPU_ONLY (the doctor's baseline: a Neural Engine that is not clearly
+        faster than this is a silent fallback)."""
+        if self._cpu is None:
+            self._cpu = CoreMLProgram(self.package, self.function, self.ml, "CPU_ONLY")
+        return self._cpu
+
     def placement_status(self) -> PlacementStatus:
         """This program's placement from MLComputePlan: placed, unavailable (before macOS 14.4) or failed."""
-        return placement_status(self.run.name, lambda: _load_compute_plan(self.compiled), self.function)
+        return placement_status(self.run.name, self._compute_plan, self.function)
 
-    def placement(self) -> Placement | None:
-        """Ops per preferred device from MLComputePlan; None where it is unavailable or failed."""
-        return self.placement_status().report
-
-
-def _load_compute_plan(compiled: Path):
-    """Core ML's compute plan of a compiled program (macOS 14.4+), None before it. Only a Mac runs this."""
-    import coremltools as ct
-
-    version = macos_version()
-    if version is None or version < COMPUTE_PLAN_MACOS:
-        return None
-    from coremltools.models.compute_plan import MLComputePlan
-
-    return MLComputePlan.load_from_path(str(compiled), compute_units=ct.ComputeUnit.CPU_AND_NE)
+    def _compute_plan(self):
+        if self.macos is None or self.macos < COMPUTE_PLAN_MACOS:
+            return None
+        return self.ml.compute_plan(str(self.compiled), "CPU_AND_NE")
 
 
-def plan_ops(plan, function: str | None) -> list[OpDevice]:
-    """Every op of a compute plan's function (`function` None: a single-function package's main), nested blocks
-    included, with Core ML's preferred and supported devices and estimated cost (`plan` answers as
-    coremltools' `MLComputePlan` does)."""
-    block = plan.model_structure.program.functions[function or "main"].block
-    out, stack = [], list(block.operations)
-    while stack:
-        op = stack.pop(0)
-        stack.extend(o for b in op.blocks for o in b.operations)
-        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-        cost = plan.get_estimated_cost_for_mlprogram_operation(op)
-        out.append(OpDevice(
-            op.operator_name,
-            device_kind(usage.preferred_compute_device) if usage else None,
-            tuple(k for k in (device_kind(d) for d in (usage.supported_compute_devices if usage else [])) if k),
-            cost.weight if cost else None,
-        ))
-    return out
+NEWER_SPEC = "intended for a newer version"  # Core ML's compiler refusing a specification version: "The model
+# supplied is of version 9, intended for a newer version of Xcode. This version of Xcode supports model version 8 or
+# earlier." (apple/coremltools#750, #1557)
+
+
+def _compiled(package: Path, compile_model: Callable, name: str) -> Path:
+    """`compile_package`, with Core ML's refusal of the package's specification named as the OS's (`SpecRefused`)."""
+    try:
+        return compile_package(package, compile_model)
+    except Exception as e:  # noqa: BLE001  (Core ML's compile errors come as RuntimeError with its words)
+        if NEWER_SPEC not in str(e):
+            raise
+        words = str(e).strip().splitlines()[0]
+        raise SpecRefused(f"{name}: Core ML says {words!r}: {OS_REFUSED} (its Core ML is older than this "
+                          f"package's specification)") from None
+
+
+def reset() -> None:
+    """Forget this process's loaded programs and its Core ML calls (a process whose $HETERO_COREML changed: tests)."""
+    _LOADED.clear()
+    core_ml.cache_clear()
 
 
 def load(package: str | os.PathLike, function: str | None = None, report: bool = True) -> CoreMLProgram:
     """A loaded program (a package's `function`, None: its default), cached per process; with `report`, a program
-    placing none or only part of its ops on the ANE is reported on stderr."""
+    whose placement fails its cost budget (or whose query failed) is reported on stderr."""
     key = (Path(package).resolve(), function)
     if key not in _LOADED:
         program = CoreMLProgram(key[0], function)
         if report:
-            found = program.placement_status()
-            check_placement(found.report, program.run.name, found.error)
+            check_placement(program.placement_status())
         _LOADED[key] = program
     return _LOADED[key]
+
+
+def multifunction_packages(macos: tuple[int, ...] | None) -> bool:
+    """Whether an export for a Mac running `macos` stores an attention piece's context buckets as the functions of
+    one package (weights once): from macOS 15, and off macOS (the reference executor runs them)."""
+    return target_for(macos).multifunction
+

@@ -7,8 +7,9 @@ as the ANE stores every intermediate tensor in fp16; the rounded values are held
 `hetero.coreml.graphs` builders emit are implemented; a program with any other op is refused at load time, naming it.
 
 Numpy semantics come from coremltools where they fit: the elementwise-binary and reduction ops' own
-`get_operator()`, and the `value_inference` of the data-movement ops, matmul, exp and sigmoid. conv (1x1 only),
-reshape, silu, gelu and layer_norm are written here (layer_norm's and gelu's results are tested equal to
+`get_operator()`, and the `value_inference` of the data-movement ops, matmul, exp, sigmoid and softmax. conv (1x1
+only), reshape, silu, gelu, layer_norm and einsum (a batched matmul: coremltools' is an unblocked `np.einsum`) are
+written here (layer_norm's and gelu's results are tested equal to
 coremltools' own; layer_norm is here because coremltools' numpy version took a seventh of an MLP program's time,
 gelu because coremltools' exact mode calls `math.erf` once per element). Data-movement ops move
 the values as they are: no rounding, the same values.
@@ -27,17 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from hetero.coreml.backends.coreml_macos import package_signature
+from hetero.coreml.backends.compiled import package_signature
 from hetero.coreml.fp16 import fp16_values
 from hetero.errors import HeteroError
 
 # Ops whose numpy semantics are the coremltools op's own `value_inference`.
-VALUE_INFERENCE_OPS = frozenset({"identity", "concat", "slice_by_index", "transpose", "matmul", "exp", "sigmoid"})
+VALUE_INFERENCE_OPS = frozenset({"identity", "concat", "slice_by_index", "transpose", "matmul", "exp", "sigmoid",
+                                 "softmax"})
 DATA_MOVEMENT_OPS = frozenset({"identity", "concat", "slice_by_index", "transpose", "reshape"})
 # Ops whose coremltools class exposes its numpy function through `get_operator()`.
 OPERATOR_OPS = frozenset({"add", "sub", "mul", "real_div", "maximum", "minimum"})
 REDUCE_OPS = frozenset({"reduce_max", "reduce_min", "reduce_mean", "reduce_sum"})
-OWN_OPS = frozenset({"const", "conv", "reshape", "silu", "gelu", "layer_norm"})
+OWN_OPS = frozenset({"const", "conv", "reshape", "silu", "gelu", "layer_norm", "einsum"})
 # expanded once at load (Core ML: at load or just in time)
 CONSTEXPR_OPS = frozenset({"constexpr_lut_to_dense", "constexpr_blockwise_shift_scale"})
 SUPPORTED_OPS = VALUE_INFERENCE_OPS | OPERATOR_OPS | REDUCE_OPS | OWN_OPS | CONSTEXPR_OPS
@@ -199,7 +201,21 @@ def _run(op: Any, args: dict[str, Any]) -> np.ndarray:
         return _layer_norm(args)
     if kind == "gelu":
         return gelu(_f32(args["x"]), str(args.get("mode", "EXACT")))
+    if kind == "einsum":
+        return einsum(str(args["equation"]), *(_f32(v) for v in args["values"]))
     raise HeteroError(f"op {kind!r} is not implemented by the reference executor")  # unreachable: checked at load
+
+
+def einsum(equation: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """MIL's `einsum` for the one rank-4 form it defines, "nchw,nwhu->nchu" under any letters (x [B, C, H, W1] times
+    y [B, W1, H, W2] over W1, B and H broadcast), as a batched matmul in fp32 (coremltools' own `value_inference` is
+    `np.einsum`, the same sums without BLAS)."""
+    ins, out = equation.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    if not (len(a) == len(b) == len(out) == 4 and b == a[0] + a[3] + a[2] + b[3] and out == a[:3] + b[3]):
+        raise HeteroError(f"einsum {equation!r}: only MIL's 'nchw,nwhu->nchu' form is implemented")
+    prod = np.matmul(x.transpose(0, 2, 1, 3), y.transpose(0, 2, 1, 3))  # [B, H, C, W2]
+    return np.ascontiguousarray(prod.transpose(0, 2, 1, 3))  # [B, C, H, W2]
 
 
 def expand(op: Any) -> np.ndarray:

@@ -4,7 +4,8 @@ Everything here is built directly with coremltools' MIL builder (no tracing), in
 `(1, C, 1, S)` layout with 1x1 convolutions for projections (shared/DESIGN.md section 5):
 
 - `ops`        small MIL helpers: program assembly, conv1x1, exact RMSNorm via layer_norm, finite masks
-- `attention`  the attention-layer prefill graph for a slice of whole KV-head groups
+- `attention`  the attention-layer prefill graph for a slice of whole KV-head groups (`attention_channels`: the
+               same program in Apple's keys-on-channels layout)
 - `mlp`        the MLP slice graph (a share of intermediate channels, partial sum)
 - `gdn`        the GDN input-projection graph (`gdn_in_proj`: z rows only)
 - `vision`     the vision tower's programs: patch embedding, one ViT block, the patch merger (per bucket of patches)
@@ -16,10 +17,6 @@ Everything here is built directly with coremltools' MIL builder (no tracing), in
 Builders take numpy weights already sliced to the piece; they know nothing of MLX or of checkpoints.
 """
 
-import logging as _logging
-import platform as _platform
-
-if _platform.system() != "Darwin":
-    # Off macOS coremltools logs one warning per missing runtime proxy (and an untested-torch note) at import;
-    # building and saving packages needs none of them. Set before any submodule imports coremltools.
-    _logging.getLogger("coremltools").setLevel(_logging.ERROR)
+# the attention program's layouts (`attention.AttentionShape.layout`): the first is what exports take until a Mac's
+# doctor measured the other faster; here, where importing them needs no coremltools
+LAYOUTS = ("heads", "keys_on_channels")

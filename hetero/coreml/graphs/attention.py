@@ -13,18 +13,24 @@ Outputs:
 
 The cache's T slots are split into blocks of at most 16384 (the ANE's axis limit); the softmax spans all blocks
 and the chunk with one shared max. Attention runs per head, so no axis ever holds S * head_dim.
+
+Two layouts of the same program (`AttentionShape.layout`, `LAYOUTS`): `heads` (here: each head's keys on axis 2
+with one channel, q and k normalized over axis 2, the softmax spelled out over axis 2) and `keys_on_channels`
+(Apple's reference layout, `hetero.coreml.graphs.attention_channels`: scores (1, S_k, 1, S_q), the native softmax
+over axis 1). Same inputs, same outputs; `hetero doctor` times both on a Mac.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Program, Var
 
+from hetero.coreml.graphs import LAYOUTS
 from hetero.coreml.graphs.ops import MASK_NEG, MAX_AXIS, blocks, build_program, conv1x1, fp16, norm_shift, rms_norm, scaled
+from hetero.coreml.graphs.ops import head_of as _head, softmax_parts
 from hetero.coreml.graphs.palette import Palettized
 
 
@@ -41,6 +47,7 @@ class AttentionShape:
     cache_slots: int  # T: positions before the chunk this program can attend to (0: first chunk only)
     eps: float
     key_block: int = MAX_AXIS  # most cache slots per input block
+    layout: str = "heads"  # `LAYOUTS`: how the program lays out its heads' keys and softmax inside
 
     @property
     def cache_blocks(self) -> list[int]:
@@ -78,7 +85,14 @@ class AttentionWeights:
 
 
 def build_attention(shape: AttentionShape, w: AttentionWeights) -> Program:
-    """The attention prefill program for one slice (see the module docstring for its interface)."""
+    """The attention prefill program for one slice (see the module docstring for its interface), in
+    `shape.layout`."""
+    if shape.layout not in LAYOUTS:
+        raise ValueError(f"attention layout {shape.layout!r}: one of {', '.join(LAYOUTS)}")
+    if shape.layout == "keys_on_channels":
+        from hetero.coreml.graphs.attention_channels import channels_body
+
+        return build_program(shape.inputs(), lambda inp: channels_body(shape, w, inp), w)
     H, Hkv, D, S = shape.heads, shape.kv_heads, shape.head_dim, shape.chunk
     half = shape.rotary_dims // 2
     group = H // Hkv  # query heads per KV head
@@ -120,12 +134,6 @@ def build_attention(shape: AttentionShape, w: AttentionWeights) -> Program:
     return build_program(shape.inputs(), body, w)
 
 
-def _head(t: Var, i: int, name: str) -> Var:
-    """Head i of a (1, H, a, b) tensor as (1, 1, a, b)."""
-    _, _, a, b = t.shape
-    return mb.slice_by_index(x=t, begin=[0, i, 0, 0], end=[1, i + 1, a, b], name=name)
-
-
 def _rope(t: Var, cos: Var, sin: Var, half: int, name: str) -> Var:
     """NeoX (rotate-half) RoPE on the first 2*half dims of axis 2 of (1, H, D, S); the rest pass through."""
     _, H, D, S = t.shape
@@ -148,18 +156,7 @@ def _attend(q: Var, keys: list[Var], vals: list[Var], masks: list[Var], name: st
     for i, (k, m) in enumerate(zip(keys, masks)):
         s = mb.matmul(x=k, y=q, name=f"{name}_s{i}")  # (1, 1, Ti, S)
         scores.append(mb.add(x=s, y=m, name=f"{name}_sm{i}"))
-    peak = None
-    for i, s in enumerate(scores):
-        m = mb.reduce_max(x=s, axes=[2], keep_dims=True, name=f"{name}_max{i}")  # (1, 1, 1, S)
-        peak = m if peak is None else mb.maximum(x=peak, y=m, name=f"{name}_peak{i}")
-    if len(scores) > 1:
-        # exp(s - max - ln n) keeps each segment's sum <= its length, so the total stays below fp16's 65504.
-        peak = mb.add(x=peak, y=np.float16(math.log(len(scores))), name=f"{name}_shift")
-    exps = [mb.exp(x=mb.sub(x=s, y=peak, name=f"{name}_d{i}"), name=f"{name}_e{i}") for i, s in enumerate(scores)]
-    den = None
-    for i, e in enumerate(exps):
-        part = mb.reduce_sum(x=e, axes=[2], keep_dims=True, name=f"{name}_sum{i}")  # (1, 1, 1, S)
-        den = part if den is None else mb.add(x=den, y=part, name=f"{name}_den{i}")
+    exps, den = softmax_parts(scores, 2, name)
     out = None
     for i, (e, v) in enumerate(zip(exps, vals)):
         p = mb.real_div(x=e, y=den, name=f"{name}_p{i}")  # normalise before the sum: no fp16 overflow

@@ -15,9 +15,18 @@ Errors (the ANE rejects the program or Core ML silently moves it to the CPU/GPU)
                 equal constants: each is counted once; a lookup table's indices and shift-scale data count at
                 their bit width)
     seq         a (1, C, 1, S) input or output whose S is not a multiple of 64
+    ane-op      an op outside the ones documented to run on the Neural Engine (`ANE_OPS`), or one of them in a form
+                it does not run (einsum other than its BC1S attention form, a softmax or norm over the batch axis):
+                Core ML would place it on the CPU or GPU (gather, scatter, control flow, pow, ...)
 Warnings (runs, but slower or partly off the ANE):
     align       an input or output whose last axis is not a multiple of 64 bytes
-    off-ane     ops that Core ML places off the ANE (gather, scatter, control flow, ...)
+
+The documented ops (`ANE_OPS`) are those of Apple's own Neural Engine reference (apple/ml-ane-transformers:
+1x1 `conv` projections, `layer_norm`, `einsum` "nchw,nwhu->nchu" scores, `softmax`, elementwise math, `split` /
+`concat` / `reshape` / `transpose`; "Deploying Transformers on the Apple Neural Engine", machinelearning.apple.com,
+2022) and the elementwise and reduction ops Core ML's MIL defines for fp16 tensors of rank <= 4 that the ANE
+compiler accepts (matmul, the activations, reduce_max / min / sum / mean), every tensor at most rank 4. Every builder's
+program stays inside them (tests/test_coreml_lint.py checks each program kind).
 """
 
 from __future__ import annotations
@@ -38,8 +47,15 @@ MAX_RANK = 4
 NORM_REDUCES = {"reduce_mean", "reduce_sum", "reduce_sum_square"}
 ROOTS = {"rsqrt", "sqrt"}
 PASS_THROUGH = {"add", "mul", "real_div", "sub", "maximum"}  # what may sit between the reduce and the root (eps, 1/n)
-OFF_ANE_OPS = {"gather", "gather_nd", "gather_along_axis", "scatter", "scatter_nd", "scatter_along_axis", "cond",
-               "while_loop", "topk", "cumsum", "non_zero", "argsort"}
+ANE_OPS = frozenset({
+    "conv", "matmul", "einsum",  # projections, attention products
+    "add", "sub", "mul", "real_div", "maximum", "minimum",  # elementwise
+    "exp", "sigmoid", "silu", "gelu", "relu", "tanh", "clip", "softmax", "layer_norm",  # activations, norms
+    "abs", "square", "sqrt", "rsqrt",  # elementwise unary (a reduce -> rsqrt norm has a rule of its own)
+    "reduce_max", "reduce_min", "reduce_sum", "reduce_mean",  # reductions (keep_dims, one non-batch axis)
+    "concat", "split", "slice_by_index", "reshape", "transpose", "identity",  # data movement
+})
+EINSUM_FORM = "nchw,nwhu->nchu"  # the one rank-4 einsum MIL (and the ANE reference) defines
 
 
 @dataclass(frozen=True)
@@ -120,8 +136,9 @@ def lint_program(prog: Program, name: str = "program", weight_budget: int = WEIG
                 add("error", "pow", "pow is not an ANE op (square with mul; RMSNorm with layer_norm(concat[x, -x]))", where)
             if op.op_type in ROOTS and _fed_by_reduce(op):
                 add("error", "rsqrt-norm", "norm built as reduce -> rsqrt overflows fp16; use layer_norm(concat[x, -x])", where)
-            if op.op_type in OFF_ANE_OPS:
-                add("warning", "off-ane", f"{op.op_type} runs off the ANE", where)
+            why = _not_on_ane(op)
+            if why:
+                add("error", "ane-op", why, where)
             for var in op.outputs:
                 _check_tensor(var, where, add)
                 if types.is_tensor(var.sym_type) and var.dtype != types.fp16:
@@ -144,6 +161,36 @@ def lint_package(path: str | os.PathLike, weight_budget: int = WEIGHT_BUDGET) ->
         if inp.type.WhichOneof("Type") == "multiArrayType" and inp.type.multiArrayType.WhichOneof("ShapeFlexibility"):
             report.findings.append(Finding("error", "dynamic", f"input {inp.name} has a flexible shape", f"input {inp.name}"))
     return report
+
+
+def _not_on_ane(op) -> str | None:
+    """Why an op is outside what the Neural Engine is documented to run (None: it is inside)."""
+    kind = op.op_type
+    if kind == "const" or kind.startswith("constexpr_"):
+        return None  # weights: expanded at load
+    if kind == "pow":
+        return None  # its own rule says why
+    if kind not in ANE_OPS:
+        return f"{kind} is not among the ops documented to run on the Neural Engine: Core ML places it off the ANE"
+    if kind == "einsum" and _einsum_form(str(op.equation.val)) != EINSUM_FORM:
+        return f"einsum {op.equation.val!r}: the ANE's einsum is {EINSUM_FORM!r} (BC1S scores) only"
+    axes = op.axes.val if kind.startswith("reduce_") or kind == "layer_norm" else (
+        [op.axis.val] if kind == "softmax" and op.axis is not None else None)
+    if axes is not None and any(int(a) % op.x.rank == 0 for a in np.ravel(axes)):
+        return f"{kind} over the batch axis: the ANE reduces within a sample, over C, H or W"
+    return None
+
+
+def _einsum_form(equation: str) -> str:
+    """An einsum equation with its letters renamed in order of appearance ("bkhc,bchq->bkhq" -> "nchw,...")."""
+    names, out = {}, []
+    for ch in equation.replace(" ", ""):
+        if ch.isalpha():
+            names.setdefault(ch, "nchwu"[len(names)] if len(names) < 5 else "?")
+            out.append(names[ch])
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def _compressed_part(op) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import coremltools as ct
@@ -166,3 +167,27 @@ def blocks(total: int, block: int, multiple: int = 1) -> list[int]:
         out.append(min(size, total))
         total -= out[-1]
     return out
+
+
+def head_of(t: Var, i: int, name: str) -> Var:
+    """Head i of a (1, H, a, b) tensor as (1, 1, a, b)."""
+    _, _, a, b = t.shape
+    return mb.slice_by_index(x=t, begin=[0, i, 0, 0], end=[1, i + 1, a, b], name=name)
+
+
+def softmax_parts(scores: list[Var], axis: int, name: str) -> tuple[list[Var], Var]:
+    """A softmax over `axis` spelled out across segments of keys (cache blocks, then the chunk): each segment's
+    exp(s - shared max - ln n) and their sum; a segment's probabilities are its exps over the sum."""
+    peak = None
+    for i, s in enumerate(scores):
+        m = mb.reduce_max(x=s, axes=[axis], keep_dims=True, name=f"{name}_max{i}")  # the keys' axis kept, size 1
+        peak = m if peak is None else mb.maximum(x=peak, y=m, name=f"{name}_peak{i}")
+    if len(scores) > 1:
+        # exp(s - max - ln n) keeps each segment's sum <= its length, so the total stays below fp16's 65504.
+        peak = mb.add(x=peak, y=np.float16(math.log(len(scores))), name=f"{name}_shift")
+    exps = [mb.exp(x=mb.sub(x=s, y=peak, name=f"{name}_d{i}"), name=f"{name}_e{i}") for i, s in enumerate(scores)]
+    den = None
+    for i, e in enumerate(exps):
+        part = mb.reduce_sum(x=e, axes=[axis], keep_dims=True, name=f"{name}_sum{i}")
+        den = part if den is None else mb.add(x=den, y=part, name=f"{name}_den{i}")
+    return exps, den
