@@ -576,3 +576,82 @@ def test_server_answers_after_the_fuzzing(server):
     assert_still_answers(server)
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fuzz: each decoder the server runs on client bytes gets truncated, oversized and random input, and whatever it
+# raises is a 4xx naming the field (`hetero.server.refusals.refusing`), never a 500
+
+GOOD = {"/v1/chat/completions": BASE | {"prompt": None}, "/v1/completions": {"model": "model", "prompt": "def add",
+                                                                            "max_tokens": 2},
+        "/v1/messages": {"model": "model", "messages": BASE["messages"], "max_tokens": 2}}
+SCHEMA_WORDS = st.sampled_from(["type", "properties", "items", "required", "$ref", "$defs", "enum", "const", "anyOf",
+                                "oneOf", "allOf", "pattern", "minimum", "maxItems", "additionalProperties", "format"])
+SCHEMAS = st.recursive(st.one_of(JSON_SCALARS, st.sampled_from(["object", "string", "integer", "array", "#/x"])),
+                       lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                               st.dictionaries(st.one_of(SCHEMA_WORDS, st.text(max_size=4)), inner,
+                                                               max_size=4)), max_leaves=10)
+TEMPLATE_TEXT = st.lists(st.sampled_from(list("{}%#-+ab \n") + ["{{", "}}", "{%", "%}", "<|im_end|>", "<think>",
+                                                                   "\x00", "\ud800", "{{ raise_exception('x') }}"]),
+                         max_size=20).map("".join)
+
+
+def _refused_or_served(r: httpx.Response, param: str | None) -> None:
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert "\n" not in error["message"] and "Traceback" not in error["message"], error
+        if param is not None and error.get("param") is not None:
+            assert error["param"].startswith(param), error
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(GOOD)), cut=st.floats(0, 1, exclude_max=True), stream=st.booleans())
+def test_a_body_cut_anywhere_is_a_400(server, path, cut, stream):
+    """JSON: a good body's bytes cut short at any point."""
+    raw = json.dumps({k: v for k, v in GOOD[path].items() if v is not None} | {"stream": stream}).encode()
+    r = post(server, path, raw[: int(cut * len(raw))])
+    assert r.status_code == 400 and ("not valid JSON" in r.text or "must be a JSON object" in r.text), r.text
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(GOOD)), raw=st.binary(max_size=600))
+def test_random_bytes_for_a_body_are_a_400(server, path, raw):
+    r = post(server, path, raw)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+@FUZZ
+@given(schema=SCHEMAS, where=st.sampled_from(["response_format", "output_config", "tool"]), depth=st.integers(0, 40))
+def test_fuzzed_json_schemas_compile_or_are_refused(server, schema, where, depth):
+    """Schemas: random ones (their keywords with random values), now and then nested past any sense (oversized)."""
+    for _ in range(depth if depth > 30 else 0):
+        schema = {"type": "object", "properties": {"a": schema}}
+    if where == "response_format":
+        body = GOOD["/v1/chat/completions"] | {"prompt": None, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        r = post(server, "/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+        _refused_or_served(r, "response_format")
+    elif where == "output_config":
+        r = post(server, "/v1/messages", GOOD["/v1/messages"] | {"output_config": {
+            "format": {"type": "json_schema", "schema": schema}}})
+        assert r.status_code < 500, r.text
+    else:
+        r = post(server, "/v1/messages", GOOD["/v1/messages"] | {
+            "tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "tool", "name": "f"}})
+        assert r.status_code < 500, r.text
+
+
+@FUZZ
+@given(text=TEMPLATE_TEXT, kwargs=st.dictionaries(st.sampled_from(["enable_thinking", "preserve_thinking", "x", "tools",
+                                                                   "reasoning_effort"]), JSON_VALUES, max_size=3),
+       long=st.booleans())
+def test_fuzzed_template_inputs_render_or_are_refused(server, text, kwargs, long):
+    """The chat template: messages of random text (Jinja's own syntax, special tokens, NUL, lone surrogates), random
+    template variables, and prompts past the context window (oversized: a 400 naming the field)."""
+    content = text * 400 if long and text else text
+    body = {"model": "model", "max_tokens": 2, "chat_template_kwargs": kwargs,
+            "messages": [{"role": "system", "content": text}, {"role": "user", "content": content}]}
+    raw = json.dumps(body).encode("utf-8", "surrogatepass")
+    r = post(server, "/v1/chat/completions", raw)
+    _refused_or_served(r, None)

@@ -430,8 +430,7 @@ def run_jobs(loop: DecodeLoop, model: Model, jobs: list[tuple[list[int], int, in
         try:
             out, times[i] = [], DecodeTimes()
             stream = loop.generate_tokens(model, prompt, DecodeOptions(max_tokens, copy=False), set(), depth,
-                                          RowParts(times=times[i]), on_handover=lambda: loop.turns.leave(ticket),
-                                          on_handback=lambda: loop.turns.enter(ticket))
+                                          RowParts(times=times[i]), job=ticket)
             for t in stream:
                 out.append(t)
                 if len(out) == cancel_after.get(i, -1):

@@ -251,8 +251,7 @@ def test_batched_rows_with_different_penalties_equal_solo(models):
         loop.turns.enter(ticket)
         try:
             outputs[i] = list(loop.generate_tokens(
-                model, prompts[i], options(i), set(), depths[i], on_handover=lambda: loop.turns.leave(ticket),
-                on_handback=lambda: loop.turns.enter(ticket)))
+                model, prompts[i], options(i), set(), depths[i], job=ticket))
         finally:
             loop.turns.leave(ticket)
 

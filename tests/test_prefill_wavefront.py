@@ -240,3 +240,85 @@ def test_a_lazy_restored_prefix_continues_on_both_lanes(qwen4, monkeypatch):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
     for x, y in zip(ca, cb, strict=True):
         np.testing.assert_allclose(y, x, rtol=0, atol=1e-5 * max(np.abs(x).max(), 1e-6))
+
+
+class Pauses:
+    """A `Pause` that is always wanted and records, at each call, which layer jobs were in flight then."""
+
+    def __init__(self, model, monkeypatch) -> None:
+        self.active, self.calls, self.lock = 0, [], threading.Lock()
+        inner = type(model.model).run_layer
+
+        def run_layer(backbone, i, h, ctx, cache):
+            with self.lock:
+                self.active += 1
+            try:
+                return inner(backbone, i, h, ctx, cache)
+            finally:
+                with self.lock:
+                    self.active -= 1
+
+        monkeypatch.setattr(type(model.model), "run_layer", run_layer)
+
+    def wanted(self) -> bool:
+        return True
+
+    def __call__(self, prefilling: bool = False) -> None:
+        assert prefilling
+        self.calls.append((self.active, threading.current_thread().name))
+
+
+@pytest.mark.parametrize("n", [2 * CHUNK + 20, 5 * CHUNK + 7])
+def test_a_pause_runs_only_where_neither_lane_holds_work(qwen4, monkeypatch, n):
+    """With another job always waiting, the wavefront gives the model away between segments only: each pause runs
+    on the calling thread with no layer job in flight on either lane (and outside any lane job, so it may pass the
+    turn), the reports still come in chunk order before it, and the result is the sequential prefill's."""
+    from hetero.decode.prefill import Progress
+
+    tokens = _tokens(n, qc.VOCAB, qc.EOS, 8)
+    edges = chunk_edges(0, n, CHUNK)
+    seq = _both(qwen4, tokens, monkeypatch, mtp=True)[0]
+    monkeypatch.setenv(wavefront.ENV, "1")
+    pauses = Pauses(qwen4, monkeypatch)
+    done: list[int] = []
+    cache = qwen4.make_cache()
+    logits, hidden = prefill(qwen4, tokens, cache, CHUNK, mtp=True,
+                             progress=Progress(lambda k, total: done.append(k), pauses))
+    assert done == edges[1:]
+    assert pauses.calls and all(c == (0, threading.current_thread().name) for c in pauses.calls)
+    _same(seq, (np.array(logits), np.array(hidden), [np.array(a) for a in cache_arrays(cache)]))
+
+
+def test_two_prefills_taking_turns_both_end(qwen3_5, monkeypatch):
+    """The server's OpenCode stall, on the library's own parts: two prompts of several chunks each prefill on two
+    threads by wavefront, taking turns on the model (`Turns`) between chunks. Before, the first job passed its turn
+    from inside its wavefront while its chunk held the shared second lane; the second job, holding the turn, waited
+    for that lane: neither could go on. Now both end, each with its solo result."""
+    from hetero.decode.prefill import Progress
+    from hetero.decode.turns import Turn, Turns
+
+    monkeypatch.setenv(wavefront.ENV, "1")
+    prompts = [_tokens(n, 256, 1, seed) for n, seed in ((3 * CHUNK + 5, 9), (6 * CHUNK, 10))]
+    solo = [np.array(prefill(qwen3_5, p, qwen3_5.make_cache(), CHUNK)[0]) for p in prompts]
+    turns, out, errors = Turns(), {}, []
+
+    def job(i: int) -> None:
+        try:
+            turns.enter(i)
+            try:
+                progress = Progress(lambda k, total: None, Turn(turns, i))
+                out[i] = np.array(prefill(qwen3_5, prompts[i], qwen3_5.make_cache(), CHUNK, progress=progress)[0])
+            finally:
+                turns.leave(i)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=job, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "the two prefills wait on each other"
+    assert not errors and turns.handovers > 0  # they did take turns
+    for i in (0, 1):
+        np.testing.assert_allclose(out[i], solo[i], rtol=0, atol=1e-5 * np.abs(solo[i]).max())

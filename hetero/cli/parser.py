@@ -204,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mb", type=POSITIVE, default=32.0,
                        help="largest request body in MB; a larger one gets a 413")
     serve.add_argument("--decode-share", type=Bound(0, 1, hi_open=True), default=0.8,
-                       help="share of the model's time that decoding requests keep while another prompt prefills "
-                            "(0: chunk for chunk, round-robin)")
+                       help="share of the model's time that decoding requests, and requests sent earlier, keep "
+                            "while a later prompt prefills (0: chunk for chunk, round-robin)")
     serve.add_argument("--max-batch", type=POSITIVE_INT, default=None,
                        help="decoding requests that share each decode pass (1: each decodes in its own turns; "
                             "default: 4, or 1 under mlx.launch)")

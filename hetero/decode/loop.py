@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -25,7 +25,7 @@ from hetero.decode.parts import RowParts
 from hetero.decode.records import DecodeTimes
 from hetero.decode.rows import Row
 from hetero.decode.stepper import MAX_BATCH, Batch
-from hetero.decode.turns import Turns
+from hetero.decode.turns import Turns, lane_job
 from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.cache import cache_arrays
@@ -35,8 +35,8 @@ from hetero.models.interface import CausalLM
 class _Stream:
     """One handed-over request and the queue its job reads: token lists, then None (done) or an exception."""
 
-    def __init__(self, request: Row) -> None:
-        self.request = request
+    def __init__(self, request: Row, job: Hashable | None) -> None:
+        self.request, self.job = request, job
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = False
         self.left = threading.Event()  # set by the loop once the request is out of the batch (its state committed)
@@ -72,14 +72,15 @@ class DecodeLoop:
 
     def generate_tokens(self, model: CausalLM, prompt: list[int], options: DecodeOptions, eos_ids: set[int],
                         depth: int = DEFAULT_DRAFT_DEPTH, parts: RowParts = RowParts(),
-                        on_handover: Callable[[], None] | None = None,
-                        on_handback: Callable[[], None] | None = None) -> Iterator[int]:
+                        job: Hashable | None = None) -> Iterator[int]:
         """`solo.decode_tokens` (the same options and parts), the same tokens, with the decoding done in the shared
-        batch. The prefill runs on the caller's thread, then the first token is yielded; `on_handover()` runs once
-        the rest is the loop's (the caller gives up its turn on the model there) and `on_handback()` once the stream
-        ends or is closed (the caller takes a turn again: the loop has finished its round, and the request's state
-        is its committed one). `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the
-        caller's, as tokens are yielded; a `constraint` is the loop thread's after the handover."""
+        batch. The prefill runs on the caller's thread, holding its place `job` in the loop's turn ring; once the
+        rest is the loop's, the loop takes that place over (`Turns.hand_over`: it decodes next), then the first token
+        is yielded. When the request leaves the batch the loop gives the place back right behind itself
+        (`Turns.reserve`), and once the stream ends or is closed the caller holds the turn again (the loop has
+        finished its round, and the request's state is its committed one). `job` None: the caller holds no place.
+        `on_commit`, `stats` and `logprobs` are updated on the loop's thread; `times` on the caller's, as tokens are
+        yielded; a `constraint` is the loop thread's after the handover."""
         times = parts.times or DecodeTimes()
         times.start, times.prompt_tokens = times.start or time.perf_counter(), len(prompt)
         if options.max_tokens <= 0:
@@ -97,25 +98,27 @@ class DecodeLoop:
                 times.end = time.perf_counter()
                 yield t
 
-        yield from emit(list(request.tokens))
+        first = list(request.tokens)
         if request.done:
+            yield from emit(first)
             times.finish_reason = request.finish_reason
             return
         # the loop's thread has its own stream: nothing of the request may stay lazy (the sampler's key included)
         mx.eval(decoder.pending_hidden, *cache_arrays(decoder.cache), request.sampler.key)
-        stream = _Stream(request)
-        with self._cv:
+        stream = _Stream(request, job)
+        with self._cv:  # (the loop reads its arrivals and its place in the ring under this lock)
             if self._closed:
                 raise HeteroError("the batched decode loop is closed")
+            if job is not None:  # before the loop takes the stream: the job's place in the ring becomes the loop's
+                self.turns.hand_over(job, self._ticket)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hetero-batch", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)  # a daemon thread, ended before the interpreter finalizes
             self._arrivals.append(stream)
             self._cv.notify_all()
-        if on_handover is not None:
-            on_handover()
         try:
+            yield from emit(first)  # (the loop decodes on meanwhile)
             while True:
                 item = stream.queue.get()
                 if item is None:
@@ -133,8 +136,8 @@ class DecodeLoop:
             while not stream.left.wait(0.1):
                 if self._thread is None or not self._thread.is_alive():
                     break
-            if on_handback is not None:
-                on_handback()
+            if job is not None:
+                self.turns.enter(job)  # the place the loop gave back (or a new one, if it stopped)
 
     def close(self) -> None:
         """Stop the loop's thread (requests still in the batch get no more tokens)."""
@@ -145,27 +148,27 @@ class DecodeLoop:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        holding = False  # whether the loop is in the turn ring
+        holding = False  # whether the loop holds a place in the turn ring
         try:
             while True:
-                if holding and not self._streams:  # nothing to decode: the other jobs have the model
-                    self.turns.leave(self._ticket)
-                    holding = False
                 with self._cv:
+                    if not self._streams and not self._arrivals:  # nothing to decode: the other jobs have the model
+                        self.turns.leave(self._ticket)  # (also a place handed over for a stream cancelled since)
+                        holding = False
                     self._cv.wait_for(lambda: self._closed or self._arrivals or self._streams)
                     if self._closed:
                         return
                     while self._arrivals and not self.batch.full:
                         s = self._arrivals.popleft()
                         if s.cancelled:
-                            s.left.set()
+                            self._release(s)
                         else:
                             self._streams[self.batch.admit(s.request)] = s
                 for r, s in list(self._streams.items()):
                     if s.cancelled:
                         self.batch.leave(r)
                         del self._streams[r]
-                        s.left.set()
+                        self._release(s)
                 if not self._streams:
                     continue
                 if not holding:
@@ -174,8 +177,7 @@ class DecodeLoop:
                 self._round()
                 self.turns.pass_turn(self._ticket)
         finally:  # closed, or a failure outside a round: no job waits for tokens that will not come
-            if holding:
-                self.turns.leave(self._ticket)
+            self.turns.leave(self._ticket)
             with self._cv:
                 self._closed = True
                 orphans = list(self._streams.values()) + list(self._arrivals)
@@ -183,17 +185,25 @@ class DecodeLoop:
                 self._arrivals.clear()
             for s in orphans:
                 s.queue.put(HeteroError("the batched decode loop stopped"))
-                s.left.set()
+                self._release(s)
+
+    def _release(self, s: _Stream) -> None:
+        """`s`'s request is out of the batch: its job's place in the ring comes back, right behind the loop (its
+        last short unit, the turn's checkpoint, runs next), and its job may read the request's state."""
+        if s.job is not None:
+            self.turns.reserve(s.job)
+        s.left.set()
 
     def _round(self) -> None:
         """One batch round; its tokens to each request's stream. A failure ends every request of the batch."""
         try:
-            emitted = self.batch.step()
+            with lane_job("decode loop"):  # the loop owns the decode lane: a round never waits on the ring
+                emitted = self.batch.step()
         except Exception as e:  # the rows' states are unknown now: each job gets the error
             for r, s in self._streams.items():
                 self.batch.leave(r)
                 s.queue.put(e)
-                s.left.set()
+                self._release(s)
             self._streams.clear()
             return
         self.rounds += 1
@@ -204,22 +214,20 @@ class DecodeLoop:
             if tokens:
                 s.queue.put(tokens)
             if r.done:  # out of the batch already (`Batch.step`), its state committed
-                s.left.set()
+                self._release(s)
                 s.queue.put(None)
                 del self._streams[r]
 
 
 @dataclass(frozen=True)
 class Seat:
-    """A job's place in a shared `DecodeLoop`, named by its `GenerationRequest.batch`: the job leaves its turn on
-    the model when the loop takes its request over (`on_handover`) and takes one again when it ends (`on_handback`)."""
+    """A job's place in a shared `DecodeLoop`, named by its `GenerationRequest.batch`: `job` is the job's place in
+    the loop's turn ring, which the loop takes over with the request and gives back when it ends (None: none)."""
 
     loop: DecodeLoop
-    on_handover: Callable[[], None] | None = None
-    on_handback: Callable[[], None] | None = None
+    job: Hashable | None = None
 
     def decode_tokens(self, model: CausalLM, prompt: list[int], options: DecodeOptions, eos_ids: set[int],
                       depth: int = 0, parts: RowParts = RowParts()) -> Iterator[int]:
         """`solo.decode_tokens`'s arguments and tokens, decoded in the loop's batch."""
-        return self.loop.generate_tokens(model, prompt, options, eos_ids, depth, parts, self.on_handover,
-                                         self.on_handback)
+        return self.loop.generate_tokens(model, prompt, options, eos_ids, depth, parts, self.job)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from hetero.decode import wavefront
+from hetero.decode.turns import Pause
 from hetero.models.cache import KVCache, ModelCache, cache_arrays, expect_positions
 from hetero.models.interface import CausalLM
 from hetero.vision.prompt import ImagePrompt
@@ -14,6 +16,21 @@ from hetero.vision.prompt import ImagePrompt
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 ChunkFn = Callable[[int, ModelCache, mx.array], None]  # (tokens in the cache n, the cache as it stands at n,
 #                                                        post-norm hidden [1, H] of the last token)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A prefill's reports and pauses, where a plain `ProgressFn` gives only reports. `report(done, total)` runs
+    after every chunk on the calling thread and must not wait on other work (it may raise to stop the prefill);
+    `pause` (the job's `hetero.decode.turns.Turn` on the model) is called only between chunks where none of this
+    prefill's work is in flight (the wavefront's lanes idle), and may give the model to other jobs there."""
+
+    report: ProgressFn | None = None
+    pause: Pause | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.report is not None:
+            self.report(done, total)
 
 
 def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> list[int]:
@@ -67,7 +84,8 @@ def prefill(
 
     On the CPU with two cores or more, two chunks or more and no `images`, the chunks run as a two-lane wavefront
     (`hetero.decode.wavefront`): the same ops per chunk, the same result up to the BLAS's summation order; `progress`
-    and `on_chunk` run on the calling thread, in chunk order, as they do otherwise.
+    and `on_chunk` run on the calling thread, in chunk order, as they do otherwise. A `Progress` with a `pause` gives
+    the model away between chunks (the server's turns), in the wavefront only where neither lane holds its work.
 
     `images` (the prompt's `ImagePrompt`, its images encoded from the cache's offset on) puts the images'
     embeddings in place of their tokens and runs every chunk at its 3-D rotary positions; the attention caches
@@ -75,12 +93,13 @@ def prefill(
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
+    pause = progress.pause if isinstance(progress, Progress) else None
     logits, hidden = [], []
     offset = cache[0].offset if cache else 0
     expect_positions(cache, offset + len(tokens))
     edges = chunk_edges(offset, len(tokens), chunk, marks)
     if images is None and wavefront.applies(model, edges):
-        return _wavefront_prefill(model, tokens, cache, edges, progress, all_logits, mtp, carry, on_chunk)
+        return _wavefront_prefill(model, tokens, cache, edges, progress, all_logits, mtp, carry, on_chunk, pause)
     if images is not None:
         for c in cache:
             if isinstance(c, KVCache):
@@ -112,12 +131,14 @@ def prefill(
             on_chunk(offset + stop, cache, h[0, -1:])
         if progress is not None:
             progress(stop, len(tokens))
+        if pause is not None:
+            pause(prefilling=True)  # between chunks: nothing of this prefill is in flight
     return mx.concatenate(logits), mx.concatenate(hidden)
 
 
 def _wavefront_prefill(model: CausalLM, tokens: list[int], cache: ModelCache, edges: list[int],
                        progress: ProgressFn | None, all_logits: bool, mtp: bool, carry: mx.array | None,
-                       on_chunk: ChunkFn | None) -> tuple[mx.array, mx.array]:
+                       on_chunk: ChunkFn | None, pause: Pause | None) -> tuple[mx.array, mx.array]:
     """`prefill`'s chunks between `edges` as the two-lane wavefront (`hetero.decode.wavefront`), its hooks on the
     calling thread in chunk order."""
     logits, hidden = [], []
@@ -147,5 +168,5 @@ def _wavefront_prefill(model: CausalLM, tokens: list[int], cache: ModelCache, ed
 
     # a restored prefix may still be lazy, on this thread's stream, which the other lane cannot evaluate
     mx.eval(*cache_arrays(cache), *([] if carry is None else [carry]))
-    wavefront.run(model, tokens, cache, edges, after, views=on_chunk is not None)
+    wavefront.run(model, tokens, cache, edges, after, views=on_chunk is not None, pause=pause)
     return mx.concatenate(logits), mx.concatenate(hidden)

@@ -18,9 +18,14 @@ identical.
 The second lane is one thread for the process's life (MLX never ends a stream's scheduler thread, so a stream per
 prefill would leave one behind each time); the calling thread runs the other lane, the last chunk (its logits take a
 compiled step, compiled once per thread) and any chunk of at most 16 tokens, and it alone runs the reports
-(`progress`, the prefix cache's `on_chunk` checkpoints), in chunk order: the server's progress passes turns between
-requests and may cancel. A checkpoint at chunk k's edge reads `frozen` views of each layer's cache, taken as chunk k
-left the layer, since the other lane has chunk k+1 in the first layers by then.
+(`progress`, the prefix cache's `on_chunk` checkpoints), in chunk order; a report may stop the prefill (a cancelled
+request) but never waits on other work. A checkpoint at chunk k's edge reads `frozen` views of each layer's cache,
+taken as chunk k left the layer, since the other lane has chunk k+1 in the first layers by then.
+
+Between requests, the prefill gives the model away only where neither lane holds its work: once another job wants
+the model, the lanes finish the chunks they began, begin no other, and the job's turn passes (`pause`); the next
+segment begins after. The second lane is one thread for every prefill of the process, so a turn passed from inside
+a lane's job would leave that thread waiting on a job that waits for the turn: a circle (docs/server.md).
 
 Not used (the sequential `prefill` runs instead) with images, on a GPU, on one core, or for fewer than two chunks of
 17 tokens or more. `HETERO_PREFILL_WAVEFRONT=0` turns it off.
@@ -46,6 +51,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from hetero.decode.turns import Pause, lane_job
 from hetero.host import blas
 from hetero.host.switches import switched_on
 from hetero.models.cache import KVCache, LayerCache, ModelCache
@@ -92,7 +98,8 @@ class _Lane:
             while True:
                 job, done = self.jobs.get()
                 try:
-                    job()
+                    with lane_job(LANE_THREAD):
+                        job()
                 finally:
                     done.set()
 
@@ -119,13 +126,18 @@ class _Aborted(Exception):
 
 
 class _Front:
-    """What the lanes share: the (chunk, layer) pairs done, the reports queued for the calling thread, a failure."""
+    """What the lanes share: the (chunk, layer) pairs done, the reports queued for the calling thread, a failure, and
+    the segment's bounds: chunks begin in order, each once its predecessor finished layer 0 (`begin`), and none at or
+    past `limit` begins in this segment."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunks: int) -> None:
         self.cond = threading.Condition()
         self.done: set[tuple[int, int]] = set()
         self.reports: deque[Callable[[], None]] = deque()
         self.failed: list[BaseException] = []
+        self.chunks = self.limit = chunks
+        self.begun = -1  # the last chunk that began (they begin in order)
+        self.out = 0  # segments of the second lane not returned yet
 
     def mark(self, k: int, layer: int) -> None:
         with self.cond:
@@ -142,6 +154,30 @@ class _Front:
             self.failed.append(e)
             self.cond.notify_all()
 
+    def begin(self, k: int, caller: bool) -> bool:
+        """Whether chunk k begins in this segment: once chunk k-1 finished its first layer, unless the segment ended
+        before k (`stop`). The calling thread (`caller`) runs the queued reports meanwhile."""
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: (k - 1, 0) in self.done or k == 0 or k >= self.limit or self.failed
+                                   or (caller and self.reports))
+                if self.failed:
+                    raise _Aborted
+                go = k < self.limit and ((k - 1, 0) in self.done or k == 0)
+                if go:
+                    self.begun = k
+                ended = k >= self.limit
+            if caller:
+                self.drain()
+            if go or ended:
+                return go
+
+    def stop(self) -> None:
+        """End the segment after the chunks that began: their lanes finish them, no other begins."""
+        with self.cond:
+            self.limit = self.begun + 1
+            self.cond.notify_all()
+
     def wait(self, k: int, layer: int, caller: bool) -> None:
         """Until chunk k finished `layer`; the calling thread (`caller`) runs the queued reports meanwhile."""
         while True:
@@ -153,6 +189,21 @@ class _Front:
             if caller:
                 self.drain()
             if ready:
+                return
+
+    def settle(self) -> None:
+        """On the calling thread, once its own lane is done: until the second lane's segment returned, running the
+        queued reports meanwhile (none after a failure)."""
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: not self.out or (self.reports and not self.failed))
+                idle = not self.out
+            if not self.failed:
+                try:
+                    self.drain()
+                except BaseException as e:  # noqa: BLE001 (a report stopped the prefill: the lanes stop too)
+                    self.fail(e)
+            if idle:
                 return
 
     def drain(self) -> None:
@@ -182,65 +233,107 @@ def frozen(c: LayerCache) -> LayerCache:
 
 
 def run(model, tokens: list[int], cache: ModelCache, edges: list[int],
-        after: Callable[[int, mx.array], Callable[[ModelCache | None], None] | None], views: bool = False) -> None:
+        after: Callable[[int, mx.array], Callable[[ModelCache | None], None] | None], views: bool = False,
+        pause: Pause | None = None) -> None:
     """Prefill tokens[edges[0]:edges[-1]] chunk by chunk (chunk k = tokens[edges[k]:edges[k+1]]) into `cache` on two
     lanes. `after(k, h)` runs on chunk k's lane once its backbone is done (h: `model.model`'s output [1, S, H]), in
     chunk order (chunk k's after chunk k-1's returned): it may write caches past the backbone's (the MTP head's) and
     must evaluate what it keeps. What it returns, `report(view)` (progress, a checkpoint), runs on the calling
-    thread, in chunk order; an exception there stops both lanes and reaches the caller. `view` is, with `views`, the
-    cache as it stood at chunk k's edge (`frozen` layers, the MTP head's as `after` left them), else None.
+    thread, in chunk order; it must not wait on other work (it runs while the other lane computes), and an exception
+    there stops both lanes and reaches the caller. `view` is, with `views`, the cache as it stood at chunk k's edge
+    (`frozen` layers, the MTP head's as `after` left them), else None.
+
+    `pause` (the job's `Turn` on the model): once another job wants the model (`pause.wanted()`), the lanes end the
+    chunks they began and no other, and `pause(prefilling=True)` runs when neither lane holds work of this prefill;
+    the rest continues as a new segment afterwards. So the prefill gives the model away between its jobs, never
+    inside one, and the second lane is idle while other jobs run (they may use it). Alone, it runs as one segment.
     What the lanes read must be evaluated before (`cache`'s arrays, anything `after` reads): a lazy array built on
     the calling thread's stream cannot be evaluated on the other lane's thread."""
-    backbone, layers = model.model, len(model.model.layers)
-    chunks = list(zip(edges, edges[1:]))
-    front = _Front()
-    caller = threading.current_thread()
-    at_edge: dict[int, list] = {}  # chunk -> its frozen layer caches (with `views`)
+    _Wavefront(model, tokens, cache, edges, after, views, pause).run()
 
-    def chunk(k: int, mine: bool) -> None:
-        start, stop = chunks[k]
-        h, ctx = backbone.begin(mx.array(tokens[start:stop])[None])  # [1, S, H]
-        for i in range(layers):
+
+class _Wavefront:
+    """One prefill on the two lanes (`run`): the chunks' work (`chunk`), each lane's loop (`lane`), the segments."""
+
+    def __init__(self, model, tokens: list[int], cache: ModelCache, edges: list[int], after, views: bool,
+                 pause: Pause | None) -> None:
+        self.backbone, self.layers = model.model, len(model.model.layers)
+        self.tokens, self.cache, self.after, self.views, self.pause = tokens, cache, after, views, pause
+        self.chunks = list(zip(edges, edges[1:]))
+        self.front = _Front(len(self.chunks))
+        self.caller = threading.current_thread()
+        self.at_edge: dict[int, list] = {}  # chunk -> its frozen layer caches (with `views`)
+
+    def run(self) -> None:
+        # Chunks alternate between the lanes, the last one on the calling thread's; so does a short chunk: both run
+        # compiled steps (the last one's logits), which compile once per thread and stay with the caller's. Each
+        # lane takes its chunks in order, so neither waits on work queued behind its own.
+        front, n = self.front, len(self.chunks)
+        ks = [[], []]
+        for k, (a, b) in enumerate(self.chunks):
+            ks[(n - 1 - k) % 2 if b - a >= MIN_TOKENS else 0].append(k)
+        while True:
+            first = front.begun + 1
+            with blas.one_thread():  # each lane's matmuls on its own core
+                rest = [k for k in ks[1] if k >= first]
+                if rest:
+                    with front.cond:
+                        front.out += 1
+                    done = _second_lane().submit(lambda: self.lane(rest))
+                self.lane([k for k in ks[0] if k >= first])
+                front.settle()
+                if rest:
+                    done.wait()
+            if front.failed:
+                raise front.failed[0]
+            if front.begun + 1 >= n:
+                return
+            front.limit = n
+            self.pause(prefilling=True)  # neither lane holds work of this prefill: the model may go to other jobs
+
+    def lane(self, ks: list[int]) -> None:
+        """One lane's chunks of this segment, in order (on the calling thread, or as the second lane's job)."""
+        front, mine = self.front, threading.current_thread() is self.caller
+        try:
+            with lane_job(LANE_THREAD if not mine else "prefill wavefront"):
+                for k in ks:
+                    if not front.begin(k, mine):
+                        break
+                    self.chunk(k, mine)
+        except _Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001 (raised again on the calling thread)
+            front.fail(e)
+        finally:
+            if not mine:
+                with front.cond:
+                    front.out -= 1
+                    front.cond.notify_all()
+
+    def chunk(self, k: int, mine: bool) -> None:
+        """Chunk k's layers, each once the previous chunk left it; then `after`, its report queued; on the calling
+        thread, the reports run and, once another job wants the model, the segment ends after the chunks begun."""
+        front, cache, backbone = self.front, self.cache, self.backbone
+        start, stop = self.chunks[k]
+        h, ctx = backbone.begin(mx.array(self.tokens[start:stop])[None])  # [1, S, H]
+        for i in range(self.layers):
             if k:
                 front.wait(k - 1, i, mine)
             c = cache.backbone[i]
             h = backbone.run_layer(i, h, ctx, c)
             mx.eval(h, *c.state)
-            if views:
-                at_edge.setdefault(k, []).append(frozen(c))
+            if self.views:
+                self.at_edge.setdefault(k, []).append(frozen(c))
             front.mark(k, i)
         if k:
-            front.wait(k - 1, layers, mine)
-        report = after(k, backbone.end(h))  # the MTP head's pairs: its caches stand at chunk k's edge now
-        held = at_edge.pop(k, [])
+            front.wait(k - 1, self.layers, mine)
+        report = self.after(k, backbone.end(h))  # the MTP head's pairs: its caches stand at chunk k's edge now
+        held = self.at_edge.pop(k, [])
         if report is not None:
-            view = ModelCache(held, [frozen(c) for c in cache.mtp]) if views else None
+            view = ModelCache(held, [frozen(c) for c in cache.mtp]) if self.views else None
             front.report(lambda: report(view))
-        front.mark(k, layers)
+        front.mark(k, self.layers)
         if mine:
             front.drain()
-
-    def lane(ks: list[int]) -> None:
-        mine = threading.current_thread() is caller
-        try:
-            for k in ks:
-                chunk(k, mine)
-            if mine:
-                front.wait(len(chunks) - 1, layers, mine)  # the other lane's last chunk, its reports run here
-        except _Aborted:
-            pass
-        except BaseException as e:  # noqa: BLE001 (raised again on the calling thread)
-            front.fail(e)
-
-    # Chunks alternate between the lanes, the last one on the calling thread's; so does a short chunk: both run
-    # compiled steps (the last one's logits), which compile once per thread and stay with the caller's. Each lane
-    # takes its chunks in order, so neither waits on work queued behind its own.
-    ks = [[], []]
-    for k, (a, b) in enumerate(chunks):
-        ks[(len(chunks) - 1 - k) % 2 if b - a >= MIN_TOKENS else 0].append(k)
-    with blas.one_thread():  # each lane's matmuls on its own core
-        other = _second_lane().submit(lambda: lane(ks[1]))
-        lane(ks[0])
-        other.wait()
-    if front.failed:
-        raise front.failed[0]
+            if self.pause is not None and self.pause.wanted():
+                front.stop()

@@ -17,6 +17,7 @@ import anyio
 import mlx.core as mx
 import numpy as np
 
+from hetero.decode.turns import Turn, lane_job
 from hetero.errors import HeteroError
 
 
@@ -64,7 +65,8 @@ class Lane:
         _own_stream()
         start = time.perf_counter()
         try:
-            return fn()
+            with lane_job(self.name):
+                return fn()
         finally:
             end = time.perf_counter()
             self.busy_s += end - start
@@ -113,8 +115,11 @@ class DecodeQueue:
     Each stream is a callable that runs one decode round (e.g. one MTP draft + verify + commit) and returns False
     once its request is done. Policy: round-robin over streams (no request starves another); the GPU lane runs
     rounds whenever it has no prefill job ready (it would otherwise wait for the ANE), and at least one round
-    every `every` prefill jobs even when it has (so decoding never stalls behind a long prefill).
+    every `every` prefill jobs even when it has (so decoding never stalls behind a long prefill). Its rounds are
+    the GPU lane's jobs (`on_lane`).
     """
+
+    on_lane = True  # each round runs as a job of the GPU lane
 
     def __init__(self, streams: list[Callable[[], bool]] | None = None, every: int = 4):
         self.streams: list[Callable[[], bool]] = list(streams or [])
@@ -141,6 +146,27 @@ class DecodeQueue:
         self.since = 0
 
 
+class LentTurn(DecodeQueue):
+    """What the split prefill's GPU lane does while the ANE computes its share: it lends its job's turn on the model
+    (`hetero.decode.turns.Turn`) to the other jobs (their decode rounds, or their own prefill chunks) instead of
+    idling; nothing to do while the job is alone. Lending waits on the turn ring, so it runs between the GPU lane's
+    jobs, never as one (`on_lane` False): the lane holds nothing while other jobs use the model. The GPU time the
+    split spent since it last lent the turn counts as prefill time (`Turns.pass_turn`)."""
+
+    on_lane = False
+
+    def __init__(self, turn: Turn, every: int = 4):
+        super().__init__(every=every)
+        self.turn = turn
+
+    @property
+    def pending(self) -> bool:
+        return self.turn.wanted()
+
+    def run_one(self) -> None:
+        self.turn(prefilling=True)
+        self.rounds += 1
+        self.since = 0
 
 
 @dataclass(eq=False)
@@ -192,7 +218,10 @@ async def run_jobs(jobs: Iterable[Job], gpu: Lane, ane: Lane, decode: DecodeQueu
         fill = decode if name == "gpu" else None
         while left[name] and state["error"] is None:
             if fill is not None and fill.pending and (fill.since >= fill.every or not ready[name]):
-                await lane.run(fill.run_one, "decode round")
+                if fill.on_lane:
+                    await lane.run(fill.run_one, "decode round")
+                else:  # it waits on the turn ring: between the lane's jobs, on a thread that holds no lane
+                    await anyio.to_thread.run_sync(fill.run_one)
                 continue
             if not ready[name]:
                 if not state["running"] and not any(ready.values()):  # nothing can ever become ready

@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, Response
 
 from hetero.server.common import Output, State, check_key, read_body, sse
 from hetero.server.openai import parse_response_format
-from hetero.server.requests import ANTHROPIC_TEMPERATURE, Job, Parser, RequestError, number, parse_body, stops
+from hetero.server.requests import ANTHROPIC_TEMPERATURE, Job, Parser, number, parse_body, stops
+from hetero.server.refusals import RequestError
 from hetero.server.runner import Outcome, Started
 from hetero.server.thinking import thinking_budget
 from hetero.server.toolcalls import AnthropicBlocks, anthropic_chat, anthropic_content

@@ -33,7 +33,8 @@ from hetero.pipeline import split_for
 from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
 from hetero.server.metrics import CONTENT_TYPE, Metrics
-from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser, RequestError
+from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser
+from hetero.server.refusals import RequestError
 from hetero.server.responses import ResponseStore, parse_responses
 from hetero.server.responses_output import ResponsesOutput
 from hetero.server.runner import Runner
@@ -67,7 +68,7 @@ class ServerSettings:
     max_concurrent: int = 4  # requests generating at once, taking turns on the model
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # an OpenAI request without max_tokens
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # a larger body gets a 413
-    decode_share: float = DECODE_SHARE  # decoding's share of the model's time while a prompt prefills
+    decode_share: float = DECODE_SHARE  # senior requests' share of the model's time while a later prompt prefills
     max_batch: int = 1  # decoding requests that share each decode pass (`hetero serve`: SERVE_MAX_BATCH, 1 across ranks)
     dist_timeout: float = 60.0  # under mlx.launch: seconds without progress from the other ranks
     model_alias: tuple[str, ...] = ()  # `--model-alias PATTERN=NAME`: request names matching PATTERN get NAME
@@ -149,9 +150,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
 
     `split` (a `hetero.pipeline.PipelineRun`) prefills prompts through the ANE + GPU pipeline; up to
     `max_concurrent` requests generate at once, taking turns on the model. An OpenAI request without
-    `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413. While some requests decode,
-    a prompt prefills in `1 - decode_share` of the model's time (`hetero.decode.turns`). With `max_batch` > 1, up to that
-    many decoding requests share each decode pass (`hetero.decode.loop`). A `draft_depth` is every MTP request's.
+    `max_tokens` gets `default_max_tokens`; a body over `max_body_mb` gets a 413. While senior requests wait
+    (decoding, or sent earlier), a prompt prefills in `1 - decode_share` of the model's time (`hetero.decode.turns`).
+    With `max_batch` > 1, up to that many decoding requests share each decode pass (`hetero.decode.loop`). A
+    `draft_depth` is every MTP request's.
     """
     if settings is not None and options:
         raise TypeError("create_app takes settings or keyword options, not both")

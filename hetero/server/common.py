@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hetero.engine import Engine
 from hetero.errors import HeteroError, internal_error
-from hetero.server.requests import Job, Parser, RequestError, parse_body
+from hetero.server.requests import Job, Parser, parse_body
+from hetero.server.refusals import RequestError
 from hetero.server.runner import Cancelled, Outcome, Runner, Started, TokenLogprobs, shutting_down
 
 log = logging.getLogger("hetero.server")

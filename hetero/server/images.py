@@ -11,7 +11,6 @@ names the part.
 from __future__ import annotations
 
 import base64
-import binascii
 import re
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from PIL import Image
 
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5_vision.preprocess import decode_image
-from hetero.server.requests import RequestError
+from hetero.server.refusals import RequestError, refusing
 from hetero.vision.prompt import ImagePrompt
 
 DEFAULT_MAX_IMAGE_MB = 20.0
@@ -45,12 +44,11 @@ class ImageInputs(list):
         self.images: list[Image.Image] = []
 
     def take(self, part: dict, place: str) -> str:
-        """An image part -> its slot text; the image is read and decoded now, so a bad one is a 400 naming it."""
+        """An image part -> its slot text; the image is read and decoded now, so a bad one is a 400 naming it,
+        whatever the decoder raised."""
         data = self._bytes(part, place)
-        try:
+        with refusing(place, "the image cannot be decoded (send the file again, whole)", "invalid_image"):
             self.images.append(decode_image(data))
-        except HeteroError as e:
-            raise RequestError(400, f"'{place}': {e}", place, "invalid_image") from None
         return _SLOT.format(len(self.images) - 1)
 
     def encode(self, text: str) -> list[int]:
@@ -118,21 +116,16 @@ class ImageInputs(list):
         if not self.allow_local:
             raise RequestError(400, f"'{where}': local image paths are read only when the server runs with "
                                "--allow-local-images; send the image as a data URL", where, "invalid_image")
-        try:
-            size = path.stat().st_size
-            self._check_size(size, where)
+        with refusing(where, f"cannot read {path}", "invalid_image"):
+            self._check_size(path.stat().st_size, where)
             return path.read_bytes()
-        except OSError as e:
-            raise RequestError(400, f"'{where}': cannot read {path} ({e.strerror})", where, "invalid_image") from None
 
     def _base64(self, data: Any, where: str) -> bytes:
         if not isinstance(data, str):
             raise RequestError(400, f"'{where}' must be base64 text", where)
         self._check_size(len(data) * 3 // 4, where)
-        try:
+        with refusing(where, "not valid base64", "invalid_image"):
             return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise RequestError(400, f"'{where}' is not valid base64", where, "invalid_image") from None
 
     def _check_size(self, size: int, where: str) -> None:
         if size > self.max_bytes:
@@ -144,11 +137,12 @@ def place_images(engine, images: ImageInputs, prompt: str, ids: list[int], mark:
                  ) -> tuple[list[int], ImagePrompt, int | None]:
     """The rendered prompt's ids (one image token per image) -> the expanded ids, their `ImagePrompt` and `mark`
     moved past the image tokens before it."""
-    try:
-        vision = engine.image_prompt(ids, images.order(prompt))
-    except HeteroError as e:
-        code = "context_length_exceeded" if "context window" in str(e) else "invalid_image"
-        raise RequestError(400, str(e), "messages", code) from None
+    with refusing("messages", "the images cannot be placed in the prompt", "invalid_image", prefix=False):
+        try:
+            vision = engine.image_prompt(ids, images.order(prompt))
+        except HeteroError as e:
+            code = "context_length_exceeded" if "context window" in str(e) else "invalid_image"
+            raise RequestError(400, str(e), "messages", code) from None
     if mark is not None:
         extra = 0  # image tokens added before the mark
         for lo, hi in vision.spans:

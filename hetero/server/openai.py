@@ -10,11 +10,9 @@ from __future__ import annotations
 import time
 
 from hetero.decode.logprobs import MAX_TOP_LOGPROBS
-from hetero.errors import HeteroError
 from hetero.server.common import Output, sse
-from hetero.server.requests import (
-    Job, Parser, RequestError, boolean, integer, messages, one_choice, stops, stream_options,
-)
+from hetero.server.refusals import RequestError, refusing
+from hetero.server.requests import Job, Parser, boolean, integer, messages, one_choice, stops, stream_options
 from hetero.server.runner import Outcome, Started, TokenLogprobs
 from hetero.server.thinking import thinking_budget
 from hetero.server.toolcalls import openai_chat, openai_deltas, openai_finish, openai_message
@@ -246,10 +244,8 @@ def parse_response_format(parser: Parser, body: dict, job: Job) -> None:
     if not isinstance(schema, dict):
         raise RequestError(400, "'response_format.json_schema.schema' must be a JSON Schema object",
                            "response_format.json_schema.schema")
-    try:
+    with refusing("response_format.json_schema.schema", "the JSON schema cannot be compiled", prefix=False):
         parser.engine.json_grammar(schema)
-    except HeteroError as e:
-        raise RequestError(400, str(e), "response_format.json_schema.schema") from None
     job.set(json_schema=schema)
 
 

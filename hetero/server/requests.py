@@ -22,6 +22,8 @@ from hetero.decode.sampling import SamplingParams
 from hetero.engine import Engine
 from hetero.errors import HeteroError
 from hetero.server.defaults import refuse_unimplemented, sampling_defaults
+from hetero.server.images import ImageInputs
+from hetero.server.refusals import RequestError, refusing
 from hetero.tools.messages import IMAGE_PARTS, take_image
 from hetero.validate import FRACTION, MIN_P, NONNEG_INT, POSITIVE_INT, SEED, TOP_K, TOP_P, Bound
 
@@ -30,14 +32,6 @@ MAX_JSON_DEPTH = 64  # deeper request bodies are refused; real ones nest a few l
 DEFAULT_MAX_TOKENS = 4096  # an OpenAI request without max_tokens: a long answer, not the rest of a 256K window
 OPENAI_TEMPERATURE = Bound(0, 2)  # the APIs' documented ranges, inside the engine's own (finite, >= 0)
 ANTHROPIC_TEMPERATURE = Bound(0, 1)
-
-
-class RequestError(Exception):
-    """A client mistake: HTTP `status`, one-line `message`, the offending field as `param`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 @dataclass
@@ -176,13 +170,12 @@ def one_choice(body: dict) -> None:
 def parse_body(raw: bytes) -> dict:
     """A request body -> its JSON object, refusing what no engine should see: bad JSON, NaN/Infinity, nesting
     deeper than MAX_JSON_DEPTH, strings that are not valid Unicode (lone surrogates)."""
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise RequestError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", None,
-                           "invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints longer than Python parses
-        raise RequestError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+    with refusing("body", "the request body is not valid JSON", "invalid_json", prefix=False):
+        try:
+            body = json.loads(raw, parse_constant=_no_constant)
+        except RecursionError:
+            raise RequestError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", None,
+                               "invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object", None)
     _check_tree(body)
@@ -263,8 +256,6 @@ class Parser:
         if reads and check:
             return []
         if reads:
-            from hetero.server.images import ImageInputs  # (images.py builds on this module)
-
             return ImageInputs(self.engine.vision, self.engine.tokenizer, self.allow_local_images, self.max_image_bytes)
         return None if self.reject_images else []
 
@@ -275,16 +266,12 @@ class Parser:
         for name, arg in PENALTY_NAMES.items():
             if body.get(name) is None:
                 continue
-            try:
+            with refusing(name, "not a valid value"):
                 Penalties(**{arg: body[name]})
-            except (HeteroError, TypeError) as e:
-                raise RequestError(400, f"'{name}': {e}", name) from None
             given[arg] = body[name]
         penalties = Penalties(**given)
-        try:
+        with refusing("logit_bias", "not a valid logit_bias", prefix=False):
             penalties.check_vocab(self.engine.model.args.vocab_size)
-        except HeteroError as e:
-            raise RequestError(400, str(e), "logit_bias") from None
         return penalties
 
     def refuse(self, body: dict, *names: str) -> None:
@@ -295,11 +282,12 @@ class Parser:
 
     def encode(self, prompt: str | list[int], param: str) -> list[int]:
         """Prompt text or token ids -> token ids that fit the context window (a 400 naming `param` if not)."""
-        try:
-            return self.engine.encode_prompt(prompt)
-        except HeteroError as e:
-            code = "context_length_exceeded" if "context window" in str(e) else None
-            raise RequestError(400, str(e), param, code) from None
+        with refusing(param, "the prompt cannot be tokenized", prefix=False):
+            try:
+                return self.engine.encode_prompt(prompt)
+            except HeteroError as e:
+                code = "context_length_exceeded" if "context window" in str(e) else None
+                raise RequestError(400, str(e), param, code) from None
 
     def job(self, body: dict, ids: list[int], max_name: str, required_max: bool = False) -> Job:
         """The Job for `ids` with the fields both APIs share (max tokens, sampling, seed, stream, extensions).

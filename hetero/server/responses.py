@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetero.errors import HeteroError
 from hetero.server.openai import parse_response_format
-from hetero.server.requests import Job, Parser, RequestError, boolean
+from hetero.server.requests import Job, Parser, boolean
+from hetero.server.refusals import RequestError, refusing
 from hetero.server.thinking import effort_kwargs, thinking_budget
 from hetero.server.toolcalls import checked_tools, render
 from hetero.tools import openai_messages, openai_tools
@@ -101,10 +101,8 @@ def parse_responses(store: ResponseStore) -> Callable[[Parser, dict], Job]:
             raise RequestError(400, "'instructions' must be a string", "instructions")
         if instructions:
             msgs.insert(0, {"role": "system", "content": instructions})
-        try:
+        with refusing("input", "the input cannot be read"):  # e.g. a function_call's arguments
             template_msgs = openai_messages(msgs)
-        except HeteroError as e:
-            raise RequestError(400, f"input: {e}", "input") from None  # e.g. a function_call's arguments
         tools, shown = function_tools(body.get("tools"))
         parallel = bool(boolean(body, "parallel_tool_calls", True))
         ids, reply = render(parser, template_msgs, tools, tool_choice(body.get("tool_choice")),
@@ -156,7 +154,7 @@ def chat_messages(items: list[dict], images: list[str] | None) -> list[dict]:
 
     for i, item in enumerate(items):
         where, kind = f"input[{i}]", item.get("type")
-        try:
+        with refusing(where, "the input item cannot be read", prefix=False):
             if kind == "message":
                 role = item.get("role")
                 if role not in ROLES:
@@ -181,8 +179,6 @@ def chat_messages(items: list[dict], images: list[str] | None) -> list[dict]:
                 reasoning.append(reasoning_text(item))
             else:
                 _ignore("input item", kind)
-        except HeteroError as e:
-            raise RequestError(400, str(e), where) from None
     return out
 
 

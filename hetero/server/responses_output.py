@@ -18,7 +18,8 @@ import uuid
 
 from hetero.server.common import Output, sse
 from hetero.server.openai import error_body
-from hetero.server.requests import Job, RequestError
+from hetero.server.requests import Job
+from hetero.server.refusals import RequestError
 from hetero.server.responses import ResponseContext
 from hetero.server.runner import Outcome, Started
 from hetero.tools import CallArgs, CallEnd, CallStart, Event, Reasoning, Text

@@ -29,10 +29,13 @@ from starlette.requests import Request
 from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
 from hetero.decode.options import DecodeOptions
 from hetero.decode.loop import DecodeLoop, Seat
-from hetero.decode.turns import DECODE_SHARE, LentTurns, Turns
+from hetero.decode.prefill import Progress
+from hetero.decode.turns import DECODE_SHARE, Turn, Turns
 from hetero.engine import Engine
 from hetero.errors import HeteroError
-from hetero.server.requests import Job, RequestError
+from hetero.pipeline.lanes import LentTurn
+from hetero.server.requests import Job
+from hetero.server.refusals import RequestError
 from hetero.server.stops import StopMatcher
 
 
@@ -105,8 +108,10 @@ class Outcome:
 
 
 class Runner:
-    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking turns on the model; while some
-    decode, a prefilling job gets `1 - decode_share` of the model's time (`hetero.decode.turns`). MTP jobs draft at
+    """Runs up to `max_concurrent` jobs at once, each on a worker thread, taking turns on the model; while senior
+    jobs wait (decoding, or sent earlier), a prefilling job gets `1 - decode_share` of the model's time
+    (`hetero.decode.turns`). A job waits on the ring only between its units of work (docs/server.md, "One scheduler
+    owns every lane"). MTP jobs draft at
     `draft_depth` (`hetero serve --draft-depth`; None: the engine's tuned or calibrated depth)."""
 
     def __init__(self, engine: Engine, split=None, max_concurrent: int = 4, prefill_chunk: int = 512,
@@ -180,13 +185,15 @@ class Runner:
         try:
             outcome = self._run(job, timed, cancelled, ticket)
         except Cancelled:
-            self.cancelled += 1
+            with self._count:  # (jobs end on several threads at once: /health's counts must add up)
+                self.cancelled += 1
             raise
         finally:
             self.turns.leave(ticket)
             with self._count:
                 self.running -= 1
-        self.finished += 1
+        with self._count:
+            self.finished += 1
         timing.end = time.perf_counter()
         if self.on_outcome is not None:
             try:
@@ -222,7 +229,9 @@ class Runner:
                 if one_call is not None:
                     one_call.feed(out)
 
-        def progress(done: int, total: int) -> None:
+        turn = Turn(self.turns, ticket)
+
+        def report(done: int, total: int) -> None:  # after every prefill chunk; the turn passes between them
             if not started:  # the prefill covers only what the prefix cache did not restore
                 started.append(True)
                 emit(Started(len(job.ids) - total, echo))
@@ -230,27 +239,24 @@ class Runner:
                 raise Cancelled()
             if self.stopping.is_set():
                 raise shutting_down()
-            self.turns.pass_turn(ticket, prefilling=True)  # after every prefill chunk
 
         halted = []  # set when the server's stop ended the generation
 
         def should_stop() -> bool:
-            self.turns.pass_turn(ticket)  # after every token
+            turn()  # after every token
             if self.stopping.is_set():
                 halted.append(True)
             return (matcher.stopped is not None or cancelled.is_set() or bool(halted)
                     or (one_call is not None and one_call.calls > 0))
 
         logprobs: list[TokenLogprobs] | None = [] if job.options.logprobs is not None else None
-        seat = None
-        if self.loop is not None:  # the job gives its turn up while the loop decodes for it, then takes it back
-            seat = Seat(self.loop, on_handover=lambda: self.turns.leave(ticket),
-                        on_handback=lambda: self.turns.enter(ticket))
+        # the loop takes the job's place in the ring while it decodes for it, then gives it back
+        seat = Seat(self.loop, ticket) if self.loop is not None else None
         result = self.engine.generate(
             job.ids, options=self._options(job), draft_depth=self.draft_depth, prefill_chunk=self.prefill_chunk,
-            on_text=on_text, on_logprob=self._on_logprob(emit, logprobs), progress=progress, should_stop=should_stop,
-            split=self._split(job, ticket), mark=job.reply.mark if job.reply is not None else None, batch=seat,
-            images=_images(job),
+            on_text=on_text, on_logprob=self._on_logprob(emit, logprobs), progress=Progress(report, turn),
+            should_stop=should_stop, split=self._split(job, ticket),
+            mark=job.reply.mark if job.reply is not None else None, batch=seat, images=_images(job),
         )
         if cancelled.is_set():
             raise Cancelled()  # cut short by the client, not finished
@@ -397,9 +403,15 @@ class JobSplit:
         if not runner._split_free.acquire(blocking=False):  # another prompt is in the split: GPU-only
             return runner.engine.model.make_cache(), 0, None
         try:
-            # a first-use export (text programs, the images' vision programs) stops between programs
-            runner.split.prepare(ids, check=runner.refuse_if_stopping, images=images)
-            out = runner.split.prefill(ids, decode=LentTurns(runner.turns, self.ticket), on_chunk=on_chunk,
+            # a first-use export (text programs, the images' vision programs; minutes on a Mac) and the programs'
+            # load into the ANE worker use no model lane: the job's turn goes to the other jobs meanwhile, and it
+            # stops between programs when the server stops
+            runner.turns.leave(self.ticket)
+            try:
+                runner.split.prepare(ids, check=runner.refuse_if_stopping, images=images)
+            finally:
+                runner.turns.enter(self.ticket)
+            out = runner.split.prefill(ids, decode=LentTurn(Turn(runner.turns, self.ticket)), on_chunk=on_chunk,
                                        images=images)
             runner.split_prefills += bool(out[1])  # a lost ANE worker hands the prompt back to the GPU-only path
             last = runner.split.last

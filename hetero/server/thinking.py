@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from hetero.checkpoint.chat_contract import EFFORTS, chat_contract, refusal
-from hetero.server.requests import Parser, RequestError
+from hetero.server.requests import Parser
+from hetero.server.refusals import RequestError, refusing
 from hetero.validate import NONNEG_INT
 
 
@@ -25,7 +26,8 @@ def effort_kwargs(parser: Parser, name: Any, param: str, switch: bool = True) ->
     if not isinstance(name, str) or not contract.names_effort and name not in EFFORTS:
         raise RequestError(400, f"'{param}' must be one of {list(EFFORTS)}, got {name!r}", param)
     kwargs = contract.effort(name, switch)
-    refused = refusal(tokenizer, kwargs) if "reasoning_effort" in kwargs else None
+    with refusing(param, "the chat template cannot render this effort"):
+        refused = refusal(tokenizer, kwargs) if "reasoning_effort" in kwargs else None
     if refused is not None:
         raise RequestError(400, f"'{param}' {name!r}: the chat template refuses it: {refused}", param)
     return kwargs

@@ -18,7 +18,8 @@ from typing import Any
 from hetero.checkpoint.chat_contract import chat_contract
 from hetero.errors import HeteroError
 from hetero.server.images import ImageInputs, place_images
-from hetero.server.requests import Parser, RequestError, boolean, message_list
+from hetero.server.requests import Parser, boolean, message_list
+from hetero.server.refusals import RequestError, refusing
 from hetero.server.thinking import effort_kwargs
 from hetero.tools import (
     CallArgs, CallEnd, CallStart, Event, Reasoning, Reply, ReplyParser, Text, anthropic_messages, anthropic_tools,
@@ -83,10 +84,8 @@ def checked_tools(convert, tools: Any) -> list[dict] | None:
     """`convert(tools)` (a list, or None), its HeteroError a 400 naming `tools`."""
     if tools is not None and not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list", "tools")
-    try:
+    with refusing("tools", "the tools cannot be read", prefix=False):
         return convert(tools)
-    except HeteroError as e:
-        raise RequestError(400, str(e), "tools") from None
 
 
 def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: Any, template_kwargs: dict,
@@ -96,18 +95,14 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
     reply continues its text instead of opening a new turn. `images` (an `ImageInputs` that collected the
     messages' images) puts each image's tokens where the template placed it: the ids come back expanded."""
     tokenizer = parser.engine.tokenizer
-    try:
+    with refusing("tool_choice", "the tool_choice cannot be read", prefix=False):
         mode = normalize_choice(choice, tools)
-    except HeteroError as e:
-        raise RequestError(400, str(e), "tool_choice") from None
     shown = tools if mode not in (None, "none") else None
     template_kwargs = {**chat_contract(tokenizer).defaults(), **template_kwargs}
-    try:
+    with refusing("messages", "the chat template cannot render the conversation", prefix=False):
         msgs = renderable(tokenizer, msgs, shown, template_kwargs)
         prompt = continued(tokenizer, msgs, shown, template_kwargs) if continue_final else \
             tokenizer.apply_chat_template(msgs, tools=shown, add_generation_prompt=True, **template_kwargs)
-    except HeteroError as e:
-        raise RequestError(400, str(e), "messages") from None
     reading = isinstance(images, ImageInputs) and bool(images.images)
     encode = images.encode if reading else tokenizer.encode  # with images: their slots -> their tokens
     forced = forced_prefix(mode, prompt, tokenizer.chat_template)
@@ -120,10 +115,12 @@ def render(parser: Parser, msgs: list[dict], tools: list[dict] | None, choice: A
     only = mode if mode not in (None, "auto", "none", "required") else None
     grammar = None
     if forced:  # required or a named function: decoded under the call's grammar, valid by construction
-        try:
-            grammar = call_grammar(shown, mode, call_form(tokenizer.chat_template), parser.engine.grammar_tokenizer())
-        except HeteroError as e:
-            raise RequestError(400, f"tool_choice {mode!r}: {e}", "tools") from None
+        with refusing("tools", f"tool_choice {mode!r}: the tool's schema cannot be compiled", prefix=False):
+            try:
+                grammar = call_grammar(shown, mode, call_form(tokenizer.chat_template),
+                                       parser.engine.grammar_tokenizer())
+            except HeteroError as e:
+                raise RequestError(400, f"tool_choice {mode!r}: {e}", "tools") from None
     return ids, ChatReply(prompt, shown, forced, parallel, mark, only, grammar=grammar, vision=vision)
 
 
@@ -184,10 +181,8 @@ def transcript_end(tokenizer, msgs: list[dict], tools: list[dict] | None, templa
 def openai_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     """An OpenAI chat request's messages, tools, tool_choice, parallel_tool_calls and chat_template_kwargs."""
     images = parser.image_places()
-    try:
+    with refusing("messages", "the messages cannot be read", prefix=False):
         msgs = openai_messages(body["messages"], images)
-    except HeteroError as e:
-        raise RequestError(400, str(e), "messages") from None
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise RequestError(400, "'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
@@ -210,9 +205,12 @@ def anthropic_chat(parser: Parser, body: dict) -> tuple[list[int], ChatReply]:
     conversation that ends with an assistant message with text is continued, not answered in a new turn."""
     images = parser.image_places()
     try:
-        msgs = anthropic_messages(message_list(body, {"user", "assistant", "system"}), body.get("system"), images)
-    except HeteroError as e:
-        raise RequestError(400, str(e), "system" if str(e).startswith("system") else "messages") from None
+        with refusing("messages", "the messages cannot be read", prefix=False):
+            msgs = anthropic_messages(message_list(body, {"user", "assistant", "system"}), body.get("system"), images)
+    except RequestError as e:
+        if e.message.startswith("system"):
+            e.param = "system"
+        raise
     kwargs = {}
     thinking = body.get("thinking")
     if thinking is not None:

@@ -112,6 +112,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+PNG_END = b"IEND\xaeB`\x82"  # the IEND chunk's type and CRC: the last 8 bytes of every whole PNG
+
+
 def decode_image(data: bytes, max_pixels: int = 64_000_000) -> Image.Image:
     """PNG / JPEG / WebP bytes -> a decoded Pillow image; anything else or a damaged file is a HeteroError."""
     try:
@@ -128,4 +131,7 @@ def decode_image(data: bytes, max_pixels: int = 64_000_000) -> Image.Image:
         image.load()
     except (OSError, ValueError, SyntaxError) as e:
         raise HeteroError(f"image data is damaged ({e}): send the file again") from None
+    if image.format == "PNG" and PNG_END not in data[-64:]:  # Pillow decodes a PNG cut inside its last chunks
+        raise HeteroError("image data is damaged (the PNG ends before its IEND chunk: it was cut short): send the "
+                          "file again")
     return image
