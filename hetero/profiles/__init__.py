@@ -55,6 +55,15 @@ class Profile:
     # One MTP verify pass over `mtp_verify_tokens` tokens, in plain decode steps (None = unknown: no MTP estimate).
     mtp_verify_ratio: float | None = None
     mtp_verify_tokens: int = 4
+    # How the lanes run on this machine (`hetero tune --devices` measures them; a Mac's GPU and ANE are devices of
+    # their own, the defaults): GPU-only prefill's lanes (the CPU wavefront's two), each lane's BLAS threads, the
+    # cores, a CPU lane's rate while another lane computes on another core over its rate alone, and whether the ANE
+    # lane computes on the CPU's cores (the reference executor) rather than on a device of its own.
+    prefill_lanes: int = 1
+    lane_threads: int | None = None
+    cpu_cores: int | None = None
+    lane_contention: float = 1.0
+    ane_on_cpu: bool = False
     # The link between hosts of a pipeline (`hetero plan --hosts N`): a property of the cable and the backend, not of
     # the chip, so the chip profiles leave it unknown; `--link-gbps` / `--link-latency-ms` give it.
     link_gbps: float | None = None  # usable one-way bandwidth, gigabits per second
@@ -64,6 +73,8 @@ class Profile:
     gpu_cores: str | None = None
     ram_gb_options: list | None = None
     measured: bool = False
+    measured_with: dict | None = None  # what a measured profile was measured with (`hetero.host.settings.measured_with`)
+    confidence: dict = field(default_factory=dict)  # a measured profile: each timing's median, interval and samples
     unknown: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
