@@ -238,3 +238,20 @@ def test_tune_on_qwen4_with_an_agreeing_head_measures_what_it_saves(qwen4_dir):
     assert all(result["depths"][d]["mean_accepted_length"] > 1 + 0.6 * d for d in (1, 2, 3))
     assert_consistent(result)
     assert tuned_depth(engine.identity) == result["draft_depth"]
+
+
+def test_tune_show_prints_each_verdict_why_and_what_is_measured_again(capsys):
+    from hetero.host.settings import save_device_profile
+
+    d = Scripted(100.0, {1: 120.0, 2: 150.0})
+    tune(FAKE, depths=(1, 2), tokens=16, report=lambda line: None, decode=d, clock=lambda: d.now)
+    save_tuning("other@1", {**saved("fake@0"), "measured_with": {**measured_with(), "hetero": "0.0.0+old"}})
+    save_device_profile({"name": "this-machine", "measured_with": measured_with(),
+                         "confidence": {"gpu matmul": {"median": 0.002, "low": 0.0019, "high": 0.0021, "samples": 9,
+                                                       "spread": 0.05}}})
+    assert main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "fake@0: MTP at depth 2 (hetero tune)" in out and "why: MTP at depth 2 decodes 1.50x" in out
+    assert out.count("stands") == 2  # the verdict and the device profile
+    assert "other@1" in out and "measured again at the next run: measured with other code (hetero 0.0.0+old" in out
+    assert "gpu matmul: 2.000 ms per call (+-5.0%, 9 samples)" in out

@@ -232,3 +232,21 @@ def test_measurements_cycle_through_enough_copies_to_defeat_the_caches():
     big, copies = measure_mod.IN_FLOW_BYTES, measure_mod._copies
     assert copies(big) == 1 and copies(big // 2) == 2 and copies(big // 4) == 4 and copies(big // 4 - 1) == 5
     assert copies(1) == measure_mod.MAX_COPIES and copies(10 * big) == 1
+
+
+def test_a_profile_measured_with_other_code_is_used_and_said_stale_once(tmp_path, monkeypatch, capsys):
+    import hetero.profiles as profiles
+    from hetero.host.settings import measured_with, save_device_profile
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path))
+    monkeypatch.setattr(profiles, "_said_stale", [])
+    base = {"name": THIS_MACHINE, "chip": "test", "source": "test", "measured": True, "memory_bandwidth_gbs": 10.0,
+            "gpu_fp32_tflops": 0.01, "ane_fp16_tflops": 0.01, "ane_bandwidth_gbs": None, "ram_gb": 8,
+            "gpu_efficiency": 1.0, "ane_efficiency": 1.0}
+    save_device_profile({**base, "measured_with": measured_with()})
+    load_profile(THIS_MACHINE)
+    assert capsys.readouterr().err == ""
+    save_device_profile({**base, "measured_with": {**measured_with(), "mlx": "0.0.1"}})
+    assert load_profile(THIS_MACHINE).gpu_fp32_tflops == 0.01 and load_profile(THIS_MACHINE).measured
+    err = capsys.readouterr().err
+    assert err.count("measured with other code (mlx 0.0.1 -> ") == 1 and "hetero tune --devices" in err

@@ -9,6 +9,7 @@ is what `hetero tune --devices` measured and saved in the per-machine settings.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -99,11 +100,28 @@ def load_profile(name: str) -> Profile:
         saved = device_profile()
         if saved is None:
             raise HeteroError("no profile for this machine yet: run `hetero tune --devices` first")
+        _say_if_stale(saved)
         return Profile.from_dict(saved)
     file = PROFILE_DIR / f"{name}.json"
     if not file.is_file():
         raise HeteroError(f"--profile {name}: unknown profile; choose one of {', '.join(profile_names())}")
     return Profile.from_dict(json.loads(file.read_text()))
+
+
+_said_stale: list[str] = []
+
+
+def _say_if_stale(saved: dict) -> None:
+    """Once per process, on stderr: the saved profile was measured with other code (hetero, MLX, the BLAS), or by
+    an earlier hetero that did not record how the lanes run here; it is still used, and `hetero tune --devices`
+    measures it again."""
+    from hetero.host.settings import changed
+
+    moved = changed(saved.get("measured_with"))
+    if moved is not None and not _said_stale:
+        _said_stale.append(moved)
+        print(f"hetero: the this-machine profile was measured with other code ({moved}); `hetero tune --devices` "
+              "measures it again (until then the planner prices with it)", file=sys.stderr, flush=True)
 
 
 def default_profile_name() -> str:
