@@ -119,3 +119,15 @@ def test_the_real_timing_runs_both_prefills(engine, home):
     run = configure(engine, 0.5, 64)
     e = ttft_ratio(run, engine.tokenizer.encode("def add(a, b):\n    return a + b\n" * 20)[:256], cap_s=2.0)
     assert e.n >= 6 and e.median > 0 and run.last is None  # the split's own runs, not a request's
+
+
+def test_auto_meaning_gpu_only_prefills_on_the_engines_own_path(engine, home):
+    """A run whose plan gives the ANE nothing hands the whole prompt back to the engine (its GPU-only prefill, the
+    CPU wavefront included), never to a one-lane job graph; the tokens are the GPU-only run's."""
+    save_device_profile(SHARED)
+    run = auto_fraction(engine, 64, report=lambda line: None)
+    ids = engine.tokenizer.encode("def add(a, b):\n    return a + b\n" * 8)
+    assert run.prefill(ids)[1] == 0 and run.last is None
+    prompt = "def add(a, b):\n    return a + b\n" * 8
+    assert engine.generate(prompt, max_tokens=6, split=run, mtp=False).tokens == engine.generate(
+        prompt, max_tokens=6, mtp=False).tokens

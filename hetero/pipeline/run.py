@@ -146,7 +146,7 @@ class PipelineRun:
         so the first token's time excludes it; the effective fraction is then the share of this prompt's prefill
         FLOPs. `check` runs after each program a first-use export writes, and may raise to stop it (a server's
         stop signal)."""
-        if len(ids) >= 2:
+        if len(ids) >= 2 and self.plan.slices:
             try:
                 split = self.splitter(len(ids) - 1, check)
                 lane = self.vision_lane(split) if images is not None else None
@@ -164,7 +164,9 @@ class PipelineRun:
     ) -> tuple[list[LayerCache], int, mx.array | None]:
         """Split-prefill all but the last prompt token (which the decode path runs, giving the first logits).
 
-        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.stream`. With
+        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.stream`; a plan that
+        gives the ANE nothing (`auto` chose GPU-only) prefills nothing here: the engine's GPU-only path (the CPU
+        wavefront included) runs it. With
         `decode`, the GPU lane interleaves other requests' work while the ANE computes its share; `on_chunk(n,
         cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them). `images`: the prompt's
         `ImagePrompt` (`ids` are its tokens), prefilled at its 3-D positions; the images not encoded yet are encoded
@@ -175,7 +177,7 @@ class PipelineRun:
 
         model = self.engine.model
         cache = model.make_cache()
-        if len(ids) < 2:
+        if len(ids) < 2 or not self.plan.slices:  # nothing for the ANE (auto chose GPU-only): the engine's own path
             return cache, 0, None
         if self._gpu_only_next:  # `prepare` lost the worker for this prompt (and said so): no second try
             self._gpu_only_next = False
