@@ -7,11 +7,13 @@
    pairs, until the 95% interval of their ratio (`hetero.host.confidence`) lies below or above 1, or
    `TIMING_SECONDS` pass. The split is kept only when the whole interval lies below 1: a win beyond the noise.
    Otherwise auto means GPU-only. The decision is said once, on one line, and saved with its interval for this
-   model, fraction and code (`saved_timing`), so the next start does not time it again.
+   model, split, profile and code (`saved_timing`), so the next start does not time it again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -131,7 +133,9 @@ def timed(engine, run: PipelineRun, chunk: int, report: Callable[[str], None], t
     the decision saved (a saved one for the same split and code is reused)."""
     n = timing_tokens(run)
     key = f"{engine.identity}#auto-split"
-    split = {"fraction": run.requested_fraction, "offload": list(run.offload), "chunk": chunk, "tokens": n}
+    profile = hashlib.sha256(json.dumps(run.plan.profile.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    split = {"fraction": run.requested_fraction, "offload": list(run.offload), "chunk": chunk, "tokens": n,
+             "profile": profile}  # a profile measured again times the split again
     saved = saved_timing(key, split)
     ratio = saved if saved is not None else time_ttft(run, timing_prompt(engine, n))
     if saved is None:
