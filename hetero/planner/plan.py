@@ -21,6 +21,7 @@ from hetero.planner.predict import (
     distinct_experts,
     predict_decode,
     predict_prefill,
+    split_gpu_scale,
     verify_cost,
 )
 from hetero.planner.ranges import Ranges
@@ -249,6 +250,7 @@ def make_plan(
     assumptions = list(profile.notes)
     if not profile.measured:
         assumptions.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their peak figures on prefill matmuls (the profile's figures; `hetero tune --devices` measures this machine)")
+    assumptions += lane_assumptions(profile)
     assumptions.append(f"MTP decode assumes {accepted_length} tokens per verify pass at draft depth {draft_depth}")
     if moe is not None and args.mtp_num_hidden_layers:
         assumptions.append(f"a verify pass over {draft_depth + 1} tokens reads the experts they pick between them: "
@@ -288,6 +290,19 @@ def make_plan(
             plan.gpu_only_memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, 0,
                                           profile.gpu_wired_fraction, storage.label, 1, moe=moe, kv_label=kv_label)
     return plan
+
+
+def lane_assumptions(profile: Profile) -> list[str]:
+    """How the profile's lanes run, where that is not a Mac's two devices (`predict.Lanes`)."""
+    out = []
+    if profile.prefill_lanes > 1:
+        out.append(f"GPU-only prefill runs on {profile.prefill_lanes} CPU lanes (the wavefront), each at "
+                   f"{profile.lane_contention:.2f} of its rate while another computes")
+    if profile.ane_on_cpu:
+        out.append(f"the ANE lane computes on the CPU's cores (its backend is not Core ML): the split's two lanes run "
+                   f"at {profile.lane_contention:.2f} of their rates alone, its GPU lane at "
+                   f"{split_gpu_scale(profile):.2f} of GPU-only's lane")
+    return out
 
 
 def disk_lines(args) -> list[tuple[str, int]]:
