@@ -145,7 +145,10 @@ def test_inside_the_noise_the_verdict_is_unsettled_and_the_acceptance_model_deci
 def test_a_depth_whose_drafts_were_never_accepted_never_wins():
     d = Scripted(1.8, accepted=1.0)  # the clock says faster, but every draft was rejected
     v = decide(contest_of(d), expected=lambda *_: 2.0)
-    assert v.depth == PLAIN and v.settled and "no draft was accepted" in v.why
+    assert v.depth == PLAIN and v.settled and "almost no draft was accepted" in v.why
+    d = Scripted(1.8, accepted=1.02)  # 2% more tokens per pass: at most 1.02x, whatever the rounds cost
+    c = contest_of(d)
+    assert c.rounds == 1 and decide(c).depth == PLAIN  # one round shows it: no more measuring
 
 
 def test_the_best_paying_depth_wins_among_several():

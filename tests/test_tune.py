@@ -13,6 +13,7 @@ import hetero
 from hetero.cli.main import main
 from hetero.cli.tune import tune
 from hetero.decode.depth_calibration import calibrate
+from hetero.decode.depth_contest import can_pay
 import hetero.engine
 from hetero.host.settings import (PLAIN, measured_with, pin_tuning, remeasure_reason, save_tuning, settings_path,
                                   tuned_depth)
@@ -168,11 +169,11 @@ def assert_consistent(entry: dict) -> None:
     """A saved verdict agrees with the samples it saved: a depth that kept no draft never wins; a settled depth's
     interval lies above 1, a settled "off"'s below it for every depth that kept drafts (or the verdict says tie)."""
     depths = {int(d): v for d, v in entry["depths"].items()}
-    paying = {d: v for d, v in depths.items() if v["mean_accepted_length"] > 1.0}
+    paying = {d: v for d, v in depths.items() if can_pay(v["mean_accepted_length"])}
     verdict, choice = entry["verdict"], entry["draft_depth"]
     assert set(entry["samples"]["ratios"]) == {str(d) for d in depths}
     if not paying:
-        assert choice == PLAIN and "no draft was accepted" in verdict["why"]
+        assert choice == PLAIN and "almost no draft was accepted" in verdict["why"]
     elif verdict["settled"] and "tie" not in verdict["why"] and "as far as" not in verdict["why"]:
         if choice == PLAIN:
             assert all(v["ratio"]["high"] < 1 for v in paying.values())
@@ -206,25 +207,28 @@ def qwen4_dir(tmp_path_factory):
 
 
 def test_tune_cli_on_qwen4_saves_plain_when_its_head_is_rejected(qwen4_dir, capsys):
-    """`hetero tune` on a qwen4_exp checkpoint whose random head keeps no draft on the tune prompts: every depth is
-    measured, none may win (a head that keeps nothing cannot pay), "off" is saved and `hetero run` decodes plainly."""
-    assert main(["tune", "--model", str(qwen4_dir), "--tokens", "12"]) == 0
+    """`hetero tune` on a qwen4_exp checkpoint whose random head keeps (almost) no draft on the tune prompts (the
+    copy lane's n-gram drafts now and then): every depth is measured, none wins, "off" is saved and `hetero run`
+    decodes plainly."""
+    assert main(["tune", "--model", str(qwen4_dir), "--tokens", "12", "--seconds", "20"]) == 0
     out = capsys.readouterr().out
-    assert "no draft was accepted" in out and "saved 'off'" in out
+    assert "saved 'off'" in out
     entry = saved(hetero.load(qwen4_dir).identity)
     assert sorted(entry["depths"]) == ["1", "2", "3", "4"]
-    assert all(d["mean_accepted_length"] == 1.0 for d in entry["depths"].values())  # the head's drafts: all rejected
+    assert all(d["mean_accepted_length"] < 1.2 for d in entry["depths"].values())  # the head's drafts: rejected
     assert entry["draft_depth"] == PLAIN
+    assert_consistent(entry)
     assert "mtp" not in run_json(qwen4_dir, capsys)
 
 
 def test_first_use_calibration_on_qwen4_with_a_rejected_head_decodes_plainly(qwen4_dir, capsys):
-    """An untuned qwen4_exp run calibrates through the stepper (plain against depth 3 on the code prompt) and, its
+    """An untuned qwen4_exp run calibrates through the stepper (plain against depth 3 on the code prompts) and, its
     head's drafts rejected, saves plain decoding and decodes plainly from the first run on."""
     first = run_json(qwen4_dir, capsys)
     entry = saved(hetero.load(qwen4_dir).identity)
-    assert entry["calibrated"] == "first use" and entry["depths"]["3"]["mean_accepted_length"] == 1.0
+    assert entry["calibrated"] == "first use" and entry["depths"]["3"]["mean_accepted_length"] < 1.2
     assert entry["draft_depth"] == PLAIN and "mtp" not in first
+    assert_consistent(entry)
 
 
 def test_tune_on_qwen4_with_an_agreeing_head_measures_what_it_saves(qwen4_dir):

@@ -14,24 +14,111 @@ import sys
 import time
 from collections.abc import Callable
 
-from hetero.decode.depth_contest import Contest, DecodeFn, ExpectedFn, Verdict, accepted_any, decide, play
+from hetero.decode.depth_contest import Contest, DecodeFn, ExpectedFn, Verdict, can_pay, decide, play
 from hetero.decode.records import DecodeTimes, MTPStats
 from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.solo import decode_tokens
 from hetero.errors import HeteroError
 from hetero.host.settings import PLAIN, measured_with, save_tuning, tuning
 
-__all__ = ["accepted_any", "calibrate", "measure_depths"]
+__all__ = ["calibrate", "can_pay", "measure_depths"]
 
 CALIBRATION_TOKENS = 64  # per sample: a few dozen MTP rounds, a fraction of a second on a small model
 WARM_UP_TOKENS = 32  # each contender's first decode, untimed: enough MTP rounds to compile every shape a round takes
 CALIBRATION_SECONDS = 20.0  # the first use's time cap (a verdict still inside the noise is measured again later)
-CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n"
+# Code as a coding agent's prompts hold it, a few hundred tokens each: MTP's acceptance and the copy lane's drafts
+# depend on the context (on the bundled model, 20-token prompts measured MTP at about 1.0x plain where 256-token ones
+# of the same kind of code measured 2x, alternated on the same machine), so the prompts are not toy ones.
 PROMPTS = (
-    CODE_PROMPT,
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "def read_config(path):\n    with open(path) as f:\n        for line in f:\n            line = line.strip()\n",
+    '''import os
+import sys
+from pathlib import Path
+
+
+def find_files(root, suffix):
+    """Every file under root whose name ends with suffix, sorted."""
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(suffix):
+                found.append(Path(folder) / name)
+    return sorted(found)
+
+
+def count_lines(paths):
+    """The number of lines in each file, by path."""
+    counts = {}
+    for path in paths:
+        with open(path) as f:
+            counts[path] = sum(1 for _ in f)
+    return counts
+
+
+def main(argv):
+    """Print the line count of every Python file under the given folder."""
+    root = argv[1] if len(argv) > 1 else "."
+''',
+    '''class Stack:
+    """A last-in, first-out stack of items."""
+
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        if not self.items:
+            raise IndexError("peek at an empty stack")
+        return self.items[-1]
+
+    def __len__(self):
+        return len(self.items)
+
+
+class Queue:
+    """A first-in, first-out queue of items."""
+
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+''',
+    '''import json
+
+
+def read_config(path):
+    """Read a key = value config file into a dict, skipping comments and blank lines."""
+    config = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            config[key.strip()] = value.strip()
+    return config
+
+
+def write_config(path, config):
+    """Write a dict as a key = value config file, one line per key, sorted."""
+    with open(path, "w") as f:
+        for key in sorted(config):
+            f.write(f"{key} = {config[key]}\\n")
+
+
+def load_settings(path):
+    """Read a JSON settings file; a missing file is an empty dict."""
+    try:
+        with open(path) as f:
+''',
 )
+CODE_PROMPT = PROMPTS[0]
 
 
 def stepper_decode(engine, prompts: tuple[str, ...] = PROMPTS) -> DecodeFn:

@@ -4,9 +4,9 @@ One pair: the same prompt decoded plainly and at a depth, back to back (greedy, 
 time), giving the ratio of their tokens/s. Neighbours in time share the machine's state, so a slow minute slows both
 sides of a pair and leaves their ratio; the order inside a pair alternates, so neither side is always the first.
 Rounds of pairs over a few prompts go on until the 95% interval of the median ratio (`hetero.host.confidence`)
-excludes 1, or lies within `TIE` of it, or a time cap is reached. A depth whose drafts were never accepted cannot
-pay (each round costs a plain step's pass over more tokens, plus the drafts, for the one token plain decoding gets)
-and never wins, whatever the clock said.
+excludes 1, or lies within `TIE` of it, or a time cap is reached. A depth whose drafts are (almost) never accepted
+cannot pay (`can_pay`: each round costs at least a plain step for its accepted length of tokens) and never wins,
+whatever the clock said.
 
 `decide` turns the samples into a `Verdict`: beyond the noise, the faster; inside it, the better expected rate (the
 acceptance model's prediction from the measured accepted length, where one is given) and `settled` False, so the
@@ -31,9 +31,11 @@ TIE = 1.03  # a ratio whose interval lies within 3% of 1 either way: a tie, not 
 MAX_PAIRS = 60  # per depth, over every chance: past this, the interval is as narrow as this machine lets it get
 
 
-def accepted_any(mean_accepted_length: float | None) -> bool:
-    """Whether speculative decoding kept any draft (a mean accepted length above 1)."""
-    return mean_accepted_length is not None and mean_accepted_length > 1.0
+def can_pay(mean_accepted_length: float | None) -> bool:
+    """Whether a depth keeping this many tokens per verify pass could beat plain decoding by more than a tie. A
+    round costs at least one plain step (its verify pass) and yields the accepted length L, so MTP runs at most L
+    times plain's rate: at L <= `TIE` (a head that keeps almost no draft) it can win nothing worth measuring."""
+    return mean_accepted_length is not None and mean_accepted_length > TIE
 
 
 @dataclass
@@ -67,7 +69,7 @@ class Contest:
 
     def paying(self) -> list[int]:
         """The depths that had drafts accepted (only they can win)."""
-        return [d for d in self.depths if accepted_any(self.accepted_length(d))]
+        return [d for d in self.depths if can_pay(self.accepted_length(d))]
 
     def best(self) -> int | None:
         """The paying depth with the highest median ratio (None: none pays)."""
@@ -128,7 +130,7 @@ def play(decode: DecodeFn, contest: Contest, prompts: int, tokens: int, cap_s: f
                 break
         else:
             contest.rounds += 1
-        hopeless = contest.rounds >= 1 and contest.best() is None  # no depth kept a draft on any prompt
+        hopeless = contest.rounds >= 1 and contest.best() is None  # no depth keeps drafts enough to pay
         if out_of_time() or contest.pairs >= MAX_PAIRS or hopeless or (contest.rounds >= least_rounds
                                                                          and contest.decided()):
             contest.seconds += clock() - start
@@ -160,8 +162,9 @@ def decide(contest: Contest, expected: ExpectedFn | None = None) -> Verdict:
         return Verdict(contest.depths[0], False, "nothing was timed (every prompt ended at its first token)")
     best = contest.best()
     if best is None:
-        return Verdict(PLAIN, True, f"no draft was accepted at depth {', '.join(map(str, contest.depths))}: "
-                                    "speculative decoding cannot pay")
+        return Verdict(PLAIN, True, f"almost no draft was accepted at depth {', '.join(map(str, contest.depths))} "
+                                    f"(at most {max(contest.accepted_length(d) for d in contest.depths):.2f} tokens "
+                                    "per pass): speculative decoding cannot pay")
     e, length = contest.estimate(best), contest.accepted_length(best)
     at = f"MTP at depth {best} decodes {ratio_text(e)} plain's tokens/s"
     if e.above(1.0):
