@@ -32,9 +32,9 @@ from hetero.models.kv_quant import kv_quant
 from hetero.pipeline import split_for
 from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
+from hetero.server.idle_tuning import IdleTuning
 from hetero.server.metrics import CONTENT_TYPE, Metrics
 from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser, RequestError
-from hetero.server.idle_tuning import IdleTuning
 from hetero.server.responses import ResponseStore, parse_responses
 from hetero.server.responses_output import ResponsesOutput
 from hetero.server.runner import Runner
