@@ -35,6 +35,23 @@ class LoadWindow:
                        "others_cores": None if others is None else round(others, 3)}
 
 
+def others_now(window_s: float = 1.0) -> float | None:
+    """The cores other processes keep busy, over the next `window_s` seconds (this process idle meanwhile)."""
+    with LoadWindow() as w:
+        time.sleep(window_s)
+    return w.result["others_cores"]
+
+
+def wait_quiet(most: float = 0.25, timeout_s: float = 300.0, window_s: float = 1.0) -> float:
+    """Wait (up to `timeout_s`) until other processes keep at most `most` of a core busy; the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        others = others_now(window_s)
+        if others is None or others <= most:
+            break
+    return time.perf_counter() - start
+
+
 def _own() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system

@@ -21,7 +21,9 @@ The model has the bundled model's layer pattern at a larger width (random weight
 model's 4096-token maximum). Contenders are warmed up, then alternated with the order rotating each round; each
 split's TTFT (prefill of the whole prompt + its last logits) is divided by GPU-only's of the same round, and the
 median, spread and (with 6 rounds or more) 95% interval of those ratios are reported, with both lanes' busy time,
-the overlap (measured and predicted) and the machine's load during each size (the machine is shared).
+the overlap (measured and predicted) and the machine's load during each size. The machine is shared: the lanes are
+measured, and each round is run, in a quiet spell (other processes under `QUIET_CORES` of a core), and a round
+others disturbed is run again (up to `RETRIES` times; what other processes used during each round is recorded).
 The recommended split is checked against GPU-only with `verify` (logits and greedy continuation) at every size.
 JSON to bench/results/ttft.json; PNGs: ttft.png (TTFT bars) and ttft_timeline.png (both lanes of one split run).
 `--outliers` runs the same on the model with real LLMs' massive activations (tests/outliers.py) and writes
@@ -67,7 +69,7 @@ if __name__ == "__main__":
 else:  # imported by another bench: one BLAS thread per lane, as before
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-from bench.machine_load import LoadWindow, shared  # noqa: E402
+from bench.machine_load import LoadWindow, shared, wait_quiet  # noqa: E402
 from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
 
 SHAPE = dict(  # the bundled model's layer pattern (3 GDN : 1 attention), wider
@@ -165,17 +167,30 @@ def predicted(engine, profile: dict, fraction: float, offload: tuple[str, ...], 
             "predicted_ane_busy_s": pr["split_ane_busy_s"], "predicted_overlap": pr["overlap"]}
 
 
+QUIET_CORES = 0.3  # a round during which other processes kept more of a core busy is measured again
+RETRIES = 3  # ... at most this many times (then kept, and its load recorded)
+
+
 def alternate(runs: dict, repeats: int) -> dict[str, list]:
     """Each contender once to warm up, then `repeats` rounds with the order rotating each round; name -> per round
-    (seconds, its result)."""
+    (seconds, its result, the cores other processes kept busy meanwhile). The machine is shared: each round waits
+    for a quiet spell first, and a round that others disturbed (more than `QUIET_CORES`) is measured again."""
     for fn in runs.values():
         fn()
     names, out = list(runs), {k: [] for k in runs}
     for r in range(repeats):
-        for k in names[r % len(names):] + names[: r % len(names)]:
-            t = time.perf_counter()
-            res = runs[k]()
-            out[k].append((time.perf_counter() - t, res))
+        for _ in range(RETRIES + 1):
+            wait_quiet(QUIET_CORES)
+            got = {}
+            for k in names[r % len(names):] + names[: r % len(names)]:
+                with LoadWindow() as w:
+                    t = time.perf_counter()
+                    res = runs[k]()
+                    got[k] = (time.perf_counter() - t, res, w.result["others_cores"])
+            if all((o or 0.0) <= QUIET_CORES for _, _, o in got.values()):
+                break
+        for k, v in got.items():
+            out[k].append(v)
     return out
 
 
@@ -195,18 +210,20 @@ def measure_size(engine, profile: dict, fractions: dict[str, tuple[float, tuple[
     metrics = ("gpu_busy_s", "ane_busy_s", "overlap", "ipc_s", "worker_s")
     with LoadWindow() as w:
         got = alternate(contenders(engine, fractions, n), repeats)
-    base = [t for t, _ in got[GPU_ONLY]]
+    base = [t for t, _, _ in got[GPU_ONLY]]
     out = {}
     for k, rounds in got.items():
-        ttft = [t for t, _ in rounds]
+        ttft = [t for t, _, _ in rounds]
         fraction, offload = fractions.get(k, (0.0, ()))
         med = statistics.median(ttft)
         row = {"fraction": fraction, "offload": list(offload), "ttft_s": med, "ttft_min_s": min(ttft),
                "ttft_max_s": max(ttft), "runs": len(ttft), "prefill_tps": n / med,
                **predicted(engine, profile, fraction, offload, n)}
         row["efficiency"] = med / row["predicted_s"]  # achieved / predicted: 1 is the schedule the planner models
+        row["efficiency_best"] = min(ttft) / row["predicted_s"]  # the least disturbed round's
         row["prediction_error"] = row["predicted_s"] / med - 1
-        results = [res for _, res in rounds if res is not None]
+        row["others_cores"] = [o for _, _, o in rounds]
+        results = [res for _, res, _ in rounds if res is not None]
         if results:
             row.update({m: statistics.median(getattr(r, m) for r in results) for m in metrics})
             row["ipc_share_of_ane_lane"] = row["ipc_s"] / max(row["ane_busy_s"], 1e-9)
@@ -346,6 +363,7 @@ def one_core(a: argparse.Namespace) -> None:
 
     out_dir = Path(a.out)
     engine = build_engine(Path(os.environ["HETERO_HOME"]), a.outliers)
+    wait_quiet(QUIET_CORES)  # the lanes' rates are the prediction's: measured in a quiet spell
     profile = measure(report=lambda line: print(line, flush=True), sizes=Sizes.for_model(SHAPE, CHUNK))
     rec, plan = recommend(engine.config, Profile.from_dict(profile), 8192, CHUNK)
     if not rec:  # two busy cores run each lane so slowly that no split pays: still measure the split it would be
@@ -413,6 +431,7 @@ def document(profile: dict, rec: float, plan, recommended: str, results: dict, c
     split = {n: results[n][recommended] for n in results}
     ratio = {n: split[n]["vs_gpu_only"]["median"] for n in long}
     efficiency = {n: split[n]["efficiency"] for n in results}
+    best = {n: split[n]["efficiency_best"] for n in results}
     return {
         "environment": environment(), "device_model": "one-core", "model_shape": SHAPE, "chunk": CHUNK,
         "this_machine_profile": profile, "recommended_fraction": rec, "recommended_offload": list(plan.offload),
@@ -424,7 +443,7 @@ def document(profile: dict, rec: float, plan, recommended: str, results: dict, c
                    "greedy_identical": all(c["match"] for c in checks.values()),
                    # no schedule beats its GPU lane's own busy time
                    "gpu_lane_bound": {n: split[n]["gpu_busy_s"] / results[n][GPU_ONLY]["ttft_s"] for n in long}},
-        "efficiency": {"achieved_over_predicted": efficiency, "within": EFFICIENCY_WITHIN,
+        "efficiency": {"achieved_over_predicted": efficiency, "best_round": best, "within": EFFICIENCY_WITHIN,
                        "met": all(abs(efficiency[n] - 1) <= EFFICIENCY_WITHIN for n in long) if long else None,
                        "gpu_only": {n: results[n][GPU_ONLY]["efficiency"] for n in results}},
         "overlap": {n: {"measured": split[n]["overlap"], "predicted": split[n]["predicted_overlap"]} for n in results},

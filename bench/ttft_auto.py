@@ -18,8 +18,8 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.machine_load import LoadWindow, shared
-from bench.ttft import CHUNK, GPU_ONLY, LAYOUTS, alternate, build_engine, prompt_ids, ratio_summary
+from bench.machine_load import LoadWindow, shared, wait_quiet
+from bench.ttft import CHUNK, GPU_ONLY, LAYOUTS, QUIET_CORES, alternate, build_engine, prompt_ids, ratio_summary
 from hetero.host.blas import environment
 
 AUTO_AT_MOST = 1.02  # auto's TTFT over GPU-only's, every layout and size (issue 51)
@@ -50,6 +50,7 @@ def one_layout(layout: str, sizes: list[int], repeats: int) -> dict:
 
     shape = LAYOUTS[layout]
     engine = build_engine(Path(os.environ["HETERO_HOME"]), shape=shape, name=layout)
+    wait_quiet(QUIET_CORES)  # as a user measures: on a machine doing nothing else
     profile = measure(report=lambda line: print(f"{layout}: {line}", flush=True), sizes=Sizes.for_model(shape, CHUNK))
     save_device_profile(profile)  # what `--ane-fraction auto` reads
     said: list[str] = []
@@ -64,10 +65,10 @@ def one_layout(layout: str, sizes: list[int], repeats: int) -> dict:
                 "auto": auto_prefill(engine, run, ids)}
         with LoadWindow() as w:
             got = alternate(runs, repeats)
-        gpu, auto = ([t for t, _ in got[k]] for k in (GPU_ONLY, "auto"))
+        gpu, auto = ([t for t, _, _ in got[k]] for k in (GPU_ONLY, "auto"))
         row["sizes"][str(n)] = {"gpu_only_s": statistics.median(gpu), "auto_s": statistics.median(auto),
                                 "auto_vs_gpu_only": ratio_summary([x / g for x, g in zip(auto, gpu)]),
-                                "machine": w.result}
+                                "others_cores": [o for _, _, o in got["auto"]], "machine": w.result}
         r = row["sizes"][str(n)]
         print(f"{layout} {n:>6}: GPU-only {r['gpu_only_s']:.2f}s, auto {r['auto_s']:.2f}s: "
               f"{r['auto_vs_gpu_only']['median']:.3f}x ({r['auto_vs_gpu_only']['min']:.3f}-"
