@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from hetero.checkpoint.fingerprint import checkpoint_identity, weights_fingerpri
 from hetero.checkpoint.loader import load_model
 from hetero.checkpoint.tokenizer import Tokenizer, eos_ids
 from hetero.decode import wavefront
-from hetero.decode.depth_calibration import calibrate
+from hetero.decode.depth_calibration import calibrate, stderr_line
 from hetero.decode.logprobs import LogprobRecorder, TokenLogprob
 from hetero.decode.options import DecodeOptions
 from hetero.decode.parts import RowParts
@@ -30,7 +29,7 @@ from hetero.decode.solo import decode_tokens
 from hetero.decode.state import Decoder
 from hetero.errors import HeteroError
 from hetero.host import kernels
-from hetero.host.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH, remeasure_reason, tuned_depth
 from hetero.models.cache import ModelCache
 from hetero.host.wired import wire_working_set
 from hetero.models.interface import CausalLM
@@ -72,6 +71,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         self.memory_gb: float | None = None  # RAM the memory governor budgets (None: this machine's)
         self._grammar_tokenizer = None  # llguidance's tokenizer, built on the first constrained request
+        self._depth_checked = False  # whether this engine looked at its draft-depth verdict (measured again if stale)
         # the vision tower and image processor of a checkpoint that has them (None: it reads text only)
         self.vision = Vision.of(path, config, tokenizer, model.model.norm.weight.dtype)
 
@@ -81,15 +81,18 @@ class Engine:
         return checkpoint_identity(self.name, self.config)
 
     def default_depth(self) -> int | str | None:
-        """How this model decodes here when the caller does not say: the depth `hetero tune` saved, PLAIN ("off"),
-        or, for a model with an MTP head never measured on this machine, the result of a short calibration run
-        now (`hetero.decode.depth_calibration`, once: it is saved). None for a model without an MTP head."""
+        """How this model decodes here when the caller does not say: the saved verdict's depth or PLAIN ("off").
+        A model with an MTP head never measured on this machine, or whose verdict is stale or was inside the noise
+        (`hetero.host.settings.remeasure_reason`), is measured first (`hetero.decode.depth_calibration`, at most
+        once per engine: the verdict is saved). None for a model without an MTP head."""
         if not self.model.has_mtp:
             return None
-        tuned = tuned_depth(self.identity)
-        if tuned is None:
-            tuned = calibrate(self, DEFAULT_DRAFT_DEPTH, report=lambda line: print(line, file=sys.stderr, flush=True))
-        return tuned
+        if not self._depth_checked:
+            self._depth_checked = True
+            why = remeasure_reason(self.identity)
+            if why is not None:
+                return calibrate(self, DEFAULT_DRAFT_DEPTH, report=stderr_line, why=why)
+        return tuned_depth(self.identity)
 
     @property
     def cache_key(self) -> str:

@@ -30,7 +30,7 @@ import hetero.engine  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hetero.checkpoint.source import BUNDLED_MODEL, read_config  # noqa: E402
-from hetero.host.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH, pin_tuning  # noqa: E402
 
 # A draw's outcome depends on its seed alone: not on the machine's load (no per-example deadline, no timing health
 # check; speed is measured in bench/) nor on what an earlier run left in .hypothesis/ (no example database).
@@ -43,10 +43,10 @@ pytest_plugins = ["cpu_durations", "schedule"]
 PINNED = "pinned by tests/conftest.py"  # the `calibrated` field of a pinned decision
 
 
-def pinned_calibration(engine, depth: int, report=print) -> int:
-    """In place of `hetero.decode.depth_calibration.calibrate` in this process: saves MTP at `depth` for `engine` as first use
-    would, without measuring anything."""
-    save_tuning(engine.identity, {"draft_depth": depth, "calibrated": PINNED})
+def pinned_calibration(engine, depth: int, report=print, **_) -> int:
+    """In place of `hetero.decode.depth_calibration.calibrate` in this process: saves MTP at `depth` for `engine` as a
+    settled verdict, without measuring anything."""
+    pin_tuning(engine.identity, depth, PINNED)
     return depth
 
 
@@ -55,7 +55,7 @@ hetero.engine.calibrate = pinned_calibration  # every engine of this process (te
 # the bundled model's identity is fixed, so its entry is written now (Engine.identity's own code, without weights).
 BUNDLED_IDENTITY = hetero.engine.Engine.identity.fget(types.SimpleNamespace(name="bundled",
                                                                             config=read_config(BUNDLED_MODEL)))
-save_tuning(BUNDLED_IDENTITY, {"draft_depth": DEFAULT_DRAFT_DEPTH, "calibrated": PINNED})
+pin_tuning(BUNDLED_IDENTITY, DEFAULT_DRAFT_DEPTH, PINNED)
 
 
 @pytest.fixture(scope="session")

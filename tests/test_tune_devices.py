@@ -30,6 +30,8 @@ SECONDS = {"gpu matmul": 0.002, "gpu bandwidth": 0.004, "host bandwidth": 0.003,
            "gpu attention d32": 0.020, "gpu cache fill d64": 0.001, "gpu attention d64": 0.030,
            "decode step": 0.010, "verify pass": 0.016, "ane mlp": 0.006, "ane call": 0.0005,
            "ane attention d32": 0.012, "ane attention d64": 0.020}
+if measure_mod.measures_contention():  # two lanes can compute at once here (a CPU of two cores or more)
+    SECONDS.update({"lane matmul alone": 0.002, "lane matmul, two lanes": 0.0025})
 
 
 class ScriptedTimer:
@@ -120,6 +122,42 @@ def test_saved_ane_figures_are_the_measured_ones(tuned):
     assert p.ane_attention_score_s == pytest.approx(per_score, rel=1e-12)
 
 
+def test_how_the_lanes_run_here_is_measured_and_saved(tuned):
+    """GPU-only prefill's lanes and threads are the wavefront's here, the ANE lane's backend computes on the CPU, and
+    a lane's rate with a second lane busy is the timings' quotient (1 where two lanes cannot run at once)."""
+    from hetero.decode import wavefront
+    from hetero.host import blas
+    from hetero.host.settings import measured_with
+
+    _, _, lines, p, _ = tuned
+    assert p.prefill_lanes == wavefront.chunks_in_flight() and p.cpu_cores == blas.usable_cores()
+    assert p.lane_threads == (1 if p.prefill_lanes > 1 else blas.threads_in_use())
+    assert p.ane_on_cpu and p.measured_with == measured_with()
+    if measure_mod.measures_contention():
+        assert p.lane_contention == pytest.approx(0.002 / 0.0025) and any("at 0.80 of its rate" in x for x in lines)
+    else:
+        assert p.lane_contention == 1.0
+
+
+def test_the_confident_timer_repeats_until_the_median_is_known_to_5_percent():
+    """On a scripted clock: noisy calls (a burst every 4th) are repeated past the least count until the interval of
+    the median lies within 5% of it; each estimate is kept by name, as the profile saves it."""
+    durations = iter([0.009] + [0.001, 0.00102, 0.00098, 0.003] * 20)  # seconds; the first call is the warm-up
+    now = [0.0]
+
+    def call():
+        now[0] += next(durations)
+
+    timer = measure_mod.ConfidentTimer(clock=lambda: now[0])
+    median = timer("gpu matmul", call, 3)
+    e = timer.estimates["gpu matmul"]
+    assert median == e.median and 0.00098 <= median <= 0.00102
+    assert e.n > 6 and e.spread() <= 0.05 and e.low >= 0.00098 and e.high <= 0.00102
+    slow = measure_mod.ConfidentTimer(cap_s=5.0, clock=lambda: now[0])
+    durations = iter([1.0, 1.0, 2.0] * 40)
+    assert slow("ane call", call, 3) in (1.0, 2.0) and slow.estimates["ane call"].n == 6  # the cap: 6 calls in
+
+
 def test_no_per_process_ane_limit_is_claimed(tuned):
     _, _, _, p, _ = tuned
     assert p.ane_process_weight_limit_gb is None and "ane_process_weight_limit_gb" in p.unknown
@@ -194,3 +232,21 @@ def test_measurements_cycle_through_enough_copies_to_defeat_the_caches():
     big, copies = measure_mod.IN_FLOW_BYTES, measure_mod._copies
     assert copies(big) == 1 and copies(big // 2) == 2 and copies(big // 4) == 4 and copies(big // 4 - 1) == 5
     assert copies(1) == measure_mod.MAX_COPIES and copies(10 * big) == 1
+
+
+def test_a_profile_measured_with_other_code_is_used_and_said_stale_once(tmp_path, monkeypatch, capsys):
+    import hetero.profiles as profiles
+    from hetero.host.settings import measured_with, save_device_profile
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path))
+    monkeypatch.setattr(profiles, "_said_stale", [])
+    base = {"name": THIS_MACHINE, "chip": "test", "source": "test", "measured": True, "memory_bandwidth_gbs": 10.0,
+            "gpu_fp32_tflops": 0.01, "ane_fp16_tflops": 0.01, "ane_bandwidth_gbs": None, "ram_gb": 8,
+            "gpu_efficiency": 1.0, "ane_efficiency": 1.0}
+    save_device_profile({**base, "measured_with": measured_with()})
+    load_profile(THIS_MACHINE)
+    assert capsys.readouterr().err == ""
+    save_device_profile({**base, "measured_with": {**measured_with(), "mlx": "0.0.1"}})
+    assert load_profile(THIS_MACHINE).gpu_fp32_tflops == 0.01 and load_profile(THIS_MACHINE).measured
+    err = capsys.readouterr().err
+    assert err.count("measured with other code (mlx 0.0.1 -> ") == 1 and "hetero tune --devices" in err

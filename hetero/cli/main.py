@@ -17,6 +17,7 @@ from hetero.cli.doctor import doctor, print_report
 from hetero.cli.measure import Sizes, measure
 from hetero.cli.parser import build_parser
 from hetero.cli.quantize import quantize_checkpoint
+from hetero.cli.tune import show as show_settings
 from hetero.cli.tune import tune
 from hetero.coreml.export import export_coreml, lint_export
 from hetero.decode.options import DecodeOptions
@@ -180,6 +181,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
 
+    if args.show:
+        show_settings()
+        return 0
     if args.devices:
 
         # with --model, at that model's shapes (rates depend on the sizes they are measured at)
@@ -191,7 +195,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     engine = hetero.load(args.model, args.dtype)
     if not engine.model.has_mtp:
         raise HeteroError(f"{engine.name} has no MTP head: there is no draft depth to tune")
-    tune(engine, tokens=args.tokens)
+    tune(engine, tokens=args.tokens, cap_s=args.seconds)
     return 0
 
 

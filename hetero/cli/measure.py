@@ -2,13 +2,20 @@
 
 GPU lane: MLX matmul throughput at prefill shapes (in the dtype the engine loads models in) and bandwidth of a
 large reduction (MLX's or numpy's, the faster); a decoder MLP's matmuls at one token (a plain decode step) and at k+1 tokens (an MTP verify
-pass). ANE lane: the same backend the pipeline uses (Core ML on macOS, the reference executor elsewhere)
-running an exported MLP program; its fixed cost per call from a tiny program. Each figure is the median of
-several timed runs after a warm-up; the timer and the sizes are parameters, so tests can script the times.
+pass). ANE lane: the same backend the pipeline uses (Core ML on macOS, the reference executor elsewhere), in the
+lane's worker process as a split runs it, running an exported MLP program; its fixed cost per call from a tiny
+program. How the lanes run here: GPU-only prefill's lanes (the CPU wavefront's two, each on one BLAS thread: the GPU
+lane is measured so), the cores, and a CPU lane's matmul rate while another lane runs the same products on another
+core (`lane_contention`).
+
+Each figure is the median of timed runs after a warm-up, repeated until its 95% interval lies within 5% of it or
+10 s pass (`ConfidentTimer`, `hetero.host.confidence`): the profile keeps each timing's median, interval and samples
+(`confidence`) and what it was measured with. The timer and the sizes are parameters, so tests can script the times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import tempfile
@@ -20,8 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from hetero.checkpoint.dtypes import default_dtype
+from hetero.decode import wavefront
+from hetero.host import blas
+from hetero.host.confidence import MIN_SAMPLES, repeat
 from hetero.host.environment import environment
-from hetero.host.settings import DEFAULT_DRAFT_DEPTH
+from hetero.host.settings import DEFAULT_DRAFT_DEPTH, measured_with
 from hetero.models.cache import GDNCache
 from hetero.models.cache import KVCache
 from hetero.models.qwen3_5 import Attention
@@ -52,8 +62,31 @@ def median_seconds(fn: Callable[[], object], repeats: int, clock: Callable[[], f
 
 
 def timed(what: str, fn: Callable[[], object], repeats: int) -> float:
-    """The default `Timer`: median wall time of fn() (`what` is for timers that script or log the times)."""
+    """Median wall time of fn() over `repeats` calls after a warm-up (`what` is for timers that script or log)."""
     return median_seconds(fn, repeats)
+
+
+class ConfidentTimer:
+    """The default `Timer`: fn() after a warm-up, timed at least `repeats` (and `MIN_SAMPLES`) times and then until
+    the 95% interval of the median lies within `spread` of it, `most` samples or `cap_s` seconds; the median is the
+    figure, and each timing's estimate is kept by name (`estimates`) for the profile."""
+
+    def __init__(self, spread: float = 0.05, cap_s: float = 10.0, most: int = 40,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.spread, self.cap_s, self.most, self.clock = spread, cap_s, most, clock
+        self.estimates: dict = {}
+
+    def __call__(self, what: str, fn: Callable[[], object], repeats: int) -> float:
+        fn()  # warm-up: first calls compile and allocate
+
+        def once() -> float:
+            t = self.clock()
+            fn()
+            return self.clock() - t
+
+        narrow = lambda e: e.spread() is not None and e.spread() <= self.spread  # noqa: E731
+        self.estimates[what], _ = repeat(once, narrow, max(repeats, MIN_SAMPLES), self.most, self.cap_s, self.clock)
+        return self.estimates[what].median
 
 
 @dataclass(frozen=True)
@@ -219,14 +252,15 @@ def gpu_attention(flops_rate: float, repeats: int = 3, a: dict = ATTENTION_SHAPE
 
 
 def ane_attention(flops_rate: float, call_s: float, repeats: int = 3, a: dict = ATTENTION_SHAPE,
-                  timer: Timer = timed) -> tuple[float, float]:
+                  timer: Timer = timed, loader: Callable[[Path], Callable] | None = None) -> tuple[float, float]:
     """(matmul efficiency, seconds per score) of one KV group's attention program (static cache) on the ANE
-    backend, relative to the lane's MLP rate; timed at two head sizes as `gpu_attention` is."""
+    backend, relative to the lane's MLP rate; timed at two head sizes as `gpu_attention` is. `loader`: as
+    `ane_lane`'s."""
     from hetero.coreml.graphs.attention import (AttentionShape, AttentionWeights, attention_masks, build_attention,
                                          cache_inputs, rope_tables)
     from hetero.coreml.graphs.package import save_program
 
-    _, loader = ane_backend()
+    loader = loader or ane_backend()[1]
     heads, h, S = a["heads"] // a["kv_heads"], a["hidden"], a["chunk"]
     rng = np.random.default_rng(0)
     w = lambda *dims: (rng.standard_normal(dims) / np.sqrt(dims[-1])).astype(np.float32)  # noqa: E731
@@ -293,28 +327,73 @@ def ane_lane(chunk: int = 256, hidden: int = 1024, channels: int = 2048, repeats
     return name, flops / max(big - small, 1e-9), small
 
 
-def measure(report: Callable[[str], None] = print, timer: Timer = timed, sizes: Sizes = Sizes()) -> dict:
-    """Measure both lanes; returns the `this-machine` profile (a dict `Profile.from_dict` reads), every figure
-    exactly as measured."""
+def measures_contention() -> bool:
+    """Whether two CPU lanes can compute here at once (the GPU lane is MLX on the CPU, with two cores or more): then
+    `lane_contention` is measured, else it is 1."""
+    import mlx.core as mx
 
+    return mx.default_device() == mx.cpu and blas.usable_cores() >= 2
+
+
+def lane_contention(chunk: int, hidden: int, out: int, timer: Timer) -> float:
+    """A CPU lane's matmul rate while a second lane (the wavefront's, on another core) runs the same products, over
+    its rate alone; both lanes on one BLAS thread, as the wavefront's and the split's lanes run."""
+    import mlx.core as mx
+
+    dtype = default_dtype()
+    x = mx.random.normal((chunk, hidden)).astype(dtype)  # [S, hidden]
+    ws = [mx.random.normal((out, hidden)).astype(dtype) for _ in range(_copies(out * hidden * dtype.size))]
+    mx.eval(x, *ws)
+    work = lambda: mx.eval(*[x @ w.T for w in ws])  # noqa: E731  [S, out] each
+
+    def two_lanes() -> None:
+        other = wavefront.on_second_lane(work)
+        work()
+        other.wait()
+
+    with blas.one_thread():
+        alone = timer("lane matmul alone", work, 3)
+        together = timer("lane matmul, two lanes", two_lanes, 3)
+    return min(1.0, alone / together)
+
+
+def measure(report: Callable[[str], None] = print, timer: Timer | None = None, sizes: Sizes = Sizes(),
+            loader: Callable[[Path], Callable] | None = None) -> dict:
+    """Measure both lanes and how they run here; returns the `this-machine` profile (a dict `Profile.from_dict`
+    reads), every figure exactly as measured. `loader` loads the ANE lane's programs (default: into the lane's
+    worker process, as a split runs them); `timer` defaults to a `ConfidentTimer`."""
+    from hetero.pipeline.ane_process import shared_worker
+
+    timer = timer if timer is not None else ConfidentTimer()
     z, a = sizes, sizes.attention
-    gpu_flops, gpu_bw = gpu_lane(z.chunk, z.hidden, z.out, reduce_elements=z.reduce_elements, timer=timer)
-    rec = gpu_recurrence(gpu_flops, z.recurrence_tokens, z.gdn, timer=timer)
-    report(f"GPU lane (MLX {environment()['device']}): {gpu_flops / 1e9:.1f} GFLOP/s, {gpu_bw / 1e9:.1f} GB/s, "
-           f"GDN recurrence at {rec:.2f} of that rate")
-    gpu_attn, score_s = gpu_attention(gpu_flops, a=a, timer=timer)
+    lanes = wavefront.chunks_in_flight()  # GPU-only prefill's lanes here, each on one BLAS thread when two
+    with blas.one_thread() if lanes > 1 else contextlib.nullcontext():
+        threads = blas.threads_in_use()
+        gpu_flops, gpu_bw = gpu_lane(z.chunk, z.hidden, z.out, reduce_elements=z.reduce_elements, timer=timer)
+        rec = gpu_recurrence(gpu_flops, z.recurrence_tokens, z.gdn, timer=timer)
+        gpu_attn, score_s = gpu_attention(gpu_flops, a=a, timer=timer)
+    report(f"GPU lane (MLX {environment()['device']}, {threads} BLAS thread(s), GPU-only prefill on {lanes} "
+           f"lane(s)): {gpu_flops / 1e9:.1f} GFLOP/s, {gpu_bw / 1e9:.1f} GB/s, GDN recurrence at {rec:.2f} of that rate")
     report(f"GPU lane attention (chunk {a['chunk']} over {a['context']} tokens): matmuls at {gpu_attn:.2f} of the "
            f"matmul rate, {score_s * 1e9:.2f} ns per score for the softmax")
+    contention = lane_contention(z.chunk, z.hidden, z.out, timer) if measures_contention() else 1.0
+    report(f"two CPU lanes at once: each at {contention:.2f} of its rate alone")
     verify_tokens = z.draft_depth + 1
     decode_eff, verify = decode_verify(gpu_bw, verify_tokens, z.decode_hidden, z.decode_intermediate, timer=timer)
     report(f"GPU lane decode ({z.decode_hidden}x{z.decode_intermediate} MLP): one token reads weights at "
            f"{decode_eff:.2f} of that bandwidth; a verify pass over {verify_tokens} tokens costs {verify:.2f} steps")
-    backend, ane_flops, call = ane_lane(z.chunk, z.hidden, z.mlp_channels, timer=timer)
-    ane_attn = ane_attention(ane_flops, call, a=a, timer=timer)
+    loader = loader or shared_worker().load
+    backend, ane_flops, call = ane_lane(z.chunk, z.hidden, z.mlp_channels, timer=timer, loader=loader)
+    ane_attn = ane_attention(ane_flops, call, a=a, timer=timer, loader=loader)
     report(f"ANE lane ({backend}): {ane_flops / 1e9:.1f} GFLOP/s, {call * 1e3:.2f} ms per call; attention's "
            f"matmuls at {ane_attn[0]:.2f} of that rate, {ane_attn[1] * 1e9:.2f} ns per score")
-    return profile_dict(backend, gpu_flops, gpu_bw, rec, (gpu_attn, score_s), decode_eff, verify, verify_tokens,
-                        ane_flops, call, ane_attn, physical_memory_bytes(), environment())
+    profile = profile_dict(backend, gpu_flops, gpu_bw, rec, (gpu_attn, score_s), decode_eff, verify, verify_tokens,
+                           ane_flops, call, ane_attn, physical_memory_bytes(), environment())
+    estimates = getattr(timer, "estimates", {})
+    profile.update(prefill_lanes=lanes, lane_threads=threads, cpu_cores=blas.usable_cores(),
+                   lane_contention=contention, ane_on_cpu=backend != "Core ML", measured_with=measured_with(),
+                   confidence={k: {**e.to_dict(), "spread": e.spread()} for k, e in estimates.items()})
+    return profile
 
 
 def profile_dict(backend: str, gpu_flops: float, gpu_bw: float, rec: float, gpu_attn: tuple[float, float],

@@ -7,6 +7,7 @@ import os
 
 from hetero import __version__
 from hetero.checkpoint.dtypes import DTYPES, dtype_name, parse_dtype, platform_dtype
+from hetero.cli.tune import TUNE_SECONDS
 from hetero.coreml.export import DEFAULT_WEIGHT_FORM, WEIGHT_FORMS
 from hetero.decode.depth import DEPTH
 from hetero.decode.penalties import BIAS, FREQUENCY, PRESENCE, REPETITION
@@ -170,10 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--context", type=POSITIVE_INT, default=4096, help="context length for the peak-memory estimate")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    tune = sub.add_parser("tune", help="measure plain decoding and MTP draft depths here; save the fastest")
+    tune = sub.add_parser("tune", help="measure plain decoding and MTP draft depths here, until the verdict is beyond "
+                                       "the noise; save it")
     _add_model(tune)
     _add_dtype(tune)
     tune.add_argument("--tokens", type=POSITIVE_INT, default=256, help="tokens decoded per prompt and setting")
+    tune.add_argument("--seconds", type=POSITIVE, default=TUNE_SECONDS,
+                      help=f"time cap of the measurement (default {TUNE_SECONDS:g}); a verdict still inside the noise "
+                           "is measured again later")
+    tune.add_argument("--show", action="store_true",
+                      help="print what is saved for this machine (each verdict and why, the device profile) and what "
+                           "would be measured again; measures nothing")
     tune.add_argument("--devices", action="store_true",
                       help="measure the GPU lane (MLX) and the ANE lane (with --model: at its shapes); save them as "
                            "the this-machine profile")

@@ -121,6 +121,12 @@ def _second_lane() -> _Lane:
         return _lane[0]
 
 
+def on_second_lane(job: Callable[[], None]) -> threading.Event:
+    """Run `job` on the second lane (its own thread and MLX stream); the event is set once it ran (`hetero tune
+    --devices` times two lanes at once with it). What `job` reads must be evaluated already."""
+    return _second_lane().submit(job)
+
+
 class _Aborted(Exception):
     """The other lane failed: this one stops (the other lane's error is raised)."""
 

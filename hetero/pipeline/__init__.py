@@ -20,22 +20,16 @@ two jobs whose `merge` (GPU lane) combines them exactly where the math allows (s
 
 Modules: `lanes` (lanes, the job scheduler, decode interleaving, trace), `programs` (ANE backend, export cache),
 `shares` (the GPU's slices), `piece_jobs` (each layer's pieces for a chunk as jobs, reading and writing the residual
-stream as the architecture's layer does), `split` (the split prefill), `run` (a configured split: its plan, `auto`),
+stream as the architecture's layer does), `split` (the split prefill), `run` (a configured split: its plan), `auto`
+(`--ane-fraction auto`: the recommended split, verified, kept only where its TTFT wins beyond the noise),
 `calibrate` (the pieces' activation ranges, measured on the GPU lane), `verification` (`verify`: the split against
 GPU-only, judged by the run's own rounding).
 """
 
 from hetero.pipeline.lanes import DecodeQueue, Job, Lane, Trace, run_jobs
 from hetero.pipeline.programs import Programs, ane_backend, ensure_export, export_root, load_programs
-from hetero.pipeline.run import (
-    DEFAULT_CHUNK,
-    DEFAULT_VERIFY_TOKENS,
-    DEFAULT_VERIFY_TOL,
-    PipelineRun,
-    auto_fraction,
-    configure,
-    split_for,
-)
+from hetero.pipeline.auto import auto_fraction, split_for
+from hetero.pipeline.run import DEFAULT_CHUNK, DEFAULT_VERIFY_TOKENS, DEFAULT_VERIFY_TOL, PipelineRun, configure
 from hetero.pipeline.shares import GpuAttentionRest, GpuGDNRest, GpuMLPRest, GpuMoERest
 from hetero.pipeline.split import SplitPrefill, SplitResult
 from hetero.pipeline.verification import greedy_continuation, verify

@@ -1,5 +1,5 @@
-"""A configured split for one engine (`hetero run` / `hetero serve --ane-fraction F|auto`): the planner's `Plan`,
-made once, and what the runtime does with it; its verification against the GPU-only run."""
+"""A configured split for one engine (`hetero run` / `hetero serve --ane-fraction F`): the planner's `Plan`, made
+once, and what the runtime does with it (`auto` and the flag's one entry: `hetero.pipeline.auto`)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,16 @@ from hetero.pipeline.calibrate import RANGES_FILE, cached_ranges, calibrate, mer
 from hetero.pipeline.lanes import DecodeQueue, Trace
 from hetero.pipeline.programs import ane_backend, ensure_export, load_programs, model_dir
 from hetero.pipeline.split import EdgeFn, SplitPrefill, SplitResult
-from hetero.pipeline.verification import FP32Reference, verify
 from hetero.pipeline.vision_lane import VisionLane
-from hetero.planner import OFFLOADABLE, Plan, context_bucket, physical_memory_bytes
+from hetero.planner import Plan, context_bucket
 from hetero.planner import check_prompt_fits
-from hetero.planner import recommend
 from hetero.planner.predict import Lanes, gpu_chunk_seconds
 from hetero.planner.ranges import Ranges, within_range
 from hetero.planner.plan import PlanRequest
 from hetero.planner.recommend import split_plan
 from hetero.planner.vision import lane_choice, predict_grid
 from hetero.profiles import Profile
-from hetero.profiles import THIS_MACHINE, default_profile_name, load_profile
-from hetero.validate import AneSplit
+from hetero.profiles import default_profile_name, load_profile
 from hetero.vision.prompt import ImagePrompt
 
 DEFAULT_CHUNK = 256
@@ -149,7 +146,7 @@ class PipelineRun:
         so the first token's time excludes it; the effective fraction is then the share of this prompt's prefill
         FLOPs. `check` runs after each program a first-use export writes, and may raise to stop it (a server's
         stop signal)."""
-        if len(ids) >= 2:
+        if len(ids) >= 2 and self.plan.slices:
             try:
                 split = self.splitter(len(ids) - 1, check)
                 lane = self.vision_lane(split) if images is not None else None
@@ -167,7 +164,9 @@ class PipelineRun:
     ) -> tuple[list[LayerCache], int, mx.array | None]:
         """Split-prefill all but the last prompt token (which the decode path runs, giving the first logits).
 
-        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.stream`. With
+        Returns (cache, tokens in it, carry = post-norm hidden of the last one) for `Engine.stream`; a plan that
+        gives the ANE nothing (`auto` chose GPU-only) prefills nothing here: the engine's GPU-only path (the CPU
+        wavefront included) runs it. With
         `decode`, the GPU lane interleaves other requests' work while the ANE computes its share; `on_chunk(n,
         cache at n, hidden)` sees every chunk edge (the prefix cache checkpoints them). `images`: the prompt's
         `ImagePrompt` (`ids` are its tokens), prefilled at its 3-D positions; the images not encoded yet are encoded
@@ -178,7 +177,7 @@ class PipelineRun:
 
         model = self.engine.model
         cache = model.make_cache()
-        if len(ids) < 2:
+        if len(ids) < 2 or not self.plan.slices:  # nothing for the ANE (auto chose GPU-only): the engine's own path
             return cache, 0, None
         if self._gpu_only_next:  # `prepare` lost the worker for this prompt (and said so): no second try
             self._gpu_only_next = False
@@ -332,52 +331,3 @@ def calibration_ids(engine) -> list[int]:
         return np.random.default_rng(0).integers(0, engine.model.args.vocab_size, RANGE_TOKENS).tolist()
     ids = tokenizer.encode(CALIBRATION)
     return (ids * (RANGE_TOKENS // max(len(ids), 1) + 1))[:RANGE_TOKENS]
-
-
-def split_for(engine, ane: AneSplit | float | str, chunk: int = DEFAULT_CHUNK,
-              weights: str = DEFAULT_WEIGHT_FORM) -> PipelineRun:
-    """The split of `--ane-fraction F|auto` for `engine`: an `AneSplit` (a bare fraction or "auto" is parsed by
-    `AneSplit.parse`, the one parser), its quantized weights exported in the form `weights` (`--ane-weights`)."""
-    ane = AneSplit.parse(ane)
-    if ane.auto:
-        return auto_fraction(engine, chunk, weights=weights)
-    return configure(engine, ane.fraction, chunk, weights=weights)
-
-
-def auto_fraction(engine, chunk: int = DEFAULT_CHUNK, report: Callable[[str], None] | None = None,
-                  tol: float | None = DEFAULT_VERIFY_TOL, weights: str = DEFAULT_WEIGHT_FORM) -> PipelineRun:
-    """`--ane-fraction auto`: the fraction this machine's measured profile recommends, lowered until the split
-    passes verification on a calibration prompt (each lowering is reported). The fp32 reference the checks share
-    goes once the fraction is chosen: a server keeps none of it."""
-    return _auto_fraction(engine, chunk, report, tol, weights, FP32Reference(engine))
-
-
-def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol: float | None,
-                   weights: str, fp32: FP32Reference) -> PipelineRun:
-    if chunk <= 0 or chunk % 64:
-        raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
-    report = report or (lambda line: print(line, file=sys.stderr))
-    profile = load_profile(THIS_MACHINE)
-    args = engine.model.args
-    memory_gb = getattr(engine, "memory_gb", None) or physical_memory_bytes() / 1e9  # the split's copy costs memory
-    fraction, best = recommend(PlanRequest(engine.config, profile, 0.0, min(8192, args.max_position_embeddings), chunk,
-                                           memory_gb=memory_gb))
-    ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
-    while fraction > 0:
-        run = configure(engine, fraction, chunk, offload=best.offload, profile=profile, weights=weights)
-        check = verify(run, ids, tol=tol, n_tokens=8, fp32=fp32)
-        if "lane_lost" in check:  # the worker, not the split, failed: no fraction can be judged now
-            report("--ane-fraction auto: the ANE lane's worker was lost during calibration; prefill runs GPU-only")
-            return configure(engine, 0.0, chunk, profile=profile)
-        if check["match"]:
-            kinds = "" if run.offload == OFFLOADABLE else f" of {', '.join(run.offload)} only"
-            report(f"--ane-fraction auto: {fraction:.2f}{kinds} (recommended for this machine, verified on a "
-                   f"calibration prompt; {run.effective_fraction:.2f} of the prefill's FLOPs)")
-            return run
-        lower = round(fraction / 2, 2) if fraction > 0.05 else 0.0
-        report(f"--ane-fraction auto: {fraction:.2f} failed verification on a calibration prompt "
-               f"(max |logit diff| {check['max_abs_logit_diff']}, greedy {check['greedy_match_tokens']}/8); "
-               f"lowering to {lower:.2f}")
-        fraction = lower
-    report("--ane-fraction auto: no split passed verification; prefill runs GPU-only")
-    return configure(engine, 0.0, chunk, profile=profile)

@@ -9,6 +9,7 @@ chunk. At most `in_flight` chunks are in progress at once (each holds its hidden
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import numpy as np
 
 from hetero.decode.prefill import mtp_pairs
 from hetero.errors import AneLaneLost, AneNonFinite
+from hetero.host import blas
 from hetero.models.cache import GDNCache, KVCache, LayerCache, ModelCache, cache_arrays
 from hetero.models.interface import CausalLM
 from hetero.pipeline.ane_process import AneProcess, LaneStats
@@ -224,9 +226,12 @@ class SplitPrefill:
         if self.worker is not None:
             self.worker.trace = trace
         start = time.perf_counter()
+        # an ANE lane that computes on the CPU takes a core: the GPU lane's products then run on one BLAS thread
+        cores = blas.one_thread() if self.backend != "Core ML" else contextlib.nullcontext()
         try:
-            anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits, on_chunk, images, encoders, tower),
-                      gpu, ane, decode)
+            with cores:
+                anyio.run(run_jobs, self.jobs(tokens, cache, out, mtp, carry, logits, on_chunk, images, encoders,
+                                              tower), gpu, ane, decode)
         except BaseException:
             for i in out.get("from lane", []):  # a GPU-only rerun encodes them with the GPU tower
                 images.embeddings[i] = None

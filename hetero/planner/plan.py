@@ -23,6 +23,7 @@ from hetero.planner.predict import (
     distinct_experts,
     predict_decode,
     predict_prefill,
+    split_gpu_scale,
     verify_cost,
 )
 from hetero.planner.ranges import Ranges
@@ -293,6 +294,7 @@ def _assumptions(r: PlanRequest, args: Args, moe: MoE | None) -> list[str]:
         out.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their "
                    "peak figures on prefill matmuls (the profile's figures; `hetero tune --devices` measures this "
                    "machine)")
+    out += lane_assumptions(profile)
     out.append(f"MTP decode assumes {r.accepted_length} tokens per verify pass at draft depth {depth}")
     if moe is not None and args.mtp_num_hidden_layers:
         out.append(f"a verify pass over {depth + 1} tokens reads the experts they pick between them: "
@@ -337,6 +339,19 @@ def _govern(plan: Plan, moe: MoE | None, kv_bytes: float, kv_label: str) -> None
     if split:
         plan.gpu_only_memory = govern(args, weights, r.memory_gb * 1e9, r.chunk, kv_bytes, 0, wired, storage.label, 1,
                                       moe=moe, kv_label=kv_label)
+
+
+def lane_assumptions(profile: Profile) -> list[str]:
+    """How the profile's lanes run, where that is not a Mac's two devices (`predict.Lanes`)."""
+    out = []
+    if profile.prefill_lanes > 1:
+        out.append(f"GPU-only prefill runs on {profile.prefill_lanes} CPU lanes (the wavefront), each at "
+                   f"{profile.lane_contention:.2f} of its rate while another computes")
+    if profile.ane_on_cpu:
+        out.append(f"the ANE lane computes on the CPU's cores (its backend is not Core ML): the split's two lanes run "
+                   f"at {profile.lane_contention:.2f} of their rates alone, its GPU lane at "
+                   f"{split_gpu_scale(profile):.2f} of GPU-only's lane")
+    return out
 
 
 def disk_lines(args) -> list[tuple[str, int]]:

@@ -3,7 +3,7 @@ and the decode rates (bandwidth roofline, plain, MTP)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -16,7 +16,12 @@ from hetero.profiles import Profile
 
 @dataclass(frozen=True)
 class Lanes:
-    """Effective device rates (FLOP/s, bytes/s; None = unknown) and the ANE's fixed cost per call."""
+    """Effective device rates (FLOP/s, bytes/s; None = unknown) and the ANE's fixed cost per call, and how the
+    machine's lanes run: GPU-only prefill on `prefill_lanes` CPU lanes at once (the two-lane wavefront,
+    `hetero.decode.wavefront`; one on a GPU), each CPU lane at `contention` of its rate while another computes on
+    another core, and an ANE lane that computes on the CPU cores (`ane_on_cpu`: the reference executor) leaves the
+    split's GPU lane `split_gpu_scale` of GPU-only's lane rate (one BLAS thread of the lane's, where it takes a core
+    the GPU path would use)."""
 
     gpu_flops: float | None
     gpu_bw: float | None
@@ -28,6 +33,10 @@ class Lanes:
     ane_attention_flops: float | None = None
     gpu_score_s: float = 0.0  # the GPU's softmax cost per attention score, beyond the matmuls
     ane_score_s: float = 0.0  # the ANE's, over its static programs' scores
+    prefill_lanes: int = 1
+    contention: float = 1.0
+    ane_on_cpu: bool = False
+    split_gpu_scale: float = 1.0
 
     @classmethod
     def of(cls, profile: Profile, ane_instances: int = 1) -> "Lanes":
@@ -52,6 +61,10 @@ class Lanes:
             mul(ane, 1e12 * profile.ane_efficiency * profile.ane_attention_efficiency),
             profile.gpu_attention_score_s,
             profile.ane_attention_score_s,
+            max(1, profile.prefill_lanes),
+            profile.lane_contention,
+            profile.ane_on_cpu,
+            split_gpu_scale(profile),
         )
 
     def gpu_rate(self, kind: str) -> float | None:
@@ -60,6 +73,37 @@ class Lanes:
 
     def ane_rate(self, kind: str) -> float | None:
         return (self.ane_attention_flops if kind == "attention" else None) or self.ane_flops
+
+    def scaled(self, gpu: float = 1.0, ane: float = 1.0) -> "Lanes":
+        """These lanes with every GPU rate (compute and bandwidth) times `gpu`, every ANE rate times `ane`."""
+        mul = lambda v, k: None if v is None else v * k  # noqa: E731
+        return replace(self, gpu_flops=mul(self.gpu_flops, gpu), gpu_bw=mul(self.gpu_bw, gpu),
+                       gpu_recurrence_flops=mul(self.gpu_recurrence_flops, gpu),
+                       gpu_attention_flops=mul(self.gpu_attention_flops, gpu), gpu_score_s=self.gpu_score_s / gpu,
+                       ane_flops=mul(self.ane_flops, ane), ane_bw=mul(self.ane_bw, ane),
+                       ane_attention_flops=mul(self.ane_attention_flops, ane), ane_score_s=self.ane_score_s / ane)
+
+    def gpu_only(self) -> "Lanes":
+        """The rates GPU-only prefill's lanes run at: under contention when it runs on several CPU lanes."""
+        return self.scaled(self.contention) if self.prefill_lanes > 1 else self
+
+    def split(self) -> "Lanes":
+        """The rates of the split's two lanes running at once: both CPU lanes under contention where the ANE lane
+        computes on the CPU, the GPU lane at `split_gpu_scale` of its rate where that lane takes one of its cores."""
+        if not self.ane_on_cpu:
+            return self
+        return self.scaled(self.contention * self.split_gpu_scale, self.contention)
+
+
+def split_gpu_scale(profile: Profile) -> float:
+    """The split's GPU-lane rate over GPU-only's lane rate: where an ANE lane on the CPU takes a core that GPU-only
+    prefill's lanes and BLAS threads would use (`prefill_lanes` x `lane_threads` + 1 > `cpu_cores`), the runtime
+    gives the split's GPU lane one BLAS thread (`hetero.pipeline.split`), 1 / `lane_threads` of a lane's threads;
+    else 1."""
+    threads = max(1, profile.lane_threads or 1)
+    if not profile.ane_on_cpu or profile.cpu_cores is None:
+        return 1.0
+    return 1.0 / threads if max(1, profile.prefill_lanes) * threads + 1 > profile.cpu_cores else 1.0
 
 
 def _seconds(flops: np.ndarray, nbytes: float, rate: float | None, bw: float | None) -> np.ndarray | None:
@@ -87,20 +131,33 @@ MERGE_BYTES_PER_ACTIVATION = 12  # a merge brings an fp32 activation into MLX, t
 
 def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int, chunk: int, split: bool,
                     hidden: int) -> PrefillTime:
-    """The runtime's wavefront: each lane runs its own jobs back to back while the other runs its own, so the wall
-    time is the busier lane's total plus the fill and drain of the pipeline: the other lane's work on the last
-    chunk, which nothing can overlap (its jobs alternate with the busier lane's along that chunk's layers).
+    """The prefill as this machine runs it. GPU-only: on `lanes.prefill_lanes` lanes (`wavefront_wall`; one lane:
+    the chunks one after another). Split: the runtime's wavefront of two lanes, each running its own jobs back to back
+    while the other runs its own, so the wall time is the busier lane's total plus the fill and drain of the
+    pipeline: the other lane's work on the last chunk, which nothing can overlap (its jobs alternate with the busier
+    lane's along that chunk's layers).
 
     GPU lane: every piece's GPU share (all of it when not split) and, per split piece and chunk, the merge (the
     ANE's output into MLX and a sum over the chunk's activations). ANE lane: its shares at the static shapes it
-    runs (attention over each chunk's context bucket) plus a fixed cost per program call.
+    runs (attention over each chunk's context bucket) plus a fixed cost per program call. Lanes on the CPU run at
+    the rates `Lanes.gpu_only` and `Lanes.split` give them.
     """
     starts, sizes = chunk_spans(tokens, chunk)
+    if not split:
+        per_chunk = gpu_chunk_seconds(ps, storage, lanes.gpu_only(), tokens, chunk)
+        if per_chunk is None:
+            return PrefillTime(None, None, None)
+        layers = max((p.layers for p in ps), default=1)
+        busy = float(per_chunk.sum())
+        return PrefillTime(wavefront_wall(per_chunk, lanes.prefill_lanes, layers), busy, 0.0)
+    if not any(p.ane_share for p in ps):  # nothing for the ANE lane: the GPU-only prefill
+        return predict_prefill(ps, storage, lanes, tokens, chunk, False, hidden)
+    lanes = lanes.split()
     gpu = np.zeros_like(sizes)  # seconds per chunk on each lane
     ane = np.zeros_like(sizes)
     merge_bytes = sizes * hidden * MERGE_BYTES_PER_ACTIVATION  # [chunks]
     for p in ps:
-        share = p.ane_share if split else 0.0
+        share = p.ane_share
         g = _seconds(piece_flops(p, starts, sizes) * (1 - share), storage.nbytes(p.params * (1 - share)),
                      lanes.gpu_rate(p.kind), lanes.gpu_bw)
         if g is None:
@@ -120,6 +177,25 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
     if not ane_busy:
         return PrefillTime(gpu_busy, gpu_busy, 0.0)
     return PrefillTime(max(gpu_busy, ane_busy) + min(float(gpu[-1]), float(ane[-1])), gpu_busy, ane_busy)
+
+
+def wavefront_wall(chunk_s: np.ndarray, lanes: int, layers: int) -> float:
+    """Wall seconds of chunks prefilled on `lanes` CPU lanes as `hetero.decode.wavefront` runs them: chunk k on lane
+    (n - 1 - k) % lanes, its layers in order, each taking `chunk_s[k] / layers`; layer i of chunk k starts once its
+    lane is free, its layer i - 1 is done and chunk k - 1 has done layer i. One lane: the sum.
+
+    The layer-by-layer recurrence end_i = max(end_{i-1}, prev_i) + step unrolls to
+    end_i = (i + 1) step + max(free, max_{j <= i} (prev_j - j step)), one running maximum per chunk."""
+    n = len(chunk_s)
+    if lanes <= 1 or n < 2:
+        return float(np.sum(chunk_s))
+    free, prev = np.zeros(lanes), np.zeros(layers)  # when each lane is free; chunk k-1's end of each layer
+    steps = np.arange(layers, dtype=np.float64)
+    for k in range(n):
+        lane, step = (n - 1 - k) % lanes, float(chunk_s[k]) / layers
+        prev = (steps + 1) * step + np.maximum(free[lane], np.maximum.accumulate(prev - steps * step))
+        free[lane] = prev[-1]
+    return float(prev[-1])
 
 
 def decode_bytes_per_token(args: Args, moe: MoE | None, storage: Storage, context: int, kv_bytes: float) -> float:

@@ -9,6 +9,7 @@ is what `hetero tune --devices` measured and saved in the per-machine settings.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -55,6 +56,15 @@ class Profile:
     # One MTP verify pass over `mtp_verify_tokens` tokens, in plain decode steps (None = unknown: no MTP estimate).
     mtp_verify_ratio: float | None = None
     mtp_verify_tokens: int = 4
+    # How the lanes run on this machine (`hetero tune --devices` measures them; a Mac's GPU and ANE are devices of
+    # their own, the defaults): GPU-only prefill's lanes (the CPU wavefront's two), each lane's BLAS threads, the
+    # cores, a CPU lane's rate while another lane computes on another core over its rate alone, and whether the ANE
+    # lane computes on the CPU's cores (the reference executor) rather than on a device of its own.
+    prefill_lanes: int = 1
+    lane_threads: int | None = None
+    cpu_cores: int | None = None
+    lane_contention: float = 1.0
+    ane_on_cpu: bool = False
     # The link between hosts of a pipeline (`hetero plan --hosts N`): a property of the cable and the backend, not of
     # the chip, so the chip profiles leave it unknown; `--link-gbps` / `--link-latency-ms` give it.
     link_gbps: float | None = None  # usable one-way bandwidth, gigabits per second
@@ -64,6 +74,8 @@ class Profile:
     gpu_cores: str | None = None
     ram_gb_options: list | None = None
     measured: bool = False
+    measured_with: dict | None = None  # what a measured profile was measured with (`hetero.host.settings.measured_with`)
+    confidence: dict = field(default_factory=dict)  # a measured profile: each timing's median, interval and samples
     unknown: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
@@ -88,11 +100,28 @@ def load_profile(name: str) -> Profile:
         saved = device_profile()
         if saved is None:
             raise HeteroError("no profile for this machine yet: run `hetero tune --devices` first")
+        _say_if_stale(saved)
         return Profile.from_dict(saved)
     file = PROFILE_DIR / f"{name}.json"
     if not file.is_file():
         raise HeteroError(f"--profile {name}: unknown profile; choose one of {', '.join(profile_names())}")
     return Profile.from_dict(json.loads(file.read_text()))
+
+
+_said_stale: list[str] = []
+
+
+def _say_if_stale(saved: dict) -> None:
+    """Once per process, on stderr: the saved profile was measured with other code (hetero, MLX, the BLAS), or by
+    an earlier hetero that did not record how the lanes run here; it is still used, and `hetero tune --devices`
+    measures it again."""
+    from hetero.host.settings import changed
+
+    moved = changed(saved.get("measured_with"))
+    if moved is not None and not _said_stale:
+        _said_stale.append(moved)
+        print(f"hetero: the this-machine profile was measured with other code ({moved}); `hetero tune --devices` "
+              "measures it again (until then the planner prices with it)", file=sys.stderr, flush=True)
 
 
 def default_profile_name() -> str:

@@ -32,6 +32,7 @@ from hetero.models.kv_quant import kv_quant
 from hetero.pipeline import split_for
 from hetero.server import anthropic, openai
 from hetero.server.common import USAGE, State, check_key, endpoint, failure, wants_anthropic
+from hetero.server.idle_tuning import IdleTuning
 from hetero.server.metrics import CONTENT_TYPE, Metrics
 from hetero.server.requests import DEFAULT_MAX_TOKENS, Parser
 from hetero.server.refusals import RequestError
@@ -303,7 +304,8 @@ def serve(settings: ServerSettings | None = None) -> None:
     """Load the model, attach the RAM prefix cache (and the disk session cache), and serve until interrupted.
 
     `settings.ane` prefills through the ANE + GPU split, as `hetero run --ane-fraction` does; `settings.draft_depth`
-    is every MTP request's draft depth (else the tuned one, calibrated now for a model never measured here).
+    is every MTP request's draft depth (else the tuned one, calibrated now for a model never measured here; a verdict
+    left inside the noise is measured again in idle time, `hetero.server.idle_tuning`).
     Requests and their times are logged to stderr (`hetero.access`); an address other than loopback without an
     `api_key` gets a warning there.
     """
@@ -318,6 +320,8 @@ def serve(settings: ServerSettings | None = None) -> None:
         engine.prefix_cache = PrefixCache(int(s.prefix_cache_max_gb * 1024**3), store=store)
         split = server_split(engine, s.ane, s.prefill_chunk, s.ane_weights)
         app = create_app(engine, s, split)
+        if s.draft_depth is None:  # a verdict inside the noise is measured again while no request runs
+            IdleTuning(engine, app.state.runner).start()
     except BaseException:
         sock.close()
         raise
