@@ -12,6 +12,7 @@ import pytest
 
 import hetero
 from hetero.decode.depth_calibration import calibrate, verdict_entry
+from hetero.decode.options import DecodeOptions
 from hetero.decode.depth_contest import Contest, Verdict
 from hetero.host.settings import remeasure_reason, save_tuning, tuning
 from hetero.server.idle_tuning import IdleTuning
@@ -65,7 +66,7 @@ def test_an_idle_server_measures_again_and_a_request_stops_the_spell(engine, uns
         assert idle.start()
         assert gate.inside.wait(30)  # the spell is timing its first pair
         # (plain: the server's start-up has looked at the verdict already, `serve` calls `default_depth`)
-        job = Job(ids=engine.tokenizer.encode("def add(a, b):"), max_tokens=4, mtp=False)
+        job = Job(engine.tokenizer.encode("def add(a, b):"), DecodeOptions(4, mtp=False))
         done = runner.submit(job, lambda piece: None, threading.Event())
         gate.release.set()
         outcome = done.result(timeout=60)  # the spell stopped after that pair, and the request ran
