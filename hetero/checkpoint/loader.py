@@ -114,8 +114,8 @@ class TensorInfo:
     offset: int = -1  # where its data starts in the file, in bytes (-1: unknown, its shard is absent)
 
 
-def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Tensor metadata of one safetensors file, validated against the file's size (catches truncation)."""
+def _raw_header(file: Path) -> tuple[int, int, dict]:
+    """(file size, header length, the header's JSON object) of one safetensors file; HeteroError if it is none."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -132,6 +132,25 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         raise HeteroError(f"cannot read {file}: {e.strerror}") from None
     if not isinstance(header, dict):
         raise HeteroError(f"{file} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object); re-download it")
+    return size, n, header
+
+
+def norms_zero_centred(path: Path) -> bool:
+    """Whether the checkpoint at `path` stores its norms zero-centred (transformers' layout, scale 1 + w), as the
+    files' writer says: transformers records `format: pt` in each safetensors file's metadata, MLX's writers
+    (mlx-lm, mlx-vlm, `hetero convert`) `format: mlx` and the norms with their +1. Anything else: transformers'.
+    The GDN conv's layout tells the same where a model has one (`hetero.models.weights.sanitize`); an all-attention
+    layout has none."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return True
+    metadata = _raw_header(files[0])[2].get("__metadata__")
+    return not (isinstance(metadata, dict) and metadata.get("format") == "mlx")
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensor metadata of one safetensors file, validated against the file's size (catches truncation)."""
+    size, n, header = _raw_header(file)
     tensors: dict[str, TensorInfo] = {}
     end = 0
     for name, meta in header.items():
@@ -320,9 +339,12 @@ def parse_args(config: dict) -> ModelArgs | Qwen4Args:
     return Qwen4Args.from_config(config) if config.get("model_type") in QWEN4_TYPES else ModelArgs.from_config(config)
 
 
-def sanitize_for(args: ModelArgs | Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Checkpoint tensors -> parameters, by the architecture's own `sanitize`."""
-    return qwen4.sanitize(args, weights) if isinstance(args, Qwen4Args) else sanitize(args, weights)
+def sanitize_for(args: ModelArgs | Qwen4Args, weights: dict[str, mx.array], zero_centred: bool = True
+                 ) -> dict[str, mx.array]:
+    """Checkpoint tensors -> parameters, by the architecture's own `sanitize`; `zero_centred`: the checkpoint's
+    norm form where no GDN conv tells it (`norms_zero_centred`)."""
+    fix = qwen4.sanitize if isinstance(args, Qwen4Args) else sanitize
+    return fix(args, weights, zero_centred)
 
 
 def build_lazy_model(args: ModelArgs | Qwen4Args, with_mtp: bool, quantized_names: set[str] | None = None) -> Model:
@@ -537,7 +559,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = 
     path = resolve(model, weights=True)
     config = read_config(path)
     args = parse_args(config)
-    weights = sanitize_for(args, load_weights(path, args))
+    weights = sanitize_for(args, load_weights(path, args), norms_zero_centred(path))
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, checkpoint_has_mtp(weights), quantized)
     if isinstance(args, Qwen4Args):  # the PLE n-gram tables stay in their files: a chunk gathers its rows

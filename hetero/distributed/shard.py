@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from hetero.checkpoint.loader import _weight_map, build_lazy_model, read_header
+from hetero.checkpoint.loader import _weight_map, build_lazy_model, norms_zero_centred, read_header
 from hetero.errors import HeteroError
 from hetero.models.fused import fuse
 from hetero.models.qwen3_5 import Model, ModelArgs
@@ -71,7 +71,8 @@ def load_share(path: Path, args: ModelArgs, layers: range, first: bool, last: bo
         tensors.update({n: loaded[n] for n, f in mine.items() if f == shard})
         del loaded  # the shard's other tensors (never read)
     probe = _conv_layout_probe(path, files, tensors)
-    weights = {k: v for k, v in sanitize(args, {**tensors, **probe}).items() if share.owns(k)}
+    weights = {k: v for k, v in sanitize(args, {**tensors, **probe}, norms_zero_centred(path)).items()
+               if share.owns(k)}
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, share.mtp and last, quantized)
     expected = {k for k, _ in tree_flatten(net.parameters()) if share.owns(k)}
