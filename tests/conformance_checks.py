@@ -52,7 +52,7 @@ class Result:
     errors: dict = field(default_factory=dict)
     failures: dict = field(default_factory=dict)
     refused: dict = field(default_factory=dict)
-    split: dict | None = None
+    split: dict | None = None  # dtype -> the split's report
 
     def bound(self, check: str, error: float, limit: float) -> None:
         self.errors[check] = max(float(error), self.errors.get(check, 0.0))
@@ -242,54 +242,64 @@ def split_engine(path: Path, dtype: mx.Dtype):
 
 
 def split_prompt(draw: Draw) -> list[int]:
-    """Three chunks of 64, the last padded: the split's prompt."""
+    """Three chunks of 64, the last padded, or four QSA budgets: the split's prompt."""
     rng = np.random.default_rng(draw.seed + 1)
-    return rng.integers(2, draw.config["vocab_size"] - 4, 150).tolist()
+    n = max(150, 4 * draw.config.get("indexer_budget", 0) + 3)
+    return rng.integers(2, draw.config["vocab_size"] - 4, n).tolist()
 
 
-def check_split(draw: Draw, path: Path, result: Result, lane: str = "thread") -> None:
-    """The split prefill at fraction 0.5, chunk 64, in the draw's dtype: `--verify` passes, no lane failure, and
-    with massive activations the effective fraction stays within ENGAGED of the same shapes' plan without them."""
+def check_split(draw: Draw, path: Path, dtype: str, result: Result, lane: str = "thread") -> None:
+    """The split prefill at fraction 0.5, chunk 64, in `dtype`: `--verify` passes, no lane failure, and with
+    massive activations the effective fraction stays within ENGAGED of the same shapes' plan without the ranges
+    they impose. Errors and failures are named `<dtype> <check>`."""
     from hetero.errors import HeteroError
     from hetero.pipeline import configure, verify
 
-    engine = split_engine(path, DTYPES[draw.dtype])
+    engine = split_engine(path, DTYPES[dtype])
     try:
         run = configure(engine, 0.5, 64, lane=lane)
     except HeteroError as e:
-        result.refused["split"] = str(e)
+        result.refused[f"{dtype} split"] = str(e)
         return
-    ids = split_prompt(draw)
-    report = verify(run, ids, n_tokens=GREEDY)
+    report = verify(run, split_prompt(draw), n_tokens=GREEDY)
     shapes = run.unranged.effective_fraction if run.unranged is not None else run.effective_fraction
-    result.split = {"effective_fraction": round(run.effective_fraction, 4), "unranged_fraction": round(shapes, 4),
-                    "lane_failures": run.lane_failures, **report}
-    result.bound("split_distance", report.get("distance", report.get("split_to_fp32", 0.0)),
+    result.split = result.split or {}
+    result.split[dtype] = {"effective_fraction": round(run.effective_fraction, 4),
+                           "unranged_fraction": round(shapes, 4), "lane_failures": run.lane_failures, **report}
+    result.bound(f"{dtype} split_distance", report.get("distance", report.get("split_to_fp32", 0.0)),
                  report.get("tolerance", 0.0))
     if not report["match"]:
-        result.failures["split_verify"] = json.dumps({k: v for k, v in report.items() if k != "vision"})
+        result.failures[f"{dtype} split_verify"] = json.dumps({k: v for k, v in report.items() if k != "vision"})
     if run.lane_failures:
-        result.failures["split_lane"] = str(run.last_failure)
+        result.failures[f"{dtype} split_lane"] = str(run.last_failure)
     if draw.outliers:
-        result.bound("split_engaged", abs(shapes - run.effective_fraction), ENGAGED)
+        result.bound(f"{dtype} split_engaged", abs(shapes - run.effective_fraction), ENGAGED)
 
 
-def run_draw(draw: Draw, root: Path, split: bool = False, lane: str = "thread") -> Result:
-    """The whole path for one draw in a fresh folder under `root` (removed after): write, load, check (and the
-    split when `split`). A one-line HeteroError at load is a refusal, recorded, not a crash."""
+def checkpoint_name(draw: Draw) -> str:
+    """A folder name for the draw's checkpoint: the same for its dtypes (their splits share one export)."""
+    weights = {k: v for k, v in draw.to_json().items() if k != "dtype"}
+    return f"draw-{draw.seed}-{abs(hash(json.dumps(weights, sort_keys=True))) % 10**8}"
+
+
+def run_draw(draw: Draw, root: Path, split: tuple[str, ...] = (), lane: str = "thread", numerics: bool = True
+             ) -> Result:
+    """The whole path for one draw in a folder under `root` (removed after): write, load, check (`numerics`), and
+    the split in each dtype of `split`. A one-line HeteroError at load is a refusal, recorded, not a crash."""
     from hetero.errors import HeteroError
 
-    path = Path(root) / f"draw-{draw.seed}-{abs(hash(json.dumps(draw.to_json(), sort_keys=True))) % 10**8}"
+    path = Path(root) / checkpoint_name(draw)
     result = Result()
     try:
         hf = write(draw, path)
         try:
-            check_text(draw, path, hf, result)
+            if numerics:
+                check_text(draw, path, hf, result)
         except HeteroError as e:
             result.refused["load"] = str(e)
             return result
-        if split:
-            check_split(draw, path, result, lane)
+        for dtype in split:
+            check_split(draw, path, dtype, result, lane)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     return result

@@ -252,6 +252,52 @@ def vision_tower(draw, limits: Limits = FULL) -> Draw:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The split's draws: a dtype, and real LLMs' massive activations (`conformance_weights.add_outliers`)
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# gate x up of an outlier channel ~ gain^2 t^2 (t = x . v, half the tokens t > 0): strong ones pass 1e5 on a share of
+# the tokens (fp32 and bf16 hold them; fp16's GPU-only path itself overflows there), mild ones stay inside fp16
+GAINS = {"strong": (300.0, 1000.0, 2000.0), "mild": (40.0, 56.0)}
+RESIDUALS = {"strong": (1e3, 1e4, 3e4), "mild": (1e3, 3e3, 1e4)}  # the massive residual channel where t ~ 1
+WIDTHS = (512, 1024)  # an MLP with outliers: 8 or 16 channel units of 64, so that a share of them stays clean
+
+
+def outliers(draw, config: dict, level: str) -> dict:
+    """Massive activations of `level` in one or two drawn layers' MLPs (dense or shared expert), writing a drawn
+    residual channel."""
+    n = config["num_hidden_layers"]
+    layers = sorted(set(draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2))))
+    return dict(level=level, layers=layers, channel=draw(st.integers(0, config["hidden_size"] - 1)),
+                gain=draw(st.sampled_from(GAINS[level])), residual=draw(st.sampled_from(RESIDUALS[level])))
+
+
+def milder(draw_: Draw) -> Draw:
+    """The same draw with its strong outliers made mild (fp16's GPU-only path overflows on strong ones)."""
+    spec = draw_.outliers
+    if not spec or spec["level"] != "strong":
+        return draw_
+    mild = dict(spec, level="mild", gain=max(GAINS["mild"]), residual=min(spec["residual"], max(RESIDUALS["mild"])))
+    return Draw(**{**draw_.__dict__, "outliers": mild})
+
+
+@st.composite
+def split_draw(draw, arch: str, limits: Limits = FULL) -> Draw:
+    """A draw of `arch` for the split: outliers none, strong or mild (MLPs widened to hold clean channel units
+    beside them), and the split's dtype (fp16 takes the mild form of strong ones)."""
+    base = draw(strategy(arch, limits))
+    config = dict(base.config)
+    level = draw(st.sampled_from(("none", "strong", "mild")))
+    spec = None
+    if level != "none":
+        for key in ("intermediate_size", "shared_expert_intermediate_size"):
+            if config.get(key):
+                config[key] = draw(st.sampled_from(WIDTHS))
+        spec = outliers(draw, config, level)
+    out = Draw(**{**base.__dict__, "config": config, "outliers": spec, "dtype": draw(st.sampled_from(DTYPE_NAMES))})
+    return milder(out) if out.dtype == "float16" else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The released configs, scaled down with their ratios kept
 
 

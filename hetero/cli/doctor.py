@@ -96,8 +96,8 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
     check = verify(run, ids, n_tokens=8)  # the same prompt: its programs are loaded already
     out["verify"] = check
     report(f"verify ({n} tokens, {engine.model.model.norm.weight.dtype}): "
-           f"{'MATCH' if check['match'] else 'MISMATCH'}; max relative logit diff {check['max_rel_logit_diff']}, "
-           f"cache {check['max_rel_cache_diff']} (tolerance {check['tolerance']}), greedy "
+           f"{'MATCH' if check['match'] else 'MISMATCH'}; distance {check['distance']} at {check['worst'] or '-'} "
+           f"(tolerance {check['tolerance']}), greedy "
            f"{check['greedy_match_tokens']}/{check['greedy_compared_tokens']}")
 
     weights = sum(v.nbytes for v in _leaves(engine.model.parameters()))
