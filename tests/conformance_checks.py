@@ -261,13 +261,19 @@ def check_split(draw: Draw, path: Path, dtype: str, result: Result, lane: str = 
     except HeteroError as e:
         result.refused[f"{dtype} split"] = str(e)
         return
-    report = verify(run, split_prompt(draw), n_tokens=GREEDY)
+    judge_split(draw, run, verify(run, split_prompt(draw), n_tokens=GREEDY), dtype, result)
+
+
+def judge_split(draw: Draw, run, report: dict, dtype: str, result: Result) -> None:
+    """A split's `--verify` report as the draw's split checks, named `<dtype> <check>`."""
     shapes = run.unranged.effective_fraction if run.unranged is not None else run.effective_fraction
     result.split = result.split or {}
     result.split[dtype] = {"effective_fraction": round(run.effective_fraction, 4),
                            "unranged_fraction": round(shapes, 4), "lane_failures": run.lane_failures, **report}
-    result.bound(f"{dtype} split_distance", report.get("distance", report.get("split_to_fp32", 0.0)),
-                 report.get("tolerance", 0.0))
+    if "lane_lost" in report:
+        result.failures[f"{dtype} split_lane"] = report["lane_lost"]
+        return
+    result.bound(f"{dtype} split_distance", report["distance"], report["tolerance"])
     if not report["match"]:
         result.failures[f"{dtype} split_verify"] = json.dumps({k: v for k, v in report.items() if k != "vision"})
     if run.lane_failures:
@@ -292,14 +298,17 @@ def run_draw(draw: Draw, root: Path, split: tuple[str, ...] = (), lane: str = "t
     result = Result()
     try:
         hf = write(draw, path)
+        vision = draw.arch == "vision"
+        if vision:
+            import conformance_vision as cv
         try:
             if numerics:
-                check_text(draw, path, hf, result)
+                (cv.check_vision if vision else check_text)(draw, path, hf, result)
         except HeteroError as e:
             result.refused["load"] = str(e)
             return result
         for dtype in split:
-            check_split(draw, path, dtype, result, lane)
+            (cv.check_vision_split if vision else check_split)(draw, path, dtype, result, lane)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     return result

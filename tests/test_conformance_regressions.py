@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import hetero  # noqa: F401  (the fast BLAS before MLX)
 import mlx.core as mx
@@ -164,3 +165,31 @@ def test_the_first_logits_call_after_load_is_the_later_ones(tmp_path):
     assert np.array_equal(first, second)
     assert cc.relative(engine.logits(tokens, chunk=32), first) <= TOL
     assert json.loads((tmp_path / "config.json").read_text())["indexer_budget"] == 16
+
+
+def test_moe_experts_run_in_half_precision_on_the_cpu(tmp_path):
+    """MLX's CPU `gather_mm` multiplies float32 only ("[GatherMM::eval] Currently only supports float32"): an MoE
+    checkpoint loaded in bf16 or fp16 crashed on its first prefill here. Its experts' products now run in fp32 and
+    round back, and the logits lie within the dtype's rounding of fp32's."""
+    cc.write(ALL_ATTENTION, tmp_path)
+    tokens = _tokens(40, 62)
+    exact = _logits(load_model(tmp_path, mx.float32)[0], tokens)
+    for dtype, tol in ((mx.bfloat16, 5e-2), (mx.float16, 1e-2)):
+        half = np.array(load_model(tmp_path, dtype)[0](mx.array([tokens]))[0][0].astype(mx.float32))
+        assert cc.relative(half, exact) <= tol, dtype
+
+
+def test_the_vision_lane_in_bf16_is_held_to_the_towers_own_rounding(tmp_path):
+    """A bf16 split with an image: the lane's tower programs (fp16) were held to 60 dB against the bf16 GPU tower,
+    whose own rounding lies ~50 dB from the exact tower, so an honest lane failed at 46.6 dB. Against the tower in
+    fp32, no lower than the bf16 tower's own run: it passes, and says both."""
+    from conformance_vision import check_vision_split
+
+    draw = Draw.from_json(json.loads((Path(__file__).parent / "data" / "conformance_vision_bf16.json").read_text()))
+    cc.write(draw, tmp_path / "vl")
+    result = cc.Result()
+    check_vision_split(draw, tmp_path / "vl", "bfloat16", result)
+    report = result.split["bfloat16"]
+    (image,) = report["vision"]
+    assert report["match"] and image["ok"], report
+    assert image["psnr_db"] >= image["gpu_psnr_db"] and image["gpu_psnr_db"] < 60

@@ -369,7 +369,7 @@ class Routes:
     def __init__(self, model: nn.Module, replay: Routes | None = None):
         self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
         self.replay = replay
-        self.calls: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # name -> [(logits [N, E], experts [N, k])]
+        self.calls: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # name -> [(logits [N, E], experts taken [N, k])]
         self.flips = 0
         self._lock = threading.Lock()
 
@@ -395,6 +395,8 @@ class Routes:
                 self.calls.setdefault(name, []).append((flat, own))
             return indices, weights
         chosen = self.replay.match(name, flat)
+        with self._lock:
+            self.calls.setdefault(name, []).append((flat, own if chosen is None else chosen))  # the routes taken
         if chosen is None or (np.sort(chosen, -1) == np.sort(own, -1)).all():
             return indices, weights
         with self._lock:
