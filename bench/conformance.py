@@ -5,6 +5,7 @@
     python bench/conformance.py --split-draws 0                  # numerics only
     python bench/conformance.py --replay '<a draw's JSON>'       # one draw again (a failing test's message has it)
     python bench/conformance.py --qsa-budgets 8,64,512,2048      # the QSA case at budgets up to the released 2048
+    python bench/conformance.py --merge a.json b.json --out all.json   # sweeps run in parts, summarised as one
 
 Each draw (tests/conformance_space.py, sized FULL) is written by transformers and checked on the whole path
 (tests/conformance_checks.py): logits at every position against transformers in float64, greedy tokens, chunked
@@ -169,6 +170,26 @@ def qsa_budgets(budgets: list[int], out: Path) -> None:
     print(f"wrote {out}")
 
 
+def merge(files: list[str], out: Path) -> None:
+    """Several sweeps' records (runs of a few architectures each, under the heavy-job lock in turns) as one result:
+    duplicate draws counted once, the summary over all of them."""
+    records, seen, meta = [], set(), {}
+    for name in files:
+        data = json.loads(Path(name).read_text())
+        meta.setdefault("environment", data.get("environment"))
+        meta.setdefault("seeds", []).append(data.get("seed"))
+        for r in data["records"]:
+            key = json.dumps([r["draw"], bool(r.get("split"))], sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                records.append(r)
+    result = {"merged_from": [Path(f).name for f in files], "summary": summary(records), "records": records,
+              "machine_shared": True, **meta}
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"]["architectures"], indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--draws", type=int, default=20, help="draws per architecture")
@@ -180,7 +201,10 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "conformance.json"))
     p.add_argument("--replay", help="one draw's JSON: run it again and print the result")
     p.add_argument("--qsa-budgets", help="comma-separated QSA budgets: the issue's QSA layout at each")
+    p.add_argument("--merge", nargs="+", help="result files of several sweeps: one result of them all in --out")
     args = p.parse_args()
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     if args.replay:
         return replay(args.replay, args.lane)
     if args.qsa_budgets:

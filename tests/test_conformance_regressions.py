@@ -193,3 +193,15 @@ def test_the_vision_lane_in_bf16_is_held_to_the_towers_own_rounding(tmp_path):
     (image,) = report["vision"]
     assert report["match"] and image["ok"], report
     assert image["psnr_db"] >= image["gpu_psnr_db"] and image["gpu_psnr_db"] < 60
+
+
+def test_verify_in_half_precision_on_a_checkpoint_with_ple(tmp_path):
+    """`--verify` in bf16 measures against an fp32 copy of the model, and the copy missed the PLE n-gram tables,
+    which a loaded Qwen4-Exp reads from the checkpoint's files (not parameters): every half-precision verify of a
+    checkpoint with PLE, the released Flash-Next's included, crashed. The copy reads the same tables now."""
+    from hetero.pipeline import configure, verify
+
+    qc.build(tmp_path, ple_layer_ids=(1,), seed=3, shared_expert_intermediate_size=128)
+    engine = cc.split_engine(tmp_path, mx.bfloat16)
+    check = verify(configure(engine, 0.5, 64, lane="thread"), _tokens(150, qc.VOCAB, 3), n_tokens=4)
+    assert check["match"] and check["reference"] == "fp32" and check["gpu_distance"] > 0, check

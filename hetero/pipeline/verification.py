@@ -78,12 +78,17 @@ def fp32_bytes(model: Model) -> int:
 
 
 def fp32_copy(model: Model) -> Model:
-    """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones)."""
+    """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones); a
+    table the model reads from the checkpoint's files (Qwen4-Exp's PLE n-gram tables) is read from them too."""
     from hetero.checkpoint.loader import build_lazy_model
 
     params = tree_flatten(model.parameters())
     quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}
     net = build_lazy_model(model.args, model.has_mtp, quantized)
+    copies = dict(net.named_modules())
+    for name, module in model.named_modules():  # tables read from the checkpoint's files (Qwen4-Exp's PLE): shared
+        if getattr(module, "table", None) is not None and hasattr(module, "use_table"):
+            copies[name].use_table(module.table)
     net.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in params],
                      strict=True)
     mx.eval(net.parameters())
