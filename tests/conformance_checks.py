@@ -278,6 +278,8 @@ def judge_split(draw: Draw, run, report: dict, dtype: str, result: Result) -> No
         result.failures[f"{dtype} split_verify"] = json.dumps({k: v for k, v in report.items() if k != "vision"})
     if run.lane_failures:
         result.failures[f"{dtype} split_lane"] = str(run.last_failure)
+    if run.effective_fraction <= 0:
+        result.failures[f"{dtype} split_idle"] = "the split gave the ANE nothing"
     if draw.outliers:
         result.bound(f"{dtype} split_engaged", abs(shapes - run.effective_fraction), ENGAGED)
 

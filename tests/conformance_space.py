@@ -282,17 +282,16 @@ def milder(draw_: Draw) -> Draw:
 
 @st.composite
 def split_draw(draw, arch: str, limits: Limits = FULL) -> Draw:
-    """A draw of `arch` for the split: outliers none, strong or mild (MLPs widened to hold clean channel units
-    beside them), and the split's dtype (fp16 takes the mild form of strong ones)."""
+    """A draw of `arch` for the split: its MLPs (or shared experts) widened to channel units of 64 the ANE can
+    take, outliers none, strong or mild (then wider still, to hold clean units beside them), and the split's dtype
+    (fp16 takes the mild form of strong ones)."""
     base = draw(strategy(arch, limits))
     config = dict(base.config)
     level = draw(st.sampled_from(("none", "strong", "mild")))
-    spec = None
-    if level != "none":
-        for key in ("intermediate_size", "shared_expert_intermediate_size"):
-            if config.get(key):
-                config[key] = draw(st.sampled_from(WIDTHS))
-        spec = outliers(draw, config, level)
+    for key in ("intermediate_size", "shared_expert_intermediate_size"):  # channel units of 64 for the ANE to take
+        if config.get(key):
+            config[key] = draw(st.sampled_from(WIDTHS if level != "none" else (128, 256, 512)))
+    spec = outliers(draw, config, level) if level != "none" else None
     out = Draw(**{**base.__dict__, "config": config, "outliers": spec, "dtype": draw(st.sampled_from(DTYPE_NAMES))})
     return milder(out) if out.dtype == "float16" else out
 
