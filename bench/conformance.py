@@ -75,7 +75,7 @@ def run_one(draw: Draw, root: Path, split: bool, lane: str) -> dict:
             for part in ("errors", "failures", "refused"):
                 getattr(result, part).update(getattr(more, part))
             result.split = {**(result.split or {}), **(more.split or {})}
-        record.update(result.to_json())
+        record.update(result.to_json(), expected_refusal=bool(result.refused) and result.refused_as_expected(draw))
     except Exception:  # a crash is a failure of the draw, recorded, and the sweep goes on
         record["crash"] = traceback.format_exc()[-2000:]
     record["seconds"] = round(time.time() - started, 2)
@@ -84,7 +84,9 @@ def run_one(draw: Draw, root: Path, split: bool, lane: str) -> dict:
 
 def failed(record: dict) -> list[str]:
     """The checks a record failed (numerics, split per dtype, a crash)."""
-    return list(record.get("failures") or {}) + (["crash"] if "crash" in record else [])
+    unexpected = record.get("refused") and not record.get("expected_refusal")
+    return list(record.get("failures") or {}) + (["crash"] if "crash" in record else []) + (
+        ["refused"] if unexpected else [])
 
 
 def _fields(draw: dict) -> dict[str, str]:

@@ -31,6 +31,7 @@ FLASH_NEXT = ROOT / "docs" / "qwen4_flash_next" / "config.json"
 EDGES = (1, 2, 15, 16, 17, 33, 63, 64, 65, 100, 127, 128, 129, 200, 256, 257)
 VOCAB = (64, 96, 128, 200, 256)
 EOS = 1
+SCALED_ROPE = "unsupported rope type"  # hetero's one line for a scaled RoPE (linear, yarn, dynamic): not implemented
 NESTED = ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "vision")  # layouts with a vision tower (text under text_config)
 
 
@@ -90,6 +91,11 @@ def _rotary(draw, head_dim: int, mrope: bool) -> dict:
     partial = draw(st.sampled_from(factors))
     rope = {"rope_type": "default", "rope_theta": draw(st.sampled_from((10_000.0, 1_000_000.0, 10_000_000.0))),
             "partial_rotary_factor": partial}
+    kind = draw(st.sampled_from(("default",) * 13 + ("linear", "yarn", "dynamic")))
+    if kind != "default":  # scaled RoPE, which hetero refuses in one line (`SCALED_ROPE`)
+        rope.update(rope_type=kind, factor=draw(st.sampled_from((2.0, 4.0))))
+        if kind == "yarn":
+            rope["original_max_position_embeddings"] = 4096
     if mrope:
         half = int(head_dim * partial) // 2
         t = draw(st.integers(0, half))

@@ -122,8 +122,8 @@ def add_mtp(path: Path, seed: int, style: dict) -> None:
 
     file = path / "config.json"
     config = json.loads(file.read_text())
-    args = ModelArgs.from_config({**config, **({"text_config": {**config["text_config"], "mtp_num_hidden_layers": 1}}
-                                               if "text_config" in config else {"mtp_num_hidden_layers": 1})})
+    shapes = {**(config.get("text_config") or config), "mtp_num_hidden_layers": 1, "rope_parameters": None}
+    args = ModelArgs.from_config({**config, **({"text_config": shapes} if "text_config" in config else shapes)})
     head = {k: v for k, v in tree_flatten(build_lazy_model(args, True, set()).parameters()) if k.startswith("mtp.")}
     gen = torch.Generator().manual_seed(seed + 7)
     randn = lambda shape: torch.randn(shape, generator=gen)  # noqa: E731
