@@ -32,6 +32,17 @@ EDGES = (1, 2, 15, 16, 17, 33, 63, 64, 65, 100, 127, 128, 129, 200, 256, 257)
 VOCAB = (64, 96, 128, 200, 256)
 EOS = 1
 SCALED_ROPE = "unsupported rope type"  # hetero's one line for a scaled RoPE (linear, yarn, dynamic): not implemented
+OTHER_ACTIVATION = "unsupported hidden_act"  # and for an MLP activation other than SiLU
+
+
+def expected_refusals(draw: "Draw") -> list[str]:
+    """The one-line refusals hetero owes a draw at load, for the fields it does not implement."""
+    out = []
+    if (draw.config.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+        out.append(SCALED_ROPE)
+    if draw.config.get("hidden_act", "silu") not in ("silu", "swish"):
+        out.append(OTHER_ACTIVATION)
+    return out
 NESTED = ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "vision")  # layouts with a vision tower (text under text_config)
 
 
@@ -137,6 +148,7 @@ def _text(draw, limits: Limits, attention: str = "full_attention", mrope: bool =
                 num_hidden_layers=len(layer_types), layer_types=layer_types, rope_parameters=_rotary(draw, heads["head_dim"], mrope),
                 rms_norm_eps=draw(st.sampled_from((1e-6, 1e-5))), tie_word_embeddings=draw(st.booleans()),
                 attention_bias=draw(st.sampled_from((False,) * 7 + (True,))),
+                hidden_act=draw(st.sampled_from(("silu",) * 15 + ("gelu",))),
                 eos_token_id=EOS, pad_token_id=None, bos_token_id=None)
 
 

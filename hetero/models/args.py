@@ -30,6 +30,13 @@ class ConfigFields:
         return HeteroError(f"config.json: the field {self.last!r} {what}; fix config.json (the checkpoint's own, as "
                            "transformers saves it)")
 
+def check_activation(name) -> None:
+    """transformers' Qwen MLPs (and the GDN conv) apply `hidden_act`; hetero implements SiLU (SwiGLU) alone, so any
+    other is refused in one line rather than run as SiLU."""
+    if name not in ("silu", "swish"):
+        raise HeteroError(f"unsupported hidden_act {name!r} in config.json: hetero implements silu (SwiGLU) only")
+
+
 @dataclass
 class ModelArgs:
     """The text model's shape, read from an HF config (any of the three layouts)."""
@@ -94,6 +101,7 @@ class ModelArgs:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type not in ("default", "mrope"):
                 raise HeteroError(f"unsupported rope type {rope_type!r} in config.json: only default RoPE is implemented")
+            check_activation(get("hidden_act", "silu"))
             eos = get("eos_token_id", [])
             args = cls(
                 model_type=model_type,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.models.args import ConfigFields
+from hetero.models.args import ConfigFields, check_activation
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 
@@ -82,6 +82,7 @@ class Qwen4Args:
             if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
                 raise HeteroError(f"unsupported rope type {rope.get('rope_type')!r} in config.json: only default "
                                   "RoPE (with mrope sections) is implemented")
+            check_activation(get("hidden_act", "silu"))
             eos = get("eos_token_id", [])
             args = cls(
                 model_type=model_type,
