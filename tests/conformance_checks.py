@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import conformance_weights as cw
-from conformance_space import EOS, Draw, expected_refusals
+from conformance_space import EOS, Draw, expected_refusals, released_form
 
 TOL = 1e-4  # relative, at every position, from transformers' result computed in float64
 K = 4  # where transformers' own fp32 run lies farther than TOL / K from its float64 result, hetero may lie K times as far
@@ -122,6 +122,9 @@ def write(draw: Draw, path: Path):
     if draw.config.get("tie_word_embeddings"):
         model.tie_weights()
     model.save_pretrained(path)
+    if draw.form == "released":
+        file = path / "config.json"
+        file.write_text(json.dumps(released_form(json.loads(file.read_text())), indent=1))
     if draw.mtp:
         if draw.arch.startswith("qwen4"):
             import qwen4_checkpoint as qc

@@ -78,6 +78,7 @@ class Draw:
     outliers: dict | None = None  # massive activations (`conformance_weights.add_outliers`)
     dtype: str = "float32"  # the split's dtype
     source: str = "drawn"  # or "released:<name>"
+    form: str = "saved"  # config.json as transformers saves it, or "released": the released Qwen3-Next form
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -86,6 +87,22 @@ class Draw:
     def from_json(cls, data: dict) -> "Draw":
         """A draw as `to_json` wrote it (a failing draw's message, bench/results/conformance*.json)."""
         return cls(**{k: tuple(v) if k == "chunks" else v for k, v in data.items()})
+
+
+def released_form(config: dict) -> dict:
+    """config.json as the released Qwen3-Next configs write it: flat `rope_theta` / `partial_rotary_factor`, no
+    `rope_parameters`, and `full_attention_interval` in place of `layer_types` where the pattern is an interval."""
+    out = {k: v for k, v in config.items() if k != "rope_parameters"}
+    rope = config.get("rope_parameters") or {}
+    out.update(rope_theta=rope.get("rope_theta", 10_000.0), partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
+               rope_scaling=None if rope.get("rope_type", "default") == "default" else rope)
+    types = config["layer_types"]
+    for interval in range(1, len(types) + 1):
+        if types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]:
+            out.pop("layer_types")
+            out["full_attention_interval"] = interval
+            break
+    return out
 
 
 def _heads(draw, hidden: int) -> dict:
@@ -202,7 +219,7 @@ def qwen3_5_moe(draw, limits: Limits = FULL) -> Draw:
 def qwen3_next_dense(draw, limits: Limits = FULL) -> Draw:
     config = dict(_text(draw, limits), intermediate_size=draw(st.sampled_from((32, 64, 128))), num_experts=0,
                   mlp_only_layers=[])
-    return _case(draw, "qwen3_next", config, limits)
+    return _case(draw, "qwen3_next", config, limits, form=draw(st.sampled_from(("saved", "released"))))
 
 
 @st.composite
@@ -212,7 +229,7 @@ def qwen3_next_moe(draw, limits: Limits = FULL) -> Draw:
                   intermediate_size=draw(st.sampled_from((32, 64))))
     n = len(config["layer_types"])
     config["mlp_only_layers"] = draw(st.lists(st.integers(0, n - 1), max_size=n // 2, unique=True))
-    return _case(draw, "qwen3_next_moe", config, limits)
+    return _case(draw, "qwen3_next_moe", config, limits, form=draw(st.sampled_from(("saved", "released"))))
 
 
 def _qsa(draw, rotary: int, limits: Limits) -> dict:
