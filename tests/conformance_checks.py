@@ -64,8 +64,8 @@ class Result:
         return not self.failures
 
     def refused_as_expected(self, draw: Draw) -> bool:
-        """Whether every refusal is one hetero owes this draw (`conformance_space.expected_refusals`: a scaled RoPE,
-        an MLP activation other than SiLU, which it does not implement), at load, in one line."""
+        """Whether every refusal is one hetero owes this draw (`conformance_space.expected_refusals`: an MLP
+        activation other than SiLU, which it does not implement), at load, in one line."""
         owed = expected_refusals(draw)
         return all(what == "load" and "\n" not in why and any(o in why for o in owed)
                    for what, why in self.refused.items())

@@ -98,7 +98,7 @@ def _tied_at_boundary(model, tokens: list[int]) -> int:
     q, keys = captured["qk"]
     ix = attn.indexer
     n = keys.shape[1] // ix.ratio
-    q = rope_at(q, mx.arange(len(tokens)), ix.rotary_dims, ix.base).astype(mx.float32)
+    q = rope_at(q, mx.arange(len(tokens)), ix.rotary).astype(mx.float32)
     scores = np.array(mx.maximum(q @ ix.pool(keys, 0, n)[:, None].swapaxes(-1, -2), 0).sum(2))[0]  # [S, NB]
     ties = 0
     for p, row in enumerate(scores):
@@ -205,3 +205,45 @@ def test_verify_in_half_precision_on_a_checkpoint_with_ple(tmp_path):
     engine = cc.split_engine(tmp_path, mx.bfloat16)
     check = verify(configure(engine, 0.5, 64, lane="thread"), _tokens(150, qc.VOCAB, 3), n_tokens=4)
     assert check["match"] and check["reference"] == "fp32" and check["gpu_distance"] > 0, check
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scaled RoPE: refused before, transformers' own types now
+
+ROPES = {"linear": {"factor": 4.0}, "dynamic": {"factor": 4.0},
+         "yarn": {"factor": 4.0, "original_max_position_embeddings": 64}}  # a short original context: the ramp bites
+
+
+def _rope_draw(arch: str, kind: str, **config) -> Draw:
+    rope = {"rope_type": kind, "rope_theta": 10_000.0, "partial_rotary_factor": 0.5, **ROPES[kind]}
+    base = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False,
+                intermediate_size=256, eos_token_id=1, rope_parameters=rope)
+    return Draw(arch=arch, prompt=150, seed=7, config={**base, **config}, weights={"gain": 0.5})
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_scaled_rope_matches_transformers(tmp_path, kind):
+    """Linear, yarn (its frequency ramp and attention factor) and dynamic RoPE on a Qwen3.5 layout, 150 tokens past
+    yarn's original 64: the logits within 1e-4 of transformers' at every position."""
+    draw = _rope_draw("qwen3_5_text", kind)
+    hf = cc.write(draw, tmp_path)
+    tokens = cc.prompt_tokens(draw)
+    assert cc.relative(_logits(load_model(tmp_path, mx.float32)[0], tokens), cc.hf_logits(hf, tokens)) <= TOL
+
+
+def test_yarn_rotates_the_qsa_indexer_and_the_split_programs_alike(tmp_path):
+    """Qwen4-Exp with yarn: QSA's indexer rotates its queries and block keys by the same scaled frequencies
+    (transformers' shared cos and sin), and the split's attention programs take them from their rope tables: the
+    logits match transformers and the split in fp32 passes `--verify`."""
+    hf = qc.build(tmp_path, ple_layer_ids=(1,), seed=4, shared_expert_intermediate_size=128,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
+                                   "factor": 4.0, "original_max_position_embeddings": 64, "mrope_section": [2, 1, 1]})
+    tokens = _tokens(150, qc.VOCAB, 4)
+    assert cc.relative(_logits(load_model(tmp_path, mx.float32)[0], tokens), cc.hf_logits(hf, tokens)) <= TOL
+    from hetero.pipeline import configure, verify
+
+    engine = cc.split_engine(tmp_path, mx.float32)
+    check = verify(configure(engine, 0.5, 64, lane="thread"), tokens, n_tokens=4)
+    assert check["match"], check

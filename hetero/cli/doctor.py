@@ -84,7 +84,7 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
                + ", ".join(f"{k} {v:.1f}" for k, v in p["fp16_headroom_bits"].items())
                + "; kept on the GPU for range: " + ", ".join(f"{k} {v}" for k, v in p["kept_on_gpu_for_range"].items()))
 
-    out["programs"] = check_programs(split, engine.model.args.rope_theta)
+    out["programs"] = check_programs(split, engine.model.args.rotary)
     out["weights"]["split"] = split_forms(out["weights"], weights, split.programs)
     c = out["programs"]
     report(f"programs checked in the worker: {c['checked']} ({c['runs']} runs, a padded last chunk of "
@@ -125,7 +125,7 @@ def doctor(engine, tokens: int = 1024, fraction: float = 0.5, chunk: int = 256,
 PADDED_ROWS = 37  # rows of the padded last chunk each program is checked on: the rest are zeros, as in a prompt
 
 
-def check_programs(split, theta: float, seed: int = 0) -> dict:
+def check_programs(split, theta, seed: int = 0) -> dict:
     """Every program the split loaded, checked in the ANE lane's worker (`AneProcess.diagnose`) on a full chunk
     and on a padded last chunk (`PADDED_ROWS` rows, the rest zero: where a norm's epsilon, subnormal in fp16,
     meets zero rows): finite outputs, agreement with the reference executor, Core ML's placement."""

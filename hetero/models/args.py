@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
+from hetero.models.rope import Rotary, rotary_of
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer (and the MTP layer) is mixture-of-experts
@@ -62,6 +63,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 262_144
+    rope_parameters: dict = field(default_factory=dict)  # as config.json gives them: the rope type and its scaling
     mtp_num_hidden_layers: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -98,9 +100,6 @@ class ModelArgs:
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
             ]
             rope = get("rope_parameters") or get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", "mrope"):
-                raise HeteroError(f"unsupported rope type {rope_type!r} in config.json: only default RoPE is implemented")
             check_activation(get("hidden_act", "silu"))
             eos = get("eos_token_id", [])
             args = cls(
@@ -125,6 +124,7 @@ class ModelArgs:
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)),
                 attention_bias=bool(get("attention_bias", False)),
                 max_position_embeddings=int(get("max_position_embeddings", 262_144)),
+                rope_parameters=dict(rope),
                 mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
                 num_experts=int(get("num_experts", 0) or 0),
                 num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0),
@@ -138,6 +138,7 @@ class ModelArgs:
             )
         except (TypeError, ValueError) as e:
             raise get.bad_value(e) from None
+        args.rotary  # a rope type it does not implement is refused here, in one line
         if len(args.layer_types) != n_layers or set(args.layer_types) - {"linear_attention", "full_attention"}:
             raise HeteroError("config.json layer_types must list 'linear_attention'/'full_attention' once per layer")
         if args.linear_num_value_heads % args.linear_num_key_heads:
@@ -183,3 +184,8 @@ class ModelArgs:
     @property
     def rotary_dims(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rotary(self) -> Rotary:
+        """The rotation every attention layer applies (`hetero.models.rope`: default, linear, yarn, dynamic)."""
+        return rotary_of(self.rope_parameters, self.rotary_dims, self.rope_theta, self.max_position_embeddings)

@@ -271,7 +271,7 @@ class SplitPrefill:
             return [g, norm, a, Job(f"{label} merge", "gpu", merge, (g, a), rank(1))]
         if not layer.is_linear and i in progs.attention and not ch.whole:
             rest, parts = self.attn_rest.get(i), progs.attention_at(i, ch.start)
-            theta = self.model.args.rope_theta
+            theta = self.model.args.rotary  # the rope tables' frequencies (and a yarn rope's scale)
             norm = self._normed(f"{label} norm", mixer_io(layer), ch, (i, "x"), (h_job,), rank(0), (i, "attention"))
             state = (norm,) if prev is None else (norm, prev)  # both read the cache as the last chunk left it
             indexer = getattr(layer.self_attn, "indexer", None)  # Qwen4-Exp's QSA: its selection comes first

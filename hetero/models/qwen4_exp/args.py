@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
 from hetero.models.args import ConfigFields, check_activation
+from hetero.models.rope import Rotary, rotary_of
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 
@@ -41,6 +42,7 @@ class Qwen4Args:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 262_144
+    rope_parameters: dict = field(default_factory=dict)  # as config.json gives them: the rope type and its scaling
     norm_topk_prob: bool = True
     output_gate_type: str = "silu"
     ple_layer_ids: list[int] = field(default_factory=list)  # one-indexed, as in the config
@@ -79,9 +81,6 @@ class Qwen4Args:
             layer_types = ["indexed_attention" if t in ("full_attention", "qwen_sparse_attention") else t
                            for t in layer_types]
             rope = get("rope_parameters") or get("rope_scaling") or {}
-            if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
-                raise HeteroError(f"unsupported rope type {rope.get('rope_type')!r} in config.json: only default "
-                                  "RoPE (with mrope sections) is implemented")
             check_activation(get("hidden_act", "silu"))
             eos = get("eos_token_id", [])
             args = cls(
@@ -111,6 +110,7 @@ class Qwen4Args:
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)),
                 attention_bias=bool(get("attention_bias", False)),
                 max_position_embeddings=int(get("max_position_embeddings", 32768)),
+                rope_parameters=dict(rope),
                 norm_topk_prob=bool(get("norm_topk_prob", True)),
                 output_gate_type=str(get("output_gate_type") or get("hidden_act", "silu")),
                 ple_layer_ids=sorted(set(get("ple_layer_ids") or [])),
@@ -132,6 +132,7 @@ class Qwen4Args:
             )
         except (TypeError, ValueError) as e:
             raise get.bad_value(e) from None
+        args.rotary  # a rope type it does not implement is refused here, in one line
         args.validate(get)
         return args
 
@@ -185,6 +186,11 @@ class Qwen4Args:
     @property
     def rotary_dims(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rotary(self) -> Rotary:
+        """The rotation of the attention layers and QSA's indexer (`hetero.models.rope`)."""
+        return rotary_of(self.rope_parameters, self.rotary_dims, self.rope_theta, self.max_position_embeddings)
 
     @property
     def moe_layers(self) -> list[int]:

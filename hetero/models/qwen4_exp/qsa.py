@@ -22,6 +22,7 @@ from hetero.models import attention
 from hetero.models.cache import KVCache, RaggedKV
 from hetero.models.linear import Linear
 from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Attention, RMSNorm
+from hetero.models.rope import Rotary
 from hetero.models.qwen4_exp.args import Qwen4Args
 
 
@@ -82,12 +83,13 @@ class QSACache(KVCache):
         return super().state + ([] if self.index_keys is None else [self.index_keys])
 
 
-def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.array:
-    """NeoX RoPE on the first `dims` features of x [..., N, H, D] at positions [N] (any, not only consecutive)."""
-    inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))  # [dims/2]
-    angles = positions.astype(mx.float32)[:, None] * inv_freq  # [N, dims/2]
-    cos = mx.concatenate([mx.cos(angles)] * 2, axis=-1)[:, None, :]  # [N, 1, dims]
-    sin = mx.concatenate([mx.sin(angles)] * 2, axis=-1)[:, None, :]
+def rope_at(x: mx.array, positions: mx.array, rotary: Rotary) -> mx.array:
+    """NeoX RoPE (the model's frequencies and scale) on the first `rotary.dims` features of x [..., N, H, D] at
+    positions [N] (any, not only consecutive)."""
+    dims = rotary.dims
+    cos, sin = rotary.angles(positions)  # [N, dims/2] each
+    cos = mx.concatenate([cos] * 2, axis=-1)[:, None, :]  # [N, 1, dims]
+    sin = mx.concatenate([sin] * 2, axis=-1)[:, None, :]
     rot, rest = x[..., :dims], x[..., dims:]
     half = dims // 2
     rotated = mx.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
@@ -101,7 +103,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.heads, self.dim = args.indexer_n_heads, args.indexer_head_dim
         self.ratio, self.blocks = args.indexer_compress_ratio, args.indexer_budget // args.indexer_compress_ratio
-        self.rotary_dims, self.base = args.rotary_dims, args.rope_theta
+        self.rotary = args.rotary
         self.index_qk_proj = Linear(args.hidden_size, (self.heads + 1) * self.dim, bias=False)
         self.q_layernorm = RMSNorm(self.dim, args.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.dim, args.rms_norm_eps)
@@ -119,7 +121,7 @@ class Indexer(nn.Module):
         B, L = q.shape[:2]
         T = keys.shape[1]
         pos = mx.arange(offset, offset + L)  # [L]
-        q = rope_at(q, pos, self.rotary_dims, self.base).astype(mx.float32)
+        q = rope_at(q, pos, self.rotary).astype(mx.float32)
         t = mx.arange(T)
         causal = t[None, :] <= pos[:, None]  # [L, T]
         n_blocks = T // self.ratio
@@ -146,7 +148,7 @@ class Indexer(nn.Module):
         raw = keys[:, lo * self.ratio : hi * self.ratio].astype(mx.float32).reshape(B, hi - lo, self.ratio, self.dim)
         pooled = self.k_layernorm(raw.mean(axis=2).astype(keys.dtype))  # [B, hi-lo, Di]
         starts = mx.arange(lo, hi) * self.ratio
-        return rope_at(pooled[:, :, None, :], starts, self.rotary_dims, self.base)[:, :, 0].astype(mx.float32)
+        return rope_at(pooled[:, :, None, :], starts, self.rotary)[:, :, 0].astype(mx.float32)
 
     def pick(self, q: mx.array, keys: mx.array, cache: QSACache) -> mx.array | None:
         """`select` for one query at the newest position T-1 (a decode step), as token ids rather than a mask:
@@ -158,7 +160,7 @@ class Indexer(nn.Module):
         if n_blocks <= self.blocks:  # every complete block is chosen: the whole causal prefix
             return None
         block_keys = self.kept_blocks(keys, cache)  # [B, NB, Di]
-        q = rope_at(q, mx.array([T - 1]), self.rotary_dims, self.base).astype(mx.float32)  # [B, 1, Hi, Di]
+        q = rope_at(q, mx.array([T - 1]), self.rotary).astype(mx.float32)  # [B, 1, Hi, Di]
         scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, 1, Hi, NB]
         scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, 1, NB]: every block is complete for this query
         top = mx.argsort(-scores, axis=-1)[:, 0, : self.blocks].astype(mx.int32)  # [B, k] as `select` orders them
@@ -179,7 +181,7 @@ class Indexer(nn.Module):
             return None
         block_keys = self.kept_blocks(keys, cache)  # [B, NB, Di]
         pos = mx.arange(T - L, T)  # [L]
-        q = rope_at(q, pos, self.rotary_dims, self.base).astype(mx.float32)  # [B, L, Hi, Di]
+        q = rope_at(q, pos, self.rotary).astype(mx.float32)  # [B, L, Hi, Di]
         scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, L, Hi, NB]
         scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, L, NB]
         complete = ((pos + 1) // self.ratio).astype(mx.int32)  # [L] complete blocks each query sees
