@@ -247,3 +247,19 @@ def test_yarn_rotates_the_qsa_indexer_and_the_split_programs_alike(tmp_path):
     engine = cc.split_engine(tmp_path, mx.float32)
     check = verify(configure(engine, 0.5, 64, lane="thread"), tokens, n_tokens=4)
     assert check["match"], check
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen4_exp_text"])
+def test_an_mlp_activation_other_than_silu_is_refused_in_one_line(tmp_path, arch):
+    """transformers applies `hidden_act` to the MLPs (and the GDN conv); hetero ran SiLU whatever the config said,
+    logits off without a word. A config with another activation is refused at load, in one line that names it."""
+    from hetero.errors import HeteroError
+
+    if arch == "qwen4_exp_text":
+        qc.build(tmp_path, ple_layer_ids=(), seed=1, hidden_act="gelu")
+    else:
+        cc.write(Draw(**{**_rope_draw(arch, "linear").__dict__, "config": {
+            **_rope_draw(arch, "linear").config, "hidden_act": "gelu"}}), tmp_path)
+    with pytest.raises(HeteroError, match="unsupported hidden_act 'gelu'") as e:
+        load_model(tmp_path, mx.float32)
+    assert "\n" not in str(e.value)
