@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -20,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from hetero.checkpoint.config_checks import MAX_DIM, check_config
+from hetero.checkpoint.config_checks import check_config
+from hetero.checkpoint.headers import TensorInfo, norms_zero_centred, read_header
 from hetero.errors import HeteroError
 from hetero.models.args import SUPPORTED_MODEL_TYPES
 from hetero.models.fused import fuse
@@ -33,7 +33,6 @@ BUNDLED_MODEL = Path(__file__).parents[1] / "bundled"
 SMALL_FILES = ["config.json", "generation_config.json", "*.index.json", "tokenizer*", "chat_template.jinja"]
 FLOAT_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 ST_DTYPES = {**FLOAT_DTYPES, "U32": mx.uint32}
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "I64": 8, "F64": 8, "U8": 1, "I8": 1, "BOOL": 1}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -98,95 +97,6 @@ def check_generation_config(path: Path) -> None:
     if not isinstance(config, dict):
         raise HeteroError(f"{file} must hold a JSON object, got a JSON {type(config).__name__}; fix or delete it")
     check_config({"eos_token_id": config.get("eos_token_id")}, str(file))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# safetensors headers
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    nbytes: int
-    offset: int = -1  # where its data starts in the file, in bytes (-1: unknown, its shard is absent)
-
-
-def _raw_header(file: Path) -> tuple[int, int, dict]:
-    """(file size, header length, the header's JSON object) of one safetensors file; HeteroError if it is none."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise HeteroError(f"{file} is truncated (no safetensors header); re-download it")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100_000_000):
-                raise HeteroError(f"{file} is not a safetensors file (header length {n} exceeds the file); re-download it")
-            header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
-        raise HeteroError(f"{file} has a corrupt safetensors header; re-download it") from None
-    except OSError as e:
-        raise HeteroError(f"cannot read {file}: {e.strerror}") from None
-    if not isinstance(header, dict):
-        raise HeteroError(f"{file} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object); re-download it")
-    return size, n, header
-
-
-def norms_zero_centred(path: Path) -> bool:
-    """Whether the checkpoint at `path` stores its norms zero-centred (transformers' layout, scale 1 + w), as the
-    files' writer says: transformers records `format: pt` in each safetensors file's metadata, MLX's writers
-    (mlx-lm, mlx-vlm, `hetero convert`) `format: mlx` and the norms with their +1. Anything else: transformers'.
-    The GDN conv's layout tells the same where a model has one (`hetero.models.weights.sanitize`); an all-attention
-    layout has none."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return True
-    metadata = _raw_header(files[0])[2].get("__metadata__")
-    return not (isinstance(metadata, dict) and metadata.get("format") == "mlx")
-
-
-def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Tensor metadata of one safetensors file, validated against the file's size (catches truncation)."""
-    size, n, header = _raw_header(file)
-    tensors: dict[str, TensorInfo] = {}
-    end = 0
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        info = _tensor_info(file, name, meta)
-        info.offset = 8 + n + meta["data_offsets"][0]
-        expected = DTYPE_BYTES.get(info.dtype, 0) * _numel(info.shape)
-        if info.dtype in DTYPE_BYTES and expected != info.nbytes:
-            raise HeteroError(f"{file}: tensor {name} spans {info.nbytes} bytes but {info.dtype}{list(info.shape)} needs {expected}")
-        tensors[name] = info
-        end = max(end, meta["data_offsets"][1])
-    if 8 + n + end > size:
-        raise HeteroError(f"{file} is truncated ({size} bytes, its header describes {8 + n + end}); re-download it")
-    return tensors
-
-
-def _tensor_info(file: Path, name: str, meta) -> TensorInfo:
-    """One header entry, checked: a dtype string, a shape of sizes >= 0, data offsets 0 <= start <= stop."""
-    corrupt = HeteroError(f"{file} has a corrupt safetensors header entry for {name!r}; re-download it")
-    if not isinstance(meta, dict):
-        raise corrupt
-    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    is_size = lambda v, top: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= top  # noqa: E731
-    if not isinstance(dtype, str) or not isinstance(shape, list) or not all(is_size(d, MAX_DIM) for d in shape):
-        raise corrupt
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_size(o, 2**62) for o in offsets) or offsets[0] > offsets[1]:
-        raise corrupt
-    return TensorInfo(name, dtype, tuple(shape), file.name, offsets[1] - offsets[0])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
