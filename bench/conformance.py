@@ -148,11 +148,13 @@ def replay(text: str, lane: str) -> None:
 
 def qsa_budgets(budgets: list[int], out: Path) -> None:
     """The issue's QSA layout (tests/test_conformance_regressions.py) at each budget, a prompt of 3 budgets: the
-    worst relative error against transformers (ties in index order) over every position."""
+    worst relative error against transformers (ties in index order, near-ties pinned to hetero's choice:
+    tests/conformance_oracle.py) over every position, and without the near-ties pinned."""
     import mlx.core as mx
     import numpy as np
 
     import qwen4_checkpoint as qc
+    from conformance_oracle import Choices, pinned
     from hetero.checkpoint.loader import load_model
     from test_conformance_regressions import _issue_layout
 
@@ -163,10 +165,15 @@ def qsa_budgets(budgets: list[int], out: Path) -> None:
         hf = qc.build(path, ple_layer_ids=(1,), seed=budget, **_issue_layout(budget, 4, 2))
         tokens = np.random.default_rng(budget).integers(2, qc.VOCAB, 3 * budget).tolist()
         model = load_model(path, mx.float32)[0]
-        ours = np.array(model(mx.array([tokens]))[0][0])
-        error = cc.relative(ours, cc.hf_logits(hf, tokens))
+        choices = Choices()
+        with choices.recording(model):
+            ours = np.array(model(mx.array([tokens]))[0][0])
+        free = cc.relative(ours, cc.hf_logits(hf, tokens))
+        with pinned(hf, choices):
+            error = cc.relative(ours, cc.hf_logits(hf, tokens))
         rows.append({"budget": budget, "tokens": len(tokens), "relative_error": error,
-                     "within_1e-4": error <= cc.TOL, "seconds": round(time.time() - started, 1)})
+                     "within_1e-4": error <= cc.TOL, "near_ties_pinned": choices.ties,
+                     "relative_error_unpinned": free, "seconds": round(time.time() - started, 1)})
         print(json.dumps(rows[-1]), flush=True)
     out.write_text(json.dumps({"qsa_budgets": rows, "environment": environment()}, indent=1))
     print(f"wrote {out}")

@@ -1,7 +1,8 @@
 """The conformance harness's whole path for one draw (`conformance_space.Draw`): transformers writes the checkpoint
 (`write`), hetero loads it, and `check_text` compares every path with transformers and with each other:
 
-- logits: hetero's one pass against transformers' computed in float64 (the exact result of the function transformers
+- logits: hetero's one pass against transformers' computed in float64 (its routers' and QSA indexers' choices
+  taken from hetero's where the two tie within rounding: `conformance_oracle`) (the exact result of the function transformers
   defines), within `TOL` relative at every position (max |ours - exact| / max |exact| per position); on a draw
   so ill-conditioned that transformers' own fp32 run lies farther than TOL / K from it, within K times that
   (`hf_to_fp64`); the distance to transformers' fp32 run is recorded too (`transformers`);
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 import conformance_weights as cw
+from conformance_oracle import Choices, pinned
 from conformance_space import EOS, Draw, expected_refusals, released_form
 
 TOL = 1e-4  # relative, at every position, from transformers' result computed in float64
@@ -216,12 +218,19 @@ def check_text(draw: Draw, path: Path, hf, result: Result) -> None:
     model = load_model(path, mx.float32)[0]
     toks = prompt_tokens(draw)
     n = len(toks)
-    one = np.array(model(mx.array([toks]))[0][0])  # [S, V]
+    choices = Choices()
+    with choices.recording(model):  # its experts and QSA blocks, which the oracle takes at near-ties
+        one = np.array(model(mx.array([toks]))[0][0])  # [S, V]
     again = np.array(model(mx.array([toks]))[0][0])
     result.bound("repeat", float(np.abs(one - again).max()), 0.0)
     greedy = list(decode_tokens(model, toks, Sampler(SamplingParams()), GREEDY, set()))
     seq = toks + greedy[:-1]  # the prompt, then each greedy step's input
-    ref32, exact = hf_logits(hf, seq), hf_logits64(hf_float64(draw, hf), seq)  # [S + n - 1, V] each
+    exact_model = hf_float64(draw, hf)
+    with pinned(hf, choices):
+        ref32 = hf_logits(hf, seq)  # [S + n - 1, V]
+    with pinned(exact_model, choices):
+        exact = hf_logits64(exact_model, seq)
+    result.errors["near_ties"] = choices.ties
     own = relative(ref32[:n], exact[:n])  # transformers' own fp32 rounding
     bound = max(TOL, K * own)
     result.errors["hf_to_fp64"] = own
