@@ -76,7 +76,7 @@ def test_an_honest_moe_split_whose_rounding_tips_routes_passes(tmp_path):
     cc.write(draw, tmp_path / "moe")
     cc.check_split(draw, tmp_path / "moe", "float32", result)
     report = result.split["float32"]
-    assert report["match"] and report["route_flips"] > 0 and report["distance"] <= report["tolerance"], report
+    assert report["match"] and report["choice_flips"] > 0 and report["distance"] <= report["tolerance"], report
     assert not {"max_rel_cache_diff", "max_rel_logit_diff", "max_abs_logit_diff", "split_to_fp32", "cosine"} & set(
         report)  # one distance, reported once
 
@@ -106,3 +106,35 @@ def test_routes_record_and_replay_across_runs(tmp_path):
     assert replay.flips > len(tokens)
     for name, [(_, taken)] in replay.calls.items():
         np.testing.assert_array_equal(taken, recorded.calls[name][0][1])
+
+
+def test_qsa_selections_record_and_replay_across_runs(tmp_path):
+    """A prefill records each QSA query's kept keys per indexer and chunk; a run of the same model under them
+    changes nothing; a model whose indexers think otherwise keeps the recorded keys and counts the queries it would
+    have kept otherwise."""
+    import qwen4_checkpoint as qc
+    from hetero.checkpoint.loader import load_model
+    from hetero.decode.prefill import prefill
+    from hetero.models.choices import Choices
+
+    qc.build(tmp_path, ple_layer_ids=(), seed=6)
+    model = load_model(tmp_path, mx.float32)[0]
+    tokens = np.random.default_rng(6).integers(2, qc.VOCAB, 96).tolist()
+
+    def run(choices):
+        with choices.using():
+            return np.array(prefill(model, tokens, model.make_cache(), 32, all_logits=True)[0])
+
+    recorded = Choices(model)
+    base = run(recorded)
+    assert len(recorded.selections.calls) == 3  # one indexer, three chunks of 32
+    same = Choices(model, replay=recorded)
+    assert np.array_equal(run(same), base) and same.flips == 0
+    for layer in model.layers:  # the indexers' queries turned around (their keys kept): other blocks score best
+        if not layer.is_linear:
+            ix = layer.self_attn.indexer
+            w = ix.index_qk_proj.weight
+            ix.index_qk_proj.weight = mx.concatenate([-w[: ix.heads * ix.dim], w[ix.heads * ix.dim :]])
+    replay = Choices(model, replay=recorded)
+    run(replay)
+    assert replay.selections.flips > 0

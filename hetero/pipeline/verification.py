@@ -17,12 +17,12 @@ the arrays the next chunk, turn and decode step read. The report gives it once (
 
 Discrete choices: a router whose k-th and (k+1)-th experts lie within rounding of each other sends a token to
 either, and the fp16 share's rounding tips some (a random Qwen3.5-MoE split in fp32 flipped 4 of 1,200 routes, at
-margins 1e-5 to 2e-3, and moved the keys of those tokens 7%). So the split's routes are recorded and the reference
-runs them (`hetero.models.moe.Routes`): the distance compares the two runs' arithmetic, and `route_flips` counts
-the routes the reference would have chosen otherwise. The GPU-only run is measured against the reference on its
-own routes the same way.
+margins 1e-5 to 2e-3, and moved the keys of those tokens 7%); QSA's block choice likewise. So the split's choices
+are recorded and the reference runs them (`hetero.models.choices.Choices`: routes and QSA selections): the distance
+compares the two runs' arithmetic, and `choice_flips` counts the choices the reference would have made otherwise.
+The GPU-only run is measured against the reference on its own choices the same way.
 
-`--verify-tol T` compares the split with the GPU-only run (on the split's routes) instead, accepting d <= T. Where
+`--verify-tol T` compares the split with the GPU-only run (on the split's choices) instead, accepting d <= T. Where
 an fp32 copy of the model does not fit in memory, the dtype's fixed tolerance (`hetero.pipeline.verify_tolerance`)
 is used that way and the result says so.
 """
@@ -39,7 +39,7 @@ from hetero.decode.state import Decoder
 from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost
 from hetero.models.cache import KVCache, LayerCache
-from hetero.models.moe import Routes
+from hetero.models.choices import Choices
 from hetero.models.qwen3_5 import Model
 from hetero.pipeline.distance import distance
 from hetero.pipeline.verify_tolerance import verify_tolerance
@@ -160,39 +160,39 @@ def _logits_after(model: Model, ids: list[int], more: list[int], chunk: int, ima
     return prefill(model, more, cache, chunk)[0]
 
 
-def _prefill_arrays(model: Model, ids: list[int], chunk: int, images: ImagePrompt | None, routes: Routes
+def _prefill_arrays(model: Model, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
                     ) -> tuple[dict[str, np.ndarray], mx.array, list[LayerCache]]:
-    """A GPU-lane prefill of `ids` under `routes` -> (its compared arrays, last logits [1, V], its cache)."""
+    """A GPU-lane prefill of `ids` under `choices` -> (its compared arrays, last logits [1, V], its cache)."""
     cache = model.make_cache()
-    with routes.using():
+    with choices.using():
         logits, _ = prefill(model, ids, cache, chunk, images=images)
     return arrays_of(logits, cache.backbone), logits, cache
 
 
-def _pinned(model: Model, ids: list[int], chunk: int, images: ImagePrompt | None, routes: Routes
+def _pinned(model: Model, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
             ) -> tuple[dict[str, np.ndarray], int]:
-    """`model`'s arrays for `ids` on the routes `routes` recorded, and how many of them it would have chosen
+    """`model`'s arrays for `ids` on the choices `choices` recorded, and how many of them it would have made
     otherwise."""
-    replay = Routes(model, replay=routes)
+    replay = Choices(model, replay=choices)
     arrays, _, _ = _prefill_arrays(model, ids, chunk, images, replay)
     return arrays, replay.flips
 
 
 def _against_reference(engine, model: Model, reference: Model, ids: list[int], chunk: int,
-                       images: ImagePrompt | None, split: dict, split_routes: Routes, gpu: dict,
-                       gpu_routes: Routes) -> dict:
-    """d(split, fp32) and d(gpu, fp32), each against the fp32 reference on its own routes."""
-    if not split_routes.names:  # no router: the reference is one run, kept for the next verify of the prompt
+                       images: ImagePrompt | None, split: dict, split_choices: Choices, gpu: dict,
+                       gpu_choices: Choices) -> dict:
+    """d(split, fp32) and d(gpu, fp32), each against the fp32 reference on its own choices."""
+    if not split_choices.any:  # no router or indexer: the reference is one run, kept for the next verify of the prompt
         truth = gpu if reference is model else reference_arrays(engine, reference, ids, chunk, images)
         truth_s, flips, truth_g = truth, 0, truth
     else:
-        truth_s, flips = _pinned(reference, ids, chunk, images, split_routes)
-        same = reference is model or gpu_routes.differs(split_routes) == 0
+        truth_s, flips = _pinned(reference, ids, chunk, images, split_choices)
+        same = reference is model or gpu_choices.differs(split_choices) == 0
         truth_g = gpu if reference is model else (truth_s if same else _pinned(reference, ids, chunk, images,
-                                                                              gpu_routes)[0])
+                                                                              gpu_choices)[0])
     d_split, where = distance(split, truth_s)
     d_gpu, _ = distance(gpu, truth_g)
-    return {"distance": d_split, "gpu_distance": d_gpu, "worst": where, "route_flips": flips,
+    return {"distance": d_split, "gpu_distance": d_gpu, "worst": where, "choice_flips": flips,
             "tolerance": K * d_gpu + ANE_FLOOR, "reference": "fp32"}
 
 
@@ -212,11 +212,11 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     """
     model = run.engine.model
     split_cache = model.make_cache()
-    split_routes = Routes(model)
+    split_choices = Choices(model)
     vision = None
     try:
         splitter = run.splitter(len(ids))
-        with split_routes.using():
+        with split_choices.using():
             res = splitter.run(ids, split_cache, mtp=False, logits=True, images=images)
         lane = run.vision_lane(splitter) if images is not None else None
         if lane is not None:  # the ANE lane's vision tower against the GPU tower, image by image
@@ -225,19 +225,19 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
         run.lost(e)
         return {"match": False, "lane_lost": str(e)}
     split = arrays_of(res.logits, split_cache.backbone)
-    gpu_routes = Routes(model)
-    gpu, ref, gpu_cache = _prefill_arrays(model, ids, run.chunk, images, gpu_routes)
+    gpu_choices = Choices(model)
+    gpu, ref, gpu_cache = _prefill_arrays(model, ids, run.chunk, images, gpu_choices)
     reference = reference_model(run.engine) if tol is None else None
     if reference is None:  # the fixed comparison: asked for, or no room for the fp32 reference
         basis = "--verify-tol" if tol is not None else "dtype table (no room for an fp32 copy of the model)"
         tol = verify_tolerance(model.model.norm.weight.dtype) if tol is None else tol
-        pinned, flips = _pinned(model, ids, run.chunk, images, split_routes) if split_routes.names else (gpu, 0)
+        pinned, flips = _pinned(model, ids, run.chunk, images, split_choices) if split_choices.any else (gpu, 0)
         d, where = distance(split, pinned)
-        report = {"distance": d, "gpu_distance": 0.0, "worst": where, "route_flips": flips, "tolerance": tol,
+        report = {"distance": d, "gpu_distance": 0.0, "worst": where, "choice_flips": flips, "tolerance": tol,
                   "reference": basis}
     else:
-        report = _against_reference(run.engine, model, reference, ids, run.chunk, images, split, split_routes, gpu,
-                                    gpu_routes)
+        report = _against_reference(run.engine, model, reference, ids, run.chunk, images, split, split_choices, gpu,
+                                    gpu_choices)
     bound = report["tolerance"]
     report.update({k: round(report[k], 6) for k in ("distance", "gpu_distance", "tolerance")})
     ours = greedy_continuation(model, split_cache, res.logits, n_tokens)

@@ -12,7 +12,9 @@ A batch of requests (`RaggedKV`) selects and attends row by row, each row over i
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -117,7 +119,13 @@ class Indexer(nn.Module):
 
     def select(self, q: mx.array, keys: mx.array, offset: int) -> mx.array:
         """Normed queries [B, L, Hi, Di] at positions offset..offset+L-1 and all raw keys [B, T, Di] (T = offset+L)
-        -> the keys each query may attend to [B, L, T] bool (causal included)."""
+        -> the keys each query may attend to [B, L, T] bool (causal included). Under `Selections.using`
+        (`--verify`) the choice is recorded, or replaced by the recorded one."""
+        chosen = self._select(q, keys, offset)
+        selections = _selections[0]
+        return chosen if selections is None else selections.choose(self, offset, chosen)
+
+    def _select(self, q: mx.array, keys: mx.array, offset: int) -> mx.array:
         B, L = q.shape[:2]
         T = keys.shape[1]
         pos = mx.arange(offset, offset + L)  # [L]
@@ -350,3 +358,62 @@ def attend_selected(queries: mx.array, keys: mx.array, values: mx.array, scale: 
         s *= keep  # dropped keys weigh exactly 0
 
     return attention.blocked_numpy(queries, keys, values, scale, softmax)
+
+
+_selections: list[Selections | None] = [None]  # the `Selections` in use (one `--verify` at a time), else None
+
+
+class Selections:
+    """The keys each QSA query kept as one prefill chose them, recorded (`replay` None) or imposed on another prefill
+    of the same prompt and chunks (`replay`: a recording), for `--verify`, as `hetero.models.moe.Routes` does for
+    experts: two blocks whose scores lie within rounding of each other are kept by either of two runs that differ
+    only in rounding. A call is told apart by its indexer's name and its chunk's offset; `flips` counts the queries
+    whose kept keys the replaying run would have chosen otherwise. Prefill chunks alone run under it (`select`)."""
+
+    def __init__(self, model: nn.Module, replay: Selections | None = None):
+        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, Indexer)}
+        self.replay = replay
+        self.calls: dict[tuple[str, int], np.ndarray] = {}  # (indexer, offset) -> kept keys [B, L, T]
+        self.flips = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def using(self):
+        """Record or replay every indexer's choice inside the block (this thread and the lanes)."""
+        _selections[0] = self
+        try:
+            yield self
+        finally:
+            _selections[0] = None
+
+    def choose(self, indexer: Indexer, offset: int, chosen: mx.array) -> mx.array:
+        """`chosen` [B, L, T] recorded, or the recorded choice of the same indexer and offset in its place (a split's
+        padded chunk recorded more rows and keys: its first L and T)."""
+        name = self.names.get(id(indexer))
+        if name is None:
+            return chosen
+        own = np.array(chosen)
+        if self.replay is None:
+            with self._lock:
+                self.calls[(name, offset)] = own
+            return chosen
+        theirs = self.replay.calls.get((name, offset))
+        if theirs is None or theirs.shape[1] < own.shape[1] or theirs.shape[2] < own.shape[2]:
+            return chosen
+        theirs = theirs[:, : own.shape[1], : own.shape[2]]
+        differ = int((theirs != own).any(-1).sum())
+        if not differ:
+            return chosen
+        with self._lock:
+            self.flips += differ
+        return mx.array(theirs)
+
+    def differs(self, other: Selections) -> int:
+        """How many queries' kept keys of this recording another recording of the same prompt chose otherwise."""
+        count = 0
+        for key, own in self.calls.items():
+            theirs = other.calls.get(key)
+            if theirs is not None:
+                L, T = min(own.shape[1], theirs.shape[1]), min(own.shape[2], theirs.shape[2])
+                count += int((own[:, :L, :T] != theirs[:, :L, :T]).any(-1).sum())
+        return count
