@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import agent_clis  # noqa: E402
 
-from hetero.checkpoint.loader import BUNDLED_MODEL  # noqa: E402
+from hetero.checkpoint.source import BUNDLED_MODEL  # noqa: E402
 
 TURNS = ["Say hello.", "Thanks. Say it once more."]
 

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetero.caches.prefix import PrefixCache  # noqa: E402
 from hetero.caches.session import SessionStore  # noqa: E402
 from hetero.engine import load  # noqa: E402
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 from hetero.training.tokenizer_train import load_corpus  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

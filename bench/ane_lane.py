@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 KILL_AFTER_CPU_S = 3.0  # the worker has computed this long: the prefill is well under way
 SNIPPET = "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n"

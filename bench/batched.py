@@ -53,7 +53,8 @@ from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.stepper import Batch  # noqa: E402
 from hetero.engine import load  # noqa: E402
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 from hetero.models.qwen3_5 import Model, ModelArgs  # noqa: E402
 
 GREEDY = SamplingParams()

@@ -115,7 +115,7 @@ def main() -> None:
                for v in result if v != "reference"}
 
     sys.path.insert(0, str(ROOT))
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
 
     report = {
         "command": "python bench/blas.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else ""),

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hetero.checkpoint.loader import BUNDLED_MODEL
+from hetero.checkpoint.source import BUNDLED_MODEL
 from hetero.models.qwen3_5 import Model, ModelArgs
 from hetero.training.hf_export import hf_config, save_hf_checkpoint
 

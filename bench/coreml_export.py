@@ -27,7 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_27B = Path("/work/shared/reference/configs/qwen3.5-27b.json")
@@ -51,7 +52,8 @@ def alternate(contenders: dict, repeats: int) -> dict:
 
 
 def bench_bundled(work: Path, chunk: int, context: int) -> dict:
-    from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
+    from hetero.checkpoint.loader import load_model
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.coreml.backends.accuracy import compare
     from hetero.coreml.backends.reference_prefill import prefill_with_attention_programs
     from hetero.coreml.export import export_coreml

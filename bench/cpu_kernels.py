@@ -52,7 +52,7 @@ PATHS = {  # path -> its switches
 
 def child(model: str, rows: list[int], tokens: int, workdir: str) -> dict:
     """One process, one path (HETERO_FEW_ROW_KERNEL as set by the parent): every row count's rounds and tokens."""
-    from hetero.host.blas import environment  # noqa: F401  (hetero first: the fast BLAS under MLX)
+    from hetero.host.environment import environment  # noqa: F401  (hetero first: the fast BLAS under MLX)
 
     import mlx.core as mx
 
@@ -94,7 +94,7 @@ def ops_part(model: str, rows: list[int], repeats: int, workdir: str) -> dict:
     from bench.checkpoints import checkpoint
     from hetero.engine import load
     from hetero.host import kernels
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
     from hetero.models.gated_delta import mlx_step
     from hetero.models.linear import TRANSPOSED_ROWS
     from mlx.utils import tree_flatten

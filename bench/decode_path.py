@@ -62,7 +62,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # noqa: F401  (before MLX: the fast BLAS under it, for writing the large checkpoint)
     from bench.checkpoints import checkpoint
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
 
     baseline = Path(args.baseline).resolve()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=baseline, capture_output=True, text=True).stdout.strip()

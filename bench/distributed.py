@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, {int(os.environ.get("MLX_RANK", "0")) % os.cpu_count()})
     sys.path.insert(0, str(ROOT))
     import hetero  # first: the fast BLAS goes under MLX before anything imports mlx.core
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
 
     ids = json.loads(Path(args.prompt_file).read_text())
     warm = ids[: min(len(ids), 2 * args.chunk + 37)]
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     from bench.checkpoints import CHECKPOINTS, checkpoint
-    from hetero.checkpoint.loader import resolve
+    from hetero.checkpoint.source import resolve
     from hetero.checkpoint.tokenizer import Tokenizer
     from hetero.training.tokenizer_train import load_corpus
 

@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per lane, as in bench/ttft.py
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 TARGET = 0.5  # hetero.prefill + mlx-lm decoding TTFT / mlx-lm alone
 
@@ -48,7 +49,7 @@ def main() -> None:
     from mlx_lm import load, stream_generate
 
     import hetero
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.cli.measure import Sizes, measure
     from hetero.host.settings import save_device_profile
 

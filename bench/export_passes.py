@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hetero  # noqa: E402,F401  # first: the fast BLAS is under MLX whatever imports next
-from hetero.host.blas import environment  # noqa: E402
+from hetero.host.environment import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

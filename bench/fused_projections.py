@@ -93,7 +93,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # noqa: F401  (before MLX: the fast BLAS under it, for writing the large checkpoint)
     from bench.checkpoints import checkpoint
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     result = {"commit": commit, "tokens": args.tokens, "rounds": args.rounds, "repeats": args.repeats,

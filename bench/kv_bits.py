@@ -165,7 +165,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # before MLX: the fast BLAS under it
     from bench.checkpoints import checkpoint
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
 
     result = {"greedy_tokens": GREEDY_TOKENS, "environment": environment(), "models": []}
     for name in args.models:

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one lane is one core's worth of work, as in bench/ttft.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 CHUNK = 512
 

@@ -314,7 +314,8 @@ def llama_complete(binary: Path, gguf: Path, text: str, threads: int, max_tokens
 def worker(model_path: str) -> None:
     """Answer JSON requests on stdin with one RESULT line each; BLAS threads come from the environment."""
     sys.path.insert(0, str(ROOT))
-    from hetero.host.blas import environment, reexec_with_fast_blas
+    from hetero.host.blas import reexec_with_fast_blas
+    from hetero.host.environment import environment
 
     reexec_with_fast_blas()
     import mlx.core as mx

@@ -70,7 +70,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # before MLX: the fast BLAS under it
     from hetero.caches.prefix import PrefixCache
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
     from hetero.models import attention
 
     engine = hetero.load()

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane, as in bench/ttft.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 from hetero.decode.turns import DECODE_SHARE  # noqa: E402
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 TTFT_TARGET = 0.75  # auto / GPU-only TTFT of the long prompt
 DECODE_TARGET = 0.8  # decoders' tokens/s during the prefill / alone
@@ -48,7 +49,7 @@ def free_port() -> int:
 def write_model(work: Path) -> Path:
     """bench/ttft.py's model with one MTP layer, saved with the bundled tokenizer."""
     import bench.ttft as T
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
 
     T.SHAPE = dict(T.SHAPE, mtp_num_hidden_layers=1)
     engine = T.build_engine(work)

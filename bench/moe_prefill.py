@@ -28,7 +28,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.environment import environment
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -36,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from bench.checkpoints import MOE, checkpoint  # noqa: E402
 from bench.coreml_export import alternate  # noqa: E402
-from hetero.checkpoint.loader import BUNDLED_MODEL, read_config  # noqa: E402
+from hetero.checkpoint.source import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.models import moe  # noqa: E402
 from hetero.models.fused import fuse  # noqa: E402
 from hetero.models.qwen3_5 import ModelArgs, causal_depthwise_conv  # noqa: E402

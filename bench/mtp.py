@@ -49,7 +49,8 @@ from hetero.decode.sampling import Sampler, SamplingParams  # noqa: E402
 from hetero.decode.solo import decode_tokens  # noqa: E402
 from hetero.decode.stepper import Batch  # noqa: E402
 from hetero.engine import Engine, load  # noqa: E402
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 from hetero.training.tokenizer_train import load_corpus  # noqa: E402
 
 PUBLISHED_RATES = (0.95, 0.88, 0.80)  # acceptance by depth reported for a real 27B Qwen3.5 MTP head

@@ -34,7 +34,7 @@ The in-process layers also report their calling thread's CPU time over their tok
 included in each): the host work on the path, as noisy as the rates.
 Every layer's tokens must equal the step loop's (the server's text the step loop's text); the run exits with
 status 1 after writing its JSON otherwise.
-The BLAS and its threads are recorded (hetero.host.blas.environment); the server process inherits them.
+The BLAS and its threads are recorded (hetero.host.environment); the server process inherits them.
 """
 
 from __future__ import annotations
@@ -386,7 +386,8 @@ def main() -> None:
         for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(args.threads)
     import hetero  # noqa: F401  first: the fast BLAS under MLX (before anything that may import torch)
-    from hetero.host.blas import environment, reexec_with_fast_blas
+    from hetero.host.blas import reexec_with_fast_blas
+    from hetero.host.environment import environment
 
     reexec_with_fast_blas()
     result: dict = {"environment": environment(), "args": vars(args), "cpus": os.cpu_count(),

@@ -322,7 +322,7 @@ def spread(values: list[float]) -> dict:
 
 
 def run_model(name: str, path: Path, args: argparse.Namespace, workdir: Path) -> dict:
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.checkpoint.tokenizer import Tokenizer
 
     vlm_path = mlx_vlm_checkpoint(path, workdir / f"mlx-vlm-{name}")
@@ -455,7 +455,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import hetero  # noqa: F401  (before MLX, which bench.checkpoints imports: the fast BLAS under it)
     from bench.checkpoints import checkpoint
-    from hetero.host.blas import environment
+    from hetero.host.environment import environment
 
     env = environment()
     from importlib import metadata

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402  (before MLX)
+from hetero.host.environment import environment
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

@@ -31,7 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 from bench.checkpoints import CHECKPOINTS, checkpoint  # noqa: E402
 from hetero.checkpoint.loader import load_model  # noqa: E402
 from hetero.decode.records import DecodeTimes  # noqa: E402

@@ -52,7 +52,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetero import blas  # noqa: E402  (first: it puts MKL under MLX)
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

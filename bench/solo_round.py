@@ -35,7 +35,8 @@ def main() -> None:
     for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
     import hetero  # noqa: F401  first: the fast BLAS under MLX
-    from hetero.host.blas import environment, reexec_with_fast_blas
+    from hetero.host.blas import reexec_with_fast_blas
+    from hetero.host.environment import environment
 
     reexec_with_fast_blas()
     import mlx.core as mx

@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane: the same budget for everyone
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402
+from hetero.host.environment import environment
+from hetero.planner.plan import PlanRequest
 
 SHAPE = dict(  # the bundled model's layer pattern (3 GDN : 1 attention), wider
     model_type="qwen3_5_text", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
@@ -114,7 +116,8 @@ def predicted_s(engine, profile: dict, fraction: float, offload: tuple[str, ...]
     from hetero.planner import make_plan
     from hetero.profiles import Profile
 
-    plan = make_plan(engine.config, Profile.from_dict(profile), fraction, n, CHUNK, offload=offload or ("mlp",))
+    plan = make_plan(PlanRequest(engine.config, Profile.from_dict(profile), fraction, n, CHUNK,
+                                 offload=offload or ("mlp",)))
     return plan.predicted["split_prefill_s" if fraction else "gpu_only_prefill_s"]
 
 
@@ -221,12 +224,12 @@ def apple_predictions(context: int) -> list[dict]:
                                                 "ane_bandwidth_gbs", "gpu_efficiency", "ane_efficiency",
                                                 "ane_process_weight_limit_gb", "ane_count")}
         try:
-            f, plan = recommend(config, prof, context, CHUNK, bits=4)
+            f, plan = recommend(PlanRequest(config, prof, context=context, chunk=CHUNK, bits=4))
             pred = dict(plan.predicted, recommended_fraction=f, effective_fraction=round(plan.effective_fraction, 4))
         except Exception as e:  # unknown figures: the planner says which
             from hetero.planner import make_plan
 
-            plan = make_plan(config, prof, 0.0, context, CHUNK, bits=4)
+            plan = make_plan(PlanRequest(config, prof, 0.0, context, CHUNK, bits=4))
             pred = dict(plan.predicted, recommended_fraction=None, why=str(e))
         rows.append({"profile": name, "chip": prof.chip, "inputs": inputs, "unknown": prof.unknown, "predicted": pred})
     return rows
@@ -274,7 +277,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     engine = build_engine(Path(os.environ["HETERO_HOME"]), a.outliers)
     profile = measure(report=lambda line: print(line, flush=True), sizes=Sizes.for_model(SHAPE, CHUNK))
-    rec, plan = recommend(engine.config, Profile.from_dict(profile), 8192, CHUNK)
+    rec, plan = recommend(PlanRequest(engine.config, Profile.from_dict(profile), context=8192, chunk=CHUNK))
     print(f"recommended fraction for this machine: {rec:.2f} of {', '.join(plan.offload)} (predicted "
           f"{plan.predicted['split_prefill_s']} s split vs {plan.predicted['gpu_only_prefill_s']} s GPU-only at 8K)",
           flush=True)
@@ -283,7 +286,8 @@ def main() -> None:
     recommended = f"split@{rec:.2f} {'+'.join(plan.offload)} (recommended)"
     fractions = {recommended: (rec, plan.offload), recommended + IN_THREAD: (rec, plan.offload),
                  "split@1.00 mlp+gdn_in_proj": (1.0, ("mlp", "gdn_in_proj")), "split@0.50 all kinds": (0.5, OFFLOADABLE)}
-    same = make_plan(engine.config, Profile.from_dict(profile), 1.0, 8192, CHUNK, offload=("mlp", "gdn_in_proj"))
+    same = make_plan(PlanRequest(engine.config, Profile.from_dict(profile), 1.0, 8192, CHUNK,
+                                 offload=("mlp", "gdn_in_proj")))
     if [p.ane_units for p in same.pieces] == [p.ane_units for p in plan.pieces]:  # the same slices: run it once
         del fractions["split@1.00 mlp+gdn_in_proj"]
     if a.lanes:

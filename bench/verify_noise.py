@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import hetero  # noqa: E402  (first: it puts the fast BLAS under MLX)
-from hetero.host.blas import environment  # noqa: E402
+from hetero.host.environment import environment  # noqa: E402
 
 PROMPT = "def add(a, b):\n    return a + b\n" * 12
 

@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per lane, as in bench/ttft.py: each lane one
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # core, GPU-only too (the worker is the second core's device)
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before mlx: the fast BLAS under it)
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402  (before mlx: the fast BLAS under it)
+from hetero.host.environment import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.85

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hetero.host.blas import environment, reexec_with_fast_blas  # noqa: E402  (before mlx: the fast BLAS under it)
+from hetero.host.blas import reexec_with_fast_blas  # noqa: E402  (before mlx: the fast BLAS under it)
+from hetero.host.environment import environment
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,7 +46,7 @@ def checkpoint(workdir: Path) -> Path:
     import tokenizers
     from mlx.utils import tree_flatten
 
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.models.qwen3_5 import Model, ModelArgs
     from hetero.models.qwen3_5_vision.args import VisionArgs
     from hetero.models.qwen3_5_vision.model import VisionModel

@@ -24,7 +24,8 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hetero.checkpoint.loader import BUNDLED_MODEL, load_model  # noqa: E402
+from hetero.checkpoint.loader import load_model  # noqa: E402
+from hetero.checkpoint.source import BUNDLED_MODEL  # noqa: E402
 from hetero.cli.quantize import quantize_checkpoint  # noqa: E402
 from hetero.coreml.export import palettize  # noqa: E402
 

@@ -33,8 +33,8 @@ from hetero.errors import HeteroError
 from hetero.host import kernels
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, tuned_depth
 from hetero.host.wired import wire_working_set
+from hetero.models.interface import CausalLM
 from hetero.models.kv_quant import kv_quant, use_kv_quant
-from hetero.models.qwen3_5 import Model
 from hetero.planner import check_prompt_fits
 from hetero.tools.constrained import ANY_OBJECT, Constraint, grammar_tokenizer, json_schema_grammar
 from hetero.tools.reasoning import opens_reasoning
@@ -60,7 +60,7 @@ class Engine:
     checkpoints prefill chunk edges and the end of every turn, and reports `cached_tokens`.
     """
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, config: dict, path: Path, name: str):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: dict, path: Path, name: str):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -404,7 +404,7 @@ def make_request(prompt: str | list[int], max_tokens: int = 256, temperature: fl
     return GenerationRequest(prompt, max_tokens, SamplingParams(temperature, top_k, top_p, min_p), **options)
 
 
-def _eos_ids(model: Model, tokenizer: Tokenizer, path: Path) -> set[int]:
+def _eos_ids(model: CausalLM, tokenizer: Tokenizer, path: Path) -> set[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
     ids = set(model.args.eos_token_id) | set(tokenizer.eos_token_ids)
     gen = path / "generation_config.json"

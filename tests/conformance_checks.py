@@ -1,9 +1,9 @@
 """The conformance harness's whole path for one draw (`conformance_space.Draw`): transformers writes the checkpoint
 (`write`), hetero loads it, and `check_text` compares every path with transformers and with each other:
 
-- logits: hetero's one pass against transformers' computed in float64 (its routers' and QSA indexers' choices
-  taken from hetero's where the two tie within rounding: `conformance_oracle`) (the exact result of the function transformers
-  defines), within `TOL` relative at every position (max |ours - exact| / max |exact| per position); on a draw
+- logits: hetero's one pass against transformers' computed in float64 (the exact result of the function
+  transformers defines; its routers' and QSA indexers' choices taken from hetero's where the two tie within
+  rounding: `conformance_oracle`), within `TOL` relative at every position (max |ours - exact| / max |exact| per position); on a draw
   so ill-conditioned that transformers' own fp32 run lies farther than TOL / K from it, within K times that
   (`hf_to_fp64`); the distance to transformers' fp32 run is recorded too (`transformers`);
 - repeat: a second pass over the same prompt is bitwise the first (nothing in the path is stateful);

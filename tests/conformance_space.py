@@ -116,7 +116,8 @@ def _rotary(draw, head_dim: int, mrope: bool) -> dict:
     partial = draw(st.sampled_from(factors))
     rope = {"rope_type": "default", "rope_theta": draw(st.sampled_from((10_000.0, 1_000_000.0, 10_000_000.0))),
             "partial_rotary_factor": partial}
-    kind = draw(st.sampled_from(("default",) * 5 + ("linear", "yarn", "dynamic")))
+    dynamic = ("dynamic",) if int(head_dim * partial) > 2 else ()  # transformers divides by dims - 2 there
+    kind = draw(st.sampled_from(("default",) * 5 + ("linear", "yarn") + dynamic))
     if kind != "default":  # scaled RoPE (`hetero.models.rope`)
         rope.update(rope_type=kind, factor=draw(st.sampled_from((2.0, 4.0, 8.0))))
         if kind == "yarn":  # short original contexts put the ramp inside a tiny head's few frequencies

@@ -117,12 +117,13 @@ def add_mtp(path: Path, seed: int, style: dict) -> None:
     from mlx.utils import tree_flatten
     from safetensors.numpy import load_file, save_file
 
-    from hetero.checkpoint.loader import build_lazy_model
-    from hetero.models.args import ModelArgs
+    from hetero.checkpoint.preflight import build_lazy_model
+    from hetero.models.qwen3_5.args import ModelArgs
 
     file = path / "config.json"
     config = json.loads(file.read_text())
-    shapes = {**(config.get("text_config") or config), "mtp_num_hidden_layers": 1, "rope_parameters": None}
+    shapes = {**(config.get("text_config") or config), "mtp_num_hidden_layers": 1, "rope_parameters": None,
+              "hidden_act": "silu"}  # shapes alone: the fields hetero refuses do not change them
     args = ModelArgs.from_config({**config, **({"text_config": shapes} if "text_config" in config else shapes)})
     head = {k: v for k, v in tree_flatten(build_lazy_model(args, True, set()).parameters()) if k.startswith("mtp.")}
     gen = torch.Generator().manual_seed(seed + 7)

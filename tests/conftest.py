@@ -23,7 +23,7 @@ os.environ.setdefault("HETERO_KERNEL_CACHE", os.path.join(os.path.expanduser("~"
 import hetero  # noqa: E402  (before any test imports MLX: the fast BLAS is under it whatever the test order)
 import hetero.engine  # noqa: E402
 import pytest  # noqa: E402
-from hetero.checkpoint.loader import BUNDLED_MODEL, read_config  # noqa: E402
+from hetero.checkpoint.source import BUNDLED_MODEL, read_config  # noqa: E402
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, save_tuning  # noqa: E402
 
 PINNED = "pinned by tests/conftest.py"  # the `calibrated` field of a pinned decision

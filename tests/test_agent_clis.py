@@ -14,7 +14,7 @@ import pytest
 
 import agent_clis
 from agent_model import CALLS, FINAL_ANSWER, PROMPTS, PROOF_FILE, cached_agent_model
-from hetero.checkpoint.loader import BUNDLED_MODEL
+from hetero.checkpoint.source import BUNDLED_MODEL
 
 CLIS = sorted(agent_clis.PINS)
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hetero
-from hetero.checkpoint.loader import preflight
+from hetero.checkpoint.preflight import preflight
 from hetero.cli.main import build_parser, main
 from hetero.errors import HeteroError
 from test_server import LiveServer

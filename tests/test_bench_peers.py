@@ -18,7 +18,7 @@ from bench.peers import (  # noqa: E402
     thread_command,
     with_mrope_section,
 )
-from hetero.checkpoint.loader import BUNDLED_MODEL  # noqa: E402
+from hetero.checkpoint.source import BUNDLED_MODEL  # noqa: E402
 
 
 def _digests(folder):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
-from hetero.models.weights import is_zero_centred_norm
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.source import BUNDLED_MODEL
+from hetero.models.qwen3_5.weights import is_zero_centred_norm
 from hetero.training import hf_export, train_tiny
 
 MAX_CHECKPOINT_BYTES = 20_000_000

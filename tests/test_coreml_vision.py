@@ -15,8 +15,9 @@ import pytest
 from hetero.coreml.backends.accuracy import compare
 from hetero.coreml.backends.reference_executor import ReferenceExecutor, gelu
 from hetero.coreml.backends.reference_vision import VisionPrograms, grid_inputs, pack_patches
-from hetero.coreml.export_vision import export_vision, read_vision_manifest
+from hetero.coreml.export_vision import export_vision
 from hetero.coreml.graphs.lint import lint_package
+from hetero.coreml.manifest import read_vision_manifest
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.models.qwen3_5_vision.model import load_vision

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hetero
-from hetero.checkpoint.loader import default_dtype, platform_dtype
+from hetero.checkpoint.dtypes import default_dtype, platform_dtype
 from hetero.cli.main import main
 from hetero.pipeline import verification
 from hetero.pipeline import configure, verify
@@ -184,7 +184,7 @@ def test_serve_and_tune_load_in_the_dtype(monkeypatch):
 
 def test_library_generate_loads_a_path_in_the_dtype():
     """hetero.generate(path, dtype=...) loads the checkpoint in that dtype; an engine loaded in another is refused."""
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
     from hetero.errors import HeteroError
     from hetero.library import _engine
 

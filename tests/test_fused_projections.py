@@ -16,13 +16,14 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 import hetero
-from hetero.checkpoint.loader import load_model, read_config
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.source import read_config
 from hetero.cli.quantize import quantizable, quantize_checkpoint
 from hetero.distributed.shard import load_share
 from hetero.models import moe
-from hetero.models.args import ModelArgs
 from hetero.models.fused import FusedProjection, fuse, project_inputs, unfuse
 from hetero.models.qwen3_5 import MLP, Attention, GatedDeltaNet, Model
+from hetero.models.qwen3_5.args import ModelArgs
 from hetero.training.hf_export import hf_config, save_hf_checkpoint
 from tests.tiny_checkpoint import random_weights, write_tiny_model
 

@@ -25,7 +25,7 @@ from hetero.decode.solo import batch_generate, decode_tokens
 from hetero.errors import HeteroError
 from hetero.models.cache import KVCache
 from hetero.models.kv_quant import KVQuant, QuantizedKVCache, kv_quant, use_kv_quant
-from hetero.planner import make_plan
+from hetero.planner import PlanRequest, make_plan
 from hetero.profiles import load_profile
 from hetero.server.app import ServerSettings
 from tiny_checkpoint import write_tiny_model
@@ -192,12 +192,12 @@ def test_prefix_and_session_caches_store_it_quantized_and_keyed_by_kv_bits(quant
 
 def test_plan_window_grows_with_kv_bits():
     """Qwen3.5-27B, 4-bit weights, GPU-only, 32 GB: KV memory sets the window (102,912 tokens at bf16 KV)."""
-    windows = {b: make_plan(Q27, load_profile("m4-pro"), 0.0, context=262144, bits=4, memory_gb=32,
-                            kv_bits=b).memory.context_window for b in (None, 8, 4)}
+    windows = {b: make_plan(PlanRequest(Q27, load_profile("m4-pro"), 0.0, context=262144, bits=4, memory_gb=32,
+                                        kv_bits=b)).memory.context_window for b in (None, 8, 4)}
     assert windows[None] == 102912
     assert windows[8] >= 1.8 * windows[None]
     assert windows[4] > windows[8]
-    per_token = make_plan(Q27, load_profile("m4-pro"), 0.0, context=4096, bits=4, memory_gb=32, kv_bits=8)
+    per_token = make_plan(PlanRequest(Q27, load_profile("m4-pro"), 0.0, context=4096, bits=4, memory_gb=32, kv_bits=8))
     assert per_token.memory.kv_bytes_per_token == 17 * 2 * 4 * (256 + 2 * 2 * 256 // 64)  # packed + scales + biases
 
 

@@ -25,8 +25,8 @@ from mlx_lm.models.cache import (
 )
 
 import hetero
-from hetero.checkpoint.loader import BUNDLED_MODEL
-from hetero.models.weights import is_zero_centred_norm
+from hetero.checkpoint.source import BUNDLED_MODEL
+from hetero.models.qwen3_5.weights import is_zero_centred_norm
 from tiny_checkpoint import write_tiny_model
 
 NEW_TOKENS = 16

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import helpers
-from hetero.checkpoint.loader import load_model, preflight
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.preflight import preflight
 from hetero.decode.prefill import prefill
 from hetero.models.cache import GDNCache, KVCache
 from hetero.models.gated_delta import chunked_gated_delta, recurrent_gated_delta

@@ -31,7 +31,8 @@ from mlx_lm import convert
 from mlx_lm import utils as mlx_lm_utils
 
 import helpers
-from hetero.checkpoint.loader import load_model, load_weights, preflight
+from hetero.checkpoint.loader import load_model, load_weights
+from hetero.checkpoint.preflight import preflight
 from hetero.cli import main as cli
 from hetero.decode.records import MTPStats
 from hetero.decode.sampling import Sampler, SamplingParams

@@ -22,7 +22,8 @@ import pytest
 from test_speculative import agreeing_model
 
 import hetero  # noqa: F401  (MKL under MLX before any model runs)
-from hetero.checkpoint.loader import load_model, preflight
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.preflight import preflight
 from hetero.cli.quantize import quantize_checkpoint
 from hetero.decode.prefill import prefill
 from hetero.decode.records import MTPStats

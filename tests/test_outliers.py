@@ -203,7 +203,7 @@ def test_the_governor_counts_the_gpu_shares_gathered_beside_the_weights(checkpoi
     split = run.splitter(len(_ids(engine)) - 1)
     args = engine.model.args
     expected = 0
-    for layer, rest in split.mlp_rest.items():
+    for layer, rest in split.pieces.mlp_rest.items():
         r = run.plan.ranges.get(layer, "mlp")
         gpu = args.intermediate_size - len(split.programs.ane_units("mlp", layer))
         assert rest.copied == (3 * gpu * args.hidden_size * 4 if r.order else 0), layer

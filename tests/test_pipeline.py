@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hetero.checkpoint.loader import BUNDLED_MODEL, load_model
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.source import BUNDLED_MODEL
 from hetero.cli.main import main
 from hetero.decode.prefill import prefill
 from hetero.errors import HeteroError
@@ -144,7 +145,7 @@ def test_gpu_shares_share_the_weights_memory(tiny_engine):
     mx.eval(tiny_engine.model.parameters())
     before = mx.get_active_memory()
     split = SplitPrefill(tiny_engine.model, programs)
-    assert split.attn_rest and split.mlp_rest and split.gdn_rest
+    assert split.pieces.attn_rest and split.pieces.mlp_rest and split.pieces.gdn_rest
     assert mx.get_active_memory() - before < 4096  # bookkeeping at most: no copied weight slice
 
 

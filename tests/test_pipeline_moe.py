@@ -116,9 +116,10 @@ def test_split_prefill_matches_gpu_only_on_moe(moe_engine, fraction, offload, ch
         assert progs.share("shared_expert", i) == channels, i
         assert progs.share("mlp", i) == 0  # no dense MLP in an MoE layer
         assert progs.share("gdn_in_proj" if layer.is_linear else "attention", i) == (z if layer.is_linear else heads)
-        assert (i in split.moe_rest) == bool(channels)
+        assert (i in split.pieces.moe_rest) == bool(channels)
         if channels:
-            assert (split.moe_rest[i].shared is None) == (channels == SHARED)  # a GPU shared rest only if any left
+            # a GPU shared rest only if any channel is left
+            assert (split.pieces.moe_rest[i].shared is None) == (channels == SHARED)
     check = verify(run, ids, n_tokens=32)
     assert check["match"], check
     assert check["greedy_match_tokens"] == 32
@@ -148,7 +149,7 @@ def test_quantized_moe_split_matches_gpu_only(moe_checkpoint):
     engine = types.SimpleNamespace(model=engine.model, config=engine.config, path=engine.path,
                                    identity=f"{engine.identity}-q4", weights_fingerprint="q4g32")
     run = configure(engine, 0.5, 64, offload=("shared_expert",))
-    assert all(run.splitter(TOKENS).moe_rest[i].shared is not None for i in range(4))  # both lanes' channels
+    assert all(run.splitter(TOKENS).pieces.moe_rest[i].shared is not None for i in range(4))  # both lanes' channels
     check = verify(run, _prompt(TOKENS, engine.model.args.vocab_size, seed=1), n_tokens=16)
     assert check["match"] and check["greedy_match_tokens"] == 16, check
 
@@ -160,7 +161,7 @@ def test_one_layers_merge_equals_the_moe_block(moe_engine, layer):
     share out, or the gate unapplied, is far outside that."""
     model = moe_engine.model
     split = configure(moe_engine, 0.3, 64).splitter(TOKENS)
-    rest: GpuMoERest = split.moe_rest[layer]
+    rest: GpuMoERest = split.pieces.moe_rest[layer]
     block = model.layers[layer]
     h = mx.array(np.random.default_rng(7).standard_normal((1, 50, model.args.hidden_size)).astype(np.float32))
     want = np.array(block.mlp(block.post_attention_layernorm(h)))[0]  # [50, hidden]

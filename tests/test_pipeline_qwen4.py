@@ -79,10 +79,11 @@ def test_split_prefill_matches_gpu_only(engine, fraction, seed):
     for i, layer in enumerate(model.layers):
         assert progs.share("shared_expert", i) == SHARED * fraction, i
         assert progs.share("attention", i) == (0 if layer.is_linear else 2 * fraction) and progs.share("mlp", i) == 0
-        assert (i in split.attn_rest) == (not layer.is_linear and not whole)  # the other KV group on the GPU lane
+        # the other KV group on the GPU lane
+        assert (i in split.pieces.attn_rest) == (not layer.is_linear and not whole)
         assert progs.share("gdn_in_proj", i) == (args.linear_num_value_heads * args.linear_value_head_dim
                                                  if layer.is_linear else 0)
-        assert (split.moe_rest[i].shared is None) == whole  # the other shared channels on the GPU lane
+        assert (split.pieces.moe_rest[i].shared is None) == whole  # the other shared channels on the GPU lane
     check = verify(run, _prompt(TOKENS, args.vocab_size, seed), n_tokens=16)
     assert check["match"], check
     assert check["greedy_match_tokens"] == 16 and check["reference"] == "fp32"
@@ -127,7 +128,7 @@ def test_run_split_verify_cli(engine, checkpoint, capsys):
 def test_convert_coreml_writes_the_split_programs(checkpoint, tmp_path, capsys):
     """`hetero convert --coreml --ane-fraction 0.5` writes one shared-expert program per layer, one z program per GDN
     layer and one attention program per QSA layer."""
-    from hetero.coreml.export import read_manifest
+    from hetero.coreml.manifest import read_manifest
 
     out = tmp_path / "coreml"
     assert main(["convert", "--model", str(checkpoint), "--coreml", "--ane-fraction", "0.5", "--chunk-size", "64",

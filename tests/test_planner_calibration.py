@@ -29,7 +29,7 @@ import pytest
 
 from hetero.cli.main import main
 from hetero.errors import HeteroError
-from hetero.planner import Lanes, make_plan
+from hetero.planner import Lanes, PlanRequest, make_plan
 from hetero.planner.plan import parse_pieces
 from hetero.profiles import load_profile
 
@@ -46,7 +46,7 @@ PUBLISHED = [  # (source, context, published prefill gain: GPU-only time / split
 
 def published_mix(context: int, profile=PROFILE, **kw):
     """The plan of the published piece mix: MLP and GDN z rows at a requested 0.5 (`hetero plan --pieces mlp,z`)."""
-    return make_plan(CONFIG, profile, 0.5, context, bits=4, offload=parse_pieces("mlp,z"), **kw)
+    return make_plan(PlanRequest(CONFIG, profile, 0.5, context, bits=4, offload=parse_pieces("mlp,z"), **kw))
 
 
 @pytest.mark.parametrize("source, context, gain", PUBLISHED, ids=["16K", "32K", "21%"])

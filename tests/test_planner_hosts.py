@@ -14,7 +14,7 @@ import pytest
 from hetero.cli.main import main
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
-from hetero.planner import make_plan, recommend
+from hetero.planner import PlanRequest, make_plan, recommend
 from hetero.planner.hosts import layer_costs, pipeline_wall, split_layers
 from hetero.planner.report import plan_lines
 from hetero.planner.shape import model_shape
@@ -122,7 +122,7 @@ def weights_by_arithmetic(config: dict, layers: range, first: bool, last: bool, 
 
 
 def test_one_host_agrees_with_the_single_host_plan():
-    plan = make_plan(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=1)
+    plan = make_plan(PlanRequest(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=1))
     pr, hp = plan.predicted, plan.hosts.predicted
     assert hp["prefill_s"] == pytest.approx(pr["gpu_only_prefill_s"], abs=1e-3)
     assert hp["decode_plain_tps"] == pytest.approx(pr["decode_plain_tps"], abs=0.01)
@@ -131,7 +131,7 @@ def test_one_host_agrees_with_the_single_host_plan():
 
 
 def test_memory_per_host_and_where_the_head_lives():
-    plan = make_plan(Q27, PROFILE, 0.0, context=32768, hosts=3, memory_gb=32)
+    plan = make_plan(PlanRequest(Q27, PROFILE, 0.0, context=32768, hosts=3, memory_gb=32))
     ranks = plan.hosts.ranks
     assert [r.layers for r in ranks] == split_layers(plan.args, 3)
     assert ranks[0].extras == ["embedding"] and ranks[1].extras == []
@@ -145,13 +145,14 @@ def test_memory_per_host_and_where_the_head_lives():
     assert plan.memory is None  # --memory-gb is each host's here: the one-host budget is not the question
     lines = "\n".join(plan_lines(plan))
     assert f"context window across hosts (32 GB each): {min(r.window for r in ranks)} tokens" in lines
-    small = make_plan(Q27, PROFILE, 0.0, context=32768, hosts=2, memory_gb=16)  # 27 GB of bf16 on two 16 GB hosts
+    # 27 GB of bf16 on two 16 GB hosts
+    small = make_plan(PlanRequest(Q27, PROFILE, 0.0, context=32768, hosts=2, memory_gb=16))
     assert [r.window for r in small.hosts.ranks] == [0, 0]
     assert "a host does not fit" in "\n".join(plan_lines(small))
 
 
 def test_unknown_link_stays_unknown():
-    plan = make_plan(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=2)
+    plan = make_plan(PlanRequest(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=2))
     hp = plan.hosts.predicted
     assert hp["prefill_s"] is None and hp["decode_plain_tps"] is None and hp["decode_mtp_tps"] is None
     assert hp["link_s_per_chunk"] is None
@@ -163,8 +164,9 @@ def test_unknown_link_stays_unknown():
 
 def test_known_link_pipelines_the_prefill_and_pays_hops_per_token():
     gbps, ms = 40.0, 0.2
-    one = make_plan(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=1).hosts
-    two = make_plan(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=2, link_gbps=gbps, link_latency_ms=ms).hosts
+    one = make_plan(PlanRequest(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=1)).hosts
+    two = make_plan(PlanRequest(Q27, PROFILE, 0.0, context=16384, bits=4, hosts=2, link_gbps=gbps,
+                                link_latency_ms=ms)).hosts
     p2 = two.predicted
     busiest = max(r.prefill_s for r in two.ranks)
     assert busiest <= p2["prefill_s"] < one.predicted["prefill_s"]
@@ -211,8 +213,8 @@ def test_plan_cli_hosts_unknown_and_given_link():
 def test_recommend_with_hosts_uses_each_hosts_memory():
     """27B in bf16 fits no single 32 GB host, but three of them: the fraction search must not ask one host."""
     with pytest.raises(HeteroError, match="no room"):
-        make_plan(Q27, PROFILE, 0.0, context=32768, memory_gb=32)
-    fraction, plan = recommend(Q27, PROFILE, 32768, hosts=3, memory_gb=32)
+        make_plan(PlanRequest(Q27, PROFILE, 0.0, context=32768, memory_gb=32))
+    fraction, plan = recommend(PlanRequest(Q27, PROFILE, context=32768, hosts=3, memory_gb=32))
     assert plan.requested_fraction == fraction and plan.memory is None
     assert [r.layers for r in plan.hosts.ranks] == split_layers(plan.args, 3)
     assert all(r.window > 0 for r in plan.hosts.ranks)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hetero.cli.main import main
-from hetero.planner import Storage, make_plan, model_shape, prefill_buffer_bytes, recommend
+from hetero.planner import PlanRequest, Storage, make_plan, model_shape, prefill_buffer_bytes, recommend
 from hetero.planner.predict import Lanes, dense_experts_on_ane
 from hetero.profiles import load_profile
 
@@ -58,7 +58,7 @@ def arithmetic(config: dict) -> dict:
 @pytest.mark.parametrize("config, total_b, active_b", [(A3B, 35, 3), (NEXT, 80, 3)])
 def test_total_and_active_parameters(config, total_b, active_b):
     want = arithmetic(config)
-    plan = make_plan(config, PROFILE, 0.0, context=4096)
+    plan = make_plan(PlanRequest(config, PROFILE, 0.0, context=4096))
     n = plan.parameters
     assert n.total == want["total"] and n.active == want["active"] and n.mtp_total == want["mtp_total"]
     # the names: about 35B / 80B in all, about 3B active (3.5B / 3.9B with both 0.5B / 0.3B vocab matrices)
@@ -72,7 +72,7 @@ def test_total_and_active_parameters(config, total_b, active_b):
 def test_bytes_per_decoded_token_read_only_the_active_experts(config, bits):
     want = arithmetic(config)
     context = 8192
-    plan = make_plan(config, PROFILE, 0.0, context=context, bits=bits)
+    plan = make_plan(PlanRequest(config, PROFILE, 0.0, context=context, bits=bits))
     per_weight = 2.0 if bits == 16 else bits / 8 + 4 / 64  # 4-bit: packed nibbles + fp16 scale and bias per 64
     weights = want["decode_weights"] * per_weight
     step = weights + want["kv_per_token"] * context + 2 * want["gdn_state"]  # the state is read and written
@@ -89,7 +89,8 @@ def test_mtp_round_reads_the_experts_its_verify_tokens_pick():
     under uniform routing), which makes MTP on the 35B-A3B worth less than on a dense model."""
     want = arithmetic(A3B)
     context, depth, accepted = 8192, 3, 2.5
-    plan = make_plan(A3B, PROFILE, 0.0, context=context, bits=4, draft_depth=depth, accepted_length=accepted)
+    plan = make_plan(PlanRequest(A3B, PROFILE, 0.0, context=context, bits=4, draft_depth=depth,
+                                 accepted_length=accepted))
     per_weight = 0.5 + 4 / 64
     E, k = want["experts"], want["per_token"]
     step = want["decode_weights"] * per_weight + want["kv_per_token"] * context + 2 * want["gdn_state"]
@@ -107,7 +108,7 @@ def test_mtp_round_reads_the_experts_its_verify_tokens_pick():
 def test_moe_flops_count_the_active_experts_only():
     want = arithmetic(A3B)
     tokens = 4096
-    plan = make_plan(A3B, PROFILE, 0.0, context=tokens)
+    plan = make_plan(PlanRequest(A3B, PROFILE, 0.0, context=tokens))
     assert plan.flops["moe"][0] == pytest.approx(want["layers"] * tokens * want["moe_token_flops"], rel=1e-12)
     assert plan.flops["shared_expert"][0] == pytest.approx(want["layers"] * tokens * want["shared_token_flops"], rel=1e-12)
     assert "mlp" not in plan.flops  # every layer of these models is an MoE layer
@@ -116,7 +117,7 @@ def test_moe_flops_count_the_active_experts_only():
 @pytest.mark.parametrize("config", [A3B, NEXT])
 def test_memory_counts_every_expert(config):
     want = arithmetic(config)
-    plan = make_plan(config, PROFILE, 0.0, context=4096, bits=4, memory_gb=128)
+    plan = make_plan(PlanRequest(config, PROFILE, 0.0, context=4096, bits=4, memory_gb=128))
     weights = dict(plan.memory.lines)["weights (4-bit, group size 64)"]
     assert weights == int(want["total"] * (0.5 + 4 / 64))
     # one chunk's transients hold every token's top-k experts' gate, up and product rows and their outputs
@@ -127,7 +128,7 @@ def test_memory_counts_every_expert(config):
 
 
 def test_ane_candidates_attention_and_shared_expert_not_routed_experts():
-    plan = make_plan(A3B, PROFILE, 0.5, context=4096)
+    plan = make_plan(PlanRequest(A3B, PROFILE, 0.5, context=4096))
     kinds = {p.kind: p for p in plan.pieces}
     assert kinds["attention"].ane_units == 1  # 1 of 2 KV groups
     assert (kinds["shared_expert"].units, kinds["shared_expert"].ane_units) == (512, 256)
@@ -156,12 +157,12 @@ def test_dense_static_formulation_loses_on_the_cost_model():
     assert d.ane_s > 30 * d.gpu_s
     assert d.best_saving_s < 0.03 * d.gpu_s
     assert d.ane_weight_bytes == 40 * want["experts"] * want["expert_params"] * 2
-    gpu_only = make_plan(A3B, PROFILE, 0.0, context=tokens).predicted["gpu_only_prefill_s"]
+    gpu_only = make_plan(PlanRequest(A3B, PROFILE, 0.0, context=tokens)).predicted["gpu_only_prefill_s"]
     assert d.best_saving_s < 0.01 * gpu_only
 
 
 def test_recommend_on_moe_tries_the_shared_expert():
-    fraction, plan = recommend(A3B, PROFILE, 4096)
+    fraction, plan = recommend(PlanRequest(A3B, PROFILE, context=4096))
     assert 0 < fraction <= 1 and plan.predicted["split_prefill_s"] <= plan.predicted["gpu_only_prefill_s"]
     assert {p.kind for p in plan.pieces if p.ane_units} <= {"attention", "gdn_in_proj", "shared_expert"}
 
@@ -201,7 +202,7 @@ def test_planner_counts_match_a_built_moe_network():
     config, model = tiny_moe_model()
     sizes = {k: v.size for k, v in tree_flatten(model.parameters())}
     vectors = sum(n for k, n in sizes.items() if k.endswith(("norm.weight", "A_log", "dt_bias")) or ".pre_fc_norm_" in k)
-    n = make_plan(config, PROFILE, 0.0, context=1024).parameters
+    n = make_plan(PlanRequest(config, PROFILE, 0.0, context=1024)).parameters
     assert n.total == sum(sizes.values()) - vectors
     expert_params = sum(n for k, n in sizes.items() if ".switch_mlp." in k)
     assert expert_params == 5 * 8 * 3 * 64 * 32  # four backbone layers and the MTP layer, 8 experts each

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hetero.checkpoint.loader import build_lazy_model, parse_args
+from hetero.checkpoint.preflight import build_lazy_model
 from hetero.cli.main import main
+from hetero.models.architectures import parse_args
 from hetero.models.qwen4_exp.ple import NGramHasher
 from hetero.planner import model_shape, parameter_counts
 from hetero.planner.governor import RUNTIME_RESERVE

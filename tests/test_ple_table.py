@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hetero.checkpoint.loader import read_header
+from hetero.checkpoint.safetensors import read_header
 from hetero.errors import HeteroError
 from hetero.models.qwen4_exp.ple_table import DiskTable, StoredRows
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hetero.checkpoint.loader import load_model, preflight
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.preflight import preflight
 from hetero.errors import HeteroError
 
 TINY = dict(

@@ -22,11 +22,13 @@ from hetero.checkpoint.loader import load_model
 from hetero.cli.quantize import quantizable, quantize_checkpoint
 from hetero.coreml.backends.accuracy import compare
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import PieceSlice, build_piece, export_coreml, palettize, read_manifest, weights_nbytes
+from hetero.coreml.export import PieceSlice, build_piece, export_coreml, palettize, weights_nbytes
 from hetero.coreml.graphs.lint import lint_package
 from hetero.coreml.graphs.package import save_program
-from hetero.coreml.graphs.palette import lut_bytes_per_weight, pack, unpack
-from hetero.planner import make_plan
+from hetero.coreml.graphs.palette import pack, unpack
+from hetero.coreml.manifest import read_manifest
+from hetero.planner import PlanRequest, make_plan
+from hetero.planner.slices import lut_bytes_per_weight
 from hetero.profiles import load_profile
 from tests.test_coreml_graphs import TINY, bc1s, fp16_exact, from_bc1s, save_checkpoint, tiny_model
 
@@ -159,7 +161,7 @@ def test_real_27b_layer_quantized_export_lints_and_matches_mlx_quantized_matmul(
     the ANE lint, its package holds the tables' bytes (not fp16's), its expanded weights equal MLX's bit for bit, and
     its output on a 64-token chunk matches MLX's quantized matmul (mx.quantized_matmul on the same packed weights)."""
     config = json.loads((CONFIGS / "qwen3.5-27b.json").read_text())
-    plan = make_plan(config, load_profile("m3-ultra"), 0.5, 4096, chunk=64, bits=4)
+    plan = make_plan(PlanRequest(config, load_profile("m3-ultra"), 0.5, 4096, chunk=64, bits=4))
     args = plan.args
     layer = _random_quantized_gdn_layer(args, seed=27)
     model = type("One", (), {"layers": [layer]})()

@@ -129,7 +129,7 @@ def test_wrong_hc_count_is_one_line(tmp_path):
 
 
 def test_check_names_architecture_ple_tables_and_experts(flat):
-    from hetero.checkpoint.loader import preflight
+    from hetero.checkpoint.preflight import preflight
 
     path, _ = flat
     report = preflight(path)
@@ -253,7 +253,7 @@ def test_selected_attention_equals_masked_sdpa(queries, keys):
     """QSA's attention over the indexer's keys (on the CPU a prefill chunk's softmax runs in numpy) equals MLX's
     masked scaled-dot-product attention, with the dropped keys weighing nothing, GQA heads and a cache before the
     chunk included."""
-    from hetero.models.qwen4_exp.qsa import attend_selected
+    from hetero.models.attention import attend_selected
 
     rng = np.random.default_rng(queries + keys)
     q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32))

@@ -24,7 +24,8 @@ import pytest
 import qwen4_checkpoint as qc
 import torch
 
-from hetero.checkpoint.loader import load_model, preflight
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.preflight import preflight
 from hetero.errors import HeteroError
 
 pytest.importorskip("mlx_vlm")
@@ -148,7 +149,7 @@ def test_check_names_the_layout_and_where_the_mtp_head_would_be(converted):
 def test_bf16_conversion_greedy_equals_mlx_vlm(tmp_path_factory):
     """`convert --dtype bfloat16`: every tensor (the PLE shards too, read from the file as BF16) stored in bf16;
     both engines compute in fp32 from those weights and pick the same greedy tokens."""
-    from hetero.checkpoint.loader import checkpoint_tensors
+    from hetero.checkpoint.safetensors import checkpoint_tensors
 
     _, path, _ = _convert(tmp_path_factory, "q4vlmbf16", quantize=False, dtype="bfloat16")
     tensors = checkpoint_tensors(path)[0]

@@ -306,7 +306,7 @@ def test_fused_expert_layout_gives_the_same_head(ckpt, rejecting, tmp_path):
 
 
 def test_check_reports_the_head(ckpt):
-    from hetero.checkpoint.loader import preflight
+    from hetero.checkpoint.preflight import preflight
 
     text = "\n".join(preflight(ckpt).lines())
     assert "MTP head: present" in text and "result: OK" in text
@@ -338,7 +338,7 @@ def test_head_has_one_layer_whatever_the_depth_field_says(tmp_path):
 def test_without_mtp_tensors_the_head_is_absent(tmp_path):
     """A config that declares the head (mtp_num_hidden_layers) over a checkpoint converted without it (mlx-vlm keeps
     the head as a separate artifact) loads without MTP and says so."""
-    from hetero.checkpoint.loader import preflight
+    from hetero.checkpoint.preflight import preflight
 
     qc.build(tmp_path, seed=4)
     qc.patch_config(tmp_path, mtp_num_hidden_layers=1)

@@ -14,20 +14,16 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
-from hetero.coreml.export import (
-    PieceSlice,
-    build_piece,
-    export_coreml,
-    read_manifest,
-)
 from hetero.cli.main import main
 from hetero.coreml.backends import coreml_macos
 from hetero.coreml.backends.accuracy import compare
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
 from hetero.coreml.backends.reference_prefill import prefill_with_attention_programs
+from hetero.coreml.export import PieceSlice, build_piece, export_coreml
 from hetero.coreml.graphs.attention import AttentionShape, attention_masks, cache_inputs, rope_tables
 from hetero.coreml.graphs.ops import DEPLOYMENT_TARGET
 from hetero.coreml.graphs.package import save_functions, save_program
+from hetero.coreml.manifest import read_manifest
 from hetero.decode.prefill import prefill
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5 import ModelArgs
@@ -317,7 +313,7 @@ def test_coreml_backend_refuses_off_macos(export_full):
 def test_bundled_model_prefill_with_attention_on_the_executor_matches_mlx(tmp_path):
     """The bundled (trained) model: every attention layer through its programs, the rest on MLX, on real text."""
     import hetero
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
 
     assert (BUNDLED_MODEL / "model.safetensors").is_file(), "hetero/bundled/ is missing: a failure, never a skip"
     engine = hetero.load()

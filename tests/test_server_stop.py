@@ -230,7 +230,7 @@ def test_a_first_use_export_stops_between_programs(tmp_path, monkeypatch):
     with a final event), and the unfinished export, which has no manifest, is never read: the next start exports
     it whole."""
     import hetero
-    from hetero.coreml.export import MANIFEST
+    from hetero.coreml.manifest import MANIFEST
     from hetero.pipeline import configure
     from hetero.server.requests import RequestError
     from hetero.server.runner import JobSplit, Runner

@@ -13,11 +13,11 @@ import pytest
 
 import hetero.cli.main
 
-from hetero.checkpoint.loader import default_dtype
+from hetero.checkpoint.dtypes import default_dtype
 from hetero.cli.main import main
 import hetero.cli.measure as measure_mod
 from hetero.cli.measure import Sizes, decode_verify, median_seconds
-from hetero.planner import decode_bytes_per_token, make_plan, model_shape
+from hetero.planner import PlanRequest, decode_bytes_per_token, make_plan, model_shape
 from hetero.profiles import THIS_MACHINE, load_profile
 
 DATA = Path(__file__).parent / "data"
@@ -132,13 +132,13 @@ def test_the_planner_decodes_with_the_saved_figures(tuned):
     _, _, _, measured, _ = tuned
     p = dataclasses.replace(measured, memory_bandwidth_gbs=100.0)
     config = json.loads((DATA / "qwen3.5-9b.json").read_text())
-    plan = make_plan(config, p, 0.0, context=2048, accepted_length=2.5)
+    plan = make_plan(PlanRequest(config, p, 0.0, context=2048, accepted_length=2.5))
     args, moe = model_shape(config)
     step = decode_bytes_per_token(args, moe, plan.storage, 2048, 2)
     rate = 100e9 * measured.decode_efficiency
     assert plan.predicted["decode_plain_tps"] == pytest.approx(rate / step, rel=1e-3)
-    worse = make_plan(config, dataclasses.replace(p, mtp_verify_ratio=measured.mtp_verify_ratio + 1.0), 0.0,
-                      context=2048, accepted_length=2.5)
+    worse = make_plan(PlanRequest(config, dataclasses.replace(p, mtp_verify_ratio=measured.mtp_verify_ratio + 1.0), 0.0,
+                                  context=2048, accepted_length=2.5))
     grown = 1 / worse.predicted["decode_mtp_tps"] - 1 / plan.predicted["decode_mtp_tps"]
     assert grown == pytest.approx(1.0 * step / (2.5 * rate), rel=1e-2)
 
@@ -166,7 +166,7 @@ def test_median_seconds_times_each_call_on_the_clock_after_one_warm_up():
 
 def test_devices_with_a_model_measures_at_that_models_shapes(tmp_path, monkeypatch):
     """`hetero tune --devices --model M` times the GPU and ANE lanes at M's own layer shapes."""
-    from hetero.checkpoint.loader import BUNDLED_MODEL
+    from hetero.checkpoint.source import BUNDLED_MODEL
 
     config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())["text_config"]
     seen, real = {}, measure_mod.measure

@@ -24,12 +24,13 @@ from hetero.cli.main import main
 from hetero.cli.quantize import quantize_checkpoint
 from hetero.coreml.backends.coreml_macos import PlacementStatus, placement_report, OpDevice
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import blockwise_capable, export_coreml, lint_export, palettize, read_manifest
+from hetero.coreml.export import blockwise_capable, export_coreml, lint_export, palettize
 from hetero.coreml.graphs.lint import lint_package
 from hetero.coreml.graphs.mlp import MLPShape, MLPWeights, build_mlp
 from hetero.coreml.graphs.ops import weight_form
 from hetero.coreml.graphs.package import load_program, save_program
 from hetero.coreml.graphs.palette import shift_scale_dense
+from hetero.coreml.manifest import read_manifest
 from hetero.errors import HeteroError
 from hetero.pipeline import Programs, configure, ensure_export
 from hetero.pipeline.run import export_key

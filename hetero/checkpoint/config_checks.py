@@ -25,19 +25,14 @@ CONFIG_FLOATS = {
 }
 CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
 CONFIG_DICTS = ("rope_parameters", "rope_scaling", "quantization", "quantization_config")
-# A supported model's text config needs these; head_dim may be derived from hidden_size / num_attention_heads
-CONFIG_REQUIRED = (
-    "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "linear_num_key_heads",
-    "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "vocab_size",
-)
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 
 
-def check_config(config, where: str = "config.json", required: bool = False) -> dict:
+def check_config(config, where: str = "config.json", required: tuple[str, ...] = ()) -> dict:
     """`config` itself when its fields have the JSON types and ranges hetero relies on, else a HeteroError.
 
-    Checks the fields that are present, flat or under `text_config`; with `required` also that the text
-    model's size fields are there (a supported architecture's config needs them).
+    Checks the fields that are present, flat or under `text_config`; with `required` (its architecture's
+    `required_fields`) also that those text-model sizes are there.
     """
     if not isinstance(config, dict):
         raise HeteroError(f"{where} must hold a JSON object, got a JSON {_json_type(config)}; re-download it")
@@ -50,9 +45,9 @@ def check_config(config, where: str = "config.json", required: bool = False) -> 
         _check_fields(fields, where, scope)
     if required:
         merged = {**config, **(text or {})}
-        needed = CONFIG_REQUIRED
+        needed = required
         if merged.get("num_experts"):  # MoE: ModelArgs checks the experts' sizes, and the dense width where a layer is dense
-            needed = tuple(k for k in CONFIG_REQUIRED if k != "intermediate_size")
+            needed = tuple(k for k in required if k != "intermediate_size")
         missing = [k for k in needed if merged.get(k) is None]
         if missing:
             raise HeteroError(f"{where} lacks {', '.join(missing)}: a {config.get('model_type')} config needs them; re-download it")

@@ -10,7 +10,9 @@ import sys
 import hetero
 from hetero import distributed
 from hetero.checkpoint.config_checks import check_config
-from hetero.checkpoint.loader import BUNDLED_MODEL, preflight, resolve, using_dtype
+from hetero.checkpoint.dtypes import using_dtype
+from hetero.checkpoint.preflight import preflight
+from hetero.checkpoint.source import BUNDLED_MODEL, resolve
 from hetero.cli.doctor import doctor, print_report
 from hetero.cli.measure import Sizes, measure
 from hetero.cli.parser import build_parser
@@ -24,12 +26,12 @@ from hetero.host import kernels
 from hetero.host.progress import ProgressBar
 from hetero.host.settings import save_device_profile
 from hetero.library import prefill_to_file
+from hetero.models.architectures import architecture
 from hetero.models.qwen3_5_vision.args import VisionArgs
-from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES
 from hetero.pipeline import Trace, split_for, verify
 from hetero.pipeline.run import measured_ranges
 from hetero.planner import model_shape, plan_lines, read_model_config, recommend
-from hetero.planner.plan import parse_pieces
+from hetero.planner.plan import PlanRequest, parse_pieces
 from hetero.planner.predict import Lanes
 from hetero.planner.ranges import within_range
 from hetero.planner.recommend import split_plan
@@ -110,32 +112,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, **result.stats, **extra}))
     else:
-        s = result.stats
         sys.stdout.write("\n")
-        mtp = s.get("mtp")
-        spec = f"; MTP depth {mtp['depth']}, {mtp['mean_accepted_length']} tokens/pass" if mtp and mtp["rounds"] else ""
-        print(
-            f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated; TTFT {s['ttft_s']:.3f}s, "
-            f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s{spec}]",
-            file=sys.stderr,
-        )
-        if "pipeline" in extra:
-            p = extra["pipeline"]
-            print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
-                  f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
-                  f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
-            for v in p.get("vision", []):
-                where = "the ANE lane" if v["lane"] == "ane" else "the GPU"
-                print(f"[image {v['image']}: {v['tokens']} tokens encoded on {where} in {v['seconds']:.3f}s]",
-                      file=sys.stderr)
-        if "verify" in extra and "lane_lost" in extra["verify"]:
-            print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
-        elif "verify" in extra:
-            v = extra["verify"]
-            print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; distance {v['distance']:.3g} (tolerance "
-                  f"{v['tolerance']:.3g}, at {v['worst'] or '-'}), greedy {v['greedy_match_tokens']}/"
-                  f"{v['greedy_compared_tokens']} tokens identical]", file=sys.stderr)
+        print_run_stats(result.stats, extra)
     return status
+
+
+def print_run_stats(s: dict, extra: dict) -> None:
+    """`hetero run`'s closing lines on stderr: tokens and rates, the split's lanes and images, the verification."""
+    mtp = s.get("mtp")
+    spec = f"; MTP depth {mtp['depth']}, {mtp['mean_accepted_length']} tokens/pass" if mtp and mtp["rounds"] else ""
+    print(
+        f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated; TTFT {s['ttft_s']:.3f}s, "
+        f"prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s{spec}]",
+        file=sys.stderr,
+    )
+    if "pipeline" in extra:
+        p = extra["pipeline"]
+        print(f"[split prefill ({extra['ane']['backend']}, ANE fraction {extra['ane']['effective_fraction']:.2f}): "
+              f"GPU busy {p['gpu_busy_s']:.3f}s, ANE busy {p['ane_busy_s']:.3f}s, wall {p['wall_s']:.3f}s, "
+              f"overlap {p['overlap']:.2f}; ANE lane in a {p['lane']}, IPC {p['ipc_s']:.3f}s]", file=sys.stderr)
+        for v in p.get("vision", []):
+            where = "the ANE lane" if v["lane"] == "ane" else "the GPU"
+            print(f"[image {v['image']}: {v['tokens']} tokens encoded on {where} in {v['seconds']:.3f}s]",
+                  file=sys.stderr)
+    if "verify" in extra and "lane_lost" in extra["verify"]:
+        print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
+    elif "verify" in extra:
+        v = extra["verify"]
+        print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; distance {v['distance']:.3g} (tolerance "
+              f"{v['tolerance']:.3g}, at {v['worst'] or '-'}), greedy {v['greedy_match_tokens']}/"
+              f"{v['greedy_compared_tokens']} tokens identical]",
+              file=sys.stderr)
 
 
 def penalty_options(args: argparse.Namespace) -> dict:
@@ -214,24 +221,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile_name = args.profile or default_profile_name()
     profile = load_profile(profile_name)
     context = args.context or min(32768, model_shape(config)[0].max_position_embeddings)
-    kw = dict(prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
-              accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
-              link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms, kv_bits=args.kv_bits,
-              kv_group_size=args.kv_group_size)
     flag = "--recommend" if args.recommend else "--ane-fraction auto"
     args.recommend = args.recommend or args.ane_fraction.auto  # the fraction `--ane-fraction auto` starts from
+    request = PlanRequest(
+        config, profile, 0.0 if args.recommend else args.ane_fraction.fraction, context, args.chunk,
+        prompt_tokens=args.prompt_tokens, bits=args.bits, group_size=args.group_size, memory_gb=args.memory_gb,
+        accepted_length=args.accepted_length, draft_depth=args.draft_depth, name=name, hosts=args.hosts,
+        link_gbps=args.link_gbps, link_latency_ms=args.link_latency_ms, kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size)
+    offload = None
     if args.pieces is not None:
         if args.recommend:
             raise HeteroError(f"--pieces with {flag}: {flag} chooses the piece kinds itself; pass --pieces with a "
                               f"fraction in [0, 1], or {flag} alone")
-        kw["offload"] = parse_pieces(args.pieces)
+        offload = parse_pieces(args.pieces)
     if args.recommend:
-        fraction, plan = recommend(config, profile, context, args.chunk, **kw)
+        fraction, plan = recommend(request)
     else:
-        plan = split_plan(config, profile, args.ane_fraction.fraction, context, args.chunk, **kw)
+        plan = split_plan(request, offload)
     plan = with_measured_ranges(plan, args.model, name, config)
     vision = config.get("vision_config")  # the tower's shape (a checkpoint's own, or transformers' defaults)
-    takes_images = config.get("model_type") not in QWEN4_TYPES  # qwen4_exp's tower is not read yet: no image lines
+    takes_images = architecture(config.get("model_type")).reads_images  # a tower not read: no image lines
     tower = VisionArgs.from_config(vision) if isinstance(vision, dict) and takes_images else None
     if args.json:
         out = plan.to_dict()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hetero.checkpoint.loader import default_dtype
-from hetero.host.blas import environment
+from hetero.checkpoint.dtypes import default_dtype
+from hetero.host.environment import environment
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.cache import GDNCache
 from hetero.models.cache import KVCache

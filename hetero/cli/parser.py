@@ -6,7 +6,7 @@ import argparse
 import os
 
 from hetero import __version__
-from hetero.checkpoint.loader import DTYPES, dtype_name, parse_dtype, platform_dtype
+from hetero.checkpoint.dtypes import DTYPES, dtype_name, parse_dtype, platform_dtype
 from hetero.coreml.export import DEFAULT_WEIGHT_FORM, WEIGHT_FORMS
 from hetero.decode.depth import DEPTH
 from hetero.decode.penalties import BIAS, FREQUENCY, PRESENCE, REPETITION

@@ -25,12 +25,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from hetero.checkpoint.loader import FLOAT_DTYPES, checkpoint_tensors, load_model, resolve
+from hetero.checkpoint.loader import load_model
+from hetero.checkpoint.safetensors import FLOAT_DTYPES, checkpoint_tensors
+from hetero.checkpoint.source import resolve
 from hetero.errors import HeteroError
 from hetero.host.progress import ProgressBar
+from hetero.models.architectures import architecture
 from hetero.models.moe import SwitchLinear
-from hetero.models.qwen4_exp import model as qwen4
-from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES
 
 SHARD_BYTES = 5 * 2**30
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -94,8 +95,8 @@ def quantize_checkpoint(model: str | None, out: str | os.PathLike, bits: int, gr
 
     nn.quantize(net, group_size=group_size, bits=bits, class_predicate=recording)
     weights = dict(tree_flatten(net.parameters()))
-    if model_type in QWEN4_TYPES:  # its PLE n-gram tables stay unquantized, copied from the source as stored
-        weights.update(qwen4.stored_ple_blocks(src, checkpoint_tensors(src)[0]))
+    # what the architecture keeps as stored (Qwen4-Exp's PLE n-gram tables: unquantized), copied from the source
+    weights.update(architecture(model_type).stored_as_is(src, checkpoint_tensors(src)[0]))
     weights = {
         mlx_lm_name(k, model_type): v if v.dtype == mx.uint32 or k.endswith("A_log") else v.astype(store_dtype)
         for k, v in weights.items()

@@ -30,15 +30,16 @@ import numpy as np
 
 from hetero.checkpoint.loader import load_model
 from hetero.coreml.backends.coreml_macos import compiled_owner, remove_compiled
+from hetero.coreml.manifest import TEXT, listed_files, read_manifest
+from hetero.coreml.manifest import write as write_manifest
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+from hetero.models.interface import Args, CausalLM, DecoderLayer
 from hetero.planner import PieceSlice, Plan
+from hetero.planner.plan import PlanRequest
 from hetero.planner.recommend import split_plan
-from hetero.planner.slices import SPLIT_MODEL_TYPES
+from hetero.planner.slices import LUT_BITS
 from hetero.profiles import default_profile_name, load_profile
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 4  # 4: normed inputs, channels by range, output shifts; 3: buckets as functions of one package
 BUILDER_VERSION = 2  # bump when a builder's graph changes: invalidates reuse of packages built before
 DEFAULT_CHUNK = 256
 DEFAULT_CONTEXT = 4096
@@ -53,8 +54,6 @@ def linear_weight(layer: nn.Module, rows: slice | np.ndarray = slice(None), cols
     them: a quantized layer of at most 4 bits as its own per-group lookup tables (`hetero.coreml.graphs.palette.Palettized`:
     each weight exactly MLX's, rounded once to fp16), other layers as fp32 numpy (quantized ones of more bits
     dequantized: a table per group would outweigh fp16). Only the slice is unpacked or widened."""
-    from hetero.coreml.graphs.palette import LUT_BITS
-
     pick = mx.array(rows) if isinstance(rows, np.ndarray) else rows
     if isinstance(layer, nn.QuantizedLinear) and getattr(layer, "mode", "affine") == "affine" and layer.bits in LUT_BITS:
         g, per_word = layer.group_size, 32 // math.gcd(32, layer.bits)  # columns per whole word run
@@ -105,7 +104,7 @@ def linear_columns(layer: nn.Module, channels: np.ndarray):
     return concat_columns(parts) if isinstance(parts[0], Palettized) else np.concatenate(parts, axis=1)
 
 
-def attention_weights(args: ModelArgs, layer: DecoderLayer, kv: range):
+def attention_weights(args: Args, layer: DecoderLayer, kv: range):
     """The attention slice for KV heads `kv` (and their query heads) of a decoder layer."""
     from hetero.coreml.graphs.attention import AttentionWeights
 
@@ -201,7 +200,7 @@ def weight_forms(weights) -> dict[str, int]:
     return found
 
 
-def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None,
+def build_piece(args: Args, model: CausalLM, s: PieceSlice, chunk: int, context: int, plan: Plan | None = None,
                 form: str = DEFAULT_WEIGHT_FORM):
     """(shape, weights, builder) of one program: the slice `s` for chunks of `chunk` tokens up to `context`, with the
     channels and output scale `plan`'s ranges give it, its quantized weights in the form `form` (`WEIGHT_FORMS`)."""
@@ -209,7 +208,7 @@ def build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, contex
     return shape, in_form(weights, form), build
 
 
-def _build_piece(args: ModelArgs, model: Model, s: PieceSlice, chunk: int, context: int, plan: Plan | None):
+def _build_piece(args: Args, model: CausalLM, s: PieceSlice, chunk: int, context: int, plan: Plan | None):
     from hetero.coreml.graphs.attention import AttentionShape, build_attention
     from hetero.coreml.graphs.gdn import GDNInProjShape, build_gdn_in_proj
     from hetero.coreml.graphs.mlp import MLPShape, build_mlp
@@ -282,7 +281,7 @@ def check_shapes(chunk: int, contexts: list[int]) -> None:
             raise HeteroError(f"--context {c}: must be a multiple of 64 and at least the chunk size ({chunk})")
 
 
-def model_identity(path: Path, config: dict, args: ModelArgs) -> dict:
+def model_identity(path: Path, config: dict, args: Args) -> dict:
     """What names the exported model: its directory, config hash and shape."""
     return {
         "path": str(path),
@@ -332,28 +331,6 @@ def _link_package(src: Path, dst: Path) -> bool:
         return False
 
 
-def _listed_files(out: Path) -> list[str]:
-    """The package files any readable manifest in `out` lists, whatever its format."""
-    try:
-        return [p["file"] for p in json.loads((out / MANIFEST).read_text())["programs"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-
-
-def read_manifest(out: str | os.PathLike) -> dict:
-    """The manifest of an export directory; HeteroError when there is none or it is damaged."""
-    file = Path(out) / MANIFEST
-    try:
-        manifest = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise HeteroError(f"{file} is missing: not a Core ML export directory (run hetero convert --coreml)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HeteroError(f"{file} is damaged ({e}); re-run hetero convert --coreml") from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise HeteroError(f"{file} has format {manifest.get('format')!r}; this hetero reads format {MANIFEST_FORMAT}")
-    return manifest
-
-
 def export_coreml(
     model: str | os.PathLike | None,
     out: str | os.PathLike,
@@ -377,12 +354,9 @@ def export_coreml(
     check_weight_form(form)
     loaded = load_model(model)  # its own dtype: slices are widened to fp32 one at a time
     net, _, config = loaded
-    if net.args.model_type not in SPLIT_MODEL_TYPES:  # the planner plans it GPU-only: nothing to export
-        raise HeteroError(f"--coreml: the split has no Core ML programs for {net.args.model_type} checkpoints yet; "
-                          "run them without --ane-fraction (GPU-only)")
     context = min(contexts[-1], net.args.max_position_embeddings)  # the plan's predictions only; slices are per layer
-    plan = split_plan(config, load_profile(default_profile_name()), fraction, context, chunk, offload=kinds,
-                      budget=budget)
+    request = PlanRequest(config, load_profile(default_profile_name()), fraction, context, chunk, budget=budget)
+    plan = split_plan(request, kinds)
     return export_plan(plan, loaded, out, contexts, progress, multifunction, form)
 
 
@@ -427,7 +401,7 @@ def export_plan(
     try:
         previous = {p["file"]: p for p in read_manifest(out)["programs"]}
     except HeteroError:  # none, damaged or another format: nothing reused, but its packages are still removed
-        previous = {f: {} for f in _listed_files(out)}
+        previous = {f: {} for f in listed_files(out)}
     try:
         donor = {p["file"]: p for p in read_manifest(reuse)["programs"]} if reuse is not None else {}
     except HeteroError:
@@ -504,7 +478,7 @@ def export_plan(
         remove_export(out / stale)
     remove_orphans(out, current)
     manifest = {
-        "format": MANIFEST_FORMAT,
+        "format": TEXT.format,
         "model": model_identity(path, config, args),
         "coremltools": ct.__version__,
         "builder_version": BUILDER_VERSION,
@@ -516,9 +490,7 @@ def export_plan(
         "plan": [asdict(s) for s in plan.slices],
         "programs": programs,
     }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(out / MANIFEST)
+    write_manifest(out, manifest)
     return manifest
 
 
@@ -532,7 +504,7 @@ def lint_export(out: str | os.PathLike, budget: int | None = None) -> list:
     from hetero.coreml.graphs.lint import WEIGHT_BUDGET as LINT_BUDGET
     from hetero.coreml.graphs.lint import export_packages, lint_package
 
-    if budget is None and (Path(out) / MANIFEST).is_file():
+    if budget is None and (Path(out) / TEXT.file).is_file():
         budget = read_manifest(out).get("weight_budget_bytes")
     packages = export_packages(out)
     if not packages:

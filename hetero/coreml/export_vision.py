@@ -21,11 +21,11 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.coreml.export import remove_export, weights_nbytes, weights_sha256
+from hetero.coreml.manifest import VISION, read_vision_manifest
+from hetero.coreml.manifest import write as write_manifest
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5_vision.model import VisionModel
 
-VISION_MANIFEST = "vision.json"
-VISION_FORMAT = 1
 VISION_BUILDER_VERSION = 2  # bump when a vision builder's graph changes
 
 
@@ -89,20 +89,6 @@ def check_vision_bucket(tower: VisionModel, bucket: int) -> None:
         raise HeteroError(f"vision hidden_act {tower.args.hidden_act!r} has no Core ML program; the tower stays on the GPU")
 
 
-def read_vision_manifest(out: str | os.PathLike) -> dict:
-    """The vision manifest of an export directory; HeteroError when there is none, it is damaged or of another format."""
-    file = Path(out) / VISION_MANIFEST
-    try:
-        manifest = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise HeteroError(f"{file} is missing: the vision tower was not exported there") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HeteroError(f"{file} is damaged ({e}); export the vision tower again") from None
-    if manifest.get("format") != VISION_FORMAT:
-        raise HeteroError(f"{file} has format {manifest.get('format')!r}; this hetero reads format {VISION_FORMAT}")
-    return manifest
-
-
 def export_vision(tower: VisionModel, out: str | os.PathLike, buckets: list[int],
                   progress: Callable[[int, int], None] | None = None) -> dict:
     """Export `tower` (as loaded: its weights are embedded as fp16) for each bucket of patches in `buckets` into `out`
@@ -143,9 +129,7 @@ def export_vision(tower: VisionModel, out: str | os.PathLike, buckets: list[int]
                 progress(len(programs), total)
     for stale in set(previous) - {p["file"] for p in programs}:
         remove_export(out / stale)
-    manifest = {"format": VISION_FORMAT, "coremltools": ct.__version__, "builder_version": VISION_BUILDER_VERSION,
+    manifest = {"format": VISION.format, "coremltools": ct.__version__, "builder_version": VISION_BUILDER_VERSION,
                 "vision_config": asdict(tower.args), "buckets": buckets, "programs": programs}
-    tmp = out / (VISION_MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(out / VISION_MANIFEST)
+    write_manifest(out, manifest, VISION)
     return manifest

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH, PLAIN
-from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS
+from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.validate import Bound
 
 MAX_DEPTH = RECURRENT_MAX_TOKENS - 1  # a verify pass (k+1 tokens) must take the recorded recurrent path

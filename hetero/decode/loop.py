@@ -29,7 +29,7 @@ from hetero.decode.turns import Turns
 from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.cache import cache_arrays
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 
 
 class _Stream:
@@ -45,7 +45,7 @@ class _Stream:
 class DecodeLoop:
     """Decodes every handed-over request in one `Batch` on its own thread, one turn of `turns` per round."""
 
-    def __init__(self, model: Model, turns: Turns | None = None, max_batch: int = MAX_BATCH, history: int = 512):
+    def __init__(self, model: CausalLM, turns: Turns | None = None, max_batch: int = MAX_BATCH, history: int = 512):
         self.model = model
         self.turns = turns if turns is not None else Turns()
         self.batch = Batch(model, max_batch)
@@ -70,7 +70,7 @@ class DecodeLoop:
                 "waiting": len(self._arrivals), "recent_batch_sizes": recent[-32:],
                 "mean_batch_size": round(sum(recent) / len(recent), 3) if recent else 0.0}
 
-    def generate_tokens(self, model: Model, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
+    def generate_tokens(self, model: CausalLM, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
                         *, depth: int = DEFAULT_DRAFT_DEPTH, copy: bool = True,
                         on_handover: Callable[[], None] | None = None, on_handback: Callable[[], None] | None = None,
                         **options) -> Iterator[int]:
@@ -218,7 +218,7 @@ class Seat:
     on_handover: Callable[[], None] | None = None
     on_handback: Callable[[], None] | None = None
 
-    def decode_tokens(self, model: Model, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
+    def decode_tokens(self, model: CausalLM, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int],
                       **options) -> Iterator[int]:
         """`solo.decode_tokens`'s arguments and tokens, decoded in the loop's batch."""
         return self.loop.generate_tokens(model, prompt, sampler, max_tokens, eos_ids, on_handover=self.on_handover,

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from hetero.decode import wavefront
 from hetero.models.cache import KVCache, ModelCache, cache_arrays, expect_positions
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 from hetero.vision.prompt import ImagePrompt
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -24,7 +24,7 @@ def chunk_edges(offset: int, n: int, chunk: int, marks: Sequence[int] = ()) -> l
     return [0] + sorted(cuts) + [n]
 
 
-def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None, cache: ModelCache,
+def mtp_pairs(model: CausalLM, piece: mx.array, h: mx.array, carry: mx.array | None, cache: ModelCache,
               positions: mx.array | None = None) -> mx.array:
     """Fill the MTP head's KV for one prefill chunk: position p gets (t_{p+1}, h_p). piece [1, S] tokens, h [1, S, H]
     their post-norm hiddens, `carry` [1, H] the previous chunk's last hidden (None at the prompt's start); returns
@@ -39,7 +39,7 @@ def mtp_pairs(model: Model, piece: mx.array, h: mx.array, carry: mx.array | None
 
 
 def prefill(
-    model: Model,
+    model: CausalLM,
     tokens: list[int],
     cache: ModelCache,
     chunk: int = 512,

@@ -8,10 +8,10 @@ from hetero.decode.penalties import Penalties
 from hetero.decode.rows import Row
 from hetero.decode.sampling import Sampler
 from hetero.decode.stepper import Batch
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 
 
-def decode_tokens(model: Model, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int], *,
+def decode_tokens(model: CausalLM, prompt: list[int], sampler: Sampler, max_tokens: int, eos_ids: set[int], *,
                   depth: int = 0, copy: bool = True, **options) -> Iterator[int]:
     """Yield generated token ids (EOS excluded) until EOS or `max_tokens`: plain decoding at `depth` 0, else
     speculative decoding with the MTP head at that depth (and the copy lane when `copy`); the same distribution
@@ -34,7 +34,7 @@ def decode_tokens(model: Model, prompt: list[int], sampler: Sampler, max_tokens:
 
 
 def batch_generate(
-    model: Model,
+    model: CausalLM,
     prompts: list[list[int]],
     samplers: list[Sampler],
     max_tokens: list[int],

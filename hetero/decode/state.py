@@ -17,7 +17,7 @@ from hetero.decode.prefill import ChunkFn, ProgressFn, prefill
 from hetero.decode.records import Trace
 from hetero.decode.sampling import Sampler
 from hetero.models.cache import KVCache, LayerCache, ModelCache
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 from hetero.tools.constrained import Constraint
 from hetero.vision.prompt import ImagePrompt
 
@@ -55,7 +55,7 @@ class Decoder:
     backbone hiddens the MTP head has not consumed yet, paired with `pending_tokens + [x]`.
     """
 
-    model: Model
+    model: CausalLM
     cache: ModelCache
     x: int
     pending_hidden: mx.array
@@ -77,7 +77,7 @@ class Decoder:
 
 
 def start(
-    model: Model,
+    model: CausalLM,
     prompt: list[int],
     sampler: Sampler,
     depth: int,

@@ -54,7 +54,7 @@ from hetero.decode.state import Decoder, start
 from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
 from hetero.models.cache import GDNCache, KVCache, RaggedKV, cache_arrays
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 from hetero.tools.constrained import Constraint
 
 MAX_BATCH = 8
@@ -63,7 +63,7 @@ MAX_BATCH = 8
 class Batch:
     """Rows decoding together, one round at a time (`step`); `join` and `leave` between rounds."""
 
-    def __init__(self, model: Model, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, model: CausalLM, max_batch: int = MAX_BATCH) -> None:
         if max_batch < 1:
             raise HeteroError(f"--max-batch must be at least 1, got {max_batch}")
         self.model, self.max_batch = model, max_batch

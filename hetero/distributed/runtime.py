@@ -23,7 +23,9 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.caches.prefix import PrefixCache
-from hetero.checkpoint.loader import default_dtype, preflight, read_config, resolve
+from hetero.checkpoint.dtypes import default_dtype
+from hetero.checkpoint.preflight import preflight
+from hetero.checkpoint.source import read_config, resolve
 from hetero.checkpoint.tokenizer import Tokenizer
 from hetero.decode.depth import decode_depth
 from hetero.decode.logprobs import TokenLogprob
@@ -37,7 +39,7 @@ from hetero.distributed.stage import Stage
 from hetero.engine import Engine, GenerationResult, _eos_ids, collect, make_request
 from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
-from hetero.models.qwen3_5 import ModelArgs
+from hetero.models.architectures import architecture
 from hetero.planner.hosts import split_layers
 
 
@@ -48,7 +50,11 @@ def load_stage(link: Link, model: str | os.PathLike | None, dtype: mx.Dtype | No
         raise HeteroError(report.first_problem())
     path = resolve(model, weights=True)
     config = read_config(path)
-    args = ModelArgs.from_config(config)
+    arch = architecture(config.get("model_type"))
+    if not arch.across_hosts:
+        raise HeteroError(f"--hosts: the pipeline across hosts does not run {arch.name} checkpoints yet; run it on "
+                          "one host")
+    args = arch.parse(config)
     split = split_layers(args, link.size)
     dtype = dtype or default_dtype()
     net, share, nbytes = load_share(path, args, split[link.rank], link.first, link.last, dtype)

@@ -14,11 +14,12 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from hetero.checkpoint.loader import _weight_map, build_lazy_model, norms_zero_centred, read_header
+from hetero.checkpoint.preflight import build_lazy_model, sanitize_for
+from hetero.checkpoint.safetensors import norms_zero_centred, read_header, read_index
 from hetero.errors import HeteroError
 from hetero.models.fused import fuse
-from hetero.models.qwen3_5 import Model, ModelArgs
-from hetero.models.weights import canonical_name, checkpoint_has_mtp, sanitize
+from hetero.models.interface import Args, CausalLM
+from hetero.models.weights import canonical_name, checkpoint_has_mtp
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,15 @@ def weight_map(path: Path) -> dict[str, str]:
     """Checkpoint tensor name -> shard file, from the index or the single file's header."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return _weight_map(index)
+        return read_index(index)
     shards = sorted(p.name for p in path.glob("*.safetensors"))
     if not shards:
         raise HeteroError(f"{path} holds no model.safetensors and no model.safetensors.index.json")
     return {name: shard for shard in shards for name in read_header(path / shard)}
 
 
-def load_share(path: Path, args: ModelArgs, layers: range, first: bool, last: bool,
-               dtype: mx.Dtype) -> tuple[Model, Share, int]:
+def load_share(path: Path, args: Args, layers: range, first: bool, last: bool,
+               dtype: mx.Dtype) -> tuple[CausalLM, Share, int]:
     """A lazily built `Model` whose parameters of this rank's share are loaded and evaluated (the rest stay
     unevaluated placeholders that take no memory); also the share and the bytes of weights it holds."""
     files = weight_map(path)
@@ -71,7 +72,7 @@ def load_share(path: Path, args: ModelArgs, layers: range, first: bool, last: bo
         tensors.update({n: loaded[n] for n, f in mine.items() if f == shard})
         del loaded  # the shard's other tensors (never read)
     probe = _conv_layout_probe(path, files, tensors)
-    weights = {k: v for k, v in sanitize(args, {**tensors, **probe}, norms_zero_centred(path)).items()
+    weights = {k: v for k, v in sanitize_for(args, {**tensors, **probe}, norms_zero_centred(path)).items()
                if share.owns(k)}
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, share.mtp and last, quantized)

@@ -19,7 +19,7 @@ from hetero.distributed.group import Link
 from hetero.distributed.shard import Share
 from hetero.errors import HeteroError
 from hetero.models.cache import GDNCache, KVCache, LayerCache, ModelCache, last_positions
-from hetero.models.qwen3_5 import DecoderLayer, Model, ModelArgs
+from hetero.models.interface import Args, CausalLM, DecoderLayer
 
 # control messages from the last rank: [kind, n, token_0 .. token_{n-1}]; a request that asked for logprobs has
 # every COMMIT followed by their rows, from the last rank to rank 0 (`outputs.send_logprobs`), and a stoppable one
@@ -30,8 +30,8 @@ VERIFY, STEP, COMMIT, DONE = 1, 2, 3, 4
 class Stage:
     """This rank's layers (and embedding / head) with the link to its neighbours."""
 
-    def __init__(self, net: Model, share: Share, link: Link, dtype: mx.Dtype, weight_bytes: int, path: Path):
-        self.args: ModelArgs = net.args
+    def __init__(self, net: CausalLM, share: Share, link: Link, dtype: mx.Dtype, weight_bytes: int, path: Path):
+        self.args: Args = net.args
         self.share, self.link, self.dtype, self.weight_bytes = share, link, dtype, weight_bytes
         self.path = path  # the checkpoint directory on this host
         self.layers: list[DecoderLayer] = [net.model.layers[i] for i in share.layers]

@@ -417,33 +417,3 @@ def reexec_with_fast_blas(argv: list[str] | None = None) -> None:
     env = dict(os.environ, LD_PRELOAD=preload, **{_REEXEC_MARK: "1"})
     print(f"hetero: restarting with {found[1][-1].name} preloaded", file=sys.stderr, flush=True)
     os.execve(sys.executable, [sys.executable, *(argv if argv is not None else sys.argv)], env)
-
-
-def environment() -> dict:
-    """What a benchmark's numbers depend on: machine, BLAS, threads, versions."""
-    import mlx.core as mx
-    import numpy as np
-
-    versions = {"python": platform.python_version(), "mlx": mx.__version__, "numpy": np.__version__}
-    try:
-        import mlx_lm
-
-        versions["mlx_lm"] = mlx_lm.__version__
-    except ImportError:
-        pass
-    from hetero.host import kernels
-
-    mx.eval(mx.ones((2, 2)) @ mx.ones((2, 2)))  # MKL loads its threading layer on the first call
-    return {
-        "machine": platform.machine(),
-        "system": platform.system(),
-        "cpus": os.cpu_count(),
-        "device": str(mx.default_device()),
-        "blas": describe(),
-        "blas_library": mlx_blas_library(),
-        "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        "threads": {k: os.environ.get(k) for k in
-                    ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER")},
-        "versions": versions,
-        **kernels.status(),  # hetero's own 1-8 row products and delta step (hetero.host.kernels)
-    }

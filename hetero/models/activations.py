@@ -19,6 +19,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from hetero.models import attention  # its `differentiable()` mode marks training
+
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -60,8 +62,6 @@ EAGER_MIN_TOKENS = 17  # tokens per sequence from which a caller may use them (c
 
 
 def _eager(x: mx.array) -> bool:
-    from hetero.models import attention  # its `differentiable()` mode marks training
-
     return _power_form(x) and x.size >= EAGER_MIN and not attention.differentiating()
 
 

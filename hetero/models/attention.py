@@ -119,6 +119,31 @@ def blocked_numpy(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     return out.reshape(B, H, L, Dv).astype(queries.dtype)
 
 
+def attend_selected(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """Attention of queries [B, H, L, D] (the last L of T positions) over keys/values [B, Hkv, T, D], each query to
+    the keys `mask` [B, 1, L, T] or [L, T] allows -> [B, H, L, D].
+
+    On MLX's CPU backend a prefill chunk's softmax runs in numpy (the module docstring says why: MLX's scalar exp there
+    cost a 4K-token prefill of the bench model more than its attention matmuls); elsewhere, and for a few queries,
+    `mx.fast.scaled_dot_product_attention` with the mask. Qwen4-Exp's QSA layers attend so (`qsa.QSAAttention`)."""
+    if mx.default_device() != mx.cpu or queries.shape[2] < MIN_QUERIES:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    B, _, L, _ = queries.shape
+    T = keys.shape[2]
+    allowed = np.broadcast_to(np.array(mask).reshape(-1, L, T), (B, L, T))  # [B, L, T]
+
+    def softmax(s: np.ndarray, i0: int) -> None:  # s [B, Hkv, G, n, end]
+        n, end = s.shape[-2:]
+        keep = allowed[:, None, None, i0 : i0 + n, :end]  # [B, 1, 1, n, end]
+        np.copyto(s, -np.inf, where=~keep)
+        s -= s.max(axis=-1, keepdims=True)  # every query keeps at least one key
+        np.maximum(s, FLOOR, out=s)  # no subnormal reaches the matmul
+        np.exp(s, out=s)
+        s *= keep  # dropped keys weigh exactly 0
+
+    return blocked_numpy(queries, keys, values, scale, softmax)
+
+
 def _numpy_few(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """`attend` for a few queries (decode, verify) over a long cache: MLX's two matmuls read K and V once, numpy's
     SIMD `exp` runs the softmax in place between them, and numpy sums its rows (no ones column: that would copy V)."""

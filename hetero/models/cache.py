@@ -84,6 +84,13 @@ class KVCache:
         """A new empty cache that stores K/V the way this one does."""
         return KVCache()
 
+    def up_to(self, n: int) -> KVCache:
+        """A cache of this kind reading this one's buffers up to position n: as this one stood at n (positions are
+        only appended to, so the live buffers hold them until a rollback)."""
+        at = self.like()
+        at.keys, at.values, at.offset = self.keys, self.values, n
+        return at
+
     def _set_buffers(self, arrays: list[mx.array]) -> None:
         self.keys, self.values = arrays
 
@@ -150,6 +157,16 @@ class GDNCache:
         """Hold `arrays` (a `checkpoint`, arrays nothing else writes) as the state after n tokens."""
         self.conv, self.recurrent = arrays
         self.offset = n
+
+    def like(self) -> GDNCache:
+        """A new empty cache that holds the state this one does."""
+        return GDNCache()
+
+    def restored(self, arrays: tuple[mx.array, ...], n: int) -> GDNCache:
+        """A new cache of this kind holding `arrays` (a `checkpoint` taken after n tokens) as its state."""
+        at = self.like()
+        at.restore(list(arrays), n)
+        return at
 
     @property
     def state(self) -> list[mx.array]:

@@ -16,6 +16,9 @@ from hetero.models import activations as act
 from hetero.models.attention import differentiating
 
 CHUNK = 64
+# Inputs of at most this many tokens (decode, draft and verify steps) run the token-by-token form, longer ones the
+# chunked form; the models run their few-token steps as compiled functions below it too (`compiled.py`)
+RECURRENT_MAX_TOKENS = 16
 TINY = 1e-18  # magnitudes below this are flushed to 0 before matmuls (see _flush)
 
 

@@ -1,6 +1,6 @@
-"""Qwen3.5-family checkpoint tensors -> the model's parameters: canonical names (HF nested, mlx-lm nested, flat),
-vision tensors skipped, Qwen3-Next's fused projections un-fused, experts stacked, the conv layout, and the
-zero-centred norms' +1 applied exactly once (`sanitize`)."""
+"""Checkpoint tensor names every architecture shares: canonical names (HF nested, mlx-lm nested, flat; vision
+tensors skipped), the parameters a fused or per-expert tensor feeds, experts stacked, and the steps every
+architecture's `sanitize` ends with (`finish`: experts, the conv layout, the zero-centred norms' +1 exactly once)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,8 @@ from typing import Any
 import mlx.core as mx
 
 from hetero.errors import HeteroError
-from hetero.models.args import ModelArgs
 
 
-_NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
-_MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "model.language_model.visual.")
 # Qwen4-Exp PLE shards as mlx-vlm 0.7.10 converts them (`...ngram_embedding.shards.{i}.*`, a list of embeddings)
 _MLX_VLM_PLE_SHARD = re.compile(r"\.ngram_embedding\.shards\.(\d+)(?=\.|$)")
@@ -42,12 +39,7 @@ def canonical_name(key: str) -> str | None:
     return key
 
 
-def is_zero_centred_norm(name: str) -> bool:
-    """Norms stored as w with effective scale 1 + w (every RMSNorm except the GDN output norm)."""
-    return name.endswith(_NORM_SUFFIXES) or name == "model.norm.weight" or name in _MTP_NORMS
-
-
-_FUSED = re.compile(r"(.*linear_attn)\.in_proj_(qkvz|ba)\.(weight|scales|biases)$")
+FUSED = re.compile(r"(.*linear_attn)\.in_proj_(qkvz|ba)\.(weight|scales|biases)$")
 # Routed experts as HF writes them: one tensor per expert (save_pretrained, the released checkpoints; quantized one
 # by one in mlx-vlm's 4-bit MTP drafters, with scales and biases) ...
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
@@ -58,7 +50,7 @@ _EXPERTS_FUSED = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 def unfused_names(name: str) -> list[str]:
     """Parameter names a checkpoint tensor (canonical name) feeds: a (Qwen3-Next) fused GDN projection feeds two,
     an expert tensor its stacked `switch_mlp` parameter(s); [name] for everything else."""
-    m = _FUSED.match(name)
+    m = FUSED.match(name)
     if m:
         parts = ("qkv", "z") if m.group(2) == "qkvz" else ("b", "a")
         return [f"{m.group(1)}.in_proj_{p}.{m.group(3)}" for p in parts]
@@ -122,53 +114,13 @@ def _split_fused_experts(out: dict[str, mx.array]) -> None:
             out[targets[0]] = value
 
 
-def _unfuse(args: ModelArgs, kind: str, w: mx.array) -> tuple[mx.array, mx.array]:
-    """Split a fused projection's rows (grouped per key head) into the Qwen3.5 layout."""
-    nk, dk, dv, r = args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim, (
-        args.linear_num_value_heads // args.linear_num_key_heads
-    )
-    grouped = w.reshape(nk, -1, *w.shape[1:])  # [nk, per-group rows, in]
-    if kind == "qkvz":
-        q, k, v, z = mx.split(grouped, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-        flat = lambda t: t.reshape(-1, *w.shape[1:])  # noqa: E731
-        return mx.concatenate([flat(q), flat(k), flat(v)], axis=0), flat(z)
-    b, a = mx.split(grouped, [r], axis=1)
-    return b.reshape(-1, *w.shape[1:]), a.reshape(-1, *w.shape[1:])
-
-
 def hf_conv_layout(weights: dict[str, mx.array], zero_centred: bool) -> bool:
     """Whether the norms are stored zero-centred: original HF checkpoints store conv1d as [C, 1, K] and zero-centred
     norms, converted (MLX) ones [C, K, 1] with the +1 already applied, so the conv layout tells which; a checkpoint
     without a GDN conv (every layer attention) takes `zero_centred`, what its files' writer says
-    (`hetero.checkpoint.loader.norms_zero_centred`)."""
+    (`hetero.checkpoint.safetensors.norms_zero_centred`)."""
     convs = [v for k, v in weights.items() if k.endswith("conv1d.weight")]
     return any(v.shape[-1] != 1 for v in convs) if convs else zero_centred
-
-
-def sanitize(args: ModelArgs, weights: dict[str, mx.array], zero_centred: bool = True) -> dict[str, mx.array]:
-    """Checkpoint tensors -> this model's parameters: rename, skip vision, un-fuse, stack experts, conv layout,
-    norm shift.
-
-    Routed experts come per expert (stacked here, lazily; `hetero.checkpoint.loader` stacks them shard by shard before),
-    fused (`experts.gate_up_proj`, split here) or already stacked under mlx-lm's `switch_mlp` names.
-
-    The norms' +1 is applied exactly once: where the checkpoint stores them zero-centred (`hf_conv_layout`;
-    `zero_centred` for a layout without a GDN conv).
-    """
-    out: dict[str, mx.array] = {}
-    for key, value in weights.items():
-        name = canonical_name(key)
-        if name is not None:
-            out[name] = value
-    hf_layout = hf_conv_layout(out, zero_centred)
-    if args.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    for name in list(out):
-        m = _FUSED.match(name)
-        if m:
-            first, second = unfused_names(name)
-            out[first], out[second] = _unfuse(args, m.group(2), out.pop(name))
-    return finish(out, args.num_experts, hf_layout, is_zero_centred_norm)
 
 
 def finish(out: dict[str, mx.array], num_experts: int, hf_layout: bool, zero_centred) -> dict[str, mx.array]:

@@ -22,7 +22,6 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.models import activations as act
-from hetero.pipeline.layer_io import embed, mixer_io, mlp_io, ple
 from hetero.planner.ranges import BLOCK, CHANNEL_PIECES, PieceRange, Ranges, shift_for
 
 RANGES_FILE = "ranges.json"
@@ -85,18 +84,19 @@ def calibrate(model, ids: list[int], shares: dict[tuple[int, str], int], prior: 
     prefill runs them: a long prompt's intermediates never exist all at once); the layers above the last piece
     measured are not run. With `prior`, channel blocks are chosen by the larger of its maxima and these, so the
     share whose output is measured is the one `prior.merge(result)` chooses. The pieces' inputs are what the split's
-    programs read (`layer_io`: the normed input, or Qwen4-Exp's hyper-connection mix after its PLE update)."""
+    programs read (`DecoderLayer.mixer_io` / `mlp_io`: the normed input, or Qwen4-Exp's hyper-connection mix after
+    its PLE update)."""
     tokens = mx.array(ids)[None]  # [1, T]
     steps = range(0, len(ids), step)
-    hs = [embed(model, tokens[:, lo : lo + step]) for lo in steps]  # [1, t, hidden] (Qwen4-Exp: [1, t, hc*d])
+    hs = [model.model.begin(tokens[:, lo : lo + step])[0] for lo in steps]  # [1, t, hidden] (Qwen4-Exp: [1, t, hc*d])
     host = [np.array(ids[lo : lo + step], dtype=np.int64)[None] for lo in steps]  # [1, t]
     cache = model.make_cache()
     pieces: dict[tuple[int, str], PieceRange] = {}
     last = max((layer for layer, _ in shares), default=-1)
     for i, layer in enumerate(model.layers[: last + 1]):
         for k in range(len(hs)):  # in order: each step's PLE continues the state the last one left
-            hs[k] = ple(layer, hs[k], host[k], cache[i])
-        io = mixer_io(layer)
+            hs[k] = layer.before_mixer(hs[k], host[k], cache[i])
+        io = layer.mixer_io
         xs, ctxs = zip(*[io.read(h) for h in hs])  # [1, t, hidden] each
         if (i, "gdn_in_proj") in shares:
             m = layer.linear_attn
@@ -107,11 +107,10 @@ def calibrate(model, ids: list[int], shares: dict[tuple[int, str], int], prior: 
         if (i, "attention") in shares:
             pieces[i, "attention"] = PieceRange(layer.self_attn.n_kv_heads, layer.self_attn.n_kv_heads,
                                                 max(_max(x) for x in xs))
-        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
         for k, x in enumerate(xs):  # in order: each step continues the cache the last one left
-            hs[k] = io.write(hs[k], mixer(x, cache[i]), ctxs[k])
+            hs[k] = io.write(hs[k], layer.mixer(x, cache[i]), ctxs[k])
             mx.eval(hs[k], *[a for a in cache[i].state if a is not None])
-        io = mlp_io(layer)
+        io = layer.mlp_io
         xs, ctxs = zip(*[io.read(h) for h in hs])
         for piece in CHANNEL_PIECES:
             if (i, piece) in shares:

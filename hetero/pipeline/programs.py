@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from hetero.coreml.backends import platform_backend
-from hetero.coreml.export import DEFAULT_WEIGHT_FORM, export_plan, read_manifest
+from hetero.coreml.export import DEFAULT_WEIGHT_FORM, export_plan
+from hetero.coreml.manifest import read_manifest
 from hetero.errors import AneNonFinite, HeteroError
 from hetero.host.progress import ProgressBar
 from hetero.planner import OFFLOADABLE, Plan, context_buckets

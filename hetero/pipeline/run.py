@@ -26,8 +26,8 @@ from hetero.planner import check_prompt_fits
 from hetero.planner import recommend
 from hetero.planner.predict import Lanes, gpu_chunk_seconds
 from hetero.planner.ranges import Ranges, within_range
+from hetero.planner.plan import PlanRequest
 from hetero.planner.recommend import split_plan
-from hetero.planner.slices import SPLIT_MODEL_TYPES
 from hetero.planner.vision import lane_choice, predict_grid
 from hetero.profiles import Profile
 from hetero.profiles import THIS_MACHINE, default_profile_name, load_profile
@@ -292,14 +292,11 @@ def configure(
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
     if engine.model.args.attention_bias:
         raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
-    if engine.model.args.model_type not in SPLIT_MODEL_TYPES:  # the planner and programs know only these
-        raise HeteroError(f"--ane-fraction: the split prefill does not support {engine.model.args.model_type} "
-                          f"checkpoints yet; run without --ane-fraction (GPU-only)")
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
     if lane not in ("process", "thread"):
         raise HeteroError(f"the ANE lane runs in a 'process' or a 'thread', not {lane!r}")
-    plan = unranged = split_plan(engine.config, profile, fraction, context, chunk, offload=offload)
+    plan = unranged = split_plan(PlanRequest(engine.config, profile, fraction, context, chunk), offload)
     ids = calibration_ids(engine) if plan.slices else []
     if plan.slices:  # keep the ANE inside fp16: ranges measured on the GPU lane (hetero.planner.ranges)
         ranges = cached_ranges(model_dir(export_key(engine)), engine.model, ids, plan)
@@ -364,8 +361,8 @@ def _auto_fraction(engine, chunk: int, report: Callable[[str], None] | None, tol
     profile = load_profile(THIS_MACHINE)
     args = engine.model.args
     memory_gb = getattr(engine, "memory_gb", None) or physical_memory_bytes() / 1e9  # the split's copy costs memory
-    fraction, best = recommend(engine.config, profile, min(8192, args.max_position_embeddings), chunk,
-                               memory_gb=memory_gb)
+    fraction, best = recommend(PlanRequest(engine.config, profile, 0.0, min(8192, args.max_position_embeddings), chunk,
+                                           memory_gb=memory_gb))
     ids = engine.tokenizer.encode(CALIBRATION)[: 2 * chunk]
     while fraction > 0:
         run = configure(engine, fraction, chunk, offload=best.offload, profile=profile, weights=weights)

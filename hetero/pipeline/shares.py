@@ -12,11 +12,10 @@ import numpy as np
 from hetero.coreml.fp16 import fp16_values
 from hetero.errors import HeteroError
 from hetero.models import activations as act
-from hetero.models.attention import attend
+from hetero.models.attention import attend, attend_selected
 from hetero.models.cache import GDNCache, KVCache
+from hetero.models.interface import DecoderLayer
 from hetero.models.mrope import apply_mrope
-from hetero.models.qwen3_5 import DecoderLayer
-from hetero.models.qwen4_exp.qsa import attend_selected
 
 
 def _runs(idx: np.ndarray) -> slice | None:

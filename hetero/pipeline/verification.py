@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from hetero.checkpoint.preflight import build_lazy_model
 from hetero.decode.prefill import prefill
 from hetero.decode.sampling import Sampler, SamplingParams
 from hetero.decode.state import Decoder
@@ -40,7 +41,7 @@ from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost
 from hetero.models.cache import KVCache, LayerCache
 from hetero.models.choices import Choices
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 from hetero.pipeline.distance import distance
 from hetero.pipeline.verify_tolerance import verify_tolerance
 from hetero.planner import physical_memory_bytes
@@ -71,17 +72,15 @@ def arrays_of(logits: mx.array, cache: list[LayerCache]) -> dict[str, np.ndarray
     return out
 
 
-def fp32_bytes(model: Model) -> int:
+def fp32_bytes(model: CausalLM) -> int:
     """What an fp32 copy of `model`'s parameters takes (quantized weights stay packed, their scales widen)."""
     return sum(v.size * (4 if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
                for _, v in tree_flatten(model.parameters()))
 
 
-def fp32_copy(model: Model) -> Model:
+def fp32_copy(model: CausalLM) -> CausalLM:
     """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones); a
     table the model reads from the checkpoint's files (Qwen4-Exp's PLE n-gram tables) is read from them too."""
-    from hetero.checkpoint.loader import build_lazy_model
-
     params = tree_flatten(model.parameters())
     quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}
     net = build_lazy_model(model.args, model.has_mtp, quantized)
@@ -96,7 +95,7 @@ def fp32_copy(model: Model) -> Model:
     return net
 
 
-def reference_model(engine) -> Model | None:
+def reference_model(engine) -> CausalLM | None:
     """The fp32 model `verify` measures against: the engine's own in fp32, else an fp32 copy kept on the engine for
     the next verify (`--ane-fraction auto` verifies several fractions), or None when the copy does not fit."""
     model = engine.model
@@ -115,7 +114,7 @@ def reference_model(engine) -> Model | None:
     return copy
 
 
-def reference_arrays(engine, reference: Model, ids: list[int], chunk: int, images: ImagePrompt | None = None
+def reference_arrays(engine, reference: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None = None
                      ) -> dict[str, np.ndarray]:
     """The fp32 reference's compared arrays for `ids` (with `images`: the prompt's images, their embeddings as the
     engine's tower made them); the last prompt's are kept on the engine (`auto` and a defect hunt verify the same
@@ -140,7 +139,7 @@ def release_reference(engine) -> None:
         held.pop(name, None)
 
 
-def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
+def greedy_continuation(model: CausalLM, cache: list[LayerCache], logits: mx.array, n: int) -> list[int]:
     """n greedy tokens decoded on the GPU by the stepper from a filled cache and the prompt's last logits [1, V]."""
     decoder = Decoder(model, cache, int(mx.argmax(logits[-1]).item()), mx.zeros((0, model.args.hidden_size)))
     batch = Batch(model, max_batch=1)
@@ -150,7 +149,7 @@ def greedy_continuation(model: Model, cache: list[LayerCache], logits: mx.array,
     return row.tokens
 
 
-def _logits_after(model: Model, ids: list[int], more: list[int], chunk: int, images: ImagePrompt | None) -> mx.array:
+def _logits_after(model: CausalLM, ids: list[int], more: list[int], chunk: int, images: ImagePrompt | None) -> mx.array:
     """GPU-only last logits [1, V] of the prompt `ids` followed by the tokens `more` (with `images`: the prompt's,
     the tokens after it at the positions its shift gives them)."""
     if images is None:
@@ -160,7 +159,7 @@ def _logits_after(model: Model, ids: list[int], more: list[int], chunk: int, ima
     return prefill(model, more, cache, chunk)[0]
 
 
-def _prefill_arrays(model: Model, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
+def _prefill_arrays(model: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
                     ) -> tuple[dict[str, np.ndarray], mx.array, list[LayerCache]]:
     """A GPU-lane prefill of `ids` under `choices` -> (its compared arrays, last logits [1, V], its cache)."""
     cache = model.make_cache()
@@ -169,7 +168,7 @@ def _prefill_arrays(model: Model, ids: list[int], chunk: int, images: ImagePromp
     return arrays_of(logits, cache.backbone), logits, cache
 
 
-def _pinned(model: Model, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
+def _pinned(model: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
             ) -> tuple[dict[str, np.ndarray], int]:
     """`model`'s arrays for `ids` on the choices `choices` recorded, and how many of them it would have made
     otherwise."""
@@ -178,7 +177,7 @@ def _pinned(model: Model, ids: list[int], chunk: int, images: ImagePrompt | None
     return arrays, replay.flips
 
 
-def _against_reference(engine, model: Model, reference: Model, ids: list[int], chunk: int,
+def _against_reference(engine, model: CausalLM, reference: CausalLM, ids: list[int], chunk: int,
                        images: ImagePrompt | None, split: dict, split_choices: Choices, gpu: dict,
                        gpu_choices: Choices) -> dict:
     """d(split, fp32) and d(gpu, fp32), each against the fp32 reference on its own choices."""

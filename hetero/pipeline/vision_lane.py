@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from hetero.coreml.manifest import read_vision_manifest
 from hetero.errors import AneNonFinite, HeteroError
 from hetero.host.progress import ProgressBar
 from hetero.planner.vision import vision_bucket
@@ -33,7 +34,8 @@ def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None
     """The tower's programs for `bucket` in `out` (their own directory): exported on first use with a progress bar,
     reused while the manifest lists every package and was written by this builder version (an older one's programs
     are exported again: e.g. version 1's LayerNorm overflowed past a residual of 4096)."""
-    from hetero.coreml.export_vision import VISION_BUILDER_VERSION, export_vision, read_vision_manifest
+    # the exporter imports coremltools (4-8 s): loaded with the first export, not with the lane
+    from hetero.coreml.export_vision import VISION_BUILDER_VERSION, export_vision
 
     try:
         manifest = read_vision_manifest(out)

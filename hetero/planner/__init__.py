@@ -4,9 +4,9 @@ Modules, each one job, importing one way (shape -> slices -> cost -> predict -> 
 `shape` (a model config, its shape, weight storage, state sizes), `slices` (requested fraction -> aligned ANE
 shares with their caps, per-layer slices, programs), `cost` (FLOPs per piece and chunk, context buckets),
 `predict` (lane rates, the wavefront's prefill time, decode rates), `governor` (the memory budget and context
-window), `hosts` (`split_layers`: layers across pipeline ranks; `--hosts N`), `plan` (`make_plan`, the `Plan`
-object), `recommend` (`--recommend`), `report` (`hetero plan`'s text), `ranges` (measured activation ranges: the
-channels a split's share may hold and its programs' power-of-two output scales, `within_range`).
+window), `hosts` (`split_layers`: layers across pipeline ranks; `--hosts N`), `plan` (`PlanRequest` -> `make_plan`
+-> the `Plan` object), `recommend` (`--recommend`), `report` (`hetero plan`'s text), `ranges` (measured activation
+ranges: the channels a split's share may hold and its programs' power-of-two output scales, `within_range`).
 """
 
 from hetero.planner.cost import chunk_spans, context_bucket, context_buckets, piece_flops
@@ -20,7 +20,7 @@ from hetero.planner.governor import (
     prefill_buffer_bytes,
 )
 from hetero.planner.hosts import split_layers
-from hetero.planner.plan import Plan, make_plan
+from hetero.planner.plan import Plan, PlanRequest, make_plan
 from hetero.planner.predict import Lanes, decode_bytes_per_token, predict_decode, predict_prefill, verify_cost
 from hetero.planner.recommend import recommend
 from hetero.planner.report import plan_lines
@@ -41,7 +41,8 @@ from hetero.planner.slices import (
 
 __all__ = [
     "ALIGN", "OFFLOADABLE", "PROGRAM_WEIGHT_BUDGET", "SPLIT_IN_FLIGHT", "Budget", "Lanes", "MoE", "Parameters", "Piece",
-    "PieceSlice", "Plan", "Storage", "ane_slices", "ane_weight_bytes", "check_prompt_fits", "chunk_spans",
+    "PieceSlice", "Plan", "PlanRequest", "Storage", "ane_slices", "ane_weight_bytes", "check_prompt_fits",
+    "chunk_spans",
     "context_bucket", "context_buckets", "decode_bytes_per_token", "govern", "loaded_budget",
     "make_plan", "model_shape", "moe_of", "parameter_counts", "physical_memory_bytes", "piece_flops", "pieces", "plan_lines", "predict_decode",
     "prefill_buffer_bytes",

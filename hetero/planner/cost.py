@@ -55,3 +55,19 @@ def piece_flops(p: Piece, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         out[-1] = p.token_flops  # one row: the prompt's last position
         return out
     return p.token_flops * sizes + p.pair_flops * visible_pairs(starts, sizes)
+
+
+def prefill_flops(ps: list[Piece], tokens: int, chunk: int) -> dict[str, tuple[float, float]]:
+    """Per piece kind, (FLOPs, the ANE's share of them) of a `tokens`-long prefill in chunks of `chunk`."""
+    starts, sizes = chunk_spans(tokens, chunk)
+    flops = {}
+    for p in ps:
+        total = p.layers * float(piece_flops(p, starts, sizes).sum())
+        flops[p.kind] = (total, total * p.ane_share)
+    return flops
+
+
+def ane_share(flops: dict[str, tuple[float, float]]) -> float:
+    """The ANE's share of all the FLOPs in `prefill_flops`'s answer."""
+    total = sum(t for t, _ in flops.values())
+    return sum(a for _, a in flops.values()) / total if total else 0.0

@@ -9,14 +9,15 @@ import weakref
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import ModelArgs
+from hetero.models.architectures import shape
+from hetero.models.interface import Args
 from hetero.planner.shape import MoE, gdn_state_bytes, kv_bytes_per_token, moe_of
 
 RUNTIME_RESERVE = 1 << 30  # MLX runtime, allocator slack and decode activations: kept free by the governor
 SPLIT_IN_FLIGHT = 4  # chunks a split prefill keeps in progress: enough for both lanes to find work
 
 
-def prefill_buffer_bytes(args: ModelArgs, chunk: int, moe: MoE | None = None) -> int:
+def prefill_buffer_bytes(args: Args, chunk: int, moe: MoE | None = None) -> int:
     """Transient buffers of one prefill chunk in fp32: residual and projections, the MLP (an MoE layer: router
     logits, each token's top-k experts' gate/up/product rows and outputs, the shared expert), conv, one logits row."""
     conv = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
@@ -24,7 +25,7 @@ def prefill_buffer_bytes(args: ModelArgs, chunk: int, moe: MoE | None = None) ->
     if moe is not None:
         k = moe.per_token
         mlp = max(mlp, moe.experts + k * (3 * moe.intermediate + args.hidden_size) + 3 * moe.shared_intermediate)
-    streams = getattr(args, "hc_count", 1) * args.hidden_size  # Qwen4-Exp's residual: hc streams of hidden_size
+    streams = shape(args).residual_width  # Qwen4-Exp's residual: hc streams of hidden_size
     return chunk * 4 * (6 * streams + mlp + 2 * conv) + 4 * args.vocab_size
 
 
@@ -84,7 +85,7 @@ class Budget:
 
 
 def govern(
-    args: ModelArgs,
+    args: Args,
     weight_bytes: float,
     memory_bytes: float,
     chunk: int,
@@ -159,8 +160,7 @@ def loaded_budget(model, memory_gb: float | None = None, chunk: int = 512, in_fl
                         weights_label="as loaded", in_flight=in_flight, moe=moe_of(model.args),
                         coreml_label="ANE lane's worker process (programs, buffers, interpreter)",
                         split_copy_bytes=split_copy_bytes, kv_label=quant.label if quant is not None else "")
-        disk = getattr(model, "ple_disk_bytes", 0)  # Qwen4-Exp's PLE n-gram tables, read from the checkpoint
-        budget.on_disk = [("PLE n-gram tables", disk)] if disk else []
+        budget.on_disk = list(model.on_disk)  # read from the checkpoint's files (Qwen4-Exp's PLE n-gram tables)
         _WINDOWS[key] = (weakref.ref(model), budget)
     return budget
 

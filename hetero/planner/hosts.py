@@ -16,7 +16,7 @@ import numpy as np
 
 from hetero.errors import HeteroError
 from hetero.host.settings import DEFAULT_DRAFT_DEPTH
-from hetero.models.qwen3_5 import ModelArgs
+from hetero.models.interface import Args
 from hetero.planner.cost import chunk_spans, piece_flops
 from hetero.planner.governor import RUNTIME_RESERVE, prefill_buffer_bytes
 from hetero.planner.predict import Lanes, distinct_experts, gpu_chunk_seconds, verify_cost
@@ -38,7 +38,7 @@ class LayerCosts:
     last: float
 
 
-def layer_costs(args: ModelArgs, moe: MoE | None = None, tokens: int = SPLIT_TOKENS, chunk: int = SPLIT_CHUNK,
+def layer_costs(args: Args, moe: MoE | None = None, tokens: int = SPLIT_TOKENS, chunk: int = SPLIT_CHUNK,
                 mtp: bool = True) -> LayerCosts:
     """FLOPs each backbone layer spends on a `tokens`-long prefill in `chunk`-token chunks (the planner's pieces:
     attention or GDN mixer, then a dense MLP or the MoE block with its active experts). `mtp`: the last rank also
@@ -54,7 +54,7 @@ def layer_costs(args: ModelArgs, moe: MoE | None = None, tokens: int = SPLIT_TOK
     return LayerCosts(per_layer, 0.0, f("lm_head") + (f("mtp") if mtp else 0.0))  # the embedding: a gather, no FLOPs
 
 
-def split_layers(args: ModelArgs, n_ranks: int, *, moe: MoE | None = None, tokens: int = SPLIT_TOKENS,
+def split_layers(args: Args, n_ranks: int, *, moe: MoE | None = None, tokens: int = SPLIT_TOKENS,
                  chunk: int = SPLIT_CHUNK, mtp: bool = True) -> list[range]:
     """One `range` of backbone layer indices per rank, contiguous, in order, covering every layer once.
 
@@ -188,7 +188,7 @@ class HostPlan:
                 "assumptions": self.assumptions, "memory_gb": self.memory_gb}
 
 
-def rank_pieces(args: ModelArgs, moe: MoE | None, layers: range, last: bool) -> list[Piece]:
+def rank_pieces(args: Args, moe: MoE | None, layers: range, last: bool) -> list[Piece]:
     """The planner's pieces restricted to one rank: its layers' mixers and MLPs, and lm_head and the MTP head on the
     last rank."""
     types = [args.layer_types[i] for i in layers]
@@ -201,7 +201,7 @@ def rank_pieces(args: ModelArgs, moe: MoE | None, layers: range, last: bool) -> 
     return [replace(p, layers=count[p.kind]) for p in pieces(args, moe, 0.0) if count[p.kind]]
 
 
-def plan_hosts(args: ModelArgs, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int,
+def plan_hosts(args: Args, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int,
                prompt_tokens: int, chunk: int, link: Link, kv_bytes: float = 2, accepted_length: float = 2.5,
                depth: int = DEFAULT_DRAFT_DEPTH, memory_gb: float | None = None) -> HostPlan:
     """Memory per host and the pipelined prefill and decode for `split_layers(args, n_hosts)` (GPU-only per host).

@@ -1,17 +1,19 @@
-"""The whole plan: `make_plan` turns (model config, weight storage, context, chunk, hardware profile, requested
-fraction F) into the pieces' slices with their caps, the predicted prefill and decode times, what is unknown and
-assumed, and (with a memory size) the governor's budget. `Plan` is what `hetero plan` reports, and the one object
-a split travels as: the export builds its slices and programs, the runtime reports its fractions from it."""
+"""The whole plan: `make_plan` turns a `PlanRequest` (model config, weight storage, context, chunk, hardware
+profile, requested fraction F, ...) into the pieces' slices with their caps, the predicted prefill and decode
+times, what is unknown and assumed, and (with a memory size) the governor's budget. The request is one object from
+the command line (or the runtime's configuration) on; `Plan` is what `hetero plan` reports, and the one object a
+split travels as, its request with it: the export builds its slices and programs, the runtime reports its
+fractions from it."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from hetero.errors import HeteroError
+from hetero.models.architectures import architecture
+from hetero.models.interface import Args
 from hetero.models.kv_quant import kv_quant
-from hetero.models.qwen3_5 import ModelArgs
-from hetero.models.qwen4_exp.args import Qwen4Args
-from hetero.planner.cost import chunk_spans, piece_flops
+from hetero.planner.cost import ane_share, prefill_flops
 from hetero.planner.governor import SPLIT_IN_FLIGHT, Budget, govern
 from hetero.planner.hosts import HostPlan, Link, plan_hosts
 from hetero.planner.predict import (
@@ -50,18 +52,41 @@ PIECE_ALIASES = {"z": "gdn_in_proj"}  # `--pieces mlp,z`: the GDN input projecti
 DEFAULT_ACCEPTED_LENGTH = 2.5  # tokens per MTP verify pass assumed when none is given (DESIGN: 2-3)
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan is made from: the model, the machine, the split asked for and what decoding assumes. Built once
+    where a command reads its flags (`hetero plan`, `convert --coreml`, `run --ane-fraction`); `make_plan` takes it
+    whole and the plan keeps it (`Plan.request`)."""
+
+    config: dict  # the checkpoint's config.json
+    profile: Profile
+    fraction: float = 0.0  # the ANE fraction asked for (`recommend` searches its own)
+    context: int = 4096  # the prefill planned (and the context the governor's window must hold)
+    chunk: int = 512  # prefill chunk, a multiple of 64
+    prompt_tokens: int | None = None  # the TTFT predicted for this prompt (None: the whole context)
+    bits: int | None = None  # how the GPU stores the weights when the checkpoint does not say (`storage_for`)
+    group_size: int | None = None
+    memory_gb: float | None = None  # RAM the governor budgets (None: no budget); across hosts, each host's
+    accepted_length: float = DEFAULT_ACCEPTED_LENGTH  # tokens per MTP verify pass
+    draft_depth: int = DEFAULT_DRAFT_DEPTH
+    name: str = ""  # the model, as reports name it
+    offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds that take their share; the others stay on the GPU
+    budget: int | None = None  # weight bytes per exported ANE program (None: `program_budget` of the profile)
+    hosts: int | None = None  # also plan a pipeline over that many hosts (`hosts.plan_hosts`) ...
+    link_gbps: float | None = None  # ... over a link of this rate and latency (None: the profile's)
+    link_latency_ms: float | None = None
+    ane_instances: int = 1  # ANEs the ANE lane drives at once (`Lanes.of`; the runtime's lane runs one)
+    kv_bits: int | None = None  # attention KV stored quantized (`hetero.models.kv_quant`): decode and memory count it
+    kv_group_size: int | None = None
+
+
 @dataclass
 class Plan:
-    """Everything `hetero plan` reports; `to_dict` is the `--json` form."""
+    """Everything `hetero plan` reports, made from `request`; `to_dict` is the `--json` form."""
 
-    model: str
-    args: ModelArgs
+    request: PlanRequest
+    args: Args
     storage: Storage
-    profile: Profile
-    context: int
-    chunk: int
-    prompt_tokens: int
-    requested_fraction: float
     sliced_fraction: float
     pieces: list[Piece]
     slices: list[PieceSlice]
@@ -71,13 +96,25 @@ class Plan:
     assumptions: list[str]
     memory: Budget | None = None
     gpu_only_memory: Budget | None = None  # the same memory without the split: what the split costs
-    offload: tuple[str, ...] = OFFLOADABLE  # the piece kinds that take a share
     programs: dict[str, int] = field(default_factory=dict)  # piece kind -> exported ANE programs, all layers
     program_budget: int = PROGRAM_WEIGHT_BUDGET  # weight bytes (as exported) per program at most
     moe: MoE | None = None  # the routed experts (None: a dense model)
     parameters: Parameters | None = None
     hosts: HostPlan | None = None  # `--hosts N`: the split across hosts with its predictions
     ranges: Ranges | None = None  # measured activation ranges (`planner.ranges.within_range`): units, order, scales
+
+    # What the request says, as the plan's readers (the report, the export, the runtime) ask it
+    model = property(lambda self: self.request.name, doc="The model, as reports name it.")
+    profile = property(lambda self: self.request.profile)
+    context = property(lambda self: self.request.context)
+    chunk = property(lambda self: self.request.chunk)
+    requested_fraction = property(lambda self: self.request.fraction)
+    prompt_tokens = property(lambda self: self.request.prompt_tokens or self.request.context)
+
+    @property
+    def offload(self) -> tuple[str, ...]:
+        """The piece kinds that take a share, in `OFFLOADABLE`'s order."""
+        return tuple(k for k in OFFLOADABLE if k in self.request.offload)
 
     @property
     def effective_fraction(self) -> float:
@@ -150,144 +187,156 @@ class Plan:
         return d
 
 
-def make_plan(
-    config: dict,
-    profile: Profile,
-    fraction: float,
-    context: int,
-    chunk: int = 512,
-    prompt_tokens: int | None = None,
-    bits: int | None = None,
-    group_size: int | None = None,
-    memory_gb: float | None = None,
-    accepted_length: float = DEFAULT_ACCEPTED_LENGTH,
-    draft_depth: int = DEFAULT_DRAFT_DEPTH,
-    name: str = "",
-    offload: tuple[str, ...] = OFFLOADABLE,
-    budget: int | None = None,
-    hosts: int | None = None,
-    link_gbps: float | None = None,
-    link_latency_ms: float | None = None,
-    ane_instances: int = 1,
-    kv_bits: int | None = None,
-    kv_group_size: int | None = None,
-) -> Plan:
-    """Plan one prefill of `context` tokens at ANE fraction `fraction` for `profile` (see the module docstring).
+def make_plan(request: PlanRequest) -> Plan:
+    """Plan one prefill of `request.context` tokens at ANE fraction `request.fraction` for `request.profile` (see
+    the module docstring and `PlanRequest`): the kinds not in `request.offload` stay whole on the GPU, with the
+    reason as their cap."""
+    r = request
+    quant = kv_quant(r.kv_bits, r.kv_group_size)
+    args, moe = model_shape(r.config)
+    storage = _checked(r, args, quant)
+    limit = r.profile.ane_process_weight_limit_gb * 1e9 if r.profile.ane_process_weight_limit_gb else None
+    ps, sliced = fit_ane_memory(args, moe, r.fraction, limit, storage)
+    lanes = Lanes.of(r.profile, r.ane_instances)
+    ps = [p if p.kind in r.offload or not p.ane_units else
+          Piece(**{**asdict(p), "ane_units": 0, "cap_reason": kept_on_gpu(p.kind, lanes)}) for p in ps]
+    kv_bytes = 2 if quant is None else quant.element_bytes(2)  # bf16 / fp16 cache on the GPU (or packed)
+    predicted = _predicted(r, args, moe, storage, lanes, ps, kv_bytes)
+    budget = program_budget(r.profile) if r.budget is None else r.budget
+    unknown = [f"{k} is unknown for {r.profile.chip}" for k in r.profile.unknown if k not in ANE_MEMORY_UNKNOWNS]
+    unknown += ane_limit_unknowns(r.profile, ps, budget, storage) + decode_unknowns(r.profile, args, lanes)
+    unknown += lane_unknowns(lanes, ps)
+    assumptions = _assumptions(r, args, moe)
+    if r.memory_gb is not None and r.memory_gb <= 0:
+        raise HeteroError(f"--memory-gb {r.memory_gb}: must be positive")
+    plan = Plan(r, args, storage, sliced, ps, layer_slices(args, ps), prefill_flops(ps, r.context, r.chunk),
+                predicted, unknown, assumptions, programs=ane_programs(ps, budget, storage), program_budget=budget,
+                moe=moe, parameters=parameter_counts(args, moe), hosts=_across_hosts(r, args, moe, storage, kv_bytes))
+    if r.memory_gb is not None and (r.hosts or 1) == 1:  # across hosts, the memory size is each host's (`hosts`)
+        _govern(plan, moe, kv_bytes, "" if quant is None else quant.label)
+    return plan
 
-    `offload` names the piece kinds that take their share (`recommend` leaves out those the ANE lane of the
-    profile runs too slowly to help); the others stay whole on the GPU, with the reason as their cap. `budget`:
-    fp16 weight bytes per exported ANE program (default: `program_budget` of the profile). `hosts`: also plan a
-    pipeline over that many hosts (`hosts.plan_hosts`) over a link of `link_gbps` / `link_latency_ms` (default: the
-    profile's, unknown when it has none). `ane_instances`: ANEs the ANE lane drives at once (`Lanes.of`; the
-    runtime's lane runs one program at a time: one). `kv_bits` / `kv_group_size`: attention KV stored quantized
-    (`hetero.models.kv_quant`), which the decode estimate and the memory budget count.
-    """
-    quant = kv_quant(kv_bits, kv_group_size)
-    args, moe = model_shape(config)
-    if quant is not None and isinstance(args, Qwen4Args):  # as `kv_quant.use_kv_quant` refuses at load
-        raise HeteroError("--kv-bits: qwen4_exp models keep full-precision KV only; leave --kv-bits out")
+
+def _checked(r: PlanRequest, args: Args, quant) -> Storage:
+    """The request checked against the model (one line for what is wrong); the weights' storage."""
+    arch = architecture(args.model_type)
+    if quant is not None and not arch.quantized_kv:  # as `kv_quant.use_kv_quant` refuses at load
+        raise HeteroError(f"--kv-bits: {arch.name} models keep full-precision KV only; leave --kv-bits out")
     if quant is not None:
         quant.check(args.head_dim)
-    storage = storage_for(config, bits, group_size)
-    if chunk <= 0 or chunk % ALIGN:
-        raise HeteroError(f"--chunk {chunk}: must be a positive multiple of {ALIGN}")
-    if not 0 < context <= args.max_position_embeddings:
-        raise HeteroError(f"--context {context}: must be between 1 and the model's maximum, {args.max_position_embeddings}")
-    prompt = prompt_tokens or context
-    if not 0 < prompt <= context:
-        raise HeteroError(f"--prompt-tokens {prompt}: must be between 1 and the context ({context})")
-    if accepted_length < 1:
-        raise HeteroError(f"--accepted-length {accepted_length}: a verify pass yields at least one token")
+    storage = storage_for(r.config, r.bits, r.group_size)
+    if r.chunk <= 0 or r.chunk % ALIGN:
+        raise HeteroError(f"--chunk {r.chunk}: must be a positive multiple of {ALIGN}")
+    if not 0 < r.context <= args.max_position_embeddings:
+        raise HeteroError(f"--context {r.context}: must be between 1 and the model's maximum, "
+                          f"{args.max_position_embeddings}")
+    prompt = r.prompt_tokens or r.context
+    if not 0 < prompt <= r.context:
+        raise HeteroError(f"--prompt-tokens {prompt}: must be between 1 and the context ({r.context})")
+    if r.accepted_length < 1:
+        raise HeteroError(f"--accepted-length {r.accepted_length}: a verify pass yields at least one token")
     cannot = never_split(args)
-    if fraction and offload != OFFLOADABLE and all(k in cannot for k in offload):
-        raise HeteroError(f"--pieces {','.join(offload)}: a {args.model_type} checkpoint gives the ANE none of it ("
-                          f"{'; '.join(f'{k}: {cannot[k]}' for k in offload)}); offload "
+    if r.fraction and r.offload != OFFLOADABLE and all(k in cannot for k in r.offload):
+        raise HeteroError(f"--pieces {','.join(r.offload)}: a {args.model_type} checkpoint gives the ANE none of it ("
+                          f"{'; '.join(f'{k}: {cannot[k]}' for k in r.offload)}); offload "
                           f"{', '.join(k for k in OFFLOADABLE if k not in cannot)} (or all)")
-    limit = profile.ane_process_weight_limit_gb * 1e9 if profile.ane_process_weight_limit_gb else None
-    ps, sliced = fit_ane_memory(args, moe, fraction, limit, storage)
-    lanes = Lanes.of(profile, ane_instances)
-    ps = [p if p.kind in offload or not p.ane_units else
-          Piece(**{**asdict(p), "ane_units": 0, "cap_reason": kept_on_gpu(p.kind, lanes)}) for p in ps]
-    flops = prefill_flops(ps, context, chunk)
+    return storage
 
-    gpu_only = predict_prefill(ps, storage, lanes, context, chunk, False, args.hidden_size)
-    split = predict_prefill(ps, storage, lanes, context, chunk, True, args.hidden_size)
-    ttft = predict_prefill(ps, storage, lanes, prompt, chunk, True, args.hidden_size)
-    kv_bytes = 2 if quant is None else quant.element_bytes(2)  # bf16 / fp16 cache on the GPU (or packed)
-    kv_label = "" if quant is None else quant.label
-    decode = predict_decode(args, moe, storage, lanes.gpu_bw, context, kv_bytes, accepted_length, draft_depth,
-                            profile.decode_efficiency, profile.mtp_verify_ratio, profile.mtp_verify_tokens)
-    r = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
+
+def _predicted(r: PlanRequest, args: Args, moe: MoE | None, storage: Storage, lanes: Lanes, ps: list[Piece],
+               kv_bytes: float) -> dict:
+    """The predicted prefill (GPU-only, split, TTFT) and decode rates, as `hetero plan` reports them."""
+    gpu_only = predict_prefill(ps, storage, lanes, r.context, r.chunk, False, args.hidden_size)
+    split = predict_prefill(ps, storage, lanes, r.context, r.chunk, True, args.hidden_size)
+    ttft = predict_prefill(ps, storage, lanes, r.prompt_tokens or r.context, r.chunk, True, args.hidden_size)
+    decode = predict_decode(args, moe, storage, lanes.gpu_bw, r.context, kv_bytes, r.accepted_length, r.draft_depth,
+                            r.profile.decode_efficiency, r.profile.mtp_verify_ratio, r.profile.mtp_verify_tokens)
+    rd = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
     overlap = None
     if split.wall_s and split.gpu_busy_s and split.ane_busy_s:
         overlap = (split.gpu_busy_s + split.ane_busy_s - split.wall_s) / min(split.gpu_busy_s, split.ane_busy_s)
-    predicted = {
-        "gpu_only_prefill_s": r(gpu_only.wall_s),
-        "split_prefill_s": r(split.wall_s),
-        "ttft_s": r(ttft.wall_s),
-        "decode_roofline_tps": r(decode.roofline_tps, 2),
-        "decode_plain_tps": r(decode.plain_tps, 2),
-        "decode_mtp_tps": r(decode.mtp_tps, 2),
-        "split_gpu_busy_s": r(split.gpu_busy_s),
-        "split_ane_busy_s": r(split.ane_busy_s),
-        "speedup": r(gpu_only.wall_s / split.wall_s, 3) if gpu_only.wall_s and split.wall_s else None,
-        "overlap": r(overlap, 3),
-        "accepted_length": accepted_length,
-        "draft_depth": draft_depth,
-        "decode_bytes_per_token": round(decode_bytes_per_token(args, moe, storage, context, kv_bytes)),
+    return {
+        "gpu_only_prefill_s": rd(gpu_only.wall_s),
+        "split_prefill_s": rd(split.wall_s),
+        "ttft_s": rd(ttft.wall_s),
+        "decode_roofline_tps": rd(decode.roofline_tps, 2),
+        "decode_plain_tps": rd(decode.plain_tps, 2),
+        "decode_mtp_tps": rd(decode.mtp_tps, 2),
+        "split_gpu_busy_s": rd(split.gpu_busy_s),
+        "split_ane_busy_s": rd(split.ane_busy_s),
+        "speedup": rd(gpu_only.wall_s / split.wall_s, 3) if gpu_only.wall_s and split.wall_s else None,
+        "overlap": rd(overlap, 3),
+        "accepted_length": r.accepted_length,
+        "draft_depth": r.draft_depth,
+        "decode_bytes_per_token": round(decode_bytes_per_token(args, moe, storage, r.context, kv_bytes)),
         "decode_weight_bytes_per_token": round(decode_weight_bytes(args, moe, storage)),
     }
-    budget = program_budget(profile) if budget is None else budget
-    unknown = [f"{k} is unknown for {profile.chip}" for k in profile.unknown if k not in ANE_MEMORY_UNKNOWNS]
-    unknown += ane_limit_unknowns(profile, ps, budget, storage) + decode_unknowns(profile, args, lanes)
+
+
+def lane_unknowns(lanes: Lanes, ps: list[Piece]) -> list[str]:
+    """Why a prefill prediction is missing or partial: a lane's throughput or bandwidth the profile lacks."""
+    out = []
     if lanes.gpu_flops is None:
-        unknown.append("prefill times are unknown: the profile has no GPU throughput")
+        out.append("prefill times are unknown: the profile has no GPU throughput")
     elif lanes.ane_flops is None and any(p.ane_units for p in ps):
-        unknown.append("split prefill time and TTFT are unknown: the profile has no ANE throughput")
+        out.append("split prefill time and TTFT are unknown: the profile has no ANE throughput")
     if lanes.ane_bw is None and lanes.ane_flops is not None:
-        unknown.append("ANE bandwidth unknown: ANE time counts compute only")
-    assumptions = list(profile.notes)
+        out.append("ANE bandwidth unknown: ANE time counts compute only")
+    return out
+
+
+def _assumptions(r: PlanRequest, args: Args, moe: MoE | None) -> list[str]:
+    """What the predictions assume: the profile's notes and efficiencies, the MTP verify pass and what it reads."""
+    profile, depth = r.profile, r.draft_depth
+    out = list(profile.notes)
     if not profile.measured:
-        assumptions.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their peak figures on prefill matmuls (the profile's figures; `hetero tune --devices` measures this machine)")
-    assumptions.append(f"MTP decode assumes {accepted_length} tokens per verify pass at draft depth {draft_depth}")
+        out.append(f"GPU reaches {profile.gpu_efficiency:.0%} and the ANE {profile.ane_efficiency:.0%} of their "
+                   "peak figures on prefill matmuls (the profile's figures; `hetero tune --devices` measures this "
+                   "machine)")
+    out.append(f"MTP decode assumes {r.accepted_length} tokens per verify pass at draft depth {depth}")
     if moe is not None and args.mtp_num_hidden_layers:
-        assumptions.append(f"a verify pass over {draft_depth + 1} tokens reads the experts they pick between them: "
-                           f"{distinct_experts(moe, draft_depth + 1):.1f} of {moe.experts} per layer against "
-                           f"{moe.per_token} for one token (uniform routing)")
-    if profile.mtp_verify_ratio is not None and draft_depth + 1 != profile.mtp_verify_tokens:
-        assumptions.append(f"a verify pass over {draft_depth + 1} tokens costs "
-                           f"{verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, draft_depth + 1):.2f} plain "
-                           f"steps: linear between 1 token and the profile's {profile.mtp_verify_ratio:g} at "
-                           f"{profile.mtp_verify_tokens}")
-    if memory_gb is not None and memory_gb <= 0:
-        raise HeteroError(f"--memory-gb {memory_gb}: must be positive")
-    host_plan = None
-    if hosts is not None and isinstance(args, Qwen4Args):
-        raise HeteroError("--hosts: the pipeline across hosts does not run qwen4_exp checkpoints yet; plan one host")
-    if hosts is not None:
-        for flag, v in (("--link-gbps", link_gbps), ("--link-latency-ms", link_latency_ms)):
-            if v is not None and (v < 0 or (flag == "--link-gbps" and v == 0)):
-                raise HeteroError(f"{flag} {v}: must be positive")
-        link = Link(profile.link_gbps if link_gbps is None else link_gbps,
-                    profile.link_latency_ms if link_latency_ms is None else link_latency_ms)
-        host_plan = plan_hosts(args, moe, storage, profile, hosts, context, prompt, chunk, link, kv_bytes,
-                               accepted_length, draft_depth, memory_gb)
-    plan = Plan(name, args, storage, profile, context, chunk, prompt, fraction, sliced, ps, layer_slices(args, ps),
-                flops, predicted, unknown, assumptions, offload=tuple(k for k in OFFLOADABLE if k in offload),
-                programs=ane_programs(ps, budget, storage), program_budget=budget, moe=moe,
-                parameters=parameter_counts(args, moe), hosts=host_plan)
-    if memory_gb is not None and (hosts or 1) == 1:  # across hosts, the memory size is each host's (`hosts`)
-        weights = sum(p.layers * storage.nbytes(p.params) for p in ps)
-        split = any(p.ane_units for p in ps)
-        plan.memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, ane_weight_bytes(ps, storage),
-                             profile.gpu_wired_fraction, storage.label, SPLIT_IN_FLIGHT if split else 1, moe=moe,
-                             coreml_label=f"Core ML programs (ANE share, {ane_weights_label(storage)})",
-                             kv_label=kv_label)
-        plan.memory.on_disk = disk_lines(args)
-        if split:  # the window the same memory leaves GPU-only: the split's cost, shown next to its own
-            plan.gpu_only_memory = govern(args, weights, memory_gb * 1e9, chunk, kv_bytes, 0,
-                                          profile.gpu_wired_fraction, storage.label, 1, moe=moe, kv_label=kv_label)
-    return plan
+        out.append(f"a verify pass over {depth + 1} tokens reads the experts they pick between them: "
+                   f"{distinct_experts(moe, depth + 1):.1f} of {moe.experts} per layer against "
+                   f"{moe.per_token} for one token (uniform routing)")
+    if profile.mtp_verify_ratio is not None and depth + 1 != profile.mtp_verify_tokens:
+        out.append(f"a verify pass over {depth + 1} tokens costs "
+                   f"{verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, depth + 1):.2f} plain "
+                   f"steps: linear between 1 token and the profile's {profile.mtp_verify_ratio:g} at "
+                   f"{profile.mtp_verify_tokens}")
+    return out
+
+
+def _across_hosts(r: PlanRequest, args: Args, moe: MoE | None, storage: Storage, kv_bytes: float) -> HostPlan | None:
+    """With `hosts`, the pipeline across that many hosts (`hosts.plan_hosts`) over the link asked (or the
+    profile's)."""
+    if r.hosts is None:
+        return None
+    arch = architecture(args.model_type)
+    if not arch.across_hosts:
+        raise HeteroError(f"--hosts: the pipeline across hosts does not run {arch.name} checkpoints yet; plan one host")
+    for flag, v in (("--link-gbps", r.link_gbps), ("--link-latency-ms", r.link_latency_ms)):
+        if v is not None and (v < 0 or (flag == "--link-gbps" and v == 0)):
+            raise HeteroError(f"{flag} {v}: must be positive")
+    link = Link(r.profile.link_gbps if r.link_gbps is None else r.link_gbps,
+                r.profile.link_latency_ms if r.link_latency_ms is None else r.link_latency_ms)
+    return plan_hosts(args, moe, storage, r.profile, r.hosts, r.context, r.prompt_tokens or r.context, r.chunk, link,
+                      kv_bytes, r.accepted_length, r.draft_depth, r.memory_gb)
+
+
+def _govern(plan: Plan, moe: MoE | None, kv_bytes: float, kv_label: str) -> None:
+    """The governor's budget of `request.memory_gb` for the plan, and the window the same memory leaves GPU-only
+    (the split's cost, shown next to its own)."""
+    r, args, storage, ps = plan.request, plan.args, plan.storage, plan.pieces
+    weights = sum(p.layers * storage.nbytes(p.params) for p in ps)
+    split = any(p.ane_units for p in ps)
+    wired = r.profile.gpu_wired_fraction
+    plan.memory = govern(args, weights, r.memory_gb * 1e9, r.chunk, kv_bytes, ane_weight_bytes(ps, storage), wired,
+                         storage.label, SPLIT_IN_FLIGHT if split else 1, moe=moe,
+                         coreml_label=f"Core ML programs (ANE share, {ane_weights_label(storage)})", kv_label=kv_label)
+    plan.memory.on_disk = disk_lines(args)
+    if split:
+        plan.gpu_only_memory = govern(args, weights, r.memory_gb * 1e9, r.chunk, kv_bytes, 0, wired, storage.label, 1,
+                                      moe=moe, kv_label=kv_label)
 
 
 def disk_lines(args) -> list[tuple[str, int]]:
@@ -332,7 +381,7 @@ def ane_limit_unknowns(profile: Profile, ps: list[Piece], budget: int, storage: 
     return out
 
 
-def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str]:
+def decode_unknowns(profile: Profile, args: Args, lanes: Lanes) -> list[str]:
     """Why a decode prediction is missing."""
     if not args.mtp_num_hidden_layers:
         return ["decode_mtp_tps: the model has no MTP head"]
@@ -340,22 +389,6 @@ def decode_unknowns(profile: Profile, args: ModelArgs, lanes: Lanes) -> list[str
         return ["decode_mtp_tps: the profile has no MTP verify cost (mtp_verify_ratio; `hetero tune --devices` "
                 "measures it)"]
     return []
-
-
-def prefill_flops(ps: list[Piece], tokens: int, chunk: int) -> dict[str, tuple[float, float]]:
-    """Per piece kind, (FLOPs, the ANE's share of them) of a `tokens`-long prefill in chunks of `chunk`."""
-    starts, sizes = chunk_spans(tokens, chunk)
-    flops = {}
-    for p in ps:
-        total = p.layers * float(piece_flops(p, starts, sizes).sum())
-        flops[p.kind] = (total, total * p.ane_share)
-    return flops
-
-
-def ane_share(flops: dict[str, tuple[float, float]]) -> float:
-    """The ANE's share of all the FLOPs in `prefill_flops`'s answer."""
-    total = sum(t for t, _ in flops.values())
-    return sum(a for _, a in flops.values()) / total if total else 0.0
 
 
 def kept_on_gpu(kind: str, lanes: Lanes) -> str:

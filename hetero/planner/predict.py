@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetero.models.qwen3_5 import ModelArgs
+from hetero.models.interface import Args
 from hetero.planner.cost import ane_pairs, ane_piece_flops, chunk_spans, piece_flops, visible_pairs
 from hetero.planner.shape import MoE, Storage, gdn_state_bytes, kv_bytes_per_token
 from hetero.planner.slices import ANE_WEIGHT_BYTES, Piece, moe_params, pieces
@@ -122,13 +122,13 @@ def predict_prefill(ps: list[Piece], storage: Storage, lanes: Lanes, tokens: int
     return PrefillTime(max(gpu_busy, ane_busy) + min(float(gpu[-1]), float(ane[-1])), gpu_busy, ane_busy)
 
 
-def decode_bytes_per_token(args: ModelArgs, moe: MoE | None, storage: Storage, context: int, kv_bytes: float) -> float:
+def decode_bytes_per_token(args: Args, moe: MoE | None, storage: Storage, context: int, kv_bytes: float) -> float:
     """Bytes one decode step reads: every weight used per token (MoE: the router, the top-k experts and the shared
     expert, not the others), the KV cache, GDN state."""
     return decode_weight_bytes(args, moe, storage) + kv_bytes_per_token(args, kv_bytes, with_mtp=False) * context + 2 * gdn_state_bytes(args)
 
 
-def decode_weight_bytes(args: ModelArgs, moe: MoE | None, storage: Storage) -> float:
+def decode_weight_bytes(args: Args, moe: MoE | None, storage: Storage) -> float:
     """Weight bytes one decode step of the backbone reads (no KV, no state, no MTP head): the embedding one row."""
     weights = 0.0
     for p in pieces(args, moe, 0.0):
@@ -165,7 +165,7 @@ def verify_cost(ratio: float, measured_tokens: int, tokens: int) -> float:
     return 1.0 + (ratio - 1.0) * (tokens - 1) / (measured_tokens - 1)
 
 
-def predict_decode(args: ModelArgs, moe: MoE | None, storage: Storage, bw: float | None, context: int, kv_bytes: float,
+def predict_decode(args: Args, moe: MoE | None, storage: Storage, bw: float | None, context: int, kv_bytes: float,
                    accepted_length: float, depth: int, efficiency: float = 1.0, verify_ratio: float | None = None,
                    verify_tokens: int = 4) -> DecodeRate:
     """Decode rates at `context` tokens: a plain step reads every weight once (bandwidth roofline x efficiency);
@@ -202,7 +202,7 @@ class DenseExperts:
     ane_weight_bytes: int  # fp16 weights the ANE would hold for it (every layer's every expert)
 
 
-def dense_experts_on_ane(args: ModelArgs, moe: MoE, lanes: Lanes, tokens: int) -> DenseExperts | None:
+def dense_experts_on_ane(args: Args, moe: MoE, lanes: Lanes, tokens: int) -> DenseExperts | None:
     """What the dense static formulation would cost for a `tokens`-long prefill (compute roofline on both lanes;
     None when a lane's rate is unknown). Balanced split: a share s of the tokens on the ANE with
     s x ane_s = (1 - s) x gpu_s."""

@@ -21,10 +21,15 @@ measured on the GPU lane; both are merged into the saved ranges and the split is
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from hetero.planner.cost import prefill_flops
+from hetero.planner.slices import PieceSlice
 
 FP16_MAX = 65504.0
 SAFE = 2.0**12
@@ -122,9 +127,6 @@ class Ranges:
 
     def digest(self) -> str:
         """A short name for the channel orders and output scales (what an export built from them depends on)."""
-        import hashlib
-        import json
-
         key = [(layer, piece, r.order, r.out_shift) for (layer, piece), r in sorted(self.pieces.items())]
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
 
@@ -170,8 +172,6 @@ class Ranges:
 def within_range(plan, ranges: Ranges):
     """The plan with every slice cut to the units its layer may send to the ANE, its pieces' effective shares
     recounted and the cut said in their cap reasons; the plan carries `ranges` to the export and the runtime."""
-    from hetero.planner.slices import PieceSlice
-
     slices, cut = [], {}
     for s in plan.slices:
         r = ranges.get(s.layer, s.piece)
@@ -189,7 +189,5 @@ def within_range(plan, ranges: Ranges):
             p = replace(p, ane_units=total // p.layers,
                         cap_reason="; ".join(filter(None, [p.cap_reason, reason])))
         pieces.append(p)
-    from hetero.planner.plan import prefill_flops
-
     return replace(plan, slices=slices, pieces=pieces, ranges=ranges,
                    flops=prefill_flops(pieces, plan.context, plan.chunk))

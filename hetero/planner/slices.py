@@ -14,11 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from hetero.coreml.graphs.palette import LUT_BITS, lut_bytes_per_weight
 from hetero.errors import HeteroError
-from hetero.models.args import SUPPORTED_MODEL_TYPES
-from hetero.models.qwen3_5 import ModelArgs
-from hetero.models.qwen4_exp.args import MODEL_TYPES as QWEN4_TYPES, Qwen4Args
+from hetero.models.architectures import shape
+from hetero.models.interface import Args, Shape
 from hetero.planner.shape import MoE, Storage, ple_table_params
 from hetero.profiles import Profile
 
@@ -42,15 +40,21 @@ EXACT_PATH = {
     "qsa_indexer": "the QSA indexer's keys and selection decide which keys every query reads (the ANE's heads "
                    "included): exact GPU path",
 }
-SPLIT_MODEL_TYPES = SUPPORTED_MODEL_TYPES + QWEN4_TYPES  # the checkpoints the split prefill has programs for
 
 
-def never_split(args: ModelArgs | Qwen4Args) -> dict[str, str]:
-    """Offloadable piece kinds this architecture never gives the ANE, with the reason: Qwen4-Exp's dense MLP, which it
-    has none of (every layer is MoE: its shared expert is the `shared_expert` piece)."""
-    if not isinstance(args, Qwen4Args):
-        return {}
-    return {"mlp": "every qwen4_exp layer is mixture-of-experts: its shared expert is the shared_expert piece"}
+LUT_BITS = (1, 2, 3, 4)  # index widths Core ML has whose per-group table (group >= 32) costs less than fp16
+
+
+def lut_bytes_per_weight(bits: int, group: int) -> float:
+    """Bytes per weight of a per-group lookup table as the exporter embeds a quantized checkpoint's weights
+    (`hetero.coreml.graphs.palette`): the index (`bits` / 8) plus the group's 2^bits fp16 entries."""
+    return bits / 8 + 2 * 2**bits / group
+
+
+def never_split(args: Args) -> dict[str, str]:
+    """Offloadable piece kinds this architecture never gives the ANE, with the reason (`Shape.never_split`: Qwen4-Exp
+    has no dense MLP, every layer is MoE and its shared expert is the `shared_expert` piece)."""
+    return shape(args).never_split
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def _aligned(x: float, step: int, total: int) -> int:
     return max(0, min(total, int(math.floor(x / step + 0.5)) * step))
 
 
-def pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
+def pieces(args: Args, moe: MoE | None, fraction: float) -> list[Piece]:
     """The pieces of one prefill with their aligned ANE shares for a requested fraction (no memory cap). Qwen4-Exp
     adds its hyper-connections, PLE projections (the n-gram tables stay on disk: `shape.ple_table_params`), the QSA
     indexer (on the GPU: the ANE's heads attend to the keys it selects) and its own MTP head; its attention heads,
@@ -114,109 +118,129 @@ def pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> lis
     return _pieces(args, moe, fraction)
 
 
-def _pieces(args: ModelArgs | Qwen4Args, moe: MoE | None, fraction: float) -> list[Piece]:
-    h, H, Hkv, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
-    n_attn = sum(t != "linear_attention" for t in args.layer_types)  # full attention (Qwen4-Exp: QSA)
-    n_gdn = args.num_hidden_layers - n_attn
-    group = H // Hkv
-    q4 = isinstance(args, Qwen4Args)
-    out: list[Piece] = []
+def _pieces(args: Args, moe: MoE | None, fraction: float) -> list[Piece]:
+    net = shape(args)
+    return [*_attention(args, net, fraction), *_mlp(args, moe, fraction), *_gdn(args, fraction),
+            *_exact(args, net, fraction), _head(args, net, fraction), *_mtp(args, net, moe, fraction)]
 
-    attn_params = h * (2 * H * D + 2 * Hkv * D + H * D)  # q + gate, k, v, o
-    index_params = h * (args.indexer_n_heads + 1) * args.indexer_head_dim if q4 and args.qsa else 0
-    # QSA's indexer scores each query against every compressed block (one per indexer_compress_ratio keys)
-    index_pair_flops = 2.0 * args.indexer_n_heads * args.indexer_head_dim / args.indexer_compress_ratio if index_params else 0.0
-    kv = _aligned(fraction * Hkv, 1, Hkv)
+
+def _exact_piece(kind: str, layers: int, params: int, token_flops: float, fraction: float, pair_flops: float = 0.0,
+                 **more) -> Piece:
+    """A piece that always stays on the GPU (`EXACT_PATH` says why, when a share was asked)."""
+    return Piece(kind, layers, 0, "", 0, params, token_flops, pair_flops, requested=fraction,
+                 cap_reason=EXACT_PATH[kind] if fraction else None, **more)
+
+
+def _channels(kind: str, layers: int, I: int, h: int, fraction: float) -> Piece:
+    """A SwiGLU of I intermediate channels (a dense MLP, a shared expert): F of its channels, in multiples of 64."""
+    c = _aligned(fraction * I, ALIGN, I)
+    cap = None if c == fraction * I else f"channels in multiples of {ALIGN}: {fraction:g} x {I} rounds to {c}"
+    return Piece(kind, layers, I, "channels", c, 3 * h * I, 6.0 * h * I, 0.0, 3 * h, fraction, cap)
+
+
+def attention_params(args: Args) -> int:
+    """Weights of one attention layer's projections: q + gate, k, v, o."""
+    h, H, Hkv, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    return h * (2 * H * D + 2 * Hkv * D + H * D)
+
+
+def _attention(args: Args, net: Shape, fraction: float) -> list[Piece]:
+    """The attention layers' heads in whole KV-head groups, and a key selection (a QSA indexer) on the GPU."""
+    H, Hkv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    n_attn = sum(t != "linear_attention" for t in args.layer_types)  # full attention (Qwen4-Exp: QSA)
+    if not n_attn:
+        return []
+    params, kv = attention_params(args), _aligned(fraction * Hkv, 1, Hkv)
     cap = None
     if kv != fraction * Hkv:
-        cap = f"heads go in whole KV groups ({group} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
-    if n_attn:
-        out.append(Piece("attention", n_attn, Hkv, "kv_groups", kv, attn_params, 2.0 * attn_params, 4.0 * H * D,
-                         attn_params // Hkv, fraction, cap, pair_scores=H))
-    if n_attn and index_params:  # the ANE's heads attend to the keys it selects: it never leaves the GPU
-        out.append(Piece("qsa_indexer", n_attn, 0, "", 0, index_params, 2.0 * index_params, index_pair_flops,
-                         requested=fraction, cap_reason=EXACT_PATH["qsa_indexer"] if fraction else None))
+        cap = f"heads go in whole KV groups ({H // Hkv} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
+    out = [Piece("attention", n_attn, Hkv, "kv_groups", kv, params, 2.0 * params, 4.0 * H * D, params // Hkv,
+                 fraction, cap, pair_scores=H)]
+    if net.indexer_params:  # the ANE's heads attend to the keys it selects: it never leaves the GPU
+        out.append(_exact_piece("qsa_indexer", n_attn, net.indexer_params, 2.0 * net.indexer_params, fraction,
+                                net.indexer_pair_flops))
+    return out
 
+
+def _mlp(args: Args, moe: MoE | None, fraction: float) -> list[Piece]:
+    """Dense MLPs' channels; an MoE layer's routed experts (on the GPU) and its shared expert's channels."""
+    h, out = args.hidden_size, []
     dense_layers = args.num_hidden_layers - len(args.moe_layers)
     if dense_layers:
-        I = args.intermediate_size
-        c = _aligned(fraction * I, ALIGN, I)
-        cap = None if c == fraction * I else f"channels in multiples of {ALIGN}: {fraction:g} x {I} rounds to {c}"
-        out.append(Piece("mlp", dense_layers, I, "channels", c, 3 * h * I, 6.0 * h * I, 0.0, 3 * h, fraction, cap))
+        out.append(_channels("mlp", dense_layers, args.intermediate_size, h, fraction))
     if moe is not None:
         routed, active = moe_params(h, moe)
         out.append(Piece("moe", len(args.moe_layers), 0, "", 0, routed, 2.0 * active, requested=fraction,
                          cap_reason=moe_cap(h, moe) if fraction else None, active_params=active))
         if moe.shared_intermediate:
-            I = moe.shared_intermediate
-            c = _aligned(fraction * I, ALIGN, I)
-            cap = None if c == fraction * I else f"channels in multiples of {ALIGN}: {fraction:g} x {I} rounds to {c}"
-            out.append(Piece("shared_expert", len(args.moe_layers), I, "channels", c, 3 * h * I, 6.0 * h * I, 0.0,
-                             3 * h, fraction, cap))
-    if n_gdn:
-        nk, nv, dk, dv = args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
-        z = nv * dv
-        qkv = 2 * nk * dk + nv * dv
-        rows = qkv + z + 2 * nv
-        want = fraction * rows
-        zr = z if want >= z else _aligned(want, ALIGN, z)  # past z: all of z, whatever its alignment
-        cap = None
-        if want > z:
-            cap = (f"only the z rows may leave: qkv, b, a feed the recurrence and stay on the exact GPU path "
-                   f"(cap z / (qkv + z + b + a) = {z}/{rows} = {z / rows:.2f})")
-        elif zr != want:
-            cap = f"z rows in multiples of {ALIGN}: {fraction:g} x {rows} rows rounds to {zr}"
-        out.append(Piece("gdn_in_proj", n_gdn, rows, "rows", zr, h * rows, 2.0 * h * rows, 0.0, h, fraction, cap))
-        conv = qkv
-        K = args.linear_conv_kernel_dim
-        delta = delta_rule_flops(nv, dk, dv)
-        out.append(Piece("gdn_recurrence", n_gdn, 0, "", 0, conv * K, 2.0 * conv * K + delta, requested=fraction,
-                         cap_reason=EXACT_PATH["gdn_recurrence"] if fraction else None))
-        out.append(Piece("gdn_out_proj", n_gdn, 0, "", 0, z * h, 2.0 * z * h + 8.0 * z, requested=fraction,
-                         cap_reason=EXACT_PATH["gdn_out_proj"] if fraction else None))
-
-    if q4:
-        hc = hyper_params(args)
-        out.append(Piece("hyper_connections", args.num_hidden_layers, 0, "", 0, 2 * hc, 4.0 * hc, requested=fraction,
-                         cap_reason=EXACT_PATH["hyper_connections"] if fraction else None))
-        if args.ple_layer_ids:  # the n-gram tables stay on disk (`shape.ple_table_params`): not among the weights
-            E, S = args.ple_embed_dim, args.hc_count * h
-            ple = E * S + E * h + S * args.ple_conv_kernel_size  # key_proj, value_proj, the dilated conv
-            out.append(Piece("ple", len(args.ple_layer_ids), 0, "", 0, ple, 2.0 * ple, requested=fraction,
-                             cap_reason=EXACT_PATH["ple"] if fraction else None))
-    head_params = args.vocab_size * h * (1 if args.tie_word_embeddings else 2)
-    head_params += hyper_params(args, final=True) if q4 else 0  # Qwen4-Exp's final mixer in place of the final norm
-    out.append(Piece("lm_head", 1, 0, "", 0, head_params, 2.0 * h * args.vocab_size, requested=fraction,
-                     cap_reason=EXACT_PATH["lm_head"] if fraction else None))
-    if q4 and args.mtp_num_hidden_layers:  # fc_embedding, fc_hidden; one QSA + MoE layer with hc; its own mixer
-        routed, active = moe_params(h, moe)
-        base = 2 * h * h + attn_params + index_params + 3 * h * moe.shared_intermediate + 2 * hyper_params(args)
-        base += hyper_params(args, final=True)
-        out.append(Piece("mtp", 1, 0, "", 0, base + routed, 2.0 * (base + active), 4.0 * H * D + index_pair_flops,
-                         requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None,
-                         pair_scores=H, active_params=base + active))
-    elif args.mtp_num_hidden_layers:
-        n = args.mtp_num_hidden_layers
-        mtp_params = mtp_active = n * attn_params + 2 * h * h  # + fc
-        for j in range(n):  # an MTP layer's MLP is an MoE block where the backbone's rule says so (vLLM's layout)
-            if moe is not None and j in args.mtp_moe_layers:
-                routed, active = moe_params(h, moe)
-                mtp_params += routed + 3 * h * moe.shared_intermediate
-                mtp_active += active + 3 * h * moe.shared_intermediate
-            else:
-                mtp_params += 3 * h * args.intermediate_size
-                mtp_active += 3 * h * args.intermediate_size
-        out.append(Piece("mtp", 1, 0, "", 0, mtp_params, 2.0 * mtp_active, 4.0 * H * D * n,
-                         requested=fraction, cap_reason=EXACT_PATH["mtp"] if fraction else None,
-                         pair_scores=H * n, active_params=mtp_active if moe is not None else None))
+            out.append(_channels("shared_expert", len(args.moe_layers), moe.shared_intermediate, h, fraction))
     return out
 
 
-def hyper_params(args: Qwen4Args, final: bool = False) -> int:
-    """Weights of one Qwen4-Exp hyper-connection (two per decoder layer): the low-rank input mixer (down, up) and,
-    unless it is a `final` mixer, the per-stream injection weights."""
-    S = args.hc_count * args.hidden_size
-    return 2 * S * args.hc_lowrank + (0 if final else S * args.hc_count)
+def _gdn(args: Args, fraction: float) -> list[Piece]:
+    """GDN layers: the input projections' z rows (capped at z / (qkv + z + b + a)); conv, recurrence, gated norm
+    and out_proj on the exact GPU path."""
+    n_gdn = args.layer_types.count("linear_attention")
+    if not n_gdn:
+        return []
+    h = args.hidden_size
+    nk, nv = args.linear_num_key_heads, args.linear_num_value_heads
+    dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
+    z = nv * dv
+    qkv = 2 * nk * dk + nv * dv
+    rows = qkv + z + 2 * nv
+    want = fraction * rows
+    zr = z if want >= z else _aligned(want, ALIGN, z)  # past z: all of z, whatever its alignment
+    cap = None
+    if want > z:
+        cap = (f"only the z rows may leave: qkv, b, a feed the recurrence and stay on the exact GPU path "
+               f"(cap z / (qkv + z + b + a) = {z}/{rows} = {z / rows:.2f})")
+    elif zr != want:
+        cap = f"z rows in multiples of {ALIGN}: {fraction:g} x {rows} rows rounds to {zr}"
+    K = args.linear_conv_kernel_dim
+    return [Piece("gdn_in_proj", n_gdn, rows, "rows", zr, h * rows, 2.0 * h * rows, 0.0, h, fraction, cap),
+            _exact_piece("gdn_recurrence", n_gdn, qkv * K, 2.0 * qkv * K + delta_rule_flops(nv, dk, dv), fraction),
+            _exact_piece("gdn_out_proj", n_gdn, z * h, 2.0 * z * h + 8.0 * z, fraction)]
+
+
+def _exact(args: Args, net: Shape, fraction: float) -> list[Piece]:
+    """The architecture's own per-layer parts, all on the exact GPU path: hyper-connections, PLE projections (the
+    n-gram tables stay on disk: `shape.ple_table_params`)."""
+    out = []
+    if net.hyper_params:  # two per layer: around the mixer and around the MLP
+        out.append(_exact_piece("hyper_connections", args.num_hidden_layers, 2 * net.hyper_params,
+                                4.0 * net.hyper_params, fraction))
+    if net.ple_layers:
+        out.append(_exact_piece("ple", len(net.ple_layers), net.ple_params, 2.0 * net.ple_params, fraction))
+    return out
+
+
+def _head(args: Args, net: Shape, fraction: float) -> Piece:
+    """Embeddings and lm_head (both count unless tied), and a final hyper-connection mixer in place of the norm."""
+    h = args.hidden_size
+    params = args.vocab_size * h * (1 if args.tie_word_embeddings else 2) + net.final_mixer_params
+    return _exact_piece("lm_head", 1, params, 2.0 * h * args.vocab_size, fraction)
+
+
+def _mtp(args: Args, net: Shape, moe: MoE | None, fraction: float) -> list[Piece]:
+    """The MTP head: its input projections, then per layer attention (with its key selection and hyper-connections)
+    and an MLP (MoE where its architecture makes it so, vLLM's layout), and its own final mixer where it has one."""
+    n = net.mtp_layers
+    if not n:
+        return []
+    h, H, D = args.hidden_size, args.num_attention_heads, args.head_dim
+    layer = attention_params(args) + net.indexer_params + 2 * net.hyper_params
+    params = active = net.mtp_input_params + n * layer + net.final_mixer_params
+    for j in range(n):
+        if moe is not None and j in net.mtp_moe_layers:
+            routed, per_token = moe_params(h, moe)
+            params += routed + 3 * h * moe.shared_intermediate
+            active += per_token + 3 * h * moe.shared_intermediate
+        else:
+            params += 3 * h * args.intermediate_size
+            active += 3 * h * args.intermediate_size
+    return [_exact_piece("mtp", 1, params, 2.0 * active, fraction, 4.0 * H * D * n + net.indexer_pair_flops * n,
+                         pair_scores=H * n, active_params=active if moe is not None else None)]
 
 
 @dataclass(frozen=True)
@@ -233,7 +257,7 @@ class Parameters:
     on_disk: int = 0
 
 
-def parameter_counts(args: ModelArgs, moe: MoE | None) -> Parameters:
+def parameter_counts(args: Args, moe: MoE | None) -> Parameters:
     """Total and active-per-token weights of the network `pieces` describes."""
     ps = pieces(args, moe, 0.0)
     mtp = next((p for p in ps if p.kind == "mtp"), None)
@@ -305,7 +329,7 @@ def budget_spans(kind: str, units: int, per_unit: int, budget: int = PROGRAM_WEI
     return [(a, min(a + per_part, units)) for a in range(0, units, per_part)]
 
 
-def unit_bytes(args: ModelArgs, piece: str, storage: Storage | None = None) -> int:
+def unit_bytes(args: Args, piece: str, storage: Storage | None = None) -> int:
     """Weight bytes as exported (`ane_bytes_per_weight`; None: fp16) one unit of a piece carries (one KV head's
     group, one MLP or shared-expert channel, one z row)."""
     h, H, Hkv, D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
@@ -316,7 +340,7 @@ def unit_bytes(args: ModelArgs, piece: str, storage: Storage | None = None) -> i
     return math.ceil(per_unit[piece] * ane_bytes_per_weight(storage))
 
 
-def split_for_budget(args: ModelArgs, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET,
+def split_for_budget(args: Args, s: PieceSlice, budget: int = PROGRAM_WEIGHT_BUDGET,
                      storage: Storage | None = None) -> list[PieceSlice]:
     """A slice cut into the programs it is exported as: consecutive parts of at most `budget` weight bytes as
     exported (channel and row parts in multiples of 64)."""
@@ -341,7 +365,7 @@ def largest_program_bytes(ps: list[Piece], budget: int = PROGRAM_WEIGHT_BUDGET, 
                 for a, b in program_spans(p, budget, storage)), default=0)
 
 
-def fit_ane_memory(args: ModelArgs, moe: MoE | None, fraction: float, limit_bytes: float | None,
+def fit_ane_memory(args: Args, moe: MoE | None, fraction: float, limit_bytes: float | None,
                    storage: Storage | None = None) -> tuple[list[Piece], float]:
     """Pieces for `fraction`, scaled down to the largest fraction whose ANE weights (as exported for `storage`)
     fit `limit_bytes` (a per-process limit a profile measured; None = none known).
@@ -370,7 +394,7 @@ def fit_ane_memory(args: ModelArgs, moe: MoE | None, fraction: float, limit_byte
     return out, lo
 
 
-def ane_slices(args: ModelArgs, fraction: float, moe: MoE | None = None) -> list[PieceSlice]:
+def ane_slices(args: Args, fraction: float, moe: MoE | None = None) -> list[PieceSlice]:
     """Per-layer ANE slices for a fraction (alignment only; the caller passes an already memory-capped one).
 
     This is what the Core ML exporter builds and what the pipeline runs.
@@ -378,7 +402,7 @@ def ane_slices(args: ModelArgs, fraction: float, moe: MoE | None = None) -> list
     return layer_slices(args, pieces(args, moe, fraction))
 
 
-def layer_slices(args: ModelArgs, ps: list[Piece]) -> list[PieceSlice]:
+def layer_slices(args: Args, ps: list[Piece]) -> list[PieceSlice]:
     by_kind = {p.kind: p for p in ps}
     moe_layers = set(args.moe_layers)
     out = []

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from hetero.models.qwen3_5 import Model, ModelArgs
-from hetero.models.weights import is_zero_centred_norm
+from hetero.models.qwen3_5.weights import is_zero_centred_norm
 
 FP32_PARAMS = ("A_log",)  # the decay parameter stays fp32 on disk, as the loaders keep it in memory
 _SWITCH = re.compile(r"(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -26,10 +27,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from hetero.checkpoint.loader import load_model
 from hetero.host.blas import describe, reexec_with_fast_blas
 from hetero.models import attention
 from hetero.models.qwen3_5 import Model, ModelArgs
-from hetero.models.weights import is_zero_centred_norm
+from hetero.training import chat_samples, hf_export, tokenizer_train
+from hetero.training.evaluation import chat_endings, check_checkpoint, evaluate, greedy
 
 SHAPE = dict(  # the bundled model's shape (vocab_size comes from the tokenizer)
     hidden_size=256,
@@ -220,65 +223,8 @@ def train(
                 history=history)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Evaluation and sampling
-
-
-def evaluate(model: Model, tokens: np.ndarray, seq: int = 256, batch: int = 16, max_tokens: int | None = None) -> dict:
-    """Next-token loss and top-1 of backbone and MTP head over non-overlapping windows of the validation tokens."""
-    n = (len(tokens) - 2) // seq
-    if max_tokens is not None:
-        n = min(n, max(1, max_tokens // seq))
-    windows = np.stack([tokens[i * seq : i * seq + seq + 2] for i in range(n)])
-    ce_sum = ce_mtp_sum = hit = hit_mtp = 0.0
-    for b in range(0, n, batch):
-        w = mx.array(windows[b : b + batch])
-        logits, hidden = model(w[:, :-2])
-        draft, _ = model.mtp_forward(w[:, 1:-1], hidden)
-        ce = nn.losses.cross_entropy(logits, w[:, 1:-1], reduction="sum")
-        ce_mtp = nn.losses.cross_entropy(draft, w[:, 2:], reduction="sum")
-        acc = (logits.argmax(-1) == w[:, 1:-1]).sum()
-        acc_mtp = (draft.argmax(-1) == w[:, 2:]).sum()
-        mx.eval(ce, ce_mtp, acc, acc_mtp)
-        ce_sum += ce.item()
-        ce_mtp_sum += ce_mtp.item()
-        hit += acc.item()
-        hit_mtp += acc_mtp.item()
-    count = n * seq
-    return dict(valid_tokens=count, valid_loss=ce_sum / count, valid_mtp_loss=ce_mtp_sum / count,
-                backbone_top1=hit / count, mtp_top1=hit_mtp / count)
-
-
-def greedy(model: Model, prompt: list[int], n: int, eos: set[int] = frozenset()) -> list[int]:
-    """Greedy continuation with the model's caches (prefill, then one token at a time)."""
-    cache = model.make_cache()
-    logits, _ = model(mx.array([prompt]), cache)
-    out = []
-    for _ in range(n):
-        tok = logits[0, -1].argmax().item()
-        if tok in eos:
-            break
-        out.append(tok)
-        logits, _ = model(mx.array([[tok]]), cache)
-    return out
-
-
-def chat_endings(model: Model, tok, conversations: list[str], end: int, limit: int = 300) -> dict:
-    """Greedy replies to each conversation's last user turn: how many close with `end` within `limit` tokens."""
-    lengths = []
-    for text in conversations:
-        prompt = text[: text.rindex("<|im_start|>assistant\n")] + "<|im_start|>assistant\n"
-        reply = greedy(model, tok.encode(prompt).ids, limit + 1, eos={end})
-        lengths.append(len(reply))
-    ended = [n for n in lengths if n <= limit]
-    return dict(chat_prompts=len(lengths), chat_ended=len(ended), chat_limit=limit,
-                chat_median_reply_tokens=float(np.median(ended)) if ended else None)
-
-
 def chat_tokens(tok, conversations: list[str], budget: int) -> np.ndarray:
     """The conversations' tokens, each followed by <|endoftext|>, until about `budget` tokens are taken."""
-    from hetero.training import tokenizer_train
-
     out, taken = [], 0
     for enc in tok.encode_batch([c + tokenizer_train.DOC_SEPARATOR for c in conversations]):
         if taken >= budget:
@@ -289,51 +235,10 @@ def chat_tokens(tok, conversations: list[str], budget: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Checks of the written checkpoint
 
 
-def check_checkpoint(model: Model, out_dir: Path, probe: np.ndarray, log=print) -> dict:
-    """Load the checkpoint with hetero (strict) and with mlx-lm; compare logits with the in-memory model."""
-    from hetero.checkpoint.loader import load_model
-
-    x = mx.array(probe[None])
-    ref, ref_hidden = model(x)
-    ref_draft, _ = model.mtp_forward(x, ref_hidden)
-    loaded, _, _ = load_model(out_dir, dtype=mx.float32)
-    got, got_hidden = loaded(x)
-    got_draft, _ = loaded.mtp_forward(x, got_hidden)
-    scale = mx.abs(ref).max().item()
-    result = dict(
-        hetero_max_abs_diff=mx.abs(got - ref).max().item(),
-        hetero_mtp_max_abs_diff=mx.abs(got_draft - ref_draft).max().item(),
-        logit_scale=scale,
-        hetero_top1_agreement=(got.argmax(-1) == ref.argmax(-1)).mean().item(),
-    )
-    log(f"hetero reload: max |logit diff| {result['hetero_max_abs_diff']:.4f} (MTP {result['hetero_mtp_max_abs_diff']:.4f}) "
-        f"of max |logit| {scale:.1f}, top-1 agreement {result['hetero_top1_agreement']:.4f}")
-    try:
-        from mlx_lm.utils import load_model as mlx_lm_load_model
-
-        other, _ = mlx_lm_load_model(Path(out_dir))
-        other.set_dtype(mx.float32, lambda t: mx.issubdtype(t, mx.floating))
-        theirs = other(x)
-        result["mlx_lm_max_abs_diff"] = mx.abs(theirs - got).max().item()
-        # mlx-lm adds the norm shift in bf16 (bf16 + 1.0 stays bf16); with our shifted norms rounded alike the two agree
-        rounded = [(k, v.astype(mx.bfloat16).astype(mx.float32) if is_zero_centred_norm(k) else v)
-                   for k, v in tree_flatten(loaded.parameters())]
-        loaded.load_weights(rounded)
-        result["mlx_lm_max_abs_diff_bf16_norms"] = mx.abs(theirs - loaded(x)[0]).max().item()
-        log(f"mlx-lm reload: max |logit diff| vs hetero {result['mlx_lm_max_abs_diff']:.5f}, "
-            f"{result['mlx_lm_max_abs_diff_bf16_norms']:.2e} with hetero's norms rounded as mlx-lm rounds them")
-    except ImportError:
-        log("mlx-lm is not installed: skipped its check")
-    return result
-
-
-# ----------------------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's flags, checked (argparse's one-line errors)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (fixes the LR schedule)")
@@ -370,17 +275,27 @@ def main(argv: list[str] | None = None) -> dict:
                 "whole conversation)")
     if a.start is not None and not (a.start / "training.json").is_file():
         p.error(f"--from {a.start}: not a checkpoint written by this script (no training.json there)")
-    reexec_with_fast_blas(["-m", "hetero.training.train_tiny", *sys.argv[1:]])
+    return a
 
-    from hetero.training import chat_samples, hf_export, tokenizer_train
 
-    t0 = time.perf_counter()
-    blas = describe()
-    print(f"BLAS: {blas}", flush=True)
-    mx.random.seed(a.seed)
-    np.random.seed(a.seed)
+@dataclass
+class Corpus:
+    """The training and validation tokens: code, and chat conversations made from it; the tokenizer trained on it."""
+
+    tok: object  # tokenizers.Tokenizer
+    code_ids: np.ndarray  # [n] int32 the training code
+    train_ids: np.ndarray  # [n + chat] int32 the code, then the chat conversations' tokens
+    valid_ids: np.ndarray  # [m] int32 held-out code
+    eos: list[int]  # <|im_end|>, <|endoftext|>
+    sources: list  # (module, text, held out) of the corpus
+    chat_train: list[str]
+    chat_valid: list[str]
+
+
+def corpus(a: argparse.Namespace, t0: float) -> Corpus:
+    """The corpus and its tokenizer (trained on code only: held-out losses compare), as `a` asks."""
     train_text, valid_text = tokenizer_train.load_corpus(a.corpus_bytes)
-    tok = tokenizer_train.train_tokenizer(train_text, vocab_size=a.vocab)  # on code only: held-out losses compare
+    tok = tokenizer_train.train_tokenizer(train_text, vocab_size=a.vocab)
     code_ids = np.array(tok.encode(train_text).ids, dtype=np.int32)
     sources = list(tokenizer_train.corpus_sources())
     chat_train = chat_samples.conversations([(m, t) for m, t, held in sources if not held], seed=a.seed)
@@ -392,45 +307,38 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"corpus: {len(train_text) / 1e6:.1f} MB train -> {len(code_ids):,} code tokens + "
           f"{len(train_ids) - len(code_ids):,} chat tokens ({len(chat_train):,} conversations), {len(valid_ids):,} valid tokens; "
           f"tokenizer vocab {tok.get_vocab_size()} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return Corpus(tok, code_ids, train_ids, valid_ids, eos, sources, chat_train, chat_valid)
 
-    args = make_args(tok.get_vocab_size(), eos, window=a.window, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                     intermediate_size=a.intermediate)
-    log = lambda s: print(s, flush=True)  # noqa: E731
+
+def train_phases(a: argparse.Namespace, args: ModelArgs, c: Corpus, log) -> tuple[Model, dict]:
+    """The first phase (or the checkpoint `--from` names), then the long phase: (model, what the runs record)."""
     if a.start is None:
         model = init_model(args, a.seed)
-        run = train(model, train_ids, a.steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup,
+        run = train(model, c.train_ids, a.steps, batch=a.batch, seq=a.seq, lr=a.lr, warmup=a.warmup,
                     mtp_weight=a.mtp_weight, seed=a.seed, minutes=a.minutes, compile=not a.no_compile, log=log)
     else:
-        from hetero.checkpoint.loader import load_model
-
         model, _, _ = load_model(a.start, dtype=mx.float32, fuse_projections=False)
         run = json.loads((a.start / "training.json").read_text())
         run = {k: run[k] for k in ("steps", "steps_planned", "tokens_seen", "train_seconds", "history")}
         log(f"from {a.start}: its {run['steps']} steps are the first phase")
-    n_params = count_params(model)
-    print(f"model: {n_params:,} parameters, layers {args.layer_types}", flush=True)
+    print(f"model: {count_params(model):,} parameters, layers {args.layer_types}", flush=True)
     if a.long_steps:
-        titles = chat_samples.title_requests([(m, t) for m, t, held in sources if not held], seed=a.seed)
-        conversations = [np.array(e.ids, np.int32) for e in tok.encode_batch(chat_train + titles)]
-        head, tail = tok.encode("<|im_start|>system\n").ids, tok.encode("<|im_end|>\n").ids
-        data = agent_windows(code_ids, conversations, head, tail, a.long_seq, a.seed)
-        long = train(model, train_ids, a.long_steps, batch=1, seq=a.long_seq, lr=a.long_lr, warmup=5,
+        titles = chat_samples.title_requests([(m, t) for m, t, held in c.sources if not held], seed=a.seed)
+        conversations = [np.array(e.ids, np.int32) for e in c.tok.encode_batch(c.chat_train + titles)]
+        head, tail = c.tok.encode("<|im_start|>system\n").ids, c.tok.encode("<|im_end|>\n").ids
+        data = agent_windows(c.code_ids, conversations, head, tail, a.long_seq, a.seed)
+        long = train(model, c.train_ids, a.long_steps, batch=1, seq=a.long_seq, lr=a.long_lr, warmup=5,
                      mtp_weight=a.mtp_weight, seed=a.seed, compile=not a.no_compile, log_every=5, log=log, data=data)
         run = {**run, "long_phase": {"steps": long["steps"], "seq": a.long_seq, "lr": a.long_lr,
                                      "tokens_seen": long["tokens_seen"], "train_seconds": long["train_seconds"],
                                      "history": long["history"]}}
+    return model, run
 
-    out = a.out
-    out.mkdir(parents=True, exist_ok=True)
-    config = hf_export.hf_config(args, eos, SHAPE["full_attention_interval"])
-    hf_export.save_hf_checkpoint(model, config, out)
-    tokenizer_train.save_tokenizer(tok, out, max_length=a.window)
-    check = check_checkpoint(model, out, valid_ids[: a.seq], log=lambda s: print(s, flush=True))
 
-    from hetero.checkpoint.loader import load_model
-
-    shipped, _, _ = load_model(out, dtype=mx.float32)  # evaluate what ships (bf16 weights), not the fp32 copy
-    metrics = evaluate(shipped, valid_ids, seq=a.seq, batch=a.batch, max_tokens=a.eval_tokens)
+def evaluate_shipped(a: argparse.Namespace, c: Corpus, shipped: Model) -> tuple[dict, dict, dict]:
+    """What ships (bf16 weights, reloaded), measured: (validation metrics, greedy samples, chat endings)."""
+    tok, eos = c.tok, c.eos
+    metrics = evaluate(shipped, c.valid_ids, seq=a.seq, batch=a.batch, max_tokens=a.eval_tokens)
     print(f"validation ({metrics['valid_tokens']:,} tokens): loss {metrics['valid_loss']:.4f} nats/token, "
           f"backbone top-1 {metrics['backbone_top1']:.4f}, MTP loss {metrics['valid_mtp_loss']:.4f}, "
           f"MTP top-1 (t+2) {metrics['mtp_top1']:.4f}", flush=True)
@@ -442,20 +350,45 @@ def main(argv: list[str] | None = None) -> dict:
     hello = chat_samples.render([("system", chat_samples.SYSTEM_PROMPTS[0]), ("user", "Say hello.")]) + "<|im_start|>assistant\n"
     samples[hello] = tok.decode(greedy(shipped, tok.encode(hello).ids, 300, eos=set(eos)))
     print(f"--- greedy chat reply to 'Say hello.': {samples[hello]!r}", flush=True)
-    chat = chat_endings(shipped, tok, chat_valid[: a.chat_eval], end=eos[0])
+    chat = chat_endings(shipped, tok, c.chat_valid[: a.chat_eval], end=eos[0])
     print(f"chat: {chat['chat_ended']}/{chat['chat_prompts']} held-out replies end with <|im_end|> within "
           f"{chat['chat_limit']} tokens (median {chat['chat_median_reply_tokens']})", flush=True)
-    context = tok.decode(valid_ids[: a.long_seq].tolist())  # held-out text as a long system turn, as agents send
-    long_chats = [f"<|im_start|>system\n{context}<|im_end|>\n{c}" for c in chat_valid[: a.chat_eval]]
+    context = tok.decode(c.valid_ids[: a.long_seq].tolist())  # held-out text as a long system turn, as agents send
+    long_chats = [f"<|im_start|>system\n{context}<|im_end|>\n{x}" for x in c.chat_valid[: a.chat_eval]]
     long_chat = chat_endings(shipped, tok, long_chats, end=eos[0])
     chat["long_context"] = {"context_tokens": a.long_seq, **long_chat}
     print(f"chat after {a.long_seq} tokens of context: {long_chat['chat_ended']}/{long_chat['chat_prompts']} end "
           f"(median {long_chat['chat_median_reply_tokens']})", flush=True)
+    return metrics, samples, chat
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    reexec_with_fast_blas(["-m", "hetero.training.train_tiny", *sys.argv[1:]])
+
+    t0 = time.perf_counter()
+    blas = describe()
+    print(f"BLAS: {blas}", flush=True)
+    mx.random.seed(a.seed)
+    np.random.seed(a.seed)
+    c = corpus(a, t0)
+    args = make_args(c.tok.get_vocab_size(), c.eos, window=a.window, hidden_size=a.hidden,
+                     num_hidden_layers=a.layers, intermediate_size=a.intermediate)
+    model, run = train_phases(a, args, c, log=lambda s: print(s, flush=True))
+
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_export.hf_config(args, c.eos, SHAPE["full_attention_interval"])
+    hf_export.save_hf_checkpoint(model, config, out)
+    tokenizer_train.save_tokenizer(c.tok, out, max_length=a.window)
+    check = check_checkpoint(model, out, c.valid_ids[: a.seq], log=lambda s: print(s, flush=True))
+    shipped, _, _ = load_model(out, dtype=mx.float32)  # evaluate what ships (bf16 weights), not the fp32 copy
+    metrics, samples, chat = evaluate_shipped(a, c, shipped)
 
     size = (out / "model.safetensors").stat().st_size
     summary = dict(
         shape={**{k: v for k, v in config["text_config"].items() if k != "layer_types"}, "layer_types": args.layer_types},
-        parameters=n_params,
+        parameters=count_params(model),
         checkpoint_bytes=size,
         seed=a.seed,
         blas=blas,
@@ -465,9 +398,9 @@ def main(argv: list[str] | None = None) -> dict:
         warmup=a.warmup,
         mtp_weight=a.mtp_weight,
         compile=not a.no_compile,
-        train_tokens_available=int(len(train_ids)),
+        train_tokens_available=int(len(c.train_ids)),
         chat_share=a.chat_share,
-        chat_tokens=int(len(train_ids) - len(code_ids)),
+        chat_tokens=int(len(c.train_ids) - len(c.code_ids)),
         **chat,
         **{k: v for k, v in run.items() if k != "history"},
         **metrics,

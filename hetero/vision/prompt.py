@@ -24,7 +24,7 @@ from PIL import Image
 
 from hetero.errors import HeteroError
 from hetero.models.cache import ModelCache
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.models.qwen3_5_vision.model import VisionModel, load_vision, vision_name
 from hetero.models.qwen3_5_vision.preprocess import ImageProcessor
@@ -186,14 +186,14 @@ def build_prompt(tower: VisionModel, processor: ImageProcessor, config: dict, to
     return prompt
 
 
-def prefill(model: Model, prompt: ImagePrompt, image_token: int, cache: ModelCache) -> tuple[mx.array, mx.array]:
+def prefill(model: CausalLM, prompt: ImagePrompt, image_token: int, cache: ModelCache) -> tuple[mx.array, mx.array]:
     """The whole prompt in one pass -> (logits [1, S, vocab], post-norm hidden [1, S, hidden])."""
     embeds, positions = prompt.inputs(model.model.embed_tokens, 0, len(prompt.tokens))  # [1, S, hidden], [3, S]
     hidden = model.model(mx.array([prompt.tokens]), cache.backbone, embeddings=embeds, positions=positions)
     return model.logits(hidden), hidden
 
 
-def greedy(model: Model, prompt: ImagePrompt, image_token: int, max_tokens: int, eos: Sequence[int] = ()
+def greedy(model: CausalLM, prompt: ImagePrompt, image_token: int, max_tokens: int, eos: Sequence[int] = ()
            ) -> list[int]:
     """Greedy continuation of a prompt with images (plain decoding, every step at its shifted position)."""
     cache = model.make_cache()

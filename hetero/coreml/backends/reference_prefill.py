@@ -14,12 +14,12 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.coreml.backends.reference_executor import ReferenceExecutor
-from hetero.coreml.export import read_manifest
+from hetero.coreml.manifest import read_manifest
 from hetero.errors import HeteroError
-from hetero.models.qwen3_5 import Model
+from hetero.models.interface import CausalLM
 
 
-def attention_programs(export_dir: str | os.PathLike, model: Model, length: int) -> tuple[int, dict[int, list]]:
+def attention_programs(export_dir: str | os.PathLike, model: CausalLM, length: int) -> tuple[int, dict[int, list]]:
     """(chunk size, {layer: [(executor, shape, kv range)]}) for the smallest context bucket holding `length`.
 
     Every attention layer must be covered whole (fraction 1.0): the GPU side of a partial layer is the pipeline's.
@@ -75,7 +75,7 @@ def _attention_layer(parts: list, layer_cache, h: mx.array, start: int, theta) -
 
 
 def prefill_with_attention_programs(
-    model: Model, tokens: list[int], export_dir: str | os.PathLike
+    model: CausalLM, tokens: list[int], export_dir: str | os.PathLike
 ) -> tuple[mx.array, mx.array, list]:
     """Prefill `tokens` with every attention layer run by its exported programs (reference executor).
 

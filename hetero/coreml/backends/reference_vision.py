@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hetero.coreml.backends.reference_executor import ReferenceExecutor
+from hetero.coreml.manifest import read_vision_manifest
 from hetero.errors import HeteroError
 from hetero.models.qwen3_5_vision.args import VisionArgs
 from hetero.models.qwen3_5_vision.positions import interpolation, rotary_angles
@@ -24,6 +26,7 @@ def grid_inputs(args: VisionArgs, pos_table: np.ndarray, grids: Sequence[Sequenc
     """The programs' grid-dependent inputs for images `grids` ((t, h, w) each) packed from patch 0 of a bucket:
     `pos` (1, D, 1, S) for the patch embedding, `cos`, `sin` (1, 1, Dh/2, S) and `mask` (1, 1, S, S) for the blocks.
     `pos_table` [num_position_embeddings, D] fp32 is the tower's learned table."""
+    # the graphs import coremltools (4-8 s): the worker process loads it with its first vision program only
     from hetero.coreml.graphs.ops import fp16
     from hetero.coreml.graphs.vision import rotary_tables, window_mask
 
@@ -57,9 +60,6 @@ class VisionPrograms:
 
     def __init__(self, directory: str | os.PathLike, bucket: int, args: VisionArgs, pos_table: np.ndarray,
                  runner: Callable[[Path], Callable[[dict], dict]] | None = None):
-        from hetero.coreml.backends.reference_executor import ReferenceExecutor
-        from hetero.coreml.export_vision import read_vision_manifest
-
         directory = Path(directory)
         entries = [p for p in read_vision_manifest(directory)["programs"] if p["bucket"] == bucket]
         if not entries:

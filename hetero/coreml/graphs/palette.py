@@ -20,7 +20,7 @@ per matrix, so a matrix with any other group keeps its tables: under MLX's own q
 qualify and every 2-bit one (docs/coreml.md), so a real 4-bit matrix almost never does.
 
 A table costs 2^bits fp16 entries per group beside the packed indices: fewer bytes than fp16 weights only for
-2, 3 and 4 bits (`lut_bytes_per_weight`); other checkpoints are exported as fp16, which is exact too.
+2, 3 and 4 bits (`hetero.planner.slices.lut_bytes_per_weight`, which the planner prices the ANE's share by); other checkpoints are exported as fp16, which is exact too.
 """
 
 from __future__ import annotations
@@ -30,14 +30,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-
-LUT_BITS = (1, 2, 3, 4)  # index widths Core ML has whose per-group table (group >= 32) costs less than fp16
-
-
-def lut_bytes_per_weight(bits: int, group: int) -> float:
-    """Bytes per weight of a per-group table: the index (`bits` / 8) plus the group's 2^bits fp16 entries."""
-    return bits / 8 + 2 * 2**bits / group
-
 
 @dataclass(frozen=True)
 class Palettized:

@@ -5,45 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
-from hetero.models.args import ConfigFields, check_activation
-from hetero.models.rope import Rotary, rotary_of
+from hetero.models.args import Args, ConfigFields
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 
 
-@dataclass
-class Qwen4Args:
-    """The text model's shape. Field names follow the config (and `models.args.ModelArgs` where they coincide,
-    so the Qwen3.5 GDN, attention projections and MoE blocks take these arguments as they are)."""
+@dataclass(kw_only=True)
+class Qwen4Args(Args):
+    """The text model's shape: the shared fields are `Args`' (the Qwen3.5 GDN, attention projections and MoE blocks
+    take these arguments as they are), then hyper-connections, the GDN's output gate, PLE and QSA."""
 
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    vocab_size: int
-    layer_types: list[str]
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
     hc_count: int
     hc_lowrank: int
-    linear_conv_kernel_dim: int = 4
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
-    partial_rotary_factor: float = 0.25
-    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])  # image positions (t, h, w); text: 1-D
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    max_position_embeddings: int = 262_144
-    rope_parameters: dict = field(default_factory=dict)  # as config.json gives them: the rope type and its scaling
-    norm_topk_prob: bool = True
     output_gate_type: str = "silu"
     ple_layer_ids: list[int] = field(default_factory=list)  # one-indexed, as in the config
     ple_embed_dim: int = 0
@@ -58,9 +31,6 @@ class Qwen4Args:
     indexer_head_dim: int = 0
     indexer_budget: int = 0
     indexer_compress_ratio: int = 0
-    eos_token_id: list[int] = field(default_factory=list)
-    mtp_num_hidden_layers: int = 0
-    quantization: dict | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> "Qwen4Args":
@@ -70,51 +40,21 @@ class Qwen4Args:
             raise HeteroError(f"unsupported model_type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}")
         get = ConfigFields(config)
         try:
-            n_layers = int(get("num_hidden_layers"))
-            hidden = int(get("hidden_size"))
-            heads = int(get("num_attention_heads"))
-            interval = int(get("full_attention_interval", 4))
-            layer_types = get("layer_types") or [
-                "indexed_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-            ]
             # full_attention: older configs; qwen_sparse_attention: mlx-vlm 0.7.10's name for the same QSA layer
-            layer_types = ["indexed_attention" if t in ("full_attention", "qwen_sparse_attention") else t
-                           for t in layer_types]
-            rope = get("rope_parameters") or get("rope_scaling") or {}
-            check_activation(get("hidden_act", "silu"))
-            eos = get("eos_token_id", [])
+            shared = get.shared(model_type, "indexed_attention", ("full_attention", "qwen_sparse_attention"),
+                                linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                linear_value_head_dim=128, partial_rotary_factor=1.0, max_position_embeddings=32768)
             args = cls(
-                model_type=model_type,
-                hidden_size=hidden,
-                num_hidden_layers=n_layers,
-                num_attention_heads=heads,
-                num_key_value_heads=int(get("num_key_value_heads", heads)),
-                head_dim=int(get("head_dim") or hidden // heads),
-                linear_num_key_heads=int(get("linear_num_key_heads", 16)),
-                linear_num_value_heads=int(get("linear_num_value_heads", 32)),
-                linear_key_head_dim=int(get("linear_key_head_dim", 128)),
-                linear_value_head_dim=int(get("linear_value_head_dim", 128)),
-                vocab_size=int(get("vocab_size")),
-                layer_types=list(layer_types),
+                **shared,
                 num_experts=int(get("num_experts", 512)),
                 num_experts_per_tok=int(get("num_experts_per_tok", 10)),
                 moe_intermediate_size=int(get("moe_intermediate_size", 512)),
                 shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 512)),
                 hc_count=int(get("hc_count", 4)),
                 hc_lowrank=int(get("hc_lowrank", 320)),
-                linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-                rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", get("rope_theta", 10_000_000.0))),
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))),
-                mrope_section=[int(n) for n in rope.get("mrope_section") or (11, 11, 10)],
-                tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-                attention_bias=bool(get("attention_bias", False)),
-                max_position_embeddings=int(get("max_position_embeddings", 32768)),
-                rope_parameters=dict(rope),
-                norm_topk_prob=bool(get("norm_topk_prob", True)),
                 output_gate_type=str(get("output_gate_type") or get("hidden_act", "silu")),
                 ple_layer_ids=sorted(set(get("ple_layer_ids") or [])),
-                ple_embed_dim=int(get("ple_embed_dim") or hidden),
+                ple_embed_dim=int(get("ple_embed_dim") or shared["hidden_size"]),
                 ple_conv_kernel_size=int(get("ple_conv_kernel_size", 4)),
                 ngram_size=int(get("ngram_size", 3)),
                 heads_per_ngram=int(get("heads_per_ngram", 8)),
@@ -126,13 +66,9 @@ class Qwen4Args:
                 indexer_head_dim=int(get("indexer_head_dim") or 0),
                 indexer_budget=int(get("indexer_budget") or 0),
                 indexer_compress_ratio=int(get("indexer_compress_ratio") or 0),
-                eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
-                mtp_num_hidden_layers=int(get("mtp_num_hidden_layers", 0) or 0),
-                quantization=config.get("quantization") or config.get("quantization_config"),
             )
         except (TypeError, ValueError) as e:
             raise get.bad_value(e) from None
-        args.rotary  # a rope type it does not implement is refused here, in one line
         args.validate(get)
         return args
 
@@ -182,15 +118,6 @@ class Qwen4Args:
     def ngram_heads(self) -> int:
         """Hashed embedding heads per PLE layer: heads_per_ngram for each n-gram order 2..ngram_size."""
         return (self.ngram_size - 1) * self.heads_per_ngram
-
-    @property
-    def rotary_dims(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def rotary(self) -> Rotary:
-        """The rotation of the attention layers and QSA's indexer (`hetero.models.rope`)."""
-        return rotary_of(self.rope_parameters, self.rotary_dims, self.rope_theta, self.max_position_embeddings)
 
     @property
     def moe_layers(self) -> list[int]:

@@ -62,13 +62,21 @@ class GatedResidual(nn.Module):
         """Normed streams n [B, S, hc*d] -> the per-stream weights of the block's output [B, S, hc]."""
         return 2 * act.sigmoid(self.block_inject_weight(n) / self.hc)
 
-    def write(self, h: mx.array, inject: mx.array, out: mx.array) -> mx.array:
+    # Where a block meets the streams (`hetero.models.interface.Residual`): `read` gives its input and the streams'
+    # injection weights, `write` adds its output back. The split prefill runs them as separate jobs, with the
+    # block's shares merged in between; `around` runs all three.
+
+    def read(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """Streams h [B, S, hc*d] -> (the block's input [B, S, d], the injection weights [B, S, hc])."""
+        x, n = self.mix(h)
+        return x, self.inject(n)
+
+    def write(self, h: mx.array, out: mx.array, inject: mx.array) -> mx.array:
         """h [B, S, hc*d] plus the block's output out [B, S, d] weighted per stream by inject [B, S, hc]."""
         B, S, _ = h.shape
         return h + (inject[..., None] * out[..., None, :]).reshape(B, S, -1)
 
     def around(self, h: mx.array, block) -> mx.array:
-        """h' = h + inject * block(mixed input), per stream: h [B, S, hc*d] -> [B, S, hc*d]. (The split prefill
-        runs the three steps as separate jobs: `mix`, `inject`, then `write` once the block's shares are merged.)"""
-        x, n = self.mix(h)
-        return self.write(h, self.inject(n), block(x))
+        """h' = h + inject * block(mixed input), per stream: h [B, S, hc*d] -> [B, S, hc*d]."""
+        x, inject = self.read(h)
+        return self.write(h, block(x), inject)

@@ -15,9 +15,10 @@ from hetero.errors import HeteroError
 from hetero.models import activations as act
 from hetero.models.cache import GDNCache, ModelCache, last_positions
 from hetero.models.compiled import PerThread
+from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.linear import Linear
 from hetero.models.moe import SparseMoeBlock
-from hetero.models.qwen3_5 import MLP, RECURRENT_MAX_TOKENS, GatedDeltaNet, RMSNorm, rms_norm
+from hetero.models.qwen3_5.layers import MLP, GatedDeltaNet, RMSNorm, rms_norm
 from hetero.models.qwen4_exp.args import Qwen4Args
 from hetero.models.qwen4_exp.hyper import GatedResidual
 from hetero.models.qwen4_exp.ple import PLECache, PLELayer
@@ -63,6 +64,9 @@ class PLEGDNCache(GDNCache):
         if self.ple is not None:
             self.ple.restore(*arrays[2:])
 
+    def like(self) -> PLEGDNCache:
+        return PLEGDNCache(self.ple is not None)
+
     @property
     def state(self) -> list[mx.array]:
         return super().state + (self.ple.state if self.ple is not None else [])
@@ -101,12 +105,49 @@ class DecoderLayer(nn.Module):
         few tokens)."""
         if self._steps.takes(h, cache) or (last and not self.is_linear and cache is not None):
             return self._steps.run(h, tokens, cache, last)  # decode, verify, draft and catch-up steps (`step.py`)
-        if self.ple is not None:
-            h = h + self.ple(h, tokens, cache.ple if cache is not None else None)
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = self.attn_hyper_connection.around(h, lambda x: mixer(x, cache))
-        h = self.mlp_hyper_connection.around(h, self.mlp)
+        h = self.mlp_block(self.mixer_block(h, cache, tokens))
         return last_positions(h, cache) if last else h
+
+    # The layer's pieces, as the split prefill runs them one by one (`hetero.models.interface.DecoderLayer`): each
+    # block reads its input from the streams and writes its output back through its hyper-connection; a PLE
+    # layer's update comes before the mixer.
+
+    @property
+    def mixer_io(self) -> GatedResidual:
+        return self.attn_hyper_connection
+
+    @property
+    def mlp_io(self) -> GatedResidual:
+        return self.mlp_hyper_connection
+
+    @property
+    def pre_mixer_state(self) -> bool:
+        """A PLE layer's update reads and advances its PLE cache (the last chunk's tokens and conv inputs)."""
+        return self.ple is not None
+
+    def before_mixer(self, h: mx.array, tokens: np.ndarray, cache) -> mx.array:
+        """h [B, S, hc*d] -> h + PLE(h) on a PLE layer (tokens [B, S] int64 on the host), h elsewhere."""
+        if self.ple is None:
+            return h
+        return h + self.ple(h, tokens, cache.ple if cache is not None else None)
+
+    def mixer(self, x: mx.array, cache, positions: mx.array | None = None) -> mx.array:
+        """The mixed input x [B, S, d] -> the mixer's output [B, S, d] (GDN or QSA; text only: no 3-D positions)."""
+        if positions is not None:
+            raise HeteroError("qwen4_exp checkpoints read text only: no image positions")
+        return self.linear_attn(x, cache) if self.is_linear else self.self_attn(x, cache)
+
+    def mixer_block(self, h: mx.array, cache, tokens: np.ndarray | None = None,
+                    positions: mx.array | None = None) -> mx.array:
+        """The PLE update, then h + inject * mixer(mix(h)): streams [B, S, hc*d] -> [B, S, hc*d]."""
+        h = self.before_mixer(h, tokens, cache)
+        x, inject = self.mixer_io.read(h)
+        return self.mixer_io.write(h, self.mixer(x, cache, positions), inject)
+
+    def mlp_block(self, h: mx.array) -> mx.array:
+        """h + inject * moe(mix(h)): streams [B, S, hc*d] -> [B, S, hc*d]."""
+        x, inject = self.mlp_io.read(h)
+        return self.mlp_io.write(h, self.mlp(x), inject)
 
 
 class TextModel(nn.Module):
@@ -221,6 +262,11 @@ class Model(nn.Module):
         """Bytes of the PLE n-gram tables read from the checkpoint's files (`keep_ple_on_disk`), not held."""
         return sum(l.ple.ple_embedding.table.nbytes for l in self.layers
                    if l.ple is not None and l.ple.ple_embedding.table is not None)
+
+    @property
+    def on_disk(self) -> list[tuple[str, int]]:
+        """What the model reads from the checkpoint's files as needed instead of holding: (what, bytes)."""
+        return [("PLE n-gram tables", self.ple_disk_bytes)] if self.ple_disk_bytes else []
 
     @property
     def layers(self) -> list[DecoderLayer]:

@@ -20,10 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hetero.models import attention
+from hetero.models.attention import attend_selected
 from hetero.models.cache import KVCache, RaggedKV
+from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.linear import Linear
-from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS, Attention, RMSNorm
+from hetero.models.qwen3_5.layers import Attention, RMSNorm
 from hetero.models.rope import Rotary
 from hetero.models.qwen4_exp.args import Qwen4Args
 
@@ -80,6 +81,12 @@ class QSACache(KVCache):
     def like(self) -> QSACache:
         return QSACache()
 
+    def up_to(self, n: int) -> QSACache:
+        at = super().up_to(n)
+        if self.index_keys is not None:
+            at.index_keys = self.index_keys[:, :n]  # [B, n, Di]
+        return at
+
     @property
     def state(self) -> list[mx.array]:
         return super().state + ([] if self.index_keys is None else [self.index_keys])
@@ -116,6 +123,15 @@ class Indexer(nn.Module):
         qk = self.index_qk_proj(x)  # [B, S, (Hi+1)*Di]
         q = qk[..., : self.heads * self.dim].reshape(B, S, self.heads, self.dim)
         return self.q_layernorm(q), qk[..., self.heads * self.dim :]
+
+    def choose(self, x: mx.array, cache: QSACache, start: int) -> tuple[mx.array, mx.array]:
+        """A prefill chunk at positions start.. over the index keys `cache` holds before it: its input x [B, s, hidden]
+        -> (its raw index keys [B, s, Di], for the cache once the chunk's K/V are written; the keys each query may
+        attend to [B, s, T], causal included). The split prefill selects a chunk's keys with it, for both lanes."""
+        q, k = self.project(x)  # [B, s, Hi, Di], [B, s, Di]
+        old = cache.index_keys[:, :start] if cache.index_keys is not None and start else None
+        keys = k if old is None else mx.concatenate([old, k], axis=1)  # [B, T, Di]
+        return k, self.select(q, keys, start)
 
     def select(self, q: mx.array, keys: mx.array, offset: int) -> mx.array:
         """Normed queries [B, L, Hi, Di] at positions offset..offset+L-1 and all raw keys [B, T, Di] (T = offset+L)
@@ -333,31 +349,6 @@ def attend_picked_rows(queries: mx.array, keys: mx.array, values: mx.array, scal
     out = mx.fast.scaled_dot_product_attention(q, rows(keys), rows(values), scale=scale,
                                                mask=kept.reshape(B * L, 1, 1, N))  # [B*L, H, 1, D]
     return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
-
-
-def attend_selected(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """Attention of queries [B, H, L, D] (the last L of T positions) over keys/values [B, Hkv, T, D], each query to
-    the keys `mask` [B, 1, L, T] or [L, T] allows -> [B, H, L, D].
-
-    On MLX's CPU backend a prefill chunk's softmax runs in numpy (`attention.py` says why: MLX's scalar exp there
-    cost a 4K-token prefill of the bench model more than its attention matmuls); elsewhere, and for a few queries,
-    `mx.fast.scaled_dot_product_attention` with the mask."""
-    if mx.default_device() != mx.cpu or queries.shape[2] < attention.MIN_QUERIES:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-    B, _, L, _ = queries.shape
-    T = keys.shape[2]
-    allowed = np.broadcast_to(np.array(mask).reshape(-1, L, T), (B, L, T))  # [B, L, T]
-
-    def softmax(s: np.ndarray, i0: int) -> None:  # s [B, Hkv, G, n, end]
-        n, end = s.shape[-2:]
-        keep = allowed[:, None, None, i0 : i0 + n, :end]  # [B, 1, 1, n, end]
-        np.copyto(s, -np.inf, where=~keep)
-        s -= s.max(axis=-1, keepdims=True)  # every query keeps at least one key
-        np.maximum(s, attention.FLOOR, out=s)  # no subnormal reaches the matmul
-        np.exp(s, out=s)
-        s *= keep  # dropped keys weigh exactly 0
-
-    return attention.blocked_numpy(queries, keys, values, scale, softmax)
 
 
 _selections: list[Selections | None] = [None]  # the `Selections` in use (one `--verify` at a time), else None

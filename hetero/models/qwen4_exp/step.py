@@ -26,7 +26,7 @@ import numpy as np
 
 from hetero.models.cache import GDNCache, RaggedKV, last_positions
 from hetero.models.compiled import PerThread
-from hetero.models.qwen3_5 import RECURRENT_MAX_TOKENS
+from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.qwen4_exp.qsa import QSACache
 
 
@@ -125,5 +125,5 @@ class LayerSteps:
     def _finish(self, h: mx.array, inject: mx.array, out: mx.array, gate: mx.array) -> mx.array:
         """The attention's output [B, H, S, D] with its gate -> the layer's output streams [B, S, hc*d]."""
         layer = self.layer
-        h = layer.attn_hyper_connection.write(h, inject, layer.self_attn.finish(out, gate))
+        h = layer.attn_hyper_connection.write(h, layer.self_attn.finish(out, gate), inject)
         return layer.mlp_hyper_connection.around(h, layer.mlp)
