@@ -15,12 +15,14 @@ fp16 takes their mild form) and must pass `--verify`, stay engaged and decode th
 
 Writes bench/results/conformance.json as it goes (every draw's config, worst error per check, failures), then a
 summary: per architecture the failures and the worst error of each check, and per config field and value the worst
-error and the failures seen (`by_field`). Heavy: run it under `flock /tmp/hetero-heavy.lock nice -n 5`.
+error and the failures seen (`by_field`). `--merge` joins sweeps run in parts: the summary in `--out`, every draw
+in `<out>_records.json.gz`. Heavy: run it under `flock /tmp/hetero-heavy.lock nice -n 5`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -40,7 +42,7 @@ from hypothesis import seed as hypothesis_seed  # noqa: E402
 
 import conformance_checks as cc  # noqa: E402
 from conformance_space import ARCHITECTURES, DTYPE_NAMES, FULL, Draw, milder, split_draw  # noqa: E402
-from hetero.host.blas import environment  # noqa: E402
+from hetero.host.environment import environment  # noqa: E402
 
 CHECKS = ("logits", "greedy", "chunked", "decode", "mtp", "repeat", "split_distance", "split_engaged")
 
@@ -179,9 +181,22 @@ def qsa_budgets(budgets: list[int], out: Path) -> None:
     print(f"wrote {out}")
 
 
+SPLIT_FIELDS = ("match", "distance", "gpu_distance", "tolerance", "worst", "choice_flips", "effective_fraction",
+                "unranged_fraction", "lane_failures", "greedy_match_tokens", "greedy_tie_at")
+
+
+def compact(record: dict) -> dict:
+    """A record as the committed results keep it: the draw, each check's worst error, the failures and refusals,
+    and of each split its verdict (`SPLIT_FIELDS`)."""
+    split = {d: {k: r.get(k) for k in SPLIT_FIELDS if k in r} for d, r in (record.get("split") or {}).items()}
+    keep = ("arch", "source", "draw", "errors", "failures", "refused", "expected_refusal", "crash", "seconds")
+    return {**{k: record[k] for k in keep if k in record}, **({"split": split} if split else {})}
+
+
 def merge(files: list[str], out: Path) -> None:
     """Several sweeps' records (runs of a few architectures each, under the heavy-job lock in turns) as one result:
-    duplicate draws counted once, the summary over all of them."""
+    duplicate draws counted once, the summary over all of them in `out`, every draw (`compact`) in
+    `<out>_records.json.gz`."""
     records, seen, meta = [], set(), {}
     for name in files:
         data = json.loads(Path(name).read_text())
@@ -192,9 +207,12 @@ def merge(files: list[str], out: Path) -> None:
             if key not in seen:
                 seen.add(key)
                 records.append(r)
-    result = {"merged_from": [Path(f).name for f in files], "summary": summary(records), "records": records,
+    records_file = out.with_name(out.stem + "_records.json.gz")
+    result = {"merged_from": [Path(f).name for f in files], "summary": summary(records), "records": records_file.name,
               "machine_shared": True, **meta}
     out.write_text(json.dumps(result, indent=1))
+    with gzip.open(records_file, "wt") as f:
+        json.dump([compact(r) for r in records], f, separators=(",", ":"))
     print(json.dumps(result["summary"]["architectures"], indent=1))
     print(f"wrote {out}")
 
