@@ -345,11 +345,15 @@ def _released_text(config: dict) -> dict:
 
 def scale_down(config: dict) -> dict:
     """A released text config at tiny sizes with its ratios kept: query heads per KV head, value heads per key head,
-    the rotary share of a head, the indexer's dimension against the rotary one, the layer pattern (two periods), the
-    experts' top-k share (at least 2 of at least 8), the budget in blocks."""
+    the attention's and the MLPs' widths against the hidden size, the rotary share of a head, the indexer's dimension against the
+    rotary one, the layer pattern (two periods), the experts' top-k share (at least 2 of at least 8), the budget in
+    blocks."""
     t = _released_text(config)
     kv = t["num_key_value_heads"]
     head_dim = 32
+    heads = t["num_attention_heads"] // kv * min(kv, 2)
+    width = t["num_attention_heads"] * t["head_dim"] / t["hidden_size"]  # 2 for Qwen3.5-35B-A3B, 1.2 for 27B
+    hidden = 32 * max(2, round(heads * head_dim / width / 32))
     rope = dict(t.get("rope_parameters") or {"rope_type": "default", "rope_theta": t.get("rope_theta", 1e7),
                                               "partial_rotary_factor": t.get("partial_rotary_factor", 0.25)})
     rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
@@ -359,8 +363,8 @@ def scale_down(config: dict) -> dict:
         rope["mrope_section"] = [t_, h_, half - t_ - h_]
     interval = t.get("full_attention_interval", 4)
     attention = "indexed_attention" if t.get("model_type", "").startswith("qwen4") else "full_attention"
-    out = dict(vocab_size=128, hidden_size=64, num_attention_heads=t["num_attention_heads"] // kv * min(kv, 2),
-               num_key_value_heads=min(kv, 2), head_dim=head_dim,
+    out = dict(vocab_size=128, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=min(kv, 2),
+               head_dim=head_dim,
                linear_num_key_heads=2, linear_num_value_heads=2 * t["linear_num_value_heads"] // t["linear_num_key_heads"],
                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 4),
                num_hidden_layers=2 * interval,
@@ -368,12 +372,14 @@ def scale_down(config: dict) -> dict:
                rope_parameters=rope, rms_norm_eps=t.get("rms_norm_eps", 1e-6),
                tie_word_embeddings=t.get("tie_word_embeddings", False), eos_token_id=EOS, pad_token_id=None,
                bos_token_id=None)
+    scaled = lambda width: 32 * max(1, round(width * hidden / t["hidden_size"] / 32))  # noqa: E731  its share kept
     if t.get("intermediate_size"):
-        out["intermediate_size"] = 96
+        out["intermediate_size"] = scaled(t["intermediate_size"])
     if t.get("num_experts"):
         experts = 8 if t["num_experts"] <= 256 else 16
         out.update(num_experts=experts, num_experts_per_tok=max(2, t["num_experts_per_tok"] * experts // t["num_experts"]),
-                   moe_intermediate_size=16, shared_expert_intermediate_size=16)
+                   moe_intermediate_size=scaled(t["moe_intermediate_size"]),
+                   shared_expert_intermediate_size=scaled(t["shared_expert_intermediate_size"]))
         if "norm_topk_prob" in t:
             out["norm_topk_prob"] = t["norm_topk_prob"]
     if attention == "indexed_attention":

@@ -19,7 +19,7 @@ import conformance_checks as cc
 from conformance_space import ARCHITECTURES, SMALL, split_draw, strategy
 
 DRAWS = 10  # per architecture and run
-SPLIT_DRAWS = 2  # per run, of any architecture (each exports its programs: seconds)
+SPLIT_DRAWS = 4  # per run, of any architecture (each exports its programs: seconds)
 
 
 def failure(draw, result) -> str:
