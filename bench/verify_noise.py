@@ -1,6 +1,6 @@
-"""What `--verify` sees: each path's distance from the same prompt computed in fp32, per dtype, for honest splits and
-the documented defects, and the fp32 split's own distance on long prompts (the `ANE_FLOOR` of
-hetero/pipeline/verification.py).
+"""What `--verify` sees: each path's distance (hetero/pipeline/distance.py: the largest relative RMS difference of
+any block) from the same prompt computed in fp32, per dtype, for honest splits and the documented defects, and the
+fp32 split's own distance on long prompts (the `ANE_FLOOR` of hetero/pipeline/verification.py).
 
     python bench/verify_noise.py                 # bundled + real-shape models, 167-token code prompt; 8K and 16K floor
     python bench/verify_noise.py --long 8192     # a shorter floor measurement
@@ -47,15 +47,15 @@ def checkpoint_rows(name: str, path) -> list[dict]:
         row = {"checkpoint": name, "dtype": dtype_name, "tokens": len(ids)}
         fp32 = FP32Reference(engine)  # one fp32 copy and reference prefill for the honest run and each defect
         honest = verify(run, ids, n_tokens=8, fp32=fp32)
-        row.update(gpu_to_fp32=honest["gpu_to_fp32"], bound=honest["tolerance"],
-                   honest={"split_to_fp32": honest["split_to_fp32"], "match": honest["match"]})
+        row.update(gpu_to_fp32=honest["gpu_distance"], bound=honest["tolerance"],
+                   honest={"split_to_fp32": honest["distance"], "worst": honest["worst"], "match": honest["match"]})
         for defect, (programs, factor) in defects(progs).items():
             layer = sorted(programs)[0]
             program, units = programs[layer][0]
             programs[layer][0] = (lambda feed, p=program, f=factor: {k: v * f for k, v in p(feed).items()}, units)
             check = verify(run, ids, n_tokens=1, fp32=fp32)
             programs[layer][0] = (program, units)
-            row[defect] = {"split_to_fp32": check["split_to_fp32"], "match": check["match"]}
+            row[defect] = {"split_to_fp32": check["distance"], "match": check["match"]}
         if row["gpu_to_fp32"]:
             row["honest_ratio"] = round(row["honest"]["split_to_fp32"] / row["gpu_to_fp32"], 3)
         rows.append(row)
@@ -68,7 +68,8 @@ def floor_rows(sizes: list[int]) -> list[dict]:
     from bench.ttft import build_engine, prompt_ids
     from hetero.decode.prefill import prefill
     from hetero.pipeline import configure
-    from hetero.pipeline.verification import arrays_of, max_relative
+    from hetero.pipeline.distance import distance
+    from hetero.pipeline.verification import arrays_of
 
     engine = build_engine(Path(tempfile.mkdtemp()))
     rows = []
@@ -80,9 +81,8 @@ def floor_rows(sizes: list[int]) -> list[dict]:
         split_cache = engine.model.make_cache()
         res = configure(engine, 0.5, 512).splitter(len(ids)).run(ids, split_cache, logits=True)
         ours = arrays_of(res.logits, split_cache.backbone)
-        rms, where = max_relative(ours, truth, rms=True)
-        largest, _ = max_relative(ours, truth, rms=False)
-        rows.append({"tokens": n, "split_to_fp32_rms": round(rms, 6), "worst": where, "max_rel": round(largest, 6)})
+        d, where = distance(ours, truth)
+        rows.append({"tokens": n, "split_to_fp32": round(d, 6), "worst": where})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -105,7 +105,7 @@ def main() -> None:
     ratios = [r["honest_ratio"] for r in rows if "honest_ratio" in r]
     print(f"honest splits pass: {honest}; every defect caught: {caught}; d(split)/d(gpu) "
           f"{min(ratios):.2f}-{max(ratios):.2f} (K {K}); fp32 floor "
-          + ", ".join(f"{r['tokens']}: {r['split_to_fp32_rms']:.2e}" for r in floor) + f" (ANE_FLOOR {ANE_FLOOR:g})")
+          + ", ".join(f"{r['tokens']}: {r['split_to_fp32']:.2e}" for r in floor) + f" (ANE_FLOOR {ANE_FLOOR:g})")
     print(f"wrote {args.out}")
 
 

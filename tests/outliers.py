@@ -29,22 +29,26 @@ def outlier_channels(intermediate: int) -> list[int]:
     return [intermediate * k // 8 for k in (1, 3, 5, 7)]
 
 
-def inject(weights: dict[str, np.ndarray], layers: list[int], gain: float, seed: int = 0) -> dict[str, np.ndarray]:
+def inject(weights: dict[str, np.ndarray], layers: list[int], gain: float, seed: int = 0,
+           mlp: str = "model.layers.{i}.mlp.", massive: int = MASSIVE, residual: float | None = None
+           ) -> dict[str, np.ndarray]:
     """`weights` with massive-activation channels of `gain` (STRONG or MILD) in the MLPs of `layers` (see the module
-    docstring)."""
+    docstring). `mlp`: the MLP's name prefix (`{i}` the layer; a shared expert's, say); `massive`: the residual
+    channel they write, reaching about `residual` where t ~ 1 (default: `RESIDUAL[gain]`)."""
     rng = np.random.default_rng(seed)
     out = dict(weights)
+    residual = RESIDUAL[gain] if residual is None else residual
     for i in layers:
-        p = f"model.layers.{i}.mlp."
+        p = mlp.format(i=i)
         gate, up, down = (out[p + n].copy() for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
         hidden = gate.shape[1]
         for c in outlier_channels(gate.shape[0]):
             v = rng.standard_normal(hidden)
-            v[MASSIVE] = 0.0  # read a direction the massive channel does not dominate
+            v[massive] = 0.0  # read a direction the massive channel does not dominate
             v /= np.linalg.norm(v)
             gate[c], up[c] = gain * v, gain * v
             down[:, c] = 0.0
-            down[MASSIVE, c] = RESIDUAL[gain] / (len(outlier_channels(gate.shape[0])) * gain**2)  # where t ~ 1
+            down[massive, c] = residual / (len(outlier_channels(gate.shape[0])) * gain**2)  # where t ~ 1
         out[p + "gate_proj.weight"], out[p + "up_proj.weight"], out[p + "down_proj.weight"] = gate, up, down
     return out
 

@@ -68,7 +68,7 @@ def test_split_verifies_and_is_as_close_to_float64_as_gpu_only(engines, name):
     run = configure(engine, 0.5, 64)
     check = verify(run, ids, n_tokens=8)
     assert check["reference"] == "fp32" and check["match"], check
-    assert check["tolerance"] == pytest.approx(verification.K * check["gpu_to_fp32"] + verification.ANE_FLOOR, abs=2e-6)
+    assert check["tolerance"] == pytest.approx(verification.K * check["gpu_distance"] + verification.ANE_FLOOR, abs=2e-6)
     if check["greedy_match_tokens"] < 8:  # parted only where the GPU-only run's own choice was a near-tie
         assert check["greedy_tie_at"] == check["greedy_match_tokens"] and check["greedy_gap"] <= 2 * check["tolerance"]
 
@@ -88,7 +88,7 @@ def test_verify_catches_each_defective_program_in_every_dtype(engines, name):
         programs[layer][0] = (lambda feed, p=program, f=factor: {k: v * f for k, v in p(feed).items()}, units)
         check = verify(run, ids, n_tokens=1)  # the arrays decide here, not greedy
         programs[layer][0] = (program, units)
-        assert not check["match"] and check["split_to_fp32"] > check["tolerance"], check
+        assert not check["match"] and check["distance"] > check["tolerance"], check
 
 
 @pytest.mark.parametrize("pick", [-2, 0])
@@ -139,7 +139,7 @@ def test_run_split_verify_in_bf16_on_the_bundled_model(capsys):
             "--verify-tokens", "16", "--prefill-chunk", "64", "--no-mtp", "--json"]
     assert main(argv) == 0
     v = json.loads(capsys.readouterr().out)["verify"]
-    assert v["match"] and v["reference"] == "fp32" and v["split_to_fp32"] <= v["tolerance"], v
+    assert v["match"] and v["reference"] == "fp32" and v["distance"] <= v["tolerance"], v
 
 
 @pytest.mark.parametrize("command", ["run", "serve", "prefill", "tune"])

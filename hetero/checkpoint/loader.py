@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from hetero.checkpoint.dtypes import default_dtype
 from hetero.checkpoint.preflight import build_lazy_model, preflight, sanitize_for
-from hetero.checkpoint.safetensors import checkpoint_tensors, mtp_drafter, read_index
+from hetero.checkpoint.safetensors import checkpoint_tensors, mtp_drafter, norms_zero_centred, read_index
 from hetero.checkpoint.source import read_config, resolve
 from hetero.errors import HeteroError
 from hetero.models.architectures import architecture, parse_args
@@ -76,7 +76,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: mx.Dtype | None = 
     path = resolve(model, weights=True)
     config = read_config(path)
     args = parse_args(config)
-    weights = sanitize_for(args, load_weights(path, args))
+    weights = sanitize_for(args, load_weights(path, args), norms_zero_centred(path))
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, checkpoint_has_mtp(weights), quantized)
     # what the model reads from the checkpoint's files as needed (Qwen4-Exp's PLE tables) stays there

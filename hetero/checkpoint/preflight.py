@@ -103,9 +103,10 @@ class Preflight:
         return d
 
 
-def sanitize_for(args: Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Checkpoint tensors -> parameters, by the architecture's own `sanitize`."""
-    return architecture(args.model_type).sanitize(args, weights)
+def sanitize_for(args: Args, weights: dict[str, mx.array], zero_centred: bool = True) -> dict[str, mx.array]:
+    """Checkpoint tensors -> parameters, by the architecture's own `sanitize`; `zero_centred`: the checkpoint's
+    norm form where no GDN conv tells it (`hetero.checkpoint.safetensors.norms_zero_centred`)."""
+    return architecture(args.model_type).sanitize(args, weights, zero_centred)
 
 
 def build_lazy_model(args: Args, with_mtp: bool, quantized_names: set[str] | None = None) -> CausalLM:

@@ -32,8 +32,8 @@ class TensorInfo:
     offset: int = -1  # where its data starts in the file, in bytes (-1: unknown, its shard is absent)
 
 
-def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Tensor metadata of one safetensors file, validated against the file's size (catches truncation)."""
+def _raw_header(file: Path) -> tuple[int, int, dict]:
+    """(file size, header length, the header's JSON object) of one safetensors file; HeteroError if it is none."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -50,6 +50,25 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         raise HeteroError(f"cannot read {file}: {e.strerror}") from None
     if not isinstance(header, dict):
         raise HeteroError(f"{file} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object); re-download it")
+    return size, n, header
+
+
+def norms_zero_centred(path: Path) -> bool:
+    """Whether the checkpoint at `path` stores its norms zero-centred (transformers' layout, scale 1 + w), as the
+    files' writer says: transformers records `format: pt` in each safetensors file's metadata, MLX's writers
+    (mlx-lm, mlx-vlm, `hetero convert`) `format: mlx` and the norms with their +1. Anything else: transformers'.
+    The GDN conv's layout tells the same where a model has one (`hetero.models.weights.hf_conv_layout`); an
+    all-attention layout has none."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return True
+    metadata = _raw_header(files[0])[2].get("__metadata__")
+    return not (isinstance(metadata, dict) and metadata.get("format") == "mlx")
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensor metadata of one safetensors file, validated against the file's size (catches truncation)."""
+    size, n, header = _raw_header(file)
     tensors: dict[str, TensorInfo] = {}
     end = 0
     for name, meta in header.items():

@@ -348,6 +348,6 @@ def _split(out: dict, errors: dict) -> dict:
         return _v("unavailable", s["why"])
     v = out["verify"]
     if not v["match"]:
-        return _v("fail", f"the split does not match the GPU-only run (max relative logit diff "
-                          f"{v['max_rel_logit_diff']}, tolerance {v['tolerance']})")
+        return _v("fail", f"the split does not match the GPU-only run (distance {v['distance']} at "
+                          f"{v['worst'] or '-'}, tolerance {v['tolerance']})")
     return _v("pass", f"{s['tokens']} tokens split at {s['fraction']}, overlap {s['overlap']:.2f}, verify MATCH")

@@ -51,7 +51,7 @@ def check_split(engine, worker, tokens: int, fraction: float, chunk: int, weight
                + ", ".join(f"{k} {v:.1f}" for k, v in p["fp16_headroom_bits"].items())
                + "; kept on the GPU for range: " + ", ".join(f"{k} {v}" for k, v in p["kept_on_gpu_for_range"].items()))
 
-    out["programs"] = c = check_programs(split, engine.model.args.rope_theta)
+    out["programs"] = c = check_programs(split, engine.model.args.rotary)
     report(f"programs checked in the worker: {c['checked']} ({c['runs']} runs, a padded last chunk of "
            f"{c['padded_rows']} rows included): {c['failed']} failed; placement {c['placement']}")
     for line in c["failures"]:
@@ -60,8 +60,8 @@ def check_split(engine, worker, tokens: int, fraction: float, chunk: int, weight
     check = verify(run, ids, n_tokens=8)  # the same prompt: its programs are loaded already
     out["verify"] = check
     report(f"verify ({n} tokens, {engine.model.model.norm.weight.dtype}): "
-           f"{'MATCH' if check['match'] else 'MISMATCH'}; max relative logit diff {check['max_rel_logit_diff']}, "
-           f"cache {check['max_rel_cache_diff']} (tolerance {check['tolerance']}), greedy "
+           f"{'MATCH' if check['match'] else 'MISMATCH'}; distance {check['distance']} at {check['worst'] or '-'} "
+           f"(tolerance {check['tolerance']}), greedy "
            f"{check['greedy_match_tokens']}/{check['greedy_compared_tokens']}")
     out["memory"] = split_memory(engine, worker, split, n)
     out["run"], out["_split"] = run, split
@@ -95,7 +95,7 @@ def memory_line(m: dict) -> str:
             f"{m['ane_functions_charged_bytes'] / 2**20:.0f} MiB charged to the governor")
 
 
-def check_programs(split, theta: float, seed: int = 0) -> dict:
+def check_programs(split, rotary, seed: int = 0) -> dict:
     """Every program the split loaded, checked in the ANE lane's worker (`AneProcess.diagnose`) on a full chunk
     and on a padded last chunk (`PADDED_ROWS` rows, the rest zero: where a norm's epsilon, subnormal in fp16,
     meets zero rows): finite outputs, agreement with the reference executor, Core ML's placement, and (on the full
@@ -114,7 +114,7 @@ def check_programs(split, theta: float, seed: int = 0) -> dict:
                         shape = part[1]
                         hidden, start = shape.hidden, shape.cache_slots  # the chunk right after a full cache
                         kv = rng.standard_normal((2, 1, shape.kv_heads, start, shape.head_dim)).astype(np.float32)
-                        extra = {**rope_tables(start, shape, theta), **attention_masks(start, shape),
+                        extra = {**rope_tables(start, shape, rotary), **attention_masks(start, shape),
                                  **cache_inputs(kv[0], kv[1], shape)}
                     else:
                         hidden, extra = split.model.args.hidden_size, {}

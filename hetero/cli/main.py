@@ -126,8 +126,9 @@ def print_run_stats(s: dict, extra: dict) -> None:
         print("[verify: not judged: the ANE lane's worker was lost during the check]", file=sys.stderr)
     elif "verify" in extra:
         v = extra["verify"]
-        print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; max |logit diff| {v['max_abs_logit_diff']}, cosine "
-              f"{v['cosine']}, greedy {v['greedy_match_tokens']}/{v['greedy_compared_tokens']} tokens identical]",
+        print(f"[verify: {'MATCH' if v['match'] else 'MISMATCH'}; distance {v['distance']:.3g} (tolerance "
+              f"{v['tolerance']:.3g}, at {v['worst'] or '-'}), greedy {v['greedy_match_tokens']}/"
+              f"{v['greedy_compared_tokens']} tokens identical]",
               file=sys.stderr)
 
 

@@ -156,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verify-tol", type=NONNEG, default=None,
                      help="a fixed tolerance instead of the default judgement (the split no farther from the same "
                      "prompt in fp32 than 1.5x GPU-only's own distance plus the fp16 share's allowance): the largest "
-                     "max|split - GPU-only| / max|GPU-only| over the last logits and every cache array that still "
-                     "matches (without an fp32 copy's room the dtype's: "
+                     "distance from GPU-only that still matches, the largest relative RMS difference of any block of "
+                     "the last logits and the cache (a head's keys over 64 tokens, a head's state; without an fp32 "
+                     "copy's room the dtype's: "
                      + ", ".join(f"{k} {v:g}" for k, v in tolerance_table().items()) + ")")
     run.add_argument("--verify-tokens", type=POSITIVE_INT, default=32, help="greedy tokens that must be identical")
     run.add_argument("--trace", metavar="FILE",

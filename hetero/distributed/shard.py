@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from hetero.checkpoint.preflight import build_lazy_model, sanitize_for
-from hetero.checkpoint.safetensors import read_header, read_index
+from hetero.checkpoint.safetensors import norms_zero_centred, read_header, read_index
 from hetero.errors import HeteroError
 from hetero.models.fused import fuse
 from hetero.models.interface import Args, CausalLM
@@ -72,7 +72,8 @@ def load_share(path: Path, args: Args, layers: range, first: bool, last: bool,
         tensors.update({n: loaded[n] for n, f in mine.items() if f == shard})
         del loaded  # the shard's other tensors (never read)
     probe = _conv_layout_probe(path, files, tensors)
-    weights = {k: v for k, v in sanitize_for(args, {**tensors, **probe}).items() if share.owns(k)}
+    weights = {k: v for k, v in sanitize_for(args, {**tensors, **probe}, norms_zero_centred(path)).items()
+               if share.owns(k)}
     quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     net = build_lazy_model(args, share.mtp and last, quantized)
     expected = {k for k, _ in tree_flatten(net.parameters()) if share.owns(k)}

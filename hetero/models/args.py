@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.errors import HeteroError
+from hetero.models.rope import Rotary, rotary_of
 
 
 @dataclass(kw_only=True)
@@ -35,6 +36,7 @@ class Args:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 262_144
+    rope_parameters: dict = field(default_factory=dict)  # as config.json gives them: the rope type and its scaling
     mtp_num_hidden_layers: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -48,8 +50,20 @@ class Args:
     def rotary_dims(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def rotary(self) -> Rotary:
+        """The rotation every attention layer applies (`hetero.models.rope`: default, linear, yarn, dynamic)."""
+        return rotary_of(self.rope_parameters, self.rotary_dims, self.rope_theta, self.max_position_embeddings)
+
     # Each architecture says: `intermediate_size` (the dense MLP's width, 0 without a dense layer) and `moe_layers`
     # (the backbone layers whose MLP is a mixture of experts)
+
+
+def check_activation(name) -> None:
+    """transformers' Qwen MLPs (and the GDN conv) apply `hidden_act`; hetero implements SiLU (SwiGLU) alone, so any
+    other is refused in one line rather than run as SiLU."""
+    if name not in ("silu", "swish"):
+        raise HeteroError(f"unsupported hidden_act {name!r} in config.json: hetero implements silu (SwiGLU) only")
 
 
 class ConfigFields:
@@ -66,20 +80,17 @@ class ConfigFields:
     def shared(self, model_type: str, attention: str, aliases: tuple[str, ...] = (), **defaults) -> dict:
         """The fields every architecture's arguments share (`Args`), read from the config: layer types default to
         GDN layers with every `full_attention_interval`-th one of kind `attention` (`aliases`: other names of that
-        kind), RoPE must be the default (with mrope sections). `defaults`: the architecture's own for the fields a
-        config may lack (GDN heads and dims, partial_rotary_factor, max_position_embeddings); without one a field
-        is required."""
+        kind), RoPE of a type `hetero.models.rope` implements (default, with mrope sections; linear, yarn, dynamic),
+        the MLPs' activation SiLU. `defaults`: the architecture's own for the fields a config may lack (GDN heads
+        and dims, partial_rotary_factor, max_position_embeddings); without one a field is required."""
         n_layers, hidden = int(self("num_hidden_layers")), int(self("hidden_size"))
         heads, interval = int(self("num_attention_heads")), int(self("full_attention_interval", 4))
         types = self("layer_types") or [attention if (i + 1) % interval == 0 else "linear_attention"
                                         for i in range(n_layers)]
         rope = self("rope_parameters") or self("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "mrope"):
-            raise HeteroError(f"unsupported rope type {kind!r} in config.json: only default RoPE (with mrope "
-                              "sections) is implemented")
+        check_activation(self("hidden_act", "silu"))
         eos, d = self("eos_token_id", []), defaults.get
-        return dict(
+        fields = dict(
             model_type=model_type, hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads,
             num_key_value_heads=int(self("num_key_value_heads", heads)), head_dim=int(self("head_dim") or hidden // heads),
             **{k: int(self(k, d(k))) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -99,7 +110,12 @@ class ConfigFields:
             norm_topk_prob=bool(self("norm_topk_prob", True)),
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
             quantization=self.config.get("quantization") or self.config.get("quantization_config"),
+            rope_parameters=dict(rope),
         )
+        head_dim = fields["head_dim"]
+        rotary_of(rope, int(head_dim * fields["partial_rotary_factor"]), fields["rope_theta"],
+                  fields["max_position_embeddings"])  # a rope type it does not implement is refused here, in one line
+        return fields
 
     def bad_value(self, error: Exception) -> HeteroError:
         """One line naming the field read last (the one whose value failed) and what was wrong with it."""

@@ -129,8 +129,9 @@ class Architecture(Protocol):
     def parse(self, config: dict) -> Args:
         """config.json -> typed arguments; one-line HeteroError on a bad or missing field."""
 
-    def sanitize(self, args: Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Checkpoint tensors -> the model's parameters (canonical names, layouts, the norms' +1 exactly once)."""
+    def sanitize(self, args: Args, weights: dict[str, mx.array], zero_centred: bool = True) -> dict[str, mx.array]:
+        """Checkpoint tensors -> the model's parameters (canonical names, layouts, the norms' +1 exactly once;
+        `zero_centred`: the files' writer's word on the norms, for a layout whose tensors do not tell)."""
 
     def derived(self, name: str) -> bool:
         """Whether a stored tensor is one `sanitize` drops because the config determines it (any dtype passes)."""

@@ -57,6 +57,9 @@ form's numpy SwiGLU reads the product's two halves in place (`activations.silu_m
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -72,6 +75,15 @@ GROUPED_MIN_TOKENS = 17  # the grouped form evaluates mid-graph: never for a com
 QUANTIZED_GROUPED_MIN_TOKENS = 64  # quantized experts on the CPU: grouped (dequantized) from this many tokens
 PAD_LIMIT = 4  # the grouped form's padded rows may be at most this many times the pairs (else: sorted)
 MAX_BUCKETS = 4  # runs of experts of similar counts in the grouped form, each padded to its own largest count
+
+
+def gather_mm(a: mx.array, b: mx.array, **kwargs) -> mx.array:
+    """`mx.gather_mm`, in any float dtype on any backend: MLX's CPU backend multiplies only float32 there
+    ("[GatherMM::eval] Currently only supports float32"), so on the CPU a bf16 or fp16 product runs in fp32 and
+    its result is rounded back, as Metal's half-precision products accumulate in fp32 and round their result."""
+    if a.dtype == mx.float32 or mx.default_device() != mx.cpu:
+        return mx.gather_mm(a, b, **kwargs)
+    return mx.gather_mm(a.astype(mx.float32), b.astype(mx.float32), **kwargs).astype(a.dtype)
 
 
 def route(logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, mx.array]:
@@ -105,7 +117,7 @@ class SwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         """x [..., 1, in] (broadcast against indices' batch shape), indices [...] -> [..., 1, out]."""
-        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchLinear":
         """The quantized form `nn.quantize` swaps in (same names plus `scales`/`biases`, as mlx-lm writes)."""
@@ -231,10 +243,10 @@ class SwitchGLU(nn.Module):
             ids = mx.array(experts)  # [n] each batch's expert
             # a prefill chunk's SwiGLU (grouped runs no compiled step): numpy's exp
             if len(gate_up) == 1:  # fused: [n, cap, 2*hid], gate|up
-                h = act.silu_mul_halves_now(mx.gather_mm(xb, gate_up[0][0], rhs_indices=ids))
+                h = act.silu_mul_halves_now(gather_mm(xb, gate_up[0][0], rhs_indices=ids))
             else:
-                h = act.silu_mul_now(*run_products(gate_up, lambda w: mx.gather_mm(xb, w, rhs_indices=ids)))
-            outs.append(mx.gather_mm(h, d, rhs_indices=ids).reshape(len(experts) * cap, -1))  # [n*cap, dims]
+                h = act.silu_mul_now(*run_products(gate_up, lambda w: gather_mm(xb, w, rhs_indices=ids)))
+            outs.append(gather_mm(h, d, rhs_indices=ids).reshape(len(experts) * cap, -1))  # [n*cap, dims]
         y = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [R, dims]
         return y[mx.array(layout.pair_row)]  # [P, dims]
 
@@ -323,8 +335,13 @@ class SparseMoeBlock(nn.Module):
 
     def routed(self, x: mx.array) -> mx.array:
         """The router and the routed experts' weighted sum: x [B, S, dims] -> [B, S, dims] (the split prefill runs
-        it on the GPU lane while the ANE lane takes shared-expert channels)."""
-        indices, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [B, S, k] each
+        it on the GPU lane while the ANE lane takes shared-expert channels). Under `Routes.using`, the routes are
+        recorded or replayed (`--verify`)."""
+        routes = _routes[0]
+        if routes is not None:
+            indices, weights = routes.route(self, self.gate(x))
+        else:
+            indices, weights = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [B, S, k] each
         routed = self.switch_mlp(x, indices)  # [B, S, k, dims]
         return (routed * weights[..., None].astype(routed.dtype)).sum(axis=-2)  # [B, S, dims]
 
@@ -332,3 +349,81 @@ class SparseMoeBlock(nn.Module):
         """x [B, S, dims] -> [B, S, dims]."""
         shared = self.shared_expert(x) * act.sigmoid(self.shared_expert_gate(x))  # [B, S, dims] * [B, S, 1]
         return self.routed(x) + shared
+
+
+_routes: list[Routes | None] = [None]  # the `Routes` in use (one `--verify` at a time), else None
+
+
+class Routes:
+    """Each token's experts as one prefill chose them, recorded (`replay` None) or imposed on another prefill of
+    the same prompt and chunks (`replay`: a recording), for `--verify`: a router whose k-th and (k+1)-th experts lie
+    within rounding of each other sends a token to either, and two runs that differ only in rounding may each
+    choose its own. Replaying the split's routes in the reference run leaves the two runs' arithmetic alone to
+    compare, and `flips` counts the routes the reference would have chosen otherwise.
+
+    A block's calls are told apart by its name in the model and matched by their router logits (a replayed call
+    takes the recorded call of the same block whose logits lie nearest on its rows; a padded last chunk's extra rows
+    aside). Only prefills run under it, never a compiled step (it reads the logits on the host).
+    """
+
+    def __init__(self, model: nn.Module, replay: Routes | None = None):
+        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+        self.replay = replay
+        self.calls: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # name -> [(logits [N, E], experts taken [N, k])]
+        self.flips = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def using(self):
+        """Record or replay the routes of every SparseMoeBlock call inside the block (this thread and the lanes)."""
+        _routes[0] = self
+        try:
+            yield self
+        finally:
+            _routes[0] = None
+
+    def route(self, block: SparseMoeBlock, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """`route` for `block`'s router logits [B, S, E], recorded or replaced by the replayed call's experts."""
+        indices, weights = route(logits, block.top_k, block.norm_topk_prob)  # [B, S, k] each
+        name = self.names.get(id(block))
+        if name is None:
+            return indices, weights
+        own = np.array(indices).reshape(-1, block.top_k)  # [N, k]
+        flat = np.array(logits.astype(mx.float32)).reshape(own.shape[0], -1)  # [N, E]
+        if self.replay is None:
+            with self._lock:
+                self.calls.setdefault(name, []).append((flat, own))
+            return indices, weights
+        chosen = self.replay.match(name, flat)
+        with self._lock:
+            self.calls.setdefault(name, []).append((flat, own if chosen is None else chosen))  # the routes taken
+        if chosen is None or (np.sort(chosen, -1) == np.sort(own, -1)).all():
+            return indices, weights
+        with self._lock:
+            self.flips += int((np.sort(chosen, -1) != np.sort(own, -1)).any(-1).sum())
+        order = mx.array(chosen.reshape(indices.shape).astype(np.uint32))  # [B, S, k] the replayed experts
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        weights = mx.take_along_axis(probs, order, axis=-1)  # their probabilities in this run
+        if block.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return order, weights
+
+    def differs(self, other: Routes) -> int:
+        """How many tokens' routes of this recording another recording of the same prompt chose otherwise."""
+        count = 0
+        for name, calls in self.calls.items():
+            for logits, experts in calls:
+                theirs = other.match(name, logits)
+                if theirs is not None:
+                    count += int((np.sort(theirs, -1) != np.sort(experts[: len(theirs)], -1)).any(-1).sum())
+        return count
+
+    def match(self, name: str, logits: np.ndarray) -> np.ndarray | None:
+        """The experts [N, k] of the recorded call of `name` whose logits lie nearest `logits` [N, E] (a recorded
+        call may hold more rows: a padded chunk), or None."""
+        n = logits.shape[0]
+        calls = [(f, e) for f, e in self.calls.get(name, []) if f.shape[0] >= n and f.shape[1] == logits.shape[1]]
+        if not calls:
+            return None
+        flat, experts = min(calls, key=lambda c: float(np.abs(c[0][:n] - logits).max()))
+        return experts[:n]

@@ -10,6 +10,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from hetero.models.rope import Rotary
+
 
 def frequency_streams(rotary_dims: int, section: Sequence[int]) -> np.ndarray:
     """[rotary_dims / 2] stream index (0 time, 1 height, 2 width) per rotary frequency."""
@@ -20,14 +22,15 @@ def frequency_streams(rotary_dims: int, section: Sequence[int]) -> np.ndarray:
     return streams
 
 
-def apply_mrope(x: mx.array, positions: mx.array, rotary_dims: int, theta: float, section: Sequence[int]) -> mx.array:
-    """x [B, H, S, D] with positions [3, S] (time, height, width) -> x with its first `rotary_dims` dims rotated."""
+def apply_mrope(x: mx.array, positions: mx.array, rotary: Rotary, section: Sequence[int]) -> mx.array:
+    """x [B, H, S, D] with positions [3, S] (time, height, width) -> x with its first `rotary.dims` dims rotated by
+    the model's frequencies (`hetero.models.rope.Rotary`, scaled ones included)."""
+    rotary_dims = rotary.dims
     half = rotary_dims // 2
-    inv_freq = mx.array((1.0 / theta ** (np.arange(0, rotary_dims, 2, dtype=np.float32) / rotary_dims)).astype(np.float32))
     streams = mx.array(frequency_streams(rotary_dims, section))
     pos = positions.astype(mx.float32)[streams, :]  # [half, S]: each frequency's own stream
-    angles = pos.T * inv_freq  # [S, half]
-    cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+    cos, sin = rotary.angles(pos)  # [S, half] each
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:rotary_dims], x[..., rotary_dims:]
     return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 

@@ -114,6 +114,15 @@ def _split_fused_experts(out: dict[str, mx.array]) -> None:
             out[targets[0]] = value
 
 
+def hf_conv_layout(weights: dict[str, mx.array], zero_centred: bool) -> bool:
+    """Whether the norms are stored zero-centred: original HF checkpoints store conv1d as [C, 1, K] and zero-centred
+    norms, converted (MLX) ones [C, K, 1] with the +1 already applied, so the conv layout tells which; a checkpoint
+    without a GDN conv (every layer attention) takes `zero_centred`, what its files' writer says
+    (`hetero.checkpoint.safetensors.norms_zero_centred`)."""
+    convs = [v for k, v in weights.items() if k.endswith("conv1d.weight")]
+    return any(v.shape[-1] != 1 for v in convs) if convs else zero_centred
+
+
 def finish(out: dict[str, mx.array], num_experts: int, hf_layout: bool, zero_centred) -> dict[str, mx.array]:
     """The steps every architecture's `sanitize` ends with, on canonical names: experts stacked (per-expert
     tensors) or split (fused `gate_up_proj`), conv1d [C, 1, K] -> [C, K, 1], and, in an original HF checkpoint

@@ -102,7 +102,8 @@ def verified(engine, fraction: float, offload: tuple[str, ...], chunk: int, prof
             return run
         lower = round(fraction / 2, 2) if fraction > 0.05 else 0.0
         report(f"--ane-fraction auto: {fraction:.2f} failed verification on a calibration prompt "
-               f"(max |logit diff| {check['max_abs_logit_diff']}, greedy {check['greedy_match_tokens']}/8); "
+               f"(distance {check['distance']}, tolerance {check['tolerance']}, greedy "
+               f"{check['greedy_match_tokens']}/8); "
                f"lowering to {lower:.2f}")
         fraction = lower
     report("--ane-fraction auto: no split passed verification; prefill runs GPU-only")

@@ -138,7 +138,7 @@ class PieceJobs:
         partial o_proj sum and their new K/V, merged by head into the GPU cache (the single source of truth). A
         layer that selects its keys (QSA) selects them on the GPU first, for both lanes' heads."""
         rest, parts = self.attn_rest.get(i), self.programs.attention_at(i, ch.start)
-        size, label, theta = self.programs.chunk, _label(i, layer, ch), self.model.args.rope_theta
+        size, label, theta = self.programs.chunk, _label(i, layer, ch), self.model.args.rotary  # tables' frequencies
         rank = lambda step: (ch.index, i, step)  # noqa: E731
         norm = self.normed(f"{label} norm", layer.mixer_io, ch, (i, "x"), (h_job,), rank(0), (i, "attention"))
         state = (norm,) if prev is None else (norm, prev)  # both read the cache as the last chunk left it

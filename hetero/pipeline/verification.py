@@ -9,14 +9,22 @@ split is accepted when it is no farther from that reference than `K` times the G
 
     d(split, fp32) <= K x d(gpu, fp32) + ANE_FLOOR
 
-A distance is the largest relative RMS difference, ||a - ref|| / ||ref||, over the last logits and every array the
-cache holds (each layer's K and V over the prompt, GDN conv window and recurrent state): the arrays the next chunk,
-turn and decode step read. RMS rather than the largest element: a defect moves a whole array, rounding moves its
-elements each a little, and one extreme element of a bf16 run's rounding hid a program that lost half its output.
+d is the one distance of `hetero.pipeline.distance`: the largest relative RMS difference of any block (one head's
+keys or values over 64 tokens, a head's recurrent state, the last logits) over every array the cache holds and the
+last logits,
+the arrays the next chunk, turn and decode step read. The report gives it once (`distance`, with `gpu_distance`,
+`tolerance` and `worst`, where it lies), and nothing else that measures the same thing another way.
 
-`--verify-tol T` overrides all of this with the older fixed comparison, max |split - gpu| / max |gpu| <= T.
-Where an fp32 copy of the model does not fit in memory, the dtype's fixed tolerance (`hetero.pipeline.verify_tolerance`) is
-used and the result says so.
+Discrete choices: a router whose k-th and (k+1)-th experts lie within rounding of each other sends a token to
+either, and the fp16 share's rounding tips some (a random Qwen3.5-MoE split in fp32 flipped 4 of 1,200 routes, at
+margins 1e-5 to 2e-3, and moved the keys of those tokens 7%); QSA's block choice likewise. So the split's choices
+are recorded and the reference runs them (`hetero.models.choices.Choices`: routes and QSA selections): the distance
+compares the two runs' arithmetic, and `choice_flips` counts the choices the reference would have made otherwise.
+The GPU-only run is measured against the reference on its own choices the same way.
+
+`--verify-tol T` compares the split with the GPU-only run (on the split's choices) instead, accepting d <= T. Where
+an fp32 copy of the model does not fit in memory, the dtype's fixed tolerance (`hetero.pipeline.verify_tolerance`)
+is used that way and the result says so.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from hetero.decode.state import Decoder
 from hetero.decode.stepper import Batch
 from hetero.errors import AneLaneLost
 from hetero.models.cache import KVCache, LayerCache
+from hetero.models.choices import Choices
 from hetero.models.interface import CausalLM
+from hetero.pipeline.distance import distance
 from hetero.pipeline.verify_tolerance import verify_tolerance
 from hetero.planner import physical_memory_bytes
 from hetero.vision.prompt import ImagePrompt
@@ -63,19 +73,6 @@ def arrays_of(logits: mx.array, cache: list[LayerCache]) -> dict[str, np.ndarray
     return out
 
 
-def max_relative(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], rms: bool) -> tuple[float, str]:
-    """The largest relative difference over the arrays both hold, and where: ||a - b|| / ||b|| with `rms`, else
-    max |a - b| / max |b|."""
-    worst, where = 0.0, ""
-    for name, b in theirs.items():
-        d = ours[name] - b
-        rel = (float(np.linalg.norm(d)) / max(float(np.linalg.norm(b)), 1e-30) if rms
-               else float(np.abs(d).max()) / max(float(np.abs(b).max()), 1e-30))
-        if rel > worst:
-            worst, where = rel, name
-    return worst, where
-
-
 def fp32_bytes(model: CausalLM) -> int:
     """What an fp32 copy of `model`'s parameters takes (quantized weights stay packed, their scales widen)."""
     return sum(v.size * (4 if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
@@ -83,10 +80,15 @@ def fp32_bytes(model: CausalLM) -> int:
 
 
 def fp32_copy(model: CausalLM) -> CausalLM:
-    """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones)."""
+    """The same model with every floating parameter widened to fp32 (exactly: the values are the loaded ones); a
+    table the model reads from the checkpoint's files (Qwen4-Exp's PLE n-gram tables) is read from them too."""
     params = tree_flatten(model.parameters())
     quantized = {k[: -len(".scales")] for k, _ in params if k.endswith(".scales")}
     net = build_lazy_model(model.args, model.has_mtp, quantized)
+    copies = dict(net.named_modules())
+    for name, module in model.named_modules():  # tables read from the checkpoint's files (Qwen4-Exp's PLE): shared
+        if getattr(module, "table", None) is not None and hasattr(module, "use_table"):
+            copies[name].use_table(module.table)
     net.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in params],
                      strict=True)
     mx.eval(net.parameters())
@@ -150,6 +152,42 @@ def _logits_after(model: CausalLM, ids: list[int], more: list[int], chunk: int, 
     return prefill(model, more, cache, chunk)[0]
 
 
+def _prefill_arrays(model: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
+                    ) -> tuple[dict[str, np.ndarray], mx.array, list[LayerCache]]:
+    """A GPU-lane prefill of `ids` under `choices` -> (its compared arrays, last logits [1, V], its cache)."""
+    cache = model.make_cache()
+    with choices.using():
+        logits, _ = prefill(model, ids, cache, chunk, images=images)
+    return arrays_of(logits, cache.backbone), logits, cache
+
+
+def _pinned(model: CausalLM, ids: list[int], chunk: int, images: ImagePrompt | None, choices: Choices
+            ) -> tuple[dict[str, np.ndarray], int]:
+    """`model`'s arrays for `ids` on the choices `choices` recorded, and how many of them it would have made
+    otherwise."""
+    replay = Choices(model, replay=choices)
+    arrays, _, _ = _prefill_arrays(model, ids, chunk, images, replay)
+    return arrays, replay.flips
+
+
+def _against_reference(fp32: FP32Reference, model: CausalLM, reference: CausalLM, ids: list[int], chunk: int,
+                       images: ImagePrompt | None, split: dict, split_choices: Choices, gpu: dict,
+                       gpu_choices: Choices) -> dict:
+    """d(split, fp32) and d(gpu, fp32), each against the fp32 reference on its own choices."""
+    if not split_choices.any:  # no router or indexer: the reference is one run, kept for the next verify of the prompt
+        truth = gpu if reference is model else fp32.arrays(reference, ids, chunk, images)
+        truth_s, flips, truth_g = truth, 0, truth
+    else:
+        truth_s, flips = _pinned(reference, ids, chunk, images, split_choices)
+        same = reference is model or gpu_choices.differs(split_choices) == 0
+        truth_g = gpu if reference is model else (truth_s if same else _pinned(reference, ids, chunk, images,
+                                                                              gpu_choices)[0])
+    d_split, where = distance(split, truth_s)
+    d_gpu, _ = distance(gpu, truth_g)
+    return {"distance": d_split, "gpu_distance": d_gpu, "worst": where, "choice_flips": flips,
+            "tolerance": K * d_gpu + ANE_FLOOR, "reference": "fp32"}
+
+
 def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, images: ImagePrompt | None = None,
            fp32: FP32Reference | None = None) -> dict:
     """Split prefill of `ids` against the GPU-only prefill (module docstring): the last logits, every cache array,
@@ -157,7 +195,7 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     `ImagePrompt` (`ids` its tokens, its images encoded), which both prefills take.
 
     A worker lost during the split answers {"match": False, "lane_lost": why} (the split could not be judged).
-    `match` is true when the arrays pass (against the fp32 reference, or `tol`'s fixed comparison), the
+    `match` is true when the distance passes (against the fp32 reference, or `tol`'s fixed comparison), the
     continuations agree and (with `images`, on a checkpoint with a tower) each image's embeddings from the vision
     tower's programs on the ANE lane agree with the GPU tower's (`vision`: cosine and PSNR per image,
     `hetero.pipeline.vision_lane.COSINE` / `PSNR`). `fp32`: the reference to measure against, kept by a
@@ -167,41 +205,35 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     """
     model = run.engine.model
     split_cache = model.make_cache()
+    split_choices = Choices(model)
     vision = None
     try:
-        split = run.splitter(len(ids))
-        res = split.run(ids, split_cache, mtp=False, logits=True, images=images)
-        lane = run.vision_lane(split) if images is not None else None
+        splitter = run.splitter(len(ids))
+        with split_choices.using():
+            res = splitter.run(ids, split_cache, mtp=False, logits=True, images=images)
+        lane = run.vision_lane(splitter) if images is not None else None
         if lane is not None:  # the ANE lane's vision tower against the GPU tower, image by image
             vision = lane.verify(images)
     except AneLaneLost as e:  # nothing to judge: said once (as any lost worker is), and no match
         run.lost(e)
         return {"match": False, "lane_lost": str(e)}
-    gpu_cache = model.make_cache()
-    ref, _ = prefill(model, ids, gpu_cache, run.chunk, images=images)
-    split, gpu = arrays_of(res.logits, split_cache.backbone), arrays_of(ref, gpu_cache.backbone)
-    rel, _ = max_relative({"last logits": split["last logits"]}, {"last logits": gpu["last logits"]}, rms=False)
-    cache_rel, worst = max_relative({k: v for k, v in split.items() if k != "last logits"},
-                                    {k: v for k, v in gpu.items() if k != "last logits"}, rms=False)
-    a, b = split["last logits"], gpu["last logits"]
-    report = {"max_abs_logit_diff": round(float(np.abs(a - b).max()), 6), "max_rel_logit_diff": round(rel, 6),
-              "max_rel_cache_diff": round(cache_rel, 6), "worst_cache": worst,
-              "cosine": round(float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30)), 8)}
+    split = arrays_of(res.logits, split_cache.backbone)
+    gpu_choices = Choices(model)
+    gpu, ref, gpu_cache = _prefill_arrays(model, ids, run.chunk, images, gpu_choices)
     fp32 = fp32 if fp32 is not None else FP32Reference(run.engine)
     reference = fp32.model() if tol is None else None
     if reference is None:  # the fixed comparison: asked for, or no room for the fp32 reference
         basis = "--verify-tol" if tol is not None else "dtype table (no room for an fp32 copy of the model)"
         tol = verify_tolerance(model.model.norm.weight.dtype) if tol is None else tol
-        arrays_ok, bound = rel <= tol and cache_rel <= tol, tol
-        report.update(reference=basis, tolerance=tol)
+        pinned, flips = _pinned(model, ids, run.chunk, images, split_choices) if split_choices.any else (gpu, 0)
+        d, where = distance(split, pinned)
+        report = {"distance": d, "gpu_distance": 0.0, "worst": where, "choice_flips": flips, "tolerance": tol,
+                  "reference": basis}
     else:
-        truth = gpu if reference is model else fp32.arrays(reference, ids, run.chunk, images)
-        d_split, where = max_relative(split, truth, rms=True)
-        d_gpu, _ = max_relative(gpu, truth, rms=True)
-        bound = K * d_gpu + ANE_FLOOR
-        arrays_ok = d_split <= bound
-        report.update(reference="fp32", split_to_fp32=round(d_split, 6), gpu_to_fp32=round(d_gpu, 6),
-                      worst_to_fp32=where, tolerance=round(bound, 6))
+        report = _against_reference(fp32, model, reference, ids, run.chunk, images, split, split_choices, gpu,
+                                    gpu_choices)
+    bound = report["tolerance"]
+    report.update({k: round(report[k], 6) for k in ("distance", "gpu_distance", "tolerance")})
     ours = greedy_continuation(model, split_cache, res.logits, n_tokens)
     theirs = greedy_continuation(model, gpu_cache, ref, n_tokens)
     same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
@@ -214,6 +246,7 @@ def verify(run, ids: list[int], tol: float | None = None, n_tokens: int = 32, im
     if vision is not None:
         report["vision"] = vision
     vision_ok = vision is None or all(v["ok"] for v in vision)
+    arrays_ok = report["distance"] <= bound
     return {"match": bool(arrays_ok and (same == n_tokens or tie) and vision_ok), **report,
             "greedy_match_tokens": same, "greedy_compared_tokens": n_tokens, "greedy_tie_at": same if tie else None,
             "greedy_gap": None if gap is None else round(gap, 6)}

@@ -52,7 +52,7 @@ def _bc1s(h: mx.array, chunk: int) -> np.ndarray:
     return np.pad(a, ((0, 0), (0, chunk - a.shape[1]))).astype(np.float16)[None, :, None, :]
 
 
-def _attention_layer(parts: list, layer_cache, h: mx.array, start: int, theta: float) -> mx.array:
+def _attention_layer(parts: list, layer_cache, h: mx.array, start: int, theta) -> mx.array:
     """One attention layer for the chunk's normed input h [1, s, hidden] at `start` through its programs; writes
     the chunk's K/V."""
     from hetero.coreml.graphs.attention import attention_masks, cache_inputs, rope_tables
@@ -83,7 +83,7 @@ def prefill_with_attention_programs(
     """
     chunk, programs = attention_programs(export_dir, model, len(tokens))
     cache = model.make_cache()
-    theta = model.args.rope_theta
+    theta = model.args.rotary
     for start in range(0, len(tokens), chunk):
         h = model.model.embed_tokens(mx.array(tokens[start : start + chunk])[None])  # [1, s, hidden]
         for i, layer in enumerate(model.layers):

@@ -169,16 +169,20 @@ def _attend(q: Var, keys: list[Var], vals: list[Var], masks: list[Var], name: st
 # Host side: the inputs a caller feeds for the chunk at positions [start, start + S)
 
 
-def rope_tables(start: int, shape: AttentionShape, theta: float, positions: np.ndarray | None = None
+def rope_tables(start: int, shape: AttentionShape, rotary, positions: np.ndarray | None = None
                 ) -> dict[str, np.ndarray]:
-    """cos and sin (1, 1, R/2, S) fp16 for positions start..start+S-1, as MLX's nn.RoPE computes them (fp32).
+    """cos and sin (1, 1, R/2, S) fp16 for positions start..start+S-1, as MLX's RoPE computes them (fp32).
 
-    `positions` [R/2, S] (a prompt with images: each rotary frequency's own position, from its mrope stream)
-    replaces them; the program is the same, only its tables change."""
+    `rotary`: the model's `hetero.models.rope.Rotary` (its frequencies, and the scale a yarn rope gives cos and
+    sin), or a plain rope's theta. `positions` [R/2, S] (a prompt with images: each rotary frequency's own position,
+    from its mrope stream) replaces them; the program is the same, only its tables change."""
     half = shape.rotary_dims // 2
     if not half:
         return {}
-    inv_freq = theta ** (-np.arange(0, half, dtype=np.float32) / half)  # [R/2]
+    if hasattr(rotary, "inv_freq"):
+        inv_freq, scale = np.asarray(rotary.inv_freq, np.float32), np.float32(rotary.scale)  # [R/2]
+    else:  # theta
+        inv_freq, scale = rotary ** (-np.arange(0, half, dtype=np.float32) / half), np.float32(1.0)
     if positions is None:
         pos = np.arange(start, start + shape.chunk, dtype=np.float32)[None, :]  # [1, S]
     else:
@@ -186,7 +190,7 @@ def rope_tables(start: int, shape: AttentionShape, theta: float, positions: np.n
             raise ValueError(f"positions {positions.shape}: the program rotates {half} frequencies of {shape.chunk}")
         pos = positions.astype(np.float32)  # [R/2, S]
     angle = inv_freq[:, None] * pos  # [R/2, S]
-    return {"cos": fp16(np.cos(angle))[None, None], "sin": fp16(np.sin(angle))[None, None]}
+    return {"cos": fp16(np.cos(angle) * scale)[None, None], "sin": fp16(np.sin(angle) * scale)[None, None]}
 
 
 def attention_masks(start: int, shape: AttentionShape) -> dict[str, np.ndarray]:

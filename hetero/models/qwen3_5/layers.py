@@ -56,8 +56,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.rope = nn.RoPE(args.rotary_dims, traditional=False, base=args.rope_theta)
-        self.rope_args = (args.rotary_dims, args.rope_theta, args.mrope_section)
+        self.rope = args.rotary  # a plain callable (`hetero.models.rope.Rotary`): no parameters
+        self.rope_args = (args.rotary, args.mrope_section)
         self.indexer = None  # every causal key is read (Qwen4-Exp's QSA attention selects them: `qsa.Indexer`)
 
     def __call__(self, x: mx.array, cache: KVCache | None, positions: mx.array | None = None) -> mx.array:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from hetero.models.qwen3_5.args import ModelArgs
-from hetero.models.weights import FUSED, canonical_name, finish, unfused_names
+from hetero.models.weights import FUSED, canonical_name, finish, hf_conv_layout, unfused_names
 
 _NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 _MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
@@ -32,22 +32,22 @@ def _unfuse(args: ModelArgs, kind: str, w: mx.array) -> tuple[mx.array, mx.array
     return b.reshape(-1, *w.shape[1:]), a.reshape(-1, *w.shape[1:])
 
 
-def sanitize(args: ModelArgs, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def sanitize(args: ModelArgs, weights: dict[str, mx.array], zero_centred: bool = True) -> dict[str, mx.array]:
     """Checkpoint tensors -> this model's parameters: rename, skip vision, un-fuse, stack experts, conv layout,
     norm shift.
 
     Routed experts come per expert (stacked here, lazily; `hetero.checkpoint.loader` stacks them shard by shard before),
     fused (`experts.gate_up_proj`, split here) or already stacked under mlx-lm's `switch_mlp` names.
 
-    Original HF checkpoints store conv1d as [C, 1, K] and zero-centred norms; converted (MLX) ones store
-    [C, K, 1] with the +1 already applied. The conv layout tells which, so the shift happens exactly once.
+    The norms' +1 is applied exactly once: where the checkpoint stores them zero-centred (`hf_conv_layout`: the
+    GDN conv's layout tells; `zero_centred`, what the files' writer says, for a layout without a GDN conv).
     """
     out: dict[str, mx.array] = {}
     for key, value in weights.items():
         name = canonical_name(key)
         if name is not None:
             out[name] = value
-    hf_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
+    hf_layout = hf_conv_layout(out, zero_centred)
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     for name in list(out):

@@ -26,7 +26,7 @@ from hetero.models.qwen4_exp.ple import PLECache, PLELayer
 from hetero.models.qwen4_exp.ple_table import DiskTable, QuantizedDiskTable, StoredRows
 from hetero.models.qwen4_exp.qsa import QSAAttention, QSACache
 from hetero.models.qwen4_exp.step import LayerSteps
-from hetero.models.weights import canonical_name, finish
+from hetero.models.weights import canonical_name, finish, hf_conv_layout
 
 
 class GatedDeltaNetQ4(GatedDeltaNet):
@@ -315,7 +315,7 @@ def is_zero_centred_norm(name: str) -> bool:
     return name.endswith(".weight") and "norm" in module and not name.endswith("linear_attn.norm.weight")
 
 
-def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def sanitize(args: Qwen4Args, weights: dict[str, mx.array], zero_centred: bool = True) -> dict[str, mx.array]:
     """Checkpoint tensors -> parameters: canonical names (vision skipped), PLE shards concatenated (their hash
     buffers dropped: recomputed from the config), experts stacked, conv layout, the norms' +1 once."""
     out, hash_buffers = {}, False
@@ -327,7 +327,7 @@ def sanitize(args: Qwen4Args, weights: dict[str, mx.array]) -> dict[str, mx.arra
             out[name] = value
     _check_hc(args, out)
     _join_ple_shards(args, out)
-    hf_conv = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in out.items())
+    hf_conv = hf_conv_layout(out, zero_centred)
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     # The norms are stored zero-centred (+1 to apply) by transformers (its conv layout) and by mlx-vlm (MLX conv

@@ -12,16 +12,20 @@ A batch of requests (`RaggedKV`) selects and attends row by row, each row over i
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from hetero.models.attention import attend_selected
 from hetero.models.cache import KVCache, RaggedKV
 from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.linear import Linear
 from hetero.models.qwen3_5.layers import Attention, RMSNorm
+from hetero.models.rope import Rotary
 from hetero.models.qwen4_exp.args import Qwen4Args
 
 
@@ -88,12 +92,13 @@ class QSACache(KVCache):
         return super().state + ([] if self.index_keys is None else [self.index_keys])
 
 
-def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.array:
-    """NeoX RoPE on the first `dims` features of x [..., N, H, D] at positions [N] (any, not only consecutive)."""
-    inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))  # [dims/2]
-    angles = positions.astype(mx.float32)[:, None] * inv_freq  # [N, dims/2]
-    cos = mx.concatenate([mx.cos(angles)] * 2, axis=-1)[:, None, :]  # [N, 1, dims]
-    sin = mx.concatenate([mx.sin(angles)] * 2, axis=-1)[:, None, :]
+def rope_at(x: mx.array, positions: mx.array, rotary: Rotary) -> mx.array:
+    """NeoX RoPE (the model's frequencies and scale) on the first `rotary.dims` features of x [..., N, H, D] at
+    positions [N] (any, not only consecutive)."""
+    dims = rotary.dims
+    cos, sin = rotary.angles(positions)  # [N, dims/2] each
+    cos = mx.concatenate([cos] * 2, axis=-1)[:, None, :]  # [N, 1, dims]
+    sin = mx.concatenate([sin] * 2, axis=-1)[:, None, :]
     rot, rest = x[..., :dims], x[..., dims:]
     half = dims // 2
     rotated = mx.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
@@ -107,7 +112,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.heads, self.dim = args.indexer_n_heads, args.indexer_head_dim
         self.ratio, self.blocks = args.indexer_compress_ratio, args.indexer_budget // args.indexer_compress_ratio
-        self.rotary_dims, self.base = args.rotary_dims, args.rope_theta
+        self.rotary = args.rotary
         self.index_qk_proj = Linear(args.hidden_size, (self.heads + 1) * self.dim, bias=False)
         self.q_layernorm = RMSNorm(self.dim, args.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.dim, args.rms_norm_eps)
@@ -130,11 +135,17 @@ class Indexer(nn.Module):
 
     def select(self, q: mx.array, keys: mx.array, offset: int) -> mx.array:
         """Normed queries [B, L, Hi, Di] at positions offset..offset+L-1 and all raw keys [B, T, Di] (T = offset+L)
-        -> the keys each query may attend to [B, L, T] bool (causal included)."""
+        -> the keys each query may attend to [B, L, T] bool (causal included). Under `Selections.using`
+        (`--verify`) the choice is recorded, or replaced by the recorded one."""
+        chosen = self._select(q, keys, offset)
+        selections = _selections[0]
+        return chosen if selections is None else selections.choose(self, offset, chosen)
+
+    def _select(self, q: mx.array, keys: mx.array, offset: int) -> mx.array:
         B, L = q.shape[:2]
         T = keys.shape[1]
         pos = mx.arange(offset, offset + L)  # [L]
-        q = rope_at(q, pos, self.rotary_dims, self.base).astype(mx.float32)
+        q = rope_at(q, pos, self.rotary).astype(mx.float32)
         t = mx.arange(T)
         causal = t[None, :] <= pos[:, None]  # [L, T]
         n_blocks = T // self.ratio
@@ -161,7 +172,7 @@ class Indexer(nn.Module):
         raw = keys[:, lo * self.ratio : hi * self.ratio].astype(mx.float32).reshape(B, hi - lo, self.ratio, self.dim)
         pooled = self.k_layernorm(raw.mean(axis=2).astype(keys.dtype))  # [B, hi-lo, Di]
         starts = mx.arange(lo, hi) * self.ratio
-        return rope_at(pooled[:, :, None, :], starts, self.rotary_dims, self.base)[:, :, 0].astype(mx.float32)
+        return rope_at(pooled[:, :, None, :], starts, self.rotary)[:, :, 0].astype(mx.float32)
 
     def pick(self, q: mx.array, keys: mx.array, cache: QSACache) -> mx.array | None:
         """`select` for one query at the newest position T-1 (a decode step), as token ids rather than a mask:
@@ -173,7 +184,7 @@ class Indexer(nn.Module):
         if n_blocks <= self.blocks:  # every complete block is chosen: the whole causal prefix
             return None
         block_keys = self.kept_blocks(keys, cache)  # [B, NB, Di]
-        q = rope_at(q, mx.array([T - 1]), self.rotary_dims, self.base).astype(mx.float32)  # [B, 1, Hi, Di]
+        q = rope_at(q, mx.array([T - 1]), self.rotary).astype(mx.float32)  # [B, 1, Hi, Di]
         scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, 1, Hi, NB]
         scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, 1, NB]: every block is complete for this query
         top = mx.argsort(-scores, axis=-1)[:, 0, : self.blocks].astype(mx.int32)  # [B, k] as `select` orders them
@@ -194,7 +205,7 @@ class Indexer(nn.Module):
             return None
         block_keys = self.kept_blocks(keys, cache)  # [B, NB, Di]
         pos = mx.arange(T - L, T)  # [L]
-        q = rope_at(q, pos, self.rotary_dims, self.base).astype(mx.float32)  # [B, L, Hi, Di]
+        q = rope_at(q, pos, self.rotary).astype(mx.float32)  # [B, L, Hi, Di]
         scores = mx.maximum(q @ block_keys[:, None].swapaxes(-1, -2), 0.0)  # [B, L, Hi, NB]
         scores = scores.sum(axis=2) / math.sqrt(self.dim)  # [B, L, NB]
         complete = ((pos + 1) // self.ratio).astype(mx.int32)  # [L] complete blocks each query sees
@@ -338,3 +349,62 @@ def attend_picked_rows(queries: mx.array, keys: mx.array, values: mx.array, scal
     out = mx.fast.scaled_dot_product_attention(q, rows(keys), rows(values), scale=scale,
                                                mask=kept.reshape(B * L, 1, 1, N))  # [B*L, H, 1, D]
     return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+
+
+_selections: list[Selections | None] = [None]  # the `Selections` in use (one `--verify` at a time), else None
+
+
+class Selections:
+    """The keys each QSA query kept as one prefill chose them, recorded (`replay` None) or imposed on another prefill
+    of the same prompt and chunks (`replay`: a recording), for `--verify`, as `hetero.models.moe.Routes` does for
+    experts: two blocks whose scores lie within rounding of each other are kept by either of two runs that differ
+    only in rounding. A call is told apart by its indexer's name and its chunk's offset; `flips` counts the queries
+    whose kept keys the replaying run would have chosen otherwise. Prefill chunks alone run under it (`select`)."""
+
+    def __init__(self, model: nn.Module, replay: Selections | None = None):
+        self.names = {id(m): name for name, m in model.named_modules() if isinstance(m, Indexer)}
+        self.replay = replay
+        self.calls: dict[tuple[str, int], np.ndarray] = {}  # (indexer, offset) -> kept keys [B, L, T]
+        self.flips = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def using(self):
+        """Record or replay every indexer's choice inside the block (this thread and the lanes)."""
+        _selections[0] = self
+        try:
+            yield self
+        finally:
+            _selections[0] = None
+
+    def choose(self, indexer: Indexer, offset: int, chosen: mx.array) -> mx.array:
+        """`chosen` [B, L, T] recorded, or the recorded choice of the same indexer and offset in its place (a split's
+        padded chunk recorded more rows and keys: its first L and T)."""
+        name = self.names.get(id(indexer))
+        if name is None:
+            return chosen
+        own = np.array(chosen)
+        if self.replay is None:
+            with self._lock:
+                self.calls[(name, offset)] = own
+            return chosen
+        theirs = self.replay.calls.get((name, offset))
+        if theirs is None or theirs.shape[1] < own.shape[1] or theirs.shape[2] < own.shape[2]:
+            return chosen
+        theirs = theirs[:, : own.shape[1], : own.shape[2]]
+        differ = int((theirs != own).any(-1).sum())
+        if not differ:
+            return chosen
+        with self._lock:
+            self.flips += differ
+        return mx.array(theirs)
+
+    def differs(self, other: Selections) -> int:
+        """How many queries' kept keys of this recording another recording of the same prompt chose otherwise."""
+        count = 0
+        for key, own in self.calls.items():
+            theirs = other.calls.get(key)
+            if theirs is not None:
+                L, T = min(own.shape[1], theirs.shape[1]), min(own.shape[2], theirs.shape[2])
+                count += int((own[:, :L, :T] != theirs[:, :L, :T]).any(-1).sum())
+        return count
