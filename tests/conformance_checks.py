@@ -212,7 +212,7 @@ def check_text(draw: Draw, path: Path, hf, result: Result) -> None:
     """Every check of the module docstring but the split, on the checkpoint at `path` (written by `write`)."""
     from hetero.checkpoint.loader import load_model
     from hetero.decode.prefill import prefill
-    from hetero.decode.sampling import Sampler, SamplingParams
+    from hetero.decode.options import DecodeOptions
     from hetero.decode.solo import decode_tokens
 
     model = load_model(path, mx.float32)[0]
@@ -223,7 +223,7 @@ def check_text(draw: Draw, path: Path, hf, result: Result) -> None:
         one = np.array(model(mx.array([toks]))[0][0])  # [S, V]
     again = np.array(model(mx.array([toks]))[0][0])
     result.bound("repeat", float(np.abs(one - again).max()), 0.0)
-    greedy = list(decode_tokens(model, toks, Sampler(SamplingParams()), GREEDY, set()))
+    greedy = list(decode_tokens(model, toks, DecodeOptions(GREEDY), set()))
     seq = toks + greedy[:-1]  # the prompt, then each greedy step's input
     exact_model = hf_float64(draw, hf)
     with pinned(hf, choices):
@@ -247,7 +247,7 @@ def check_text(draw: Draw, path: Path, hf, result: Result) -> None:
         steps = [np.array(model(mx.array([[t]]), cache)[0][0, 0]) for t in toks[-k:]]
         result.bound("decode", relative(np.stack(steps), exact[n - k : n]), bound)
     if draw.mtp:
-        drafted = list(decode_tokens(model, toks, Sampler(SamplingParams()), GREEDY, set(), depth=draw.depth))
+        drafted = list(decode_tokens(model, toks, DecodeOptions(GREEDY), set(), draw.depth))
         differ = sum(a != b for a, b in zip(drafted, greedy)) + abs(len(drafted) - len(greedy))
         result.bound("mtp", differ, 0)
 

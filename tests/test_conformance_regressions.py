@@ -185,7 +185,7 @@ def test_the_vision_lane_in_bf16_is_held_to_the_towers_own_rounding(tmp_path):
     fp32, no lower than the bf16 tower's own run: it passes, and says both."""
     from conformance_vision import check_vision_split
 
-    draw = Draw.from_json(json.loads((Path(__file__).parent / "data" / "conformance_vision_bf16.json").read_text()))
+    draw = Draw.from_json(json.loads((Path(__file__).parent / "data" / "conformance" / "conformance_vision_bf16.json").read_text()))
     cc.write(draw, tmp_path / "vl")
     result = cc.Result()
     check_vision_split(draw, tmp_path / "vl", "bfloat16", result)

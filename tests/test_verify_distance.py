@@ -10,6 +10,7 @@ split's routes."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import hetero  # noqa: F401  (the fast BLAS before MLX)
 import mlx.core as mx
@@ -66,7 +67,7 @@ def _moe_draw() -> Draw:
     """A random Qwen3.5-MoE checkpoint (8 experts, top-2, released shapes scaled down) whose fp32 split's fp16
     share tips two near-tie routes (margins down to 1e-5): it failed `--verify` at 0.0139 against 0.0075 before the
     reference ran the split's routes."""
-    return Draw.from_json(json.loads((__import__("pathlib").Path(__file__).parent / "data" /
+    return Draw.from_json(json.loads((Path(__file__).parent / "data" / "conformance" /
                                       "conformance_moe_route_flip.json").read_text()))
 
 
