@@ -201,6 +201,31 @@ def rank_pieces(args: Args, moe: MoE | None, layers: range, last: bool) -> list[
     return [replace(p, layers=count[p.kind]) for p in pieces(args, moe, 0.0) if count[p.kind]]
 
 
+@dataclass(frozen=True)
+class HostSetup:
+    """What every rank's figures read: the model, its storage, the profile and its lanes, the chunk, the context the
+    memory and decode are planned at, and the prompt the prefill is."""
+
+    args: Args
+    moe: MoE | None
+    storage: Storage
+    profile: Profile
+    lanes: Lanes
+    chunk: int
+    context: int
+    prompt_tokens: int
+    kv_layer: int  # one attention layer's KV bytes per token (quantized KV: fractional bytes, rounded up)
+
+    @property
+    def mtp(self) -> int:
+        """The MTP head's layers (0: none)."""
+        return self.args.mtp_num_hidden_layers
+
+    def read_seconds(self, nbytes: float) -> float:
+        """Seconds the GPU takes to read `nbytes` while decoding (the lanes' bandwidth must be known)."""
+        return nbytes / (self.lanes.gpu_bw * self.profile.decode_efficiency)
+
+
 def plan_hosts(args: Args, moe: MoE | None, storage: Storage, profile: Profile, n_hosts: int, context: int,
                prompt_tokens: int, chunk: int, link: Link, kv_bytes: float = 2, accepted_length: float = 2.5,
                depth: int = DEFAULT_DRAFT_DEPTH, memory_gb: float | None = None) -> HostPlan:
@@ -213,99 +238,137 @@ def plan_hosts(args: Args, moe: MoE | None, storage: Storage, profile: Profile, 
     own weights, KV and state) plus n - 1 hops of one hidden state and one back to rank 0 with the sampled token;
     an MTP round is one verify pass the same way plus the draft steps on the last rank.
     """
-    ranges = split_layers(args, n_hosts, moe=moe)
-    lanes = Lanes.of(profile)
-    h, V = args.hidden_size, args.vocab_size
-    per_layer_state = gdn_state_bytes(args) // max(1, args.layer_types.count("linear_attention"))
-    kv_layer = math.ceil(2 * args.num_key_value_heads * args.head_dim * kv_bytes)  # quantized KV: fractional bytes
-    mtp = args.mtp_num_hidden_layers
+    kv_layer = math.ceil(2 * args.num_key_value_heads * args.head_dim * kv_bytes)
+    setup = HostSetup(args, moe, storage, profile, Lanes.of(profile), chunk, context, prompt_tokens, kv_layer)
     ranks: list[Rank] = []
-    chunks: list[np.ndarray | None] = []  # per rank: seconds per chunk
-    for r, layers in enumerate(ranges):
-        first, last = r == 0, r == n_hosts - 1
-        ps = rank_pieces(args, moe, layers, last)
-        backbone = [p for p in ps if p.kind not in ("lm_head", "mtp")]
-        matrices = {"embed_tokens"} if first else set()  # vocab x hidden matrices this rank holds
-        if last:
-            matrices.add("embed_tokens" if args.tie_word_embeddings else "lm_head")
-            if mtp:  # the MTP head embeds its draft tokens with embed_tokens: the last rank keeps a copy
-                matrices.add("embed_tokens")
-        weights = sum(p.layers * storage.nbytes(p.params) for p in backbone) + len(matrices) * storage.nbytes(V * h)
-        extras = (["embedding"] if first else []) + (["final norm + lm_head"] if last else [])
-        if last and mtp:
-            weights += storage.nbytes(next(p for p in ps if p.kind == "mtp").params)
-            extras.append("MTP head")
-        attn = sum(args.layer_types[i] == "full_attention" for i in layers)
-        gdn = len(layers) - attn
-        kv = (attn + (mtp if last else 0)) * kv_layer
-        state = gdn * per_layer_state
-        buffers = prefill_buffer_bytes(args, chunk, moe) + (0 if first else chunk * h * 4) + RUNTIME_RESERVE
-        t = gpu_chunk_seconds(ps, storage, lanes, prompt_tokens, chunk)
-        chunks.append(t)
-        decode = None
-        if lanes.gpu_bw is not None:
-            read = sum(p.layers * storage.nbytes(p.token_params) for p in backbone)
-            read += storage.nbytes(V * h) if last else 0  # lm_head's matrix (the embedding: one row)
-            read += attn * kv_layer * context + 2 * state
-            decode = read / (lanes.gpu_bw * profile.decode_efficiency)
-        ranks.append(Rank(r, layers, attn, gdn, extras, int(weights), kv, state, buffers, context,
-                          None if t is None else float(t.sum()), decode))
-
-    unknown, assumptions = [], []
+    chunks: list[np.ndarray | None] = []  # per rank: seconds per chunk (None: the profile has no GPU throughput)
+    for r, layers in enumerate(split_layers(args, n_hosts, moe=moe)):
+        rank, seconds = host_rank(setup, r, layers, n_hosts)
+        ranks.append(rank)
+        chunks.append(seconds)
     if memory_gb is not None:
-        wirable = memory_gb * 1e9 * profile.gpu_wired_fraction
-        for rk in ranks:
-            room = wirable - (rk.weight_bytes + rk.state_bytes + rk.buffer_bytes)
-            top = args.max_position_embeddings
-            window = top if not rk.kv_bytes_per_token else min(top, int(room // rk.kv_bytes_per_token // chunk * chunk))
-            rk.window = window if room > 0 and window >= chunk else 0
+        fit_windows(ranks, setup, memory_gb)
+    predicted, unknown = host_predictions(setup, ranks, chunks, link, accepted_length, depth)
+    return HostPlan(ranks, link, prompt_tokens, predicted, unknown, host_assumptions(n_hosts, setup.mtp), memory_gb)
 
+
+def host_rank(setup: HostSetup, r: int, layers: range, n_hosts: int) -> tuple[Rank, np.ndarray | None]:
+    """Rank `r` holding backbone `layers` (and the embedding on rank 0, the head on the last): its weights, KV per
+    token, state and buffers, its busy time over the prompt and its part of one decode step; with its seconds per
+    prefill chunk (None when the profile has no GPU throughput)."""
+    args, storage, h, V, mtp = setup.args, setup.storage, setup.args.hidden_size, setup.args.vocab_size, setup.mtp
+    first, last = r == 0, r == n_hosts - 1
+    ps = rank_pieces(args, setup.moe, layers, last)
+    backbone = [p for p in ps if p.kind not in ("lm_head", "mtp")]
+    matrices = {"embed_tokens"} if first else set()  # vocab x hidden matrices this rank holds
+    if last:
+        matrices.add("embed_tokens" if args.tie_word_embeddings else "lm_head")
+        if mtp:  # the MTP head embeds its draft tokens with embed_tokens: the last rank keeps a copy
+            matrices.add("embed_tokens")
+    weights = sum(p.layers * storage.nbytes(p.params) for p in backbone) + len(matrices) * storage.nbytes(V * h)
+    extras = (["embedding"] if first else []) + (["final norm + lm_head"] if last else [])
+    if last and mtp:
+        weights += storage.nbytes(next(p for p in ps if p.kind == "mtp").params)
+        extras.append("MTP head")
+    attn = sum(args.layer_types[i] == "full_attention" for i in layers)
+    gdn = len(layers) - attn
+    kv = (attn + (mtp if last else 0)) * setup.kv_layer
+    state = gdn * (gdn_state_bytes(args) // max(1, args.layer_types.count("linear_attention")))
+    received = 0 if first else setup.chunk * h * 4  # the hidden chunk it receives, 4 bytes a value
+    buffers = prefill_buffer_bytes(args, setup.chunk, setup.moe) + received + RUNTIME_RESERVE
+    t = gpu_chunk_seconds(ps, storage, setup.lanes, setup.prompt_tokens, setup.chunk)
+    decode = None
+    if setup.lanes.gpu_bw is not None:
+        read = sum(p.layers * storage.nbytes(p.token_params) for p in backbone)
+        read += storage.nbytes(V * h) if last else 0  # lm_head's matrix (the embedding: one row)
+        read += attn * setup.kv_layer * setup.context + 2 * state
+        decode = setup.read_seconds(read)
+    rank = Rank(r, layers, attn, gdn, extras, int(weights), kv, state, buffers, setup.context,
+                None if t is None else float(t.sum()), decode)
+    return rank, t
+
+
+def fit_windows(ranks: list[Rank], setup: HostSetup, memory_gb: float) -> None:
+    """Set each rank's `window`: the largest context (whole chunks, at most the model's) whose KV fits beside its
+    weights, state and buffers in what the GPU may wire of a `memory_gb` host; 0 when not one chunk fits."""
+    wirable = memory_gb * 1e9 * setup.profile.gpu_wired_fraction
+    top, chunk = setup.args.max_position_embeddings, setup.chunk
+    for rk in ranks:
+        room = wirable - (rk.weight_bytes + rk.state_bytes + rk.buffer_bytes)
+        window = top if not rk.kv_bytes_per_token else min(top, int(room // rk.kv_bytes_per_token // chunk * chunk))
+        rk.window = window if room > 0 and window >= chunk else 0
+
+
+def _r4(v: float | None, n: int = 4) -> float | None:
+    return None if v is None else round(v, n)
+
+
+def host_predictions(setup: HostSetup, ranks: list[Rank], chunks: list[np.ndarray | None], link: Link,
+                     accepted_length: float, depth: int) -> tuple[dict, list[str]]:
+    """The plan's predictions across hosts (None where unknown) and the lines saying what is unknown and why:
+    prefill (busiest rank, one host, pipelined over the link), the link's seconds per chunk, plain and MTP decode."""
+    n_hosts, h = len(ranks), setup.args.hidden_size
     predicted: dict = {"prefill_s": None, "busiest_rank_prefill_s": None, "one_host_prefill_s": None,
                        "link_s_per_chunk": None, "decode_plain_tps": None, "decode_mtp_tps": None,
                        "one_host_decode_plain_tps": None}
-    r4 = lambda v, n=4: None if v is None else round(v, n)  # noqa: E731
-    if any(t is None for t in chunks):
+    unknown = []
+    prefill_known = not any(t is None for t in chunks)
+    if not prefill_known:
         unknown.append("prefill across hosts is unknown: the profile has no GPU throughput")
     else:
-        predicted["busiest_rank_prefill_s"] = r4(max(float(t.sum()) for t in chunks))
-        predicted["one_host_prefill_s"] = r4(float(sum(t.sum() for t in chunks)))
+        predicted["busiest_rank_prefill_s"] = _r4(max(float(t.sum()) for t in chunks))
+        predicted["one_host_prefill_s"] = _r4(float(sum(t.sum() for t in chunks)))
     if n_hosts > 1 and not link.known:
         unknown.append(f"link between hosts: {link.label()}; prefill and decode across hosts stay unknown")
     steps = [rk.decode_s for rk in ranks]
     if None not in steps:
-        predicted["one_host_decode_plain_tps"] = r4(1.0 / sum(steps), 2)
+        predicted["one_host_decode_plain_tps"] = _r4(1.0 / sum(steps), 2)
     if link.known or n_hosts == 1:
         hop = (lambda n: link.seconds(n)) if n_hosts > 1 else (lambda n: 0.0)  # noqa: E731
-        if not any(t is None for t in chunks):
-            _, sizes = chunk_spans(prompt_tokens, chunk)
+        if prefill_known:
+            _, sizes = chunk_spans(setup.prompt_tokens, setup.chunk)
             sends = [hop(s * h * ACTIVATION_BYTES) for s in sizes]
-            predicted["prefill_s"] = r4(pipeline_wall(chunks, sends) + (hop(TOKEN_MESSAGE_BYTES) if n_hosts > 1 else 0.0))
-            predicted["link_s_per_chunk"] = r4(hop(chunk * h * ACTIVATION_BYTES), 6)
+            back = hop(TOKEN_MESSAGE_BYTES) if n_hosts > 1 else 0.0
+            predicted["prefill_s"] = _r4(pipeline_wall(chunks, sends) + back)
+            predicted["link_s_per_chunk"] = _r4(hop(setup.chunk * h * ACTIVATION_BYTES), 6)
         hops = (n_hosts - 1) * hop(h * ACTIVATION_BYTES) + hop(TOKEN_MESSAGE_BYTES)
         if None not in steps:
-            predicted["decode_plain_tps"] = r4(1.0 / (sum(steps) + hops), 2)
-            if mtp and profile.mtp_verify_ratio is not None:
-                ratio = verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, depth + 1)
-                extra = 0.0
-                if moe is not None:  # the verify tokens' union of experts, beyond one token's top-k
-                    expert = storage.nbytes(3 * h * moe.intermediate)
-                    extra = len(args.moe_layers) * (distinct_experts(moe, depth + 1) - moe.per_token) * expert
-                    extra /= lanes.gpu_bw * profile.decode_efficiency
-                head = next(p for p in pieces(args, moe, 0.0) if p.kind == "mtp")
-                draft = (storage.nbytes(head.token_params + V * h) + mtp * kv_layer * context) / (
-                    lanes.gpu_bw * profile.decode_efficiency)
-                verify_hops = (n_hosts - 1) * hop((depth + 1) * h * ACTIVATION_BYTES) + hop(TOKEN_MESSAGE_BYTES)
-                predicted["decode_mtp_tps"] = r4(accepted_length / (ratio * sum(steps) + extra + depth * draft + verify_hops), 2)
-    if mtp and profile.mtp_verify_ratio is None:
+            predicted["decode_plain_tps"] = _r4(1.0 / (sum(steps) + hops), 2)
+            if setup.mtp and setup.profile.mtp_verify_ratio is not None:
+                predicted["decode_mtp_tps"] = _r4(mtp_tps(setup, sum(steps), hop, n_hosts, accepted_length, depth), 2)
+    if setup.mtp and setup.profile.mtp_verify_ratio is None:
         unknown.append("decode with MTP across hosts: the profile has no MTP verify cost (mtp_verify_ratio)")
-    assumptions.append(f"layers split by prefill FLOPs of a {SPLIT_TOKENS}-token prompt (`split_layers`, as the "
-                       f"runtime splits them); each host runs its part on its GPU alone, with this profile's figures")
+    return predicted, unknown
+
+
+def mtp_tps(setup: HostSetup, step_s: float, hop, n_hosts: int, accepted_length: float, depth: int) -> float:
+    """Tokens per second of MTP decoding across hosts: `accepted_length` tokens per round of one verify pass over
+    `depth + 1` tokens through every rank (`step_s`: one plain step's busy time summed over the ranks; MoE reads the
+    union of the verify tokens' experts), `depth` draft steps on the last rank and the round's hops (`hop(nbytes)`:
+    one message's seconds)."""
+    args, moe, storage, profile, h = setup.args, setup.moe, setup.storage, setup.profile, setup.args.hidden_size
+    ratio = verify_cost(profile.mtp_verify_ratio, profile.mtp_verify_tokens, depth + 1)
+    extra = 0.0
+    if moe is not None:  # the verify tokens' union of experts, beyond one token's top-k
+        expert = storage.nbytes(3 * h * moe.intermediate)
+        extra = setup.read_seconds(len(args.moe_layers) * (distinct_experts(moe, depth + 1) - moe.per_token) * expert)
+    head = next(p for p in pieces(args, moe, 0.0) if p.kind == "mtp")
+    draft = setup.read_seconds(storage.nbytes(head.token_params + args.vocab_size * h)
+                               + setup.mtp * setup.kv_layer * setup.context)
+    verify_hops = (n_hosts - 1) * hop((depth + 1) * h * ACTIVATION_BYTES) + hop(TOKEN_MESSAGE_BYTES)
+    return accepted_length / (ratio * step_s + extra + depth * draft + verify_hops)
+
+
+def host_assumptions(n_hosts: int, mtp: int) -> list[str]:
+    """What a plan across `n_hosts` assumes (`mtp`: the model has an MTP head), one line each."""
+    out = [f"layers split by prefill FLOPs of a {SPLIT_TOKENS}-token prompt (`split_layers`, as the runtime splits "
+           f"them); each host runs its part on its GPU alone, with this profile's figures"]
     if n_hosts > 1:
-        assumptions.append(f"hidden states cross the link in {8 * ACTIVATION_BYTES}-bit floats, one message per chunk; "
-                           f"a link sends while its ranks compute")
+        out.append(f"hidden states cross the link in {8 * ACTIVATION_BYTES}-bit floats, one message per chunk; "
+                   f"a link sends while its ranks compute")
         if mtp:
-            assumptions.append("the last rank keeps a copy of embed_tokens for the MTP head's draft tokens")
-    return HostPlan(ranks, link, prompt_tokens, predicted, unknown, assumptions, memory_gb)
+            out.append("the last rank keeps a copy of embed_tokens for the MTP head's draft tokens")
+    return out
 
 
 def pipeline_wall(chunks: list, sends: list[float]) -> float:
