@@ -159,6 +159,29 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
     if settings is not None and options:
         raise TypeError("create_app takes settings or keyword options, not both")
     s = settings if settings is not None else ServerSettings(**options)
+    names = served_names(engine, s)
+    runner = Runner(engine, split, s.max_concurrent, s.prefill_chunk, s.decode_share, s.max_batch, s.draft_depth)
+    parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, s.default_max_tokens,
+                    s.aliases, s.reject_images, s.allow_local_images, int(s.max_image_mb * 2**20))
+    state = State(engine, runner, parser, names, s.api_key, int(s.max_body_mb * 2**20))
+    metrics = Metrics(engine, runner, state.model)
+    runner.on_outcome = metrics.observe
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        await anyio.to_thread.run_sync(runner.close)  # the server stopped: its worker threads end now
+
+    app = Starlette(lifespan=lifespan, routes=generation_routes(state) + info_routes(state, s, metrics),
+                    exception_handlers={Exception: _unhandled, 404: _no_route, 405: _no_route},
+                    middleware=[Middleware(AccessLog)])
+    app.state.runner = runner  # `run_app` stops it on SIGTERM / SIGINT
+    return app
+
+
+def served_names(engine: Engine, s: ServerSettings) -> set[str]:
+    """The model names requests may send (the engine's and `--served-model-name`), once `s` is checked against the
+    engine: a `draft_depth` needs an MTP head, and each `--model-alias` must name a served model."""
     if s.draft_depth is not None and not engine.model.has_mtp:
         raise HeteroError(f"--draft-depth {s.draft_depth}: {engine.name} has no MTP head (no mtp.* tensors) to "
                           "draft with; leave it out")
@@ -167,13 +190,23 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
         if name not in names:
             raise HeteroError(f"--model-alias {pattern}={name}: {name!r} is not served here; use one of "
                               f"{sorted(names)}")
-    runner = Runner(engine, split, s.max_concurrent, s.prefill_chunk, s.decode_share, s.max_batch, s.draft_depth)
-    parser = Parser(engine, names, split.requested_fraction if split is not None else 0.0, s.default_max_tokens,
-                    s.aliases, s.reject_images, s.allow_local_images, int(s.max_image_mb * 2**20))
-    state = State(engine, runner, parser, names, s.api_key, int(s.max_body_mb * 2**20))
-    store = ResponseStore()
-    metrics = Metrics(engine, runner, state.model)
-    runner.on_outcome = metrics.observe
+    return names
+
+
+def generation_routes(state: State) -> list[Route]:
+    """The POST routes that generate or count tokens, in OpenAI's and Anthropic's APIs."""
+    return [
+        Route("/v1/chat/completions", endpoint(state, openai.parse_chat, openai.ChatOutput), methods=["POST"]),
+        Route("/v1/completions", endpoint(state, openai.parse_completion, openai.CompletionOutput), methods=["POST"]),
+        Route("/v1/messages", endpoint(state, anthropic.parse_messages, anthropic.MessagesOutput), methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens(state), methods=["POST"]),
+        Route("/v1/responses", endpoint(state, parse_responses(ResponseStore()), ResponsesOutput), methods=["POST"]),
+    ]
+
+
+def info_routes(state: State, s: ServerSettings, metrics: Metrics) -> list[Route]:
+    """The GET routes that describe the server: the served models, /health and the Prometheus /metrics."""
+    engine, runner, names = state.engine, state.runner, state.names
 
     async def models(request: Request) -> Response:
         """The served names, in Anthropic's shape when the request carries Anthropic headers, else OpenAI's."""
@@ -220,25 +253,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, split=Non
                 return openai.ChatOutput.error(e)
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        yield
-        await anyio.to_thread.run_sync(runner.close)  # the server stopped: its worker threads end now
-
-    app = Starlette(lifespan=lifespan, routes=[
-        Route("/v1/chat/completions", endpoint(state, openai.parse_chat, openai.ChatOutput), methods=["POST"]),
-        Route("/v1/completions", endpoint(state, openai.parse_completion, openai.CompletionOutput), methods=["POST"]),
-        Route("/v1/messages", endpoint(state, anthropic.parse_messages, anthropic.MessagesOutput), methods=["POST"]),
-        Route("/v1/messages/count_tokens", anthropic.count_tokens(state), methods=["POST"]),
-        Route("/v1/responses", endpoint(state, parse_responses(store), ResponsesOutput), methods=["POST"]),
+    return [
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),
-    ], exception_handlers={Exception: _unhandled, 404: _no_route, 405: _no_route},
-        middleware=[Middleware(AccessLog)])
-    app.state.runner = runner  # `run_app` stops it on SIGTERM / SIGINT
-    return app
+    ]
 
 
 def openai_model(name: str) -> dict:
