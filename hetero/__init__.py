@@ -5,6 +5,7 @@
     print(result.text, result.stats)
 """
 
+from hetero import version as _version
 from hetero.host import blas as _blas
 
 _blas.apply()  # Linux: the wheel's fast BLAS under MLX; must come before anything imports mlx.core
@@ -42,4 +43,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
 
-__version__ = "0.1.0"
+__version__ = _version.__version__  # one place: hetero/version.py

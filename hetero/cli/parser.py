@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from hetero import __version__
 from hetero.checkpoint.dtypes import DTYPES, dtype_name, parse_dtype, platform_dtype
 from hetero.cli.tune import TUNE_SECONDS
 from hetero.coreml.export import DEFAULT_WEIGHT_FORM, WEIGHT_FORMS
@@ -18,6 +17,7 @@ from hetero.validate import (
     ane_split_arg,
 )
 from hetero.pipeline.verify_tolerance import tolerance_table
+from hetero.version import __version__
 
 HALF = AneSplit(0.5)  # the split `hetero plan` and `hetero doctor` take when none is given
 

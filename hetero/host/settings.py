@@ -18,6 +18,8 @@ import platform
 import tempfile
 from pathlib import Path
 
+from hetero.version import __version__
+
 
 def settings_path() -> Path:
     if os.environ.get("HETERO_HOME"):
@@ -103,7 +105,6 @@ def measured_with() -> dict:
     one run to the next)."""
     import mlx.core as mx
 
-    from hetero import __version__
     from hetero.host import blas
 
     return {"hetero": f"{__version__}+{code_digest()}", "mlx": mx.__version__, "blas": blas.describe().split(" (")[0]}
