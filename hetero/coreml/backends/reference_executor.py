@@ -194,7 +194,8 @@ def _run(op: Any, args: dict[str, Any]) -> np.ndarray:
         return np.reshape(args["x"], tuple(int(d) for d in args["shape"]))
     if kind == "silu":
         x = _f32(args["x"])
-        den = np.exp(-x)
+        with np.errstate(over="ignore"):  # exp(-x) past fp32's range is inf, and x / inf the -0 SiLU tends to
+            den = np.exp(-x)
         den += 1.0
         return np.divide(x, den, out=den)
     if kind == "layer_norm":
