@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetero.checkpoint.dtypes import dtype_name
 from hetero.coreml.backends import platform_backend
 from hetero.coreml.backends.coreml_macos import this_target
 from hetero.coreml.export import DEFAULT_WEIGHT_FORM, export_plan
@@ -87,8 +88,8 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = 
     `bucket` (each chunk runs the smallest that holds it), for `target` (default: this Mac's), quantized weights in
     the form `form` (`--ane-weights`) as the target allows it (fp16 below macOS 15), attention in this machine's
     layout (`attention_layout`). The directory is named by (key, the plan's sliced fraction, chunk and piece kinds,
-    bucket, target, weight form, layout). `check` runs after every program and may raise to stop the export there
-    (a stopping server); the manifest is written last, so a stopped export is never read as finished. `reuse`: an
+    bucket, the weights' dtype as loaded, target, weight form, layout). `check` runs after every program and may
+    raise to stop the export there (a stopping server); the manifest is written last, so a stopped export is never read as finished. `reuse`: an
     earlier export (a split re-planned when its ranges grew) whose packages the new plan leaves unchanged are
     linked in, not built again."""
     contexts = context_buckets(bucket, plan.chunk)
@@ -98,6 +99,9 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = 
     tag = "" if set(plan.offload) == set(OFFLOADABLE) else "_" + "+".join(plan.offload)
     if plan.ranges is not None:  # the channels and output scales the ranges chose
         tag += "_r" + plan.ranges.digest()
+    # the weights as loaded are exported: bf16-rounded ones differ from the files' fp32 values, so an export of the
+    # checkpoint loaded in another dtype is not this model's (a bf16 split on fp32's programs failed --verify)
+    tag += f"_d{dtype_name(loaded[0].model.norm.weight.dtype)}"
     tag += f"_{target.name}"  # a package built for another OS is never loaded (nor its directory shared)
     if form != DEFAULT_WEIGHT_FORM:  # the weight forms never share a directory (nor a package: its key)
         tag += f"_w{form}"

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
+from hetero.checkpoint.dtypes import dtype_name
 from hetero.coreml.manifest import read_vision_manifest
 from hetero.errors import AneNonFinite, HeteroError
 from hetero.host.progress import ProgressBar
@@ -33,6 +35,11 @@ def image_bucket(images: ImagePrompt, i: int, merge_unit: int) -> int:
         raise HeteroError(f"image {i} has {t * h * w:,} patches, above the ANE lane's {MAX_VISION_PATCHES:,}-patch "
                           f"cap (a bucket's mask and scores grow with its square)")
     return bucket
+
+
+def tower_dtype(tower) -> str:
+    """The dtype the tower's weights were loaded in ("bfloat16"), which its exported programs hold."""
+    return dtype_name(next(v.dtype for _, v in tree_flatten(tower.parameters()) if mx.issubdtype(v.dtype, mx.floating)))
 
 
 def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None] | None = None) -> Path:
@@ -62,8 +69,8 @@ def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None
 
 class VisionLane:
     """The tower's programs per bucket, loaded by `loader` (path -> callable: the worker's `load`, or the platform's
-    backend in this process) from `root / vision_s<bucket>`. `check`: look for non-finite outputs here (a loader in
-    this process; the worker looks itself)."""
+    backend in this process) from `root / vision_s<bucket>_d<dtype>`. `check`: look for non-finite outputs here (a
+    loader in this process; the worker looks itself)."""
 
     def __init__(self, tower, root: Path, loader: Callable, check: bool):
         from hetero.coreml.backends.reference_vision import VisionPrograms
@@ -78,7 +85,8 @@ class VisionLane:
         from hetero.coreml.backends.reference_vision import VisionPrograms
 
         if bucket not in self._programs:
-            out = ensure_vision_export(self.tower, self.root / f"vision_s{bucket}", bucket, check)
+            out = ensure_vision_export(self.tower, self.root / f"vision_s{bucket}_d{tower_dtype(self.tower)}", bucket,
+                                       check)  # (the tower's weights as loaded are exported: one folder per dtype)
             self._programs[bucket] = VisionPrograms(out, bucket, self.tower.args, self._pos, runner=self.loader)
         return self._programs[bucket]
 
