@@ -152,10 +152,14 @@ def judge(setting: Setting, calls: list[Call], results: dict[int, Result], alone
         r = results.get(c.index) or Result(c.index)
         b = bound(c, calls, results, alone, setting.prefill_chunk)
         want = GARBAGE[c.garbage][3] if c.action == "garbage" else 200
+        solo = alone.get(c.index)
+        if c.action == "answer" and solo is not None and solo.status is not None and 400 <= solo.status < 500:
+            want = solo.status  # refused alone (a drawn prompt past the context window): refused the same way
         same = c.action != "answer" or r.text == alone[c.index].text
         row = {"index": c.index, "kind": c.kind + (" stream" if c.stream else ""), "action": c.action,
                "prompt_tokens": r.prompt_tokens, "status": r.status, "latency_s": _r(r.latency), "bound_s": _r(b),
-               "solo_s": _r(alone[c.index].latency) if c.index in alone else None, "equal_to_solo": same}
+               "solo_s": _r(alone[c.index].latency) if c.index in alone else None, "equal_to_solo": same,
+               "refused_alone": c.action == "answer" and want != 200}
         rows.append(row)
         if r.status is None:
             failures.append(f"call {c.index} ({row['kind']}, {c.action}) has no answer: {r.error}")
@@ -183,6 +187,7 @@ def summary(rows: list[dict]) -> dict:
         "stalls": sum(r["latency_s"] is None or r["latency_s"] > r["bound_s"] for r in rows),
         "status_5xx": sum((r["status"] or 0) >= 500 for r in rows),
         "unequal_to_solo": sum(not r["equal_to_solo"] for r in rows),
+        "refused_alone_and_in_the_storm": sum(r.get("refused_alone", False) for r in rows),
         "worst_wait": None if worst is None else {k: worst[k] for k in ("index", "kind", "latency_s", "bound_s")}
         | {"ratio": _r(worst["latency_s"] / worst["bound_s"])},
         "latency_s": {k: {"n": len(v), "p50": _r(_pct(v, 50)), "p99": _r(_pct(v, 99))} for k, v in sorted(kinds.items())},
