@@ -302,3 +302,39 @@ def test_a_split_exports_the_weights_as_loaded_in_its_own_dtype(tmp_path, monkey
         assert report["match"], (dtype, report)
     exports = {p.name.split("_d")[1].split("_")[0] for p in (tmp_path / "home").rglob("f0.*") if p.is_dir()}
     assert exports == {"float32", "bfloat16"}, exports  # one export per dtype the weights were loaded in
+
+
+def _bias_draw() -> Draw:
+    """A Qwen4-Exp text MoE checkpoint with attention biases (bench/conformance.py --seed 11's qwen4_exp_text 5/60)."""
+    return Draw.from_json(json.loads((Path(__file__).parent / "data" / "conformance" /
+                                      "conformance_attention_bias_split.json").read_text()))
+
+
+def test_a_split_keeps_attention_with_biases_on_the_gpu(tmp_path, monkeypatch):
+    """The split refused a checkpoint with attention biases outright (the ANE's attention programs take none). Its
+    attention stays on the GPU now, with the reason in the plan, and the other kinds still split and verify."""
+    from hetero.pipeline import configure, verify
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path / "home"))
+    draw = _bias_draw()
+    cc.write(draw, tmp_path / "ck")
+    run = configure(cc.split_engine(tmp_path / "ck", mx.float32), 0.5, 64)
+    attention = next(p for p in run.plan.pieces if p.kind == "attention")
+    assert attention.ane_units == 0 and "attention_bias" in attention.cap_reason
+    assert run.effective_fraction > 0 and not any(s.piece == "attention" for s in run.plan.slices)
+    report = verify(run, cc.split_prompt(draw), n_tokens=cc.GREEDY)
+    assert report["match"], report
+
+
+def test_verify_of_a_qwen4_moe_split_whose_last_chunk_is_a_few_tokens(tmp_path, monkeypatch):
+    """`--verify` records each layer's routes on the host; a prompt whose last chunk is a few tokens (2 x 64 + 1)
+    sent that chunk through Qwen4-Exp's compiled step, where reading the routes crashed ("Attempting to eval an array
+    during function transformations"). A recording run takes the uncompiled path now."""
+    from hetero.pipeline import configure, verify
+
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path / "home"))
+    draw = _bias_draw()
+    cc.write(draw, tmp_path / "ck")
+    run = configure(cc.split_engine(tmp_path / "ck", mx.float32), 0.5, 64)
+    report = verify(run, cc.split_prompt(draw)[: 2 * 64 + 1], n_tokens=4)
+    assert report["match"], report

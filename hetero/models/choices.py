@@ -9,8 +9,16 @@ from collections.abc import Iterator
 
 import mlx.nn as nn
 
+from hetero.models import moe
 from hetero.models.moe import Routes
+from hetero.models.qwen4_exp import qsa
 from hetero.models.qwen4_exp.qsa import Selections
+
+
+def recording() -> bool:
+    """Whether a `Choices` records or replays now. Its routes and selections are read on the host, which no compiled
+    step can do: a layer then runs its uncompiled path, even for a few tokens over a warm cache."""
+    return moe._routes[0] is not None or qsa._selections[0] is not None
 
 
 class Choices:

@@ -291,8 +291,6 @@ def configure(
 
     if chunk <= 0 or chunk % 64:
         raise HeteroError(f"--prefill-chunk {chunk}: the split prefill needs a positive multiple of 64")
-    if engine.model.args.attention_bias:
-        raise HeteroError("the ANE split does not support attention biases (attention_bias: true in config.json)")
     profile = profile or load_profile(default_profile_name())
     context = min(4096, engine.model.args.max_position_embeddings)
     if lane not in ("process", "thread"):

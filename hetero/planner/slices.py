@@ -154,6 +154,8 @@ def _attention(args: Args, net: Shape, fraction: float) -> list[Piece]:
     cap = None
     if kv != fraction * Hkv:
         cap = f"heads go in whole KV groups ({H // Hkv} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
+    if args.attention_bias and fraction:  # the other kinds still split
+        kv, cap = 0, "attention with biases (attention_bias) stays on the GPU: the ANE's programs take none"
     out = [Piece("attention", n_attn, Hkv, "kv_groups", kv, params, 2.0 * params, 4.0 * H * D, params // Hkv,
                  fraction, cap, pair_scores=H)]
     if net.indexer_params:  # the ANE's heads attend to the keys it selects: it never leaves the GPU

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from hetero.models.cache import GDNCache, RaggedKV, last_positions
+from hetero.models.choices import recording
 from hetero.models.compiled import PerThread
 from hetero.models.gated_delta import RECURRENT_MAX_TOKENS
 from hetero.models.qwen4_exp.qsa import QSACache
@@ -45,8 +46,9 @@ class LayerSteps:
 
     def takes(self, h: mx.array, cache) -> bool:
         """Whether the step runs compiled: a few tokens over a warm cache of this layer's own kind, or a batch's
-        rows' (`RaggedKV`) all warm (cold caches take the uncompiled layer)."""
-        if cache is None or h.shape[1] > RECURRENT_MAX_TOKENS:
+        rows' (`RaggedKV`) all warm (cold caches take the uncompiled layer, and so does a run whose choices are
+        recorded: `hetero.models.choices.recording`)."""
+        if cache is None or h.shape[1] > RECURRENT_MAX_TOKENS or recording():
             return False
         if self.layer.is_linear:
             ple = getattr(cache, "ple", None)
