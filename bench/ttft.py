@@ -189,7 +189,8 @@ def alternate(runs: dict, repeats: int) -> dict[str, list]:
                 with LoadWindow() as w:
                     t = time.perf_counter()
                     res = runs[k]()
-                    got[k] = (time.perf_counter() - t, res, w.result["others_cores"])
+                    took = time.perf_counter() - t
+                got[k] = (took, res, w.result["others_cores"])  # (the window's result is there once it closed)
             if all((o or 0.0) <= QUIET_CORES for _, _, o in got.values()):
                 break
         for k, v in got.items():
