@@ -89,9 +89,9 @@ def ensure_export(loaded: tuple, key: str, plan: Plan, bucket: int, form: str = 
     the form `form` (`--ane-weights`) as the target allows it (fp16 below macOS 15), attention in this machine's
     layout (`attention_layout`). The directory is named by (key, the plan's sliced fraction, chunk and piece kinds,
     bucket, the weights' dtype as loaded, target, weight form, layout). `check` runs after every program and may
-    raise to stop the export there (a stopping server); the manifest is written last, so a stopped export is never read as finished. `reuse`: an
-    earlier export (a split re-planned when its ranges grew) whose packages the new plan leaves unchanged are
-    linked in, not built again."""
+    raise to stop the export there (a stopping server); the manifest is written last, so a stopped export is never
+    read as finished. `reuse`: an earlier export (a split re-planned when its ranges grew) whose packages the new
+    plan leaves unchanged are linked in, not built again."""
     contexts = context_buckets(bucket, plan.chunk)
     target = target or this_target()
     form, _ = weight_form_for(form, target)

@@ -39,7 +39,8 @@ def image_bucket(images: ImagePrompt, i: int, merge_unit: int) -> int:
 
 def tower_dtype(tower) -> str:
     """The dtype the tower's weights were loaded in ("bfloat16"), which its exported programs hold."""
-    return dtype_name(next(v.dtype for _, v in tree_flatten(tower.parameters()) if mx.issubdtype(v.dtype, mx.floating)))
+    floating = (v.dtype for _, v in tree_flatten(tower.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    return dtype_name(next(floating))
 
 
 def ensure_vision_export(tower, out: Path, bucket: int, check: Callable[[], None] | None = None) -> Path:
