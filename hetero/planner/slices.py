@@ -29,6 +29,7 @@ PROGRAM_WEIGHT_BUDGET = int(1.5 * 2**30)
 KINDS = ("attention", "qsa_indexer", "mlp", "moe", "shared_expert", "gdn_in_proj", "gdn_recurrence", "gdn_out_proj",
          "hyper_connections", "ple", "lm_head", "mtp")
 OFFLOADABLE = ("attention", "mlp", "gdn_in_proj", "shared_expert")  # the kinds that may give the ANE a share
+ATTENTION_BIAS = "attention with biases (attention_bias) stays on the GPU: the ANE's programs take none"
 EXACT_PATH = {
     "gdn_recurrence": "conv and delta-rule recurrence carry state across the whole context: exact GPU path",
     "gdn_out_proj": "gated norm and out_proj follow the recurrence: exact GPU path",
@@ -52,9 +53,12 @@ def lut_bytes_per_weight(bits: int, group: int) -> float:
 
 
 def never_split(args: Args) -> dict[str, str]:
-    """Offloadable piece kinds this architecture never gives the ANE, with the reason (`Shape.never_split`: Qwen4-Exp
-    has no dense MLP, every layer is MoE and its shared expert is the `shared_expert` piece)."""
-    return shape(args).never_split
+    """Offloadable piece kinds this model never gives the ANE, with the reason (`Shape.never_split`: Qwen4-Exp has no
+    dense MLP, every layer is MoE and its shared expert is the `shared_expert` piece; attention with biases)."""
+    cannot = dict(shape(args).never_split)
+    if args.attention_bias:
+        cannot["attention"] = ATTENTION_BIAS
+    return cannot
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ def _attention(args: Args, net: Shape, fraction: float) -> list[Piece]:
     if kv != fraction * Hkv:
         cap = f"heads go in whole KV groups ({H // Hkv} query heads each): {fraction:g} x {Hkv} groups rounds to {kv}"
     if args.attention_bias and fraction:  # the other kinds still split
-        kv, cap = 0, "attention with biases (attention_bias) stays on the GPU: the ANE's programs take none"
+        kv, cap = 0, ATTENTION_BIAS
     out = [Piece("attention", n_attn, Hkv, "kv_groups", kv, params, 2.0 * params, 4.0 * H * D, params // Hkv,
                  fraction, cap, pair_scores=H)]
     if net.indexer_params:  # the ANE's heads attend to the keys it selects: it never leaves the GPU
