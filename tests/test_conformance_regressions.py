@@ -390,3 +390,34 @@ def test_fp32_s_spread_does_not_admit_a_real_error_on_the_same_draw(tmp_path, mo
     result = cc.Result()
     cc.check_text(CANCELLING, tmp_path, hf, result)
     assert "logits" in result.failures
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Open: a bf16 split past verify's tolerance
+
+
+BIASED_OUTLIERS = Draw.from_json(json.loads("""{"arch": "qwen3_next", "config": {"vocab_size": 256, "hidden_size": 96,
+ "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "linear_num_key_heads": 1,
+ "linear_num_value_heads": 3, "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 5,
+ "num_hidden_layers": 5, "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+ "linear_attention", "full_attention"], "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+ "partial_rotary_factor": 0.25}, "rms_norm_eps": 1e-05, "tie_word_embeddings": true, "attention_bias": true,
+ "hidden_act": "silu", "eos_token_id": 1, "pad_token_id": null, "bos_token_id": null, "intermediate_size": 512,
+ "num_experts": 0, "mlp_only_layers": []}, "prompt": 2, "seed": 22925, "weights": {"norm_std": 0.1, "gain": 0.75,
+ "embed_std": 1.0, "router_gain": 2.0}, "mtp": false, "depth": 2, "chunks": [17, 16], "vision": null, "outliers":
+ {"level": "mild", "layers": [1, 2], "channel": 72, "gain": 56.0, "residual": 10000.0}, "dtype": "float16",
+ "source": "drawn", "form": "saved"}"""))
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 46): the bf16 split lies 2.16x the GPU-only run's distance from "
+                   "fp32, past K = 2 plus the fp16 floor; its greedy tokens agree")
+def test_a_bf16_split_with_outliers_beside_biased_attention_verifies(tmp_path, monkeypatch):
+    """Found by this stop's split draws (seed 3004): a Qwen3-Next checkpoint with attention biases (its attention
+    kept on the GPU) and mild massive activations in layers 1-2 (a residual channel of 1e4). fp32 and fp16 splits
+    verify (0.0009, 0.0054); the bf16 split reads 0.0275 against its tolerance 0.0265 (2 x GPU-only's 0.0127 +
+    the fp16 floor), at the attention layer's values, with greedy 8/8. Kept failing until it is told whether the
+    bf16 split is less exact here or verify's one bf16 sample (the GPU-only run) is the edge, as fp32's was in
+    the harness (`test_an_fp32_path_is_held_to_fp32_s_own_spread...`)."""
+    monkeypatch.setenv("HETERO_HOME", str(tmp_path / "home"))
+    result = cc.run_draw(BIASED_OUTLIERS, tmp_path, ("bfloat16",), numerics=False)
+    assert not result.failures, result.failures
