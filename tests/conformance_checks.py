@@ -6,7 +6,8 @@
   rounding: `conformance_oracle`), within `TOL` relative at every position (max |ours - exact| / max |exact| per position); on a draw
   so ill-conditioned that an fp32 run of transformers lies farther than TOL / K from it, within K times that
   (`hf_to_fp64`: its fp32 run on the checkpoint's weights, and where a check would fail by that alone, the farthest
-  of it and `ROUNDINGS` runs on the weights moved by one fp32 rounding each, `fp32_spread`); the distance to transformers' fp32 run is recorded too (`transformers`);
+  of it and `ROUNDINGS` runs on the weights moved by one fp32 rounding each, `fp32_spread`); the distance to
+  transformers' fp32 run is recorded too (`transformers`);
 - repeat: a second pass over the same prompt is bitwise the first (nothing in the path is stateful);
 - greedy: hetero's greedy tokens are transformers' (the exact argmax at each step, on the same tokens), up to a
   near-tie;
